@@ -1,0 +1,76 @@
+"""The ``mlx-parallm`` command: ``convert`` a GGUF, ``generate`` text, ``bench`` the backend."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Optional, Sequence
+
+from . import MLXParallmError
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from .models.gguf import convert_gguf
+
+    out = convert_gguf(args.gguf, args.out)
+    print(f"converted {args.gguf} -> {out}")
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    import mlx_lm
+
+    from .models import registry
+
+    loaded = registry.load(args.model)
+    messages = [{"role": "user", "content": args.prompt}]
+    prompt = loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    print(mlx_lm.generate(loaded.model, loaded.tokenizer, prompt, max_tokens=args.max_tokens))
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from .bench import cpu_backend
+
+    return cpu_backend.main(args.rest)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``mlx-parallm`` command."""
+    parser = argparse.ArgumentParser(prog="mlx-parallm", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    convert = sub.add_parser("convert", help="convert a llama-family GGUF into an mlx-lm model folder")
+    convert.add_argument("gguf", help="path of the .gguf file")
+    convert.add_argument("out", help="output folder (must not exist, or be empty)")
+    convert.set_defaults(func=_convert)
+
+    generate = sub.add_parser("generate", help="answer one chat message")
+    generate.add_argument("prompt")
+    generate.add_argument("--model", default="default", help="'default', a .gguf, a folder or a repo id")
+    generate.add_argument("--max-tokens", type=int, default=128)
+    generate.set_defaults(func=_generate)
+
+    bench = sub.add_parser("bench", help="CPU backend benchmark (BLAS x dequantize, batch 1 and 32)")
+    bench.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the benchmark")
+    bench.set_defaults(func=_bench)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point; returns the process exit status. Known errors print one line, no traceback."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except MLXParallmError as exc:
+        print(f"mlx-parallm: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,169 @@
+"""Request-level data: what a caller asks for (:class:`SamplingParams`) and what it gets
+back (:class:`Completion` for a whole answer, :class:`Delta` for a streamed piece)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+from ..errors import InvalidParameterError
+
+Prompt = Union[str, list[int]]
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How one request is sampled. Every field is validated on construction.
+
+    Defaults follow mlx-lm: greedy decoding (``temperature=0``), no top-p / top-k / min-p
+    filtering, no penalties. Each request in a batch keeps its own settings.
+    """
+
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: Optional[dict[int, float]] = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    seed: Optional[int] = None
+    logprobs: bool = False
+    top_logprobs: int = 0
+    timeout: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        _check_int("max_tokens", self.max_tokens, minimum=1)
+        _check_number("temperature", self.temperature, minimum=0.0)
+        _check_number("top_p", self.top_p, minimum=0.0, maximum=1.0)
+        if self.top_p == 0.0:
+            raise InvalidParameterError("top_p", "must be > 0 (use temperature=0 for greedy)")
+        _check_int("top_k", self.top_k, minimum=0)
+        _check_number("min_p", self.min_p, minimum=0.0, maximum=1.0)
+        _check_number("repetition_penalty", self.repetition_penalty, minimum=0.0)
+        if self.repetition_penalty == 0.0:
+            raise InvalidParameterError("repetition_penalty", "must be > 0 (1.0 disables it)")
+        _check_number("presence_penalty", self.presence_penalty, minimum=-2.0, maximum=2.0)
+        _check_number("frequency_penalty", self.frequency_penalty, minimum=-2.0, maximum=2.0)
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise InvalidParameterError("logit_bias", "must be a dict of token id -> bias")
+            bias: dict[int, float] = {}
+            for key, value in self.logit_bias.items():
+                try:
+                    token = int(key)
+                except (TypeError, ValueError):
+                    raise InvalidParameterError(
+                        "logit_bias", f"key {key!r} is not a token id"
+                    ) from None
+                if token < 0:
+                    raise InvalidParameterError("logit_bias", f"token id {token} is negative")
+                _check_number(f"logit_bias[{token}]", value, minimum=-100.0, maximum=100.0)
+                bias[token] = float(value)
+            self.logit_bias = bias
+        for i, s in enumerate(self.stop):
+            if not isinstance(s, str) or not s:
+                raise InvalidParameterError(f"stop[{i}]", "must be a non-empty string")
+        for i, t in enumerate(self.stop_token_ids):
+            _check_int(f"stop_token_ids[{i}]", t, minimum=0)
+        if self.seed is not None:
+            _check_int("seed", self.seed, minimum=0)
+        if not isinstance(self.logprobs, bool):
+            raise InvalidParameterError("logprobs", "must be a bool")
+        _check_int("top_logprobs", self.top_logprobs, minimum=0, maximum=20)
+        if self.top_logprobs and not self.logprobs:
+            self.logprobs = True
+        if self.timeout is not None:
+            _check_number("timeout", self.timeout, minimum=0.0)
+            if self.timeout == 0:
+                raise InvalidParameterError("timeout", "must be > 0 seconds (None disables it)")
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when the next token is always the arg-max (no randomness)."""
+        return self.temperature == 0.0
+
+
+def _check_int(name: str, value: object, minimum: int | None = None, maximum: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidParameterError(name, f"must be an integer, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise InvalidParameterError(name, f"must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise InvalidParameterError(name, f"must be <= {maximum}, got {value}")
+
+
+def _check_number(
+    name: str, value: object, minimum: float | None = None, maximum: float | None = None
+) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidParameterError(name, f"must be a number, got {value!r}")
+    if not math.isfinite(value):
+        raise InvalidParameterError(name, f"must be finite, got {value}")
+    if minimum is not None and value < minimum:
+        raise InvalidParameterError(name, f"must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise InvalidParameterError(name, f"must be <= {maximum}, got {value}")
+
+
+@dataclass(slots=True)
+class Usage:
+    """Token counts of one request."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    """Log-probability of one generated token, with the most likely alternatives."""
+
+    token_id: int
+    token: str
+    logprob: float
+    top_logprobs: list[tuple[int, str, float]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Completion:
+    """A finished request: the whole text and token ids, why it stopped, and its usage.
+
+    ``finish_reason`` is ``"stop"`` (EOS, a stop token or a stop string) or ``"length"``
+    (``max_tokens`` reached).
+    """
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    usage: Usage
+    logprobs: Optional[list[TokenLogprob]] = None
+
+
+@dataclass(slots=True)
+class Delta:
+    """One streamed piece of a request's output.
+
+    ``text`` is safe to show (never half a UTF-8 character, never part of a stop string).
+    The last delta of a stream has ``finish_reason`` and ``usage`` set.
+    """
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: Optional[str] = None
+    usage: Optional[Usage] = None
+    logprobs: Optional[list[TokenLogprob]] = None

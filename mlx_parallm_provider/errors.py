@@ -1,0 +1,71 @@
+"""The package's exception hierarchy.
+
+Every error raised on purpose by mlx-parallm-provider subclasses :class:`MLXParallmError`,
+so callers can catch one class. The LiteLLM and LangChain adapters map these to their own
+ecosystems' classes at their boundary only.
+"""
+
+from __future__ import annotations
+
+
+class MLXParallmError(Exception):
+    """Base class of every error this package raises on purpose."""
+
+
+class InvalidParameterError(MLXParallmError, ValueError):
+    """A request or configuration parameter is out of range or of the wrong type."""
+
+    def __init__(self, field: str, message: str) -> None:
+        self.field = field
+        super().__init__(f"{field}: {message}")
+
+
+class ContextWindowExceededError(MLXParallmError, ValueError):
+    """The prompt plus ``max_tokens`` does not fit the model's context window."""
+
+    def __init__(self, prompt_tokens: int, max_tokens: int, context_length: int) -> None:
+        self.prompt_tokens = prompt_tokens
+        self.max_tokens = max_tokens
+        self.context_length = context_length
+        super().__init__(
+            f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) = "
+            f"{prompt_tokens + max_tokens} exceeds the model's context window of "
+            f"{context_length} tokens; shorten the prompt or lower max_tokens"
+        )
+
+
+class EngineOverloadedError(MLXParallmError):
+    """The engine's waiting queue is full; retry later or raise ``max_queue``."""
+
+
+class RequestTimeoutError(MLXParallmError, TimeoutError):
+    """A request did not finish within its timeout."""
+
+
+class EngineDeadError(MLXParallmError, RuntimeError):
+    """The engine's worker thread died; the request could not complete."""
+
+
+class ModelNotFoundError(MLXParallmError, FileNotFoundError):
+    """The model name, path or repository could not be found."""
+
+
+class ModelLoadError(MLXParallmError):
+    """A model was found but could not be loaded or converted."""
+
+
+class UnsupportedModelError(ModelLoadError):
+    """The model's architecture or tokenizer is not supported."""
+
+
+__all__ = [
+    "MLXParallmError",
+    "InvalidParameterError",
+    "ContextWindowExceededError",
+    "EngineOverloadedError",
+    "RequestTimeoutError",
+    "EngineDeadError",
+    "ModelNotFoundError",
+    "ModelLoadError",
+    "UnsupportedModelError",
+]

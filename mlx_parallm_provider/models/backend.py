@@ -1,0 +1,161 @@
+"""Device choice and CPU specifics: which BLAS MLX's CPU backend uses, and whether
+quantized weights are dequantized at load.
+
+Measured on 2-core x86 Linux (see ``bench/cpu_backend.py``): the ``mlx[cpu]`` wheel links a
+reference BLAS (~4 GFLOP/s f32 matmul); Debian's OpenBLAS loaded with ``RTLD_GLOBAL``
+*before* ``mlx`` is imported brings it to ~100+ GFLOP/s. Loading it after ``mlx`` has no
+effect, so :func:`preload_blas` runs when this package is imported, ahead of any
+``import mlx``. On the CPU, ``quantized_matmul`` gains nothing from batching, whereas
+float32 weights over OpenBLAS do, so quantized weights are dequantized at load there.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+logger = logging.getLogger(__name__)
+
+BLAS_ENV = "MLX_PARALLM_BLAS"
+DEQUANTIZE_ENV = "MLX_PARALLM_DEQUANTIZE"
+
+_OPENBLAS_CANDIDATES = (
+    "/usr/lib/x86_64-linux-gnu/libopenblas.so.0",
+    "/usr/lib/aarch64-linux-gnu/libopenblas.so.0",
+    "/usr/lib64/libopenblas.so.0",
+    "/usr/lib/libopenblas.so.0",
+    "/usr/local/lib/libopenblas.so.0",
+)
+
+_preloaded: Optional[str] = None
+_preload_done = False
+
+
+def find_openblas() -> Optional[str]:
+    """Return the path (or soname) of a system OpenBLAS, or None if there is none."""
+    for candidate in _OPENBLAS_CANDIDATES:
+        if Path(candidate).exists():
+            return candidate
+    return ctypes.util.find_library("openblas")
+
+
+def preload_blas() -> Optional[str]:
+    """Load an optimized BLAS globally so MLX's CPU matmuls bind to it.
+
+    Controlled by ``MLX_PARALLM_BLAS``: unset or ``auto`` finds OpenBLAS, ``off`` disables
+    the preload, any other value is a library path to load. Does nothing off Linux (macOS
+    MLX uses Accelerate). Returns the library loaded, or None. Safe to call repeatedly.
+    """
+    global _preloaded, _preload_done
+    if _preload_done:
+        return _preloaded
+    _preload_done = True
+    choice = os.environ.get(BLAS_ENV, "auto").strip()
+    if not sys.platform.startswith("linux") or choice.lower() in ("off", "0", "none", "false"):
+        return None
+    path = find_openblas() if choice.lower() in ("", "auto") else choice
+    if path is None:
+        return None
+    if "mlx.core" in sys.modules:
+        logger.warning(
+            "mlx was imported before mlx_parallm_provider, so %s cannot take over its "
+            "matmuls; import mlx_parallm_provider first for fast CPU inference",
+            path,
+        )
+        return None
+    try:
+        ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+    except OSError as exc:
+        logger.warning("could not load BLAS %s (%s); %s selects another or 'off'", path, exc, BLAS_ENV)
+        return None
+    _preloaded = path
+    return path
+
+
+class _DlInfo(ctypes.Structure):
+    _fields_ = [
+        ("dli_fname", ctypes.c_char_p),
+        ("dli_fbase", ctypes.c_void_p),
+        ("dli_sname", ctypes.c_char_p),
+        ("dli_saddr", ctypes.c_void_p),
+    ]
+
+
+def blas_in_use() -> str:
+    """Describe the BLAS that MLX's CPU matmuls bind to.
+
+    A library in the global symbol scope (one preloaded with ``RTLD_GLOBAL``) wins over the
+    reference BLAS that the ``mlx[cpu]`` wheel links privately, so the answer is whichever
+    library ``sgemm_`` resolves to globally, if any. (numpy's bundled OpenBLAS uses
+    prefixed symbols and does not count.)
+    """
+    if sys.platform == "darwin":
+        return "Accelerate (macOS)"
+    try:
+        process = ctypes.CDLL(None)
+        symbol = ctypes.cast(process.sgemm_, ctypes.c_void_p)
+        info = _DlInfo()
+        if process.dladdr(symbol, ctypes.byref(info)) and info.dli_fname:
+            path = info.dli_fname.decode()
+            kind = "OpenBLAS" if "openblas" in path.lower() else "BLAS"
+            return f"{kind} ({path})"
+    except (AttributeError, OSError):
+        pass
+    return "reference BLAS bundled with mlx"
+
+
+_logged_blas = False
+
+
+def log_backend_once() -> None:
+    """Log the device and BLAS in use, once per process."""
+    global _logged_blas
+    if _logged_blas:
+        return
+    _logged_blas = True
+    import mlx.core as mx
+
+    if is_cpu():
+        logger.info("mlx device: cpu; BLAS: %s", blas_in_use())
+    else:
+        logger.info("mlx device: %s", mx.default_device())
+
+
+def is_cpu() -> bool:
+    """True when MLX's default device is the CPU (no Metal or CUDA GPU in use)."""
+    import mlx.core as mx
+
+    return mx.default_device().type == mx.DeviceType.cpu
+
+
+def should_dequantize(dequantize: Optional[bool] = None) -> bool:
+    """Whether to dequantize weights at load: explicit choice, else env, else on CPU only."""
+    if dequantize is not None:
+        return dequantize
+    env = os.environ.get(DEQUANTIZE_ENV)
+    if env is not None:
+        return env.strip().lower() in ("1", "true", "yes", "on")
+    return is_cpu()
+
+
+def prepare_model(model: Any, dequantize: Optional[bool] = None) -> Any:
+    """Apply the backend's load-time choices to a freshly loaded mlx-lm model."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx_lm.utils import dequantize_model
+
+    log_backend_once()
+    if should_dequantize(dequantize):
+        has_quantized = any(
+            isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for _, m in model.named_modules()
+        )
+        if has_quantized:
+            dequantize_model(model)
+            model.set_dtype(mx.float32)
+            mx.eval(model.parameters())
+    return model

