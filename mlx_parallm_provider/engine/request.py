@@ -167,3 +167,44 @@ class Delta:
     finish_reason: Optional[str] = None
     usage: Optional[Usage] = None
     logprobs: Optional[list[TokenLogprob]] = None
+
+
+class ResultSink:
+    """Where the worker delivers a request's results: :class:`Delta` pieces (streaming
+    requests), then a final :class:`Completion`, or an exception. Implementations hand
+    items to the caller's event loop or thread."""
+
+    def put(self, item: object) -> None:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+@dataclass(eq=False)
+class Request:
+    """One request's engine-side state, shared by the coordinator, scheduler and worker.
+
+    The coordinator creates it; the scheduler moves it between queues; the worker fills
+    ``output_ids`` and delivers results to ``sink``. ``cancelled`` may be set from any
+    thread; the worker honours it at its next step.
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    sink: ResultSink
+    stream: bool = False
+    arrival: float = 0.0
+    deadline: Optional[float] = None
+    output_ids: list[int] = field(default_factory=list)
+    num_prefilled: int = 0
+    cancelled: bool = False
+    finished: bool = False
+    state: object = None  # worker-private per-request state (sampler, text stream, ...)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def max_kv_tokens(self) -> int:
+        """KV entries this request may need at most (prompt + max_tokens)."""
+        return len(self.prompt_ids) + self.params.max_tokens

@@ -1,0 +1,77 @@
+"""EngineConfig: every engine knob, its default and its validation, in one place."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Optional
+
+from .engine.request import _check_int, _check_number
+from .errors import InvalidParameterError
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Settings of one engine (one loaded model).
+
+    Attributes:
+        max_num_seqs: most requests decoding at once (the decode batch size cap).
+        max_num_batched_tokens: most tokens (decode rows + prefill tokens, padding
+            included) one step may process; bounds how much prefill is mixed into a step.
+        prefill_chunk_size: prompts longer than this are prefilled in chunks of this size,
+            one chunk per step, so running streams keep producing tokens meanwhile.
+        batch_window_ms: when the engine is idle, how long the first arrival waits for
+            others so that a burst is prefilled together (0 disables the wait).
+        max_queue: most requests waiting for a slot; beyond it submissions fail at once
+            with :class:`~mlx_parallm_provider.errors.EngineOverloadedError`.
+        kv_cache_memory_gb: budget for the KV cache of admitted requests, each counted at
+            its full size (prompt + max_tokens); None means no budget beyond max_num_seqs.
+        max_kv_size: if set, each row keeps at most this many KV entries (a rotating
+            cache, as mlx-lm's ``--max-kv-size``): lower memory, longer generations,
+            approximate attention past the window.
+        request_timeout_s: default per-request timeout (None: no timeout); a request's
+            own ``SamplingParams.timeout`` takes precedence.
+        dequantize: dequantize weights at load (None: on the CPU device only).
+    """
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    prefill_chunk_size: int = 512
+    batch_window_ms: float = 5.0
+    max_queue: int = 1024
+    kv_cache_memory_gb: Optional[float] = None
+    max_kv_size: Optional[int] = None
+    request_timeout_s: Optional[float] = None
+    dequantize: Optional[bool] = None
+
+    def __post_init__(self) -> None:
+        _check_int("max_num_seqs", self.max_num_seqs, minimum=1)
+        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, minimum=1)
+        _check_int("prefill_chunk_size", self.prefill_chunk_size, minimum=1)
+        _check_number("batch_window_ms", self.batch_window_ms, minimum=0.0, maximum=10_000.0)
+        _check_int("max_queue", self.max_queue, minimum=0)
+        if self.kv_cache_memory_gb is not None:
+            _check_number("kv_cache_memory_gb", self.kv_cache_memory_gb, minimum=0.0)
+            if self.kv_cache_memory_gb == 0:
+                raise InvalidParameterError("kv_cache_memory_gb", "must be > 0 (None disables the budget)")
+        if self.max_kv_size is not None:
+            _check_int("max_kv_size", self.max_kv_size, minimum=8)
+        if self.request_timeout_s is not None:
+            _check_number("request_timeout_s", self.request_timeout_s, minimum=0.0)
+            if self.request_timeout_s == 0:
+                raise InvalidParameterError("request_timeout_s", "must be > 0 (None disables it)")
+        if self.dequantize is not None and not isinstance(self.dequantize, bool):
+            raise InvalidParameterError("dequantize", "must be a bool or None")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise InvalidParameterError(
+                "max_num_batched_tokens",
+                f"must be >= max_num_seqs ({self.max_num_seqs}) so a full decode step fits",
+            )
+
+    @property
+    def kv_cache_memory_bytes(self) -> Optional[int]:
+        """The KV budget in bytes, or None."""
+        return None if self.kv_cache_memory_gb is None else int(self.kv_cache_memory_gb * 1024**3)
+
+    def as_dict(self) -> dict:
+        """Plain dict of every setting."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}

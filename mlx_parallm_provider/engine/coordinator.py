@@ -1,0 +1,292 @@
+"""The caller's side of the engine: submit, results back to the caller's loop or thread,
+cancellation, the sync bridge and stats.
+
+Any number of event loops and plain threads may call one :class:`Engine` at once; every
+request goes to the same worker, so they all land in the same batch. Results are handed
+back with ``loop.call_soon_threadsafe`` (async callers) or a thread-safe queue (sync callers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import itertools
+import logging
+import queue
+import threading
+import time
+import uuid
+import weakref
+from typing import Any, AsyncIterator, Iterator, Optional
+
+from ..config import EngineConfig
+from ..errors import ContextWindowExceededError, EngineOverloadedError, InvalidParameterError
+from ..models import registry
+from ..models.registry import LoadedModel
+from .metrics import EngineMetrics
+from .request import Completion, Delta, Prompt, Request, ResultSink, SamplingParams
+from .worker import Worker
+
+logger = logging.getLogger(__name__)
+
+
+class _LoopSink(ResultSink):
+    """Delivers results into an asyncio queue owned by the calling event loop."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.request: Optional[Request] = None
+
+    def put(self, item: object) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the caller's loop is closed: nobody is listening any more
+            if self.request is not None:
+                self.request.cancelled = True
+
+
+class _ThreadSink(ResultSink):
+    """Delivers results into a thread-safe queue read by a plain (blocking) caller."""
+
+    def __init__(self) -> None:
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+
+    def put(self, item: object) -> None:
+        self.queue.put(item)
+
+
+class Engine:
+    """One loaded model served to any number of concurrent callers, batched.
+
+    Use :func:`mlx_parallm_provider.get_engine` to share one engine per model per process.
+
+    Args:
+        model: a model name for :func:`mlx_parallm_provider.models.registry.load`
+            (``"default"``, a ``.gguf`` path, a folder or a repo id).
+        config: engine settings; defaults to :class:`EngineConfig()`.
+        loaded: an already loaded model (then ``model`` is only its display name).
+    """
+
+    def __init__(self, model: str = "default", config: Optional[EngineConfig] = None, *, loaded: Optional[LoadedModel] = None) -> None:
+        self.config = config or EngineConfig()
+        self._loaded = loaded or registry.load(model, dequantize=self.config.dequantize)
+        self.model_name = model
+        self.tokenizer = self._loaded.tokenizer
+        self.context_length = self._loaded.context_length
+        self.vocab_size = int(self._loaded.config.get("vocab_size", 0)) or None
+        self.metrics = EngineMetrics()
+        self._kv_bytes_per_token = _kv_bytes_per_token(self._loaded)
+        self._worker_lock = threading.Lock()
+        self._worker: Optional[Worker] = None
+        self._ids = itertools.count()
+        _live_engines.add(self)
+
+    # -- public API ---------------------------------------------------------------------
+
+    async def generate(self, prompt: Prompt, params: Optional[SamplingParams] = None, *, request_id: Optional[str] = None) -> Completion:
+        """Generate a whole completion. Cancelling the awaiting task cancels the request."""
+        sink = _LoopSink()
+        request = self._submit(prompt, params, request_id, sink, stream=False)
+        sink.request = request
+        try:
+            item = await sink.queue.get()
+        except BaseException:
+            self._cancel(request)
+            raise
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    async def stream(self, prompt: Prompt, params: Optional[SamplingParams] = None, *, request_id: Optional[str] = None) -> AsyncIterator[Delta]:
+        """Yield :class:`Delta` pieces as they are generated; breaking out cancels."""
+        sink = _LoopSink()
+        request = self._submit(prompt, params, request_id, sink, stream=True)
+        sink.request = request
+        try:
+            while True:
+                item = await sink.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finish_reason is not None:
+                    return
+        finally:
+            if not request.finished:
+                self._cancel(request)
+
+    def generate_sync(self, prompt: Prompt, params: Optional[SamplingParams] = None, *, request_id: Optional[str] = None) -> Completion:
+        """Blocking :meth:`generate`, for plain threads (not inside a running event loop's thread)."""
+        sink = _ThreadSink()
+        request = self._submit(prompt, params, request_id, sink, stream=False)
+        try:
+            item = sink.queue.get()
+        except BaseException:
+            self._cancel(request)
+            raise
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def stream_sync(self, prompt: Prompt, params: Optional[SamplingParams] = None, *, request_id: Optional[str] = None) -> Iterator[Delta]:
+        """Blocking :meth:`stream`, for plain threads; closing the iterator cancels."""
+        sink = _ThreadSink()
+        request = self._submit(prompt, params, request_id, sink, stream=True)
+        try:
+            while True:
+                item = sink.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finish_reason is not None:
+                    return
+        finally:
+            if not request.finished:
+                self._cancel(request)
+
+    def apply_chat_template(self, messages: list[dict], tools: Optional[list[dict]] = None, add_generation_prompt: bool = True) -> str:
+        """Render chat messages (and tools) into the model's prompt text."""
+        try:
+            from ..chat import render_chat
+        except ImportError:  # pragma: no cover - chat rendering ships with the LiteLLM work
+            return self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False)
+        return render_chat(self.tokenizer, messages, tools=tools, add_generation_prompt=add_generation_prompt)
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        """Token ids of a prompt, as the engine will feed them to the model.
+
+        Text gets the tokenizer's special tokens (e.g. BOS) unless it already starts with
+        the BOS token, as in ``mlx_lm.generate``; a list of ids is checked and used as is.
+        """
+        if isinstance(prompt, str):
+            bos = getattr(self.tokenizer, "bos_token", None)
+            add_special = bos is None or not prompt.startswith(bos)
+            return list(self.tokenizer.encode(prompt, add_special_tokens=add_special))
+        if not isinstance(prompt, (list, tuple)):
+            raise InvalidParameterError("prompt", f"must be a string or a list of token ids, got {type(prompt).__name__}")
+        for i, token in enumerate(prompt):
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0 or (self.vocab_size and token >= self.vocab_size):
+                raise InvalidParameterError(f"prompt[{i}]", f"{token!r} is not a token id of this model (0..{(self.vocab_size or 0) - 1})")
+        return list(prompt)
+
+    def stats(self) -> dict[str, Any]:
+        """A plain, JSON-serialisable dict: requests running / waiting / finished, token
+        counts, the largest decode batch seen, tokens/s over the last minute, and p50/p99
+        of TTFT, TPOT, ITL and queue time (seconds)."""
+        worker = self._worker
+        running = worker.num_running if worker is not None and worker.alive else 0
+        waiting = worker.num_waiting if worker is not None and worker.alive else 0
+        snap = self.metrics.snapshot(running=running, waiting=waiting)
+        snap["model"] = self.model_name
+        return snap
+
+    def shutdown(self) -> None:
+        """Stop the worker thread; requests still in flight fail with EngineDeadError."""
+        with self._worker_lock:
+            worker, self._worker = self._worker, None
+        if worker is not None:
+            worker.stop()
+
+    # -- internals --------------------------------------------------------------------
+
+    def _submit(self, prompt: Prompt, params: Optional[SamplingParams], request_id: Optional[str], sink: ResultSink, stream: bool) -> Request:
+        if params is None:
+            params = SamplingParams()
+        elif not isinstance(params, SamplingParams):
+            raise InvalidParameterError("params", f"must be a SamplingParams, got {type(params).__name__}")
+        ids = self.encode(prompt)
+        if not ids:
+            raise InvalidParameterError("prompt", "is empty")
+        if len(ids) + params.max_tokens > self.context_length:
+            raise ContextWindowExceededError(len(ids), params.max_tokens, self.context_length)
+        timeout = params.timeout if params.timeout is not None else self.config.request_timeout_s
+        now = time.monotonic()
+        request = Request(
+            request_id=request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}",
+            prompt_ids=ids,
+            params=params,
+            sink=sink,
+            stream=stream,
+            arrival=now,
+            deadline=None if timeout is None else now + timeout,
+        )
+        for _ in range(2):
+            worker = self._live_worker()
+            if not worker.scheduler.fits_alone(request):
+                budget = self.config.kv_cache_memory_gb
+                raise InvalidParameterError(
+                    "max_tokens",
+                    f"prompt ({len(ids)}) + max_tokens ({params.max_tokens}) needs "
+                    f"{request.max_kv_tokens * self._kv_bytes_per_token / 1024**2:.1f} MiB of KV cache, "
+                    f"more than the engine's kv_cache_memory_gb budget ({budget} GiB)",
+                )
+            if worker.num_waiting >= self.config.max_queue:
+                raise EngineOverloadedError(
+                    f"{worker.num_waiting} requests are already waiting (max_queue={self.config.max_queue}); "
+                    "retry later or raise EngineConfig.max_queue"
+                )
+            self.metrics.request_arrived(request.request_id)
+            if worker.submit(request):
+                return request
+        raise RuntimeError("could not start the engine's worker")  # pragma: no cover
+
+    def _live_worker(self) -> Worker:
+        with self._worker_lock:
+            if self._worker is None or not self._worker.alive:
+                if self._worker is not None:
+                    logger.warning("starting a fresh worker after: %s", self._worker.dead)
+                self._worker = Worker(self._loaded.model, self.tokenizer, self.config, self.metrics, self._kv_bytes_per_token)
+            return self._worker
+
+    def _cancel(self, request: Request) -> None:
+        request.cancelled = True
+        worker = self._worker
+        if worker is not None:
+            worker.wake()
+
+
+def _kv_bytes_per_token(loaded: LoadedModel) -> int:
+    """Bytes of K and V one token takes across all layers."""
+    c = loaded.config
+    heads = c.get("num_attention_heads", 1)
+    kv_heads = c.get("num_key_value_heads", heads)
+    head_dim = c.get("head_dim") or c.get("hidden_size", heads) // heads
+    layers = c.get("num_hidden_layers", len(getattr(loaded.model, "layers", [])) or 1)
+    dtype_bytes = loaded.model.model.embed_tokens.weight.dtype.size if hasattr(loaded.model, "model") else 4
+    return 2 * layers * kv_heads * head_dim * max(2, dtype_bytes)
+
+
+_live_engines: "weakref.WeakSet[Engine]" = weakref.WeakSet()
+_engines: dict[tuple[str, Optional[EngineConfig]], Engine] = {}
+_engines_lock = threading.Lock()
+
+
+def get_engine(model: str = "default", config: Optional[EngineConfig] = None) -> Engine:
+    """The process-wide engine for ``model`` (created and loaded on first use).
+
+    Every front door (LiteLLM, LangChain, direct calls, any thread or event loop) that asks
+    for the same model name shares this engine, so their requests batch together. The
+    first call's ``config`` configures it; later calls may omit it.
+    """
+    with _engines_lock:
+        engine = _engines.get((model, None))
+        if engine is not None:
+            if config is not None and config != engine.config:
+                raise InvalidParameterError(
+                    "config", f"the engine for {model!r} already runs with another config; call shutdown_engines() first"
+                )
+            return engine
+        engine = Engine(model, config)
+        _engines[(model, None)] = engine
+        return engine
+
+
+def shutdown_engines() -> None:
+    """Stop every engine's worker (also run at interpreter exit)."""
+    with _engines_lock:
+        _engines.clear()
+    for engine in list(_live_engines):
+        engine.shutdown()
+
+
+atexit.register(shutdown_engines)

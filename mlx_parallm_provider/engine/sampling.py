@@ -1,0 +1,119 @@
+"""Per-request sampling inside one batch, built from mlx-lm's samplers and logits processors.
+
+Every row of a batch keeps its own settings. Greedy rows share one batched ``argmax``;
+each sampling row draws with its own PRNG key, derived from its ``seed`` (or a random one),
+and split once per token. So a seeded request samples the same tokens whatever else is
+in the batch: no global RNG state is shared between rows.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+import mlx.core as mx
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
+
+from .request import SamplingParams, TokenLogprob
+
+LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
+
+
+class RowSampler:
+    """Sampling state of one request: its logits processors, filters and PRNG key."""
+
+    def __init__(self, params: SamplingParams) -> None:
+        self.params = params
+        self.processors: list[LogitsProcessor] = make_logits_processors(
+            logit_bias=params.logit_bias,
+            repetition_penalty=params.repetition_penalty if params.repetition_penalty != 1.0 else None,
+            presence_penalty=params.presence_penalty or None,
+            frequency_penalty=params.frequency_penalty or None,
+        )
+        self.greedy = params.temperature == 0.0
+        seed = params.seed if params.seed is not None else random.getrandbits(63)
+        self._key = mx.random.key(seed)
+
+    def filter(self, logprobs: mx.array) -> mx.array:
+        """Apply top-p, min-p and top-k (mlx-lm's implementations) to one row's logprobs."""
+        p = self.params
+        if 0.0 < p.top_p < 1.0:
+            logprobs = apply_top_p(logprobs, p.top_p)
+        if p.min_p > 0.0:
+            logprobs = apply_min_p(logprobs, p.min_p)
+        if p.top_k > 0:
+            logprobs = apply_top_k(logprobs, p.top_k)
+        return logprobs
+
+    def draw(self, logprobs: mx.array) -> mx.array:
+        """Sample one token from one row's (filtered) logprobs with this row's next key."""
+        self._key, key = mx.random.split(self._key)
+        return mx.random.categorical(self.filter(logprobs) * (1.0 / self.params.temperature), key=key)
+
+
+@dataclass
+class SampledRow:
+    """A sampled token and, when asked for, its log-probability and the top alternatives."""
+
+    token: int
+    logprob: Optional[float] = None
+    top: Optional[list[tuple[int, float]]] = None
+
+
+def sample_batch(
+    logits: mx.array,
+    samplers: Sequence[RowSampler],
+    contexts: Sequence[Optional[Callable[[], mx.array]]],
+) -> list[SampledRow]:
+    """Pick the next token of every row of ``logits`` (shape ``[B, vocab]``).
+
+    ``contexts[i]`` returns row i's token history (prompt + output) for its penalties; it
+    is only called for rows that have logits processors.
+    """
+    if any(s.processors for s in samplers):
+        rows = []
+        for i, sampler in enumerate(samplers):
+            row = logits[i : i + 1]
+            if sampler.processors:
+                history = contexts[i]()
+                for processor in sampler.processors:
+                    row = processor(history, row)
+            rows.append(row)
+        logits = mx.concatenate(rows, axis=0)
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+    if all(s.greedy for s in samplers):
+        tokens = mx.argmax(logprobs, axis=-1)
+    else:
+        greedy = mx.argmax(logprobs, axis=-1)
+        tokens = mx.concatenate(
+            [greedy[i : i + 1] if s.greedy else s.draw(logprobs[i : i + 1]) for i, s in enumerate(samplers)]
+        )
+
+    wants = [i for i, s in enumerate(samplers) if s.params.logprobs]
+    extras: dict[int, Any] = {}
+    for i in wants:
+        k = samplers[i].params.top_logprobs
+        row = logprobs[i]
+        chosen = row[tokens[i]]
+        if k:
+            top_ids = mx.argpartition(-row, kth=k - 1)[:k]
+            extras[i] = (chosen, top_ids, row[top_ids])
+        else:
+            extras[i] = (chosen, None, None)
+    mx.eval(tokens, extras)
+    token_list = tokens.tolist()
+    out = [SampledRow(token=t) for t in token_list]
+    for i, (chosen, top_ids, top_lp) in extras.items():
+        out[i].logprob = chosen.item()
+        if top_ids is not None:
+            pairs = sorted(zip(top_ids.tolist(), top_lp.tolist()), key=lambda p: -p[1])
+            out[i].top = pairs
+    return out
+
+
+def token_logprob(tokenizer: Any, row: SampledRow) -> TokenLogprob:
+    """Turn a sampled row's numbers into the public :class:`TokenLogprob`."""
+    top = [(tid, tokenizer.decode([tid]), lp) for tid, lp in (row.top or [])]
+    return TokenLogprob(token_id=row.token, token=tokenizer.decode([row.token]), logprob=row.logprob or 0.0, top_logprobs=top)

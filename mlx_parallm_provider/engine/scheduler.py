@@ -1,0 +1,134 @@
+"""Scheduling policy: who is prefilled, who decodes, who waits. Pure bookkeeping, no MLX.
+
+Each step (vLLM v1's shape, in miniature):
+
+1. every running request decodes one token;
+2. a long prompt already being prefilled in chunks gets its next chunk;
+3. waiting requests are admitted in arrival order while there is a free slot
+   (``max_num_seqs``), KV budget, and step token budget (``max_num_batched_tokens``,
+   counting padding): short prompts together as one left-padded prefill batch, a prompt
+   longer than ``prefill_chunk_size`` (or than the budget left) as a chunked prefill.
+
+Admission is first-come first-served: a request that does not fit blocks the ones behind it,
+so a large request is never starved by a stream of small ones.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterable, Optional
+
+from .request import Request
+
+
+@dataclass
+class StepPlan:
+    """What one engine step does."""
+
+    decode: list[Request] = field(default_factory=list)
+    prefill: list[Request] = field(default_factory=list)
+    chunk: Optional[tuple[Request, int]] = None  # (request, tokens of its next chunk)
+
+    @property
+    def empty(self) -> bool:
+        return not (self.decode or self.prefill or self.chunk)
+
+
+class Scheduler:
+    """Queues of waiting, prefilling and running requests, and the admission policy."""
+
+    def __init__(
+        self,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        prefill_chunk_size: int,
+        kv_budget_tokens: Optional[int] = None,
+    ) -> None:
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.prefill_chunk_size = prefill_chunk_size
+        self.kv_budget_tokens = kv_budget_tokens
+        self.waiting: deque[Request] = deque()
+        self.chunking: Optional[Request] = None
+        self.running: list[Request] = []
+
+    # -- queues -----------------------------------------------------------------------
+
+    def add(self, request: Request) -> None:
+        """Queue a new request."""
+        self.waiting.append(request)
+
+    def started(self, requests: Iterable[Request]) -> None:
+        """Prefill finished for these requests: they decode from the next step on."""
+        for request in requests:
+            if request is self.chunking:
+                self.chunking = None
+            self.running.append(request)
+
+    def remove(self, request: Request) -> None:
+        """Drop a request wherever it is (finished, cancelled, timed out or failed)."""
+        if request is self.chunking:
+            self.chunking = None
+        elif request in self.running:
+            self.running.remove(request)
+        else:
+            try:
+                self.waiting.remove(request)
+            except ValueError:
+                pass
+
+    def all_requests(self) -> list[Request]:
+        """Every request the scheduler holds."""
+        chunking = [self.chunking] if self.chunking is not None else []
+        return [*self.running, *chunking, *self.waiting]
+
+    @property
+    def num_running(self) -> int:
+        """Requests holding a batch slot (decoding or being prefilled)."""
+        return len(self.running) + (self.chunking is not None)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def fits_alone(self, request: Request) -> bool:
+        """Whether the request could ever be admitted under the KV budget."""
+        return self.kv_budget_tokens is None or request.max_kv_tokens <= self.kv_budget_tokens
+
+    # -- policy -----------------------------------------------------------------------
+
+    def schedule(self) -> StepPlan:
+        """Plan the next step."""
+        plan = StepPlan(decode=list(self.running))
+        budget = self.max_num_batched_tokens - len(plan.decode)
+        if self.chunking is not None and budget > 0:
+            remaining = self.chunking.prompt_len - self.chunking.num_prefilled
+            n = min(self.prefill_chunk_size, remaining, budget)
+            plan.chunk = (self.chunking, n)
+            budget -= n
+
+        slots = self.max_num_seqs - self.num_running
+        kv_used = sum(r.max_kv_tokens for r in self.running)
+        if self.chunking is not None:
+            kv_used += self.chunking.max_kv_tokens
+        longest = 0
+        while self.waiting and slots > 0 and budget > 0:
+            request = self.waiting[0]
+            if self.kv_budget_tokens is not None and kv_used + request.max_kv_tokens > self.kv_budget_tokens:
+                break
+            padded_cost = (len(plan.prefill) + 1) * max(longest, request.prompt_len)
+            if request.prompt_len <= self.prefill_chunk_size and padded_cost <= budget:
+                plan.prefill.append(request)
+                longest = max(longest, request.prompt_len)
+            elif self.chunking is None and not plan.prefill:
+                self.chunking = request
+                n = min(self.prefill_chunk_size, request.prompt_len, budget)
+                plan.chunk = (request, n)
+                budget -= n
+            else:
+                break
+            self.waiting.popleft()
+            slots -= 1
+            kv_used += request.max_kv_tokens
+        return plan

@@ -1,0 +1,354 @@
+"""The MLX side: one thread that owns the model, the batch's KV cache and the step loop.
+
+Each step: take new arrivals, drop cancelled and timed-out rows, ask the scheduler for a
+plan, prefill (a left-padded batch of new prompts and/or one chunk of a long prompt), then
+run one decode step over every running row. Rows join the decode batch's
+``BatchKVCache`` (mlx-lm) when their prefill ends and leave it the step they finish, so
+their KV memory is freed at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import mlx.core as mx
+from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache
+
+from ..config import EngineConfig
+from ..errors import EngineDeadError, RequestTimeoutError
+from .detokenize import TextStream
+from .metrics import EngineMetrics
+from .request import Completion, Delta, Request, Usage
+from .sampling import RowSampler, SampledRow, sample_batch, token_logprob
+from .scheduler import Scheduler, StepPlan
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _RowState:
+    """Worker-private state of one request."""
+
+    sampler: RowSampler
+    text: TextStream
+    cache: Optional[list[Any]] = None  # own KV cache while a long prompt is chunk-prefilled
+    logprobs: Optional[list] = None
+
+
+class Worker:
+    """Runs the step loop on its own thread. Other threads only call :meth:`submit`,
+    :meth:`wake`, :meth:`stop` and read the counters."""
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        config: EngineConfig,
+        metrics: EngineMetrics,
+        kv_bytes_per_token: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config
+        self.metrics = metrics
+        self.clock = clock
+        budget = config.kv_cache_memory_bytes
+        self.scheduler = Scheduler(
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            config.prefill_chunk_size,
+            None if budget is None else max(1, budget // max(1, kv_bytes_per_token)),
+        )
+        self.eos_ids = set(getattr(tokenizer, "eos_token_ids", None) or [])
+        if getattr(tokenizer, "eos_token_id", None) is not None:
+            self.eos_ids.add(tokenizer.eos_token_id)
+        self.pad_id = next(iter(self.eos_ids), 0)
+        self._inbox: deque[Request] = deque()
+        self._cond = threading.Condition()
+        self._stopping = False
+        self.dead: Optional[BaseException] = None
+        self.rows: list[Request] = []  # order of the decode cache's rows
+        self.cache: Optional[list[Any]] = None
+        self._plan: Optional[StepPlan] = None  # requests in it may be in no queue mid-step
+        self._thread = threading.Thread(target=self._run, name="mlx-parallm-worker", daemon=True)
+        self._thread.start()
+
+    # -- called from other threads ------------------------------------------------------
+
+    def submit(self, request: Request) -> bool:
+        """Queue a request; False if this worker is dead or stopping (start another)."""
+        with self._cond:
+            if self.dead is not None or self._stopping:
+                return False
+            self._inbox.append(request)
+            self._cond.notify()
+        return True
+
+    def wake(self) -> None:
+        """Make the loop look at its requests now (after a cancellation)."""
+        with self._cond:
+            self._cond.notify()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Finish the current step, fail what is left, and end the thread."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self.dead is None and not self._stopping and self._thread.is_alive()
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._inbox) + self.scheduler.num_waiting
+
+    @property
+    def num_running(self) -> int:
+        return self.scheduler.num_running
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while self._next_step():
+                pass
+            self._fail_all(EngineDeadError("the engine was shut down"))
+        except BaseException as exc:  # the worker itself died: nobody may hang
+            logger.exception("mlx-parallm worker died")
+            with self._cond:
+                self.dead = exc
+            self._fail_all(EngineDeadError(f"the engine's worker died ({type(exc).__name__}: {exc}); retry the request"))
+
+    def _next_step(self) -> bool:
+        if not self._take_arrivals():
+            return False
+        now = self.clock()
+        for request in self.scheduler.all_requests():
+            if request.cancelled:
+                self._drop(request)
+            elif request.deadline is not None and now >= request.deadline:
+                self._fail(request, RequestTimeoutError(
+                    f"request {request.request_id} timed out after "
+                    f"{request.deadline - request.arrival:.3g}s; raise its timeout or lower max_tokens"
+                ))
+        plan = self._plan = self.scheduler.schedule()
+        if plan.chunk is not None:
+            self._prefill_chunk(*plan.chunk)
+        if plan.prefill:
+            self._prefill(plan.prefill)
+        if self.rows:
+            self._decode()
+        return True
+
+    def _take_arrivals(self) -> bool:
+        """Move new requests to the scheduler; block while there is nothing to do.
+        Returns False when the worker should stop."""
+        with self._cond:
+            idle = not self.scheduler.all_requests()
+            while not self._inbox and idle and not self._stopping:
+                self._cond.wait()
+            if self._stopping:
+                return False
+            if idle and self.config.batch_window_ms > 0:
+                # Gather window: let a burst arrive so it is prefilled as one batch.
+                deadline = time.monotonic() + self.config.batch_window_ms / 1000
+                while len(self._inbox) < self.config.max_num_seqs and not self._stopping:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._cond.wait(left)
+            arrivals = list(self._inbox)
+            self._inbox.clear()
+        for request in arrivals:
+            if request.cancelled:
+                self._deliver_end(request)
+                continue
+            request.state = _RowState(
+                sampler=RowSampler(request.params),
+                text=TextStream(self.tokenizer, request.params.stop, request.prompt_ids),
+                logprobs=[] if request.params.logprobs else None,
+            )
+            self.scheduler.add(request)
+        return True
+
+    # -- prefill ------------------------------------------------------------------------
+
+    def _new_cache(self, left_padding: list[int]) -> list[Any]:
+        n_layers = len(self.model.layers)
+        if self.config.max_kv_size is not None:
+            return [BatchRotatingKVCache(self.config.max_kv_size, left_padding) for _ in range(n_layers)]
+        return [BatchKVCache(left_padding) for _ in range(n_layers)]
+
+    def _prefill(self, requests: list[Request]) -> None:
+        """Prefill whole prompts as one left-padded batch, sample each first token."""
+        for r in requests:
+            self.metrics.request_admitted(r.request_id, r.prompt_len)
+        longest = max(r.prompt_len for r in requests)
+        padding = [longest - r.prompt_len for r in requests]
+        tokens = mx.array([[self.pad_id] * p + r.prompt_ids for p, r in zip(padding, requests)])
+        cache = self._new_cache(padding)
+        logits = self.model(tokens, cache=cache)[:, -1, :]
+        for r in requests:
+            r.num_prefilled = r.prompt_len
+        self._join_decode_batch(requests, cache, logits)
+
+    def _prefill_chunk(self, request: Request, n: int) -> None:
+        """Prefill the next ``n`` prompt tokens of a long prompt into its own cache."""
+        state: _RowState = request.state
+        if state.cache is None:
+            self.metrics.request_admitted(request.request_id, request.prompt_len)
+            state.cache = self._new_cache([0])
+        start = request.num_prefilled
+        chunk = mx.array([request.prompt_ids[start : start + n]])
+        logits = self.model(chunk, cache=state.cache)[:, -1, :]
+        request.num_prefilled += n
+        if request.num_prefilled < request.prompt_len:
+            mx.eval([c.state for c in state.cache])
+            return
+        cache, state.cache = state.cache, None
+        self._join_decode_batch([request], cache, logits)
+
+    def _join_decode_batch(self, requests: list[Request], cache: list[Any], logits: mx.array) -> None:
+        sampled = self._sample(requests, logits)
+        if self.cache is None:
+            self.cache = cache
+        else:
+            for mine, theirs in zip(self.cache, cache):
+                mine.extend(theirs)
+        self.rows.extend(requests)
+        self.scheduler.started(requests)
+        self._after_sampling(requests, sampled)
+
+    # -- decode -------------------------------------------------------------------------
+
+    def _decode(self) -> None:
+        tic = time.perf_counter()
+        rows = list(self.rows)
+        tokens = mx.array([r.output_ids[-1] for r in rows])[:, None]
+        logits = self.model(tokens, cache=self.cache)[:, -1, :]
+        sampled = self._sample(rows, logits)
+        self.metrics.record_step(len(rows), time.perf_counter() - tic)
+        self._after_sampling(rows, sampled)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug(
+                "decode step: batch=%d waiting=%d step_ms=%.1f",
+                len(rows), self.scheduler.num_waiting, (time.perf_counter() - tic) * 1000,
+            )
+
+    def _sample(self, rows: list[Request], logits: mx.array) -> list[SampledRow]:
+        samplers = [r.state.sampler for r in rows]
+        contexts = [lambda r=r: mx.array(r.prompt_ids + r.output_ids) for r in rows]
+        return sample_batch(logits, samplers, contexts)
+
+    def _after_sampling(self, rows: list[Request], sampled: list[SampledRow]) -> None:
+        self.metrics.record_tokens(r.request_id for r in rows)
+        for request, row in zip(rows, sampled):
+            try:
+                self._append_token(request, row)
+            except Exception as exc:  # a fault in one request's processing fails it alone
+                logger.exception("request %s failed while processing its output", request.request_id)
+                self._fail(request, exc)
+        self._evict_finished()
+
+    def _append_token(self, request: Request, row: SampledRow) -> None:
+        state: _RowState = request.state
+        params = request.params
+        token = row.token
+        request.output_ids.append(token)
+        finish: Optional[str] = None
+        piece = ""
+        is_stop_token = (token in self.eos_ids and not params.ignore_eos) or token in params.stop_token_ids
+        if is_stop_token:
+            finish = "stop"
+        else:
+            if state.logprobs is not None:
+                state.logprobs.append(token_logprob(self.tokenizer, row))
+            piece, stopped = state.text.add_token(token)
+            if stopped:
+                finish = "stop"
+            elif len(request.output_ids) >= params.max_tokens:
+                finish = "length"
+        if finish is not None and not state.text.stopped:
+            piece += state.text.finish()
+        if finish is not None:
+            # Bookkeeping first, so a caller woken by its result already sees it finished.
+            request.finished = True
+            self.scheduler.remove(request)
+            self.metrics.request_finished(request.request_id)
+        if request.stream and (piece or finish):
+            request.sink.put(Delta(
+                request_id=request.request_id,
+                text=piece,
+                token_ids=[] if is_stop_token else [token],
+                finish_reason=finish,
+                usage=self._usage(request) if finish else None,
+                logprobs=state.logprobs[-1:] if state.logprobs and not is_stop_token else None,
+            ))
+        elif finish is not None:
+            request.sink.put(Completion(
+                request_id=request.request_id,
+                text=state.text.text,
+                token_ids=request.output_ids[:-1] if is_stop_token else list(request.output_ids),
+                finish_reason=finish,
+                usage=self._usage(request),
+                logprobs=state.logprobs,
+            ))
+
+    def _usage(self, request: Request) -> Usage:
+        return Usage(prompt_tokens=request.prompt_len, completion_tokens=len(request.output_ids))
+
+    # -- leaving ------------------------------------------------------------------------
+
+    def _evict_finished(self) -> None:
+        keep = [i for i, r in enumerate(self.rows) if not r.finished]
+        if len(keep) == len(self.rows):
+            return
+        self.rows = [self.rows[i] for i in keep]
+        if not keep:
+            self.cache = None
+        else:
+            for c in self.cache:
+                c.filter(keep)
+
+    def _drop(self, request: Request) -> None:
+        """Remove a cancelled request; its caller has gone, so nothing is delivered."""
+        request.finished = True
+        self.scheduler.remove(request)
+        self.metrics.request_finished(request.request_id)
+        if request in self.rows:
+            self._evict_finished()
+        request.state = None
+
+    def _fail(self, request: Request, exc: BaseException) -> None:
+        request.finished = True
+        self.scheduler.remove(request)
+        self.metrics.request_finished(request.request_id)
+        request.sink.put(exc)
+        if request in self.rows:
+            self._evict_finished()
+
+    def _deliver_end(self, request: Request) -> None:
+        request.finished = True
+        self.metrics.request_finished(request.request_id)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        with self._cond:
+            pending = list(self._inbox)
+            self._inbox.clear()
+            self._stopping = True
+        planned = [*self._plan.prefill, *([self._plan.chunk[0]] if self._plan.chunk else [])] if self._plan else []
+        for request in [*self.rows, *planned, *self.scheduler.all_requests(), *pending]:
+            if not request.finished:
+                request.finished = True
+                request.sink.put(exc)
+        self.rows, self.cache = [], None
+        self.scheduler = Scheduler(1, 1, 1)

@@ -1,0 +1,37 @@
+"""Helpers for engine tests: a scripted wrapper around a real model, and engine factories."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Optional, Sequence
+
+import mlx.core as mx
+
+
+class ScriptedModel:
+    """Wraps a real mlx-lm model: runs it (so the KV cache code is exercised for real) but
+    replaces its logits so that the token after absolute position ``p`` is
+    ``script[(p + 1) % len(script)]``. Optional hooks make a forward block or raise."""
+
+    def __init__(self, inner: Any, script: Sequence[int], vocab_size: int) -> None:
+        self.inner = inner
+        self.layers = inner.layers
+        self.script = mx.array(list(script))
+        self.vocab_size = vocab_size
+        self.gate: Optional[threading.Event] = None
+        self.fail_with: Optional[BaseException] = None
+        self.calls = 0
+
+    def __call__(self, inputs: mx.array, cache: Any = None) -> mx.array:
+        self.calls += 1
+        if self.gate is not None:
+            self.gate.wait(30)
+        if self.fail_with is not None:
+            raise self.fail_with
+        logits = self.inner(inputs, cache=cache)
+        length = inputs.shape[1]
+        end = cache[0].offset  # per-row position after this forward
+        end = mx.broadcast_to(mx.array(end), (inputs.shape[0],)) if not isinstance(end, mx.array) or end.ndim == 0 else end
+        positions = end[:, None] - length + mx.arange(length)[None]
+        nxt = self.script[(positions + 1) % self.script.size]
+        return mx.where(mx.arange(self.vocab_size)[None, None] == nxt[..., None], 100.0, -100.0).astype(logits.dtype)

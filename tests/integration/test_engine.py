@@ -1,0 +1,355 @@
+"""The batching engine on the tiny random llama (real tokenizer, real KV caches)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from engine_helpers import ScriptedModel
+from mlx_parallm_provider.config import EngineConfig
+from mlx_parallm_provider.engine import Engine, SamplingParams
+from mlx_parallm_provider.errors import (
+    ContextWindowExceededError,
+    EngineDeadError,
+    EngineOverloadedError,
+    InvalidParameterError,
+    RequestTimeoutError,
+)
+from mlx_parallm_provider.models.registry import LoadedModel
+
+WORDS = "the quick brown fox jumps over a lazy dog while seven curious cats watch from the old wall".split()
+
+
+def mixed_prompts(n: int = 16) -> list[str]:
+    return [" ".join(WORDS[: 2 + (i * 5) % len(WORDS)]) + f" #{i}" for i in range(n)]
+
+
+@pytest.fixture
+def make_engine(tiny_model):
+    engines = []
+
+    def factory(model=None, **config) -> Engine:
+        loaded = tiny_model if model is None else LoadedModel(tiny_model.name, tiny_model.path, model, tiny_model.tokenizer, tiny_model.config)
+        engine = Engine("tiny", EngineConfig(**config), loaded=loaded)
+        engines.append(engine)
+        return engine
+
+    yield factory
+    for engine in engines:
+        engine.shutdown()
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def test_batched_greedy_equals_one_at_a_time(make_engine) -> None:
+    prompts = mixed_prompts(16)
+    alone = make_engine(max_num_seqs=1)
+    expected = [alone.generate_sync(p, GREEDY).token_ids for p in prompts]
+    assert alone.stats()["max_batch_size"] == 1
+
+    together = make_engine()
+
+    async def all_at_once():
+        return await asyncio.gather(*(together.generate(p, GREEDY) for p in prompts))
+
+    got = [c.token_ids for c in run(all_at_once())]
+    assert got == expected
+    assert together.stats()["max_batch_size"] == 16
+
+    staggered = make_engine(batch_window_ms=0)
+
+    async def one_by_one():
+        async def later(i, p):
+            await asyncio.sleep(0.004 * i)
+            return await staggered.generate(p, GREEDY)
+
+        return await asyncio.gather(*(later(i, p) for i, p in enumerate(prompts)))
+
+    got = [c.token_ids for c in run(one_by_one())]
+    assert got == expected
+    assert staggered.stats()["max_batch_size"] > 1
+
+
+def test_long_prompt_is_chunk_prefilled_while_others_decode(make_engine) -> None:
+    engine = make_engine(prefill_chunk_size=16, max_num_batched_tokens=64)
+    long_prompt = " ".join(WORDS * 4)
+    reference = make_engine(max_num_seqs=1)
+    expected_long = reference.generate_sync(long_prompt, GREEDY).token_ids
+    expected_short = reference.generate_sync("hello there", GREEDY).token_ids
+
+    async def both():
+        return await asyncio.gather(engine.generate("hello there", GREEDY), engine.generate(long_prompt, GREEDY))
+
+    short, long = run(both())
+    assert short.token_ids == expected_short and long.token_ids == expected_long
+
+
+def test_seeded_sampling_is_batch_independent(make_engine) -> None:
+    engine = make_engine()
+    seeded = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
+    alone = engine.generate_sync("once upon a time", seeded).token_ids
+
+    async def in_a_crowd():
+        others = [engine.generate(p, SamplingParams(max_tokens=16, temperature=1.0, ignore_eos=True)) for p in mixed_prompts(8)]
+        results = await asyncio.gather(engine.generate("once upon a time", seeded), *others)
+        return results[0].token_ids
+
+    assert run(in_a_crowd()) == alone
+    assert engine.generate_sync("once upon a time", seeded).token_ids == alone
+    other_seed = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=99, ignore_eos=True)
+    assert engine.generate_sync("once upon a time", other_seed).token_ids != alone
+
+
+def test_32_async_callers_share_one_decode_batch(make_engine) -> None:
+    engine = make_engine()
+
+    async def burst():
+        return await asyncio.gather(*(engine.generate(p, GREEDY) for p in mixed_prompts(32)))
+
+    results = run(burst())
+    assert len(results) == 32 and all(r.usage.completion_tokens == 12 for r in results)
+    stats = engine.stats()
+    assert stats["max_batch_size"] >= 16
+    assert stats["running"] == 0 and stats["finished"] == 32
+    json.dumps(stats)
+
+
+def test_32_threads_share_one_decode_batch(make_engine) -> None:
+    engine = make_engine()
+    with ThreadPoolExecutor(32) as pool:
+        results = list(pool.map(lambda p: engine.generate_sync(p, GREEDY), mixed_prompts(32)))
+    assert all(r.usage.completion_tokens == 12 for r in results)
+    assert engine.stats()["max_batch_size"] >= 16
+
+
+def test_callers_from_several_event_loops_batch_together(make_engine) -> None:
+    engine = make_engine(batch_window_ms=50)
+    barrier = threading.Barrier(4)
+
+    def loop_in_thread(i: int):
+        async def main():
+            barrier.wait()
+            return await asyncio.gather(*(engine.generate(p, GREEDY) for p in mixed_prompts(8)))
+
+        return asyncio.run(main())
+
+    with ThreadPoolExecutor(4) as pool:
+        outs = list(pool.map(loop_in_thread, range(4)))
+    assert sum(len(o) for o in outs) == 32
+    assert engine.stats()["max_batch_size"] >= 16
+
+
+def test_cancel_one_stream_leaves_others_untouched(make_engine) -> None:
+    engine = make_engine()
+    prompts = mixed_prompts(8)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    expected = [engine.generate_sync(p, params).text for p in prompts]
+
+    async def collect(i: int, prompt: str) -> str:
+        text = ""
+        async for delta in engine.stream(prompt, params):
+            text += delta.text
+            if i == 3 and len(text) > 0:
+                break  # leaving the stream cancels the request
+        return text
+
+    async def main():
+        return await asyncio.gather(*(collect(i, p) for i, p in enumerate(prompts)))
+
+    texts = run(main())
+    assert [t for i, t in enumerate(texts) if i != 3] == [t for i, t in enumerate(expected) if i != 3]
+    assert texts[3] != expected[3]
+    time.sleep(0.1)
+    stats = engine.stats()
+    assert stats["running"] == 0 and stats["waiting"] == 0
+
+
+def test_cancelling_the_task_frees_the_row(make_engine) -> None:
+    engine = make_engine()
+
+    async def main():
+        victim = asyncio.ensure_future(engine.generate("cancel me", SamplingParams(max_tokens=400, ignore_eos=True)))
+        survivor = asyncio.ensure_future(engine.generate("keep me", GREEDY))
+        await asyncio.sleep(0.05)
+        victim.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await victim
+        return await survivor
+
+    assert run(main()).usage.completion_tokens == 12
+    time.sleep(0.1)
+    assert engine.stats()["running"] == 0
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("max_tokens", 0), ("temperature", -1.0), ("top_p", 1.5), ("top_k", -1), ("min_p", 2.0),
+        ("repetition_penalty", 0.0), ("presence_penalty", 3.0), ("frequency_penalty", -3.0),
+        ("logit_bias", {"x": 1.0}), ("stop", [""]), ("stop_token_ids", [-1]), ("seed", -5),
+        ("top_logprobs", 50), ("timeout", -1.0),
+    ],
+)
+def test_invalid_parameters_name_the_field(field, value) -> None:
+    with pytest.raises(InvalidParameterError) as info:
+        SamplingParams(**{field: value})
+    assert info.value.field.startswith(field)
+
+
+def test_errors_do_not_disturb_requests_in_flight(make_engine, tiny_model) -> None:
+    engine = make_engine(max_queue=64)
+
+    async def main():
+        good = [asyncio.ensure_future(engine.generate(p, GREEDY)) for p in mixed_prompts(4)]
+        await asyncio.sleep(0)
+        with pytest.raises(ContextWindowExceededError, match="512"):
+            await engine.generate("hi", SamplingParams(max_tokens=600))
+        with pytest.raises(InvalidParameterError, match="prompt"):
+            await engine.generate([1, 2, 10**9])
+        with pytest.raises(InvalidParameterError, match="prompt"):
+            await engine.generate("")
+        with pytest.raises(RequestTimeoutError):
+            await engine.generate("slow", SamplingParams(max_tokens=400, ignore_eos=True, timeout=0.02))
+        return await asyncio.gather(*good)
+
+    assert all(r.usage.completion_tokens == 12 for r in run(main()))
+
+
+def test_overload_is_immediate_and_typed(make_engine, tiny_model) -> None:
+    scripted = ScriptedModel(tiny_model.model, [100, 101, 102], vocab_size=49152)
+    scripted.gate = threading.Event()
+    engine = make_engine(scripted, max_num_seqs=1, max_num_batched_tokens=64, max_queue=3, batch_window_ms=0)
+
+    async def main():
+        first = asyncio.ensure_future(engine.generate("first", GREEDY))
+        await asyncio.sleep(0.05)  # the worker is now blocked inside the first forward
+        queued = [asyncio.ensure_future(engine.generate(f"q{i}", GREEDY)) for i in range(3)]
+        await asyncio.sleep(0.01)
+        tic = time.perf_counter()
+        with pytest.raises(EngineOverloadedError, match="max_queue=3"):
+            await engine.generate("one too many", GREEDY)
+        assert time.perf_counter() - tic < 0.5
+        scripted.gate.set()
+        return await asyncio.gather(first, *queued)
+
+    assert len(run(main())) == 4
+
+
+def test_worker_death_fails_everyone_then_recovers(make_engine, tiny_model) -> None:
+    scripted = ScriptedModel(tiny_model.model, [100, 101, 102], vocab_size=49152)
+    engine = make_engine(scripted)
+    scripted.fail_with = RuntimeError("metal exploded")
+
+    async def doomed():
+        return await asyncio.gather(*(engine.generate(p, GREEDY) for p in mixed_prompts(4)), return_exceptions=True)
+
+    errors = run(doomed())
+    assert all(isinstance(e, EngineDeadError) and "metal exploded" in str(e) for e in errors)
+    scripted.fail_with = None
+    n = len(engine.encode("alive again"))
+    assert engine.generate_sync("alive again", GREEDY).token_ids == [[100, 101, 102][(n + i) % 3] for i in range(12)]
+
+
+def test_fault_in_one_request_fails_only_it(make_engine, monkeypatch) -> None:
+    from mlx_parallm_provider.engine import worker as worker_module
+
+    class Exploding(worker_module.TextStream):
+        def add_token(self, token_id):
+            if "BOOM" in self.matcher.stops:
+                raise ValueError("detokenizer bug")
+            return super().add_token(token_id)
+
+    monkeypatch.setattr(worker_module, "TextStream", Exploding)
+    engine = make_engine()
+
+    async def main():
+        return await asyncio.gather(
+            engine.generate("a", SamplingParams(max_tokens=8, stop=["BOOM"])),
+            *(engine.generate(p, GREEDY) for p in mixed_prompts(3)),
+            return_exceptions=True,
+        )
+
+    first, *rest = run(main())
+    assert isinstance(first, ValueError)
+    assert all(r.usage.completion_tokens == 12 for r in rest)
+
+
+def _script_ids(tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_multibyte_text_streams_intact(make_engine, tiny_model) -> None:
+    tokenizer = tiny_model.tokenizer
+    target = "Café 😀 中文字 👨‍👩‍👧 ok"
+    script = _script_ids(tokenizer, target)
+    assert any("\ufffd" in tokenizer.decode([t]) for t in script)  # some tokens hold partial characters
+    scripted = ScriptedModel(tiny_model.model, script, vocab_size=49152)
+    engine = make_engine(scripted)
+    prompt = list(script)  # position len(script)-1 -> next is script[0]: the text repeats from the start
+    params = SamplingParams(max_tokens=len(script), ignore_eos=True)
+
+    async def main():
+        return [d async for d in engine.stream(prompt, params)]
+
+    deltas = run(main())
+    assert "".join(d.text for d in deltas) == target
+    assert all("\ufffd" not in d.text for d in deltas)
+    assert deltas[-1].finish_reason == "length" and deltas[-1].usage.completion_tokens == len(script)
+
+
+def test_stop_strings_never_leak(make_engine, tiny_model) -> None:
+    tokenizer = tiny_model.tokenizer
+    target = "Hello there. STOP HERE and more text"
+    script = _script_ids(tokenizer, target)
+    scripted = ScriptedModel(tiny_model.model, script, vocab_size=49152)
+    engine = make_engine(scripted)
+    params = SamplingParams(max_tokens=40, stop=["STOP HERE", "never"], ignore_eos=True)
+
+    async def main():
+        streamed = [d async for d in engine.stream(list(script), params)]
+        whole = await engine.generate(list(script), params)
+        return streamed, whole
+
+    streamed, whole = run(main())
+    text = "".join(d.text for d in streamed)
+    assert text == whole.text == "Hello there. "
+    assert streamed[-1].finish_reason == whole.finish_reason == "stop"
+
+
+def test_eos_and_stop_token_ids(make_engine, tiny_model) -> None:
+    tokenizer = tiny_model.tokenizer
+    script = _script_ids(tokenizer, "one two three") + [2]  # 2 = <|im_end|>, the EOS
+    scripted = ScriptedModel(tiny_model.model, script, vocab_size=49152)
+    engine = make_engine(scripted)
+    done = engine.generate_sync(list(script), SamplingParams(max_tokens=30))
+    assert done.text == "one two three" and done.finish_reason == "stop" and 2 not in done.token_ids
+    assert done.usage.completion_tokens == len(script)
+    two = _script_ids(tokenizer, " two")[0]
+    cut = engine.generate_sync(list(script), SamplingParams(max_tokens=30, stop_token_ids=[two]))
+    assert cut.text == "one" and cut.finish_reason == "stop"
+
+
+def test_logprobs_and_logit_bias(make_engine) -> None:
+    engine = make_engine()
+    biased = engine.generate_sync("hello", SamplingParams(max_tokens=4, logit_bias={777: 100.0}, logprobs=True, top_logprobs=3))
+    assert biased.token_ids == [777] * 4
+    assert len(biased.logprobs) == 4 and all(lp.token_id == 777 and lp.logprob > -1e-3 for lp in biased.logprobs)
+    assert all(len(lp.top_logprobs) == 3 and lp.top_logprobs[0][0] == 777 for lp in biased.logprobs)
+
+
+def test_penalties_change_output(make_engine) -> None:
+    engine = make_engine()
+    plain = engine.generate_sync("the the the", SamplingParams(max_tokens=16, ignore_eos=True))
+    penalised = engine.generate_sync("the the the", SamplingParams(max_tokens=16, ignore_eos=True, frequency_penalty=2.0, repetition_penalty=1.5))
+    assert plain.token_ids != penalised.token_ids
+    assert len(set(penalised.token_ids)) >= len(set(plain.token_ids))
