@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Optional
 
-from .engine.request import _check_int, _check_number
+from ._validation import check_int as _check_int
+from ._validation import check_number as _check_number
 from .errors import InvalidParameterError
 
 

@@ -3,10 +3,11 @@ back (:class:`Completion` for a whole answer, :class:`Delta` for a streamed piec
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
+from .._validation import check_int as _check_int
+from .._validation import check_number as _check_number
 from ..errors import InvalidParameterError
 
 Prompt = Union[str, list[int]]
@@ -91,28 +92,6 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         """True when the next token is always the arg-max (no randomness)."""
         return self.temperature == 0.0
-
-
-def _check_int(name: str, value: object, minimum: int | None = None, maximum: int | None = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidParameterError(name, f"must be an integer, got {value!r}")
-    if minimum is not None and value < minimum:
-        raise InvalidParameterError(name, f"must be >= {minimum}, got {value}")
-    if maximum is not None and value > maximum:
-        raise InvalidParameterError(name, f"must be <= {maximum}, got {value}")
-
-
-def _check_number(
-    name: str, value: object, minimum: float | None = None, maximum: float | None = None
-) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise InvalidParameterError(name, f"must be a number, got {value!r}")
-    if not math.isfinite(value):
-        raise InvalidParameterError(name, f"must be finite, got {value}")
-    if minimum is not None and value < minimum:
-        raise InvalidParameterError(name, f"must be >= {minimum}, got {value}")
-    if maximum is not None and value > maximum:
-        raise InvalidParameterError(name, f"must be <= {maximum}, got {value}")
 
 
 @dataclass(slots=True)
