@@ -1,0 +1,302 @@
+"""Test doubles: offline chat tokenizers and a deterministic fake :class:`Engine`.
+
+``FakeEngine`` implements the engine's public API (``generate``, ``stream``,
+``generate_sync``, ``stream_sync``, ``apply_chat_template``, ``stats``) without a model:
+each request's answer comes from a script, and every call is recorded with its
+:class:`SamplingParams`. Its ``apply_chat_template`` is the real
+:func:`mlx_parallm_provider.chat.render_chat`, so adapter tests exercise the real prompt
+path. ``patch_get_engine`` makes the LiteLLM adapter use a fake.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+from mlx_parallm_provider.engine.request import Completion, Delta, SamplingParams, TokenLogprob, Usage
+
+# SmolLM2-135M-Instruct's template (plain ChatML, no tool support), verbatim.
+SMOLLM2_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}"
+    "{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+# A Qwen2.5-Instruct-style template that renders tools, tool calls and tool results.
+QWEN_TOOLS_TEMPLATE = """{%- if tools %}
+    {{- '<|im_start|>system\\n' }}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- messages[0]['content'] }}
+    {%- else %}
+        {{- 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' }}
+    {%- endif %}
+    {{- "\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n" }}
+{%- else %}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}
+    {%- else %}
+        {{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}
+    {%- endif %}
+{%- endif %}
+{%- for message in messages %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}
+        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}
+    {%- elif message.role == "assistant" %}
+        {{- '<|im_start|>' + message.role }}
+        {%- if message.content %}
+            {{- '\\n' + message.content }}
+        {%- endif %}
+        {%- for tool_call in message.tool_calls %}
+            {%- if tool_call.function is defined %}
+                {%- set tool_call = tool_call.function %}
+            {%- endif %}
+            {{- '\\n<tool_call>\\n{"name": "' }}
+            {{- tool_call.name }}
+            {{- '", "arguments": ' }}
+            {{- tool_call.arguments | tojson }}
+            {{- '}\\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\\n<tool_response>\\n' }}
+        {{- message.content }}
+        {{- '\\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
+            {{- '<|im_end|>\\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+{%- endif %}
+"""
+
+
+def make_tokenizer(chat_template: Optional[str] = SMOLLM2_TEMPLATE) -> Any:
+    """A real transformers tokenizer built offline: byte-level BPE (one token per byte)
+    with ChatML special tokens and the given chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, eos_token="<|im_end|>", extra_special_tokens=["<|im_start|>"]
+    )
+    tokenizer.chat_template = chat_template
+    return tokenizer
+
+
+# --------------------------------------------------------------------------- fake engine
+
+Script = Union[str, Mapping[str, str], Callable[[str, SamplingParams], str]]
+
+
+@dataclass
+class FakeCall:
+    """One request the fake engine received."""
+
+    method: str  # generate | stream | generate_sync | stream_sync
+    prompt: Union[str, list[int]]
+    params: SamplingParams
+    request_id: Optional[str]
+    thread: str
+
+
+class FakeEngine:
+    """A deterministic stand-in for ``mlx_parallm_provider.engine.Engine``.
+
+    ``script`` decides each answer: a fixed string, a mapping whose first key found in
+    the prompt selects the answer (else ``default``), or ``f(prompt, params) -> str``.
+    Tokens are characters: ``max_tokens`` cuts the answer to that many characters
+    (``finish_reason="length"``), a stop string cuts it before the stop
+    (``"stop"``). Streams yield ``chunk_size`` characters per delta. ``error``, when
+    set, is raised by every request. ``delay`` seconds of sleep per request lets tests
+    observe concurrency (``max_in_flight``).
+    """
+
+    def __init__(
+        self,
+        script: Script = "Hello from the fake engine.",
+        *,
+        default: str = "Hello from the fake engine.",
+        model_name: str = "fake",
+        tokenizer: Any = None,
+        context_length: int = 2048,
+        chunk_size: int = 3,
+        delay: float = 0.0,
+        error: Optional[BaseException] = None,
+    ) -> None:
+        self.model_name = model_name
+        self.tokenizer = tokenizer if tokenizer is not None else make_tokenizer()
+        self.context_length = context_length
+        self.script = script
+        self.default = default
+        self.chunk_size = chunk_size
+        self.delay = delay
+        self.error = error
+        self.calls: list[FakeCall] = []
+        self.closed_streams = 0
+        self.max_in_flight = 0
+        self._in_flight = 0
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+
+    # -- the Engine API
+
+    async def generate(self, prompt: Union[str, list[int]], params: Optional[SamplingParams] = None, *, request_id: Optional[str] = None) -> Completion:
+        params, request_id = self._record("generate", prompt, params, request_id)
+        with self._flight():
+            if self.delay:
+                await asyncio.sleep(self.delay)
+            return self._complete(prompt, params, request_id)
+
+    async def stream(self, prompt: Union[str, list[int]], params: Optional[SamplingParams] = None, *, request_id: Optional[str] = None) -> AsyncIterator[Delta]:
+        params, request_id = self._record("stream", prompt, params, request_id)
+        try:
+            for delta in self._deltas(prompt, params, request_id):
+                await asyncio.sleep(0)
+                yield delta
+        finally:
+            with self._lock:
+                self.closed_streams += 1
+
+    def generate_sync(self, prompt: Union[str, list[int]], params: Optional[SamplingParams] = None, *, request_id: Optional[str] = None) -> Completion:
+        params, request_id = self._record("generate_sync", prompt, params, request_id)
+        with self._flight():
+            if self.delay:
+                time.sleep(self.delay)
+            return self._complete(prompt, params, request_id)
+
+    def stream_sync(self, prompt: Union[str, list[int]], params: Optional[SamplingParams] = None, *, request_id: Optional[str] = None) -> Iterator[Delta]:
+        params, request_id = self._record("stream_sync", prompt, params, request_id)
+        try:
+            yield from self._deltas(prompt, params, request_id)
+        finally:
+            with self._lock:
+                self.closed_streams += 1
+
+    def apply_chat_template(self, messages: list[dict], tools: Optional[list[dict]] = None, add_generation_prompt: bool = True) -> str:
+        from mlx_parallm_provider.chat import render_chat
+
+        return render_chat(self.tokenizer, messages, tools, add_generation_prompt)
+
+    def stats(self) -> dict:
+        return {"requests": len(self.calls), "max_in_flight": self.max_in_flight}
+
+    # -- helpers for tests
+
+    @property
+    def last(self) -> FakeCall:
+        """The most recent call."""
+        return self.calls[-1]
+
+    def answer_for(self, prompt: Union[str, list[int]], params: SamplingParams) -> str:
+        """The scripted full answer before max_tokens / stop are applied."""
+        text = prompt if isinstance(prompt, str) else " ".join(map(str, prompt))
+        if isinstance(self.script, str):
+            return self.script
+        if callable(self.script):
+            return self.script(text, params)
+        return next((answer for key, answer in self.script.items() if key in text), self.default)
+
+    # -- internals
+
+    def _record(self, method: str, prompt: Any, params: Optional[SamplingParams], request_id: Optional[str]) -> tuple[SamplingParams, str]:
+        params = params if params is not None else SamplingParams()
+        request_id = request_id or f"fake-{next(self._ids)}"
+        with self._lock:
+            self.calls.append(FakeCall(method, prompt, params, request_id, threading.current_thread().name))
+        if self.error is not None:
+            raise self.error
+        return params, request_id
+
+    def _flight(self) -> Any:
+        engine = self
+
+        class _Flight:
+            def __enter__(self) -> None:
+                with engine._lock:
+                    engine._in_flight += 1
+                    engine.max_in_flight = max(engine.max_in_flight, engine._in_flight)
+
+            def __exit__(self, *exc: Any) -> None:
+                with engine._lock:
+                    engine._in_flight -= 1
+
+        return _Flight()
+
+    def _prompt_tokens(self, prompt: Union[str, list[int]]) -> int:
+        if isinstance(prompt, str):
+            return len(self.tokenizer.encode(prompt, add_special_tokens=False))
+        return len(prompt)
+
+    def _answer(self, prompt: Union[str, list[int]], params: SamplingParams) -> tuple[str, str]:
+        text, finish = self.answer_for(prompt, params), "stop"
+        if len(text) > params.max_tokens:
+            text, finish = text[: params.max_tokens], "length"
+        cuts = [text.find(s) for s in params.stop if s in text]
+        if cuts:
+            text, finish = text[: min(cuts)], "stop"
+        return text, finish
+
+    def _logprobs(self, text: str, params: SamplingParams) -> Optional[list[TokenLogprob]]:
+        if not params.logprobs:
+            return None
+        return [
+            TokenLogprob(ord(ch), ch, -0.5, [(ord(ch), ch, -0.5)] + [(0, "!", -3.0)] * (params.top_logprobs - 1))
+            if params.top_logprobs
+            else TokenLogprob(ord(ch), ch, -0.5)
+            for ch in text
+        ]
+
+    def _complete(self, prompt: Union[str, list[int]], params: SamplingParams, request_id: str) -> Completion:
+        text, finish = self._answer(prompt, params)
+        usage = Usage(prompt_tokens=self._prompt_tokens(prompt), completion_tokens=len(text))
+        return Completion(request_id, text, [ord(c) for c in text], finish, usage, self._logprobs(text, params))
+
+    def _deltas(self, prompt: Union[str, list[int]], params: SamplingParams, request_id: str) -> Iterator[Delta]:
+        text, finish = self._answer(prompt, params)
+        pieces = [text[i : i + self.chunk_size] for i in range(0, len(text), self.chunk_size)] or [""]
+        for i, piece in enumerate(pieces):
+            last = i == len(pieces) - 1
+            yield Delta(
+                request_id,
+                piece,
+                [ord(c) for c in piece],
+                finish_reason=finish if last else None,
+                usage=Usage(self._prompt_tokens(prompt), len(text)) if last else None,
+            )
+
+
+def patch_get_engine(monkeypatch: Any, engine: FakeEngine) -> list[str]:
+    """Make the LiteLLM adapter's ``get_engine`` return ``engine``.
+
+    Returns the list the model names asked for are appended to.
+    """
+    from mlx_parallm_provider.integrations import litellm as adapter
+
+    requested: list[str] = []
+
+    def fake_get_engine(model: str = "default", config: Any = None) -> FakeEngine:
+        requested.append(model)
+        return engine
+
+    monkeypatch.setattr(adapter, "get_engine", fake_get_engine)
+    return requested
