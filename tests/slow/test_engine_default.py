@@ -1,0 +1,42 @@
+"""The engine on the real embedded default model."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from mlx_parallm_provider.config import EngineConfig
+from mlx_parallm_provider.engine import Engine, SamplingParams
+from mlx_parallm_provider.models import registry
+
+QUESTIONS = [
+    "What is the capital of France?", "Name a primary color.", "What is 2 + 2?",
+    "Write one sentence about the sea.", "What do bees make?", "Who wrote Hamlet?",
+    "Give a synonym for happy.", "What is the largest planet in our solar system? Answer briefly.",
+    "Translate 'hello' into French.", "What is water made of?", "How many legs does a spider have?",
+    "Name a fruit that is yellow.", "What is the opposite of cold?", "What season comes after winter?",
+    "Describe the moon in five words.", "Tell me a fun fact about cats, in one short sentence please.",
+]
+
+
+@pytest.mark.slow
+def test_batched_greedy_equals_one_at_a_time_on_default_model() -> None:
+    loaded = registry.load("default")
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    alone = Engine("default", EngineConfig(max_num_seqs=1), loaded=loaded)
+    together = Engine("default", loaded=loaded)
+    try:
+        prompts = [alone.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
+        expected = [alone.generate_sync(p, params) for p in prompts]
+
+        async def burst():
+            return await asyncio.gather(*(together.generate(p, params) for p in prompts))
+
+        got = asyncio.run(burst())
+        assert [g.token_ids for g in got] == [e.token_ids for e in expected]
+        assert together.stats()["max_batch_size"] == 16
+        assert "Paris" in got[0].text
+    finally:
+        alone.shutdown()
+        together.shutdown()

@@ -1,0 +1,87 @@
+"""Scheduling policy, with plain requests (no model)."""
+
+from __future__ import annotations
+
+from mlx_parallm_provider.engine.request import Request, ResultSink, SamplingParams
+from mlx_parallm_provider.engine.scheduler import Scheduler
+
+
+def req(name: str, prompt_len: int, max_tokens: int = 10) -> Request:
+    return Request(name, list(range(prompt_len)), SamplingParams(max_tokens=max_tokens), ResultSink())
+
+
+def names(requests) -> list[str]:
+    return [r.request_id for r in requests]
+
+
+def test_burst_is_prefilled_together_then_decodes() -> None:
+    s = Scheduler(max_num_seqs=8, max_num_batched_tokens=1000, prefill_chunk_size=100)
+    for i in range(4):
+        s.add(req(f"r{i}", 10 + i))
+    plan = s.schedule()
+    assert names(plan.prefill) == ["r0", "r1", "r2", "r3"] and plan.decode == [] and plan.chunk is None
+    s.started(plan.prefill)
+    plan = s.schedule()
+    assert names(plan.decode) == ["r0", "r1", "r2", "r3"] and plan.prefill == []
+
+
+def test_max_num_seqs_caps_admission() -> None:
+    s = Scheduler(max_num_seqs=2, max_num_batched_tokens=1000, prefill_chunk_size=100)
+    for i in range(3):
+        s.add(req(f"r{i}", 5))
+    plan = s.schedule()
+    assert names(plan.prefill) == ["r0", "r1"] and s.num_waiting == 1
+    s.started(plan.prefill)
+    assert s.schedule().prefill == []
+    s.remove(plan.prefill[0])
+    assert names(s.schedule().prefill) == ["r2"]
+
+
+def test_token_budget_counts_padding_and_decode_rows() -> None:
+    s = Scheduler(max_num_seqs=10, max_num_batched_tokens=40, prefill_chunk_size=100)
+    running = [req(f"run{i}", 3) for i in range(4)]
+    s.started(running)
+    s.add(req("a", 10))
+    s.add(req("b", 20))  # a+b padded = 2 * 20 = 40 > 36 left after 4 decode rows
+    plan = s.schedule()
+    assert len(plan.decode) == 4 and names(plan.prefill) == ["a"]
+    assert names(s.waiting) == ["b"]
+
+
+def test_long_prompt_is_chunked_over_steps() -> None:
+    s = Scheduler(max_num_seqs=4, max_num_batched_tokens=64, prefill_chunk_size=16)
+    long = req("long", 40)
+    s.add(long)
+    s.add(req("short", 5))
+    plan = s.schedule()
+    assert plan.chunk == (long, 16) and names(plan.prefill) == ["short"]
+    long.num_prefilled += 16
+    s.started(plan.prefill)
+    plan = s.schedule()
+    assert plan.chunk == (long, 16) and names(plan.decode) == ["short"]
+    long.num_prefilled += 16
+    assert s.schedule().chunk == (long, 8)
+    s.started([long])
+    assert s.chunking is None and names(s.schedule().decode) == ["short", "long"]
+
+
+def test_kv_budget_blocks_in_arrival_order() -> None:
+    s = Scheduler(max_num_seqs=10, max_num_batched_tokens=1000, prefill_chunk_size=100, kv_budget_tokens=100)
+    s.add(req("big", 50, max_tokens=40))  # 90
+    s.add(req("small", 5, max_tokens=5))  # 10 -> 100: fits
+    s.add(req("next", 1, max_tokens=1))  # 2 -> over
+    plan = s.schedule()
+    assert names(plan.prefill) == ["big", "small"] and names(s.waiting) == ["next"]
+    assert not s.fits_alone(req("huge", 90, max_tokens=20)) and s.fits_alone(req("ok", 90, max_tokens=10))
+
+
+def test_remove_from_any_queue() -> None:
+    s = Scheduler(max_num_seqs=1, max_num_batched_tokens=100, prefill_chunk_size=4)
+    chunked, waiting = req("chunked", 10), req("waiting", 2)
+    s.add(chunked)
+    s.add(waiting)
+    s.schedule()
+    assert s.chunking is chunked and s.num_running == 1 and s.num_waiting == 1
+    s.remove(waiting)
+    s.remove(chunked)
+    assert s.all_requests() == [] and s.schedule().empty
