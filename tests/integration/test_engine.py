@@ -353,3 +353,32 @@ def test_penalties_change_output(make_engine) -> None:
     penalised = engine.generate_sync("the the the", SamplingParams(max_tokens=16, ignore_eos=True, frequency_penalty=2.0, repetition_penalty=1.5))
     assert plain.token_ids != penalised.token_ids
     assert len(set(penalised.token_ids)) >= len(set(plain.token_ids))
+
+
+class CacheSpy:
+    """Passes calls through to the model and records the largest KV length seen."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.layers, self.longest = inner, inner.layers, 0
+
+    def __call__(self, inputs, cache=None):
+        out = self.inner(inputs, cache=cache)
+        self.longest = max(self.longest, cache[0].keys.shape[2])
+        return out
+
+
+def test_rotating_kv_cache_bounds_memory(make_engine, tiny_model) -> None:
+    full = make_engine()
+    spy = CacheSpy(tiny_model.model)
+    rotating = make_engine(spy, max_kv_size=32)
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+    short = SamplingParams(max_tokens=8, ignore_eos=True)
+    prompts = mixed_prompts(4)
+    # While prompt + output fit in the window, the rotating cache changes nothing.
+    assert [rotating.generate_sync(p, short).token_ids for p in prompts[:2]] == [full.generate_sync(p, short).token_ids for p in prompts[:2]]
+
+    async def burst():
+        return await asyncio.gather(*(rotating.generate(p, params) for p in prompts))
+
+    assert all(r.usage.completion_tokens == 60 for r in run(burst()))
+    assert spy.longest == 32  # prompt + 60 tokens would need ~70 entries per row
