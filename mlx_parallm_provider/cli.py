@@ -19,14 +19,14 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    import mlx_lm
+    from . import SamplingParams, get_engine
 
-    from .models import registry
-
-    loaded = registry.load(args.model)
-    messages = [{"role": "user", "content": args.prompt}]
-    prompt = loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    print(mlx_lm.generate(loaded.model, loaded.tokenizer, prompt, max_tokens=args.max_tokens))
+    engine = get_engine(args.model)
+    prompt = engine.apply_chat_template([{"role": "user", "content": args.prompt}])
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+    for delta in engine.stream_sync(prompt, params):
+        print(delta.text, end="", flush=True)
+    print()
     return 0
 
 
@@ -51,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("prompt")
     generate.add_argument("--model", default="default", help="'default', a .gguf, a folder or a repo id")
     generate.add_argument("--max-tokens", type=int, default=128)
+    generate.add_argument("--temperature", type=float, default=0.0)
     generate.set_defaults(func=_generate)
 
     bench = sub.add_parser("bench", help="CPU backend benchmark (BLAS x dequantize, batch 1 and 32)")

@@ -146,10 +146,8 @@ class Engine:
 
     def apply_chat_template(self, messages: list[dict], tools: Optional[list[dict]] = None, add_generation_prompt: bool = True) -> str:
         """Render chat messages (and tools) into the model's prompt text."""
-        try:
-            from ..chat import render_chat
-        except ImportError:  # pragma: no cover - chat rendering ships with the LiteLLM work
-            return self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False)
+        from ..chat import render_chat
+
         return render_chat(self.tokenizer, messages, tools=tools, add_generation_prompt=add_generation_prompt)
 
     def encode(self, prompt: Prompt) -> list[int]:
