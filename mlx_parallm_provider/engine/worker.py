@@ -14,6 +14,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 import mlx.core as mx
@@ -102,6 +103,7 @@ class Worker:
             self._cond.notify()
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
+            _wait_for_native_exit(self._thread, timeout)
 
     @property
     def alive(self) -> bool:
@@ -352,3 +354,21 @@ class Worker:
                 request.sink.put(exc)
         self.rows, self.cache = [], None
         self.scheduler = Scheduler(1, 1, 1)
+
+
+def _wait_for_native_exit(thread: threading.Thread, timeout: float) -> None:
+    """Wait until the OS thread behind ``thread`` is gone, not only its Python state.
+
+    ``join()`` returns before the thread's C++ thread-local destructors run, and MLX's
+    per-thread compile cache releases Python objects there. If the interpreter starts
+    finalizing meanwhile (a script ending right after shutdown), that destructor cannot get
+    the GIL and the process aborts ("terminate called without an active exception").
+    """
+    native_id = thread.native_id
+    task = Path(f"/proc/self/task/{native_id}")
+    if native_id is None or not Path("/proc/self/task").is_dir():
+        time.sleep(0.05)  # no /proc (macOS): give the destructors a moment
+        return
+    deadline = time.monotonic() + timeout
+    while task.exists() and time.monotonic() < deadline:
+        time.sleep(0.002)

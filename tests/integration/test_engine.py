@@ -382,3 +382,4 @@ def test_rotating_kv_cache_bounds_memory(make_engine, tiny_model) -> None:
 
     assert all(r.usage.completion_tokens == 60 for r in run(burst()))
     assert spy.longest == 32  # prompt + 60 tokens would need ~70 entries per row
+
