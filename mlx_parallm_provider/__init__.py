@@ -13,6 +13,7 @@ Importing this package loads an optimized BLAS for MLX's CPU backend when one is
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from .models.backend import preload_blas as _preload_blas
@@ -39,6 +40,9 @@ __version__ = "0.1.0"
 
 def register() -> None:
     """Register the ``mlx-parallm`` provider with LiteLLM (idempotent; imports LiteLLM)."""
+    adapter = sys.modules.get(f"{__name__}.integrations.litellm")
+    if adapter is not None and not hasattr(adapter, "register"):
+        return  # the adapter itself is importing LiteLLM; it registers once it is loaded
     from .integrations.litellm import register as _register
 
     _register()

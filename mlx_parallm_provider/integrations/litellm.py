@@ -709,3 +709,8 @@ def to_litellm_error(error: MLXParallmError, model: str) -> Exception:
 
 
 __all__ = ["PROVIDER", "MLXParallmLLM", "litellm_handler", "register", "register_pricing", "to_litellm_error", "get_engine"]
+
+# When this module is what first imports LiteLLM (e.g. ``mlx_parallm_provider.litellm_handler``
+# read before ``import litellm``), the package's import hook runs while this module is only
+# half-initialised and cannot register; so importing this module registers too (idempotent).
+register()

@@ -1,0 +1,234 @@
+"""The real LiteLLM proxy (``litellm --config``) serving the tiny model over loopback HTTP.
+
+The proxy runs as a subprocess with ``examples/litellm_proxy_config.yaml``, its model
+pointed at the tiny model folder, and is always stopped. Starting it imports the whole
+LiteLLM proxy (10-20 s on two cores), so the tests that use it are marked ``slow``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+import mlx_parallm_provider
+from mlx_parallm_provider import Engine, SamplingParams
+from mlx_parallm_provider.models.registry import LoadedModel
+
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO / "examples" / "litellm_proxy_config.yaml"
+ALIAS = "tiny"
+QUESTION = [{"role": "user", "content": "Say something about the sea."}]
+START_LIMIT_S = 180.0
+
+
+@dataclass
+class Proxy:
+    """A running proxy: where it listens and the key it wants."""
+
+    base_url: str
+    key: str
+    log: Path
+
+    def client(self) -> httpx.Client:
+        """An HTTP client for the proxy that ignores any HTTP(S)_PROXY of the environment."""
+        return httpx.Client(base_url=self.base_url, headers={"Authorization": f"Bearer {self.key}"}, timeout=120, trust_env=False)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _litellm_cli() -> str:
+    beside = Path(sys.executable).with_name("litellm")
+    found = str(beside) if beside.exists() else shutil.which("litellm")
+    if found is None:
+        pytest.fail("the `litellm` command is not installed (it comes with the litellm package)")
+    return found
+
+
+def _write_config(folder: Path, model_dir: Path) -> Path:
+    """The shipped example config, its one model replaced by the tiny model folder."""
+    config = yaml.safe_load(EXAMPLE.read_text())
+    config["model_list"] = [{"model_name": ALIAS, "litellm_params": {"model": f"mlx-parallm/{model_dir}"}}]
+    path = folder / "proxy_config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def _wait_ready(process: subprocess.Popen, base_url: str, log: Path) -> None:
+    deadline = time.monotonic() + START_LIMIT_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise AssertionError(f"the proxy exited with {process.returncode}:\n{log.read_text()[-4000:]}")
+        try:
+            if httpx.get(f"{base_url}/health/liveliness", timeout=2, trust_env=False).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    raise AssertionError(f"the proxy was not ready after {START_LIMIT_S:.0f}s:\n{log.read_text()[-4000:]}")
+
+
+def _stop(process: subprocess.Popen) -> None:
+    """SIGTERM the proxy's process group, then SIGKILL it if it lingers."""
+    if process.poll() is not None:
+        return
+    for sig, wait_s in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            process.wait(timeout=wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+@pytest.fixture(scope="module")
+def proxy(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proxy]:
+    import fastapi  # noqa: F401  (the proxy's server dependencies: the `proxy` extra, in `dev`)
+
+    folder = tmp_path_factory.mktemp("litellm-proxy")
+    config = _write_config(folder, tiny_model_dir)
+    port, key = _free_port(), "sk-" + secrets.token_hex(16)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p),
+        "LITELLM_MASTER_KEY": key,
+        "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+    }
+    log = folder / "proxy.log"
+    command = [_litellm_cli(), "--config", str(config), "--host", "127.0.0.1", "--port", str(port)]
+    with log.open("wb") as out:
+        process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        base_url = f"http://127.0.0.1:{port}"
+        _wait_ready(process, base_url, log)
+        yield Proxy(base_url, key, log)
+    finally:
+        _stop(process)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model: LoadedModel) -> Iterator[Any]:
+    """Greedy answer to QUESTION with 12 tokens, computed in this process."""
+    engine = Engine("tiny", loaded=tiny_model)
+    try:
+        yield engine.generate_sync(engine.apply_chat_template(QUESTION), SamplingParams(max_tokens=12))
+    finally:
+        engine.shutdown()
+
+
+def _sse_contents(response: httpx.Response) -> tuple[str, list[dict[str, Any]]]:
+    """Joined delta contents and every chunk of a server-sent-events chat stream."""
+    chunks = []
+    for line in response.iter_lines():
+        if not line.startswith("data: "):
+            continue
+        payload = line[len("data: ") :]
+        if payload.strip() == "[DONE]":
+            break
+        chunks.append(json.loads(payload))
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c.get("choices"))
+    return text, chunks
+
+
+# --------------------------------------------------------------------------- the shipped config
+
+
+def test_example_config_points_at_the_module_level_handler() -> None:
+    config = yaml.safe_load(EXAMPLE.read_text())
+    [entry] = config["litellm_settings"]["custom_provider_map"]
+    assert entry["provider"] == "mlx-parallm"
+    module, _, name = entry["custom_handler"].rpartition(".")
+    from mlx_parallm_provider.integrations.litellm import MLXParallmLLM
+
+    handler = getattr(importlib.import_module(module), name)
+    assert isinstance(handler, MLXParallmLLM) and handler is mlx_parallm_provider.litellm_handler
+    assert [m["litellm_params"]["model"] for m in config["model_list"]] == ["mlx-parallm/default"]
+
+
+# --------------------------------------------------------------------------- over HTTP
+
+
+@pytest.mark.slow
+def test_httpx_chat_completion(proxy: Proxy, reference: Any) -> None:
+    body = {"model": ALIAS, "messages": QUESTION, "max_tokens": 12, "temperature": 0}
+    with proxy.client() as client:
+        response = client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    data = response.json()
+    assert data["choices"][0]["message"]["content"] == reference.text
+    assert data["choices"][0]["finish_reason"] == reference.finish_reason
+    assert data["usage"]["completion_tokens"] == reference.usage.completion_tokens
+    assert data["usage"]["prompt_tokens"] == reference.usage.prompt_tokens
+    assert data["model"] == ALIAS and data["id"]
+
+
+@pytest.mark.slow
+def test_httpx_streaming_joins_to_the_same_text(proxy: Proxy, reference: Any) -> None:
+    body = {"model": ALIAS, "messages": QUESTION, "max_tokens": 12, "stream": True, "stream_options": {"include_usage": True}}
+    with proxy.client() as client, client.stream("POST", "/v1/chat/completions", json=body) as response:
+        assert response.status_code == 200
+        text, chunks = _sse_contents(response)
+    assert text == reference.text
+    assert len([c for c in chunks if c.get("choices") and c["choices"][0]["delta"].get("content")]) > 1
+    assert chunks[-1]["usage"]["completion_tokens"] == reference.usage.completion_tokens
+
+
+@pytest.mark.slow
+def test_concurrent_http_requests_all_answer(proxy: Proxy, reference: Any) -> None:
+    body = {"model": ALIAS, "messages": QUESTION, "max_tokens": 12}
+
+    async def many() -> list[httpx.Response]:
+        headers = {"Authorization": f"Bearer {proxy.key}"}
+        async with httpx.AsyncClient(base_url=proxy.base_url, headers=headers, timeout=120, trust_env=False) as client:
+            return list(await asyncio.gather(*(client.post("/v1/chat/completions", json=body) for _ in range(8))))
+
+    responses = asyncio.run(many())
+    assert [r.status_code for r in responses] == [200] * 8
+    assert {r.json()["choices"][0]["message"]["content"] for r in responses} == {reference.text}
+
+
+@pytest.mark.slow
+def test_errors_come_back_as_http_errors(proxy: Proxy) -> None:
+    too_long = {"model": ALIAS, "messages": QUESTION, "max_tokens": 600, "stream": True}
+    bad = {"model": ALIAS, "messages": QUESTION, "temperature": -1}
+    with proxy.client() as client:
+        too_long_response = client.post("/v1/chat/completions", json=too_long)
+        bad_response = client.post("/v1/chat/completions", json=bad)
+    assert too_long_response.status_code == 400 and "context window" in too_long_response.text
+    assert bad_response.status_code == 400 and "temperature" in bad_response.text
+
+
+@pytest.mark.slow
+def test_openai_client_plain_and_streaming(proxy: Proxy, reference: Any) -> None:
+    import openai
+    with httpx.Client(timeout=120, trust_env=False) as http:
+        client = openai.OpenAI(base_url=f"{proxy.base_url}/v1", api_key=proxy.key, max_retries=0, http_client=http)
+        whole = client.chat.completions.create(model=ALIAS, messages=QUESTION, max_tokens=12)
+        stream = client.chat.completions.create(model=ALIAS, messages=QUESTION, max_tokens=12, stream=True)
+        streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert whole.choices[0].message.content == reference.text
+    assert streamed == reference.text
