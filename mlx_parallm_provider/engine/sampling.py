@@ -81,6 +81,12 @@ def sample_batch(
                     row = processor(history, row)
             rows.append(row)
         logits = mx.concatenate(rows, axis=0)
+    wants = [i for i, s in enumerate(samplers) if s.params.logprobs]
+    if all(s.greedy for s in samplers) and not wants:
+        # The common all-greedy step: argmax of the logits, no normalisation pass.
+        tokens = mx.argmax(logits, axis=-1)
+        mx.eval(tokens)
+        return [SampledRow(token=t) for t in tokens.tolist()]
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
     if all(s.greedy for s in samplers):
@@ -91,7 +97,6 @@ def sample_batch(
             [greedy[i : i + 1] if s.greedy else s.draw(logprobs[i : i + 1]) for i, s in enumerate(samplers)]
         )
 
-    wants = [i for i, s in enumerate(samplers) if s.params.logprobs]
     extras: dict[int, Any] = {}
     for i in wants:
         k = samplers[i].params.top_logprobs
