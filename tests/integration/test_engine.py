@@ -383,3 +383,17 @@ def test_rotating_kv_cache_bounds_memory(make_engine, tiny_model) -> None:
     assert all(r.usage.completion_tokens == 60 for r in run(burst()))
     assert spy.longest == 32  # prompt + 60 tokens would need ~70 entries per row
 
+
+
+def test_kv_budget_refuses_what_can_never_fit_and_queues_the_rest(make_engine) -> None:
+    # Tiny model: 2 layers x 2 KV heads x 16 dims x 2 (K and V) x 4 bytes = 512 bytes/token.
+    engine = make_engine(kv_cache_memory_gb=100 * 512 / 1024**3)  # room for 100 tokens in all
+    with pytest.raises(InvalidParameterError, match="kv_cache_memory_gb"):
+        engine.generate_sync("hello", SamplingParams(max_tokens=200))
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+
+    async def main():
+        return await asyncio.gather(*(engine.generate(p, params) for p in mixed_prompts(6)))
+
+    assert all(r.usage.completion_tokens == 40 for r in run(main()))
+    assert engine.stats()["max_batch_size"] < 6  # the budget held some back until others left
