@@ -106,6 +106,8 @@ def get_engine(model: str) -> Engine:
 
 # --------------------------------------------------------------------------- shared fields
 
+_DEFAULTS = SamplingParams()  # the adapters' defaults are the engine's own
+
 
 class _EngineFields(BaseModel):
     """The fields both adapters share: the model name and every sampling setting.
@@ -120,21 +122,21 @@ class _EngineFields(BaseModel):
         description="'default', a path to an mlx-lm folder or a .gguf file, or a Hugging Face "
         "repo id; the same names as the LiteLLM provider's 'mlx-parallm/<model>'.",
     )
-    max_tokens: int = Field(default=256, description="Most tokens to generate.")
-    temperature: float = Field(default=0.0, description="0 is greedy decoding.")
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    max_tokens: int = Field(default=_DEFAULTS.max_tokens, description="Most tokens to generate.")
+    temperature: float = Field(default=_DEFAULTS.temperature, description="0 is greedy decoding.")
+    top_p: float = _DEFAULTS.top_p
+    top_k: int = _DEFAULTS.top_k
+    min_p: float = _DEFAULTS.min_p
+    repetition_penalty: float = _DEFAULTS.repetition_penalty
+    presence_penalty: float = _DEFAULTS.presence_penalty
+    frequency_penalty: float = _DEFAULTS.frequency_penalty
     logit_bias: Optional[dict[int, float]] = None
     stop: Optional[list[str]] = Field(default=None, description="Stop strings (not included in the output).")
     stop_token_ids: Optional[list[int]] = None
-    ignore_eos: bool = False
+    ignore_eos: bool = _DEFAULTS.ignore_eos
     seed: Optional[int] = Field(default=None, description="Seed of this request's sampler (batch-independent).")
-    logprobs: bool = False
-    top_logprobs: int = 0
+    logprobs: bool = _DEFAULTS.logprobs
+    top_logprobs: int = _DEFAULTS.top_logprobs
     timeout: Optional[float] = Field(default=None, description="Per-request timeout in seconds.")
 
     @model_validator(mode="after")
