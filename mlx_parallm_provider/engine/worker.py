@@ -172,7 +172,7 @@ class Worker:
             self._inbox.clear()
         for request in arrivals:
             if request.cancelled:
-                self._deliver_end(request)
+                self._retire(request)
                 continue
             request.state = _RowState(
                 sampler=RowSampler(request.params),
@@ -282,10 +282,7 @@ class Worker:
         if finish is not None and not state.text.stopped:
             piece += state.text.finish()
         if finish is not None:
-            # Bookkeeping first, so a caller woken by its result already sees it finished.
-            request.finished = True
-            self.scheduler.remove(request)
-            self.metrics.request_finished(request.request_id)
+            self._retire(request)  # first, so a caller woken by its result sees it finished
         if request.stream and (piece or finish):
             request.sink.put(Delta(
                 request_id=request.request_id,
@@ -321,26 +318,23 @@ class Worker:
             for c in self.cache:
                 c.filter(keep)
 
-    def _drop(self, request: Request) -> None:
-        """Remove a cancelled request; its caller has gone, so nothing is delivered."""
+    def _retire(self, request: Request) -> None:
+        """Mark a request finished and take it out of the scheduler and the metrics.
+        Its decode row, if any, goes at the next :meth:`_evict_finished`."""
         request.finished = True
         self.scheduler.remove(request)
         self.metrics.request_finished(request.request_id)
-        if request in self.rows:
-            self._evict_finished()
+
+    def _drop(self, request: Request) -> None:
+        """Remove a cancelled request; its caller has gone, so nothing is delivered."""
+        self._retire(request)
+        self._evict_finished()
         request.state = None
 
     def _fail(self, request: Request, exc: BaseException) -> None:
-        request.finished = True
-        self.scheduler.remove(request)
-        self.metrics.request_finished(request.request_id)
+        self._retire(request)
         request.sink.put(exc)
-        if request in self.rows:
-            self._evict_finished()
-
-    def _deliver_end(self, request: Request) -> None:
-        request.finished = True
-        self.metrics.request_finished(request.request_id)
+        self._evict_finished()
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._cond:
