@@ -173,6 +173,18 @@ class _EngineFields(BaseModel):
     def _sampling_dict(self) -> dict[str, Any]:
         return {"model": self.model, **{name: getattr(self, name) for name in SAMPLING_FIELDS}}
 
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return self._sampling_dict()
+
+    def _get_ls_params(self, stop: Optional[list[str]] = None, **kwargs: Any) -> Any:
+        params = super()._get_ls_params(stop=stop, **kwargs)  # type: ignore[misc]
+        params["ls_provider"] = PROVIDER
+        params["ls_model_name"] = kwargs.get("model") or self.model
+        if "ls_stop" not in params and self.stop:
+            params["ls_stop"] = self.stop
+        return params
+
 
 # --------------------------------------------------------------------------- the LLM
 
@@ -192,18 +204,6 @@ class MLXParallmLLM(_EngineFields, BaseLLM):
     @property
     def _llm_type(self) -> str:
         return PROVIDER
-
-    @property
-    def _identifying_params(self) -> dict[str, Any]:
-        return self._sampling_dict()
-
-    def _get_ls_params(self, stop: Optional[list[str]] = None, **kwargs: Any) -> Any:
-        params = super()._get_ls_params(stop=stop, **kwargs)
-        params["ls_provider"] = PROVIDER
-        params["ls_model_name"] = kwargs.get("model") or self.model
-        if "ls_stop" not in params and self.stop:
-            params["ls_stop"] = self.stop
-        return params
 
     def _generate(
         self,
@@ -364,17 +364,6 @@ class ChatMLXParallm(_EngineFields, BaseChatModel):
     @property
     def _llm_type(self) -> str:
         return f"{PROVIDER}-chat"
-
-    @property
-    def _identifying_params(self) -> dict[str, Any]:
-        return self._sampling_dict()
-
-    def _get_ls_params(self, stop: Optional[list[str]] = None, **kwargs: Any) -> Any:
-        params = super()._get_ls_params(stop=stop, **kwargs)
-        params["ls_provider"] = PROVIDER
-        if "ls_stop" not in params and self.stop:
-            params["ls_stop"] = self.stop
-        return params
 
     # -- running
 
