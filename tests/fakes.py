@@ -21,6 +21,17 @@ from typing import Any, Optional, Union
 from mlx_parallm_provider.engine.request import Completion, Delta, SamplingParams, TokenLogprob, Usage
 
 # SmolLM2-135M-Instruct's template (plain ChatML, no tool support), verbatim.
+# OpenAI tool definitions shared by the tool-calling tests.
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+
 SMOLLM2_TEMPLATE = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
     "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}"

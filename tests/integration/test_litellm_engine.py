@@ -25,6 +25,7 @@ import litellm
 import mlx.core as mx
 import pytest
 from engine_helpers import ScriptedModel
+from fakes import WEATHER
 
 import mlx_parallm_provider
 from mlx_parallm_provider import Engine, EngineConfig, SamplingParams, get_engine, shutdown_engines
@@ -34,14 +35,6 @@ from mlx_parallm_provider.models.registry import LoadedModel
 T = TypeVar("T")
 N = 32
 BATCH_TOKENS = 8  # long enough that the 32 rows decode together, short enough to be quick
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Current weather in a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-    },
-}
 TOOL_ANSWER = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
 

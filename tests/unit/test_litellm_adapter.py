@@ -11,7 +11,7 @@ from typing import Any
 import litellm
 import pytest
 from litellm.exceptions import MidStreamFallbackError
-from fakes import QWEN_TOOLS_TEMPLATE, FakeEngine, make_tokenizer, patch_get_engine
+from fakes import QWEN_TOOLS_TEMPLATE, TIME, WEATHER, FakeEngine, make_tokenizer, patch_get_engine
 
 from mlx_parallm_provider.errors import (
     ContextWindowExceededError,
@@ -27,15 +27,6 @@ from mlx_parallm_provider.tools import FALLBACK_TOOL_PROMPT, REQUIRED_TOOL_INSTR
 
 MODEL = "mlx-parallm/fake"
 HI = [{"role": "user", "content": "Hi"}]
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Current weather in a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-    },
-}
-TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
 PARIS_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 ROME_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'
 SCRIPT = {

@@ -7,7 +7,7 @@ import random
 import re
 
 import pytest
-from fakes import QWEN_TOOLS_TEMPLATE, make_tokenizer
+from fakes import QWEN_TOOLS_TEMPLATE, TIME, WEATHER, make_tokenizer
 
 from mlx_parallm_provider.errors import InvalidParameterError
 from mlx_parallm_provider.tools import (
@@ -29,15 +29,6 @@ from mlx_parallm_provider.tools import (
     tool_call_format,
 )
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Current weather in a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-    },
-}
-TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
 TOOLS = [WEATHER, TIME]
 CALL_ID = re.compile(r"^call_[0-9a-f]{24}$")
 
