@@ -255,7 +255,7 @@ def _kv_bytes_per_token(loaded: LoadedModel) -> int:
 
 
 _live_engines: "weakref.WeakSet[Engine]" = weakref.WeakSet()
-_engines: dict[tuple[str, Optional[EngineConfig]], Engine] = {}
+_engines: dict[str, Engine] = {}
 _engines_lock = threading.Lock()
 
 
@@ -267,7 +267,7 @@ def get_engine(model: str = "default", config: Optional[EngineConfig] = None) ->
     first call's ``config`` configures it; later calls may omit it.
     """
     with _engines_lock:
-        engine = _engines.get((model, None))
+        engine = _engines.get(model)
         if engine is not None:
             if config is not None and config != engine.config:
                 raise InvalidParameterError(
@@ -275,7 +275,7 @@ def get_engine(model: str = "default", config: Optional[EngineConfig] = None) ->
                 )
             return engine
         engine = Engine(model, config)
-        _engines[(model, None)] = engine
+        _engines[model] = engine
         return engine
 
 
