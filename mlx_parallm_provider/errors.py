@@ -46,6 +46,11 @@ class EngineDeadError(MLXParallmError, RuntimeError):
     """The engine's worker thread died; the request could not complete."""
 
 
+class RequestFailedError(MLXParallmError, RuntimeError):
+    """One request failed inside the engine (while being set up, sampled, detokenised or
+    delivered). Only that request fails; the cause is chained as ``__cause__``."""
+
+
 class ModelNotFoundError(MLXParallmError, FileNotFoundError):
     """The model name, path or repository could not be found."""
 
@@ -65,6 +70,7 @@ __all__ = [
     "EngineOverloadedError",
     "RequestTimeoutError",
     "EngineDeadError",
+    "RequestFailedError",
     "ModelNotFoundError",
     "ModelLoadError",
     "UnsupportedModelError",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any, Optional, Sequence
 
 import mlx.core as mx
@@ -35,3 +36,21 @@ class ScriptedModel:
         positions = end[:, None] - length + mx.arange(length)[None]
         nxt = self.script[(positions + 1) % self.script.size]
         return mx.where(mx.arange(self.vocab_size)[None, None] == nxt[..., None], 100.0, -100.0).astype(logits.dtype)
+
+
+class TokenCostModel:
+    """Wraps a real model and sleeps ``seconds_per_token`` for every input token of each
+    forward, so a long prefill takes long enough to observe what happens meanwhile.
+    ``tokens`` counts the input tokens computed (batch x length, padding included)."""
+
+    def __init__(self, inner: Any, seconds_per_token: float) -> None:
+        self.inner = inner
+        self.layers = inner.layers
+        self.seconds_per_token = seconds_per_token
+        self.tokens = 0
+
+    def __call__(self, inputs: mx.array, cache: Any = None) -> mx.array:
+        n = inputs.shape[0] * inputs.shape[1]
+        self.tokens += n
+        time.sleep(n * self.seconds_per_token)
+        return self.inner(inputs, cache=cache)

@@ -90,7 +90,7 @@ class Engine:
         request = self._submit(prompt, params, request_id, sink, stream=False)
         sink.request = request
         try:
-            item = await sink.queue.get()
+            item = await self._next_item(sink, request)
         except BaseException:
             self._cancel(request)
             raise
@@ -105,7 +105,7 @@ class Engine:
         sink.request = request
         try:
             while True:
-                item = await sink.queue.get()
+                item = await self._next_item(sink, request)
                 if isinstance(item, BaseException):
                     raise item
                 yield item
@@ -120,7 +120,7 @@ class Engine:
         sink = _ThreadSink()
         request = self._submit(prompt, params, request_id, sink, stream=False)
         try:
-            item = sink.queue.get()
+            item = self._next_item_sync(sink, request)
         except BaseException:
             self._cancel(request)
             raise
@@ -134,7 +134,7 @@ class Engine:
         request = self._submit(prompt, params, request_id, sink, stream=True)
         try:
             while True:
-                item = sink.queue.get()
+                item = self._next_item_sync(sink, request)
                 if isinstance(item, BaseException):
                     raise item
                 yield item
@@ -187,6 +187,29 @@ class Engine:
 
     # -- internals --------------------------------------------------------------------
 
+    async def _next_item(self, sink: _LoopSink, request: Request) -> object:
+        """The request's next result; at its deadline, a timeout error, whatever the worker
+        is busy with (a long prefill step must not delay the caller's timeout)."""
+        left = request.time_left(time.monotonic())
+        if left is None:
+            return await sink.queue.get()
+        try:
+            if left <= 0:
+                return sink.queue.get_nowait()
+            return await asyncio.wait_for(sink.queue.get(), left)
+        except (asyncio.TimeoutError, asyncio.QueueEmpty):
+            self._cancel(request)
+            return request.timeout_error()
+
+    def _next_item_sync(self, sink: _ThreadSink, request: Request) -> object:
+        """Blocking :meth:`_next_item`."""
+        left = request.time_left(time.monotonic())
+        try:
+            return sink.queue.get(timeout=None if left is None else max(0.0, left))
+        except queue.Empty:
+            self._cancel(request)
+            return request.timeout_error()
+
     def _submit(self, prompt: Prompt, params: Optional[SamplingParams], request_id: Optional[str], sink: ResultSink, stream: bool) -> Request:
         if params is None:
             params = SamplingParams()
@@ -195,6 +218,8 @@ class Engine:
         ids = self.encode(prompt)
         if not ids:
             raise InvalidParameterError("prompt", "is empty")
+        if self.vocab_size:
+            params.check_vocabulary(self.vocab_size)
         if len(ids) + params.max_tokens > self.context_length:
             raise ContextWindowExceededError(len(ids), params.max_tokens, self.context_length)
         timeout = params.timeout if params.timeout is not None else self.config.request_timeout_s

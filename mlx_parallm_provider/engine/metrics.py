@@ -165,6 +165,12 @@ class EngineMetrics:
 
     # -- reading (any thread) -------------------------------------------------------------
 
+    @property
+    def num_tracked(self) -> int:
+        """Requests announced and not yet finished (each is timed until it finishes)."""
+        with self._lock:
+            return len(self._requests)
+
     def tokens_per_s(self) -> float:
         """Generated tokens per second over the sliding window (or the time since start
         or reset, if shorter)."""

@@ -8,9 +8,12 @@ from typing import Optional, Union
 
 from .._validation import check_int as _check_int
 from .._validation import check_number as _check_number
-from ..errors import InvalidParameterError
+from ..errors import InvalidParameterError, RequestTimeoutError
 
 Prompt = Union[str, list[int]]
+
+MAX_SEED = 2**64 - 1
+"""Largest accepted ``seed``: MLX's PRNG keys are 64-bit."""
 
 
 @dataclass(slots=True)
@@ -39,10 +42,8 @@ class SamplingParams:
     timeout: Optional[float] = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.stop = _string_list("stop", self.stop)
+        self.stop_token_ids = _int_list("stop_token_ids", self.stop_token_ids)
         _check_int("max_tokens", self.max_tokens, minimum=1)
         _check_number("temperature", self.temperature, minimum=0.0)
         _check_number("top_p", self.top_p, minimum=0.0, maximum=1.0)
@@ -56,30 +57,13 @@ class SamplingParams:
         _check_number("presence_penalty", self.presence_penalty, minimum=-2.0, maximum=2.0)
         _check_number("frequency_penalty", self.frequency_penalty, minimum=-2.0, maximum=2.0)
         if self.logit_bias is not None:
-            if not isinstance(self.logit_bias, dict):
-                raise InvalidParameterError("logit_bias", "must be a dict of token id -> bias")
-            bias: dict[int, float] = {}
-            for key, value in self.logit_bias.items():
-                try:
-                    token = int(key)
-                except (TypeError, ValueError):
-                    raise InvalidParameterError(
-                        "logit_bias", f"key {key!r} is not a token id"
-                    ) from None
-                if token < 0:
-                    raise InvalidParameterError("logit_bias", f"token id {token} is negative")
-                _check_number(f"logit_bias[{token}]", value, minimum=-100.0, maximum=100.0)
-                bias[token] = float(value)
-            self.logit_bias = bias
-        for i, s in enumerate(self.stop):
-            if not isinstance(s, str) or not s:
-                raise InvalidParameterError(f"stop[{i}]", "must be a non-empty string")
-        for i, t in enumerate(self.stop_token_ids):
-            _check_int(f"stop_token_ids[{i}]", t, minimum=0)
+            self.logit_bias = _logit_bias(self.logit_bias)
+        if not isinstance(self.ignore_eos, bool):
+            raise InvalidParameterError("ignore_eos", f"must be a bool, got {self.ignore_eos!r}")
         if self.seed is not None:
-            _check_int("seed", self.seed, minimum=0)
+            _check_int("seed", self.seed, minimum=0, maximum=MAX_SEED)
         if not isinstance(self.logprobs, bool):
-            raise InvalidParameterError("logprobs", "must be a bool")
+            raise InvalidParameterError("logprobs", f"must be a bool, got {self.logprobs!r}")
         _check_int("top_logprobs", self.top_logprobs, minimum=0, maximum=20)
         if self.top_logprobs and not self.logprobs:
             self.logprobs = True
@@ -87,6 +71,22 @@ class SamplingParams:
             _check_number("timeout", self.timeout, minimum=0.0)
             if self.timeout == 0:
                 raise InvalidParameterError("timeout", "must be > 0 seconds (None disables it)")
+
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """Check the token ids this request names against a model's vocabulary size.
+
+        Raises :class:`InvalidParameterError` naming the field and the allowed range. The
+        engine calls this at submit, since an out-of-range id would index past the logits.
+        """
+        last = vocab_size - 1
+        if self.top_k > vocab_size:
+            raise InvalidParameterError("top_k", f"must be <= the vocabulary size {vocab_size} (0 disables it), got {self.top_k}")
+        for token in self.logit_bias or {}:
+            if token > last:
+                raise InvalidParameterError("logit_bias", f"token id {token} is not in this model's vocabulary (0..{last})")
+        for i, token in enumerate(self.stop_token_ids):
+            if token > last:
+                raise InvalidParameterError(f"stop_token_ids[{i}]", f"token id {token} is not in this model's vocabulary (0..{last})")
 
     @property
     def is_greedy(self) -> bool:
@@ -183,7 +183,62 @@ class Request:
     def prompt_len(self) -> int:
         return len(self.prompt_ids)
 
+    def time_left(self, now: float) -> Optional[float]:
+        """Seconds until the deadline (may be negative), or None without one."""
+        return None if self.deadline is None else self.deadline - now
+
+    def timeout_error(self) -> RequestTimeoutError:
+        """The error a caller gets when this request's deadline passes."""
+        return RequestTimeoutError(
+            f"request {self.request_id} timed out after {(self.deadline or self.arrival) - self.arrival:.3g}s; "
+            "raise its timeout or lower max_tokens"
+        )
+
     @property
     def max_kv_tokens(self) -> int:
         """KV entries this request may need at most (prompt + max_tokens)."""
         return len(self.prompt_ids) + self.params.max_tokens
+
+
+def _string_list(name: str, value: object) -> list[str]:
+    """A stop-string list from ``None``, one string or a sequence of non-empty strings."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, (list, tuple)):
+        raise InvalidParameterError(name, f"must be a string or a list of strings, got {type(value).__name__}")
+    for i, s in enumerate(value):
+        if not isinstance(s, str) or not s:
+            raise InvalidParameterError(f"{name}[{i}]", f"must be a non-empty string, got {s!r}")
+    return list(value)
+
+
+def _int_list(name: str, value: object) -> list[int]:
+    """A token-id list from ``None`` or a sequence of non-negative ints."""
+    if value is None:
+        return []
+    if not isinstance(value, (list, tuple)):
+        raise InvalidParameterError(name, f"must be a list of token ids, got {type(value).__name__}")
+    for i, token in enumerate(value):
+        _check_int(f"{name}[{i}]", token, minimum=0)
+    return list(value)
+
+
+def _logit_bias(value: object) -> dict[int, float]:
+    """``{token id: bias}`` with int (or int-string, as JSON sends) keys and biases in [-100, 100]."""
+    if not isinstance(value, dict):
+        raise InvalidParameterError("logit_bias", f"must be a dict of token id -> bias, got {type(value).__name__}")
+    bias: dict[int, float] = {}
+    for key, amount in value.items():
+        if isinstance(key, bool) or not isinstance(key, (int, str)):
+            raise InvalidParameterError("logit_bias", f"key {key!r} is not a token id")
+        try:
+            token = int(key)
+        except ValueError:
+            raise InvalidParameterError("logit_bias", f"key {key!r} is not a token id") from None
+        if token < 0:
+            raise InvalidParameterError("logit_bias", f"token id {token} is negative")
+        _check_number(f"logit_bias[{token}]", amount, minimum=-100.0, maximum=100.0)
+        bias[token] = float(amount)
+    return bias

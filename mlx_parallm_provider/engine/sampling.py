@@ -33,7 +33,7 @@ class RowSampler:
         )
         self.greedy = params.temperature == 0.0
         seed = params.seed if params.seed is not None else random.getrandbits(63)
-        self._key = mx.random.key(seed)
+        self.key = mx.random.key(seed)
 
     def filter(self, logprobs: mx.array) -> mx.array:
         """Apply top-p, min-p and top-k (mlx-lm's implementations) to one row's logprobs."""
@@ -42,23 +42,33 @@ class RowSampler:
             logprobs = apply_top_p(logprobs, p.top_p)
         if p.min_p > 0.0:
             logprobs = apply_min_p(logprobs, p.min_p)
-        if p.top_k > 0:
+        if 0 < p.top_k < logprobs.shape[-1]:  # top_k >= vocabulary keeps every token
             logprobs = apply_top_k(logprobs, p.top_k)
         return logprobs
 
+    def check_width(self, vocab: int) -> None:
+        """Refuse a logit bias outside the logits: MLX does not bounds-check that index."""
+        bias = self.params.logit_bias
+        if bias and max(bias) >= vocab:
+            raise ValueError(f"logit_bias token id {max(bias)} is outside the model's {vocab} logits")
+
     def draw(self, logprobs: mx.array) -> mx.array:
         """Sample one token from one row's (filtered) logprobs with this row's next key."""
-        self._key, key = mx.random.split(self._key)
+        self.key, key = mx.random.split(self.key)
         return mx.random.categorical(self.filter(logprobs) * (1.0 / self.params.temperature), key=key)
 
 
 @dataclass
 class SampledRow:
-    """A sampled token and, when asked for, its log-probability and the top alternatives."""
+    """A sampled token and, when asked for, its log-probability and the top alternatives.
 
-    token: int
+    ``error`` is set instead when sampling this row failed; the other rows are unaffected.
+    """
+
+    token: int = -1
     logprob: Optional[float] = None
     top: Optional[list[tuple[int, float]]] = None
+    error: Optional[Exception] = None
 
 
 def sample_batch(
@@ -69,13 +79,36 @@ def sample_batch(
     """Pick the next token of every row of ``logits`` (shape ``[B, vocab]``).
 
     ``contexts[i]`` returns row i's token history (prompt + output) for its penalties; it
-    is only called for rows that have logits processors.
+    is only called for rows that have logits processors. A row whose processors, filters or
+    draw fail gets a :class:`SampledRow` with ``error`` set; every other row is sampled as
+    if it were alone, so one bad row never costs its neighbours their token.
     """
+    keys = [s.key for s in samplers]
+    try:
+        return _sample_rows(logits, samplers, contexts)
+    except Exception:  # some row broke the batched evaluation: find it by sampling row by row
+        for sampler, key in zip(samplers, keys):
+            sampler.key = key  # rewind, so a seeded row draws what it would have drawn alone
+        out = []
+        for i in range(logits.shape[0]):
+            try:
+                out.append(_sample_rows(logits[i : i + 1], samplers[i : i + 1], contexts[i : i + 1])[0])
+            except Exception as exc:
+                out.append(SampledRow(error=exc))
+        return out
+
+
+def _sample_rows(
+    logits: mx.array,
+    samplers: Sequence[RowSampler],
+    contexts: Sequence[Optional[Callable[[], mx.array]]],
+) -> list[SampledRow]:
     if any(s.processors for s in samplers):
         rows = []
         for i, sampler in enumerate(samplers):
             row = logits[i : i + 1]
             if sampler.processors:
+                sampler.check_width(row.shape[-1])
                 history = contexts[i]()
                 for processor in sampler.processors:
                     row = processor(history, row)

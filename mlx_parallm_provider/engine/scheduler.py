@@ -50,6 +50,7 @@ class Scheduler:
         self.prefill_chunk_size = prefill_chunk_size
         self.kv_budget_tokens = kv_budget_tokens
         self.waiting: deque[Request] = deque()
+        self.prefilling: list[Request] = []  # admitted this step, prefilled as one batch
         self.chunking: Optional[Request] = None
         self.running: list[Request] = []
 
@@ -64,6 +65,8 @@ class Scheduler:
         for request in requests:
             if request is self.chunking:
                 self.chunking = None
+            elif request in self.prefilling:
+                self.prefilling.remove(request)
             self.running.append(request)
 
     def remove(self, request: Request) -> None:
@@ -72,6 +75,8 @@ class Scheduler:
             self.chunking = None
         elif request in self.running:
             self.running.remove(request)
+        elif request in self.prefilling:
+            self.prefilling.remove(request)
         else:
             try:
                 self.waiting.remove(request)
@@ -81,12 +86,21 @@ class Scheduler:
     def all_requests(self) -> list[Request]:
         """Every request the scheduler holds."""
         chunking = [self.chunking] if self.chunking is not None else []
-        return [*self.running, *chunking, *self.waiting]
+        return [*self.running, *self.prefilling, *chunking, *self.waiting]
+
+    def clear(self) -> list[Request]:
+        """Forget every request (the worker is going away); returns them."""
+        requests = self.all_requests()
+        self.waiting.clear()
+        self.prefilling.clear()
+        self.chunking = None
+        self.running.clear()
+        return requests
 
     @property
     def num_running(self) -> int:
         """Requests holding a batch slot (decoding or being prefilled)."""
-        return len(self.running) + (self.chunking is not None)
+        return len(self.running) + len(self.prefilling) + (self.chunking is not None)
 
     @property
     def num_waiting(self) -> int:
@@ -109,7 +123,7 @@ class Scheduler:
             budget -= n
 
         slots = self.max_num_seqs - self.num_running
-        kv_used = sum(r.max_kv_tokens for r in self.running)
+        kv_used = sum(r.max_kv_tokens for r in [*self.running, *self.prefilling])
         if self.chunking is not None:
             kv_used += self.chunking.max_kv_tokens
         longest = 0
@@ -120,6 +134,7 @@ class Scheduler:
             padded_cost = (len(plan.prefill) + 1) * max(longest, request.prompt_len)
             if request.prompt_len <= self.prefill_chunk_size and padded_cost <= budget:
                 plan.prefill.append(request)
+                self.prefilling.append(request)
                 longest = max(longest, request.prompt_len)
             elif self.chunking is None and not plan.prefill:
                 self.chunking = request

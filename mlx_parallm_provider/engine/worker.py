@@ -5,6 +5,13 @@ plan, prefill (a left-padded batch of new prompts and/or one chunk of a long pro
 run one decode step over every running row. Rows join the decode batch's
 ``BatchKVCache`` (mlx-lm) when their prefill ends and leave it the step they finish, so
 their KV memory is freed at once.
+
+Isolation: a fault while setting up, sampling, detokenising or delivering one request fails
+that request alone (:class:`RequestFailedError`). Every request lives in the inbox or the
+scheduler until it is retired, so when the model step itself fails and the worker dies,
+every waiter gets :class:`EngineDeadError`. Cancellations and deadlines are honoured
+between prefill pieces, so a dropped request costs at most one ``prefill_chunk_size`` of
+compute.
 """
 
 from __future__ import annotations
@@ -21,12 +28,12 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache
 
 from ..config import EngineConfig
-from ..errors import EngineDeadError, RequestTimeoutError
+from ..errors import EngineDeadError, MLXParallmError, RequestFailedError
 from .detokenize import TextStream
 from .metrics import EngineMetrics
 from .request import Completion, Delta, Request, Usage
 from .sampling import RowSampler, SampledRow, sample_batch, token_logprob
-from .scheduler import Scheduler, StepPlan
+from .scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +83,6 @@ class Worker:
         self.dead: Optional[BaseException] = None
         self.rows: list[Request] = []  # order of the decode cache's rows
         self.cache: Optional[list[Any]] = None
-        self._plan: Optional[StepPlan] = None  # requests in it may be in no queue mid-step
         self._thread = threading.Thread(target=self._run, name="mlx-parallm-worker", daemon=True)
         self._thread.start()
 
@@ -133,20 +139,15 @@ class Worker:
     def _next_step(self) -> bool:
         if not self._take_arrivals():
             return False
-        now = self.clock()
-        for request in self.scheduler.all_requests():
-            if request.cancelled:
-                self._drop(request)
-            elif request.deadline is not None and now >= request.deadline:
-                self._fail(request, RequestTimeoutError(
-                    f"request {request.request_id} timed out after "
-                    f"{request.deadline - request.arrival:.3g}s; raise its timeout or lower max_tokens"
-                ))
-        plan = self._plan = self.scheduler.schedule()
+        self._reap()
+        plan = self.scheduler.schedule()
         if plan.chunk is not None:
             self._prefill_chunk(*plan.chunk)
-        if plan.prefill:
-            self._prefill(plan.prefill)
+            self._reap()
+        prefill = [r for r in plan.prefill if not r.finished]
+        if prefill:
+            self._prefill(prefill)
+            self._reap()
         if self.rows:
             self._decode()
         return True
@@ -168,19 +169,38 @@ class Worker:
                     if left <= 0:
                         break
                     self._cond.wait(left)
-            arrivals = list(self._inbox)
-            self._inbox.clear()
+            # Each request moves from the inbox straight into the scheduler, so it is never
+            # held only in a local list: if anything fails, _fail_all still finds it.
+            arrivals = []
+            while self._inbox:
+                arrivals.append(self._inbox.popleft())
+                self.scheduler.add(arrivals[-1])
         for request in arrivals:
-            if request.cancelled:
-                self._retire(request)
-                continue
+            self._set_up(request)
+        return True
+
+    def _set_up(self, request: Request) -> None:
+        """Give a new request its sampler and text stream; a fault fails it alone."""
+        if request.cancelled:
+            self._drop(request)
+            return
+        try:
             request.state = _RowState(
                 sampler=RowSampler(request.params),
                 text=TextStream(self.tokenizer, request.params.stop, request.prompt_ids),
                 logprobs=[] if request.params.logprobs else None,
             )
-            self.scheduler.add(request)
-        return True
+        except Exception as exc:
+            self._fail(request, exc, "while being set up")
+
+    def _reap(self) -> None:
+        """Drop cancelled requests and fail those past their deadline, wherever they are."""
+        now = self.clock()
+        for request in self.scheduler.all_requests():
+            if request.cancelled:
+                self._drop(request)
+            elif request.deadline is not None and now >= request.deadline:
+                self._fail(request, request.timeout_error())
 
     # -- prefill ------------------------------------------------------------------------
 
@@ -191,13 +211,31 @@ class Worker:
         return [BatchKVCache(left_padding) for _ in range(n_layers)]
 
     def _prefill(self, requests: list[Request]) -> None:
-        """Prefill whole prompts as one left-padded batch, sample each first token."""
+        """Prefill whole prompts as one left-padded batch, sample each first token.
+
+        The batch runs in pieces of about ``prefill_chunk_size`` tokens in all; between
+        pieces, cancelled and timed-out rows leave the batch, so they stop costing compute.
+        """
         for r in requests:
             self.metrics.request_admitted(r.request_id, r.prompt_len)
         longest = max(r.prompt_len for r in requests)
         padding = [longest - r.prompt_len for r in requests]
         tokens = mx.array([[self.pad_id] * p + r.prompt_ids for p, r in zip(padding, requests)])
         cache = self._new_cache(padding)
+        piece = max(1, self.config.prefill_chunk_size // len(requests))
+        while tokens.shape[1] > piece:
+            self.model(tokens[:, :piece], cache=cache)
+            mx.eval([c.state for c in cache])
+            tokens = tokens[:, piece:]
+            self._reap()
+            keep = [i for i, r in enumerate(requests) if not r.finished]
+            if not keep:
+                return
+            if len(keep) < len(requests):
+                requests = [requests[i] for i in keep]
+                tokens = tokens[mx.array(keep)]
+                for c in cache:
+                    c.filter(keep)
         logits = self.model(tokens, cache=cache)[:, -1, :]
         for r in requests:
             r.num_prefilled = r.prompt_len
@@ -252,13 +290,15 @@ class Worker:
         return sample_batch(logits, samplers, contexts)
 
     def _after_sampling(self, rows: list[Request], sampled: list[SampledRow]) -> None:
-        self.metrics.record_tokens(r.request_id for r in rows)
+        self.metrics.record_tokens(r.request_id for r, row in zip(rows, sampled) if row.error is None)
         for request, row in zip(rows, sampled):
+            if row.error is not None:
+                self._fail(request, row.error, "while sampling its next token")
+                continue
             try:
                 self._append_token(request, row)
-            except Exception as exc:  # a fault in one request's processing fails it alone
-                logger.exception("request %s failed while processing its output", request.request_id)
-                self._fail(request, exc)
+            except Exception as exc:
+                self._fail(request, exc, "while processing its output")
         self._evict_finished()
 
     def _append_token(self, request: Request, row: SampledRow) -> None:
@@ -284,7 +324,7 @@ class Worker:
         if finish is not None:
             self._retire(request)  # first, so a caller woken by its result sees it finished
         if request.stream and (piece or finish):
-            request.sink.put(Delta(
+            self._deliver(request, Delta(
                 request_id=request.request_id,
                 text=piece,
                 token_ids=[] if is_stop_token else [token],
@@ -293,7 +333,7 @@ class Worker:
                 logprobs=state.logprobs[-1:] if state.logprobs and not is_stop_token else None,
             ))
         elif finish is not None:
-            request.sink.put(Completion(
+            self._deliver(request, Completion(
                 request_id=request.request_id,
                 text=state.text.text,
                 token_ids=request.output_ids[:-1] if is_stop_token else list(request.output_ids),
@@ -331,9 +371,25 @@ class Worker:
         self._evict_finished()
         request.state = None
 
-    def _fail(self, request: Request, exc: BaseException) -> None:
+    def _deliver(self, request: Request, item: object) -> None:
+        """Hand one result to the request's caller; a broken sink cancels the request."""
+        try:
+            request.sink.put(item)
+        except Exception:
+            logger.exception("could not deliver a result of request %s; cancelling it", request.request_id)
+            request.cancelled = True
+
+    def _fail(self, request: Request, exc: BaseException, during: str = "") -> None:
+        """Fail one request alone. Errors that are not the package's own are logged and
+        wrapped in :class:`RequestFailedError` (the cause chained), so callers always get
+        an error they can catch as :class:`MLXParallmError`."""
+        if not isinstance(exc, MLXParallmError):
+            logger.error("request %s failed %s", request.request_id, during, exc_info=exc)
+            cause = exc
+            exc = RequestFailedError(f"request {request.request_id} failed {during}: {type(cause).__name__}: {cause}")
+            exc.__cause__ = cause
         self._retire(request)
-        request.sink.put(exc)
+        self._deliver(request, exc)
         self._evict_finished()
 
     def _fail_all(self, exc: BaseException) -> None:
@@ -341,13 +397,15 @@ class Worker:
             pending = list(self._inbox)
             self._inbox.clear()
             self._stopping = True
-        planned = [*self._plan.prefill, *([self._plan.chunk[0]] if self._plan.chunk else [])] if self._plan else []
-        for request in [*self.rows, *planned, *self.scheduler.all_requests(), *pending]:
+        for request in [*self.rows, *self.scheduler.clear(), *pending]:
             if not request.finished:
                 request.finished = True
-                request.sink.put(exc)
+                self.metrics.request_finished(request.request_id)
+                try:
+                    request.sink.put(exc)
+                except Exception:  # the caller is gone; keep failing the others
+                    pass
         self.rows, self.cache = [], None
-        self.scheduler = Scheduler(1, 1, 1)
 
 
 def _wait_for_native_exit(thread: threading.Thread, timeout: float) -> None:

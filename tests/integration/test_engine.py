@@ -18,30 +18,15 @@ from mlx_parallm_provider.errors import (
     EngineDeadError,
     EngineOverloadedError,
     InvalidParameterError,
+    RequestFailedError,
     RequestTimeoutError,
 )
-from mlx_parallm_provider.models.registry import LoadedModel
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven curious cats watch from the old wall".split()
 
 
 def mixed_prompts(n: int = 16) -> list[str]:
     return [" ".join(WORDS[: 2 + (i * 5) % len(WORDS)]) + f" #{i}" for i in range(n)]
-
-
-@pytest.fixture
-def make_engine(tiny_model):
-    engines = []
-
-    def factory(model=None, **config) -> Engine:
-        loaded = tiny_model if model is None else LoadedModel(tiny_model.name, tiny_model.path, model, tiny_model.tokenizer, tiny_model.config)
-        engine = Engine("tiny", EngineConfig(**config), loaded=loaded)
-        engines.append(engine)
-        return engine
-
-    yield factory
-    for engine in engines:
-        engine.shutdown()
 
 
 def run(coro):
@@ -280,7 +265,9 @@ def test_fault_in_one_request_fails_only_it(make_engine, monkeypatch) -> None:
         )
 
     first, *rest = run(main())
-    assert isinstance(first, ValueError)
+    # Issue 8 #7: the caller gets the package's own error, with the fault as its cause.
+    assert isinstance(first, RequestFailedError) and isinstance(first.__cause__, ValueError)
+    assert "detokenizer bug" in str(first)
     assert all(r.usage.completion_tokens == 12 for r in rest)
 
 
