@@ -1,0 +1,96 @@
+"""Shared pieces of the fuzz suite: Hypothesis profiles and strategies of hostile input.
+
+The fuzz modules (``fuzz_*.py``) are not collected by the normal test run. The test
+``tests/integration/test_fuzz.py`` runs them in a subprocess, so a crash of the process
+is a test failure rather than a lost CI run. Run them by hand, longer:
+
+    .venv/bin/python -m pytest tests/fuzz -o python_files='fuzz_*.py' --hypothesis-profile=long
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+
+settings.register_profile(
+    "ci", max_examples=150, deadline=None, derandomize=True, database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+settings.register_profile(
+    "long", max_examples=2000, deadline=None, database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+settings.load_profile("ci")
+
+HANG_S = 60.0  # a call that takes longer than this counts as a hang
+
+# Values of the wrong kind, for any field.
+junk = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=4),
+    st.lists(st.integers(min_value=-3, max_value=10**8), max_size=3),
+    st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
+)
+
+
+token_ids = st.integers(min_value=-2, max_value=60_000) | st.sampled_from([49151, 49152, 10**7, 2**63])
+
+
+
+def _mostly(valid: st.SearchStrategy, edge: st.SearchStrategy) -> st.SearchStrategy:
+    """Valid values four times in five, else values at or past the edge of the range."""
+    return st.one_of(valid, valid, valid, valid, edge)
+
+
+valid_token = st.integers(min_value=0, max_value=49151)
+# Values of the right kind: mostly valid, some near and past the edges of each range.
+PLAUSIBLE = {
+    "max_tokens": _mostly(st.integers(1, 24), st.sampled_from([-1, 0, 10**9])),
+    "temperature": _mostly(st.just(0.0) | st.floats(0.0, 3.0), st.sampled_from([-0.5, float("inf"), float("nan")])),
+    "top_p": _mostly(st.floats(0.01, 1.0), st.sampled_from([0.0, -0.1, 1.1])),
+    "top_k": _mostly(st.integers(0, 100) | st.sampled_from([49151, 49152]), st.sampled_from([-1, 49153, 10**6])),
+    "min_p": _mostly(st.floats(0.0, 1.0), st.sampled_from([-0.1, 1.1])),
+    "repetition_penalty": _mostly(st.floats(0.05, 3.0), st.sampled_from([0.0, -0.5])),
+    "presence_penalty": _mostly(st.floats(-2.0, 2.0), st.sampled_from([-2.5, 2.5])),
+    "frequency_penalty": _mostly(st.floats(-2.0, 2.0), st.sampled_from([-2.5, 2.5])),
+    "logit_bias": _mostly(
+        st.dictionaries(valid_token | valid_token.map(str), st.floats(-100, 100), max_size=3),
+        st.dictionaries(token_ids | token_ids.map(str), st.floats(-150, 150), min_size=1, max_size=3),
+    ),
+    "stop": _mostly(st.text(min_size=1, max_size=3) | st.lists(st.text(min_size=1, max_size=3), max_size=3),
+                    st.sampled_from(["", [""], [5]])),
+    "stop_token_ids": _mostly(st.lists(valid_token, max_size=3), st.lists(token_ids, min_size=1, max_size=3)),
+    "ignore_eos": st.booleans(),
+    "seed": _mostly(st.integers(0, 2**64 - 1), st.sampled_from([-1, 2**64, 2**65])),
+    "logprobs": st.booleans(),
+    "top_logprobs": _mostly(st.integers(0, 20), st.sampled_from([-1, 21, 25])),
+    "timeout": _mostly(st.none() | st.floats(0.001, 5.0), st.sampled_from([-1.0, 0.0])),
+}
+
+plausible_kwargs = st.sets(st.sampled_from(sorted(PLAUSIBLE)), max_size=5).flatmap(
+    lambda names: st.fixed_dictionaries({name: PLAUSIBLE[name] for name in names})
+)
+"""SamplingParams keyword arguments of the right kinds: many are valid, reaching the engine."""
+
+hostile_kwargs = st.fixed_dictionaries({}, optional={name: s | junk for name, s in PLAUSIBLE.items()})
+"""The same with values of any kind mixed in."""
+
+prompts = st.one_of(
+    st.text(max_size=40),
+    st.lists(token_ids, max_size=12),
+    st.sampled_from(["<|im_start|>user\nhi<|im_end|>", "\x00\ud7ff\U0001f600", "a" * 300]),
+)
+
+
+def run(coro: Any, timeout: float = HANG_S) -> Any:
+    """Run a coroutine on a fresh loop; longer than ``timeout`` is a hang (TimeoutError)."""
+    async def bounded() -> Any:
+        return await asyncio.wait_for(coro, timeout)
+
+    return asyncio.run(bounded())

@@ -1,0 +1,25 @@
+"""Runs the fuzz suite (tests/fuzz) in a subprocess: a crash of the process (SIGSEGV, abort)
+is then a failure of this test, with the fuzz output, instead of a lost CI run."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+FUZZ_DIR = Path(__file__).resolve().parents[1] / "fuzz"
+
+
+@pytest.mark.parametrize("module", sorted(p.name for p in FUZZ_DIR.glob("fuzz_*.py")))
+def test_fuzz_module_passes_in_a_subprocess(module: str) -> None:
+    profile = os.environ.get("MLX_PARALLM_FUZZ_PROFILE", "ci")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "python_files=fuzz_*.py",
+         f"--hypothesis-profile={profile}", str(FUZZ_DIR / module)],
+        capture_output=True, text=True, timeout=900, cwd=FUZZ_DIR.parents[1],
+    )
+    tail = (proc.stdout + proc.stderr)[-6000:]
+    assert proc.returncode == 0, f"fuzz run of {module} ended with rc {proc.returncode}:\n{tail}"
