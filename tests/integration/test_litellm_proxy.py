@@ -46,6 +46,14 @@ class Proxy:
     base_url: str
     key: str
     log: Path
+    stats_file: Path
+
+    def stats(self) -> dict[str, Any]:
+        """The proxy's engine stats (published by scripts/proxy_with_stats.py), or {}."""
+        try:
+            return next(iter(json.loads(self.stats_file.read_text()).values()), {})
+        except (FileNotFoundError, json.JSONDecodeError):
+            return {}
 
     def client(self) -> httpx.Client:
         """An HTTP client for the proxy that ignores any HTTP(S)_PROXY of the environment."""
@@ -118,14 +126,17 @@ def proxy(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
         "LITELLM_MASTER_KEY": key,
         "LITELLM_LOCAL_MODEL_COST_MAP": "True",
     }
-    log = folder / "proxy.log"
-    command = [_litellm_cli(), "--config", str(config), "--host", "127.0.0.1", "--port", str(port)]
+    log, stats_file = folder / "proxy.log", folder / "stats.json"
+    env["MLX_PARALLM_STATS_FILE"] = str(stats_file)
+    # The real `litellm` CLI, run by a wrapper that also publishes the engine's stats.
+    _litellm_cli()
+    command = [sys.executable, str(REPO / "scripts" / "proxy_with_stats.py"), "--config", str(config), "--host", "127.0.0.1", "--port", str(port)]
     with log.open("wb") as out:
         process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
     try:
         base_url = f"http://127.0.0.1:{port}"
         _wait_ready(process, base_url, log)
-        yield Proxy(base_url, key, log)
+        yield Proxy(base_url, key, log, stats_file)
     finally:
         _stop(process)
 
@@ -232,3 +243,33 @@ def test_openai_client_plain_and_streaming(proxy: Proxy, reference: Any) -> None
         streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     assert whole.choices[0].message.content == reference.text
     assert streamed == reference.text
+
+
+@pytest.mark.slow
+def test_abandoned_non_streaming_requests_free_their_rows(proxy: Proxy) -> None:
+    """Issue 8 #5: clients that hang up must not leave their rows decoding."""
+    body = {"model": ALIAS, "messages": QUESTION, "max_tokens": 400, "temperature": 0}
+    n = 8
+
+    async def abandon() -> int:
+        headers = {"Authorization": f"Bearer {proxy.key}"}
+        async with httpx.AsyncClient(base_url=proxy.base_url, headers=headers, timeout=120, trust_env=False) as client:
+            calls = [asyncio.ensure_future(client.post("/v1/chat/completions", json=body)) for _ in range(n)]
+            deadline = time.monotonic() + 60
+            while proxy.stats().get("running", 0) < n and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            generated_at_hangup = proxy.stats()["generated_tokens"]
+            for call in calls:
+                call.cancel()  # closes the connections: the clients hang up
+            await asyncio.gather(*calls, return_exceptions=True)
+            return generated_at_hangup
+
+    at_hangup = asyncio.run(abandon())
+    deadline = time.monotonic() + 30
+    while proxy.stats().get("running", 1) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    stats = proxy.stats()
+    assert stats["running"] == 0 and stats["waiting"] == 0
+    decoded_after_hangup = stats["generated_tokens"] - at_hangup
+    # Without cancellation the 8 rows would go on to decode up to 8 x 400 tokens.
+    assert decoded_after_hangup < n * 400 // 4, (at_hangup, stats)

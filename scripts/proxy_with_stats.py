@@ -1,0 +1,47 @@
+"""Run the LiteLLM proxy CLI in this process and publish every mlx-parallm engine's
+``stats()`` to a JSON file, so tests and the soak suite can watch the engine inside a
+real proxy (running / waiting rows, tokens generated) from outside.
+
+    MLX_PARALLM_STATS_FILE=/tmp/stats.json python scripts/proxy_with_stats.py --config CONFIG ...
+
+Arguments are the ``litellm`` command's. The file is replaced atomically every 50 ms:
+``{"<model name>": {...engine.stats()...}}``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+
+
+def _publish(path: str, period_s: float = 0.05) -> None:
+    from mlx_parallm_provider.engine import coordinator
+
+    while True:
+        try:
+            stats = {name: engine.stats() for name, engine in list(coordinator._engines.items())}
+            with open(path + ".tmp", "w") as f:
+                json.dump(stats, f)
+            os.replace(path + ".tmp", path)
+        except Exception as exc:  # never take the proxy down; say why once in a while
+            print(f"proxy_with_stats: {exc!r}", file=sys.stderr)
+        time.sleep(period_s)
+
+
+def main() -> None:
+    import mlx_parallm_provider  # noqa: F401  (BLAS before mlx; registers the provider)
+
+    path = os.environ.get("MLX_PARALLM_STATS_FILE")
+    if path:
+        threading.Thread(target=_publish, args=(path,), name="stats-publisher", daemon=True).start()
+    from litellm_cli.main import proxy_server
+
+    sys.argv[0] = "litellm"
+    sys.exit(proxy_server())
+
+
+if __name__ == "__main__":
+    main()
