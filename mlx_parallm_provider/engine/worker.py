@@ -132,6 +132,9 @@ class Worker:
             self._fail_all(EngineDeadError("the engine was shut down"))
         except BaseException as exc:  # the worker itself died: nobody may hang
             logger.exception("mlx-parallm worker died")
+            # Its traceback's frames hold this worker's arrays (KV cache, logits) in a
+            # reference cycle: drop it (it is logged) so that memory goes back at once.
+            exc.__traceback__ = None
             with self._cond:
                 self.dead = exc
             self._fail_all(EngineDeadError(f"the engine's worker died ({type(exc).__name__}: {exc}); retry the request"))
