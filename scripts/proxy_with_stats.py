@@ -5,7 +5,7 @@ real proxy (running / waiting rows, tokens generated) from outside.
     MLX_PARALLM_STATS_FILE=/tmp/stats.json python scripts/proxy_with_stats.py --config CONFIG ...
 
 Arguments are the ``litellm`` command's. The file is replaced atomically every 50 ms:
-``{"<model name>": {...engine.stats()...}}``.
+``{"<model name>": {...engine.stats()...}, "_process": {"mlx_active_mb": ...}}``.
 """
 
 from __future__ import annotations
@@ -22,7 +22,11 @@ def _publish(path: str, period_s: float = 0.05) -> None:
 
     while True:
         try:
-            stats = {name: engine.stats() for name, engine in list(coordinator._engines.items())}
+            stats: dict = {name: engine.stats() for name, engine in list(coordinator._engines.items())}
+            if "mlx.core" in sys.modules:
+                import mlx.core as mx
+
+                stats["_process"] = {"mlx_active_mb": mx.get_active_memory() / 2**20}
             with open(path + ".tmp", "w") as f:
                 json.dump(stats, f)
             os.replace(path + ".tmp", path)

@@ -226,9 +226,17 @@ def start_proxy(model: str, folder: Path) -> tuple[subprocess.Popen, str, str, P
 
 def read_stats(path: Path) -> dict[str, Any]:
     try:
-        return next(iter(json.loads(path.read_text()).values()), {})
+        return next((v for k, v in json.loads(path.read_text()).items() if not k.startswith("_")), {})
     except (FileNotFoundError, json.JSONDecodeError, StopIteration):
         return {}
+
+
+def mlx_mb(path: Path) -> float:
+    """MLX active memory of the proxy process, as it last published it."""
+    try:
+        return json.loads(path.read_text()).get("_process", {}).get("mlx_active_mb", float("nan"))
+    except (FileNotFoundError, json.JSONDecodeError):
+        return float("nan")
 
 
 def rss_mb(pid: int) -> float:
@@ -312,7 +320,7 @@ async def abandoned_rows(base_url: str, key: str, stats_file: Path, rows: int = 
         deadline = time.monotonic() + 120
         while read_stats(stats_file).get("running", 0) < rows and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(0.1)
         before = read_stats(stats_file)
         for call in calls:
             call.cancel()
@@ -402,16 +410,20 @@ def main() -> int:
                 warm = httpx.post(f"{base_url}/v1/chat/completions", headers={"Authorization": f"Bearer {key}"}, trust_env=False, timeout=HANG_S,
                                   json={"model": "soak", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
                 assert warm.status_code == 200, warm.text
-                rss_before = rss_mb(process.pid)
+                time.sleep(0.2)
+                rss_before, mlx_before = rss_mb(process.pid), mlx_mb(stats_file)
                 tally, freed = asyncio.run(soak_proxy(base_url, key, args.http_requests, args.connections, rng, stats_file))
                 abandoned = asyncio.run(abandoned_rows(base_url, key, stats_file))
                 alive = process.poll() is None
                 rss_after = rss_mb(process.pid) if alive else 0.0
+                time.sleep(0.2)
+                mlx_after = mlx_mb(stats_file)
                 crashes = 0 if alive else 1
                 proxy_ok = report("LiteLLM proxy over HTTP", tally, {
                     "crashes": crashes, **freed, "abandoned non-streaming requests": abandoned,
                     "proxy RSS before -> after (MiB)": f"{rss_before:.0f} -> {rss_after:.0f}",
-                }) and alive
+                    "proxy MLX active memory before -> after (MiB)": f"{mlx_before:.1f} -> {mlx_after:.1f}",
+                }) and alive and mlx_after <= mlx_before * 1.05
             finally:
                 os.killpg(process.pid, 15)
                 process.wait(30)

@@ -51,7 +51,7 @@ class Proxy:
     def stats(self) -> dict[str, Any]:
         """The proxy's engine stats (published by scripts/proxy_with_stats.py), or {}."""
         try:
-            return next(iter(json.loads(self.stats_file.read_text()).values()), {})
+            return next((v for k, v in json.loads(self.stats_file.read_text()).items() if not k.startswith("_")), {})
         except (FileNotFoundError, json.JSONDecodeError):
             return {}
 
