@@ -32,6 +32,13 @@ class EngineConfig:
         request_timeout_s: default per-request timeout (None: no timeout); a request's
             own ``SamplingParams.timeout`` takes precedence.
         dequantize: dequantize weights at load (None: on the CPU device only).
+        enable_prefix_caching: reuse the KV of prompt prefixes across requests (vLLM's
+            name): a prefix shared by requests arriving together is prefilled once, and
+            the KV of finished prompts and answers is kept for later requests (the next
+            wave of an agent, turn 2 of a conversation). False: every prompt is prefilled
+            in full. Off with ``max_kv_size`` (a rotating cache cannot be reused).
+        prefix_cache_memory_gb: most memory the prefix store keeps (least recently used
+            prefixes are evicted past it); counted apart from ``kv_cache_memory_gb``.
     """
 
     max_num_seqs: int = 64
@@ -43,6 +50,8 @@ class EngineConfig:
     max_kv_size: Optional[int] = None
     request_timeout_s: Optional[float] = None
     dequantize: Optional[bool] = None
+    enable_prefix_caching: bool = True
+    prefix_cache_memory_gb: float = 1.0
 
     def __post_init__(self) -> None:
         _check_int("max_num_seqs", self.max_num_seqs, minimum=1)
@@ -62,6 +71,11 @@ class EngineConfig:
                 raise InvalidParameterError("request_timeout_s", "must be > 0 (None disables it)")
         if self.dequantize is not None and not isinstance(self.dequantize, bool):
             raise InvalidParameterError("dequantize", "must be a bool or None")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise InvalidParameterError("enable_prefix_caching", "must be a bool")
+        _check_number("prefix_cache_memory_gb", self.prefix_cache_memory_gb, minimum=0.0)
+        if self.prefix_cache_memory_gb == 0:
+            raise InvalidParameterError("prefix_cache_memory_gb", "must be > 0 (enable_prefix_caching=False turns the store off)")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise InvalidParameterError(
                 "max_num_batched_tokens",
@@ -72,6 +86,11 @@ class EngineConfig:
     def kv_cache_memory_bytes(self) -> Optional[int]:
         """The KV budget in bytes, or None."""
         return None if self.kv_cache_memory_gb is None else int(self.kv_cache_memory_gb * 1024**3)
+
+    @property
+    def prefix_cache_memory_bytes(self) -> int:
+        """The prefix store's bound in bytes."""
+        return int(self.prefix_cache_memory_gb * 1024**3)
 
     def as_dict(self) -> dict:
         """Plain dict of every setting."""

@@ -169,13 +169,22 @@ class Engine:
 
     def stats(self) -> dict[str, Any]:
         """A plain, JSON-serialisable dict: requests running / waiting / finished, token
-        counts, the largest decode batch seen, tokens/s over the last minute, and p50/p99
-        of TTFT, TPOT, ITL and queue time (seconds)."""
+        counts, the largest decode batch seen, tokens/s over the last minute, p50/p99
+        of TTFT, TPOT, ITL and queue time (seconds), and ``prefix_cache``: whether it is
+        on, its hit rate (cached / all prompt tokens), prompt tokens served from it, and
+        the store's bytes, stored tokens and evictions."""
         worker = self._worker
         running = worker.num_running if worker is not None and worker.alive else 0
         waiting = worker.num_waiting if worker is not None and worker.alive else 0
         snap = self.metrics.snapshot(running=running, waiting=waiting)
         snap["model"] = self.model_name
+        store = worker.prefix_cache if worker is not None else None
+        snap["prefix_cache"] = {
+            "enabled": store is not None or (worker is None and self.config.enable_prefix_caching),
+            "hit_rate": snap["prefix_cache_hit_rate"],
+            "cached_tokens": snap["cached_prompt_tokens"],
+            **(store.stats() if store is not None else {}),
+        }
         return snap
 
     def shutdown(self) -> None:

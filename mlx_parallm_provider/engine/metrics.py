@@ -89,6 +89,8 @@ class EngineMetrics:
             self._window_tokens = 0
             self._finished = 0
             self._prompt_tokens = 0
+            self._cached_prompt_tokens = 0
+            self._prefix_hits = 0
             self._generated_tokens = 0
             self._steps = 0
             self._max_batch_size = 0
@@ -96,8 +98,8 @@ class EngineMetrics:
     def add_listener(self, listener: Listener) -> None:
         """Call ``listener(name, value)`` for every sample and token count recorded.
 
-        Names: the history names (``"ttft_s"``, ``"itl_s"``, ...), ``"prompt_tokens"``
-        and ``"generated_tokens"``. Listeners run on the recording thread, outside the lock.
+        Names: the history names (``"ttft_s"``, ``"itl_s"``, ...), ``"prompt_tokens"``,
+        ``"cached_prompt_tokens"`` and ``"generated_tokens"``. Listeners run on the recording thread, outside the lock.
         """
         with self._lock:
             self._listeners.append(listener)
@@ -110,14 +112,19 @@ class EngineMetrics:
         with self._lock:
             self._requests[request_id] = _RequestTimes(arrival=now)
 
-    def request_admitted(self, request_id: Hashable, prompt_tokens: int = 0) -> None:
-        """A request joined the running batch (its prompt is being prefilled)."""
+    def request_admitted(self, request_id: Hashable, prompt_tokens: int = 0, cached_tokens: int = 0) -> None:
+        """A request joined the running batch (its prompt is being prefilled);
+        ``cached_tokens`` of its prompt were reused from the prefix cache."""
         now = self._clock()
         events: list[tuple[str, float]] = []
         with self._lock:
             if prompt_tokens:
                 self._prompt_tokens += prompt_tokens
                 events.append(("prompt_tokens", float(prompt_tokens)))
+            if cached_tokens:
+                self._cached_prompt_tokens += cached_tokens
+                self._prefix_hits += 1
+                events.append(("cached_prompt_tokens", float(cached_tokens)))
             req = self._requests.get(request_id)
             if req is not None:
                 self._add("queue_s", now - req.arrival, events)
@@ -189,6 +196,10 @@ class EngineMetrics:
                 "waiting": int(waiting),
                 "finished": self._finished,
                 "prompt_tokens": self._prompt_tokens,
+                "cached_prompt_tokens": self._cached_prompt_tokens,
+                "prefilled_prompt_tokens": self._prompt_tokens - self._cached_prompt_tokens,
+                "prefix_cache_hits": self._prefix_hits,
+                "prefix_cache_hit_rate": self._cached_prompt_tokens / self._prompt_tokens if self._prompt_tokens else 0.0,
                 "generated_tokens": self._generated_tokens,
                 "max_batch_size": self._max_batch_size,
                 "tokens_per_s": self._rate(now),
@@ -256,6 +267,7 @@ class PrometheusMetrics:
     time_per_output_token: Any
     request_queue_time: Any
     prompt_tokens: Any
+    cached_prompt_tokens: Any
     generation_tokens: Any
     num_requests_running: Any
     num_requests_waiting: Any
@@ -304,6 +316,9 @@ def register_prometheus(
         ),
         request_queue_time=hist("request_queue_time_seconds", "Time spent waiting."),
         prompt_tokens=prom.Counter(prefix + "prompt_tokens", "Prefilled prompt tokens.", **reg),
+        cached_prompt_tokens=prom.Counter(
+            prefix + "prefix_cache_hit_tokens", "Prompt tokens reused from the prefix cache.", **reg
+        ),
         generation_tokens=prom.Counter(prefix + "generation_tokens", "Generated tokens.", **reg),
         num_requests_running=gauge("num_requests_running", "Requests in the decode batch."),
         num_requests_waiting=gauge("num_requests_waiting", "Requests waiting to be admitted."),
@@ -318,6 +333,7 @@ def register_prometheus(
         "tpot_s": exported.time_per_output_token.observe,
         "queue_s": exported.request_queue_time.observe,
         "prompt_tokens": exported.prompt_tokens.inc,
+        "cached_prompt_tokens": exported.cached_prompt_tokens.inc,
         "generated_tokens": exported.generation_tokens.inc,
     }
 

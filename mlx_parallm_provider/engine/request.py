@@ -96,10 +96,15 @@ class SamplingParams:
 
 @dataclass(slots=True)
 class Usage:
-    """Token counts of one request."""
+    """Token counts of one request.
+
+    ``cached_tokens`` is how many of the ``prompt_tokens`` were not computed because their
+    KV was reused from the prefix store (OpenAI's ``prompt_tokens_details.cached_tokens``).
+    """
 
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:
@@ -175,6 +180,7 @@ class Request:
     deadline: Optional[float] = None
     output_ids: list[int] = field(default_factory=list)
     num_prefilled: int = 0
+    num_cached: int = 0  # leading prompt tokens whose KV came from the prefix store
     cancelled: bool = False
     finished: bool = False
     state: object = None  # worker-private per-request state (sampler, text stream, ...)

@@ -11,15 +11,27 @@ Each step (vLLM v1's shape, in miniature):
 
 Admission is first-come first-served: a request that does not fit blocks the ones behind it,
 so a large request is never starved by a stream of small ones.
+
+Prefix sharing (when given a ``prefix_match`` lookup into the prefix store): a request is
+admitted with the longest stored prefix of its prompt as ``num_cached``, and only its
+uncached tokens count against ``max_num_batched_tokens``. A waiting request that shares at
+least ``min_shared_tokens`` more tokens (or its whole prompt, for ``n > 1`` copies of one
+prompt) with a request being prefilled waits for that prefill to end, so the shared prefix
+is computed once and read from the store by everyone else the next step; requests behind
+it that share nothing are admitted meanwhile.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
+from .prefix_match import common_prefix_len
 from .request import Request
+
+PrefixMatch = Callable[[list[int]], int]
+"""``match(prompt_ids)``: how many leading tokens of a prompt the prefix store holds."""
 
 
 @dataclass
@@ -44,11 +56,18 @@ class Scheduler:
         max_num_batched_tokens: int,
         prefill_chunk_size: int,
         kv_budget_tokens: Optional[int] = None,
+        *,
+        prefix_match: Optional[PrefixMatch] = None,
+        prefix_capacity_tokens: Optional[int] = None,
+        min_shared_tokens: int = 64,
     ) -> None:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.prefill_chunk_size = prefill_chunk_size
         self.kv_budget_tokens = kv_budget_tokens
+        self.prefix_match = prefix_match
+        self.prefix_capacity_tokens = prefix_capacity_tokens
+        self.min_shared_tokens = min_shared_tokens
         self.waiting: deque[Request] = deque()
         self.prefilling: list[Request] = []  # admitted this step, prefilled as one batch
         self.chunking: Optional[Request] = None
@@ -126,24 +145,57 @@ class Scheduler:
         kv_used = sum(r.max_kv_tokens for r in [*self.running, *self.prefilling])
         if self.chunking is not None:
             kv_used += self.chunking.max_kv_tokens
-        longest = 0
+        longest = 0  # longest uncached prompt part in plan.prefill
+        # Requests whose prompt KV will be in the prefix store once their prefill ends.
+        sharers = [*self.prefilling, *([self.chunking] if self.chunking is not None else [])]
+        deferred: list[Request] = []
         while self.waiting and slots > 0 and budget > 0:
             request = self.waiting[0]
             if self.kv_budget_tokens is not None and kv_used + request.max_kv_tokens > self.kv_budget_tokens:
                 break
-            padded_cost = (len(plan.prefill) + 1) * max(longest, request.prompt_len)
-            if request.prompt_len <= self.prefill_chunk_size and padded_cost <= budget:
+            cached = self._cached_len(request)
+            if self._waits_for_sharer(request, cached, sharers):
+                deferred.append(self.waiting.popleft())
+                continue
+            uncached = request.prompt_len - cached
+            padded_cost = (len(plan.prefill) + 1) * max(longest, uncached)
+            if uncached <= self.prefill_chunk_size and padded_cost <= budget:
                 plan.prefill.append(request)
                 self.prefilling.append(request)
-                longest = max(longest, request.prompt_len)
+                longest = max(longest, uncached)
             elif self.chunking is None and not plan.prefill:
                 self.chunking = request
-                n = min(self.prefill_chunk_size, request.prompt_len, budget)
+                n = min(self.prefill_chunk_size, uncached, budget)
                 plan.chunk = (request, n)
                 budget -= n
             else:
                 break
+            request.num_cached = request.num_prefilled = cached
             self.waiting.popleft()
+            sharers.append(request)
             slots -= 1
             kv_used += request.max_kv_tokens
+        self.waiting.extendleft(reversed(deferred))
         return plan
+
+    def _cached_len(self, request: Request) -> int:
+        """Prompt tokens the store already holds (at least one token is always computed,
+        for the logits of the first output token)."""
+        if self.prefix_match is None:
+            return 0
+        return min(self.prefix_match(request.prompt_ids), request.prompt_len - 1)
+
+    def _waits_for_sharer(self, request: Request, cached: int, sharers: list[Request]) -> bool:
+        """Whether ``request`` should wait for an in-flight prefill of a prompt it shares
+        a long prefix with, instead of computing that prefix again alongside it."""
+        if self.prefix_match is None:
+            return False
+        for sharer in sharers:
+            new_tokens = sharer.prompt_len - sharer.num_cached
+            if self.prefix_capacity_tokens is not None and new_tokens > self.prefix_capacity_tokens:
+                continue  # the store could not keep it
+            shared = min(common_prefix_len(sharer.prompt_ids, request.prompt_ids), request.prompt_len - 1)
+            gain = shared - cached
+            if gain >= self.min_shared_tokens or (gain > 0 and shared == request.prompt_len - 1):
+                return True
+        return False

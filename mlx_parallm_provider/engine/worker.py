@@ -12,6 +12,14 @@ scheduler until it is retired, so when the model step itself fails and the worke
 every waiter gets :class:`EngineDeadError`. Cancellations and deadlines are honoured
 between prefill pieces, so a dropped request costs at most one ``prefill_chunk_size`` of
 compute.
+
+Prefix caching (``EngineConfig.enable_prefix_caching``): the scheduler admits a request
+with ``num_cached`` leading prompt tokens found in the :class:`PrefixCache`; the worker
+fetches that KV right after planning (before anything this step can evict it), starts the
+row's cache from it and computes only the rest of the prompt (right-padded, as mlx-lm's
+``BatchGenerator`` does, so rows with different cached lengths share one batch). Every
+prompt's KV goes into the store when its prefill ends, and prompt + answer when a request
+finishes normally, for the next wave of an agent or turn 2 of a conversation.
 """
 
 from __future__ import annotations
@@ -25,12 +33,13 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache
+from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, KVCache
 
 from ..config import EngineConfig
 from ..errors import EngineDeadError, MLXParallmError, RequestFailedError
 from .detokenize import TextStream
 from .metrics import EngineMetrics
+from .prefix_cache import LayerKV, PrefixCache
 from .request import Completion, Delta, Request, Usage
 from .sampling import RowSampler, SampledRow, sample_batch, token_logprob
 from .scheduler import Scheduler
@@ -45,6 +54,7 @@ class _RowState:
     sampler: RowSampler
     text: TextStream
     cache: Optional[list[Any]] = None  # own KV cache while a long prompt is chunk-prefilled
+    prefix: Optional[list[LayerKV]] = None  # fetched KV of the cached prompt prefix, until used
     logprobs: Optional[list] = None
 
 
@@ -66,12 +76,16 @@ class Worker:
         self.config = config
         self.metrics = metrics
         self.clock = clock
+        self.kv_bytes_per_token = max(1, kv_bytes_per_token)
+        self.prefix_cache = _make_prefix_cache(config)
         budget = config.kv_cache_memory_bytes
         self.scheduler = Scheduler(
             config.max_num_seqs,
             config.max_num_batched_tokens,
             config.prefill_chunk_size,
-            None if budget is None else max(1, budget // max(1, kv_bytes_per_token)),
+            None if budget is None else max(1, budget // self.kv_bytes_per_token),
+            prefix_match=None if self.prefix_cache is None else self.prefix_cache.match,
+            prefix_capacity_tokens=config.prefix_cache_memory_bytes // self.kv_bytes_per_token,
         )
         self.eos_ids = set(getattr(tokenizer, "eos_token_ids", None) or [])
         if getattr(tokenizer, "eos_token_id", None) is not None:
@@ -144,7 +158,8 @@ class Worker:
             return False
         self._reap()
         plan = self.scheduler.schedule()
-        if plan.chunk is not None:
+        self._fetch_prefixes([*plan.prefill, *([plan.chunk[0]] if plan.chunk else [])])
+        if plan.chunk is not None and not plan.chunk[0].finished:
             self._prefill_chunk(*plan.chunk)
             self._reap()
         prefill = [r for r in plan.prefill if not r.finished]
@@ -213,6 +228,33 @@ class Worker:
             return [BatchRotatingKVCache(self.config.max_kv_size, left_padding) for _ in range(n_layers)]
         return [BatchKVCache(left_padding) for _ in range(n_layers)]
 
+    def _fetch_prefixes(self, requests: list[Request]) -> None:
+        """Take the cached prefix KV of newly admitted requests out of the store now, while
+        it is certainly there; a fault fails that request alone."""
+        for r in requests:
+            state: Optional[_RowState] = r.state  # type: ignore[assignment]
+            if not r.num_cached or state is None or state.prefix is not None or state.cache is not None:
+                continue
+            try:
+                assert self.prefix_cache is not None
+                state.prefix = self.prefix_cache.fetch(r.prompt_ids, r.num_cached)
+            except Exception as exc:
+                self._fail(r, exc, "while fetching its cached prompt prefix")
+
+    def _cache_from_prefixes(self, requests: list[Request]) -> list[Any]:
+        """A batch cache (left-padded) holding each request's cached prefix KV."""
+        per_layer: list[list[KVCache]] = [[] for _ in self.model.layers]
+        for r in requests:
+            prefix = r.state.prefix
+            for layer, rows in enumerate(per_layer):
+                row = KVCache()
+                if prefix:
+                    row.keys, row.values = prefix[layer]
+                    row.offset = r.num_cached
+                rows.append(row)
+            r.state.prefix = None
+        return [BatchKVCache.merge(rows) for rows in per_layer]
+
     def _prefill(self, requests: list[Request]) -> None:
         """Prefill whole prompts as one left-padded batch, sample each first token.
 
@@ -220,7 +262,10 @@ class Worker:
         pieces, cancelled and timed-out rows leave the batch, so they stop costing compute.
         """
         for r in requests:
-            self.metrics.request_admitted(r.request_id, r.prompt_len)
+            self.metrics.request_admitted(r.request_id, r.prompt_len, cached_tokens=r.num_cached)
+        if any(r.num_cached for r in requests):
+            self._prefill_after_prefixes(requests)
+            return
         longest = max(r.prompt_len for r in requests)
         padding = [longest - r.prompt_len for r in requests]
         tokens = mx.array([[self.pad_id] * p + r.prompt_ids for p, r in zip(padding, requests)])
@@ -244,12 +289,48 @@ class Worker:
             r.num_prefilled = r.prompt_len
         self._join_decode_batch(requests, cache, logits)
 
+    def _prefill_after_prefixes(self, requests: list[Request]) -> None:
+        """Prefill the uncached rest of each prompt on top of its cached prefix KV.
+
+        All but the last prompt token are run right-padded (each row's tokens follow its
+        own prefix directly), in pieces with cancelled rows reaped between them; the pads
+        are then rolled to the left (``BatchKVCache.finalize``) and the last tokens, one
+        column for every row, give the logits of the first output tokens.
+        """
+        cache = self._cache_from_prefixes(requests)
+        bodies = [r.prompt_ids[r.num_cached : -1] for r in requests]
+        width = max(len(b) for b in bodies)
+        if width:
+            tokens = mx.array([b + [self.pad_id] * (width - len(b)) for b in bodies])
+            piece = max(1, self.config.prefill_chunk_size // len(requests))
+            while tokens.shape[1]:
+                self.model(tokens[:, :piece], cache=cache)
+                mx.eval([c.state for c in cache])
+                tokens = tokens[:, piece:]
+                self._reap()
+                keep = [i for i, r in enumerate(requests) if not r.finished]
+                if not keep:
+                    return
+                if len(keep) < len(requests):
+                    requests, bodies = [requests[i] for i in keep], [bodies[i] for i in keep]
+                    tokens = tokens[mx.array(keep)]
+                    for c in cache:
+                        c.filter(keep)
+            for c in cache:
+                c.prepare(right_padding=[width - len(b) for b in bodies])
+                c.finalize()
+        last = mx.array([[r.prompt_ids[-1]] for r in requests])
+        logits = self.model(last, cache=cache)[:, -1, :]
+        for r in requests:
+            r.num_prefilled = r.prompt_len
+        self._join_decode_batch(requests, cache, logits)
+
     def _prefill_chunk(self, request: Request, n: int) -> None:
         """Prefill the next ``n`` prompt tokens of a long prompt into its own cache."""
         state: _RowState = request.state
         if state.cache is None:
-            self.metrics.request_admitted(request.request_id, request.prompt_len)
-            state.cache = self._new_cache([0])
+            self.metrics.request_admitted(request.request_id, request.prompt_len, cached_tokens=request.num_cached)
+            state.cache = self._cache_from_prefixes([request]) if request.num_cached else self._new_cache([0])
         start = request.num_prefilled
         chunk = mx.array([request.prompt_ids[start : start + n]])
         logits = self.model(chunk, cache=state.cache)[:, -1, :]
@@ -262,6 +343,7 @@ class Worker:
 
     def _join_decode_batch(self, requests: list[Request], cache: list[Any], logits: mx.array) -> None:
         sampled = self._sample(requests, logits)
+        self._store(cache, [r.prompt_ids for r in requests])
         if self.cache is None:
             self.cache = cache
         else:
@@ -325,6 +407,9 @@ class Worker:
         if finish is not None and not state.text.stopped:
             piece += state.text.finish()
         if finish is not None:
+            if request in self.rows:  # keep prompt + answer for a next turn
+                i = self.rows.index(request)
+                self._store(self.cache, [request.prompt_ids + request.output_ids], rows=[i])
             self._retire(request)  # first, so a caller woken by its result sees it finished
         if request.stream and (piece or finish):
             self._deliver(request, Delta(
@@ -346,7 +431,34 @@ class Worker:
             ))
 
     def _usage(self, request: Request) -> Usage:
-        return Usage(prompt_tokens=request.prompt_len, completion_tokens=len(request.output_ids))
+        return Usage(
+            prompt_tokens=request.prompt_len,
+            completion_tokens=len(request.output_ids),
+            cached_tokens=request.num_cached,
+        )
+
+    # -- prefix store -------------------------------------------------------------------
+
+    def _store(self, cache: Optional[list[Any]], sequences: list[list[int]], rows: Optional[list[int]] = None) -> None:
+        """Put the KV of ``sequences`` (rows ``rows`` of a batch cache, default 0..n-1)
+        into the prefix store. Each row holds KV for the first ``size - left_padding``
+        tokens of its sequence. Caching is an optimisation: a failure here is logged and
+        costs nothing else."""
+        if self.prefix_cache is None or cache is None:
+            return
+        try:
+            pads = cache[0].left_padding.tolist()
+            size = cache[0].size()
+            for seq, i in zip(sequences, rows or range(len(sequences))):
+                start = pads[i]
+                length = min(size - start, len(seq))
+
+                def source(a: int, b: int, i: int = i, start: int = start) -> list[LayerKV]:
+                    return [(c.keys[i : i + 1, :, start + a : start + b], c.values[i : i + 1, :, start + a : start + b]) for c in cache]
+
+                self.prefix_cache.insert(seq[:length], source, self.kv_bytes_per_token)
+        except Exception:
+            logger.exception("could not store prompt KV in the prefix cache")
 
     # -- leaving ------------------------------------------------------------------------
 
@@ -409,6 +521,22 @@ class Worker:
                 except Exception:  # the caller is gone; keep failing the others
                     pass
         self.rows, self.cache = [], None
+
+
+def _make_prefix_cache(config: EngineConfig) -> Optional[PrefixCache]:
+    """The prefix store the config asks for, or None (off, or a rotating KV cache)."""
+    if not config.enable_prefix_caching:
+        return None
+    if config.max_kv_size is not None:
+        global _warned_rotating
+        if not _warned_rotating:
+            logger.warning("prefix caching is off: a rotating KV cache (max_kv_size) cannot reuse a prefix")
+            _warned_rotating = True
+        return None
+    return PrefixCache(config.prefix_cache_memory_bytes)
+
+
+_warned_rotating = False
 
 
 def _wait_for_native_exit(thread: threading.Thread, timeout: float) -> None:

@@ -1,0 +1,129 @@
+"""Prefix caching on the tiny random llama: the same tokens with sharing on and off, shared
+prefixes prefilled once, reuse across waves and turns, and a bounded store."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+from engine_helpers import TokenCostModel
+from mlx_parallm_provider.engine import SamplingParams
+
+VOCAB = 49152
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def ids(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(3, VOCAB) for _ in range(n)]
+
+
+def mixed_workload(seed: int = 0) -> list[list[int]]:
+    """36 prompts: three shared prefixes (80, 150 and 300 tokens) with short own suffixes,
+    unshared prompts, long prompts chunk-prefilled (> 128 tokens uncached), and the same
+    prompt four times (n > 1)."""
+    rng = random.Random(seed)
+    prefixes = [[1] + ids(rng, n) for n in (80, 150, 300)]
+    prompts = []
+    for i in range(24):
+        prompts.append(prefixes[i % 3] + ids(rng, 3 + i % 9))
+    prompts += [[1] + ids(rng, 10 + 7 * i) for i in range(5)]  # unshared, short
+    prompts += [[1] + ids(rng, 200 + 40 * i) for i in range(3)]  # unshared, chunked
+    prompts += [prefixes[1] + ids(rng, 5)] * 4  # n > 1
+    return prompts
+
+
+async def _generate_all(engine, prompts, params_for) -> list:
+    return await asyncio.gather(*(engine.generate(p, params_for(i)) for i, p in enumerate(prompts)))
+
+
+def _outputs(make_engine, prompts, params_for, **config):
+    engine = make_engine(prefill_chunk_size=128, **config)
+    done = run(_generate_all(engine, prompts, params_for))
+    return [c.token_ids for c in done], done, engine
+
+
+def test_greedy_and_seeded_outputs_are_identical_with_sharing_on_and_off(make_engine) -> None:
+    prompts = mixed_workload()
+    assert len(prompts) >= 32
+    greedy = lambda i: SamplingParams(max_tokens=12, ignore_eos=True)  # noqa: E731
+    seeded = lambda i: SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.9, seed=i)  # noqa: E731
+    for params_for in (greedy, seeded):
+        off, _, _ = _outputs(make_engine, prompts, params_for, enable_prefix_caching=False)
+        on, done, engine = _outputs(make_engine, prompts, params_for)
+        assert on == off
+        stats = engine.stats()["prefix_cache"]
+        assert stats["enabled"] and stats["cached_tokens"] > 0
+        # Every prompt of a shared group but (at most) the first reused its prefix.
+        assert sum(c.usage.cached_tokens > 0 for c in done) >= 24
+
+
+def test_disabled_gives_no_cached_tokens(make_engine) -> None:
+    prompts = mixed_workload()[:12]
+    _, done, engine = _outputs(make_engine, prompts, lambda i: SamplingParams(max_tokens=4), enable_prefix_caching=False)
+    assert all(c.usage.cached_tokens == 0 for c in done)
+    stats = engine.stats()
+    assert stats["prefix_cache"]["enabled"] is False and stats["cached_prompt_tokens"] == 0
+
+
+def test_a_shared_prefix_in_a_burst_is_prefilled_once(tiny_model, make_engine) -> None:
+    rng = random.Random(1)
+    prefix = [1] + ids(rng, 300)
+    prompts = [prefix + ids(rng, 6) for _ in range(16)]
+    counter = TokenCostModel(tiny_model.model, 0.0)
+    engine = make_engine(model=counter, max_num_batched_tokens=2048, prefill_chunk_size=512)
+    done = run(_generate_all(engine, prompts, lambda i: SamplingParams(max_tokens=2, ignore_eos=True)))
+    cached = [c.usage.cached_tokens for c in done]
+    assert sorted(cached)[0] == 0 and all(c >= len(prefix) for c in sorted(cached)[1:])
+    total_prompt = sum(len(p) for p in prompts)
+    # The prefix once, each row's own tokens (padded to the longest), one decode step each.
+    assert counter.tokens < len(prompts[0]) + 16 * 8 + 16 * 2
+    assert engine.stats()["prefilled_prompt_tokens"] <= total_prompt // 10
+
+
+def test_second_wave_prefills_under_a_tenth_of_the_first(make_engine) -> None:
+    rng = random.Random(2)
+    prefix = [1] + ids(rng, 250)
+    engine = make_engine()
+    params = lambda i: SamplingParams(max_tokens=4)  # noqa: E731
+    run(_generate_all(engine, [prefix + ids(rng, 5) for _ in range(8)], params))
+    first = engine.stats()
+    run(_generate_all(engine, [prefix + ids(rng, 5) for _ in range(8)], params))
+    second = engine.stats()
+    assert first["prompt_tokens"] == 8 * 256
+    assert second["prefilled_prompt_tokens"] - first["prefilled_prompt_tokens"] <= first["prompt_tokens"] // 10
+    # The whole second wave was served from the store: every prompt's prefix was a hit.
+    assert second["prefix_cache_hits"] - first["prefix_cache_hits"] == 8
+
+
+def test_turn_two_reuses_turn_one(make_engine) -> None:
+    rng = random.Random(3)
+    engine = make_engine()
+    turn1 = [1] + ids(rng, 60)
+    first = engine.generate_sync(turn1, SamplingParams(max_tokens=10, ignore_eos=True))
+    turn2 = turn1 + first.token_ids + ids(rng, 8)
+    second = engine.generate_sync(turn2, SamplingParams(max_tokens=4))
+    # Everything but the last answer token (whose KV is never computed) was reused.
+    assert second.usage.cached_tokens == len(turn1) + len(first.token_ids) - 1
+    again = make_engine(enable_prefix_caching=False).generate_sync(turn2, SamplingParams(max_tokens=4))
+    assert second.token_ids == again.token_ids
+
+
+def test_many_random_prefixes_under_a_small_cap(make_engine) -> None:
+    rng = random.Random(4)
+    cap_gb = 400 * 512 / 1024**3  # ~400 tokens of the tiny model's KV (512 bytes a token)
+    engine = make_engine(prefix_cache_memory_gb=cap_gb, max_num_seqs=32)
+    cap = engine.config.prefix_cache_memory_bytes
+    heads = [[1] + ids(rng, rng.randrange(20, 150)) for _ in range(40)]
+    peak = 0
+    for wave in range(10):
+        prompts = [rng.choice(heads) + ids(rng, rng.randrange(1, 30)) for _ in range(32)]
+        done = run(_generate_all(engine, prompts, lambda i: SamplingParams(max_tokens=3)))
+        assert len(done) == 32 and all(c.finish_reason for c in done)
+        stats = engine.stats()["prefix_cache"]
+        peak = max(peak, stats["cached_bytes"])
+        assert stats["cached_bytes"] <= cap
+    stats = engine.stats()
+    assert stats["finished"] == 320 and stats["prefix_cache"]["evictions"] > 0 and peak > 0
