@@ -180,7 +180,7 @@ class Engine:
         snap["model"] = self.model_name
         store = worker.prefix_cache if worker is not None else None
         snap["prefix_cache"] = {
-            "enabled": store is not None or (worker is None and self.config.enable_prefix_caching),
+            "enabled": self.config.enable_prefix_caching and self.config.max_kv_size is None,
             "hit_rate": snap["prefix_cache_hit_rate"],
             "cached_tokens": snap["cached_prompt_tokens"],
             **(store.stats() if store is not None else {}),

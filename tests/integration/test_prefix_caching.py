@@ -127,3 +127,35 @@ def test_many_random_prefixes_under_a_small_cap(make_engine) -> None:
         assert stats["cached_bytes"] <= cap
     stats = engine.stats()
     assert stats["finished"] == 320 and stats["prefix_cache"]["evictions"] > 0 and peak > 0
+
+
+def test_streams_report_cached_tokens_in_the_last_delta(make_engine) -> None:
+    rng = random.Random(5)
+    engine = make_engine()
+    prompt = [1] + ids(rng, 120)
+    engine.generate_sync(prompt + [7], SamplingParams(max_tokens=2))
+    deltas = list(engine.stream_sync(prompt + [8], SamplingParams(max_tokens=3, ignore_eos=True)))
+    assert deltas[-1].usage is not None and deltas[-1].usage.cached_tokens == len(prompt)
+    assert all(d.usage is None for d in deltas[:-1])
+
+
+def test_rotating_kv_cache_turns_prefix_caching_off(make_engine) -> None:
+    rng = random.Random(6)
+    engine = make_engine(max_kv_size=64)
+    prompt = [1] + ids(rng, 100)
+    first = engine.generate_sync(prompt, SamplingParams(max_tokens=4, ignore_eos=True))
+    second = engine.generate_sync(prompt, SamplingParams(max_tokens=4, ignore_eos=True))
+    assert first.token_ids == second.token_ids and second.usage.cached_tokens == 0
+    assert engine.stats()["prefix_cache"]["enabled"] is False
+
+
+def test_cached_prefix_does_not_count_against_the_step_token_budget(tiny_model, make_engine) -> None:
+    rng = random.Random(7)
+    prefix = [1] + ids(rng, 200)
+    counter = TokenCostModel(tiny_model.model, 0.0)
+    engine = make_engine(model=counter, max_num_batched_tokens=96, prefill_chunk_size=64, max_num_seqs=16)
+    engine.generate_sync(prefix + [5], SamplingParams(max_tokens=1))
+    done = run(_generate_all(engine, [prefix + ids(rng, 4) for _ in range(12)], lambda i: SamplingParams(max_tokens=2)))
+    # 12 rows of 4 uncached tokens fit one step's budget of 96; 12 x 205 would take 26 steps.
+    assert all(c.usage.cached_tokens == len(prefix) for c in done)
+    assert engine.stats()["steps"] <= 4
