@@ -270,20 +270,11 @@ class Worker:
         padding = [longest - r.prompt_len for r in requests]
         tokens = mx.array([[self.pad_id] * p + r.prompt_ids for p, r in zip(padding, requests)])
         cache = self._new_cache(padding)
-        piece = max(1, self.config.prefill_chunk_size // len(requests))
-        while tokens.shape[1] > piece:
-            self.model(tokens[:, :piece], cache=cache)
-            mx.eval([c.state for c in cache])
-            tokens = tokens[:, piece:]
-            self._reap()
-            keep = [i for i, r in enumerate(requests) if not r.finished]
-            if not keep:
-                return
-            if len(keep) < len(requests):
-                requests = [requests[i] for i in keep]
-                tokens = tokens[mx.array(keep)]
-                for c in cache:
-                    c.filter(keep)
+        ran = self._run_pieces(requests, tokens, cache, leave_last=True)
+        if ran is None:
+            return
+        kept, tokens = ran
+        requests = [requests[i] for i in kept]
         logits = self.model(tokens, cache=cache)[:, -1, :]
         for r in requests:
             r.num_prefilled = r.prompt_len
@@ -302,20 +293,11 @@ class Worker:
         width = max(len(b) for b in bodies)
         if width:
             tokens = mx.array([b + [self.pad_id] * (width - len(b)) for b in bodies])
-            piece = max(1, self.config.prefill_chunk_size // len(requests))
-            while tokens.shape[1]:
-                self.model(tokens[:, :piece], cache=cache)
-                mx.eval([c.state for c in cache])
-                tokens = tokens[:, piece:]
-                self._reap()
-                keep = [i for i, r in enumerate(requests) if not r.finished]
-                if not keep:
-                    return
-                if len(keep) < len(requests):
-                    requests, bodies = [requests[i] for i in keep], [bodies[i] for i in keep]
-                    tokens = tokens[mx.array(keep)]
-                    for c in cache:
-                        c.filter(keep)
+            ran = self._run_pieces(requests, tokens, cache, leave_last=False)
+            if ran is None:
+                return
+            kept, _ = ran
+            requests, bodies = [requests[i] for i in kept], [bodies[i] for i in kept]
             for c in cache:
                 c.prepare(right_padding=[width - len(b) for b in bodies])
                 c.finalize()
@@ -324,6 +306,29 @@ class Worker:
         for r in requests:
             r.num_prefilled = r.prompt_len
         self._join_decode_batch(requests, cache, logits)
+
+    def _run_pieces(self, requests: list[Request], tokens: mx.array, cache: list[Any], leave_last: bool) -> Optional[tuple[list[int], mx.array]]:
+        """Run ``tokens`` (one row per request) into ``cache`` in pieces of about
+        ``prefill_chunk_size`` tokens in all, all of them or all but the last piece.
+        Between pieces, cancelled and timed-out rows leave ``tokens`` and ``cache``.
+        Returns the indices of the rows kept and the tokens not run, or None if every
+        row has gone."""
+        piece = max(1, self.config.prefill_chunk_size // len(requests))
+        kept = list(range(len(requests)))
+        while tokens.shape[1] > (piece if leave_last else 0):
+            self.model(tokens[:, :piece], cache=cache)
+            mx.eval([c.state for c in cache])
+            tokens = tokens[:, piece:]
+            self._reap()
+            keep = [i for i, k in enumerate(kept) if not requests[k].finished]
+            if not keep:
+                return None
+            if len(keep) < len(kept):
+                kept = [kept[i] for i in keep]
+                tokens = tokens[mx.array(keep)]
+                for c in cache:
+                    c.filter(keep)
+        return kept, tokens
 
     def _prefill_chunk(self, request: Request, n: int) -> None:
         """Prefill the next ``n`` prompt tokens of a long prompt into its own cache."""
