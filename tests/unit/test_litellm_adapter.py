@@ -11,7 +11,7 @@ from typing import Any
 import litellm
 import pytest
 from litellm.exceptions import MidStreamFallbackError
-from fakes import QWEN_TOOLS_TEMPLATE, TIME, WEATHER, FakeEngine, make_tokenizer, patch_get_engine
+from fakes import QWEN_TOOLS_TEMPLATE, TIME, WEATHER, FakeEngine, chat_prompt, make_tokenizer, patch_get_engine
 
 from mlx_parallm_provider.errors import (
     ContextWindowExceededError,
@@ -23,7 +23,7 @@ from mlx_parallm_provider.errors import (
     RequestTimeoutError,
 )
 from mlx_parallm_provider.integrations import litellm as adapter
-from mlx_parallm_provider.tools import FALLBACK_TOOL_PROMPT, REQUIRED_TOOL_INSTRUCTION
+from mlx_parallm_provider.chat import FALLBACK_TOOL_PROMPT, REQUIRED_TOOL_INSTRUCTION
 
 MODEL = "mlx-parallm/fake"
 HI = [{"role": "user", "content": "Hi"}]
@@ -78,7 +78,7 @@ def test_completion_returns_the_engine_answer_with_usage(engine: FakeEngine) -> 
     assert response.model == "fake"
     assert response.id.startswith("chatcmpl-")
     prompt = engine.last.prompt
-    assert prompt == engine.apply_chat_template(HI)  # the chat template was applied
+    assert prompt == chat_prompt(engine, HI)  # the chat template was applied
     assert response.usage.prompt_tokens == len(engine.tokenizer.encode(prompt, add_special_tokens=False))
     assert response.usage.completion_tokens == len(ANSWER)
     assert response.usage.total_tokens == response.usage.prompt_tokens + len(ANSWER)
@@ -213,7 +213,7 @@ def test_include_usage_puts_usage_on_the_last_chunk(engine: FakeEngine) -> None:
 
 
 def test_async_streaming_is_an_async_generator_over_engine_stream(engine: FakeEngine) -> None:
-    assert inspect.isasyncgenfunction(adapter.MLXParallmLLM.astreaming)
+    assert inspect.isasyncgenfunction(adapter.MLXParallmCustomLLM.astreaming)
 
     async def run() -> list[Any]:
         stream = await litellm.acompletion(model=MODEL, messages=HI, stream=True, stream_options={"include_usage": True})
@@ -338,10 +338,7 @@ def test_streamed_malformed_call_comes_out_as_text(engine: FakeEngine) -> None:
 # --------------------------------------------------------------------------- unsupported parameters
 
 
-@pytest.mark.parametrize(
-    "extra",
-    [{"response_format": {"type": "json_object"}}, {"frobnicate": 1}, {"extra_body": {"mirostat": 2}}],
-)
+@pytest.mark.parametrize("extra", [{"frobnicate": 1}, {"extra_body": {"mirostat": 2}}])
 def test_unsupported_params_are_a_bad_request(engine: FakeEngine, extra: dict) -> None:
     with pytest.raises(litellm.BadRequestError, match="drop_params") as info:
         litellm.completion(model=MODEL, messages=HI, **extra)
@@ -535,7 +532,7 @@ def test_register_is_idempotent_and_keeps_other_providers() -> None:
 
 def test_register_repoints_a_stale_entry_instead_of_adding_one() -> None:
     other = {"provider": "someone-else", "custom_handler": litellm.CustomLLM()}
-    stale = {"provider": "mlx-parallm", "custom_handler": adapter.MLXParallmLLM()}
+    stale = {"provider": "mlx-parallm", "custom_handler": adapter.MLXParallmCustomLLM()}
     litellm.custom_provider_map[:] = [stale, other]
     adapter.register()
     assert litellm.custom_provider_map == [{"provider": "mlx-parallm", "custom_handler": adapter.litellm_handler}, other]
