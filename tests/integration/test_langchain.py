@@ -613,3 +613,33 @@ def test_the_llm_and_the_chat_model_share_the_litellm_engine(model_name: str, en
     from mlx_parallm_provider.integrations import litellm as litellm_adapter
 
     assert litellm_adapter.get_engine(model_name) is engine
+
+
+# --------------------------------------------------------------------------- bad input fails alone
+
+
+def test_llm_batch_with_return_exceptions_fails_only_the_bad_prompt(model_name: str, engine: Engine) -> None:
+    llm = MLXParallmLLM(model=model_name, max_tokens=MAX_TOKENS, ignore_eos=True)
+    for outputs in (llm.batch(["a b", "", "c d"], return_exceptions=True), run(llm.abatch(["a b", "", "c d"], return_exceptions=True))):
+        assert isinstance(outputs[1], InvalidParameterError) and outputs[1].field == "prompt"
+        assert [outputs[0], outputs[2]] == [engine.generate_sync(p, greedy()).text for p in ("a b", "c d")]
+
+
+def test_chat_batch_with_a_bad_input_answers_the_others(model_name: str, engine: Engine) -> None:
+    chat = ChatMLXParallm(model=model_name, max_tokens=MAX_TOKENS, ignore_eos=True)
+    orphan = [HumanMessage("hi"), ToolMessage("18C", tool_call_id="call_nobody")]
+    outputs = chat.batch(["Tell me a story.", orphan, "Name a colour."], return_exceptions=True)
+    assert isinstance(outputs[1], InvalidParameterError) and outputs[1].field == "messages[1].tool_call_id"
+    expected = [engine.generate_sync(chat_prompt(engine, [{"role": "user", "content": q}]), greedy()).text for q in ("Tell me a story.", "Name a colour.")]
+    assert [outputs[0].content, outputs[2].content] == expected
+    with pytest.raises(InvalidParameterError, match="call_nobody"):
+        chat.batch(["Tell me a story.", orphan])
+
+
+def test_tools_that_are_not_a_list_are_an_invalid_parameter(model_name: str) -> None:
+    chat = ChatMLXParallm(model=model_name, max_tokens=2)
+    with pytest.raises(InvalidParameterError, match="tools") as info:
+        chat.invoke("hi", tools="abc")
+    assert info.value.field == "tools"
+    with pytest.raises(InvalidParameterError, match=r"tools\[0\]"):
+        chat.bind_tools([42]).invoke("hi")

@@ -364,6 +364,17 @@ def test_every_error_class_while_other_requests_finish(held: Any, model: str) ->
     assert all(r.usage.completion_tokens == BATCH_TOKENS for r in responses)
 
 
+def test_n_larger_than_the_queue_is_answered_in_waves(held: Any, model: str) -> None:
+    # Was a RateLimitError ("retry later") that no retry could ever fix.
+    engine: HeldEngine = held(max_queue=8)
+    kw: dict[str, Any] = {"model": model, "messages": ask(1), "n": 20, "seed": 3, "temperature": 1.0, "max_tokens": 4, "ignore_eos": True}
+    response = engine.run_held(8, lambda: litellm.completion(**kw))  # fills the queue, then waits for room
+    assert [c.index for c in response.choices] == list(range(20))
+    assert response.usage.completion_tokens == 20 * 4
+    again = asyncio.run(litellm.acompletion(**kw))
+    assert [c.message.content for c in again.choices] == [c.message.content for c in response.choices]
+
+
 def test_errors_surface_from_sync_and_streaming_calls(model: str) -> None:
     with pytest.raises(litellm.BadRequestError, match="top_p"):
         litellm.completion(model=model, messages=ask(0), top_p=0)

@@ -23,7 +23,12 @@ from mlx_parallm_provider.errors import (
     RequestTimeoutError,
 )
 from mlx_parallm_provider.integrations import litellm as adapter
-from mlx_parallm_provider.chat import FALLBACK_TOOL_PROMPT, REQUIRED_TOOL_INSTRUCTION
+from mlx_parallm_provider.chat import (
+    FALLBACK_TOOL_PROMPT,
+    JSON_OBJECT_INSTRUCTION,
+    JSON_SCHEMA_INSTRUCTION,
+    REQUIRED_TOOL_INSTRUCTION,
+)
 
 MODEL = "mlx-parallm/fake"
 HI = [{"role": "user", "content": "Hi"}]
@@ -453,6 +458,38 @@ def test_invalid_values_are_bad_requests_naming_the_field(engine: FakeEngine) ->
         litellm.completion(model=MODEL, messages=image)
     with pytest.raises(litellm.BadRequestError, match="tool_choice"):
         litellm.completion(model=MODEL, messages=HI, tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}})
+
+
+@pytest.mark.parametrize("timeout", [-1, 0, -0.5])
+def test_a_timeout_that_is_not_positive_is_a_bad_request(engine: FakeEngine, timeout: float) -> None:
+    with pytest.raises(litellm.BadRequestError, match="timeout"):
+        litellm.completion(model=MODEL, messages=HI, timeout=timeout)
+    assert engine.calls == []
+
+
+@pytest.mark.parametrize("tools", ["abc", [], ["abc"]])
+def test_tools_that_are_not_tool_definitions_are_a_bad_request(engine: FakeEngine, tools: Any) -> None:
+    # LiteLLM hands the provider [] for each of these (it drops what is not a dict).
+    with pytest.raises(litellm.BadRequestError, match="tools"):
+        litellm.completion(model=MODEL, messages=HI, tools=tools)
+    assert engine.calls == []
+
+
+def test_a_tool_result_that_answers_no_call_is_a_bad_request(engine: FakeEngine) -> None:
+    orphan = [*HI, {"role": "tool", "tool_call_id": "call_nobody", "content": "18C"}]
+    with pytest.raises(litellm.BadRequestError, match=re.escape("messages[1].tool_call_id")):
+        litellm.completion(model=MODEL, messages=orphan)
+    assert engine.calls == []
+
+
+def test_json_response_formats_are_prompted(engine: FakeEngine) -> None:
+    litellm.completion(model=MODEL, messages=HI, response_format={"type": "json_object"})
+    assert JSON_OBJECT_INSTRUCTION in engine.last.prompt
+    schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+    litellm.completion(model=MODEL, messages=HI, response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": schema}})
+    assert JSON_SCHEMA_INSTRUCTION.format(schema=json.dumps(schema)) in engine.last.prompt
+    with pytest.raises(litellm.BadRequestError, match="response_format"):
+        litellm.completion(model=MODEL, messages=HI, response_format={"type": "xml"})
 
 
 # --------------------------------------------------------------------------- other entry points
