@@ -82,3 +82,24 @@ def tiny_model(tiny_model_dir: Path):
     from mlx_parallm_provider.models import registry
 
     return registry.load(str(tiny_model_dir))
+
+
+@pytest.fixture
+def make_engine(tiny_model):
+    """Factory of engines on the tiny model (optionally wrapped: ``make_engine(model, **config)``),
+    each shut down after the test."""
+    from mlx_parallm_provider.config import EngineConfig
+    from mlx_parallm_provider.engine import Engine
+    from mlx_parallm_provider.models.registry import LoadedModel
+
+    engines = []
+
+    def factory(model=None, **config):
+        loaded = tiny_model if model is None else LoadedModel(tiny_model.name, tiny_model.path, model, tiny_model.tokenizer, tiny_model.config)
+        engine = Engine("tiny", EngineConfig(**config), loaded=loaded)
+        engines.append(engine)
+        return engine
+
+    yield factory
+    for engine in engines:
+        engine.shutdown()

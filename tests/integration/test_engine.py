@@ -11,8 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from engine_helpers import ScriptedModel
-from mlx_parallm_provider.config import EngineConfig
-from mlx_parallm_provider.engine import Engine, SamplingParams
+from mlx_parallm_provider.engine import SamplingParams
 from mlx_parallm_provider.errors import (
     ContextWindowExceededError,
     EngineDeadError,
@@ -20,28 +19,12 @@ from mlx_parallm_provider.errors import (
     InvalidParameterError,
     RequestTimeoutError,
 )
-from mlx_parallm_provider.models.registry import LoadedModel
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven curious cats watch from the old wall".split()
 
 
 def mixed_prompts(n: int = 16) -> list[str]:
     return [" ".join(WORDS[: 2 + (i * 5) % len(WORDS)]) + f" #{i}" for i in range(n)]
-
-
-@pytest.fixture
-def make_engine(tiny_model):
-    engines = []
-
-    def factory(model=None, **config) -> Engine:
-        loaded = tiny_model if model is None else LoadedModel(tiny_model.name, tiny_model.path, model, tiny_model.tokenizer, tiny_model.config)
-        engine = Engine("tiny", EngineConfig(**config), loaded=loaded)
-        engines.append(engine)
-        return engine
-
-    yield factory
-    for engine in engines:
-        engine.shutdown()
 
 
 def run(coro):

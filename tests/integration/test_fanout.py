@@ -16,7 +16,7 @@ import pytest
 from engine_helpers import ScriptedModel
 
 import mlx_parallm_provider
-from mlx_parallm_provider import Engine, EngineConfig, EngineLike, SamplingParams, get_engine, shutdown_engines
+from mlx_parallm_provider import Engine, EngineLike, SamplingParams, get_engine, shutdown_engines
 from mlx_parallm_provider.errors import ContextWindowExceededError, EngineOverloadedError, InvalidParameterError
 from mlx_parallm_provider.langchain import ChatMLXParallm
 from mlx_parallm_provider.models.registry import LoadedModel
@@ -28,21 +28,6 @@ LONG = " ".join(WORDS * 40)  # more than the tiny model's 512-token context
 
 def prompts(n: int) -> list[str]:
     return [" ".join(WORDS[i % 9 : i % 9 + 4]) + f" #{i}" for i in range(n)]
-
-
-@pytest.fixture
-def make_engine(tiny_model: LoadedModel) -> Iterator[Callable[..., Engine]]:
-    engines: list[Engine] = []
-
-    def factory(model: Any = None, **config: Any) -> Engine:
-        loaded = tiny_model if model is None else LoadedModel(tiny_model.name, tiny_model.path, model, tiny_model.tokenizer, tiny_model.config)
-        engine = Engine("tiny", EngineConfig(**config), loaded=loaded)
-        engines.append(engine)
-        return engine
-
-    yield factory
-    for engine in engines:
-        engine.shutdown()
 
 
 def wait_until(condition: Callable[[], bool], what: str, limit_s: float = 30.0) -> None:

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import contextvars
 from collections.abc import Callable, Sequence
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
+from langchain_core.language_models import LanguageModelInput
 from langchain_core.runnables import Runnable, RunnableConfig
+from langchain_core.runnables.config import get_config_list
 
 from ...engine import Completion, EngineLike, SamplingParams
 
@@ -90,6 +92,36 @@ def run_sync_batch(
         finally:
             _current.reset(token)
     return outputs
+
+
+class BatchesFromOneThread:
+    """Mixin for a LangChain model: sync ``batch`` through :func:`run_sync_batch`."""
+
+    def _batch_request(self, value: LanguageModelInput, stop: Optional[list[str]], kwargs: dict[str, Any]) -> tuple[EngineLike, Any, SamplingParams]:
+        """The request the model call for input ``value`` will make."""
+        raise NotImplementedError
+
+    def _batch_per_input(self, return_exceptions: bool) -> bool:
+        """Whether this batch runs one model call per input (else LangChain's own way)."""
+        return True
+
+    def batch(
+        self,
+        inputs: list[LanguageModelInput],
+        config: Union[RunnableConfig, list[RunnableConfig], None] = None,
+        *,
+        return_exceptions: bool = False,
+        **kwargs: Any,
+    ) -> list[Any]:
+        if len(inputs) < 2 or not self._batch_per_input(return_exceptions):
+            return super().batch(inputs, config, return_exceptions=return_exceptions, **kwargs)  # type: ignore[misc]
+
+        def request(value: LanguageModelInput) -> tuple[EngineLike, Any, SamplingParams]:
+            rest = dict(kwargs)
+            return self._batch_request(value, rest.pop("stop", None), rest)
+
+        configs = get_config_list(config, len(inputs))
+        return run_sync_batch(self, inputs, configs, request, return_exceptions=return_exceptions, **kwargs)  # type: ignore[arg-type]
 
 
 def _try(prepare: Callable[[Any], tuple[EngineLike, Any, SamplingParams]], value: Any) -> Job:

@@ -13,8 +13,7 @@ from langchain_core.messages import AIMessage, BaseMessage, convert_to_openai_me
 from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
 from langchain_core.output_parsers.openai_tools import JsonOutputKeyToolsParser, PydanticToolsParser
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
-from langchain_core.runnables import Runnable, RunnableConfig, RunnableMap, RunnablePassthrough
-from langchain_core.runnables.config import get_config_list
+from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
 from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
@@ -23,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ...chat import PreparedPrompt, prepare_chat, read_completion
 from ...engine import Completion, Delta, EngineLike, SamplingParams
 from ...errors import InvalidParameterError
-from .batch import prefetched, run_sync_batch
+from .batch import BatchesFromOneThread, prefetched
 from .fields import PROVIDER, EngineFields, engine_for, usage_dict
 from .messages import ChunkWriter, ai_message
 
@@ -43,7 +42,7 @@ class _ChatCall:
         return prefetched(self.engine, self.prepared.prompt, self.params)
 
 
-class ChatMLXParallm(EngineFields, BaseChatModel):
+class ChatMLXParallm(EngineFields, BatchesFromOneThread, BaseChatModel):
     """Chat model on the shared batching engine.
 
     Messages (system, human, AI with tool calls, tool results) are rendered by the
@@ -133,26 +132,9 @@ class ChatMLXParallm(EngineFields, BaseChatModel):
         finally:
             await deltas.aclose()
 
-    def batch(
-        self,
-        inputs: list[LanguageModelInput],
-        config: Union[RunnableConfig, list[RunnableConfig], None] = None,
-        *,
-        return_exceptions: bool = False,
-        **kwargs: Any,
-    ) -> list[Any]:
-        """Invoke on every input from this thread, all requests in one decode batch
-        (``max_concurrency`` inputs at a time when set): no thread per input."""
-        if len(inputs) < 2:
-            return super().batch(inputs, config, return_exceptions=return_exceptions, **kwargs)
-
-        def job(value: LanguageModelInput) -> tuple[EngineLike, str, SamplingParams]:
-            rest = dict(kwargs)
-            call = self._prepare(self._convert_input(value).to_messages(), rest.pop("stop", None), rest)
-            return call.engine, call.prepared.prompt, call.params
-
-        configs = get_config_list(config, len(inputs))
-        return run_sync_batch(self, inputs, configs, job, return_exceptions=return_exceptions, **kwargs)
+    def _batch_request(self, value: LanguageModelInput, stop: Optional[list[str]], kwargs: dict[str, Any]) -> tuple[EngineLike, str, SamplingParams]:
+        call = self._prepare(self._convert_input(value).to_messages(), stop, kwargs)
+        return call.engine, call.prepared.prompt, call.params
 
     def _prepare(self, messages: Sequence[BaseMessage], stop: Optional[list[str]], kwargs: Mapping[str, Any]) -> _ChatCall:
         model, sampling, extra = self._split_call_kwargs(kwargs, _CHAT_CALL_KWARGS)

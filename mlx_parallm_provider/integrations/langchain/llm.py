@@ -9,15 +9,14 @@ from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackMana
 from langchain_core.language_models import BaseLLM, LanguageModelInput
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
 from langchain_core.runnables import Runnable, RunnableConfig
-from langchain_core.runnables.config import get_config_list
 from pydantic import ConfigDict
 
 from ...engine import Completion, Delta, EngineLike, SamplingParams, Usage
-from .batch import prefetched, run_sync_batch
+from .batch import BatchesFromOneThread, prefetched
 from .fields import PROVIDER, EngineFields, engine_for, logprobs_dict, usage_dict
 
 
-class MLXParallmLLM(EngineFields, BaseLLM):
+class MLXParallmLLM(EngineFields, BatchesFromOneThread, BaseLLM):
     """Text completion on the shared batching engine: prompts go to the model as is.
 
     ``batch`` / ``abatch`` / ``generate`` submit every prompt to the engine at once
@@ -92,26 +91,14 @@ class MLXParallmLLM(EngineFields, BaseLLM):
         finally:
             await deltas.aclose()
 
-    def batch(
-        self,
-        inputs: list[LanguageModelInput],
-        config: Union[RunnableConfig, list[RunnableConfig], None] = None,
-        *,
-        return_exceptions: bool = False,
-        **kwargs: Any,
-    ) -> list[Any]:
-        """One generation for all inputs; with ``return_exceptions``, one run per input
-        (still one decode batch), so a bad input fails alone."""
-        if not return_exceptions or len(inputs) < 2:
-            return super().batch(inputs, config, return_exceptions=return_exceptions, **kwargs)
+    def _batch_per_input(self, return_exceptions: bool) -> bool:
+        # One generation for all inputs; with ``return_exceptions``, one run per input
+        # (still one decode batch), so a bad input fails alone.
+        return return_exceptions
 
-        def job(value: LanguageModelInput) -> tuple[EngineLike, str, SamplingParams]:
-            rest = dict(kwargs)
-            engine, params, _ = self._prepare(rest.pop("stop", None), rest)
-            return engine, self._convert_input(value).to_string(), params
-
-        configs = get_config_list(config, len(inputs))
-        return run_sync_batch(self, inputs, configs, job, return_exceptions=True, **kwargs)
+    def _batch_request(self, value: LanguageModelInput, stop: Optional[list[str]], kwargs: dict[str, Any]) -> tuple[EngineLike, str, SamplingParams]:
+        engine, params, _ = self._prepare(stop, kwargs)
+        return engine, self._convert_input(value).to_string(), params
 
     async def abatch(
         self,
