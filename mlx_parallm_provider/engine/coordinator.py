@@ -180,11 +180,14 @@ class Engine:
                 run.submit_ready(lambda index: TaggedSink(put, index))
                 if run.done:
                     return run.results
-                timeout = POLL_S if run.waiting_for_room else None
-                try:
-                    index, item = await asyncio.wait_for(inbox.get(), timeout)
-                except asyncio.TimeoutError:
-                    continue
+                if run.waiting_for_room:  # poll (no wait_for: it can drop a result it cancels)
+                    try:
+                        index, item = inbox.get_nowait()
+                    except asyncio.QueueEmpty:
+                        await asyncio.sleep(POLL_S)
+                        continue
+                else:
+                    index, item = await inbox.get()
                 run.deliver(index, item)
         except BaseException:
             run.cancel()

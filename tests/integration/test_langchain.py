@@ -643,3 +643,13 @@ def test_tools_that_are_not_a_list_are_an_invalid_parameter(model_name: str) -> 
     assert info.value.field == "tools"
     with pytest.raises(InvalidParameterError, match=r"tools\[0\]"):
         chat.bind_tools([42]).invoke("hi")
+
+
+def test_a_streaming_chat_model_batches_too_and_reports_its_answer(model_name: str, engine: Engine) -> None:
+    recorder = TokenRecorder()
+    chat = ChatMLXParallm(model=model_name, max_tokens=MAX_TOKENS, ignore_eos=True, streaming=True, callbacks=[recorder])
+    messages = chat.batch(topics(8))
+    assert engine.stats()["max_batch_size"] == 8
+    plain = ChatMLXParallm(model=model_name, max_tokens=MAX_TOKENS, ignore_eos=True)
+    assert [m.content for m in messages] == [plain.invoke(t).content for t in topics(8)]
+    assert "".join(recorder.tokens) == "".join(m.content for m in messages)
