@@ -19,8 +19,7 @@ from .._validation import check_int
 from ..chat import PreparedPrompt, prepare_chat, prepare_text
 from ..engine import EngineLike, SamplingParams
 from ..errors import InvalidParameterError
-
-PROVIDER = "mlx-parallm"
+from ._common import PROVIDER
 
 #: Parameters copied straight into :class:`SamplingParams`.
 _SAMPLING_KEYS = (

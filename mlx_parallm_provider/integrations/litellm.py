@@ -63,7 +63,8 @@ from ..errors import (
     ModelNotFoundError,
     RequestTimeoutError,
 )
-from ._litellm_params import PROVIDER, LiteLLMCall, prepare_call
+from ._common import PROVIDER, usage_dict
+from ._litellm_params import LiteLLMCall, prepare_call
 
 
 class MLXParallmCustomLLM(CustomLLM):
@@ -205,7 +206,7 @@ def _build_response(model_response: Optional[ModelResponse], call: LiteLLMCall, 
     response.created = int(time.time())
     prompt_tokens = sum(c.usage.prompt_tokens for c in completions[:: call.n])  # each prompt once
     completion_tokens = sum(c.usage.completion_tokens for c in completions)
-    setattr(response, "usage", litellm.Usage(**_usage_dict(Usage(prompt_tokens, completion_tokens))))
+    setattr(response, "usage", litellm.Usage(**usage_dict(Usage(prompt_tokens, completion_tokens))))
     return response
 
 
@@ -229,10 +230,6 @@ def _with_invalid_text(content: str, invalid: Sequence[InvalidToolCall]) -> str:
 
 def _invalid_dict(call: InvalidToolCall) -> dict[str, Any]:
     return {"id": call.id, "name": call.name, "arguments": call.arguments, "raw": call.raw, "error": call.error}
-
-
-def _usage_dict(usage: Usage) -> dict[str, int]:
-    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens, "total_tokens": usage.total_tokens}
 
 
 def _logprobs(logprobs: Optional[list[TokenLogprob]]) -> Optional[ChoiceLogprobs]:
@@ -275,7 +272,7 @@ class _ChunkWriter:
                 self._invalid.append(event.call)
             elif isinstance(event, FinalEvent):
                 chunks += [self._text(("\n" if self._sent_text else "") + c.raw) for c in self._invalid]
-                usage = None if event.usage is None else _usage_dict(event.usage)
+                usage = None if event.usage is None else usage_dict(event.usage)
                 chunks.append(_chunk(is_finished=True, finish_reason=event.finish_reason or "stop", usage=usage))
         return chunks
 

@@ -23,7 +23,8 @@ from ...chat import PreparedPrompt, prepare_chat, read_completion
 from ...engine import Completion, Delta, EngineLike, SamplingParams
 from ...errors import InvalidParameterError
 from .batch import BatchesFromOneThread, prefetched
-from .fields import PROVIDER, EngineFields, engine_for, usage_dict
+from .._common import PROVIDER, usage_dict
+from .fields import EngineFields, engine_for
 from .messages import ChunkWriter, ai_message
 
 _CHAT_CALL_KWARGS = frozenset(("tools", "tool_choice", "parallel_tool_calls", "response_format"))

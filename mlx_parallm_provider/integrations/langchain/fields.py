@@ -13,8 +13,7 @@ from typing_extensions import Self
 
 from ...engine import EngineLike, SamplingParams, TokenLogprob, Usage, get_engine
 from ...errors import InvalidParameterError
-
-PROVIDER = "mlx-parallm"
+from .._common import PROVIDER
 
 #: The :class:`SamplingParams` fields, settable as model fields and per call (``bind``).
 SAMPLING_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(SamplingParams))
@@ -106,11 +105,6 @@ class EngineFields(BaseModel):
 def usage_metadata(usage: Usage) -> UsageMetadata:
     """LangChain's ``usage_metadata`` for a request's usage."""
     return UsageMetadata(input_tokens=usage.prompt_tokens, output_tokens=usage.completion_tokens, total_tokens=usage.total_tokens)
-
-
-def usage_dict(usage: Usage) -> dict[str, int]:
-    """OpenAI's ``token_usage`` dict (``llm_output`` and ``generation_info``)."""
-    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens, "total_tokens": usage.total_tokens}
 
 
 def logprobs_dict(logprobs: Sequence[TokenLogprob]) -> dict[str, Any]:

@@ -13,7 +13,8 @@ from pydantic import ConfigDict
 
 from ...engine import Completion, Delta, EngineLike, SamplingParams, Usage
 from .batch import BatchesFromOneThread, prefetched
-from .fields import PROVIDER, EngineFields, engine_for, logprobs_dict, usage_dict
+from .._common import PROVIDER, usage_dict
+from .fields import EngineFields, engine_for, logprobs_dict
 
 
 class MLXParallmLLM(EngineFields, BatchesFromOneThread, BaseLLM):
