@@ -4,7 +4,8 @@ submitted together and gathered in order.
 :func:`expand` applies the ``seed + i`` rule; :class:`FanOut` submits in waves that fit
 the engine's waiting queue, so a call larger than ``EngineConfig.max_queue`` still runs
 (as vLLM runs any ``n``) instead of failing half-queued, and cancels the siblings of a
-failed request unless the caller wants every result.
+failed request unless the caller wants every result. A call that does not fit the queue
+at once leaves a quarter of it free for other callers while it runs in waves.
 """
 
 from __future__ import annotations
@@ -75,6 +76,8 @@ class FanOut:
         self._open: dict[int, Request] = {}
         self._next = 0
         self._finished = 0
+        fits = len(jobs) <= engine._queue_room()
+        self._reserve = 0 if fits else engine.config.max_queue // 4  # room left to other callers
 
     @property
     def done(self) -> bool:
@@ -93,10 +96,11 @@ class FanOut:
         """Submit the next jobs while the queue has room.
 
         Only a call that has submitted nothing yet fails when the queue is full (a true
-        overload, worth retrying); once started, a call waits for room instead.
+        overload, worth retrying); once started, a call waits for room instead, keeping
+        its reserve free for other callers.
         """
         while self._next < len(self._jobs):
-            if self._next and self._engine._queue_room() <= 0:
+            if self._next and self._engine._queue_room() <= self._reserve:
                 return
             index = self._next
             prompt, params = self._jobs[index]

@@ -116,6 +116,28 @@ def test_a_call_larger_than_the_queue_runs_in_waves(make_engine: Callable[..., E
     assert len(asyncio.run(engine.generate_many(texts, greedy, n=2))) == 20
 
 
+def test_a_call_running_in_waves_leaves_room_for_other_callers(make_engine: Callable[..., Engine], tiny_model: LoadedModel) -> None:
+    scripted = ScriptedModel(tiny_model.model, [100, 101, 102], vocab_size=49152)
+    scripted.gate = threading.Event()
+    engine = make_engine(scripted, max_num_seqs=4, max_queue=8, batch_window_ms=0)
+    greedy = SamplingParams(max_tokens=2, ignore_eos=True)
+
+    async def main() -> tuple[list[Any], Any]:
+        first = asyncio.ensure_future(engine.generate("first", greedy))
+        await asyncio.sleep(0.05)  # the worker is now blocked inside the first forward
+        big = asyncio.ensure_future(engine.generate_many(prompts(20), greedy))
+        await asyncio.sleep(0.05)
+        assert engine.stats()["waiting"] == 6  # 8 - a quarter
+        other = asyncio.ensure_future(engine.generate("another caller", greedy))
+        await asyncio.sleep(0.01)
+        scripted.gate.set()
+        await first
+        return await big, await other
+
+    many, other = asyncio.run(main())
+    assert len(many) == 20 and other.usage.completion_tokens == 2
+
+
 def test_a_full_queue_fails_the_call_before_anything_is_queued(make_engine: Callable[..., Engine], tiny_model: LoadedModel) -> None:
     scripted = ScriptedModel(tiny_model.model, [100, 101, 102], vocab_size=49152)
     scripted.gate = threading.Event()
