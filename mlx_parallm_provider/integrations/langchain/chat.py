@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from operator import itemgetter
 from typing import Any, Literal, Optional, Union
@@ -100,19 +100,15 @@ class ChatMLXParallm(EngineFields, BatchesFromOneThread, BaseChatModel):
     ) -> Iterator[ChatGenerationChunk]:
         call = self._prepare(messages, stop, kwargs)
         writer = ChunkWriter(call.prepared, call.model)
-        done = call.prefetched()  # in a sync batch the answer is already there: one piece
-        deltas = iter([_as_delta(done)]) if done is not None else call.engine.stream_sync(call.prepared.prompt, call.params)
+        done = call.prefetched()
+        if done is not None:  # in a sync batch the answer is already there: one piece
+            yield from _emit(writer, [_as_delta(done)], run_manager)
+            return
+        deltas = call.engine.stream_sync(call.prepared.prompt, call.params)
         try:
-            for delta in deltas:
-                for chunk in writer.on_delta(delta):
-                    # LangChain passes a run manager only where it does not report tokens itself.
-                    if run_manager:
-                        run_manager.on_llm_new_token(chunk.text, chunk=chunk)
-                    yield chunk
+            yield from _emit(writer, deltas, run_manager)
         finally:
-            close = getattr(deltas, "close", None)
-            if close is not None:
-                close()
+            deltas.close()
 
     async def _astream(
         self,
@@ -267,6 +263,15 @@ def _chat_result(call: _ChatCall, completion: Completion) -> ChatResult:
     message = ai_message(read_completion(call.prepared, completion), call.model)
     llm_output = {"token_usage": usage_dict(completion.usage), "model_name": call.model}
     return ChatResult(generations=[ChatGeneration(message=message)], llm_output=llm_output)
+
+
+def _emit(writer: ChunkWriter, deltas: Iterable[Delta], run_manager: Optional[CallbackManagerForLLMRun]) -> Iterator[ChatGenerationChunk]:
+    for delta in deltas:
+        for chunk in writer.on_delta(delta):
+            # LangChain passes a run manager only where it does not report tokens itself.
+            if run_manager:
+                run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+            yield chunk
 
 
 def _as_delta(completion: Completion) -> Delta:
