@@ -20,7 +20,6 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -31,21 +30,12 @@ from ..config import EngineConfig
 from ..errors import EngineDeadError, MLXParallmError, RequestFailedError
 from .detokenize import TextStream
 from .metrics import EngineMetrics
-from .request import Completion, Delta, Request, Usage
-from .sampling import RowSampler, SampledRow, sample_batch, token_logprob
+from .output import RowState, add_token
+from .request import Request
+from .sampling import RowSampler, SampledRow, sample_batch
 from .scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _RowState:
-    """Worker-private state of one request."""
-
-    sampler: RowSampler
-    text: TextStream
-    cache: Optional[list[Any]] = None  # own KV cache while a long prompt is chunk-prefilled
-    logprobs: Optional[list] = None
 
 
 class Worker:
@@ -188,7 +178,7 @@ class Worker:
             self._drop(request)
             return
         try:
-            request.state = _RowState(
+            request.state = RowState(
                 sampler=RowSampler(request.params),
                 text=TextStream(self.tokenizer, request.params.stop, request.prompt_ids),
                 logprobs=[] if request.params.logprobs else None,
@@ -246,7 +236,7 @@ class Worker:
 
     def _prefill_chunk(self, request: Request, n: int) -> None:
         """Prefill the next ``n`` prompt tokens of a long prompt into its own cache."""
-        state: _RowState = request.state
+        state: RowState = request.state
         if state.cache is None:
             self.metrics.request_admitted(request.request_id, request.prompt_len)
             state.cache = self._new_cache([0])
@@ -299,54 +289,15 @@ class Worker:
                 self._fail(request, row.error, "while sampling its next token")
                 continue
             try:
-                self._append_token(request, row)
+                finish, result = add_token(request, row, self.eos_ids, self.tokenizer)
             except Exception as exc:
                 self._fail(request, exc, "while processing its output")
+                continue
+            if finish is not None:
+                self._retire(request)  # first, so a caller woken by its result sees it finished
+            if result is not None:
+                self._deliver(request, result)
         self._evict_finished()
-
-    def _append_token(self, request: Request, row: SampledRow) -> None:
-        state: _RowState = request.state
-        params = request.params
-        token = row.token
-        request.output_ids.append(token)
-        finish: Optional[str] = None
-        piece = ""
-        is_stop_token = (token in self.eos_ids and not params.ignore_eos) or token in params.stop_token_ids
-        if is_stop_token:
-            finish = "stop"
-        else:
-            if state.logprobs is not None:
-                state.logprobs.append(token_logprob(self.tokenizer, row))
-            piece, stopped = state.text.add_token(token)
-            if stopped:
-                finish = "stop"
-            elif len(request.output_ids) >= params.max_tokens:
-                finish = "length"
-        if finish is not None and not state.text.stopped:
-            piece += state.text.finish()
-        if finish is not None:
-            self._retire(request)  # first, so a caller woken by its result sees it finished
-        if request.stream and (piece or finish):
-            self._deliver(request, Delta(
-                request_id=request.request_id,
-                text=piece,
-                token_ids=[] if is_stop_token else [token],
-                finish_reason=finish,
-                usage=self._usage(request) if finish else None,
-                logprobs=state.logprobs[-1:] if state.logprobs and not is_stop_token else None,
-            ))
-        elif finish is not None:
-            self._deliver(request, Completion(
-                request_id=request.request_id,
-                text=state.text.text,
-                token_ids=request.output_ids[:-1] if is_stop_token else list(request.output_ids),
-                finish_reason=finish,
-                usage=self._usage(request),
-                logprobs=state.logprobs,
-            ))
-
-    def _usage(self, request: Request) -> Usage:
-        return Usage(prompt_tokens=request.prompt_len, completion_tokens=len(request.output_ids))
 
     # -- leaving ------------------------------------------------------------------------
 
