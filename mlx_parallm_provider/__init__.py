@@ -42,6 +42,7 @@ from .errors import (  # noqa: E402
     MLXParallmError,
     ModelLoadError,
     ModelNotFoundError,
+    RequestFailedError,
     RequestTimeoutError,
     UnsupportedModelError,
 )
@@ -85,6 +86,7 @@ __all__ = [
     "MLXParallmError",
     "ModelLoadError",
     "ModelNotFoundError",
+    "RequestFailedError",
     "RequestTimeoutError",
     "SamplingParams",
     "TokenLogprob",

@@ -61,6 +61,7 @@ from ..errors import (
     InvalidParameterError,
     MLXParallmError,
     ModelNotFoundError,
+    RequestFailedError,
     RequestTimeoutError,
 )
 from ._common import PROVIDER, usage_dict
@@ -326,8 +327,10 @@ def to_litellm_error(error: MLXParallmError, model: str) -> Exception:
     if isinstance(error, RequestTimeoutError):
         return litellm.Timeout(message=f"{error}; raise `timeout` or lower `max_tokens`", **where)
     if isinstance(error, EngineDeadError):
-        hint = "the engine's worker stopped; restart the process (its log has the cause)"
+        hint = "retry the request: the engine starts a fresh worker (the server log has the cause)"
         return litellm.ServiceUnavailableError(message=f"{error}; {hint}", **where)
+    if isinstance(error, RequestFailedError):  # one request broke inside the engine; others ran on
+        return litellm.InternalServerError(message=f"{error} (the server log has the traceback)", **where)
     return litellm.APIError(status_code=500, message=f"{type(error).__name__}: {error}", **where)
 
 

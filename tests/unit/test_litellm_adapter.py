@@ -16,6 +16,7 @@ from fakes import QWEN_TOOLS_TEMPLATE, TIME, WEATHER, FakeEngine, chat_prompt, m
 from mlx_parallm_provider.errors import (
     ContextWindowExceededError,
     EngineDeadError,
+    RequestFailedError,
     EngineOverloadedError,
     InvalidParameterError,
     ModelLoadError,
@@ -399,7 +400,9 @@ ERRORS = [
     (ModelNotFoundError("no model 'nope'"), litellm.NotFoundError, "check the model name"),
     (EngineOverloadedError("queue full"), litellm.RateLimitError, "retry later"),
     (RequestTimeoutError("timed out after 1 s"), litellm.Timeout, "raise `timeout`"),
-    (EngineDeadError("worker died"), litellm.ServiceUnavailableError, "restart the process"),
+    # Issue 8 #8: the engine restarts its worker by itself; the hint said to restart the process.
+    (EngineDeadError("worker died"), litellm.ServiceUnavailableError, "retry the request"),
+    (RequestFailedError("request r1 failed while processing its output"), litellm.InternalServerError, "failed while processing"),
     (ModelLoadError("corrupt weights"), litellm.APIError, "corrupt weights"),
 ]
 

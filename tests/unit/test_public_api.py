@@ -20,7 +20,7 @@ def test_the_package_exports_exactly_its_documented_names() -> None:
     assert sorted(mlx_parallm_provider.__all__) == sorted([
         "Completion", "ContextWindowExceededError", "Delta", "Engine", "EngineConfig", "EngineDeadError",
         "EngineLike", "EngineOverloadedError", "InvalidParameterError", "MLXParallmError", "ModelLoadError",
-        "ModelNotFoundError", "RequestTimeoutError", "SamplingParams", "TokenLogprob", "UnsupportedModelError",
+        "ModelNotFoundError", "RequestFailedError", "RequestTimeoutError", "SamplingParams", "TokenLogprob", "UnsupportedModelError",
         "Usage", "__version__", "get_engine", "litellm_handler", "register", "shutdown_engines",
     ])
     for name in mlx_parallm_provider.__all__:
