@@ -8,12 +8,13 @@ Public API::
 
 Importing this package loads an optimized BLAS for MLX's CPU backend when one is present
 (it must happen before ``mlx`` is imported; see :mod:`.models.backend`), and registers the
-``mlx-parallm`` LiteLLM provider, now if LiteLLM is already imported, else as soon as it is.
+``mlx-parallm`` LiteLLM provider, now if LiteLLM is already imported, else as soon as it is
+(by importing :mod:`.integrations.litellm`, which registers itself).
 """
 
 from __future__ import annotations
 
-import sys
+import importlib
 from typing import Any
 
 from .models.backend import preload_blas as _preload_blas
@@ -22,7 +23,17 @@ _preload_blas()
 
 from . import _litellm_hook  # noqa: E402
 from .config import EngineConfig  # noqa: E402
-from .engine import Completion, Delta, Engine, SamplingParams, TokenLogprob, Usage, get_engine, shutdown_engines  # noqa: E402
+from .engine import (  # noqa: E402
+    Completion,
+    Delta,
+    Engine,
+    EngineLike,
+    SamplingParams,
+    TokenLogprob,
+    Usage,
+    get_engine,
+    shutdown_engines,
+)
 from .errors import (  # noqa: E402
     ContextWindowExceededError,
     EngineDeadError,
@@ -31,6 +42,7 @@ from .errors import (  # noqa: E402
     MLXParallmError,
     ModelLoadError,
     ModelNotFoundError,
+    RequestFailedError,
     RequestTimeoutError,
     UnsupportedModelError,
 )
@@ -38,14 +50,16 @@ from .errors import (  # noqa: E402
 __version__ = "0.1.0"
 
 
-def register() -> None:
-    """Register the ``mlx-parallm`` provider with LiteLLM (idempotent; imports LiteLLM)."""
-    adapter = sys.modules.get(f"{__name__}.integrations.litellm")
-    if adapter is not None and not hasattr(adapter, "register"):
-        return  # the adapter itself is importing LiteLLM; it registers once it is loaded
-    from .integrations.litellm import register as _register
+def _load_litellm_adapter() -> Any:
+    # Importing the adapter registers the provider. While the adapter is itself importing
+    # LiteLLM this returns the half-loaded module, which registers when it finishes.
+    return importlib.import_module(f"{__name__}.integrations.litellm")
 
-    _register()
+
+def register() -> None:
+    """Register the ``mlx-parallm`` provider with LiteLLM again (idempotent; imports
+    LiteLLM), e.g. after ``litellm.custom_provider_map`` was replaced."""
+    _load_litellm_adapter().register()
 
 
 def __getattr__(name: str) -> Any:
@@ -57,7 +71,7 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-_litellm_hook.install(register)
+_litellm_hook.install(_load_litellm_adapter)
 
 __all__ = [
     "Completion",
@@ -65,12 +79,14 @@ __all__ = [
     "Delta",
     "Engine",
     "EngineConfig",
+    "EngineLike",
     "EngineDeadError",
     "EngineOverloadedError",
     "InvalidParameterError",
     "MLXParallmError",
     "ModelLoadError",
     "ModelNotFoundError",
+    "RequestFailedError",
     "RequestTimeoutError",
     "SamplingParams",
     "TokenLogprob",

@@ -18,7 +18,7 @@ logger = logging.getLogger(__name__)
 class _AfterImport(importlib.abc.MetaPathFinder):
     """Meta-path finder that runs a callback once ``litellm`` has been executed."""
 
-    def __init__(self, callback: Callable[[], None]) -> None:
+    def __init__(self, callback: Callable[[], object]) -> None:
         self.callback = callback
 
     def find_spec(self, fullname, path, target=None):  # type: ignore[no-untyped-def]
@@ -44,7 +44,7 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         return spec
 
 
-def _safely(callback: Callable[[], None]) -> None:
+def _safely(callback: Callable[[], object]) -> None:
     try:
         callback()
     except Exception:  # registration must never break the user's import of litellm
@@ -54,7 +54,7 @@ def _safely(callback: Callable[[], None]) -> None:
 _hook: Optional[_AfterImport] = None
 
 
-def install(callback: Callable[[], None]) -> None:
+def install(callback: Callable[[], object]) -> None:
     """Run ``callback`` now if LiteLLM is imported, else right after it gets imported."""
     global _hook
     if "litellm" in sys.modules:

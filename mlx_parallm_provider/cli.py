@@ -20,9 +20,10 @@ def _convert(args: argparse.Namespace) -> int:
 
 def _generate(args: argparse.Namespace) -> int:
     from . import SamplingParams, get_engine
+    from .chat import render_chat
 
     engine = get_engine(args.model)
-    prompt = engine.apply_chat_template([{"role": "user", "content": args.prompt}])
+    prompt = render_chat(engine.tokenizer, [{"role": "user", "content": args.prompt}])
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     for delta in engine.stream_sync(prompt, params):
         print(delta.text, end="", flush=True)

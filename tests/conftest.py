@@ -86,7 +86,8 @@ def tiny_model(tiny_model_dir: Path):
 
 @pytest.fixture
 def make_engine(tiny_model):
-    """Factory of engines on the tiny model (or a wrapper of it), shut down after the test."""
+    """Factory of engines on the tiny model (optionally wrapped: ``make_engine(model, **config)``),
+    each shut down after the test."""
     from mlx_parallm_provider.config import EngineConfig
     from mlx_parallm_provider.engine import Engine
     from mlx_parallm_provider.models.registry import LoadedModel

@@ -1,11 +1,11 @@
 """Test doubles: offline chat tokenizers and a deterministic fake :class:`Engine`.
 
-``FakeEngine`` implements the engine's public API (``generate``, ``stream``,
-``generate_sync``, ``stream_sync``, ``apply_chat_template``, ``stats``) without a model:
-each request's answer comes from a script, and every call is recorded with its
-:class:`SamplingParams`. Its ``apply_chat_template`` is the real
-:func:`mlx_parallm_provider.chat.render_chat`, so adapter tests exercise the real prompt
-path. ``patch_get_engine`` makes the LiteLLM adapter use a fake.
+``FakeEngine`` satisfies :class:`~mlx_parallm_provider.engine.EngineLike` (``generate``,
+``stream``, ``generate_sync``, ``stream_sync``, ``generate_many``, ``generate_many_sync``,
+``stats``) without a model: each request's answer comes from a script, and every request
+is recorded with its :class:`SamplingParams`. Its fan-out uses the engine's own
+``expand`` (the ``seed + i`` rule). ``chat_prompt`` renders messages with the real chat
+layer, as the adapters do. ``patch_get_engine`` makes the LiteLLM adapter use a fake.
 """
 
 from __future__ import annotations
@@ -14,10 +14,12 @@ import asyncio
 import itertools
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
+from mlx_parallm_provider.chat import render_chat
+from mlx_parallm_provider.engine.fanout import expand
 from mlx_parallm_provider.engine.request import Completion, Delta, SamplingParams, TokenLogprob, Usage
 
 # SmolLM2-135M-Instruct's template (plain ChatML, no tool support), verbatim.
@@ -123,7 +125,7 @@ Script = Union[str, Mapping[str, str], Callable[[str, SamplingParams], str]]
 class FakeCall:
     """One request the fake engine received."""
 
-    method: str  # generate | stream | generate_sync | stream_sync
+    method: str  # generate | stream | generate_sync | stream_sync (generate_many's requests: generate / generate_sync)
     prompt: Union[str, list[int]]
     params: SamplingParams
     request_id: Optional[str]
@@ -203,10 +205,47 @@ class FakeEngine:
             with self._lock:
                 self.closed_streams += 1
 
-    def apply_chat_template(self, messages: list[dict], tools: Optional[list[dict]] = None, add_generation_prompt: bool = True) -> str:
-        from mlx_parallm_provider.chat import render_chat
+    async def generate_many(
+        self,
+        prompts: Sequence[Union[str, list[int]]],
+        params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+        *,
+        n: int = 1,
+        request_id: Optional[str] = None,
+        return_exceptions: bool = False,
+    ) -> list[Any]:
+        jobs = expand(prompts, params, n)
+        ids = [None if request_id is None else f"{request_id}-{i}" for i in range(len(jobs))]
+        results = await asyncio.gather(
+            *(self.generate(p, sp, request_id=rid) for (p, sp), rid in zip(jobs, ids)), return_exceptions=return_exceptions
+        )
+        return list(results)
 
-        return render_chat(self.tokenizer, messages, tools, add_generation_prompt)
+    def generate_many_sync(
+        self,
+        prompts: Sequence[Union[str, list[int]]],
+        params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+        *,
+        n: int = 1,
+        request_id: Optional[str] = None,
+        return_exceptions: bool = False,
+    ) -> list[Any]:
+        """Every request is recorded (as ``generate_sync``) and in flight at once, from
+        the calling thread, as the real engine submits them."""
+        jobs = expand(prompts, params, n)
+        recorded = []
+        for i, (prompt, job_params) in enumerate(jobs):
+            try:
+                rid = None if request_id is None else f"{request_id}-{i}"
+                recorded.append((prompt, *self._record("generate_sync", prompt, job_params, rid)))
+            except Exception as error:  # noqa: BLE001
+                if not return_exceptions:
+                    raise
+                recorded.append(error)
+        with self._flight(len(jobs)):
+            if self.delay:
+                time.sleep(self.delay)
+            return [r if isinstance(r, BaseException) else self._complete(*r) for r in recorded]
 
     def stats(self) -> dict:
         return {"requests": len(self.calls), "max_in_flight": self.max_in_flight}
@@ -238,18 +277,18 @@ class FakeEngine:
             raise self.error
         return params, request_id
 
-    def _flight(self) -> Any:
+    def _flight(self, count: int = 1) -> Any:
         engine = self
 
         class _Flight:
             def __enter__(self) -> None:
                 with engine._lock:
-                    engine._in_flight += 1
+                    engine._in_flight += count
                     engine.max_in_flight = max(engine.max_in_flight, engine._in_flight)
 
             def __exit__(self, *exc: Any) -> None:
                 with engine._lock:
-                    engine._in_flight -= 1
+                    engine._in_flight -= count
 
         return _Flight()
 
@@ -294,6 +333,11 @@ class FakeEngine:
                 finish_reason=finish if last else None,
                 usage=Usage(self._prompt_tokens(prompt), len(text)) if last else None,
             )
+
+
+def chat_prompt(engine: Any, messages: list, tools: Optional[list] = None) -> str:
+    """The prompt the adapters send for ``messages`` (and ``tools``) to ``engine``."""
+    return render_chat(engine.tokenizer, messages, tools)
 
 
 def patch_get_engine(monkeypatch: Any, engine: FakeEngine) -> list[str]:

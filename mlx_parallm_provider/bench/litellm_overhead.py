@@ -74,11 +74,12 @@ async def measure(model: str, n: int, max_tokens: int, rounds: int) -> list[Run]
     import litellm  # noqa: F401  (first, so the package's import hook registers the provider)
 
     from .. import SamplingParams, get_engine, register
+    from ..chat import render_chat
 
     register()
     engine = get_engine(model)
     messages = questions(n)
-    prompts = [engine.apply_chat_template(m) for m in messages]
+    prompts = [render_chat(engine.tokenizer, m) for m in messages]
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     batches = {
         "engine": lambda: _engine_batch(engine, prompts, params),

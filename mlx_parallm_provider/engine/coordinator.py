@@ -17,12 +17,14 @@ import threading
 import time
 import uuid
 import weakref
-from typing import Any, AsyncIterator, Iterator, Optional
+from collections.abc import Sequence
+from typing import Any, AsyncGenerator, Generator, Optional, Union
 
 from ..config import EngineConfig
 from ..errors import ContextWindowExceededError, EngineOverloadedError, InvalidParameterError
 from ..models import registry
 from ..models.registry import LoadedModel
+from .fanout import POLL_S, FanOut, TaggedSink, expand
 from .metrics import EngineMetrics
 from .request import Completion, Delta, Prompt, Request, ResultSink, SamplingParams
 from .worker import Worker
@@ -98,7 +100,7 @@ class Engine:
             raise item
         return item
 
-    async def stream(self, prompt: Prompt, params: Optional[SamplingParams] = None, *, request_id: Optional[str] = None) -> AsyncIterator[Delta]:
+    async def stream(self, prompt: Prompt, params: Optional[SamplingParams] = None, *, request_id: Optional[str] = None) -> AsyncGenerator[Delta, None]:
         """Yield :class:`Delta` pieces as they are generated; breaking out cancels."""
         sink = _LoopSink()
         request = self._submit(prompt, params, request_id, sink, stream=True)
@@ -128,7 +130,7 @@ class Engine:
             raise item
         return item
 
-    def stream_sync(self, prompt: Prompt, params: Optional[SamplingParams] = None, *, request_id: Optional[str] = None) -> Iterator[Delta]:
+    def stream_sync(self, prompt: Prompt, params: Optional[SamplingParams] = None, *, request_id: Optional[str] = None) -> Generator[Delta, None, None]:
         """Blocking :meth:`stream`, for plain threads; closing the iterator cancels."""
         sink = _ThreadSink()
         request = self._submit(prompt, params, request_id, sink, stream=True)
@@ -144,11 +146,79 @@ class Engine:
             if not request.finished:
                 self._cancel(request)
 
-    def apply_chat_template(self, messages: list[dict], tools: Optional[list[dict]] = None, add_generation_prompt: bool = True) -> str:
-        """Render chat messages (and tools) into the model's prompt text."""
-        from ..chat import render_chat
+    async def generate_many(
+        self,
+        prompts: Sequence[Prompt],
+        params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+        *,
+        n: int = 1,
+        request_id: Optional[str] = None,
+        return_exceptions: bool = False,
+    ) -> list[Any]:
+        """Generate ``n`` completions for each prompt, all submitted at once.
 
-        return render_chat(self.tokenizer, messages, tools=tools, add_generation_prompt=add_generation_prompt)
+        Results come prompt by prompt (``n`` for the first prompt, then the next).
+        ``params`` is one :class:`SamplingParams` or one per prompt; choice ``i`` of a
+        seeded request uses ``seed + i``. A call larger than the waiting queue
+        (``EngineConfig.max_queue``) is submitted in waves as room frees up. When one
+        request fails, the others are cancelled and its error raised, unless
+        ``return_exceptions`` (then each failure takes its place in the list).
+        Cancelling the awaiting task cancels every request.
+        """
+        run = FanOut(self, expand(prompts, params, n), request_id, return_exceptions)
+        loop = asyncio.get_running_loop()
+        inbox: asyncio.Queue = asyncio.Queue()
+
+        def put(item: object) -> None:
+            try:
+                loop.call_soon_threadsafe(inbox.put_nowait, item)
+            except RuntimeError:  # the caller's loop is closed: nobody is listening any more
+                run.cancel()
+
+        try:
+            while True:
+                run.submit_ready(lambda index: TaggedSink(put, index))
+                if run.done:
+                    return run.results
+                if run.waiting_for_room:  # poll (no wait_for: it can drop a result it cancels)
+                    try:
+                        index, item = inbox.get_nowait()
+                    except asyncio.QueueEmpty:
+                        await asyncio.sleep(POLL_S)
+                        continue
+                else:
+                    index, item = await inbox.get()
+                run.deliver(index, item)
+        except BaseException:
+            run.cancel()
+            raise
+
+    def generate_many_sync(
+        self,
+        prompts: Sequence[Prompt],
+        params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+        *,
+        n: int = 1,
+        request_id: Optional[str] = None,
+        return_exceptions: bool = False,
+    ) -> list[Any]:
+        """Blocking :meth:`generate_many`: submits every request from the calling thread
+        (no thread per request) and waits for all of them."""
+        run = FanOut(self, expand(prompts, params, n), request_id, return_exceptions)
+        inbox: queue.SimpleQueue = queue.SimpleQueue()
+        try:
+            while True:
+                run.submit_ready(lambda index: TaggedSink(inbox.put, index))
+                if run.done:
+                    return run.results
+                try:
+                    index, item = inbox.get(timeout=POLL_S if run.waiting_for_room else None)
+                except queue.Empty:
+                    continue
+                run.deliver(index, item)
+        except BaseException:
+            run.cancel()
+            raise
 
     def encode(self, prompt: Prompt) -> list[int]:
         """Token ids of a prompt, as the engine will feed them to the model.
@@ -261,6 +331,12 @@ class Engine:
             if worker.submit(request):
                 return request
         raise RuntimeError("could not start the engine's worker")  # pragma: no cover
+
+    def _queue_room(self) -> int:
+        """How many more requests the waiting queue takes now."""
+        worker = self._worker
+        waiting = worker.num_waiting if worker is not None and worker.alive else 0
+        return self.config.max_queue - waiting
 
     def _live_worker(self) -> Worker:
         with self._worker_lock:

@@ -43,8 +43,11 @@ class _Node:
 
 
 def _slice(kv: list[LayerKV], start: int, end: Optional[int] = None) -> list[LayerKV]:
-    """A copy (never a view that keeps a larger buffer alive) of tokens ``start:end``."""
-    return [(mx.contiguous(k[:, :, start:end]), mx.contiguous(v[:, :, start:end])) for k, v in kv]
+    """A copy of tokens ``start:end``, evaluated now: neither a view nor a pending graph
+    may keep the larger source (a whole batch cache) alive."""
+    out = [(mx.contiguous(k[:, :, start:end]), mx.contiguous(v[:, :, start:end])) for k, v in kv]
+    mx.eval(out)
+    return out
 
 
 class PrefixCache:

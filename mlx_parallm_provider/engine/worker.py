@@ -28,34 +28,23 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, KVCache
+from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache
 
 from ..config import EngineConfig
 from ..errors import EngineDeadError, MLXParallmError, RequestFailedError
 from .detokenize import TextStream
 from .metrics import EngineMetrics
-from .prefix_cache import LayerKV, PrefixCache
-from .request import Completion, Delta, Request, Usage
-from .sampling import RowSampler, SampledRow, sample_batch, token_logprob
+from .output import RowState, add_token
+from .prefix_kv import batch_cache_from_prefixes, make_prefix_cache, store_rows
+from .request import Request
+from .sampling import RowSampler, SampledRow, sample_batch
 from .scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _RowState:
-    """Worker-private state of one request."""
-
-    sampler: RowSampler
-    text: TextStream
-    cache: Optional[list[Any]] = None  # own KV cache while a long prompt is chunk-prefilled
-    prefix: Optional[list[LayerKV]] = None  # fetched KV of the cached prompt prefix, until used
-    logprobs: Optional[list] = None
 
 
 class Worker:
@@ -77,7 +66,7 @@ class Worker:
         self.metrics = metrics
         self.clock = clock
         self.kv_bytes_per_token = max(1, kv_bytes_per_token)
-        self.prefix_cache = _make_prefix_cache(config)
+        self.prefix_cache = make_prefix_cache(config)
         budget = config.kv_cache_memory_bytes
         self.scheduler = Scheduler(
             config.max_num_seqs,
@@ -203,7 +192,7 @@ class Worker:
             self._drop(request)
             return
         try:
-            request.state = _RowState(
+            request.state = RowState(
                 sampler=RowSampler(request.params),
                 text=TextStream(self.tokenizer, request.params.stop, request.prompt_ids),
                 logprobs=[] if request.params.logprobs else None,
@@ -232,7 +221,7 @@ class Worker:
         """Take the cached prefix KV of newly admitted requests out of the store now, while
         it is certainly there; a fault fails that request alone."""
         for r in requests:
-            state: Optional[_RowState] = r.state  # type: ignore[assignment]
+            state: Optional[RowState] = r.state  # type: ignore[assignment]
             if not r.num_cached or state is None or state.prefix is not None or state.cache is not None:
                 continue
             try:
@@ -240,20 +229,6 @@ class Worker:
                 state.prefix = self.prefix_cache.fetch(r.prompt_ids, r.num_cached)
             except Exception as exc:
                 self._fail(r, exc, "while fetching its cached prompt prefix")
-
-    def _cache_from_prefixes(self, requests: list[Request]) -> list[Any]:
-        """A batch cache (left-padded) holding each request's cached prefix KV."""
-        per_layer: list[list[KVCache]] = [[] for _ in self.model.layers]
-        for r in requests:
-            prefix = r.state.prefix
-            for layer, rows in enumerate(per_layer):
-                row = KVCache()
-                if prefix:
-                    row.keys, row.values = prefix[layer]
-                    row.offset = r.num_cached
-                rows.append(row)
-            r.state.prefix = None
-        return [BatchKVCache.merge(rows) for rows in per_layer]
 
     def _prefill(self, requests: list[Request]) -> None:
         """Prefill whole prompts as one left-padded batch, sample each first token.
@@ -332,7 +307,7 @@ class Worker:
 
     def _prefill_chunk(self, request: Request, n: int) -> None:
         """Prefill the next ``n`` prompt tokens of a long prompt into its own cache."""
-        state: _RowState = request.state
+        state: RowState = request.state
         if state.cache is None:
             self.metrics.request_admitted(request.request_id, request.prompt_len, cached_tokens=request.num_cached)
             state.cache = self._cache_from_prefixes([request]) if request.num_cached else self._new_cache([0])
@@ -348,7 +323,7 @@ class Worker:
 
     def _join_decode_batch(self, requests: list[Request], cache: list[Any], logits: mx.array) -> None:
         sampled = self._sample(requests, logits)
-        self._store(cache, [r.prompt_ids for r in requests])
+        store_rows(self.prefix_cache, cache, [r.prompt_ids for r in requests], range(len(requests)), self.kv_bytes_per_token)
         if self.cache is None:
             self.cache = cache
         else:
@@ -386,84 +361,30 @@ class Worker:
                 self._fail(request, row.error, "while sampling its next token")
                 continue
             try:
-                self._append_token(request, row)
+                finish, result = add_token(request, row, self.eos_ids, self.tokenizer)
             except Exception as exc:
                 self._fail(request, exc, "while processing its output")
+                continue
+            if finish is not None:
+                self._store_finished(request)
+                self._retire(request)  # first, so a caller woken by its result sees it finished
+            if result is not None:
+                self._deliver(request, result)
         self._evict_finished()
-
-    def _append_token(self, request: Request, row: SampledRow) -> None:
-        state: _RowState = request.state
-        params = request.params
-        token = row.token
-        request.output_ids.append(token)
-        finish: Optional[str] = None
-        piece = ""
-        is_stop_token = (token in self.eos_ids and not params.ignore_eos) or token in params.stop_token_ids
-        if is_stop_token:
-            finish = "stop"
-        else:
-            if state.logprobs is not None:
-                state.logprobs.append(token_logprob(self.tokenizer, row))
-            piece, stopped = state.text.add_token(token)
-            if stopped:
-                finish = "stop"
-            elif len(request.output_ids) >= params.max_tokens:
-                finish = "length"
-        if finish is not None and not state.text.stopped:
-            piece += state.text.finish()
-        if finish is not None:
-            if request in self.rows:  # keep prompt + answer for a next turn
-                i = self.rows.index(request)
-                self._store(self.cache, [request.prompt_ids + request.output_ids], rows=[i])
-            self._retire(request)  # first, so a caller woken by its result sees it finished
-        if request.stream and (piece or finish):
-            self._deliver(request, Delta(
-                request_id=request.request_id,
-                text=piece,
-                token_ids=[] if is_stop_token else [token],
-                finish_reason=finish,
-                usage=self._usage(request) if finish else None,
-                logprobs=state.logprobs[-1:] if state.logprobs and not is_stop_token else None,
-            ))
-        elif finish is not None:
-            self._deliver(request, Completion(
-                request_id=request.request_id,
-                text=state.text.text,
-                token_ids=request.output_ids[:-1] if is_stop_token else list(request.output_ids),
-                finish_reason=finish,
-                usage=self._usage(request),
-                logprobs=state.logprobs,
-            ))
-
-    def _usage(self, request: Request) -> Usage:
-        return Usage(
-            prompt_tokens=request.prompt_len,
-            completion_tokens=len(request.output_ids),
-            cached_tokens=request.num_cached,
-        )
 
     # -- prefix store -------------------------------------------------------------------
 
-    def _store(self, cache: Optional[list[Any]], sequences: list[list[int]], rows: Optional[list[int]] = None) -> None:
-        """Put the KV of ``sequences`` (rows ``rows`` of a batch cache, default 0..n-1)
-        into the prefix store. Each row holds KV for the first ``size - left_padding``
-        tokens of its sequence. Caching is an optimisation: a failure here is logged and
-        costs nothing else."""
-        if self.prefix_cache is None or cache is None:
-            return
-        try:
-            pads = cache[0].left_padding.tolist()
-            size = cache[0].size()
-            for seq, i in zip(sequences, rows or range(len(sequences))):
-                start = pads[i]
-                length = min(size - start, len(seq))
+    def _store_finished(self, request: Request) -> None:
+        """Keep a finished request's prompt + answer KV, for a next turn that repeats it."""
+        if request in self.rows:
+            store_rows(self.prefix_cache, self.cache, [request.prompt_ids + request.output_ids], [self.rows.index(request)], self.kv_bytes_per_token)
 
-                def source(a: int, b: int, i: int = i, start: int = start) -> list[LayerKV]:
-                    return [(c.keys[i : i + 1, :, start + a : start + b], c.values[i : i + 1, :, start + a : start + b]) for c in cache]
-
-                self.prefix_cache.insert(seq[:length], source, self.kv_bytes_per_token)
-        except Exception:
-            logger.exception("could not store prompt KV in the prefix cache")
+    def _cache_from_prefixes(self, requests: list[Request]) -> list[Any]:
+        """A batch cache holding each request's fetched prefix KV (which it hands over)."""
+        prefixes = [(r.state.prefix, r.num_cached) for r in requests]
+        for r in requests:
+            r.state.prefix = None
+        return batch_cache_from_prefixes(len(self.model.layers), prefixes)
 
     # -- leaving ------------------------------------------------------------------------
 
@@ -526,22 +447,6 @@ class Worker:
                 except Exception:  # the caller is gone; keep failing the others
                     pass
         self.rows, self.cache = [], None
-
-
-def _make_prefix_cache(config: EngineConfig) -> Optional[PrefixCache]:
-    """The prefix store the config asks for, or None (off, or a rotating KV cache)."""
-    if not config.enable_prefix_caching:
-        return None
-    if config.max_kv_size is not None:
-        global _warned_rotating
-        if not _warned_rotating:
-            logger.warning("prefix caching is off: a rotating KV cache (max_kv_size) cannot reuse a prefix")
-            _warned_rotating = True
-        return None
-    return PrefixCache(config.prefix_cache_memory_bytes)
-
-
-_warned_rotating = False
 
 
 def _wait_for_native_exit(thread: threading.Thread, timeout: float) -> None:

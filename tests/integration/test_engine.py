@@ -11,8 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from engine_helpers import ScriptedModel
-from mlx_parallm_provider.config import EngineConfig
-from mlx_parallm_provider.engine import Engine, SamplingParams
+from mlx_parallm_provider.engine import SamplingParams
 from mlx_parallm_provider.errors import (
     ContextWindowExceededError,
     EngineDeadError,

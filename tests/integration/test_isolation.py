@@ -186,8 +186,9 @@ def test_stop_token_ids_are_checked_against_the_vocabulary(make_engine) -> None:
 def test_deadline_is_honoured_during_a_long_prefill(make_engine, tiny_model) -> None:
     slow = TokenCostModel(tiny_model.model, seconds_per_token=0.01)
     # 4 prompts of ~62 tokens, each under prefill_chunk_size, so they are prefilled as one
-    # batch: ~2.5 s if done in one pass, 0.64 s per piece of 64 tokens.
-    engine = make_engine(slow, prefill_chunk_size=64, max_num_batched_tokens=1024)
+    # batch: ~2.5 s if done in one pass, 0.64 s per piece of 64 tokens. (Prefix caching
+    # would prefill one of these near-identical prompts alone and reuse it for the others.)
+    engine = make_engine(slow, prefill_chunk_size=64, max_num_batched_tokens=1024, enable_prefix_caching=False)
     long_prompts = [" ".join(["word"] * 60) + f" {i}" for i in range(4)]
     params = SamplingParams(max_tokens=4, timeout=0.2)
 

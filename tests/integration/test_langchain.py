@@ -25,19 +25,25 @@ from langchain_core.tools import tool
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
 from pydantic import BaseModel, Field, ValidationError
 
+from fakes import chat_prompt
+
 from mlx_parallm_provider import SamplingParams, get_engine, shutdown_engines
 from mlx_parallm_provider.config import EngineConfig
 from mlx_parallm_provider.engine import Completion, Delta, Engine, Usage
 from mlx_parallm_provider.errors import ContextWindowExceededError, InvalidParameterError, ModelNotFoundError
-from mlx_parallm_provider.integrations import langchain as lc
+from mlx_parallm_provider.integrations.langchain import fields as lc_fields
+from mlx_parallm_provider.integrations.langchain import messages as lc_messages
 from mlx_parallm_provider.langchain import ChatMLXParallm, MLXParallmLLM
 from mlx_parallm_provider.models.registry import LoadedModel
-from mlx_parallm_provider.tools import (
+from mlx_parallm_provider.chat import (
     HERMES_FORMAT,
+    JSON_SCHEMA_INSTRUCTION,
+    PreparedPrompt,
     REQUIRED_TOOL_INSTRUCTION,
     ToolCallFormat,
     add_system_instruction,
     fallback_tool_prompt,
+    read_completion,
 )
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven curious cats watch from the old wall".split()
@@ -167,7 +173,7 @@ def test_chat_chain_abatch_of_32_is_one_decode_batch_equal_to_the_engine(model_n
     outputs = run(chain.abatch(inputs, config={"max_concurrency": 32}))
     assert engine.stats()["max_batch_size"] >= 16
     expected = [
-        engine.generate_sync(engine.apply_chat_template([{"role": "user", "content": f"Tell me about {t}."}]), greedy()).text
+        engine.generate_sync(chat_prompt(engine, [{"role": "user", "content": f"Tell me about {t}."}]), greedy()).text
         for t in topics(32)
     ]
     assert outputs == expected
@@ -299,7 +305,7 @@ def test_system_human_ai_and_tool_messages_go_through_the_chat_template(model_na
         {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21C"},
     ]
-    prompt = engine.apply_chat_template(as_dicts)
+    prompt = chat_prompt(engine, as_dicts)
     assert "<tool_response>\nsunny, 21C\n</tool_response>" in prompt and '"city": "Paris"' in prompt
     message = ChatMLXParallm(model=model_name, max_tokens=MAX_TOKENS, ignore_eos=True).invoke(history)
     assert message.usage_metadata["input_tokens"] == len(engine.encode(prompt))
@@ -388,9 +394,15 @@ def _completion(text: str, finish_reason: str = "stop") -> Completion:
     return Completion("req-1", text, [], finish_reason, Usage(prompt_tokens=40, completion_tokens=25))
 
 
+def ai_message(completion: Completion, model: str, tools: Any, fmt: ToolCallFormat, parallel_tool_calls: bool = True) -> AIMessage:
+    """What the chat model answers for ``completion`` of a prompt that offered ``tools``."""
+    prepared = PreparedPrompt("", tools, fmt, parallel_tool_calls)
+    return lc_messages.ai_message(read_completion(prepared, completion), model)
+
+
 def _stream_message(text: str, fmt: ToolCallFormat, size: int) -> AIMessageChunk:
     """The merged chunks of ``text`` streamed in pieces of ``size`` characters."""
-    translator = lc.ChunkTranslator(TOOLS, fmt, "m")
+    translator = lc_messages.ChunkWriter(PreparedPrompt("", TOOLS, fmt), "m")
     pieces = [text[i : i + size] for i in range(0, len(text), size)]
     chunks = []
     for i, piece in enumerate(pieces):
@@ -403,7 +415,7 @@ def _stream_message(text: str, fmt: ToolCallFormat, size: int) -> AIMessageChunk
 @pytest.mark.parametrize("name", list(RECORDED))
 def test_recorded_tool_calls_parse_into_tool_calls(name: str) -> None:
     fmt, text, content, calls = RECORDED[name]
-    message = lc.ai_message(_completion(text), "m", TOOLS, fmt)
+    message = ai_message(_completion(text), "m", TOOLS, fmt)
     assert message.content == content
     assert [(c["name"], c["args"]) for c in message.tool_calls] == calls
     ids = [c["id"] for c in message.tool_calls]
@@ -435,7 +447,7 @@ MALFORMED = [
 
 @pytest.mark.parametrize("text", MALFORMED)
 def test_malformed_tool_calls_become_invalid_tool_calls(text: str) -> None:
-    message = lc.ai_message(_completion(text), "m", TOOLS, HERMES_FORMAT)
+    message = ai_message(_completion(text), "m", TOOLS, HERMES_FORMAT)
     assert message.tool_calls == []
     [invalid] = message.invalid_tool_calls
     assert invalid["error"] and invalid["args"] == text[text.index("<tool_call>") :]
@@ -447,7 +459,7 @@ def test_malformed_tool_calls_become_invalid_tool_calls(text: str) -> None:
 
 def test_parallel_tool_calls_false_keeps_the_first_call() -> None:
     fmt, text, _, _ = RECORDED["hermes (Qwen2.5)"]
-    message = lc.ai_message(_completion(text), "m", TOOLS, fmt, parallel_tool_calls=False)
+    message = ai_message(_completion(text), "m", TOOLS, fmt, parallel_tool_calls=False)
     assert [c["name"] for c in message.tool_calls] == ["get_weather"]
 
 
@@ -491,8 +503,8 @@ def replying(tiny_model: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
     model = ReplyModel(tiny_model.model, tiny_model.tokenizer.eos_token_id)
     loaded = LoadedModel(tiny_model.name, tiny_model.path, model, tiny_model.tokenizer, tiny_model.config)
     engine = Engine("replying", EngineConfig(), loaded=loaded)
-    real = lc.get_engine
-    monkeypatch.setattr(lc, "get_engine", lambda name: engine if name == "replying" else real(name))
+    real = lc_fields.get_engine
+    monkeypatch.setattr(lc_fields, "get_engine", lambda name: engine if name == "replying" else real(name))
 
     def say(text: str) -> Engine:
         model.reply = tiny_model.tokenizer.encode(text, add_special_tokens=False)
@@ -509,7 +521,7 @@ def test_bound_tools_give_tool_calls_on_invoke_and_stream(replying: Any) -> None
     assert message.content == "Checking."
     assert [(c["name"], c["args"]) for c in message.tool_calls] == [("get_weather", {"city": "Paris"})]
     assert message.response_metadata["finish_reason"] == "tool_calls"
-    prompt = engine.apply_chat_template([{"role": "user", "content": "What's the weather in Paris?"}], TOOLS)
+    prompt = chat_prompt(engine, [{"role": "user", "content": "What's the weather in Paris?"}], TOOLS)
     assert fallback_tool_prompt(TOOLS) in prompt
     assert message.usage_metadata["input_tokens"] == len(engine.encode(prompt))
 
@@ -530,7 +542,7 @@ def test_a_tool_round_trip_continues_from_the_tool_result(replying: Any) -> None
     engine = replying("It is sunny in Paris.")
     answer = chat.invoke(history)
     assert answer.content == "It is sunny in Paris." and answer.tool_calls == []
-    prompt = engine.apply_chat_template(convert_to_openai_messages(history), TOOLS[:1])
+    prompt = chat_prompt(engine, convert_to_openai_messages(history), TOOLS[:1])
     assert "<tool_response>\nsunny in Paris\n</tool_response>" in prompt
     assert answer.usage_metadata["input_tokens"] == len(engine.encode(prompt))
 
@@ -549,7 +561,7 @@ def test_tool_choice_required_adds_its_instruction(replying: Any) -> None:
     engine = replying("ok")
     forced = ChatMLXParallm(model="replying", max_tokens=8).bind_tools([get_weather], tool_choice="required").invoke("hi")
     messages = add_system_instruction([{"role": "user", "content": "hi"}], REQUIRED_TOOL_INSTRUCTION)
-    prompt = engine.apply_chat_template(messages, TOOLS[:1])
+    prompt = chat_prompt(engine, messages, TOOLS[:1])
     assert REQUIRED_TOOL_INSTRUCTION in prompt
     assert forced.usage_metadata["input_tokens"] == len(engine.encode(prompt))
 
@@ -589,8 +601,8 @@ def test_json_schema_mode_puts_the_schema_in_the_system_prompt(replying: Any) ->
     engine = replying('{"name": "Ann", "age": 7}')
     chat = ChatMLXParallm(model="replying", max_tokens=64)
     raw = chat.with_structured_output(Person, method="json_schema", include_raw=True).invoke("Who is Ann?")["raw"]
-    instruction = lc.JSON_SCHEMA_INSTRUCTION.format(schema=json.dumps(convert_to_json_schema(Person)))
-    prompt = engine.apply_chat_template([{"role": "system", "content": instruction}, {"role": "user", "content": "Who is Ann?"}])
+    instruction = JSON_SCHEMA_INSTRUCTION.format(schema=json.dumps(convert_to_json_schema(Person)))
+    prompt = chat_prompt(engine, [{"role": "system", "content": instruction}, {"role": "user", "content": "Who is Ann?"}])
     assert raw.usage_metadata["input_tokens"] == len(engine.encode(prompt))
 
 
@@ -601,3 +613,43 @@ def test_the_llm_and_the_chat_model_share_the_litellm_engine(model_name: str, en
     from mlx_parallm_provider.integrations import litellm as litellm_adapter
 
     assert litellm_adapter.get_engine(model_name) is engine
+
+
+# --------------------------------------------------------------------------- bad input fails alone
+
+
+def test_llm_batch_with_return_exceptions_fails_only_the_bad_prompt(model_name: str, engine: Engine) -> None:
+    llm = MLXParallmLLM(model=model_name, max_tokens=MAX_TOKENS, ignore_eos=True)
+    for outputs in (llm.batch(["a b", "", "c d"], return_exceptions=True), run(llm.abatch(["a b", "", "c d"], return_exceptions=True))):
+        assert isinstance(outputs[1], InvalidParameterError) and outputs[1].field == "prompt"
+        assert [outputs[0], outputs[2]] == [engine.generate_sync(p, greedy()).text for p in ("a b", "c d")]
+
+
+def test_chat_batch_with_a_bad_input_answers_the_others(model_name: str, engine: Engine) -> None:
+    chat = ChatMLXParallm(model=model_name, max_tokens=MAX_TOKENS, ignore_eos=True)
+    orphan = [HumanMessage("hi"), ToolMessage("18C", tool_call_id="call_nobody")]
+    outputs = chat.batch(["Tell me a story.", orphan, "Name a colour."], return_exceptions=True)
+    assert isinstance(outputs[1], InvalidParameterError) and outputs[1].field == "messages[1].tool_call_id"
+    expected = [engine.generate_sync(chat_prompt(engine, [{"role": "user", "content": q}]), greedy()).text for q in ("Tell me a story.", "Name a colour.")]
+    assert [outputs[0].content, outputs[2].content] == expected
+    with pytest.raises(InvalidParameterError, match="call_nobody"):
+        chat.batch(["Tell me a story.", orphan])
+
+
+def test_tools_that_are_not_a_list_are_an_invalid_parameter(model_name: str) -> None:
+    chat = ChatMLXParallm(model=model_name, max_tokens=2)
+    with pytest.raises(InvalidParameterError, match="tools") as info:
+        chat.invoke("hi", tools="abc")
+    assert info.value.field == "tools"
+    with pytest.raises(InvalidParameterError, match=r"tools\[0\]"):
+        chat.bind_tools([42]).invoke("hi")
+
+
+def test_a_streaming_chat_model_batches_too_and_reports_its_answer(model_name: str, engine: Engine) -> None:
+    recorder = TokenRecorder()
+    chat = ChatMLXParallm(model=model_name, max_tokens=MAX_TOKENS, ignore_eos=True, streaming=True, callbacks=[recorder])
+    messages = chat.batch(topics(8))
+    assert engine.stats()["max_batch_size"] == 8
+    plain = ChatMLXParallm(model=model_name, max_tokens=MAX_TOKENS, ignore_eos=True)
+    assert [m.content for m in messages] == [plain.invoke(t).content for t in topics(8)]
+    assert "".join(recorder.tokens) == "".join(m.content for m in messages)

@@ -25,7 +25,7 @@ import litellm
 import mlx.core as mx
 import pytest
 from engine_helpers import ScriptedModel
-from fakes import WEATHER
+from fakes import WEATHER, chat_prompt
 
 import mlx_parallm_provider
 from mlx_parallm_provider import Engine, EngineConfig, SamplingParams, get_engine, shutdown_engines
@@ -240,7 +240,7 @@ PATHS = {
 def _prompts(path: str, engine: Engine) -> list[str]:
     if path == "text_completion":
         return [story(i) for i in range(N)]
-    return [engine.apply_chat_template(ask(i)) for i in range(N)]
+    return [chat_prompt(engine, ask(i)) for i in range(N)]
 
 
 @pytest.mark.parametrize("path", list(PATHS))
@@ -274,7 +274,7 @@ def test_greedy_completion_equals_engine_generate(model: str, model_path: str) -
     sync = litellm.completion(model=model, messages=messages, max_tokens=16)
     asynchronous = asyncio.run(litellm.acompletion(model=model, messages=messages, max_tokens=16))
     engine = get_engine(model_path)
-    prompt = engine.apply_chat_template(messages)
+    prompt = chat_prompt(engine, messages)
     expected = engine.generate_sync(prompt, SamplingParams(max_tokens=16))
     for response in (sync, asynchronous):
         assert content(response) == expected.text
@@ -324,7 +324,7 @@ def test_n3_with_a_seed_is_reproducible(model: str, model_path: str) -> None:
     assert [c.message.content for c in asynchronous.choices] == texts
     assert len(set(texts)) == 3  # choice i samples with seed + i
     engine = get_engine(model_path)
-    prompt = engine.apply_chat_template(ask(1))
+    prompt = chat_prompt(engine, ask(1))
     assert texts == [engine.generate_sync(prompt, SamplingParams(max_tokens=8, temperature=1.0, seed=7 + i)).text for i in range(3)]
     assert first.usage.prompt_tokens == len(engine.encode(prompt))  # one prompt, counted once
 
@@ -346,7 +346,7 @@ def test_every_error_class_while_other_requests_finish(held: Any, model: str) ->
         with pytest.raises(litellm.BadRequestError, match="temperature"):
             await litellm.acompletion(model=model, messages=ask(11), temperature=-1)
         with pytest.raises(litellm.BadRequestError, match="response_format"):
-            await litellm.acompletion(model=model, messages=ask(11), response_format={"type": "json_object"})
+            await litellm.acompletion(model=model, messages=ask(11), response_format={"type": "xml"})
         with pytest.raises(litellm.ContextWindowExceededError, match="512"):
             await litellm.acompletion(model=model, messages=ask(12), max_tokens=600)
         with pytest.raises(litellm.NotFoundError, match="no-such-model"):
@@ -359,9 +359,21 @@ def test_every_error_class_while_other_requests_finish(held: Any, model: str) ->
     engine.hold()
     responses, late_error = asyncio.run(scenario())
     assert isinstance(late_error, litellm.Timeout) and "timed out" in str(late_error)
-    expected = references(engine.engine, [engine.engine.apply_chat_template(ask(i)) for i in range(4)], SamplingParams(**good_kw))
+    expected = references(engine.engine, [chat_prompt(engine.engine, ask(i)) for i in range(4)], SamplingParams(**good_kw))
     assert [content(r) for r in responses] == expected
     assert all(r.usage.completion_tokens == BATCH_TOKENS for r in responses)
+
+
+def test_n_larger_than_the_queue_is_answered_in_waves(held: Any, model: str) -> None:
+    # Was a RateLimitError ("retry later") that no retry could ever fix.
+    engine: HeldEngine = held(max_queue=8)
+    kw: dict[str, Any] = {"model": model, "messages": ask(1), "n": 20, "seed": 3, "temperature": 1.0, "max_tokens": 4, "ignore_eos": True}
+    # The call queues 6 (a quarter of the queue stays free for others), then waits for room.
+    response = engine.run_held(6, lambda: litellm.completion(**kw))
+    assert [c.index for c in response.choices] == list(range(20))
+    assert response.usage.completion_tokens == 20 * 4
+    again = asyncio.run(litellm.acompletion(**kw))
+    assert [c.message.content for c in again.choices] == [c.message.content for c in response.choices]
 
 
 def test_errors_surface_from_sync_and_streaming_calls(model: str) -> None:
@@ -387,7 +399,7 @@ def scripted(monkeypatch: pytest.MonkeyPatch, tiny_model: LoadedModel, model_pat
     loaded = LoadedModel(tiny_model.name, tiny_model.path, model, tiny_model.tokenizer, tiny_model.config)
     engine = Engine(model_path, EngineConfig(), loaded=loaded)
     answer = list(tiny_model.tokenizer.encode(TOOL_ANSWER, add_special_tokens=False)) + [tiny_model.tokenizer.eos_token_id]
-    prompt_len = len(engine.encode(engine.apply_chat_template([{"role": "user", "content": "Weather in Paris?"}], [WEATHER])))
+    prompt_len = len(engine.encode(chat_prompt(engine, [{"role": "user", "content": "Weather in Paris?"}], [WEATHER])))
     # The token after position p is script[(p + 1) % n]; the first output follows position prompt_len - 1.
     model.script = mx.array([answer[(j - prompt_len) % len(answer)] for j in range(len(answer))])
     monkeypatch.setattr(adapter, "get_engine", lambda name="default": engine)

@@ -28,6 +28,8 @@ import pytest
 import yaml
 
 import mlx_parallm_provider
+from fakes import chat_prompt
+
 from mlx_parallm_provider import Engine, SamplingParams
 from mlx_parallm_provider.models.registry import LoadedModel
 
@@ -146,7 +148,7 @@ def reference(tiny_model: LoadedModel) -> Iterator[Any]:
     """Greedy answer to QUESTION with 12 tokens, computed in this process."""
     engine = Engine("tiny", loaded=tiny_model)
     try:
-        yield engine.generate_sync(engine.apply_chat_template(QUESTION), SamplingParams(max_tokens=12))
+        yield engine.generate_sync(chat_prompt(engine, QUESTION), SamplingParams(max_tokens=12))
     finally:
         engine.shutdown()
 
@@ -173,10 +175,10 @@ def test_example_config_points_at_the_module_level_handler() -> None:
     [entry] = config["litellm_settings"]["custom_provider_map"]
     assert entry["provider"] == "mlx-parallm"
     module, _, name = entry["custom_handler"].rpartition(".")
-    from mlx_parallm_provider.integrations.litellm import MLXParallmLLM
+    from mlx_parallm_provider.integrations.litellm import MLXParallmCustomLLM
 
     handler = getattr(importlib.import_module(module), name)
-    assert isinstance(handler, MLXParallmLLM) and handler is mlx_parallm_provider.litellm_handler
+    assert isinstance(handler, MLXParallmCustomLLM) and handler is mlx_parallm_provider.litellm_handler
     assert [m["litellm_params"]["model"] for m in config["model_list"]] == ["mlx-parallm/default"]
 
 

@@ -112,10 +112,14 @@ def test_turn_two_reuses_turn_one(make_engine) -> None:
 
 
 def test_many_random_prefixes_under_a_small_cap(make_engine) -> None:
+    import mlx.core as mx
+
     rng = random.Random(4)
     cap_gb = 400 * 512 / 1024**3  # ~400 tokens of the tiny model's KV (512 bytes a token)
     engine = make_engine(prefix_cache_memory_gb=cap_gb, max_num_seqs=32)
     cap = engine.config.prefix_cache_memory_bytes
+    engine.generate_sync([1, 2, 3], SamplingParams(max_tokens=1))
+    idle = mx.get_active_memory()
     heads = [[1] + ids(rng, rng.randrange(20, 150)) for _ in range(40)]
     peak = 0
     for wave in range(10):
@@ -126,7 +130,10 @@ def test_many_random_prefixes_under_a_small_cap(make_engine) -> None:
         peak = max(peak, stats["cached_bytes"])
         assert stats["cached_bytes"] <= cap
     stats = engine.stats()
-    assert stats["finished"] == 320 and stats["prefix_cache"]["evictions"] > 0 and peak > 0
+    assert stats["finished"] == 321 and stats["prefix_cache"]["evictions"] > 0 and peak > 0
+    # Back to idle plus what the store holds (nothing else kept alive by it), within a
+    # few decode-batch allocations of slack.
+    assert mx.get_active_memory() <= idle + stats["prefix_cache"]["cached_bytes"] + 2 * 1024**2
 
 
 def test_streams_report_cached_tokens_in_the_last_delta(make_engine) -> None:
@@ -159,3 +166,18 @@ def test_cached_prefix_does_not_count_against_the_step_token_budget(tiny_model, 
     # 12 rows of 4 uncached tokens fit one step's budget of 96; 12 x 205 would take 26 steps.
     assert all(c.usage.cached_tokens == len(prefix) for c in done)
     assert engine.stats()["steps"] <= 4
+
+
+def test_the_store_holds_only_what_it_counts(make_engine) -> None:
+    """Stored KV is copied out of the batch cache, so no finished batch stays alive."""
+    import mlx.core as mx
+
+    rng = random.Random(8)
+    engine = make_engine(max_num_seqs=32)
+    engine.generate_sync([1, 2, 3], SamplingParams(max_tokens=1))
+    idle = mx.get_active_memory() - engine.stats()["prefix_cache"]["cached_bytes"]
+    prompts = [[1] + ids(rng, 100 + i) for i in range(32)]
+    run(_generate_all(engine, prompts, lambda i: SamplingParams(max_tokens=5 + i, ignore_eos=True)))
+    cached = engine.stats()["prefix_cache"]["cached_bytes"]
+    assert cached >= 32 * 100 * 512
+    assert mx.get_active_memory() <= idle + cached + 2 * 1024**2

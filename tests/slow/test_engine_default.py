@@ -6,6 +6,8 @@ import asyncio
 
 import pytest
 
+from fakes import chat_prompt
+
 from mlx_parallm_provider.config import EngineConfig
 from mlx_parallm_provider.engine import Engine, SamplingParams
 from mlx_parallm_provider.models import registry
@@ -27,7 +29,7 @@ def test_batched_greedy_equals_one_at_a_time_on_default_model() -> None:
     alone = Engine("default", EngineConfig(max_num_seqs=1), loaded=loaded)
     together = Engine("default", loaded=loaded)
     try:
-        prompts = [alone.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
+        prompts = [chat_prompt(alone, [{"role": "user", "content": q}]) for q in QUESTIONS]
         expected = [alone.generate_sync(p, params) for p in prompts]
 
         async def burst():

@@ -12,6 +12,8 @@ from typing import Any
 import litellm
 import pytest
 
+from fakes import chat_prompt
+
 import mlx_parallm_provider
 from mlx_parallm_provider import SamplingParams, get_engine, shutdown_engines
 
@@ -43,7 +45,7 @@ def joined(chunks: list[Any]) -> str:
 def test_completion_answers_and_equals_engine_generate() -> None:
     response = litellm.completion(model=MODEL, messages=FRANCE, max_tokens=TOKENS)
     engine = get_engine("default")
-    expected = engine.generate_sync(engine.apply_chat_template(FRANCE), SamplingParams(max_tokens=TOKENS))
+    expected = engine.generate_sync(chat_prompt(engine, FRANCE), SamplingParams(max_tokens=TOKENS))
     assert "Paris" in content(response)
     assert content(response) == expected.text
     assert response.usage.completion_tokens == expected.usage.completion_tokens

@@ -10,7 +10,7 @@ from fakes import QWEN_TOOLS_TEMPLATE, SMOLLM2_TEMPLATE, make_tokenizer
 
 from mlx_parallm_provider.chat import content_text, normalize_messages, render_chat
 from mlx_parallm_provider.errors import InvalidParameterError
-from mlx_parallm_provider.tools import FALLBACK_TOOL_PROMPT, template_supports_tools, tool_call_format
+from mlx_parallm_provider.chat import FALLBACK_TOOL_PROMPT, template_supports_tools, tool_call_format
 
 SMOL_SYSTEM = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
 WEATHER = {

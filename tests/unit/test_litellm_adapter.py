@@ -11,11 +11,12 @@ from typing import Any
 import litellm
 import pytest
 from litellm.exceptions import MidStreamFallbackError
-from fakes import QWEN_TOOLS_TEMPLATE, TIME, WEATHER, FakeEngine, make_tokenizer, patch_get_engine
+from fakes import QWEN_TOOLS_TEMPLATE, TIME, WEATHER, FakeEngine, chat_prompt, make_tokenizer, patch_get_engine
 
 from mlx_parallm_provider.errors import (
     ContextWindowExceededError,
     EngineDeadError,
+    RequestFailedError,
     EngineOverloadedError,
     InvalidParameterError,
     ModelLoadError,
@@ -23,7 +24,12 @@ from mlx_parallm_provider.errors import (
     RequestTimeoutError,
 )
 from mlx_parallm_provider.integrations import litellm as adapter
-from mlx_parallm_provider.tools import FALLBACK_TOOL_PROMPT, REQUIRED_TOOL_INSTRUCTION
+from mlx_parallm_provider.chat import (
+    FALLBACK_TOOL_PROMPT,
+    JSON_OBJECT_INSTRUCTION,
+    JSON_SCHEMA_INSTRUCTION,
+    REQUIRED_TOOL_INSTRUCTION,
+)
 
 MODEL = "mlx-parallm/fake"
 HI = [{"role": "user", "content": "Hi"}]
@@ -78,7 +84,7 @@ def test_completion_returns_the_engine_answer_with_usage(engine: FakeEngine) -> 
     assert response.model == "fake"
     assert response.id.startswith("chatcmpl-")
     prompt = engine.last.prompt
-    assert prompt == engine.apply_chat_template(HI)  # the chat template was applied
+    assert prompt == chat_prompt(engine, HI)  # the chat template was applied
     assert response.usage.prompt_tokens == len(engine.tokenizer.encode(prompt, add_special_tokens=False))
     assert response.usage.completion_tokens == len(ANSWER)
     assert response.usage.total_tokens == response.usage.prompt_tokens + len(ANSWER)
@@ -213,7 +219,7 @@ def test_include_usage_puts_usage_on_the_last_chunk(engine: FakeEngine) -> None:
 
 
 def test_async_streaming_is_an_async_generator_over_engine_stream(engine: FakeEngine) -> None:
-    assert inspect.isasyncgenfunction(adapter.MLXParallmLLM.astreaming)
+    assert inspect.isasyncgenfunction(adapter.MLXParallmCustomLLM.astreaming)
 
     async def run() -> list[Any]:
         stream = await litellm.acompletion(model=MODEL, messages=HI, stream=True, stream_options={"include_usage": True})
@@ -338,10 +344,7 @@ def test_streamed_malformed_call_comes_out_as_text(engine: FakeEngine) -> None:
 # --------------------------------------------------------------------------- unsupported parameters
 
 
-@pytest.mark.parametrize(
-    "extra",
-    [{"response_format": {"type": "json_object"}}, {"frobnicate": 1}, {"extra_body": {"mirostat": 2}}],
-)
+@pytest.mark.parametrize("extra", [{"frobnicate": 1}, {"extra_body": {"mirostat": 2}}])
 def test_unsupported_params_are_a_bad_request(engine: FakeEngine, extra: dict) -> None:
     with pytest.raises(litellm.BadRequestError, match="drop_params") as info:
         litellm.completion(model=MODEL, messages=HI, **extra)
@@ -397,7 +400,9 @@ ERRORS = [
     (ModelNotFoundError("no model 'nope'"), litellm.NotFoundError, "check the model name"),
     (EngineOverloadedError("queue full"), litellm.RateLimitError, "retry later"),
     (RequestTimeoutError("timed out after 1 s"), litellm.Timeout, "raise `timeout`"),
-    (EngineDeadError("worker died"), litellm.ServiceUnavailableError, "restart the process"),
+    # Issue 8 #8: the engine restarts its worker by itself; the hint said to restart the process.
+    (EngineDeadError("worker died"), litellm.ServiceUnavailableError, "retry the request"),
+    (RequestFailedError("request r1 failed while processing its output"), litellm.InternalServerError, "failed while processing"),
     (ModelLoadError("corrupt weights"), litellm.APIError, "corrupt weights"),
 ]
 
@@ -456,6 +461,38 @@ def test_invalid_values_are_bad_requests_naming_the_field(engine: FakeEngine) ->
         litellm.completion(model=MODEL, messages=image)
     with pytest.raises(litellm.BadRequestError, match="tool_choice"):
         litellm.completion(model=MODEL, messages=HI, tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}})
+
+
+@pytest.mark.parametrize("timeout", [-1, 0, -0.5])
+def test_a_timeout_that_is_not_positive_is_a_bad_request(engine: FakeEngine, timeout: float) -> None:
+    with pytest.raises(litellm.BadRequestError, match="timeout"):
+        litellm.completion(model=MODEL, messages=HI, timeout=timeout)
+    assert engine.calls == []
+
+
+@pytest.mark.parametrize("tools", ["abc", [], ["abc"]])
+def test_tools_that_are_not_tool_definitions_are_a_bad_request(engine: FakeEngine, tools: Any) -> None:
+    # LiteLLM hands the provider [] for each of these (it drops what is not a dict).
+    with pytest.raises(litellm.BadRequestError, match="tools"):
+        litellm.completion(model=MODEL, messages=HI, tools=tools)
+    assert engine.calls == []
+
+
+def test_a_tool_result_that_answers_no_call_is_a_bad_request(engine: FakeEngine) -> None:
+    orphan = [*HI, {"role": "tool", "tool_call_id": "call_nobody", "content": "18C"}]
+    with pytest.raises(litellm.BadRequestError, match=re.escape("messages[1].tool_call_id")):
+        litellm.completion(model=MODEL, messages=orphan)
+    assert engine.calls == []
+
+
+def test_json_response_formats_are_prompted(engine: FakeEngine) -> None:
+    litellm.completion(model=MODEL, messages=HI, response_format={"type": "json_object"})
+    assert JSON_OBJECT_INSTRUCTION in engine.last.prompt
+    schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+    litellm.completion(model=MODEL, messages=HI, response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": schema}})
+    assert JSON_SCHEMA_INSTRUCTION.format(schema=json.dumps(schema)) in engine.last.prompt
+    with pytest.raises(litellm.BadRequestError, match="response_format"):
+        litellm.completion(model=MODEL, messages=HI, response_format={"type": "xml"})
 
 
 # --------------------------------------------------------------------------- other entry points
@@ -535,7 +572,7 @@ def test_register_is_idempotent_and_keeps_other_providers() -> None:
 
 def test_register_repoints_a_stale_entry_instead_of_adding_one() -> None:
     other = {"provider": "someone-else", "custom_handler": litellm.CustomLLM()}
-    stale = {"provider": "mlx-parallm", "custom_handler": adapter.MLXParallmLLM()}
+    stale = {"provider": "mlx-parallm", "custom_handler": adapter.MLXParallmCustomLLM()}
     litellm.custom_provider_map[:] = [stale, other]
     adapter.register()
     assert litellm.custom_provider_map == [{"provider": "mlx-parallm", "custom_handler": adapter.litellm_handler}, other]

@@ -10,7 +10,7 @@ import pytest
 from fakes import QWEN_TOOLS_TEMPLATE, TIME, WEATHER, make_tokenizer
 
 from mlx_parallm_provider.errors import InvalidParameterError
-from mlx_parallm_provider.tools import (
+from mlx_parallm_provider.chat import (
     HERMES_FORMAT,
     NAMED_TOOL_INSTRUCTION,
     REQUIRED_TOOL_INSTRUCTION,

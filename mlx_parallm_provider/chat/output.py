@@ -1,0 +1,119 @@
+"""Engine output to chat events: content, tool calls, invalid tool calls, and the end.
+
+:func:`read_completion` reads a finished :class:`~mlx_parallm_provider.engine.Completion`;
+:class:`ChatStreamReader` reads a stream of :class:`~mlx_parallm_provider.engine.Delta`
+pieces into the same answer, event by event. Both honour what the prompt asked for
+(:class:`~.prepare.PreparedPrompt`): the tools, their call format, and
+``parallel_tool_calls``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+from ..engine.request import Completion, Delta, TokenLogprob, Usage
+from .prepare import PreparedPrompt
+from .tool_defs import InvalidToolCall, ToolCall
+from .tool_parser import ToolCallStreamParser, parse_tool_calls
+
+
+@dataclass(frozen=True)
+class ChatOutput:
+    """A finished chat answer. ``finish_reason`` is ``"tool_calls"`` when it has calls."""
+
+    content: str
+    tool_calls: list[ToolCall]
+    invalid_tool_calls: list[InvalidToolCall]
+    finish_reason: str
+    usage: Usage
+    logprobs: Optional[list[TokenLogprob]] = None
+
+
+def read_completion(prepared: PreparedPrompt, completion: Completion) -> ChatOutput:
+    """Split a finished completion into content and tool calls."""
+    if not prepared.tools:
+        return ChatOutput(completion.text, [], [], completion.finish_reason, completion.usage, completion.logprobs)
+    parsed = parse_tool_calls(completion.text, prepared.tools, prepared.tool_format)
+    calls = parsed.tool_calls if prepared.parallel_tool_calls else parsed.tool_calls[:1]
+    return ChatOutput(
+        content=parsed.content,
+        tool_calls=calls,
+        invalid_tool_calls=parsed.invalid_tool_calls,
+        finish_reason="tool_calls" if calls else completion.finish_reason,
+        usage=completion.usage,
+        logprobs=completion.logprobs,
+    )
+
+
+@dataclass(frozen=True)
+class ContentEvent:
+    """More answer text."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class ToolCallEvent:
+    """A complete, valid call: ``index`` among the valid calls, ``position`` among all calls."""
+
+    call: ToolCall
+    index: int
+    position: int
+
+
+@dataclass(frozen=True)
+class InvalidToolCallEvent:
+    """A call the model got wrong; ``position`` among all calls."""
+
+    call: InvalidToolCall
+    position: int
+
+
+@dataclass(frozen=True)
+class FinalEvent:
+    """The end of the answer: why it stopped, its usage and every logprob asked for."""
+
+    finish_reason: str
+    usage: Optional[Usage]
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+ChatEvent = Union[ContentEvent, ToolCallEvent, InvalidToolCallEvent, FinalEvent]
+
+
+class ChatStreamReader:
+    """Reads one chat stream: each :meth:`on_delta` returns the events it completes; the
+    last delta (with ``finish_reason``) also gives a :class:`FinalEvent`."""
+
+    def __init__(self, prepared: PreparedPrompt) -> None:
+        self._parser = ToolCallStreamParser(prepared.tools, prepared.tool_format) if prepared.tools else None
+        self._single_call = not prepared.parallel_tool_calls
+        self._valid = 0
+        self._positions = 0
+        self._logprobs: list[TokenLogprob] = []
+
+    def on_delta(self, delta: Delta) -> list[ChatEvent]:
+        """The events one delta completes."""
+        self._logprobs += delta.logprobs or []
+        parsed: list[Any] = self._parser.feed(delta.text) if self._parser else [delta.text]
+        if delta.finish_reason is not None and self._parser:
+            parsed += self._parser.finish()
+        events = [event for item in parsed for event in self._events(item)]
+        if delta.finish_reason is not None:
+            reason = "tool_calls" if self._valid else delta.finish_reason
+            events.append(FinalEvent(reason, delta.usage, list(self._logprobs)))
+        return events
+
+    def _events(self, item: Union[str, ToolCall, InvalidToolCall]) -> list[ChatEvent]:
+        if isinstance(item, str):
+            return [ContentEvent(item)] if item else []
+        if isinstance(item, ToolCall):
+            if self._single_call and self._valid:
+                return []
+            self._valid += 1
+            event: ChatEvent = ToolCallEvent(item, self._valid - 1, self._positions)
+        else:
+            event = InvalidToolCallEvent(item, self._positions)
+        self._positions += 1
+        return [event]

@@ -1,0 +1,108 @@
+"""One chat request to one prepared prompt, with every decision about it made once.
+
+:func:`prepare_chat` validates the messages, tools, ``tool_choice``, ``response_format``
+and ``parallel_tool_calls`` of a call, decides whether the template renders the tools
+itself, renders the prompt accordingly, and records the tool-call format that prompt
+asks for, so :mod:`.output` parses exactly what the prompt requested.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from ..errors import InvalidParameterError
+from .messages import normalize_messages
+from .render import render_conversation
+from .tool_defs import add_system_instruction, apply_tool_choice
+from .tool_formats import HERMES_FORMAT, ToolCallFormat, template_supports_tools, tool_call_format
+
+JSON_OBJECT_INSTRUCTION = "Answer with one JSON object and nothing else: no text before or after it."
+JSON_SCHEMA_INSTRUCTION = (
+    "Answer with one JSON object that matches this JSON schema, and nothing else:\n{schema}"
+)
+
+
+@dataclass(frozen=True)
+class PreparedPrompt:
+    """What to submit to the engine, and how to read what comes back.
+
+    ``prompt`` is text that already holds the template's special tokens. ``tools`` are
+    the (normalised) tools the model was shown, ``None`` if none; ``tool_format`` is the
+    format the prompt asked for; with ``parallel_tool_calls=False`` only the first
+    valid call of an answer is kept.
+    """
+
+    prompt: str
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_format: ToolCallFormat = HERMES_FORMAT
+    parallel_tool_calls: bool = True
+
+
+def prepare_text(prompt: Any) -> PreparedPrompt:
+    """A raw completion prompt (no template, no tools): a string or a list of token ids."""
+    if not isinstance(prompt, (str, list)):
+        raise InvalidParameterError("prompt", f"must be a string or a list of token ids, got {type(prompt).__name__}")
+    return PreparedPrompt(prompt)
+
+
+def prepare_chat(
+    tokenizer: Any,
+    messages: Sequence[Any],
+    *,
+    tools: Optional[Sequence[Mapping[str, Any]]] = None,
+    tool_choice: Any = None,
+    response_format: Any = None,
+    parallel_tool_calls: Optional[bool] = None,
+) -> PreparedPrompt:
+    """Validate one chat request and render its prompt.
+
+    ``tools`` are OpenAI tool dicts (or bare function dicts); ``tool_choice`` and
+    ``response_format`` take OpenAI's values and are honoured by prompting: a required
+    or named tool and JSON output become instructions in the system message (see
+    :func:`~.tool_defs.apply_tool_choice` and :func:`response_format_instruction`).
+    Raises :class:`InvalidParameterError` naming the field for any malformed input.
+    """
+    if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
+        raise InvalidParameterError("parallel_tool_calls", f"must be true or false, got {parallel_tool_calls!r}")
+    shown, tool_instruction = apply_tool_choice(tools, tool_choice)
+    instructions = [tool_instruction, response_format_instruction(response_format)]
+    conversation = normalize_messages(messages)
+    for instruction in instructions:
+        conversation = add_system_instruction(conversation, instruction)
+    renders_tools = bool(shown) and template_supports_tools(tokenizer, shown)
+    prompt = render_conversation(tokenizer, conversation, shown, renders_tools=renders_tools)
+    return PreparedPrompt(
+        prompt=prompt,
+        tools=shown,
+        tool_format=tool_call_format(tokenizer, shown, renders_tools=renders_tools) if shown else HERMES_FORMAT,
+        parallel_tool_calls=parallel_tool_calls is not False,
+    )
+
+
+def response_format_instruction(response_format: Any) -> Optional[str]:
+    """The system instruction for an OpenAI ``response_format`` (None for text).
+
+    ``{"type": "json_object"}`` asks for one JSON object; ``{"type": "json_schema",
+    "json_schema": {"name", "schema"}}`` puts the schema in the instruction. This is
+    prompting, not constrained decoding: parse the answer and handle failures.
+    """
+    if response_format is None:
+        return None
+    kind = response_format.get("type") if isinstance(response_format, Mapping) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return JSON_OBJECT_INSTRUCTION
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        schema = spec.get("schema", spec) if isinstance(spec, Mapping) else None
+        if isinstance(schema, Mapping):
+            return JSON_SCHEMA_INSTRUCTION.format(schema=json.dumps(schema, ensure_ascii=False))
+    raise InvalidParameterError(
+        "response_format",
+        "must be {'type': 'text'}, {'type': 'json_object'} or "
+        f"{{'type': 'json_schema', 'json_schema': {{'name', 'schema'}}}}, got {response_format!r}",
+    )

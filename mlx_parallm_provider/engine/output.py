@@ -1,0 +1,79 @@
+"""Turning one request's sampled tokens into its results: finish detection (EOS, stop
+tokens, stop strings, ``max_tokens``), streamed :class:`Delta` pieces and the final
+:class:`Completion`. Worker-side, per request; no MLX here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from .detokenize import TextStream
+from .request import Completion, Delta, Request, Usage
+from .sampling import RowSampler, SampledRow, token_logprob
+
+
+@dataclass
+class RowState:
+    """Worker-private state of one request."""
+
+    sampler: RowSampler
+    text: TextStream
+    cache: Optional[list[Any]] = None  # own KV cache while a long prompt is chunk-prefilled
+    prefix: Optional[list[Any]] = None  # fetched KV of the cached prompt prefix, until used
+    logprobs: Optional[list] = None
+
+
+def add_token(request: Request, row: SampledRow, eos_ids: set[int], tokenizer: Any) -> tuple[Optional[str], Optional[object]]:
+    """Append a sampled token to ``request``.
+
+    Returns ``(finish_reason, result)``: the finish reason if the request is now done
+    (else None), and what its caller gets now (a :class:`Delta` when streaming, the
+    :class:`Completion` when a whole answer is done, else None).
+    """
+    state: RowState = request.state
+    params = request.params
+    token = row.token
+    request.output_ids.append(token)
+    finish: Optional[str] = None
+    piece = ""
+    is_stop_token = (token in eos_ids and not params.ignore_eos) or token in params.stop_token_ids
+    if is_stop_token:
+        finish = "stop"
+    else:
+        if state.logprobs is not None:
+            state.logprobs.append(token_logprob(tokenizer, row))
+        piece, stopped = state.text.add_token(token)
+        if stopped:
+            finish = "stop"
+        elif len(request.output_ids) >= params.max_tokens:
+            finish = "length"
+    if finish is not None and not state.text.stopped:
+        piece += state.text.finish()
+    if request.stream and (piece or finish):
+        return finish, Delta(
+            request_id=request.request_id,
+            text=piece,
+            token_ids=[] if is_stop_token else [token],
+            finish_reason=finish,
+            usage=usage(request) if finish else None,
+            logprobs=state.logprobs[-1:] if state.logprobs and not is_stop_token else None,
+        )
+    if finish is not None:
+        return finish, Completion(
+            request_id=request.request_id,
+            text=state.text.text,
+            token_ids=request.output_ids[:-1] if is_stop_token else list(request.output_ids),
+            finish_reason=finish,
+            usage=usage(request),
+            logprobs=state.logprobs,
+        )
+    return None, None
+
+
+def usage(request: Request) -> Usage:
+    """Token counts of a request so far."""
+    return Usage(
+        prompt_tokens=request.prompt_len,
+        completion_tokens=len(request.output_ids),
+        cached_tokens=request.num_cached,
+    )

@@ -1,0 +1,73 @@
+"""Moving KV between the prefix store and the worker's batch caches.
+
+:func:`batch_cache_from_prefixes` starts a batch of rows from their fetched prefixes;
+:func:`store_rows` copies rows of a batch cache into the store. Both are worker-side.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterable, Optional, Sequence
+
+from mlx_lm.models.cache import BatchKVCache, KVCache
+
+from ..config import EngineConfig
+from .prefix_cache import LayerKV, PrefixCache
+
+logger = logging.getLogger(__name__)
+
+_warned_rotating = False
+
+
+def make_prefix_cache(config: EngineConfig) -> Optional[PrefixCache]:
+    """The prefix store the config asks for, or None (off, or a rotating KV cache, which
+    keeps only a window of each row and so cannot be reused; logged once)."""
+    global _warned_rotating
+    if not config.enable_prefix_caching:
+        return None
+    if config.max_kv_size is not None:
+        if not _warned_rotating:
+            logger.warning("prefix caching is off: a rotating KV cache (max_kv_size) cannot reuse a prefix")
+            _warned_rotating = True
+        return None
+    return PrefixCache(config.prefix_cache_memory_bytes)
+
+
+def batch_cache_from_prefixes(num_layers: int, prefixes: Sequence[tuple[Optional[list[LayerKV]], int]]) -> list[BatchKVCache]:
+    """A left-padded batch cache, one row per ``(prefix KV or None, its length)``."""
+    per_layer: list[list[KVCache]] = [[] for _ in range(num_layers)]
+    for prefix, length in prefixes:
+        for layer, rows in enumerate(per_layer):
+            row = KVCache()
+            if prefix:
+                row.keys, row.values = prefix[layer]
+                row.offset = length
+            rows.append(row)
+    return [BatchKVCache.merge(rows) for rows in per_layer]
+
+
+def store_rows(
+    store: Optional[PrefixCache],
+    cache: Optional[list[Any]],
+    sequences: Sequence[list[int]],
+    rows: Iterable[int],
+    bytes_per_token: int,
+) -> None:
+    """Put the KV of ``sequences[j]`` (row ``rows[j]`` of a left-padded batch cache) into
+    the store. A row holds KV for the first ``size - left_padding`` tokens of its sequence
+    (a decode row has not run its last sampled token yet). Caching is an optimisation: a
+    failure is logged and costs nothing else."""
+    if store is None or cache is None:
+        return
+    try:
+        pads = cache[0].left_padding.tolist()
+        size = cache[0].size()
+        for seq, i in zip(sequences, rows):
+            start = pads[i]
+
+            def source(a: int, b: int, i: int = i, start: int = start) -> list[LayerKV]:
+                return [(c.keys[i : i + 1, :, start + a : start + b], c.values[i : i + 1, :, start + a : start + b]) for c in cache]
+
+            store.insert(seq[: min(size - start, len(seq))], source, bytes_per_token)
+    except Exception:
+        logger.exception("could not store KV in the prefix cache")

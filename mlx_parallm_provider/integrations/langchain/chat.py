@@ -1,0 +1,278 @@
+""":class:`ChatMLXParallm`: a LangChain ``BaseChatModel`` on the shared engine."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from operator import itemgetter
+from typing import Any, Literal, Optional, Union
+
+from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
+from langchain_core.language_models import BaseChatModel, LanguageModelInput
+from langchain_core.messages import AIMessage, BaseMessage, convert_to_openai_messages
+from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
+from langchain_core.output_parsers.openai_tools import JsonOutputKeyToolsParser, PydanticToolsParser
+from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
+from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
+from langchain_core.tools import BaseTool
+from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
+from langchain_core.utils.pydantic import is_basemodel_subclass
+from pydantic import BaseModel, ConfigDict, Field
+
+from ...chat import PreparedPrompt, prepare_chat, read_completion
+from ...engine import Completion, Delta, EngineLike, SamplingParams
+from ...errors import InvalidParameterError
+from .batch import BatchesFromOneThread, prefetched
+from .._common import PROVIDER, usage_dict
+from .fields import EngineFields, engine_for
+from .messages import ChunkWriter, ai_message
+
+_CHAT_CALL_KWARGS = frozenset(("tools", "tool_choice", "parallel_tool_calls", "response_format"))
+
+
+@dataclass(frozen=True)
+class _ChatCall:
+    """One chat call, translated: the engine, the prepared prompt and its settings."""
+
+    engine: EngineLike
+    model: str
+    prepared: PreparedPrompt
+    params: SamplingParams
+
+    def prefetched(self) -> Optional[Completion]:
+        return prefetched(self.engine, self.prepared.prompt, self.params)
+
+
+class ChatMLXParallm(EngineFields, BatchesFromOneThread, BaseChatModel):
+    """Chat model on the shared batching engine.
+
+    Messages (system, human, AI with tool calls, tool results) are rendered by the
+    model's chat template. Every async call awaits the engine natively, so the concurrent
+    ``ainvoke`` calls of ``abatch``, a chain or an agent decode as one batch; a sync
+    ``batch`` submits every input from the calling thread, no thread per input. Example::
+
+        chat = ChatMLXParallm(model="default", max_tokens=128)
+        chain = ChatPromptTemplate.from_template("Tell me about {topic}") | chat | StrOutputParser()
+        chain.batch([{"topic": t} for t in topics])  # one decode batch
+
+    Supports ``bind_tools`` (LangChain tools, pydantic models, functions, OpenAI dicts),
+    ``with_structured_output`` (``function_calling``, ``json_schema``, ``json_mode``),
+    streaming with tool-call chunks, and ``usage_metadata`` on every answer.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    streaming: bool = Field(default=False, description="Stream internally on invoke (callbacks get every token).")
+
+    @property
+    def _llm_type(self) -> str:
+        return f"{PROVIDER}-chat"
+
+    def _generate(
+        self,
+        messages: list[BaseMessage],
+        stop: Optional[list[str]] = None,
+        run_manager: Optional[CallbackManagerForLLMRun] = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        call = self._prepare(messages, stop, kwargs)
+        completion = call.prefetched()
+        if completion is None:
+            completion = call.engine.generate_sync(call.prepared.prompt, call.params)
+        return _chat_result(call, completion)
+
+    async def _agenerate(
+        self,
+        messages: list[BaseMessage],
+        stop: Optional[list[str]] = None,
+        run_manager: Optional[AsyncCallbackManagerForLLMRun] = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        call = self._prepare(messages, stop, kwargs)
+        return _chat_result(call, await call.engine.generate(call.prepared.prompt, call.params))
+
+    def _stream(
+        self,
+        messages: list[BaseMessage],
+        stop: Optional[list[str]] = None,
+        run_manager: Optional[CallbackManagerForLLMRun] = None,
+        **kwargs: Any,
+    ) -> Iterator[ChatGenerationChunk]:
+        call = self._prepare(messages, stop, kwargs)
+        writer = ChunkWriter(call.prepared, call.model)
+        done = call.prefetched()
+        if done is not None:  # in a sync batch the answer is already there: one piece
+            yield from _emit(writer, [_as_delta(done)], run_manager)
+            return
+        deltas = call.engine.stream_sync(call.prepared.prompt, call.params)
+        try:
+            yield from _emit(writer, deltas, run_manager)
+        finally:
+            deltas.close()
+
+    async def _astream(
+        self,
+        messages: list[BaseMessage],
+        stop: Optional[list[str]] = None,
+        run_manager: Optional[AsyncCallbackManagerForLLMRun] = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[ChatGenerationChunk]:
+        call = self._prepare(messages, stop, kwargs)
+        writer = ChunkWriter(call.prepared, call.model)
+        deltas = call.engine.stream(call.prepared.prompt, call.params)
+        try:
+            async for delta in deltas:
+                for chunk in writer.on_delta(delta):
+                    if run_manager:
+                        await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+                    yield chunk
+        finally:
+            await deltas.aclose()
+
+    def _batch_request(self, value: LanguageModelInput, stop: Optional[list[str]], kwargs: dict[str, Any]) -> tuple[EngineLike, str, SamplingParams]:
+        call = self._prepare(self._convert_input(value).to_messages(), stop, kwargs)
+        return call.engine, call.prepared.prompt, call.params
+
+    def _prepare(self, messages: Sequence[BaseMessage], stop: Optional[list[str]], kwargs: Mapping[str, Any]) -> _ChatCall:
+        model, sampling, extra = self._split_call_kwargs(kwargs, _CHAT_CALL_KWARGS)
+        params = self._sampling_params(stop, sampling)
+        engine = engine_for(model)
+        prepared = prepare_chat(
+            engine.tokenizer,
+            convert_to_openai_messages(list(messages)),
+            tools=_openai_tools(extra.get("tools")),
+            tool_choice=extra.get("tool_choice"),
+            response_format=_openai_response_format(extra.get("response_format")),
+            parallel_tool_calls=extra.get("parallel_tool_calls"),
+        )
+        return _ChatCall(engine, model, prepared, params)
+
+    def _combine_llm_outputs(self, llm_outputs: list[Optional[dict]]) -> dict:
+        outputs = [o for o in llm_outputs if o]
+        totals: dict[str, int] = {}
+        for output in outputs:
+            for key, value in (output.get("token_usage") or {}).items():
+                totals[key] = totals.get(key, 0) + value
+        combined: dict[str, Any] = {"token_usage": totals}
+        if outputs:
+            combined["model_name"] = outputs[0].get("model_name")
+        return combined
+
+    # -- tools and structured output
+
+    def bind_tools(
+        self,
+        tools: Sequence[Union[dict[str, Any], type, Callable[..., Any], BaseTool]],
+        *,
+        tool_choice: Optional[Union[str, bool, dict[str, Any]]] = None,
+        parallel_tool_calls: Optional[bool] = None,
+        strict: Optional[bool] = None,
+        **kwargs: Any,
+    ) -> Runnable[LanguageModelInput, AIMessage]:
+        """Bind tools (LangChain tools, pydantic models, functions, OpenAI tool dicts).
+
+        ``tool_choice``: ``"auto"`` (default), ``"none"``, ``"required"`` / ``"any"`` /
+        ``True``, or a function name (or ``{"type": "function", "function": {"name": ...}}``).
+        Choices are honoured by prompting, as is ``parallel_tool_calls=False`` (then only
+        the first call is kept). Returns the model bound to ``tools=[OpenAI tool dicts]``.
+        """
+        formatted = _openai_tools(tools, strict=strict)
+        if tool_choice is not None:
+            kwargs["tool_choice"] = tool_choice
+        if parallel_tool_calls is not None:
+            kwargs["parallel_tool_calls"] = parallel_tool_calls
+        return self.bind(tools=formatted, **kwargs)
+
+    def with_structured_output(
+        self,
+        schema: Optional[Union[dict[str, Any], type]] = None,
+        *,
+        method: Literal["function_calling", "json_schema", "json_mode"] = "function_calling",
+        include_raw: bool = False,
+        strict: Optional[bool] = None,
+        **kwargs: Any,
+    ) -> Runnable[LanguageModelInput, Union[dict[str, Any], BaseModel]]:
+        """A runnable that answers with ``schema`` (a pydantic class, TypedDict or JSON schema).
+
+        ``method``: ``"function_calling"`` (a forced call of a tool named after the schema),
+        ``"json_schema"`` (the schema in the system prompt, the answer parsed as JSON) or
+        ``"json_mode"`` (any JSON object; ``schema`` only parses it). Output that does not
+        parse raises LangChain's ``OutputParserException``, or with ``include_raw=True``
+        gives ``{"raw", "parsed": None, "parsing_error"}``.
+        """
+        if kwargs:
+            raise ValueError(f"Received unsupported arguments {kwargs}")
+        is_pydantic = isinstance(schema, type) and is_basemodel_subclass(schema)
+        trace = {"kwargs": {"method": method, "strict": strict}, "schema": schema}
+        if method == "function_calling":
+            if schema is None:
+                raise ValueError("schema is required for method='function_calling'")
+            tool = convert_to_openai_tool(schema, strict=strict)
+            name = tool["function"]["name"]
+            llm = self.bind_tools([tool], tool_choice=name, ls_structured_output_format=trace)
+            parser: Runnable = (
+                PydanticToolsParser(tools=[schema], first_tool_only=True)  # type: ignore[list-item]
+                if is_pydantic
+                else JsonOutputKeyToolsParser(key_name=name, first_tool_only=True)
+            )
+        elif method in ("json_schema", "json_mode"):
+            if method == "json_schema" and schema is None:
+                raise ValueError("schema is required for method='json_schema'")
+            llm = self.bind(response_format=_response_format(schema, method, strict), ls_structured_output_format=trace)
+            parser = PydanticOutputParser(pydantic_object=schema) if is_pydantic else JsonOutputParser()  # type: ignore[arg-type]
+        else:
+            raise ValueError(f"method must be 'function_calling', 'json_schema' or 'json_mode', got {method!r}")
+        if not include_raw:
+            return llm | parser
+        parsed = RunnablePassthrough.assign(parsed=itemgetter("raw") | parser, parsing_error=lambda _: None)
+        fallback = RunnablePassthrough.assign(parsed=lambda _: None)
+        return RunnableMap(raw=llm) | parsed.with_fallbacks([fallback], exception_key="parsing_error")
+
+
+def _openai_tools(tools: Any, strict: Optional[bool] = None) -> Optional[list[dict[str, Any]]]:
+    """LangChain tools, pydantic models, functions or OpenAI dicts as OpenAI tool dicts."""
+    if tools is None:
+        return None
+    if isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, Sequence):
+        raise InvalidParameterError("tools", f"must be a list of tools, got {type(tools).__name__}")
+    converted = []
+    for i, tool in enumerate(tools):
+        try:
+            converted.append(convert_to_openai_tool(tool, strict=strict))
+        except (ValueError, TypeError) as error:
+            raise InvalidParameterError(f"tools[{i}]", f"is not a tool LangChain can convert ({error})") from None
+    return converted
+
+
+def _response_format(schema: Any, method: str, strict: Optional[bool]) -> dict[str, Any]:
+    if method == "json_mode":
+        return {"type": "json_object"}
+    json_schema = convert_to_json_schema(schema)
+    name = json_schema.get("title") or "answer"
+    return {"type": "json_schema", "json_schema": {"name": name, "schema": json_schema, "strict": strict}}
+
+
+def _openai_response_format(response_format: Any) -> Any:
+    """A pydantic class as OpenAI's ``json_schema`` response format; anything else as is."""
+    if isinstance(response_format, type) and is_basemodel_subclass(response_format):
+        return _response_format(response_format, "json_schema", None)
+    return response_format
+
+
+def _chat_result(call: _ChatCall, completion: Completion) -> ChatResult:
+    message = ai_message(read_completion(call.prepared, completion), call.model)
+    llm_output = {"token_usage": usage_dict(completion.usage), "model_name": call.model}
+    return ChatResult(generations=[ChatGeneration(message=message)], llm_output=llm_output)
+
+
+def _emit(writer: ChunkWriter, deltas: Iterable[Delta], run_manager: Optional[CallbackManagerForLLMRun]) -> Iterator[ChatGenerationChunk]:
+    for delta in deltas:
+        for chunk in writer.on_delta(delta):
+            # LangChain passes a run manager only where it does not report tokens itself.
+            if run_manager:
+                run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+            yield chunk
+
+
+def _as_delta(completion: Completion) -> Delta:
+    return Delta(completion.request_id, completion.text, completion.token_ids, completion.finish_reason, completion.usage, completion.logprobs)

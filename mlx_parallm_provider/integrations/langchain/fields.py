@@ -1,0 +1,121 @@
+"""What both LangChain models share: the model name, every sampling field, and the
+mapping of usage and logprobs to LangChain's shapes."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any, Optional
+
+from langchain_core.messages import UsageMetadata
+from pydantic import BaseModel, Field, model_validator
+from typing_extensions import Self
+
+from ...engine import EngineLike, SamplingParams, TokenLogprob, Usage, get_engine
+from ...errors import InvalidParameterError
+from .._common import PROVIDER
+
+#: The :class:`SamplingParams` fields, settable as model fields and per call (``bind``).
+SAMPLING_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(SamplingParams))
+#: Call kwargs LangChain itself may add, ignored here (tracing only, or already honoured).
+_IGNORED_CALL_KWARGS = frozenset(("stream", "ls_structured_output_format", "structured_output_format"))
+
+_DEFAULTS = SamplingParams()  # the adapters' defaults are the engine's own
+
+
+def engine_for(model: str) -> EngineLike:
+    """The shared engine for ``model`` (one lookup, so tests can substitute one)."""
+    return get_engine(model)
+
+
+class EngineFields(BaseModel):
+    """The fields both adapters share: the model name and every sampling setting.
+
+    Defaults are :class:`SamplingParams`' own (greedy, no filtering, no penalties);
+    the whole set is validated by building a :class:`SamplingParams`, so the accepted
+    ranges are exactly the engine's.
+    """
+
+    model: str = Field(
+        default="default",
+        description="'default', a path to an mlx-lm folder or a .gguf file, or a Hugging Face "
+        "repo id; the same names as the LiteLLM provider's 'mlx-parallm/<model>'.",
+    )
+    max_tokens: int = Field(default=_DEFAULTS.max_tokens, description="Most tokens to generate.")
+    temperature: float = Field(default=_DEFAULTS.temperature, description="0 is greedy decoding.")
+    top_p: float = _DEFAULTS.top_p
+    top_k: int = _DEFAULTS.top_k
+    min_p: float = _DEFAULTS.min_p
+    repetition_penalty: float = _DEFAULTS.repetition_penalty
+    presence_penalty: float = _DEFAULTS.presence_penalty
+    frequency_penalty: float = _DEFAULTS.frequency_penalty
+    logit_bias: Optional[dict[int, float]] = None
+    stop: Optional[list[str]] = Field(default=None, description="Stop strings (not included in the output).")
+    stop_token_ids: Optional[list[int]] = None
+    ignore_eos: bool = _DEFAULTS.ignore_eos
+    seed: Optional[int] = Field(default=None, description="Seed of this request's sampler (batch-independent).")
+    logprobs: bool = _DEFAULTS.logprobs
+    top_logprobs: int = _DEFAULTS.top_logprobs
+    timeout: Optional[float] = Field(default=None, description="Per-request timeout in seconds.")
+
+    @model_validator(mode="after")
+    def _validate_sampling(self) -> Self:
+        try:
+            self._sampling_params(None, {})
+        except InvalidParameterError as error:
+            raise ValueError(str(error)) from None
+        return self
+
+    def _sampling_params(self, stop: Optional[list[str]], overrides: Mapping[str, Any]) -> SamplingParams:
+        """This model's settings with per-call ``overrides``; a call's ``stop`` replaces the field's."""
+        values = {name: getattr(self, name) for name in SAMPLING_FIELDS}
+        values.update(overrides)
+        if stop is not None:
+            values["stop"] = stop
+        return SamplingParams(**values)
+
+    def _split_call_kwargs(self, kwargs: Mapping[str, Any], extra: frozenset[str]) -> tuple[str, dict[str, Any], dict[str, Any]]:
+        """``(model name, sampling overrides, other allowed kwargs)``; unknown kwargs raise."""
+        known = {*SAMPLING_FIELDS, *extra, *_IGNORED_CALL_KWARGS, "model"}
+        unknown = [k for k in kwargs if k not in known]
+        if unknown:
+            raise InvalidParameterError(
+                unknown[0],
+                f"is not a parameter of {type(self).__name__}; use one of "
+                f"{', '.join(sorted((*SAMPLING_FIELDS, 'model', *extra)))}",
+            )
+        model = kwargs.get("model") or self.model
+        sampling = {k: v for k, v in kwargs.items() if k in SAMPLING_FIELDS}
+        rest = {k: v for k, v in kwargs.items() if k in extra}
+        return model, sampling, rest
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return {"model": self.model, **{name: getattr(self, name) for name in SAMPLING_FIELDS}}
+
+    def _get_ls_params(self, stop: Optional[list[str]] = None, **kwargs: Any) -> Any:
+        params = super()._get_ls_params(stop=stop, **kwargs)  # type: ignore[misc]
+        params["ls_provider"] = PROVIDER
+        params["ls_model_name"] = kwargs.get("model") or self.model
+        if "ls_stop" not in params and self.stop:
+            params["ls_stop"] = self.stop
+        return params
+
+
+def usage_metadata(usage: Usage) -> UsageMetadata:
+    """LangChain's ``usage_metadata`` for a request's usage."""
+    return UsageMetadata(input_tokens=usage.prompt_tokens, output_tokens=usage.completion_tokens, total_tokens=usage.total_tokens)
+
+
+def logprobs_dict(logprobs: Sequence[TokenLogprob]) -> dict[str, Any]:
+    """OpenAI's ``logprobs`` shape: ``{"content": [{"token", "logprob", "top_logprobs"}]}``."""
+    return {
+        "content": [
+            {
+                "token": lp.token,
+                "logprob": lp.logprob,
+                "top_logprobs": [{"token": text, "logprob": value} for _, text, value in lp.top_logprobs],
+            }
+            for lp in logprobs
+        ]
+    }

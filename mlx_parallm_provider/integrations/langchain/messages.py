@@ -1,0 +1,89 @@
+"""Chat-layer answers to LangChain messages: ``AIMessage`` and stream chunks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from langchain_core.messages import AIMessage, AIMessageChunk
+from langchain_core.messages.tool import invalid_tool_call, tool_call, tool_call_chunk
+from langchain_core.outputs import ChatGenerationChunk
+
+from ...chat import (
+    ChatOutput,
+    ChatStreamReader,
+    ContentEvent,
+    FinalEvent,
+    InvalidToolCall,
+    InvalidToolCallEvent,
+    PreparedPrompt,
+    ToolCallEvent,
+)
+from ...engine import Delta
+from .fields import logprobs_dict, usage_metadata
+
+
+def ai_message(output: ChatOutput, model: str) -> AIMessage:
+    """The :class:`AIMessage` of a finished answer: content, tool calls (malformed ones as
+    ``invalid_tool_calls``), ``usage_metadata`` and ``response_metadata``
+    (``finish_reason``, ``model_name``, ``logprobs`` if asked for)."""
+    metadata: dict[str, Any] = {"finish_reason": output.finish_reason, "model_name": model}
+    if output.logprobs is not None:
+        metadata["logprobs"] = logprobs_dict(output.logprobs)
+    return AIMessage(
+        content=output.content,
+        tool_calls=[tool_call(name=c.name, args=c.args, id=c.id) for c in output.tool_calls],
+        invalid_tool_calls=[_invalid_call(c) for c in output.invalid_tool_calls],
+        usage_metadata=usage_metadata(output.usage),
+        response_metadata=metadata,
+    )
+
+
+def _invalid_call(call: InvalidToolCall) -> Any:
+    # ``args`` holds the text as generated (markers included): it is what went wrong, and
+    # it never parses as JSON, so merged stream chunks keep the call invalid too.
+    return invalid_tool_call(name=call.name, args=call.raw, id=call.id, error=call.error)
+
+
+class ChunkWriter:
+    """One chat stream's deltas to ``ChatGenerationChunk``s, through the chat layer.
+
+    Text arrives as content chunks, each completed tool call as one ``tool_call_chunks``
+    entry (malformed calls with their raw text as ``args``, which merges into
+    ``invalid_tool_calls``), and the last chunk carries ``usage_metadata``,
+    ``finish_reason`` and ``model_name`` (and every logprob, if asked for).
+    """
+
+    def __init__(self, prepared: PreparedPrompt, model: str) -> None:
+        self._reader = ChatStreamReader(prepared)
+        self._model = model
+
+    def on_delta(self, delta: Delta) -> list[ChatGenerationChunk]:
+        """The chunks one delta completes; the last delta also gives the final chunk."""
+        chunks = []
+        for event in self._reader.on_delta(delta):
+            if isinstance(event, ContentEvent):
+                message = AIMessageChunk(content=event.text)
+            elif isinstance(event, ToolCallEvent):
+                call = event.call
+                message = _call_chunk(call.name, call.arguments, call.id, event.position)
+            elif isinstance(event, InvalidToolCallEvent):
+                message = _call_chunk(event.call.name, event.call.raw, event.call.id, event.position)
+            else:
+                message = self._final(event)
+            chunks.append(ChatGenerationChunk(message=message))
+        return chunks
+
+    def _final(self, event: FinalEvent) -> AIMessageChunk:
+        metadata: dict[str, Any] = {"finish_reason": event.finish_reason, "model_name": self._model}
+        if event.logprobs:
+            metadata["logprobs"] = logprobs_dict(event.logprobs)
+        return AIMessageChunk(
+            content="",
+            usage_metadata=usage_metadata(event.usage) if event.usage is not None else None,
+            response_metadata=metadata,
+            chunk_position="last",
+        )
+
+
+def _call_chunk(name: Any, args: Any, call_id: str, index: int) -> AIMessageChunk:
+    return AIMessageChunk(content="", tool_call_chunks=[tool_call_chunk(name=name, args=args, id=call_id, index=index)])

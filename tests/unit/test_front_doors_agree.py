@@ -1,0 +1,73 @@
+"""LiteLLM and LangChain sit on one chat layer: the same request gives the same prompt
+and the same answer through either door."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import litellm
+import pytest
+from fakes import WEATHER, FakeEngine, patch_get_engine
+from langchain_core.messages import HumanMessage, SystemMessage
+from pydantic import BaseModel
+
+from mlx_parallm_provider.integrations import litellm as adapter
+from mlx_parallm_provider.integrations.langchain import fields as lc_fields
+from mlx_parallm_provider.langchain import ChatMLXParallm
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Who is Ann?"}]
+LC_MESSAGES = [SystemMessage("Be brief."), HumanMessage("Who is Ann?")]
+
+
+class Person(BaseModel):
+    """A person."""
+
+    name: str
+    age: int
+
+
+@pytest.fixture
+def engine(monkeypatch: pytest.MonkeyPatch) -> FakeEngine:
+    saved = list(litellm.custom_provider_map)
+    adapter.register()
+    fake = FakeEngine({"weather": "Sure.\n" + CALL}, default='{"name": "Ann", "age": 7}')
+    patch_get_engine(monkeypatch, fake)
+    monkeypatch.setattr(lc_fields, "get_engine", lambda model: fake)
+    yield fake
+    litellm.custom_provider_map[:] = saved
+
+
+def both_prompts(engine: FakeEngine, litellm_kw: dict[str, Any], langchain: Any) -> tuple[str, str]:
+    litellm.completion(model="mlx-parallm/fake", messages=MESSAGES, **litellm_kw)
+    through_litellm = engine.last.prompt
+    langchain.invoke(LC_MESSAGES)
+    return through_litellm, engine.last.prompt
+
+
+def test_json_object_is_prompted_the_same(engine: FakeEngine) -> None:
+    chat = ChatMLXParallm(model="fake").with_structured_output(Person, method="json_mode")
+    a, b = both_prompts(engine, {"response_format": {"type": "json_object"}}, chat)
+    assert a == b and "JSON object" in a
+
+
+def test_json_schema_is_prompted_the_same(engine: FakeEngine) -> None:
+    chat = ChatMLXParallm(model="fake")
+    structured = chat.with_structured_output(Person, method="json_schema")
+    fmt = structured.first.kwargs["response_format"]  # what LangChain binds: OpenAI's shape
+    a, b = both_prompts(engine, {"response_format": fmt}, structured)
+    assert a == b and json.dumps(fmt["json_schema"]["schema"]) in a
+    assert structured.invoke(LC_MESSAGES) == Person(name="Ann", age=7)
+
+
+def test_tools_and_tool_choice_are_prompted_and_parsed_the_same(engine: FakeEngine) -> None:
+    bound = ChatMLXParallm(model="fake").bind_tools([WEATHER], tool_choice="required")
+    a, b = both_prompts(engine, {"tools": [WEATHER], "tool_choice": "required"}, bound)
+    assert a == b
+    question = [{"role": "user", "content": "weather in Paris?"}]
+    via_litellm = litellm.completion(model="mlx-parallm/fake", messages=question, tools=[WEATHER]).choices[0].message
+    via_langchain = ChatMLXParallm(model="fake").bind_tools([WEATHER]).invoke(question)
+    assert via_litellm.content == via_langchain.content == "Sure."
+    [call] = via_litellm.tool_calls
+    assert [(c["name"], c["args"]) for c in via_langchain.tool_calls] == [(call.function.name, json.loads(call.function.arguments))]
