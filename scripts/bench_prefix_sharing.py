@@ -20,6 +20,7 @@ from typing import Any
 
 import mlx_parallm_provider  # noqa: F401  (preloads BLAS before mlx)
 import mlx.core as mx
+from mlx_parallm_provider.chat import render_chat
 from mlx_parallm_provider.config import EngineConfig
 from mlx_parallm_provider.engine import Engine, SamplingParams
 from mlx_parallm_provider.models import registry
@@ -74,7 +75,7 @@ def agent_prompts(engine: Engine, n: int, wave: int = 0) -> list[list[int]]:
     out = []
     for i in range(n):
         q = QUESTIONS[i % len(QUESTIONS)] + (f" (request {wave}-{i})" if n > len(QUESTIONS) or wave else "")
-        text = engine.apply_chat_template([{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}], tools=TOOLS)
+        text = render_chat(engine.tokenizer, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}], tools=TOOLS)
         out.append(engine.encode(text))
     return out
 

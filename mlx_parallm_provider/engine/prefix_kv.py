@@ -12,7 +12,9 @@ from typing import Any, Iterable, Optional, Sequence
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from ..config import EngineConfig
+from .output import RowState
 from .prefix_cache import LayerKV, PrefixCache
+from .request import Request
 
 logger = logging.getLogger(__name__)
 
@@ -33,15 +35,25 @@ def make_prefix_cache(config: EngineConfig) -> Optional[PrefixCache]:
     return PrefixCache(config.prefix_cache_memory_bytes)
 
 
-def batch_cache_from_prefixes(num_layers: int, prefixes: Sequence[tuple[Optional[list[LayerKV]], int]]) -> list[BatchKVCache]:
-    """A left-padded batch cache, one row per ``(prefix KV or None, its length)``."""
+def fetch_prefix(store: Optional[PrefixCache], request: Request) -> None:
+    """Put a newly admitted request's ``num_cached`` prefix KV on its row state."""
+    state: Optional[RowState] = request.state  # type: ignore[assignment]
+    if store is None or not request.num_cached or state is None or state.prefix is not None or state.cache is not None:
+        return
+    state.prefix = store.fetch(request.prompt_ids, request.num_cached)
+
+
+def batch_cache_from_prefixes(num_layers: int, requests: Sequence[Request]) -> list[BatchKVCache]:
+    """A left-padded batch cache, one row per request, holding its fetched prefix KV
+    (which the request hands over)."""
     per_layer: list[list[KVCache]] = [[] for _ in range(num_layers)]
-    for prefix, length in prefixes:
+    for r in requests:
+        prefix, r.state.prefix = r.state.prefix, None
         for layer, rows in enumerate(per_layer):
             row = KVCache()
             if prefix:
                 row.keys, row.values = prefix[layer]
-                row.offset = length
+                row.offset = r.num_cached
             rows.append(row)
     return [BatchKVCache.merge(rows) for rows in per_layer]
 

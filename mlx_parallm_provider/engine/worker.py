@@ -13,13 +13,10 @@ every waiter gets :class:`EngineDeadError`. Cancellations and deadlines are hono
 between prefill pieces, so a dropped request costs at most one ``prefill_chunk_size`` of
 compute.
 
-Prefix caching (``EngineConfig.enable_prefix_caching``): the scheduler admits a request
-with ``num_cached`` leading prompt tokens found in the :class:`PrefixCache`; the worker
-fetches that KV right after planning (before anything this step can evict it), starts the
-row's cache from it and computes only the rest of the prompt (right-padded, as mlx-lm's
-``BatchGenerator`` does, so rows with different cached lengths share one batch). Every
-prompt's KV goes into the store when its prefill ends, and prompt + answer when a request
-finishes normally, for the next wave of an agent or turn 2 of a conversation.
+Prefix caching: a request admitted with ``num_cached`` prompt tokens in the prefix store
+gets their KV right after planning (before anything this step can evict it) and computes
+only the rest of its prompt; prompts, and prompts + answers of finished requests, go into
+the store (see :mod:`.prefix_kv`).
 """
 
 from __future__ import annotations
@@ -39,7 +36,7 @@ from ..errors import EngineDeadError, MLXParallmError, RequestFailedError
 from .detokenize import TextStream
 from .metrics import EngineMetrics
 from .output import RowState, add_token
-from .prefix_kv import batch_cache_from_prefixes, make_prefix_cache, store_rows
+from .prefix_kv import batch_cache_from_prefixes, fetch_prefix, make_prefix_cache, store_rows
 from .request import Request
 from .sampling import RowSampler, SampledRow, sample_batch
 from .scheduler import Scheduler
@@ -218,15 +215,11 @@ class Worker:
         return [BatchKVCache(left_padding) for _ in range(n_layers)]
 
     def _fetch_prefixes(self, requests: list[Request]) -> None:
-        """Take the cached prefix KV of newly admitted requests out of the store now, while
-        it is certainly there; a fault fails that request alone."""
+        """Take newly admitted requests' cached prefix KV from the store; a fault fails
+        that request alone."""
         for r in requests:
-            state: Optional[RowState] = r.state  # type: ignore[assignment]
-            if not r.num_cached or state is None or state.prefix is not None or state.cache is not None:
-                continue
             try:
-                assert self.prefix_cache is not None
-                state.prefix = self.prefix_cache.fetch(r.prompt_ids, r.num_cached)
+                fetch_prefix(self.prefix_cache, r)
             except Exception as exc:
                 self._fail(r, exc, "while fetching its cached prompt prefix")
 
@@ -263,7 +256,7 @@ class Worker:
         are then rolled to the left (``BatchKVCache.finalize``) and the last tokens, one
         column for every row, give the logits of the first output tokens.
         """
-        cache = self._cache_from_prefixes(requests)
+        cache = batch_cache_from_prefixes(len(self.model.layers), requests)
         bodies = [r.prompt_ids[r.num_cached : -1] for r in requests]
         width = max(len(b) for b in bodies)
         if width:
@@ -310,7 +303,7 @@ class Worker:
         state: RowState = request.state
         if state.cache is None:
             self.metrics.request_admitted(request.request_id, request.prompt_len, cached_tokens=request.num_cached)
-            state.cache = self._cache_from_prefixes([request]) if request.num_cached else self._new_cache([0])
+            state.cache = batch_cache_from_prefixes(len(self.model.layers), [request]) if request.num_cached else self._new_cache([0])
         start = request.num_prefilled
         chunk = mx.array([request.prompt_ids[start : start + n]])
         logits = self.model(chunk, cache=state.cache)[:, -1, :]
@@ -366,25 +359,13 @@ class Worker:
                 self._fail(request, exc, "while processing its output")
                 continue
             if finish is not None:
-                self._store_finished(request)
+                if request in self.rows:  # keep prompt + answer for a next turn
+                    seq = request.prompt_ids + request.output_ids
+                    store_rows(self.prefix_cache, self.cache, [seq], [self.rows.index(request)], self.kv_bytes_per_token)
                 self._retire(request)  # first, so a caller woken by its result sees it finished
             if result is not None:
                 self._deliver(request, result)
         self._evict_finished()
-
-    # -- prefix store -------------------------------------------------------------------
-
-    def _store_finished(self, request: Request) -> None:
-        """Keep a finished request's prompt + answer KV, for a next turn that repeats it."""
-        if request in self.rows:
-            store_rows(self.prefix_cache, self.cache, [request.prompt_ids + request.output_ids], [self.rows.index(request)], self.kv_bytes_per_token)
-
-    def _cache_from_prefixes(self, requests: list[Request]) -> list[Any]:
-        """A batch cache holding each request's fetched prefix KV (which it hands over)."""
-        prefixes = [(r.state.prefix, r.num_cached) for r in requests]
-        for r in requests:
-            r.state.prefix = None
-        return batch_cache_from_prefixes(len(self.model.layers), prefixes)
 
     # -- leaving ------------------------------------------------------------------------
 

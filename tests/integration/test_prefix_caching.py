@@ -181,3 +181,15 @@ def test_the_store_holds_only_what_it_counts(make_engine) -> None:
     cached = engine.stats()["prefix_cache"]["cached_bytes"]
     assert cached >= 32 * 100 * 512
     assert mx.get_active_memory() <= idle + cached + 2 * 1024**2
+
+
+def test_n_samples_of_one_prompt_prefill_it_once(make_engine) -> None:
+    rng = random.Random(9)
+    prompts = [[1] + ids(rng, 90), [1] + ids(rng, 30)]
+    params = SamplingParams(max_tokens=6, temperature=0.7, seed=11, ignore_eos=True)
+    on = make_engine().generate_many_sync(prompts, params, n=4)
+    off = make_engine(enable_prefix_caching=False).generate_many_sync(prompts, params, n=4)
+    assert [c.token_ids for c in on] == [c.token_ids for c in off]
+    for k, prompt in enumerate(prompts):
+        cached = sorted(c.usage.cached_tokens for c in on[4 * k : 4 * k + 4])
+        assert cached == [0, len(prompt) - 1, len(prompt) - 1, len(prompt) - 1]

@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 
+from mlx_parallm_provider.chat import render_chat
 from mlx_parallm_provider.config import EngineConfig
 from mlx_parallm_provider.engine import Engine, SamplingParams
 from mlx_parallm_provider.models import registry
@@ -25,8 +26,8 @@ def _system(n_rules: int) -> str:
 
 
 def _prompts(engine: Engine) -> list[str]:
-    chat = lambda system, q: engine.apply_chat_template(  # noqa: E731
-        ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": q}]
+    chat = lambda system, q: render_chat(  # noqa: E731
+        engine.tokenizer, ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": q}]
     )
     prompts = []
     for n_rules in (6, 20, 45):  # shared system prompts of about 90, 250 and 520 tokens
