@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
@@ -35,12 +35,18 @@ def make_prefix_cache(config: EngineConfig) -> Optional[PrefixCache]:
     return PrefixCache(config.prefix_cache_memory_bytes)
 
 
-def fetch_prefix(store: Optional[PrefixCache], request: Request) -> None:
-    """Put a newly admitted request's ``num_cached`` prefix KV on its row state."""
-    state: Optional[RowState] = request.state  # type: ignore[assignment]
-    if store is None or not request.num_cached or state is None or state.prefix is not None or state.cache is not None:
-        return
-    state.prefix = store.fetch(request.prompt_ids, request.num_cached)
+def fetch_prefixes(store: Optional[PrefixCache], requests: Sequence[Request], fail: Callable[[Request, Exception], None]) -> None:
+    """Put each newly admitted request's ``num_cached`` prefix KV on its row state, taken
+    from the store right after planning (before anything this step can evict it). A fault
+    is handed to ``fail`` for that request alone."""
+    for request in requests:
+        state: Optional[RowState] = request.state  # type: ignore[assignment]
+        if store is None or not request.num_cached or state is None or state.prefix is not None or state.cache is not None:
+            continue
+        try:
+            state.prefix = store.fetch(request.prompt_ids, request.num_cached)
+        except Exception as exc:
+            fail(request, exc)
 
 
 def batch_cache_from_prefixes(num_layers: int, requests: Sequence[Request]) -> list[BatchKVCache]:

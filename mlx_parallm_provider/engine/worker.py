@@ -13,10 +13,8 @@ every waiter gets :class:`EngineDeadError`. Cancellations and deadlines are hono
 between prefill pieces, so a dropped request costs at most one ``prefill_chunk_size`` of
 compute.
 
-Prefix caching: a request admitted with ``num_cached`` prompt tokens in the prefix store
-gets their KV right after planning (before anything this step can evict it) and computes
-only the rest of its prompt; prompts, and prompts + answers of finished requests, go into
-the store (see :mod:`.prefix_kv`).
+Prefix caching (:mod:`.prefix_kv`): a request admitted with cached prompt tokens gets their
+KV right after planning and computes only the rest; prompts (+ answers) go into the store.
 """
 
 from __future__ import annotations
@@ -29,14 +27,14 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache
 
 from ..config import EngineConfig
 from ..errors import EngineDeadError, MLXParallmError, RequestFailedError
 from .detokenize import TextStream
 from .metrics import EngineMetrics
 from .output import RowState, add_token
-from .prefix_kv import batch_cache_from_prefixes, fetch_prefix, make_prefix_cache, store_rows
+from .prefill import new_batch_cache, run_pieces, run_right_padded
+from .prefix_kv import batch_cache_from_prefixes, fetch_prefixes, make_prefix_cache, store_rows
 from .request import Request
 from .sampling import RowSampler, SampledRow, sample_batch
 from .scheduler import Scheduler
@@ -144,7 +142,8 @@ class Worker:
             return False
         self._reap()
         plan = self.scheduler.schedule()
-        self._fetch_prefixes([*plan.prefill, *([plan.chunk[0]] if plan.chunk else [])])
+        admitted = [*plan.prefill, *([plan.chunk[0]] if plan.chunk else [])]
+        fetch_prefixes(self.prefix_cache, admitted, lambda r, exc: self._fail(r, exc, "while fetching its cached prefix"))
         if plan.chunk is not None and not plan.chunk[0].finished:
             self._prefill_chunk(*plan.chunk)
             self._reap()
@@ -208,102 +207,53 @@ class Worker:
 
     # -- prefill ------------------------------------------------------------------------
 
-    def _new_cache(self, left_padding: list[int]) -> list[Any]:
-        n_layers = len(self.model.layers)
-        if self.config.max_kv_size is not None:
-            return [BatchRotatingKVCache(self.config.max_kv_size, left_padding) for _ in range(n_layers)]
-        return [BatchKVCache(left_padding) for _ in range(n_layers)]
-
-    def _fetch_prefixes(self, requests: list[Request]) -> None:
-        """Take newly admitted requests' cached prefix KV from the store; a fault fails
-        that request alone."""
-        for r in requests:
-            try:
-                fetch_prefix(self.prefix_cache, r)
-            except Exception as exc:
-                self._fail(r, exc, "while fetching its cached prompt prefix")
+    def _wanted(self, requests: list[Request]) -> Callable[[], list[bool]]:
+        """Between prefill pieces: reap, then say which of ``requests`` are still wanted."""
+        def wanted() -> list[bool]:
+            self._reap()
+            return [not r.finished for r in requests]
+        return wanted
 
     def _prefill(self, requests: list[Request]) -> None:
-        """Prefill whole prompts as one left-padded batch, sample each first token.
+        """Prefill whole prompts (or what follows their cached prefix) as one batch and
+        sample each first token.
 
         The batch runs in pieces of about ``prefill_chunk_size`` tokens in all; between
         pieces, cancelled and timed-out rows leave the batch, so they stop costing compute.
         """
         for r in requests:
             self.metrics.request_admitted(r.request_id, r.prompt_len, cached_tokens=r.num_cached)
+        piece = max(1, self.config.prefill_chunk_size // len(requests))
         if any(r.num_cached for r in requests):
-            self._prefill_after_prefixes(requests)
-            return
-        longest = max(r.prompt_len for r in requests)
-        padding = [longest - r.prompt_len for r in requests]
-        tokens = mx.array([[self.pad_id] * p + r.prompt_ids for p, r in zip(padding, requests)])
-        cache = self._new_cache(padding)
-        ran = self._run_pieces(requests, tokens, cache, leave_last=True)
+            cache = batch_cache_from_prefixes(len(self.model.layers), requests)
+            rest = [r.prompt_ids[r.num_cached :] for r in requests]
+            if len({len(x) for x in rest}) > 1:  # all but the last tokens, right-padded
+                kept = run_right_padded(self.model, [x[:-1] for x in rest], cache, self.pad_id, piece, self._wanted(requests))
+                if kept is None:
+                    return
+                requests, rest = [requests[i] for i in kept], [rest[i][-1:] for i in kept]
+            tokens = mx.array(rest)
+        else:
+            longest = max(r.prompt_len for r in requests)
+            padding = [longest - r.prompt_len for r in requests]
+            tokens = mx.array([[self.pad_id] * p + r.prompt_ids for p, r in zip(padding, requests)])
+            cache = new_batch_cache(len(self.model.layers), padding, self.config.max_kv_size)
+        ran = run_pieces(self.model, tokens, cache, piece, True, self._wanted(requests))
         if ran is None:
             return
-        kept, tokens = ran
-        requests = [requests[i] for i in kept]
-        logits = self.model(tokens, cache=cache)[:, -1, :]
+        requests = [requests[i] for i in ran[0]]
+        logits = self.model(ran[1], cache=cache)[:, -1, :]
         for r in requests:
             r.num_prefilled = r.prompt_len
         self._join_decode_batch(requests, cache, logits)
-
-    def _prefill_after_prefixes(self, requests: list[Request]) -> None:
-        """Prefill the uncached rest of each prompt on top of its cached prefix KV.
-
-        All but the last prompt token are run right-padded (each row's tokens follow its
-        own prefix directly), in pieces with cancelled rows reaped between them; the pads
-        are then rolled to the left (``BatchKVCache.finalize``) and the last tokens, one
-        column for every row, give the logits of the first output tokens.
-        """
-        cache = batch_cache_from_prefixes(len(self.model.layers), requests)
-        bodies = [r.prompt_ids[r.num_cached : -1] for r in requests]
-        width = max(len(b) for b in bodies)
-        if width:
-            tokens = mx.array([b + [self.pad_id] * (width - len(b)) for b in bodies])
-            ran = self._run_pieces(requests, tokens, cache, leave_last=False)
-            if ran is None:
-                return
-            kept, _ = ran
-            requests, bodies = [requests[i] for i in kept], [bodies[i] for i in kept]
-            for c in cache:
-                c.prepare(right_padding=[width - len(b) for b in bodies])
-                c.finalize()
-        last = mx.array([[r.prompt_ids[-1]] for r in requests])
-        logits = self.model(last, cache=cache)[:, -1, :]
-        for r in requests:
-            r.num_prefilled = r.prompt_len
-        self._join_decode_batch(requests, cache, logits)
-
-    def _run_pieces(self, requests: list[Request], tokens: mx.array, cache: list[Any], leave_last: bool) -> Optional[tuple[list[int], mx.array]]:
-        """Run ``tokens`` (one row per request) into ``cache`` in pieces of about
-        ``prefill_chunk_size`` tokens in all, all of them or all but the last piece.
-        Between pieces, cancelled and timed-out rows leave ``tokens`` and ``cache``.
-        Returns the indices of the rows kept and the tokens not run, or None if every
-        row has gone."""
-        piece = max(1, self.config.prefill_chunk_size // len(requests))
-        kept = list(range(len(requests)))
-        while tokens.shape[1] > (piece if leave_last else 0):
-            self.model(tokens[:, :piece], cache=cache)
-            mx.eval([c.state for c in cache])
-            tokens = tokens[:, piece:]
-            self._reap()
-            keep = [i for i, k in enumerate(kept) if not requests[k].finished]
-            if not keep:
-                return None
-            if len(keep) < len(kept):
-                kept = [kept[i] for i in keep]
-                tokens = tokens[mx.array(keep)]
-                for c in cache:
-                    c.filter(keep)
-        return kept, tokens
 
     def _prefill_chunk(self, request: Request, n: int) -> None:
         """Prefill the next ``n`` prompt tokens of a long prompt into its own cache."""
         state: RowState = request.state
         if state.cache is None:
             self.metrics.request_admitted(request.request_id, request.prompt_len, cached_tokens=request.num_cached)
-            state.cache = batch_cache_from_prefixes(len(self.model.layers), [request]) if request.num_cached else self._new_cache([0])
+            layers = len(self.model.layers)
+            state.cache = batch_cache_from_prefixes(layers, [request]) if request.num_cached else new_batch_cache(layers, [0], self.config.max_kv_size)
         start = request.num_prefilled
         chunk = mx.array([request.prompt_ids[start : start + n]])
         logits = self.model(chunk, cache=state.cache)[:, -1, :]
