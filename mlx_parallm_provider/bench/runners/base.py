@@ -1,0 +1,88 @@
+"""What every system under test implements, and the shared shapes of in-process and
+one-at-a-time runners."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from dataclasses import replace
+from typing import Any, Callable, Optional, Sequence
+
+from ..arrivals import drive
+from ..metrics import RequestRecord
+from ..workloads import BenchRequest
+
+
+class SkipSystem(Exception):
+    """This system cannot run here (not installed, wrong model kind); the message says why
+    in one line."""
+
+
+class Runner:
+    """One system under test: started once, then run at each concurrency level.
+
+    Subclasses implement :meth:`send` (one request, filling its record) and may override
+    :meth:`start`, :meth:`stop`, :meth:`run` and :meth:`run_info`.
+    """
+
+    #: how EOS is handled: "ignored" (every request makes max_tokens tokens) or "honoured"
+    eos = "honoured"
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    async def start(self) -> None:
+        """Load or start whatever the system needs; raise :class:`SkipSystem` if it can't."""
+
+    async def stop(self) -> None:
+        """Release what :meth:`start` took."""
+
+    async def send(self, request: BenchRequest, record: RequestRecord) -> None:
+        """Send one request and record its chunks and output tokens into ``record``."""
+        raise NotImplementedError
+
+    async def before_run(self) -> None:
+        """Called before each run's warm-up (e.g. to reset counters)."""
+
+    def run_info(self) -> dict[str, Any]:
+        """After a timed run: ``max_decode_batch``, ``peak_memory_mb`` where known."""
+        return {}
+
+    async def warm_up(self, request: BenchRequest) -> None:
+        """One short untimed request, so first-use costs stay out of the timings."""
+        await self.send(replace(request, max_tokens=min(4, request.max_tokens)), RequestRecord())
+
+    async def run(
+        self,
+        requests: Sequence[BenchRequest],
+        offsets: Sequence[float],
+        max_concurrency: Optional[int],
+        on_done: Optional[Callable[[], None]] = None,
+    ) -> tuple[list[RequestRecord], float]:
+        """Send the requests at their offsets; returns the records and the wall time."""
+        await self.before_run()
+        await self.warm_up(requests[0])
+        return await drive(requests, self.send, offsets, max_concurrency, on_done)
+
+
+class OneAtATime(Runner):
+    """A system that serves one request at a time from a blocking token iterator (run in a
+    thread): requests queue behind each other, so their TTFT includes the wait."""
+
+    _lock: Optional[asyncio.Lock] = None
+
+    def tokens(self, request: BenchRequest) -> Iterator[int]:
+        """Generate one request; yield the number of new tokens of each output chunk."""
+        raise NotImplementedError
+
+    async def send(self, request: BenchRequest, record: RequestRecord) -> None:
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+
+        def generate() -> None:
+            for count in self.tokens(request):
+                if count:
+                    record.add_chunk(count)
+
+        async with self._lock:
+            await asyncio.to_thread(generate)

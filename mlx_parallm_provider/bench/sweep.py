@@ -1,0 +1,53 @@
+"""``--sweep NAME=V1,V2,...``: engine settings (and concurrency) to try, and the best of them
+for the user's SLO."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import fields
+from typing import Any, Mapping, Optional, Sequence
+
+from ..config import EngineConfig
+
+SWEEPABLE = tuple(f.name for f in fields(EngineConfig) if f.type in ("int", "float", "Optional[int]", "Optional[float]")) + ("concurrency",)
+
+
+def _number(text: str) -> float | int:
+    value = float(text)
+    return int(value) if value.is_integer() and "." not in text else value
+
+
+def parse(specs: Sequence[str]) -> tuple[list[dict[str, Any]], Optional[list[int]]]:
+    """``["max_num_seqs=8,16", "concurrency=4,8"]`` -> the engine settings to try (every
+    combination) and the concurrency levels (None when not swept)."""
+    axes: dict[str, list[Any]] = {}
+    for spec in specs:
+        name, sep, values = spec.partition("=")
+        name = name.strip().replace("-", "_")
+        if not sep or name not in SWEEPABLE:
+            raise ValueError(f"bad --sweep {spec!r}: expected NAME=V1,V2 with NAME one of {', '.join(SWEEPABLE)}")
+        try:
+            axes[name] = [_number(v.strip()) for v in values.split(",") if v.strip()]
+        except ValueError:
+            raise ValueError(f"bad --sweep {spec!r}: values must be numbers") from None
+        if not axes[name]:
+            raise ValueError(f"bad --sweep {spec!r}: no values")
+    concurrency = axes.pop("concurrency", None)
+    settings = [dict(zip(axes, combo)) for combo in itertools.product(*axes.values())] or [{}]
+    return settings, concurrency
+
+
+def label(setting: Mapping[str, Any]) -> str:
+    """``max_num_seqs=8 max_num_batched_tokens=512``, or ``defaults``."""
+    return " ".join(f"{k}={v}" for k, v in setting.items()) or "defaults"
+
+
+def score(row: Mapping[str, Any]) -> tuple[float, float]:
+    """Goodput first (when an SLO was given and measured), then output tok/s."""
+    m = row["metrics"]
+    return (m["request_goodput"] if m["request_goodput"] is not None else -1.0, m["output_throughput"])
+
+
+def best(rows: Sequence[Mapping[str, Any]]) -> Optional[Mapping[str, Any]]:
+    """The row with the highest :func:`score` (None when there are no rows)."""
+    return max(rows, key=score, default=None)
