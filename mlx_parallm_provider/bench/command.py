@@ -121,9 +121,9 @@ async def _bench(args: argparse.Namespace, systems: list[str], levels: list[int]
             try:
                 runner = make_runner(system, options, EngineConfig(**setting))
                 await runner.start()
-            except SkipSystem as exc:
-                skipped[system] = str(exc)
-                print(f"skipping {system}: {exc}", file=sys.stderr)
+            except Exception as exc:  # SkipSystem, or a peer that cannot start: one line, no traceback
+                skipped[system] = str(exc) if isinstance(exc, SkipSystem) else f"could not start: {type(exc).__name__}: {exc}"
+                print(f"skipping {system}: {skipped[system]}", file=sys.stderr)
                 break
             try:
                 for c in levels:

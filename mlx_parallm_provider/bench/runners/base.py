@@ -49,8 +49,12 @@ class Runner:
         return {}
 
     async def warm_up(self, request: BenchRequest) -> None:
-        """One short untimed request, so first-use costs stay out of the timings."""
-        await self.send(replace(request, max_tokens=min(4, request.max_tokens)), RequestRecord())
+        """One short untimed request, so first-use costs stay out of the timings. Its
+        failure is not raised: the timed requests will record theirs."""
+        try:
+            await self.send(replace(request, max_tokens=min(4, request.max_tokens)), RequestRecord())
+        except Exception:
+            pass
 
     async def run(
         self,
