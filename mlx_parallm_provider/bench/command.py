@@ -116,31 +116,36 @@ async def _bench(args: argparse.Namespace, systems: list[str], levels: list[int]
                             url=args.url, api_key=args.api_key, served_model=args.served_model)
     rows: list[dict[str, Any]] = []
     skipped: dict[str, str] = {}
-    for system in systems:
-        for setting in settings if system in OURS else [{}]:
-            try:
-                runner = make_runner(system, options, EngineConfig(**setting))
-                await runner.start()
-            except Exception as exc:  # SkipSystem, or a peer that cannot start: one line, no traceback
-                skipped[system] = str(exc) if isinstance(exc, SkipSystem) else f"could not start: {type(exc).__name__}: {exc}"
-                print(f"skipping {system}: {skipped[system]}", file=sys.stderr)
-                break
-            try:
-                for c in levels:
-                    batch = requests[c]
-                    offsets = arrival_offsets([r.group for r in batch], args.request_rate, args.burstiness, args.seed)
-                    label = f"{system} {sweep.label(setting)} c={c}"
-                    with Progress(len(batch), label, enabled=not args.no_progress) as tick:
-                        records, duration = await runner.run(batch, offsets, c, tick)
-                    m = metrics.compute(records, duration, slo, args.percentiles)
-                    m.update({"max_decode_batch": None, "peak_memory_mb": None, **runner.run_info()})
-                    rows.append({
-                        "system": system, "description": DESCRIPTIONS[system], "setting": setting,
-                        "setting_label": sweep.label(setting), "concurrency": c, "num_requests": len(batch),
-                        "eos": runner.eos, "metrics": m, "samples": metrics.samples(records),
-                    })
-            finally:
-                await runner.stop()
+    started: list[tuple[str, dict, Any]] = []
+    try:
+        for system in systems:
+            for setting in settings if system in OURS else [{}]:
+                try:
+                    runner = make_runner(system, options, EngineConfig(**setting))
+                    await runner.start()
+                except Exception as exc:  # SkipSystem, or a peer that cannot start: one line, no traceback
+                    skipped[system] = str(exc) if isinstance(exc, SkipSystem) else f"could not start: {type(exc).__name__}: {exc}"
+                    print(f"skipping {system}: {skipped[system]}", file=sys.stderr)
+                    break
+                started.append((system, setting, runner))
+        # Level by level, every system in turn: drift in the machine's load hits all alike.
+        for c in levels:
+            batch = requests[c]
+            offsets = arrival_offsets([r.group for r in batch], args.request_rate, args.burstiness, args.seed)
+            for order, (system, setting, runner) in enumerate(started):
+                with Progress(len(batch), f"{system} {sweep.label(setting)} c={c}", enabled=not args.no_progress) as tick:
+                    records, duration = await runner.run(batch, offsets, c, tick)
+                m = metrics.compute(records, duration, slo, args.percentiles)
+                m.update({"max_decode_batch": None, "peak_memory_mb": None, **runner.run_info()})
+                rows.append({
+                    "order": order, "system": system, "description": DESCRIPTIONS[system], "setting": setting,
+                    "setting_label": sweep.label(setting), "concurrency": c, "num_requests": len(batch),
+                    "eos": runner.eos, "metrics": m, "samples": metrics.samples(records),
+                })
+    finally:
+        for _, _, runner in started:
+            await runner.stop()
+    rows.sort(key=lambda r: (r.pop("order"), r["concurrency"]))
     return rows, skipped
 
 
