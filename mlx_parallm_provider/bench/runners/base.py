@@ -12,6 +12,9 @@ from ..arrivals import drive
 from ..metrics import RequestRecord
 from ..workloads import BenchRequest
 
+#: called once per finished request (the progress bar)
+OnDone = Optional[Callable[[], None]]
+
 
 class SkipSystem(Exception):
     """This system cannot run here (not installed, wrong model kind); the message says why
@@ -22,7 +25,7 @@ class Runner:
     """One system under test: started once, then run at each concurrency level.
 
     Subclasses implement :meth:`send` (one request, filling its record) and may override
-    :meth:`start`, :meth:`stop`, :meth:`run` and :meth:`run_info`.
+    :meth:`start`, :meth:`stop`, :meth:`before_run`, :meth:`timed` and :meth:`run_info`.
     """
 
     #: how EOS is handled: "ignored" (every request makes max_tokens tokens) or "honoured"
@@ -56,16 +59,16 @@ class Runner:
         except Exception:
             pass
 
-    async def run(
-        self,
-        requests: Sequence[BenchRequest],
-        offsets: Sequence[float],
-        max_concurrency: Optional[int],
-        on_done: Optional[Callable[[], None]] = None,
-    ) -> tuple[list[RequestRecord], float]:
-        """Send the requests at their offsets; returns the records and the wall time."""
+    async def run(self, requests: Sequence[BenchRequest], offsets: Sequence[float], max_concurrency: Optional[int],
+                  on_done: OnDone = None) -> tuple[list[RequestRecord], float]:
+        """Warm up, then send the requests at their offsets; returns the records and the wall time."""
         await self.before_run()
         await self.warm_up(requests[0])
+        return await self.timed(requests, offsets, max_concurrency, on_done)
+
+    async def timed(self, requests: Sequence[BenchRequest], offsets: Sequence[float], max_concurrency: Optional[int],
+                    on_done: OnDone) -> tuple[list[RequestRecord], float]:
+        """The timed part of :meth:`run`: each request through :meth:`send` at its offset."""
         return await drive(requests, self.send, offsets, max_concurrency, on_done)
 
 

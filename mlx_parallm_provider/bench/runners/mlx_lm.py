@@ -7,11 +7,11 @@ import asyncio
 import copy
 import time
 from collections.abc import Iterator
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from ..metrics import RequestRecord
 from ..workloads import BenchRequest
-from .base import OneAtATime, Runner
+from .base import OnDone, OneAtATime, Runner
 from .inprocess import mlx_peak_mb, reset_mlx_peak
 
 
@@ -81,15 +81,8 @@ class MlxLmBatch(_MlxLmPeer):
         [ids] = await asyncio.to_thread(self._generate, [request])
         record.output_tokens = len(ids)
 
-    async def run(
-        self,
-        requests: Sequence[BenchRequest],
-        offsets: Sequence[float],
-        max_concurrency: Optional[int],
-        on_done: Optional[Callable[[], None]] = None,
-    ) -> tuple[list[RequestRecord], float]:
-        await self.before_run()
-        await self.warm_up(requests[0])
+    async def timed(self, requests: Sequence[BenchRequest], offsets: Sequence[float], max_concurrency: Optional[int],
+                    on_done: OnDone) -> tuple[list[RequestRecord], float]:
         wave = max_concurrency or len(requests)
         records = []
         start = time.perf_counter()
