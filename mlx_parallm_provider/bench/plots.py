@@ -37,12 +37,13 @@ def write_plots(rows: Sequence[Mapping[str, Any]], folder: Path) -> list[Path]:
     series: dict[str, list[Mapping[str, Any]]] = defaultdict(list)
     for r in rows:
         series[_series_name(r, swept)].append(r)
+    color = {name: f"C{i % 10}" for i, name in enumerate(series)}  # one colour per system in every plot
     written = []
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, rs in series.items():
         rs = sorted(rs, key=lambda r: r["concurrency"])
-        ax.plot([r["concurrency"] for r in rs], [r["metrics"]["output_throughput"] for r in rs], marker="o", label=name)
+        ax.plot([r["concurrency"] for r in rs], [r["metrics"]["output_throughput"] for r in rs], marker="o", label=name, color=color[name])
     ax.set(xlabel="concurrent requests", ylabel="output tokens/s", title="Throughput against concurrency")
     ax.set_xscale("log", base=2)
     levels = sorted({r["concurrency"] for r in rows})
@@ -58,7 +59,7 @@ def write_plots(rows: Sequence[Mapping[str, Any]], folder: Path) -> list[Path]:
         for name, rs in series.items():
             values = sorted(v for r in rs if r["concurrency"] == top for v in r["samples"][key])
             if values:
-                ax.step(values, [(i + 1) / len(values) for i in range(len(values))], where="post", label=name)
+                ax.step(values, [(i + 1) / len(values) for i in range(len(values))], where="post", label=name, color=color[name])
         ax.set(xlabel="ms", ylabel="fraction of requests", title=f"{title} CDF, concurrency {top}")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
