@@ -18,7 +18,8 @@ interpolation (``numpy.percentile``'s default, as vLLM).
 Differences from vLLM: where vLLM reports 0 for a metric with no samples (``np.mean([] or 0)``),
 this reports None (shown as "n/a"); goodput is None when a system does not measure a
 metric its SLO names (e.g. TTFT of a non-streaming peer) rather than counting every request
-as bad; failed requests are also counted by kind.
+as bad; prompt tokens are those the system reports when it does (vLLM counts the dataset's);
+failed requests are also counted by kind.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ class RequestRecord:
 
     ``chunk_times`` holds the arrival time of every chunk that carried output; a system
     that does not stream leaves it empty (then TTFT, TPOT and ITL are not measured).
+    ``prompt_tokens`` starts as the workload's count and is replaced by the system's own
+    when it reports one (a server rendering the messages with its own template).
     """
 
     prompt_tokens: int = 0

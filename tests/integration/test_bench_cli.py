@@ -49,6 +49,8 @@ def test_every_system_setting_and_level_has_every_metric(quick: tuple[dict, str,
         assert m["completed"] == r["num_requests"] == r["concurrency"] and m["failed"] == 0
         assert m["total_output_tokens"] > 0 and m["peak_memory_mb"] > 0
         assert len(r["samples"]["e2el_ms"]) == r["num_requests"]
+    for level in (1, 4):  # the same prompts everywhere: every system counts the same prompt tokens
+        assert len({r["metrics"]["total_input_tokens"] for r in rows if r["concurrency"] == level}) == 1
 
 
 def test_streamed_systems_have_latencies_and_goodput(quick: tuple[dict, str, Path]) -> None:

@@ -52,10 +52,11 @@ def test_stream_chunks_and_usage_are_recorded() -> None:
         {"choices": [{"delta": {"content": "Hel"}}]},
         {"choices": [{"delta": {"content": "lo"}}]},
         {"choices": [{"delta": {"tool_calls": [{"index": 0, "function": {"name": "get_time"}}]}}]},
-        {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 7}},
+        {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 7}},
     )
     record, bodies = _send(lambda r: httpx.Response(200, content=body))
     assert len(record.chunk_times) == 3 and record.output_tokens == 7
+    assert record.prompt_tokens == 5  # the server's count replaces the workload's
     [sent] = bodies
     assert sent["model"] == "served" and sent["stream"] is True and sent["stream_options"] == {"include_usage": True}
     assert sent["max_tokens"] == 16 and sent["tools"] == AGENT_TOOLS
@@ -64,7 +65,7 @@ def test_stream_chunks_and_usage_are_recorded() -> None:
 def test_without_usage_each_chunk_counts_one_token() -> None:
     body = _sse({"choices": [{"delta": {"content": "a"}}]}, {"choices": [{"delta": {"content": "b"}}]})
     record, _ = _send(lambda r: httpx.Response(200, content=body))
-    assert record.output_tokens == 2
+    assert record.output_tokens == 2 and record.prompt_tokens == 0  # RequestRecord() default kept
 
 
 def test_an_http_error_raises_with_its_status_as_kind() -> None:

@@ -90,5 +90,7 @@ class OpenAIHTTP(Runner):
                 usage = chunk.get("usage") or {}
                 if usage.get("completion_tokens"):
                     record.output_tokens = usage["completion_tokens"]
+                if usage.get("prompt_tokens"):  # the server's own rendering of the messages
+                    record.prompt_tokens = usage["prompt_tokens"]
         if not record.output_tokens:  # no usage reported: one token per chunk
             record.output_tokens = len(record.chunk_times)

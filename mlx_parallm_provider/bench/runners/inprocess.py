@@ -66,6 +66,7 @@ class EngineRunner(_OnSharedEngine):
                 record.add_chunk()
             if delta.usage is not None:
                 record.output_tokens = delta.usage.completion_tokens
+                record.prompt_tokens = delta.usage.prompt_tokens
 
 
 class LiteLLMRunner(_OnSharedEngine):
@@ -94,6 +95,7 @@ class LiteLLMRunner(_OnSharedEngine):
             usage = getattr(chunk, "usage", None)
             if usage is not None and usage.completion_tokens:
                 record.output_tokens = usage.completion_tokens
+                record.prompt_tokens = usage.prompt_tokens or record.prompt_tokens
 
 
 class LangChainRunner(_OnSharedEngine):
@@ -119,3 +121,4 @@ class LangChainRunner(_OnSharedEngine):
             usage: Optional[dict] = getattr(chunk, "usage_metadata", None)
             if usage and usage.get("output_tokens"):
                 record.output_tokens = usage["output_tokens"]
+                record.prompt_tokens = usage.get("input_tokens") or record.prompt_tokens
