@@ -33,13 +33,20 @@ DEFAULT_SYSTEMS = ("engine", "litellm", "langchain", "mlx-lm", "mlx-lm-batch", "
 QUICK_SYSTEMS = ("engine", "litellm", "langchain", "mlx-lm", "mlx-lm-batch", "llama-cpp")
 
 
-def _int_list(text: str) -> list[int]:
+def _positive_int(text: str) -> int:
     try:
-        values = [int(v) for v in text.split(",") if v.strip()]
+        value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+def _int_list(text: str) -> list[int]:
+    values = [_positive_int(v) for v in text.split(",") if v.strip()]
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
     return values
 
 
@@ -57,12 +64,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--model", default="default", help="'default', a .gguf, an mlx-lm folder or a repo id")
     a("--systems", type=_systems, help=f"comma-separated, from: {', '.join(SYSTEMS)} (default: {','.join(DEFAULT_SYSTEMS)})")
     a("--workload", default="chat", help="chat | agent | long | a .jsonl file of OpenAI-style requests")
-    a("--num-prompts", type=int, help="prompts per run (default: the concurrency level)")
-    a("--n", type=int, default=1, help="samples per prompt (sent as n requests arriving together)")
-    a("--max-tokens", type=int, help="new tokens per request (default 64; 8 with --quick)")
+    a("--num-prompts", type=_positive_int, help="prompts per run (default: the concurrency level)")
+    a("--n", type=_positive_int, default=1, help="samples per prompt (sent as n requests arriving together)")
+    a("--max-tokens", type=_positive_int, help="new tokens per request (default 64; 8 with --quick)")
     a("--temperature", type=float, default=0.0)
     a("--ignore-eos", action="store_true", help="generate max-tokens every time (systems that can; the EOS column says)")
-    a("--max-prompt-len", type=int, default=1024, help="longest prompt of the 'long' workload, in tokens")
+    a("--max-prompt-len", type=_positive_int, default=1024, help="longest prompt of the 'long' workload, in tokens")
     a("--concurrency", "--max-concurrency", type=_int_list, help="most requests in flight, one run per level (default 1,8,32; 1,4 with --quick)")
     a("--request-rate", type=float, default=math.inf, help="Poisson arrivals at this many requests/s (default: all at once)")
     a("--burstiness", type=float, default=1.0, help="gamma shape of the arrival gaps: 1 is Poisson, <1 burstier, >1 steadier")
@@ -169,10 +176,15 @@ def _best_lines(rows: list[dict[str, Any]], slo: dict[str, float], swept: bool) 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark the parsed arguments describe; returns the exit status."""
     os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+    from .. import EngineConfig, InvalidParameterError
+
     try:
         slo = metrics.parse_slo(args.slo)
         settings, swept_levels = sweep.parse(args.sweep)
-    except ValueError as exc:
+        for setting in settings:
+            EngineConfig(**setting)
+        workloads.check_name(args.workload)
+    except (ValueError, InvalidParameterError) as exc:
         print(f"mlx-parallm bench: error: {exc}", file=sys.stderr)
         return 2
     if args.max_tokens is None:

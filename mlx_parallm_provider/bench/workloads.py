@@ -166,6 +166,7 @@ def build(
     n: int = 1,
 ) -> list[BenchRequest]:
     """The requests of a named workload (or a ``.jsonl`` path), each prompt repeated ``n`` times."""
+    check_name(workload)
     if workload.endswith(".jsonl"):
         requests = from_jsonl(Path(workload), num_prompts, max_tokens)
     elif num_prompts is None:
@@ -174,13 +175,17 @@ def build(
         requests = chat(num_prompts, max_tokens)
     elif workload == "agent":
         requests = agent(num_prompts, max_tokens)
-    elif workload == "long":
+    else:
         if tokenizer is None:
             raise ValueError("the 'long' workload needs the model's tokenizer")
         requests = long(num_prompts, max_tokens, tokenizer, max_prompt_len)
-    else:
-        raise ValueError(f"unknown workload {workload!r}: expected one of {', '.join(WORKLOADS)} or a .jsonl file")
     return [r for r in requests for _ in range(n)]
+
+
+def check_name(workload: str) -> None:
+    """Raise ValueError unless ``workload`` is a known name or a ``.jsonl`` path."""
+    if not workload.endswith(".jsonl") and workload not in WORKLOADS:
+        raise ValueError(f"unknown workload {workload!r}: expected one of {', '.join(WORKLOADS)} or a .jsonl file")
 
 
 class Renderer(Protocol):

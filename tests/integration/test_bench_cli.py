@@ -81,9 +81,12 @@ def test_plots_table_best_setting_and_skips(quick: tuple[dict, str, Path]) -> No
     assert result["meta"]["slo_ms"] == {"ttft": 60000.0, "tpot": 10000.0}
 
 
-@pytest.mark.parametrize("args, message", [(["--slo", "latency=5"], "bad SLO"), (["--sweep", "temperature=1"], "bad --sweep")])
+@pytest.mark.parametrize("args, message", [
+    (["--slo", "latency=5"], "bad SLO"), (["--sweep", "temperature=1"], "bad --sweep"),
+    (["--sweep", "max_num_seqs=0"], "max_num_seqs"), (["--workload", "poems"], "unknown workload"),
+])
 def test_bad_options_are_one_line_errors(args: list[str], message: str, capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
-    assert main(["bench", "--output-dir", str(tmp_path), *args]) == 2
+    assert main(["bench", "--output-dir", str(tmp_path), "--systems", "engine", *args]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
 
@@ -100,3 +103,9 @@ def test_servers_started_on_loopback(tiny_model_dir: Path, tmp_path: Path, capsy
         assert r["metrics"]["completed"] == 2 and r["metrics"]["ttft_ms"]["p50"] > 0
         if sys.platform == "linux":
             assert r["metrics"]["peak_memory_mb"] > 0  # the server's peak RSS, from /proc
+
+
+def test_counts_must_be_positive(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit):
+        main(["bench", "--max-tokens", "0"])
+    assert "expected an integer >= 1" in capsys.readouterr().err
