@@ -51,19 +51,21 @@ class Runner:
         """After a timed run: ``max_decode_batch``, ``peak_memory_mb`` where known."""
         return {}
 
-    async def warm_up(self, request: BenchRequest) -> None:
-        """One short untimed request, so first-use costs stay out of the timings. Its
-        failure is not raised: the timed requests will record theirs."""
-        try:
-            await self.send(replace(request, max_tokens=min(4, request.max_tokens)), RequestRecord())
-        except Exception:
-            pass
+    #: how many requests the warm-up sends at once, at most (None: as many as the run)
+    warm_up_width: Optional[int] = None
+
+    async def warm_up(self, requests: Sequence[BenchRequest], width: int) -> None:
+        """Short untimed requests, ``width`` at once (the first batch of a new size allocates
+        and, on a GPU, compiles), so first-use costs stay out of the timings. Failures are
+        not raised: the timed requests will record theirs."""
+        short = [replace(r, max_tokens=min(4, r.max_tokens)) for r in requests[: min(width, self.warm_up_width or width)]]
+        await asyncio.gather(*(self.send(r, RequestRecord()) for r in short), return_exceptions=True)
 
     async def run(self, requests: Sequence[BenchRequest], offsets: Sequence[float], max_concurrency: Optional[int],
                   on_done: OnDone = None) -> tuple[list[RequestRecord], float]:
         """Warm up, then send the requests at their offsets; returns the records and the wall time."""
         await self.before_run()
-        await self.warm_up(requests[0])
+        await self.warm_up(requests, max_concurrency or len(requests))
         return await self.timed(requests, offsets, max_concurrency, on_done)
 
     async def timed(self, requests: Sequence[BenchRequest], offsets: Sequence[float], max_concurrency: Optional[int],
@@ -77,6 +79,7 @@ class OneAtATime(Runner):
     thread): requests queue behind each other, so their TTFT includes the wait."""
 
     _lock: Optional[asyncio.Lock] = None
+    warm_up_width = 1  # requests would only queue
 
     def tokens(self, request: BenchRequest) -> Iterator[int]:
         """Generate one request; yield the number of new tokens of each output chunk."""

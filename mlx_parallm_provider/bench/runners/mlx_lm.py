@@ -7,6 +7,7 @@ import asyncio
 import copy
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any, Optional, Sequence
 
 from ..metrics import RequestRecord
@@ -80,6 +81,13 @@ class MlxLmBatch(_MlxLmPeer):
     async def send(self, request: BenchRequest, record: RequestRecord) -> None:
         [ids] = await asyncio.to_thread(self._generate, [request])
         record.output_tokens = len(ids)
+
+    async def warm_up(self, requests: Sequence[BenchRequest], width: int) -> None:
+        """One short wave as wide as the timed ones (a failure shows in the timed waves)."""
+        try:
+            await asyncio.to_thread(self._generate, [replace(r, max_tokens=min(4, r.max_tokens)) for r in requests[:width]])
+        except Exception:
+            pass
 
     async def timed(self, requests: Sequence[BenchRequest], offsets: Sequence[float], max_concurrency: Optional[int],
                     on_done: OnDone) -> tuple[list[RequestRecord], float]:
