@@ -99,3 +99,26 @@ def test_http_needs_a_url_and_the_proxy_keeps_default_settings() -> None:
         make_runner("litellm-proxy", RunnerOptions(model="default"), EngineConfig(max_num_seqs=8))
     with pytest.raises(ValueError, match="unknown system"):
         make_runner("vllm", RunnerOptions(model="default"))
+
+
+def test_a_started_server_is_waited_for_measured_and_stopped(tmp_path) -> None:
+    from mlx_parallm_provider.bench import servers
+
+    port = servers.free_port()
+    command = [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1", "--directory", str(tmp_path)]
+    server = servers.start(command, {}, port, "/", tmp_path / "server.log")
+    try:
+        assert httpx.get(server.base_url + "/", trust_env=False).status_code == 200
+        if sys.platform == "linux":
+            assert server.peak_rss_mb() > 1
+    finally:
+        server.stop()
+    assert server.process.poll() is not None
+
+
+def test_a_server_that_exits_is_skipped_with_its_last_log_line(tmp_path) -> None:
+    from mlx_parallm_provider.bench import servers
+
+    command = [sys.executable, "-c", "import sys; print('no model here'); sys.exit(3)"]
+    with pytest.raises(SkipSystem, match="exited with 3 \\(no model here"):
+        servers.start(command, {}, servers.free_port(), "/health", tmp_path / "server.log")
