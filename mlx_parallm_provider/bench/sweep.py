@@ -1,5 +1,5 @@
-"""``--sweep NAME=V1,V2,...``: engine settings (and concurrency) to try, and the best of them
-for the user's SLO."""
+"""``--sweep NAME=V1,V2,...``: engine settings (any numeric or on/off ``EngineConfig`` field,
+and concurrency) to try, and the best of them for the user's SLO."""
 
 from __future__ import annotations
 
@@ -9,10 +9,18 @@ from typing import Any, Mapping, Optional, Sequence
 
 from ..config import EngineConfig
 
-SWEEPABLE = tuple(f.name for f in fields(EngineConfig) if f.type in ("int", "float", "Optional[int]", "Optional[float]")) + ("concurrency",)
+_BOOLEANS = {"true": True, "on": True, "1": True, "false": False, "off": False, "0": False}
+# Field types are strings here (the config module uses postponed annotations).
+_KINDS = {f.name: "bool" if "bool" in str(f.type) else "number" for f in fields(EngineConfig)
+          if any(t in str(f.type) for t in ("int", "float", "bool"))}
+SWEEPABLE = tuple(_KINDS) + ("concurrency",)
 
 
-def _number(text: str) -> float | int:
+def _value(name: str, text: str) -> Any:
+    if _KINDS.get(name) == "bool":
+        if text.lower() not in _BOOLEANS:
+            raise ValueError(text)
+        return _BOOLEANS[text.lower()]
     value = float(text)
     return int(value) if value.is_integer() and "." not in text else value
 
@@ -27,9 +35,9 @@ def parse(specs: Sequence[str]) -> tuple[list[dict[str, Any]], Optional[list[int
         if not sep or name not in SWEEPABLE:
             raise ValueError(f"bad --sweep {spec!r}: expected NAME=V1,V2 with NAME one of {', '.join(SWEEPABLE)}")
         try:
-            axes[name] = [_number(v.strip()) for v in values.split(",") if v.strip()]
+            axes[name] = [_value(name, v.strip()) for v in values.split(",") if v.strip()]
         except ValueError:
-            raise ValueError(f"bad --sweep {spec!r}: values must be numbers") from None
+            raise ValueError(f"bad --sweep {spec!r}: values must be numbers (or true/false for a switch)") from None
         if not axes[name]:
             raise ValueError(f"bad --sweep {spec!r}: no values")
     concurrency = axes.pop("concurrency", None)

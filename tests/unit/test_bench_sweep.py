@@ -16,9 +16,10 @@ def test_settings_are_every_combination_and_concurrency_is_separate() -> None:
     ]
     assert sweep.parse([]) == ([{}], None)
     assert sweep.parse(["batch_window_ms=0,2.5"])[0] == [{"batch_window_ms": 0}, {"batch_window_ms": 2.5}]
+    assert sweep.parse(["dequantize=on,false"])[0] == [{"dequantize": True}, {"dequantize": False}]
 
 
-@pytest.mark.parametrize("spec", ["max_num_seqs", "temperature=0,1", "max_num_seqs=a,b", "max_num_seqs="])
+@pytest.mark.parametrize("spec", ["max_num_seqs", "temperature=0,1", "max_num_seqs=a,b", "max_num_seqs=", "dequantize=maybe"])
 def test_bad_sweeps(spec: str) -> None:
     with pytest.raises(ValueError, match="bad --sweep"):
         sweep.parse([spec])
