@@ -3,7 +3,7 @@
 
 Per successful request (times from when it was sent):
 
-* **TTFT**: until the first chunk carrying output;
+* **TTFT**: until the first chunk carrying output (text, or a tool-call delta);
 * **E2EL**: until the response is complete;
 * **TPOT**: ``(E2EL - TTFT) / (output_tokens - 1)``, only for requests with more than one
   output token (for goodput a request with one token counts as TPOT 0, as in vLLM);
@@ -19,7 +19,8 @@ Differences from vLLM: where vLLM reports 0 for a metric with no samples (``np.m
 this reports None (shown as "n/a"); goodput is None when a system does not measure a
 metric its SLO names (e.g. TTFT of a non-streaming peer) rather than counting every request
 as bad; prompt tokens are those the system reports when it does (vLLM counts the dataset's);
-failed requests are also counted by kind.
+a server that reports no usage is counted one output token per chunk (vLLM re-tokenizes the
+text); failed requests are also counted by kind.
 """
 
 from __future__ import annotations
