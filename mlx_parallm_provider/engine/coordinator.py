@@ -334,7 +334,8 @@ class Engine:
             if self._worker is None or not self._worker.alive:
                 if self._worker is not None:
                     logger.warning("starting a fresh worker after: %s", self._worker.dead)
-                self._worker = Worker(self._loaded.model, self.tokenizer, self.config, self.metrics, self._kv_bytes_per_token)
+                self._worker = Worker(self._loaded.model, self.tokenizer, self.config, self.metrics, self._kv_bytes_per_token,
+                                      vocab_size=self.vocab_size or 0)
             return self._worker
 
     def _cancel(self, request: Request) -> None:

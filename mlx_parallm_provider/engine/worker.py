@@ -29,6 +29,7 @@ from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache
 from ..config import EngineConfig
 from ..errors import EngineDeadError, MLXParallmError, RequestFailedError
 from .detokenize import TextStream
+from .guided import GrammarTokenizer
 from .metrics import EngineMetrics
 from .output import RowState, add_token
 from .request import Request
@@ -49,6 +50,7 @@ class Worker:
         config: EngineConfig,
         metrics: EngineMetrics,
         kv_bytes_per_token: int,
+        vocab_size: int = 0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.model = model
@@ -67,6 +69,7 @@ class Worker:
         if getattr(tokenizer, "eos_token_id", None) is not None:
             self.eos_ids.add(tokenizer.eos_token_id)
         self.pad_id = next(iter(self.eos_ids), 0)
+        self.grammar = GrammarTokenizer(tokenizer, vocab_size, self.eos_ids)
         self._inbox: deque[Request] = deque()
         self._cond = threading.Condition()
         self._stopping = False
@@ -179,7 +182,7 @@ class Worker:
             return
         try:
             request.state = RowState(
-                sampler=RowSampler(request.params),
+                sampler=RowSampler(request.params, self.grammar if request.params.constraint else None),
                 text=TextStream(self.tokenizer, request.params.stop, request.prompt_ids),
                 logprobs=[] if request.params.logprobs else None,
             )
