@@ -24,6 +24,7 @@ _preload_blas()
 from . import _litellm_hook  # noqa: E402
 from .config import EngineConfig  # noqa: E402
 from .engine import (  # noqa: E402
+    Constraint,
     Completion,
     Delta,
     Engine,
@@ -75,6 +76,7 @@ _litellm_hook.install(_load_litellm_adapter)
 
 __all__ = [
     "Completion",
+    "Constraint",
     "ContextWindowExceededError",
     "Delta",
     "Engine",

@@ -1,4 +1,4 @@
-"""The ``mlx-parallm`` command: ``convert`` a GGUF, ``generate`` text, ``bench`` the backend."""
+"""The ``mlx-parallm`` command: ``convert`` a GGUF, ``generate`` text, ``bench`` serving."""
 
 from __future__ import annotations
 
@@ -32,9 +32,9 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from .bench import cpu_backend
+    from .bench import command
 
-    return cpu_backend.main(args.rest)
+    return command.run(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,8 +55,13 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--temperature", type=float, default=0.0)
     generate.set_defaults(func=_generate)
 
-    bench = sub.add_parser("bench", help="CPU backend benchmark (BLAS x dequantize, batch 1 and 32)")
-    bench.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the benchmark")
+    from .bench import command as bench_command
+
+    bench = sub.add_parser(
+        "bench", help="serving benchmark: front doors and peers side by side (table, JSON, plots)",
+        description=bench_command.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    bench_command.add_arguments(bench)
     bench.set_defaults(func=_bench)
     return parser
 

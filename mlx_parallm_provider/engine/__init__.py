@@ -1,11 +1,13 @@
 """The batching engine: coordinator (callers' side), scheduler (policy), worker (MLX)."""
 
+from .constraint import Constraint
 from .coordinator import Engine, get_engine, shutdown_engines
 from .protocol import EngineLike
 from .request import Completion, Delta, SamplingParams, TokenLogprob, Usage
 
 __all__ = [
     "Completion",
+    "Constraint",
     "Delta",
     "Engine",
     "EngineLike",

@@ -26,6 +26,7 @@ from ..models import registry
 from ..models.registry import LoadedModel
 from .fanout import POLL_S, FanOut, TaggedSink, expand
 from .metrics import EngineMetrics
+from .prefix_kv import prefix_stats
 from .request import Completion, Delta, Prompt, Request, ResultSink, SamplingParams
 from .worker import Worker
 
@@ -240,21 +241,14 @@ class Engine:
     def stats(self) -> dict[str, Any]:
         """A plain, JSON-serialisable dict: requests running / waiting / finished, token
         counts, the largest decode batch seen, tokens/s over the last minute, p50/p99
-        of TTFT, TPOT, ITL and queue time (seconds), and ``prefix_cache``: whether it is
-        on, its hit rate (cached / all prompt tokens), prompt tokens served from it, and
-        the store's bytes, stored tokens and evictions."""
+        of TTFT, TPOT, ITL and queue time (seconds), and ``prefix_cache`` (hit rate,
+        cached tokens and bytes, evictions)."""
         worker = self._worker
         running = worker.num_running if worker is not None and worker.alive else 0
         waiting = worker.num_waiting if worker is not None and worker.alive else 0
         snap = self.metrics.snapshot(running=running, waiting=waiting)
         snap["model"] = self.model_name
-        store = worker.prefix_cache if worker is not None else None
-        snap["prefix_cache"] = {
-            "enabled": self.config.enable_prefix_caching and self.config.max_kv_size is None,
-            "hit_rate": snap["prefix_cache_hit_rate"],
-            "cached_tokens": snap["cached_prompt_tokens"],
-            **(store.stats() if store is not None else {}),
-        }
+        snap["prefix_cache"] = prefix_stats(self.config, worker.prefix_cache if worker is not None else None, snap)
         return snap
 
     def shutdown(self) -> None:
@@ -343,7 +337,8 @@ class Engine:
             if self._worker is None or not self._worker.alive:
                 if self._worker is not None:
                     logger.warning("starting a fresh worker after: %s", self._worker.dead)
-                self._worker = Worker(self._loaded.model, self.tokenizer, self.config, self.metrics, self._kv_bytes_per_token)
+                self._worker = Worker(self._loaded.model, self.tokenizer, self.config, self.metrics, self._kv_bytes_per_token,
+                                      vocab_size=self.vocab_size or 0)
             return self._worker
 
     def _cancel(self, request: Request) -> None:

@@ -37,13 +37,16 @@ def add_token(request: Request, row: SampledRow, eos_ids: set[int], tokenizer: A
     finish: Optional[str] = None
     piece = ""
     is_stop_token = (token in eos_ids and not params.ignore_eos) or token in params.stop_token_ids
+    matcher = state.sampler.matcher
+    if matcher is not None and not is_stop_token:
+        matcher.consume(token)  # raises if the grammar refused it: the request fails alone
     if is_stop_token:
         finish = "stop"
     else:
         if state.logprobs is not None:
             state.logprobs.append(token_logprob(tokenizer, row))
         piece, stopped = state.text.add_token(token)
-        if stopped:
+        if stopped or (matcher is not None and matcher.done):
             finish = "stop"
         elif len(request.output_ids) >= params.max_tokens:
             finish = "length"

@@ -35,6 +35,18 @@ def make_prefix_cache(config: EngineConfig) -> Optional[PrefixCache]:
     return PrefixCache(config.prefix_cache_memory_bytes)
 
 
+def prefix_stats(config: EngineConfig, store: Optional[PrefixCache], snapshot: dict[str, Any]) -> dict[str, Any]:
+    """``stats()["prefix_cache"]``: whether caching is on, the hit rate (cached / all
+    prompt tokens) and cached prompt tokens from the metrics ``snapshot``, and the
+    store's own counts (bytes, stored tokens, evictions) when there is one."""
+    return {
+        "enabled": config.enable_prefix_caching and config.max_kv_size is None,
+        "hit_rate": snapshot["prefix_cache_hit_rate"],
+        "cached_tokens": snapshot["cached_prompt_tokens"],
+        **(store.stats() if store is not None else {}),
+    }
+
+
 def fetch_prefixes(store: Optional[PrefixCache], requests: Sequence[Request], fail: Callable[[Request, Exception], None]) -> None:
     """Put each newly admitted request's ``num_cached`` prefix KV on its row state, taken
     from the store right after planning (before anything this step can evict it). A fault

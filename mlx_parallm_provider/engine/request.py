@@ -9,6 +9,7 @@ from typing import Optional, Union
 from .._validation import check_int as _check_int
 from .._validation import check_number as _check_number
 from ..errors import InvalidParameterError, RequestTimeoutError
+from .constraint import Constraint
 
 Prompt = Union[str, list[int]]
 
@@ -40,6 +41,7 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     timeout: Optional[float] = None
+    constraint: Optional[Constraint] = None
 
     def __post_init__(self) -> None:
         self.stop = _string_list("stop", self.stop)
@@ -71,6 +73,8 @@ class SamplingParams:
             _check_number("timeout", self.timeout, minimum=0.0)
             if self.timeout == 0:
                 raise InvalidParameterError("timeout", "must be > 0 seconds (None disables it)")
+        if self.constraint is not None and not isinstance(self.constraint, Constraint):
+            raise InvalidParameterError("constraint", f"must be a Constraint (e.g. Constraint.json_schema(...)), got {self.constraint!r}")
 
     def check_vocabulary(self, vocab_size: int) -> None:
         """Check the token ids this request names against a model's vocabulary size.

@@ -15,6 +15,7 @@ from typing import Any, Callable, Optional, Sequence
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
+from .guided import GrammarTokenizer, RowMatcher, mask_logits
 from .request import SamplingParams, TokenLogprob
 
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
@@ -23,8 +24,10 @@ LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 class RowSampler:
     """Sampling state of one request: its logits processors, filters and PRNG key."""
 
-    def __init__(self, params: SamplingParams) -> None:
+    def __init__(self, params: SamplingParams, grammar: Optional[GrammarTokenizer] = None) -> None:
         self.params = params
+        self.grammar = grammar
+        self.matcher = RowMatcher(params.constraint, grammar) if params.constraint is not None and grammar else None
         self.processors: list[LogitsProcessor] = make_logits_processors(
             logit_bias=params.logit_bias,
             repetition_penalty=params.repetition_penalty if params.repetition_penalty != 1.0 else None,
@@ -114,6 +117,9 @@ def _sample_rows(
                     row = processor(history, row)
             rows.append(row)
         logits = mx.concatenate(rows, axis=0)
+    if any(s.matcher is not None for s in samplers):
+        grammar = next(s.grammar for s in samplers if s.matcher is not None)
+        logits = mask_logits(logits, [s.matcher for s in samplers], grammar)
     wants = [i for i, s in enumerate(samplers) if s.params.logprobs]
     if all(s.greedy for s in samplers) and not wants:
         # The common all-greedy step: argmax of the logits, no normalisation pass.

@@ -43,6 +43,11 @@ class StepPlan:
     chunk: Optional[tuple[Request, int]] = None  # (request, tokens of its next chunk)
 
     @property
+    def admitted(self) -> list[Request]:
+        """The requests whose prompts this step prefills (or goes on chunk-prefilling)."""
+        return [*self.prefill, *([self.chunk[0]] if self.chunk else [])]
+
+    @property
     def empty(self) -> bool:
         return not (self.decode or self.prefill or self.chunk)
 

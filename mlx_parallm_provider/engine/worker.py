@@ -31,6 +31,7 @@ import mlx.core as mx
 from ..config import EngineConfig
 from ..errors import EngineDeadError, MLXParallmError, RequestFailedError
 from .detokenize import TextStream
+from .guided import GrammarTokenizer
 from .metrics import EngineMetrics
 from .output import RowState, add_token
 from .prefill import new_batch_cache, run_pieces, run_right_padded
@@ -53,6 +54,7 @@ class Worker:
         config: EngineConfig,
         metrics: EngineMetrics,
         kv_bytes_per_token: int,
+        vocab_size: int = 0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.model = model
@@ -75,6 +77,7 @@ class Worker:
         if getattr(tokenizer, "eos_token_id", None) is not None:
             self.eos_ids.add(tokenizer.eos_token_id)
         self.pad_id = next(iter(self.eos_ids), 0)
+        self.grammar = GrammarTokenizer(tokenizer, vocab_size, self.eos_ids)
         self._inbox: deque[Request] = deque()
         self._cond = threading.Condition()
         self._stopping = False
@@ -142,8 +145,7 @@ class Worker:
             return False
         self._reap()
         plan = self.scheduler.schedule()
-        admitted = [*plan.prefill, *([plan.chunk[0]] if plan.chunk else [])]
-        fetch_prefixes(self.prefix_cache, admitted, lambda r, exc: self._fail(r, exc, "while fetching its cached prefix"))
+        fetch_prefixes(self.prefix_cache, plan.admitted, lambda r, exc: self._fail(r, exc, "while fetching its cached prefix"))
         if plan.chunk is not None and not plan.chunk[0].finished:
             self._prefill_chunk(*plan.chunk)
             self._reap()
@@ -189,7 +191,7 @@ class Worker:
             return
         try:
             request.state = RowState(
-                sampler=RowSampler(request.params),
+                sampler=RowSampler(request.params, self.grammar if request.params.constraint else None),
                 text=TextStream(self.tokenizer, request.params.stop, request.prompt_ids),
                 logprobs=[] if request.params.logprobs else None,
             )

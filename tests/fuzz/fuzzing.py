@@ -43,34 +43,35 @@ token_ids = st.integers(min_value=-2, max_value=60_000) | st.sampled_from([49151
 
 
 
-def _mostly(valid: st.SearchStrategy, edge: st.SearchStrategy) -> st.SearchStrategy:
-    """Valid values four times in five, else values at or past the edge of the range."""
-    return st.one_of(valid, valid, valid, valid, edge)
+def mostly(valid: st.SearchStrategy, other: st.SearchStrategy) -> st.SearchStrategy:
+    """``valid`` four times in five, else ``other`` (a weighted choice: ``one_of`` would
+    flatten nested alternatives and weigh each branch of ``other`` like ``valid``)."""
+    return st.integers(0, 4).flatmap(lambda i: other if i == 4 else valid)
 
 
 valid_token = st.integers(min_value=0, max_value=49151)
 # Values of the right kind: mostly valid, some near and past the edges of each range.
 PLAUSIBLE = {
-    "max_tokens": _mostly(st.integers(1, 24), st.sampled_from([-1, 0, 10**9])),
-    "temperature": _mostly(st.just(0.0) | st.floats(0.0, 3.0), st.sampled_from([-0.5, float("inf"), float("nan")])),
-    "top_p": _mostly(st.floats(0.01, 1.0), st.sampled_from([0.0, -0.1, 1.1])),
-    "top_k": _mostly(st.integers(0, 100) | st.sampled_from([49151, 49152]), st.sampled_from([-1, 49153, 10**6])),
-    "min_p": _mostly(st.floats(0.0, 1.0), st.sampled_from([-0.1, 1.1])),
-    "repetition_penalty": _mostly(st.floats(0.05, 3.0), st.sampled_from([0.0, -0.5])),
-    "presence_penalty": _mostly(st.floats(-2.0, 2.0), st.sampled_from([-2.5, 2.5])),
-    "frequency_penalty": _mostly(st.floats(-2.0, 2.0), st.sampled_from([-2.5, 2.5])),
-    "logit_bias": _mostly(
+    "max_tokens": mostly(st.integers(1, 24), st.sampled_from([-1, 0, 10**9])),
+    "temperature": mostly(st.just(0.0) | st.floats(0.0, 3.0), st.sampled_from([-0.5, float("inf"), float("nan")])),
+    "top_p": mostly(st.floats(0.01, 1.0), st.sampled_from([0.0, -0.1, 1.1])),
+    "top_k": mostly(st.integers(0, 100) | st.sampled_from([49151, 49152]), st.sampled_from([-1, 49153, 10**6])),
+    "min_p": mostly(st.floats(0.0, 1.0), st.sampled_from([-0.1, 1.1])),
+    "repetition_penalty": mostly(st.floats(0.05, 3.0), st.sampled_from([0.0, -0.5])),
+    "presence_penalty": mostly(st.floats(-2.0, 2.0), st.sampled_from([-2.5, 2.5])),
+    "frequency_penalty": mostly(st.floats(-2.0, 2.0), st.sampled_from([-2.5, 2.5])),
+    "logit_bias": mostly(
         st.dictionaries(valid_token | valid_token.map(str), st.floats(-100, 100), max_size=3),
         st.dictionaries(token_ids | token_ids.map(str), st.floats(-150, 150), min_size=1, max_size=3),
     ),
-    "stop": _mostly(st.text(min_size=1, max_size=3) | st.lists(st.text(min_size=1, max_size=3), max_size=3),
+    "stop": mostly(st.text(min_size=1, max_size=3) | st.lists(st.text(min_size=1, max_size=3), max_size=3),
                     st.sampled_from(["", [""], [5]])),
-    "stop_token_ids": _mostly(st.lists(valid_token, max_size=3), st.lists(token_ids, min_size=1, max_size=3)),
+    "stop_token_ids": mostly(st.lists(valid_token, max_size=3), st.lists(token_ids, min_size=1, max_size=3)),
     "ignore_eos": st.booleans(),
-    "seed": _mostly(st.integers(0, 2**64 - 1), st.sampled_from([-1, 2**64, 2**65])),
+    "seed": mostly(st.integers(0, 2**64 - 1), st.sampled_from([-1, 2**64, 2**65])),
     "logprobs": st.booleans(),
-    "top_logprobs": _mostly(st.integers(0, 20), st.sampled_from([-1, 21, 25])),
-    "timeout": _mostly(st.none() | st.floats(0.001, 5.0), st.sampled_from([-1.0, 0.0])),
+    "top_logprobs": mostly(st.integers(0, 20), st.sampled_from([-1, 21, 25])),
+    "timeout": mostly(st.none() | st.floats(0.001, 5.0), st.sampled_from([-1.0, 0.0])),
 }
 
 plausible_kwargs = st.sets(st.sampled_from(sorted(PLAUSIBLE)), max_size=5).flatmap(

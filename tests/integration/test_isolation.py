@@ -271,10 +271,10 @@ def test_each_fault_site_fails_one_request_alone(make_engine, monkeypatch, site)
     if site == "set_up":
         real_init = sampling_module.RowSampler.__init__
 
-        def init(self, params):
+        def init(self, params, grammar=None):
             if marker in params.stop:
                 raise KeyError("set-up fault")
-            real_init(self, params)
+            real_init(self, params, grammar)
 
         monkeypatch.setattr(sampling_module.RowSampler, "__init__", init)
     elif site == "sample":

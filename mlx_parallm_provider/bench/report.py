@@ -1,0 +1,55 @@
+"""Results out: a markdown table (stdout), a JSON file for machines."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence
+
+
+def _fmt(value: Optional[float], digits: int = 1) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
+def _pair(stat: Mapping[str, Optional[float]], a: str = "p50", b: str = "p99") -> str:
+    if stat[a] is None:
+        return "n/a"
+    return f"{stat[a]:.0f} / {stat[b]:.0f}"
+
+
+def markdown_table(rows: Sequence[Mapping[str, Any]], show_goodput: bool) -> str:
+    """One line per (system, setting, concurrency)."""
+    swept = len({r["setting_label"] for r in rows}) > 1
+    head = ["system"] + (["setting"] if swept else []) + ["concurrency", "ok / failed", "output tok/s", "total tok/s", "req/s"]
+    head += (["goodput req/s"] if show_goodput else []) + [
+        "TTFT p50 / p99 ms", "TPOT p50 ms", "ITL p50 ms", "E2E p50 / p99 ms", "peak MB", "max batch", "EOS"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        m = r["metrics"]
+        cells = [r["system"]] + ([r["setting_label"]] if swept else []) + [
+            str(r["concurrency"]), f"{m['completed']} / {m['failed']}", _fmt(m["output_throughput"]),
+            _fmt(m["total_token_throughput"]), _fmt(m["request_throughput"], 2)]
+        cells += ([_fmt(m["request_goodput"], 2)] if show_goodput else []) + [
+            _pair(m["ttft_ms"]), _fmt(m["tpot_ms"]["p50"]), _fmt(m["itl_ms"]["p50"]), _pair(m["e2el_ms"]),
+            _fmt(m["peak_memory_mb"], 0), "n/a" if m["max_decode_batch"] is None else str(m["max_decode_batch"]), r["eos"]]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def notes(rows: Sequence[Mapping[str, Any]], skipped: Mapping[str, str], best_lines: Sequence[str]) -> str:
+    """Lines under the table: skipped systems, failures by kind, the best settings."""
+    out = [f"- skipped {system}: {reason}" for system, reason in skipped.items()]
+    for r in rows:
+        if r["metrics"]["failures"]:
+            kinds = ", ".join(f"{k} x{v}" for k, v in r["metrics"]["failures"].items())
+            out.append(f"- {r['system']} ({r['setting_label']}, concurrency {r['concurrency']}) failures: {kinds}")
+    out += [f"- {line}" for line in best_lines]
+    out.append("- peak MB: MLX peak memory for in-process systems, the server's peak RSS for servers started here; "
+               "max batch: largest decode batch from engine.stats()")
+    return "\n".join(out)
+
+
+def write_json(path: Path, result: Mapping[str, Any]) -> Path:
+    """Write the whole result (meta, rows with per-request samples, skipped, best)."""
+    path.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    return path

@@ -1,0 +1,80 @@
+"""The systems a benchmark can run, by name: this package's front doors and its peers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from ...config import EngineConfig
+from .base import OneAtATime, Runner, SkipSystem
+
+#: this package's front doors: engine settings (sweeps) apply to these
+OURS = ("engine", "litellm", "langchain", "litellm-proxy")
+#: what a user would pick instead
+PEERS = ("mlx-lm", "mlx-lm-batch", "mlx-lm-server", "llama-cpp")
+#: any OpenAI-compatible server at --url
+SYSTEMS = OURS + PEERS + ("http",)
+
+DESCRIPTIONS = {
+    "engine": "Engine.stream (in process)",
+    "litellm": "litellm.acompletion (in process)",
+    "langchain": "ChatMLXParallm.astream (in process)",
+    "litellm-proxy": "LiteLLM proxy over HTTP (started on loopback)",
+    "mlx-lm": "mlx_lm.stream_generate, one request at a time",
+    "mlx-lm-batch": "mlx_lm.batch_generate, waves of the concurrency",
+    "mlx-lm-server": "mlx_lm.server over HTTP (started on loopback)",
+    "llama-cpp": "llama-cpp-python, one request at a time",
+    "http": "OpenAI-compatible server at --url",
+}
+
+
+@dataclass(frozen=True)
+class RunnerOptions:
+    """What every runner may need."""
+
+    model: str
+    temperature: float = 0.0
+    ignore_eos: bool = False
+    workdir: Path = Path(".")
+    url: Optional[str] = None
+    api_key: Optional[str] = None
+    served_model: Optional[str] = None
+
+
+def make_runner(system: str, options: RunnerOptions, config: Optional[EngineConfig] = None) -> Runner:
+    """The runner of ``system``; ``config`` is the engine's (the package's front doors only)."""
+    config = config or EngineConfig()
+    o = options
+    if system in ("engine", "litellm", "langchain"):
+        from .inprocess import EngineRunner, LangChainRunner, LiteLLMRunner
+
+        cls = {"engine": EngineRunner, "litellm": LiteLLMRunner, "langchain": LangChainRunner}[system]
+        return cls(system, o.model, config, o.temperature, o.ignore_eos)
+    if system in ("mlx-lm", "mlx-lm-batch"):
+        from .mlx_lm import MlxLmBatch, MlxLmSequential
+
+        return (MlxLmSequential if system == "mlx-lm" else MlxLmBatch)(system, o.model, o.temperature, o.ignore_eos)
+    if system == "llama-cpp":
+        from .llama_cpp import LlamaCpp
+
+        return LlamaCpp(system, o.model, o.temperature)
+    from .. import servers
+    from .http import OpenAIHTTP
+
+    if system == "litellm-proxy":
+        if config != EngineConfig():
+            raise SkipSystem("the proxy runs its engine with the default EngineConfig (settings are not passed to it)")
+        return OpenAIHTTP(system, "bench", o.temperature, launch=lambda: servers.litellm_proxy(o.model, o.workdir))
+    if system == "mlx-lm-server":
+        from ...models.registry import resolve
+
+        return OpenAIHTTP(system, "default_model", o.temperature, launch=lambda: servers.mlx_lm_server(resolve(o.model), o.workdir))
+    if system == "http":
+        if not o.url:
+            raise SkipSystem("system 'http' needs --url")
+        return OpenAIHTTP(system, o.served_model or o.model, o.temperature, base_url=o.url, api_key=o.api_key)
+    raise ValueError(f"unknown system {system!r}: expected one of {', '.join(SYSTEMS)}")
+
+
+__all__ = ["DESCRIPTIONS", "OURS", "PEERS", "SYSTEMS", "OneAtATime", "Runner", "RunnerOptions", "SkipSystem", "make_runner"]

@@ -1,0 +1,84 @@
+"""Grammar-constrained decoding inside the batch, with llguidance.
+
+A request whose :class:`~.request.SamplingParams` carries a
+:class:`~.constraint.Constraint` gets its own matcher. Each step the token masks of all
+constrained rows are filled together (in parallel, by llguidance's executor, while MLX
+computes the step's logits) and applied inside the batched sampling step; unconstrained
+rows are untouched and pay nothing. EOS is allowed only where the grammar may end, and a
+row whose grammar is complete finishes with ``"stop"``.
+"""
+
+from __future__ import annotations
+
+import threading
+from copy import copy
+from typing import Any, Optional, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from .constraint import Constraint, _llguidance
+
+
+class GrammarTokenizer:
+    """llguidance's view of one model's tokenizer, built on first use (about 0.5 s)."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_ids: Sequence[int]) -> None:
+        self._tokenizer, self._vocab_size, self._eos = tokenizer, vocab_size, sorted(eos_ids)
+        self._built: Any = None
+        self._lock = threading.Lock()
+        self.executor: Any = None
+
+    def get(self) -> Any:
+        with self._lock:
+            if self._built is None:
+                llg = _llguidance()
+                hf = getattr(self._tokenizer, "_tokenizer", self._tokenizer)
+                backend = copy(hf.backend_tokenizer)
+                backend.no_padding()
+                backend.no_truncation()
+                self._built = llg.LLTokenizer(backend.to_str(), n_vocab=self._vocab_size or None, eos_token=self._eos or None)
+                self.executor = llg.LLExecutor()
+            return self._built
+
+
+class RowMatcher:
+    """The matcher of one constrained request."""
+
+    def __init__(self, constraint: Constraint, tokenizer: GrammarTokenizer) -> None:
+        self.matcher = _llguidance().LLMatcher(tokenizer.get(), constraint.grammar(), log_level=0)
+        self._check()
+
+    def consume(self, token: int) -> None:
+        """Advance past a sampled token; raises if the grammar refused it."""
+        self.matcher.consume_token(token)
+        self._check()
+
+    @property
+    def done(self) -> bool:
+        """The grammar is complete: nothing but EOS may follow."""
+        return self.matcher.is_stopped()
+
+    def _check(self) -> None:
+        if self.matcher.is_error():
+            raise ValueError(f"grammar matcher: {self.matcher.get_error()}")
+
+
+def mask_logits(logits: mx.array, matchers: Sequence[Optional[RowMatcher]], tokenizer: GrammarTokenizer) -> mx.array:
+    """Set the logits of tokens each constrained row's grammar forbids to -inf.
+
+    ``matchers[i]`` is row i's matcher or None (that row is left as it is). The masks of
+    all constrained rows are computed together by llguidance's parallel executor.
+    """
+    rows = [(m.matcher, i) for i, m in enumerate(matchers) if m is not None]
+    if not rows:
+        return logits
+    mx.async_eval(logits)  # the model computes while the masks are filled
+    batch, vocab = logits.shape
+    words = (vocab + 31) // 32
+    bitmask = np.full((batch, words), -1, dtype=np.int32)
+    tokenizer.get()
+    tokenizer.executor.unsafe_compute_mask_ptr(rows, bitmask.ctypes.data, words * 4, batch)
+    bits = (mx.array(bitmask)[:, :, None] >> mx.arange(32, dtype=mx.int32)) & 1
+    allowed = bits.reshape(batch, words * 32)[:, :vocab].astype(mx.bool_)
+    return mx.where(allowed, logits, mx.array(-float("inf"), dtype=logits.dtype))

@@ -1,0 +1,111 @@
+"""``mlx-parallm bench --quick`` end to end on the tiny model: the CI smoke test of the
+benchmark (every metric in the JSON, the plots written; never a speed)."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from mlx_parallm_provider.cli import main
+
+METRICS = {
+    "completed", "failed", "failures", "duration_s", "total_input_tokens", "total_output_tokens", "request_throughput",
+    "request_goodput", "output_throughput", "total_token_throughput", "max_concurrent_requests", "ttft_ms", "tpot_ms",
+    "itl_ms", "e2el_ms", "max_decode_batch", "peak_memory_mb",
+}
+STREAMED = ("engine", "litellm", "langchain", "mlx-lm")
+OURS = ("engine", "litellm", "langchain")
+
+
+@pytest.fixture(scope="module")
+def quick(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str, Path]:
+    out = tmp_path_factory.mktemp("bench")
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        status = main(["bench", "--quick", "--model", str(tiny_model_dir), "--output-dir", str(out), "--no-progress",
+                       "--sweep", "max_num_seqs=2,4", "--slo", "ttft=60s,tpot=10s"])
+    assert status == 0
+    return json.loads((out / "results.json").read_text()), stdout.getvalue(), out
+
+
+def test_every_system_setting_and_level_has_every_metric(quick: tuple[dict, str, Path]) -> None:
+    result, _, _ = quick
+    rows = result["rows"]
+    seen = {(r["system"], r["setting_label"], r["concurrency"]) for r in rows}
+    expected = {(s, f"max_num_seqs={q}", c) for s in OURS for q in (2, 4) for c in (1, 4)}
+    expected |= {(s, "defaults", c) for s in ("mlx-lm", "mlx-lm-batch") for c in (1, 4)}
+    assert expected <= seen
+    for r in rows:
+        m = r["metrics"]
+        assert set(m) == METRICS, r["system"]
+        for name in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
+            assert set(m[name]) == {"mean", "p50", "p90", "p99"}
+        assert m["completed"] == r["num_requests"] == r["concurrency"] and m["failed"] == 0
+        assert m["total_output_tokens"] > 0 and m["peak_memory_mb"] > 0
+        assert len(r["samples"]["e2el_ms"]) == r["num_requests"]
+    for level in (1, 4):  # the same prompts everywhere: every system counts the same prompt tokens
+        assert len({r["metrics"]["total_input_tokens"] for r in rows if r["concurrency"] == level}) == 1
+
+
+def test_streamed_systems_have_latencies_and_goodput(quick: tuple[dict, str, Path]) -> None:
+    result, _, _ = quick
+    for r in result["rows"]:
+        m = r["metrics"]
+        if r["system"] in STREAMED:
+            assert m["ttft_ms"]["p50"] > 0 and m["e2el_ms"]["p99"] >= m["ttft_ms"]["p50"]
+            assert m["request_goodput"] == pytest.approx(m["request_throughput"])  # a lax SLO: every request is good
+        else:  # batch_generate does not stream
+            assert m["ttft_ms"]["p50"] is None and m["request_goodput"] is None
+        if r["system"] in OURS:
+            assert 1 <= m["max_decode_batch"] <= min(r["concurrency"], r["setting"]["max_num_seqs"])
+        else:
+            assert m["max_decode_batch"] is None
+
+
+def test_plots_table_best_setting_and_skips(quick: tuple[dict, str, Path]) -> None:
+    result, stdout, out = quick
+    for name in ("throughput.png", "latency_cdf.png", "sweep.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+    assert "| system | setting | concurrency |" in stdout
+    assert set(result["best"]) == set(OURS)
+    assert "best engine setting for ttft<=60000 ms and tpot<=10000 ms" in stdout
+    if importlib.util.find_spec("llama_cpp") is None:
+        assert "llama-cpp-python is not installed" in result["skipped"]["llama-cpp"]
+        assert "skipped llama-cpp: llama-cpp-python is not installed" in stdout
+    assert result["meta"]["slo_ms"] == {"ttft": 60000.0, "tpot": 10000.0}
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--slo", "latency=5"], "bad SLO"), (["--sweep", "temperature=1"], "bad --sweep"),
+    (["--sweep", "max_num_seqs=0"], "max_num_seqs"), (["--workload", "poems"], "unknown workload"),
+])
+def test_bad_options_are_one_line_errors(args: list[str], message: str, capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
+    assert main(["bench", "--output-dir", str(tmp_path), "--systems", "engine", *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_servers_started_on_loopback(tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """mlx_lm.server and the LiteLLM proxy, each started, measured over HTTP and stopped."""
+    status = main(["bench", "--quick", "--model", str(tiny_model_dir), "--output-dir", str(tmp_path), "--no-progress",
+                   "--systems", "mlx-lm-server,litellm-proxy", "--concurrency", "2"])
+    assert status == 0, capsys.readouterr().err
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert [r["system"] for r in rows] == ["mlx-lm-server", "litellm-proxy"]
+    for r in rows:
+        assert r["metrics"]["completed"] == 2 and r["metrics"]["ttft_ms"]["p50"] > 0
+        if sys.platform == "linux":
+            assert r["metrics"]["peak_memory_mb"] > 0  # the server's peak RSS, from /proc
+
+
+def test_counts_must_be_positive(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit):
+        main(["bench", "--max-tokens", "0"])
+    assert "expected an integer >= 1" in capsys.readouterr().err

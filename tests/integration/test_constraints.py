@@ -1,0 +1,113 @@
+"""Issue 11: grammar-constrained decoding inside the batch (llguidance). The tiny model has
+random weights, so whatever it emits under a constraint is valid only by construction."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+
+import pytest
+
+from mlx_parallm_provider.engine import Constraint, SamplingParams
+from mlx_parallm_provider.errors import InvalidParameterError
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]}, "days": {"type": "integer", "minimum": 0, "maximum": 9},
+                   "sunny": {"type": "boolean"}},
+    "required": ["city", "days", "sunny"],
+    "additionalProperties": False,
+}
+PROMPTS = ["the weather in", "seven curious cats", "a lazy dog", "over the old wall"]
+PLAIN = SamplingParams(max_tokens=10, ignore_eos=True)
+
+
+def _valid(text: str) -> bool:
+    value = json.loads(text)
+    return (set(value) == {"city", "days", "sunny"} and value["city"] in ("Paris", "Oslo", "Lima")
+            and isinstance(value["days"], int) and 0 <= value["days"] <= 9 and isinstance(value["sunny"], bool))
+
+
+def test_constrained_rows_always_parse_and_unconstrained_rows_are_untouched(make_engine) -> None:
+    engine = make_engine()
+    plain_alone = [engine.generate_sync(p, PLAIN).token_ids for p in PROMPTS]
+    greedy = SamplingParams(max_tokens=40, constraint=Constraint.json_schema(SCHEMA))
+    sampled = [SamplingParams(max_tokens=40, temperature=1.0, seed=s, constraint=Constraint.json_schema(SCHEMA)) for s in range(6)]
+    greedy_alone = engine.generate_sync("the weather in", greedy)
+
+    async def mixed():
+        return await asyncio.gather(
+            engine.generate("the weather in", greedy),
+            *(engine.generate(p, s) for p, s in zip(PROMPTS * 2, sampled)),
+            *(engine.generate(p, PLAIN) for p in PROMPTS),
+        )
+
+    results = asyncio.run(mixed())
+    constrained, plain = results[:7], results[7:]
+    for r in constrained:
+        assert r.finish_reason == "stop" and _valid(r.text), r.text
+    assert constrained[0].token_ids == greedy_alone.token_ids  # batched == alone, constrained too
+    assert [r.token_ids for r in plain] == plain_alone
+
+
+def test_regex_and_lark_constraints(make_engine) -> None:
+    engine = make_engine()
+    yes_no = engine.generate_sync("answer", SamplingParams(max_tokens=10, temperature=1.0, seed=1, constraint=Constraint.regex(r"(yes|no)\.")))
+    assert re.fullmatch(r"(yes|no)\.", yes_no.text) and yes_no.finish_reason == "stop"
+    # Embedded JSON gets free whitespace unless its schema says otherwise (x-guidance).
+    lark = Constraint.lark('start: "<call>" %json {"x-guidance": {"whitespace_flexible": false}, "type": "object", '
+                           '"properties": {"n": {"type": "integer", "minimum": 1, "maximum": 5}}, "required": ["n"], '
+                           '"additionalProperties": false} "</call>"')
+    call = engine.generate_sync("call", SamplingParams(max_tokens=30, constraint=lark))
+    assert call.text.startswith("<call>") and call.text.endswith("</call>")
+    assert 1 <= json.loads(call.text[len("<call>"):-len("</call>")])["n"] <= 5
+
+
+def test_streamed_constrained_output_joins_to_the_whole(make_engine) -> None:
+    engine = make_engine()
+    params = SamplingParams(max_tokens=40, temperature=0.7, seed=5, constraint=Constraint.json_schema(SCHEMA))
+    whole = engine.generate_sync("stream", params)
+    pieces = list(engine.stream_sync("stream", params))
+    assert "".join(d.text for d in pieces) == whole.text and _valid(whole.text)
+    assert pieces[-1].finish_reason == "stop"
+
+
+def test_n_samples_under_one_constraint(make_engine) -> None:
+    engine = make_engine()
+    params = SamplingParams(max_tokens=40, temperature=1.0, seed=11, constraint=Constraint.json_schema(SCHEMA))
+    texts = [c.text for c in engine.generate_many_sync(["n samples"], params, n=4)]
+    assert len(texts) == 4 and all(_valid(t) for t in texts)
+    assert len(set(texts)) > 1  # seed + i: the samples differ
+
+
+def test_json_object_output_is_an_object_when_it_stops(make_engine) -> None:
+    engine = make_engine()
+    params = [SamplingParams(max_tokens=60, temperature=1.0, seed=s, constraint=Constraint.json_object()) for s in range(8)]
+    results = engine.generate_many_sync(["json please"] * 8, params)
+    stopped = [r for r in results if r.finish_reason == "stop"]
+    assert stopped, "no sample closed its object within 60 tokens"
+    assert all(isinstance(json.loads(r.text), dict) for r in stopped)
+
+
+def test_running_out_of_tokens_is_length_not_stop(make_engine) -> None:
+    engine = make_engine()
+    r = engine.generate_sync("short", SamplingParams(max_tokens=3, constraint=Constraint.json_schema(SCHEMA)))
+    assert r.finish_reason == "length"
+
+
+@pytest.mark.parametrize("make", [
+    lambda: Constraint.regex("[a-"),
+    lambda: Constraint.lark("start: undefined_rule"),
+    lambda: Constraint.json_schema("{not json"),
+    lambda: Constraint.json_schema(["a list"]),
+    lambda: Constraint("xml", "<a/>"),
+])
+def test_bad_grammars_are_invalid_parameters(make) -> None:
+    with pytest.raises(InvalidParameterError):
+        make()
+
+
+def test_constraint_must_be_a_constraint() -> None:
+    with pytest.raises(InvalidParameterError, match="constraint"):
+        SamplingParams(constraint={"type": "json_object"})

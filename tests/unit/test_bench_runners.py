@@ -1,0 +1,124 @@
+"""Runners that need no model: the OpenAI-compatible HTTP client (on a mock transport) and
+the skip paths of peers that are not installed."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+
+import httpx
+import pytest
+
+from mlx_parallm_provider.bench.metrics import RequestRecord
+from mlx_parallm_provider.bench.runners import RunnerOptions, SkipSystem, make_runner
+from mlx_parallm_provider.bench.runners.http import OpenAIHTTP, normalize_base_url
+from mlx_parallm_provider.bench.runners.llama_cpp import gguf_path
+from mlx_parallm_provider.bench.workloads import AGENT_TOOLS, BenchRequest
+from mlx_parallm_provider.config import EngineConfig
+
+REQUEST = BenchRequest([{"role": "user", "content": "hi"}], 16, tools=AGENT_TOOLS, prompt_ids=[1, 2, 3])
+
+
+def _sse(*chunks: dict) -> bytes:
+    return b"".join(f"data: {json.dumps(c)}\n\n".encode() for c in chunks) + b"data: [DONE]\n\n"
+
+
+def _send(handler, request: BenchRequest = REQUEST) -> tuple[RequestRecord, list[dict]]:
+    bodies: list[dict] = []
+
+    def recording(req: httpx.Request) -> httpx.Response:
+        bodies.append(json.loads(req.content))
+        assert req.url.path == "/v1/chat/completions" and req.headers["authorization"] == "Bearer k"
+        return handler(req)
+
+    async def main() -> RequestRecord:
+        runner = OpenAIHTTP("http", "served", 0.0, base_url="http://server/v1", api_key="k")
+        await runner.start()
+        runner.client = httpx.AsyncClient(base_url=runner.base_url, headers=runner.client.headers, transport=httpx.MockTransport(recording))
+        record = RequestRecord()
+        try:
+            await runner.send(request, record)
+        finally:
+            await runner.stop()
+        return record
+
+    return asyncio.run(main()), bodies
+
+
+def test_stream_chunks_and_usage_are_recorded() -> None:
+    body = _sse(
+        {"choices": [{"delta": {"role": "assistant"}}]},
+        {"choices": [{"delta": {"content": "Hel"}}]},
+        {"choices": [{"delta": {"content": "lo"}}]},
+        {"choices": [{"delta": {"tool_calls": [{"index": 0, "function": {"name": "get_time"}}]}}]},
+        {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 7}},
+    )
+    record, bodies = _send(lambda r: httpx.Response(200, content=body))
+    assert len(record.chunk_times) == 3 and record.output_tokens == 7
+    assert record.prompt_tokens == 5  # the server's count replaces the workload's
+    [sent] = bodies
+    assert sent["model"] == "served" and sent["stream"] is True and sent["stream_options"] == {"include_usage": True}
+    assert sent["max_tokens"] == 16 and sent["tools"] == AGENT_TOOLS
+
+
+def test_without_usage_each_chunk_counts_one_token() -> None:
+    body = _sse({"choices": [{"delta": {"content": "a"}}]}, {"choices": [{"delta": {"content": "b"}}]})
+    record, _ = _send(lambda r: httpx.Response(200, content=body))
+    assert record.output_tokens == 2 and record.prompt_tokens == 0  # RequestRecord() default kept
+
+
+def test_an_http_error_raises_with_its_status_as_kind() -> None:
+    with pytest.raises(Exception) as info:
+        _send(lambda r: httpx.Response(503, json={"error": "busy"}))
+    assert getattr(info.value, "kind") == "http_503" and "busy" in str(info.value)
+
+
+def test_base_url_with_or_without_v1() -> None:
+    assert normalize_base_url("http://h:1/v1/") == normalize_base_url("http://h:1") == "http://h:1"
+
+
+def test_llama_cpp_skips_with_one_line_when_not_installed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # import fails as if not installed
+    runner = make_runner("llama-cpp", RunnerOptions(model="default"))
+    with pytest.raises(SkipSystem) as info:
+        asyncio.run(runner.start())
+    assert "llama-cpp-python is not installed" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_llama_cpp_needs_a_gguf_model() -> None:
+    with pytest.raises(SkipSystem, match="needs a .gguf model"):
+        gguf_path("some/folder")
+    assert str(gguf_path("/x/model.gguf")) == "/x/model.gguf"
+
+
+def test_http_needs_a_url_and_the_proxy_keeps_default_settings() -> None:
+    with pytest.raises(SkipSystem, match="--url"):
+        make_runner("http", RunnerOptions(model="default"))
+    with pytest.raises(SkipSystem, match="default EngineConfig"):
+        make_runner("litellm-proxy", RunnerOptions(model="default"), EngineConfig(max_num_seqs=8))
+    with pytest.raises(ValueError, match="unknown system"):
+        make_runner("vllm", RunnerOptions(model="default"))
+
+
+def test_a_started_server_is_waited_for_measured_and_stopped(tmp_path) -> None:
+    from mlx_parallm_provider.bench import servers
+
+    port = servers.free_port()
+    command = [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1", "--directory", str(tmp_path)]
+    server = servers.start(command, {}, port, "/", tmp_path / "server.log")
+    try:
+        assert httpx.get(server.base_url + "/", trust_env=False).status_code == 200
+        if sys.platform == "linux":
+            assert server.peak_rss_mb() > 1
+    finally:
+        server.stop()
+    assert server.process.poll() is not None
+
+
+def test_a_server_that_exits_is_skipped_with_its_last_log_line(tmp_path) -> None:
+    from mlx_parallm_provider.bench import servers
+
+    command = [sys.executable, "-c", "import sys; print('no model here'); sys.exit(3)"]
+    with pytest.raises(SkipSystem, match="exited with 3 \\(no model here"):
+        servers.start(command, {}, servers.free_port(), "/health", tmp_path / "server.log")
