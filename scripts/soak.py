@@ -123,7 +123,7 @@ async def one_request(engine: Engine, kind: str, rng: random.Random, expected: d
     params: Optional[SamplingParams] = GREEDY
     try:
         if kind == "invalid":
-            params = SamplingParams(max_tokens=8, **rng.choice(INVALID_KWARGS))
+            params = SamplingParams(**{"max_tokens": 8, **rng.choice(INVALID_KWARGS)})
         elif kind == "sampled":
             params = SamplingParams(max_tokens=rng.randint(1, 32), temperature=rng.uniform(0.1, 1.5), top_p=rng.uniform(0.5, 1.0),
                                     top_k=rng.choice([0, 5, 50]), seed=rng.choice([None, rng.randrange(2**64)]),

@@ -13,7 +13,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from ..engine import Constraint
 from ..errors import InvalidParameterError
+from .constraints import response_format_constraint, tool_call_constraint
 from .messages import normalize_messages
 from .render import render_conversation
 from .tool_defs import add_system_instruction, apply_tool_choice
@@ -32,13 +34,15 @@ class PreparedPrompt:
     ``prompt`` is text that already holds the template's special tokens. ``tools`` are
     the (normalised) tools the model was shown, ``None`` if none; ``tool_format`` is the
     format the prompt asked for; with ``parallel_tool_calls=False`` only the first
-    valid call of an answer is kept.
+    valid call of an answer is kept. ``constraint`` is what decoding must follow (JSON
+    output, a forced tool call), to be put in the request's ``SamplingParams``.
     """
 
     prompt: str
     tools: Optional[list[dict[str, Any]]] = None
     tool_format: ToolCallFormat = HERMES_FORMAT
     parallel_tool_calls: bool = True
+    constraint: Optional[Constraint] = None
 
 
 def prepare_text(prompt: Any) -> PreparedPrompt:
@@ -74,20 +78,19 @@ def prepare_chat(
         conversation = add_system_instruction(conversation, instruction)
     renders_tools = bool(shown) and template_supports_tools(tokenizer, shown)
     prompt = render_conversation(tokenizer, conversation, shown, renders_tools=renders_tools)
-    return PreparedPrompt(
-        prompt=prompt,
-        tools=shown,
-        tool_format=tool_call_format(tokenizer, shown, renders_tools=renders_tools) if shown else HERMES_FORMAT,
-        parallel_tool_calls=parallel_tool_calls is not False,
-    )
+    fmt = tool_call_format(tokenizer, shown, renders_tools=renders_tools) if shown else HERMES_FORMAT
+    parallel = parallel_tool_calls is not False
+    forced = tool_instruction is not None  # "required" or a named function
+    constraint = tool_call_constraint(shown, forced, fmt, parallel) or response_format_constraint(response_format)
+    return PreparedPrompt(prompt=prompt, tools=shown, tool_format=fmt, parallel_tool_calls=parallel, constraint=constraint)
 
 
 def response_format_instruction(response_format: Any) -> Optional[str]:
     """The system instruction for an OpenAI ``response_format`` (None for text).
 
     ``{"type": "json_object"}`` asks for one JSON object; ``{"type": "json_schema",
-    "json_schema": {"name", "schema"}}`` puts the schema in the instruction. This is
-    prompting, not constrained decoding: parse the answer and handle failures.
+    "json_schema": {"name", "schema"}}`` puts the schema in the instruction. Decoding is
+    constrained to match as well (:func:`~.constraints.response_format_constraint`).
     """
     if response_format is None:
         return None

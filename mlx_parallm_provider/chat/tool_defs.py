@@ -190,8 +190,8 @@ def apply_tool_choice(
 ) -> tuple[Optional[list[dict[str, Any]]], Optional[str]]:
     """Resolve ``tool_choice`` to ``(tools to show the model, instruction or None)``.
 
-    A small local model cannot be forced to call a tool (there is no constrained
-    decoding), so the choices are honoured by prompting:
+    The choices are prompted here; for ``"required"`` and a named function the chat layer
+    also constrains decoding to the tool-call format (:mod:`.constraints`):
 
     * ``None`` / ``"auto"``: all tools, no instruction; the model decides.
     * ``"none"`` (or ``False``): the tools are dropped from the prompt, so the model

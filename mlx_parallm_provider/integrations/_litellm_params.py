@@ -8,6 +8,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -74,6 +76,8 @@ def prepare_call(
         prompts = [prepare_text(p) for p in _text_prompts(messages)]
     else:
         prompts = [_chat_prompt(engine, messages, params)]
+    if prompts[0].constraint is not None:  # JSON output or a forced tool call (chat: one prompt)
+        sampling = dataclasses.replace(sampling, constraint=prompts[0].constraint)
     call_id = str(litellm_params.get("litellm_call_id") or time.time_ns())
     return LiteLLMCall(model, engine, prompts, sampling, n, call_id)
 

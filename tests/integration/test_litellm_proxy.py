@@ -275,3 +275,29 @@ def test_abandoned_non_streaming_requests_free_their_rows(proxy: Proxy) -> None:
     decoded_after_hangup = stats["generated_tokens"] - at_hangup
     # Without cancellation the 8 rows would go on to decode up to 8 x 400 tokens.
     assert decoded_after_hangup < n * 400 // 4, (at_hangup, stats)
+
+
+@pytest.mark.slow
+def test_dropped_streams_free_their_rows(proxy: Proxy) -> None:
+    """A streaming client that goes away mid-stream must not leave its row decoding."""
+    body = {"model": ALIAS, "messages": QUESTION, "max_tokens": 400, "temperature": 0, "stream": True}
+    n = 8
+
+    async def drop() -> int:
+        headers = {"Authorization": f"Bearer {proxy.key}"}
+        async with httpx.AsyncClient(base_url=proxy.base_url, headers=headers, timeout=120, trust_env=False) as client:
+            async def one() -> None:
+                async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+                    async for _ in response.aiter_lines():
+                        break  # leave after the first line: the connection closes
+
+            await asyncio.gather(*(one() for _ in range(n)))
+            return proxy.stats().get("generated_tokens", 0)
+
+    at_hangup = asyncio.run(drop())
+    deadline = time.monotonic() + 30
+    while proxy.stats().get("running", 1) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    stats = proxy.stats()
+    assert stats["running"] == 0 and stats["waiting"] == 0
+    assert stats["generated_tokens"] - at_hangup < n * 400 // 4, (at_hangup, stats)

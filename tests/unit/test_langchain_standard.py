@@ -39,7 +39,7 @@ class TestChatMLXParallmStandard(ChatModelUnitTests):
 
     @property
     def has_tool_choice(self) -> bool:
-        return True  # honoured by prompting: auto / none / required / a named function
+        return True  # auto / none by prompting; required / a named function constrained by a grammar
 
     @property
     def has_structured_output(self) -> bool:
@@ -47,7 +47,7 @@ class TestChatMLXParallmStandard(ChatModelUnitTests):
 
     @property
     def supports_json_mode(self) -> bool:
-        return True  # method="json_mode" / "json_schema": prompted, not constrained decoding
+        return True  # method="json_mode" / "json_schema": constrained decoding (llguidance)
 
     @property
     def returns_usage_metadata(self) -> bool:

@@ -6,8 +6,8 @@ They only map types: LangChain messages and call kwargs to the chat layer
 results to LangChain generations, messages and chunks. Batching happens in the engine,
 which every front door (LiteLLM, LangChain, direct calls) shares per model name; errors
 of this package (``ModelNotFoundError``, ``InvalidParameterError``, ...) propagate
-unchanged. Tool calling and JSON output are prompted (there is no constrained decoding);
-malformed calls become ``invalid_tool_calls``, never an exception.
+unchanged. JSON output and forced tool calls are constrained by the chat layer's grammars;
+with ``tool_choice="auto"`` malformed calls become ``invalid_tool_calls``, never an exception.
 """
 
 from .chat import ChatMLXParallm

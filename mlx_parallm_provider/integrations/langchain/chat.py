@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from operator import itemgetter
@@ -145,6 +147,8 @@ class ChatMLXParallm(EngineFields, BatchesFromOneThread, BaseChatModel):
             response_format=_openai_response_format(extra.get("response_format")),
             parallel_tool_calls=extra.get("parallel_tool_calls"),
         )
+        if prepared.constraint is not None:  # JSON output or a forced tool call
+            params = dataclasses.replace(params, constraint=prepared.constraint)
         return _ChatCall(engine, model, prepared, params)
 
     def _combine_llm_outputs(self, llm_outputs: list[Optional[dict]]) -> dict:

@@ -16,7 +16,8 @@ from ...errors import InvalidParameterError
 from .._common import PROVIDER
 
 #: The :class:`SamplingParams` fields, settable as model fields and per call (``bind``).
-SAMPLING_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(SamplingParams))
+#: ``constraint`` is not one: the chat layer derives it from ``response_format`` and tools.
+SAMPLING_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(SamplingParams) if f.name != "constraint")
 #: Call kwargs LangChain itself may add, ignored here (tracing only, or already honoured).
 _IGNORED_CALL_KWARGS = frozenset(("stream", "ls_structured_output_format", "structured_output_format"))
 

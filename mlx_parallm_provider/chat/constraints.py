@@ -1,0 +1,74 @@
+"""Decoding constraints for a chat request: what makes JSON output and forced tool calls
+hold by construction instead of by prompting alone.
+
+* ``response_format`` ``json_object`` / ``json_schema`` -> a JSON (schema) constraint.
+* ``tool_choice`` ``"required"`` or a named function, when the prompt asks for the Hermes
+  ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` format -> a grammar that
+  allows only such calls, each ``arguments`` valid against its tool's parameter schema.
+
+``tool_choice="auto"`` stays unconstrained (the model may answer in text), and so do tool
+formats other than Hermes (templates that render tools natively in another format). The
+prompt instructions stay too: they tell the model what the grammar will enforce.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any, Optional
+
+from ..engine import Constraint
+from ..errors import InvalidParameterError
+from .tool_defs import TOOL_CALL_END, TOOL_CALL_START
+from .tool_formats import HERMES_FORMAT, ToolCallFormat
+
+logger = logging.getLogger(__name__)
+
+_COMPACT = {"whitespace_flexible": False}
+
+
+def response_format_constraint(response_format: Any) -> Optional[Constraint]:
+    """The constraint for an OpenAI ``response_format`` (None for text or none).
+    Call after :func:`~.prepare.response_format_instruction` has validated it."""
+    kind = response_format.get("type") if isinstance(response_format, Mapping) else None
+    if kind == "json_object":
+        return Constraint.json_object()
+    if kind == "json_schema":
+        spec = response_format["json_schema"]
+        schema = spec.get("schema", spec) if isinstance(spec, Mapping) else spec
+        try:
+            return Constraint.json_schema(dict(schema))
+        except InvalidParameterError as error:
+            raise InvalidParameterError("response_format.json_schema", str(error)) from None
+    return None
+
+
+def tool_call_constraint(
+    tools: Optional[Sequence[Mapping[str, Any]]], forced: bool, tool_format: ToolCallFormat, parallel: bool
+) -> Optional[Constraint]:
+    """A grammar allowing only Hermes tool calls to ``tools`` (one, or several in a row if
+    ``parallel``), when a call is ``forced``; None otherwise. A tool schema llguidance
+    cannot compile falls back to prompting alone, logged."""
+    if not forced or not tools or tool_format.name != HERMES_FORMAT.name:
+        return None
+    schema = {"x-guidance": _COMPACT, "anyOf": [_call_schema(t["function"]) for t in tools]}
+    start, end, newline = json.dumps(TOOL_CALL_START + "\n"), json.dumps("\n" + TOOL_CALL_END), json.dumps("\n")
+    call = f"{start} %json {json.dumps(schema)} {end}"
+    more = f" ({newline} call)*" if parallel else ""
+    grammar = f"start: call{more}\ncall: {call}\n"
+    try:
+        return Constraint.lark(grammar)
+    except InvalidParameterError as error:
+        logger.warning("tool calls are prompted only: their grammar did not compile (%s)", error)
+        return None
+
+
+def _call_schema(function: Mapping[str, Any]) -> dict[str, Any]:
+    parameters = function.get("parameters") or {"type": "object"}
+    return {
+        "type": "object",
+        "properties": {"name": {"const": function["name"]}, "arguments": parameters},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
