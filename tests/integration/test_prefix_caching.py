@@ -193,3 +193,15 @@ def test_n_samples_of_one_prompt_prefill_it_once(make_engine) -> None:
     for k, prompt in enumerate(prompts):
         cached = sorted(c.usage.cached_tokens for c in on[4 * k : 4 * k + 4])
         assert cached == [0, len(prompt) - 1, len(prompt) - 1, len(prompt) - 1]
+
+
+def test_a_long_rest_after_a_cached_prefix_is_chunk_prefilled(make_engine) -> None:
+    rng = random.Random(10)
+    head = [1] + ids(rng, 100)
+    prompt = head + ids(rng, 230)  # 230 uncached tokens: four chunks of 64
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    on = make_engine(prefill_chunk_size=64)
+    on.generate_sync(head, SamplingParams(max_tokens=1))
+    got = on.generate_sync(prompt, params)
+    want = make_engine(prefill_chunk_size=64, enable_prefix_caching=False).generate_sync(prompt, params)
+    assert got.usage.cached_tokens == len(head) and got.token_ids == want.token_ids
