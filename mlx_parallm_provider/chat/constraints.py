@@ -38,7 +38,7 @@ def response_format_constraint(response_format: Any) -> Optional[Constraint]:
         spec = response_format["json_schema"]
         schema = spec.get("schema", spec) if isinstance(spec, Mapping) else spec
         try:
-            return Constraint.json_schema(dict(schema))
+            return Constraint.json_schema(closed_objects(schema))
         except InvalidParameterError as error:
             raise InvalidParameterError("response_format.json_schema", str(error)) from None
     return None
@@ -47,15 +47,18 @@ def response_format_constraint(response_format: Any) -> Optional[Constraint]:
 def tool_call_constraint(
     tools: Optional[Sequence[Mapping[str, Any]]], forced: bool, tool_format: ToolCallFormat, parallel: bool
 ) -> Optional[Constraint]:
-    """A grammar allowing only Hermes tool calls to ``tools`` (one, or several in a row if
-    ``parallel``), when a call is ``forced``; None otherwise. A tool schema llguidance
-    cannot compile falls back to prompting alone, logged."""
+    """A grammar allowing only Hermes tool calls to ``tools`` (one, or if ``parallel`` up to
+    one per tool, in a row), when a call is ``forced``; None otherwise. Objects in the argument
+    schemas are closed (:func:`closed_objects`). A tool schema llguidance cannot compile
+    falls back to prompting alone, logged."""
     if not forced or not tools or tool_format.name != HERMES_FORMAT.name:
         return None
     schema = {"x-guidance": _COMPACT, "anyOf": [_call_schema(t["function"]) for t in tools]}
     start, end, newline = json.dumps(TOOL_CALL_START + "\n"), json.dumps("\n" + TOOL_CALL_END), json.dumps("\n")
     call = f"{start} %json {json.dumps(schema)} {end}"
-    more = f" ({newline} call)*" if parallel else ""
+    # At most one call per tool offered: small models, once free to go on, repeat the same
+    # call until max_tokens runs out.
+    more = f" ({newline} call){{0,{len(tools) - 1}}}" if parallel and len(tools) > 1 else ""
     grammar = f"start: call{more}\ncall: {call}\n"
     try:
         return Constraint.lark(grammar)
@@ -64,8 +67,23 @@ def tool_call_constraint(
         return None
 
 
+def closed_objects(schema: Any) -> Any:
+    """``schema`` with ``"additionalProperties": false`` on every object that lists its
+    ``properties`` and says nothing of extra ones, as OpenAI's strict mode requires. Without
+    it a small model, free to add keys, tends to copy the schema into its answer until
+    ``max_tokens`` runs out."""
+    if isinstance(schema, Mapping):
+        out = {k: closed_objects(v) for k, v in schema.items()}
+        if "properties" in out and "additionalProperties" not in out:
+            out["additionalProperties"] = False
+        return out
+    if isinstance(schema, list):
+        return [closed_objects(v) for v in schema]
+    return schema
+
+
 def _call_schema(function: Mapping[str, Any]) -> dict[str, Any]:
-    parameters = function.get("parameters") or {"type": "object"}
+    parameters = closed_objects(function.get("parameters") or {"type": "object"})
     return {
         "type": "object",
         "properties": {"name": {"const": function["name"]}, "arguments": parameters},

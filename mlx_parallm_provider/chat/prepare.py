@@ -81,8 +81,13 @@ def prepare_chat(
     fmt = tool_call_format(tokenizer, shown, renders_tools=renders_tools) if shown else HERMES_FORMAT
     parallel = parallel_tool_calls is not False
     forced = tool_instruction is not None  # "required" or a named function
-    constraint = tool_call_constraint(shown, forced, fmt, parallel) or response_format_constraint(response_format)
+    named = forced and _choice_is_named(tool_choice)  # a named function is called once
+    constraint = tool_call_constraint(shown, forced, fmt, parallel and not named) or response_format_constraint(response_format)
     return PreparedPrompt(prompt=prompt, tools=shown, tool_format=fmt, parallel_tool_calls=parallel, constraint=constraint)
+
+
+def _choice_is_named(tool_choice: Any) -> bool:
+    return isinstance(tool_choice, Mapping) or (isinstance(tool_choice, str) and tool_choice not in ("auto", "none", "required", "any"))
 
 
 def response_format_instruction(response_format: Any) -> Optional[str]:
