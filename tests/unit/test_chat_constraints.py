@@ -21,12 +21,29 @@ def test_closed_objects_closes_every_object_that_does_not_say() -> None:
     assert "additionalProperties" not in schema  # the caller's schema is not changed
 
 
-def test_forced_calls_are_capped_at_one_per_tool_and_auto_is_free() -> None:
+def test_forced_calls_are_capped_at_one_per_tool() -> None:
     two = tool_call_constraint([WEATHER, TIME], forced=True, tool_format=HERMES_FORMAT, parallel=True)
     assert re.search(r"call\)\{0,1\}", two.value)
     one = tool_call_constraint([WEATHER, TIME], forced=True, tool_format=HERMES_FORMAT, parallel=False)
     assert one.value.startswith("start: call\n")
-    assert tool_call_constraint([WEATHER], forced=False, tool_format=HERMES_FORMAT, parallel=True) is None
+
+
+def _accepts(constraint, tokenizer, text: str) -> bool:
+    """Whether ``text`` followed by EOS is a sentence of the constraint's grammar."""
+    from mlx_parallm_provider.engine.guided import GrammarTokenizer, RowMatcher
+
+    grammar = GrammarTokenizer(tokenizer, 49152, [tokenizer.eos_token_id])
+    matcher = RowMatcher(constraint, grammar).matcher
+    return matcher.consume_tokens(tokenizer.encode(text, add_special_tokens=False)) and matcher.consume_token(tokenizer.eos_token_id)
+
+
+def test_auto_leaves_text_free_until_a_call_opens_and_then_the_call_must_parse(tiny_model) -> None:
+    auto = tool_call_constraint([WEATHER, TIME], forced=False, tool_format=HERMES_FORMAT, parallel=True)
+    tok = tiny_model.tokenizer
+    assert _accepts(auto, tok, "Plain text, even a < b, and no call.")
+    assert _accepts(auto, tok, 'Let me check. <tool_call>\n{"name":"get_weather","arguments":{"city":"Oslo"}}\n</tool_call>')
+    assert not _accepts(auto, tok, '<tool_call>\n{"name":"no_such_tool","arguments":{}}\n</tool_call>')
+    assert not _accepts(auto, tok, '<tool_call>\n{"name":"get_weather","arguments":{"town":"Oslo"}}\n</tool_call>')
 
 
 def test_text_response_format_has_no_constraint() -> None:
