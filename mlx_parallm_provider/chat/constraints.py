@@ -6,9 +6,12 @@ hold by construction instead of by prompting alone.
   ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` format -> a grammar that
   allows only such calls, each ``arguments`` valid against its tool's parameter schema.
 
-``tool_choice="auto"`` stays unconstrained (the model may answer in text), and so do tool
-formats other than Hermes (templates that render tools natively in another format). The
-prompt instructions stay too: they tell the model what the grammar will enforce.
+* ``tool_choice="auto"`` -> text is free until the model opens ``<tool_call>``; the call is
+  constrained from there (a lazy grammar), so a call that starts always parses.
+
+Tool formats other than Hermes (templates that render tools natively in another format)
+stay unconstrained. The prompt instructions stay too: they tell the model what the grammar
+will enforce.
 """
 
 from __future__ import annotations
@@ -38,25 +41,41 @@ def response_format_constraint(response_format: Any) -> Optional[Constraint]:
         spec = response_format["json_schema"]
         schema = spec.get("schema", spec) if isinstance(spec, Mapping) else spec
         try:
-            return Constraint.json_schema(dict(schema))
+            return Constraint.json_schema(closed_objects(schema))
         except InvalidParameterError as error:
             raise InvalidParameterError("response_format.json_schema", str(error)) from None
     return None
 
 
 def tool_call_constraint(
-    tools: Optional[Sequence[Mapping[str, Any]]], forced: bool, tool_format: ToolCallFormat, parallel: bool
+    tools: Optional[Sequence[Mapping[str, Any]]], forced: bool, tool_format: ToolCallFormat, parallel: bool,
+    special_start: bool = False,
 ) -> Optional[Constraint]:
-    """A grammar allowing only Hermes tool calls to ``tools`` (one, or several in a row if
-    ``parallel``), when a call is ``forced``; None otherwise. A tool schema llguidance
-    cannot compile falls back to prompting alone, logged."""
-    if not forced or not tools or tool_format.name != HERMES_FORMAT.name:
+    """The grammar of Hermes tool calls to ``tools``, or None when the prompt asked for
+    another format or offers no tools.
+
+    When a call is ``forced``, only calls may be written (one, or if ``parallel`` up to one
+    per tool, in a row). Otherwise (``tool_choice="auto"``) text is free until the model
+    writes ``<tool_call>``; from there the call is constrained (a lazy grammar), then text
+    is free again. ``special_start``: ``<tool_call>`` is one special token of the tokenizer.
+    Objects in the argument schemas are closed (:func:`closed_objects`). A tool schema
+    llguidance cannot compile falls back to prompting alone, logged.
+    """
+    if not tools or tool_format.name != HERMES_FORMAT.name:
         return None
     schema = {"x-guidance": _COMPACT, "anyOf": [_call_schema(t["function"]) for t in tools]}
-    start, end, newline = json.dumps(TOOL_CALL_START + "\n"), json.dumps("\n" + TOOL_CALL_END), json.dumps("\n")
-    call = f"{start} %json {json.dumps(schema)} {end}"
-    more = f" ({newline} call)*" if parallel else ""
-    grammar = f"start: call{more}\ncall: {call}\n"
+    if forced:
+        start, end, newline = json.dumps(TOOL_CALL_START + "\n"), json.dumps("\n" + TOOL_CALL_END), json.dumps("\n")
+        call = f"{start} %json {json.dumps(schema)} {end}"
+        # At most one call per tool offered: small models, once free to go on, repeat the
+        # same call until max_tokens runs out.
+        more = f" ({newline} call){{0,{len(tools) - 1}}}" if parallel and len(tools) > 1 else ""
+        grammar = f"start: call{more}\ncall: {call}\n"
+    else:
+        from llguidance import StructTag
+
+        tag = StructTag(trigger=TOOL_CALL_START, begin=TOOL_CALL_START + "\n", grammar=schema, end="\n" + TOOL_CALL_END)
+        grammar = StructTag.to_grammar([tag], assume_special=special_start)
     try:
         return Constraint.lark(grammar)
     except InvalidParameterError as error:
@@ -64,8 +83,23 @@ def tool_call_constraint(
         return None
 
 
+def closed_objects(schema: Any) -> Any:
+    """``schema`` with ``"additionalProperties": false`` on every object that lists its
+    ``properties`` and says nothing of extra ones, as OpenAI's strict mode requires. Without
+    it a small model, free to add keys, tends to copy the schema into its answer until
+    ``max_tokens`` runs out."""
+    if isinstance(schema, Mapping):
+        out = {k: closed_objects(v) for k, v in schema.items()}
+        if "properties" in out and "additionalProperties" not in out:
+            out["additionalProperties"] = False
+        return out
+    if isinstance(schema, list):
+        return [closed_objects(v) for v in schema]
+    return schema
+
+
 def _call_schema(function: Mapping[str, Any]) -> dict[str, Any]:
-    parameters = function.get("parameters") or {"type": "object"}
+    parameters = closed_objects(function.get("parameters") or {"type": "object"})
     return {
         "type": "object",
         "properties": {"name": {"const": function["name"]}, "arguments": parameters},

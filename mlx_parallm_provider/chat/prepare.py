@@ -18,7 +18,7 @@ from ..errors import InvalidParameterError
 from .constraints import response_format_constraint, tool_call_constraint
 from .messages import normalize_messages
 from .render import render_conversation
-from .tool_defs import add_system_instruction, apply_tool_choice
+from .tool_defs import TOOL_CALL_START, add_system_instruction, apply_tool_choice
 from .tool_formats import HERMES_FORMAT, ToolCallFormat, template_supports_tools, tool_call_format
 
 JSON_OBJECT_INSTRUCTION = "Answer with one JSON object and nothing else: no text before or after it."
@@ -81,8 +81,15 @@ def prepare_chat(
     fmt = tool_call_format(tokenizer, shown, renders_tools=renders_tools) if shown else HERMES_FORMAT
     parallel = parallel_tool_calls is not False
     forced = tool_instruction is not None  # "required" or a named function
-    constraint = tool_call_constraint(shown, forced, fmt, parallel) or response_format_constraint(response_format)
+    named = forced and _choice_is_named(tool_choice)  # a named function is called once
+    special_start = len(tokenizer.encode(TOOL_CALL_START, add_special_tokens=False)) == 1
+    constraint = (tool_call_constraint(shown, forced, fmt, parallel and not named, special_start)
+                  or response_format_constraint(response_format))
     return PreparedPrompt(prompt=prompt, tools=shown, tool_format=fmt, parallel_tool_calls=parallel, constraint=constraint)
+
+
+def _choice_is_named(tool_choice: Any) -> bool:
+    return isinstance(tool_choice, Mapping) or (isinstance(tool_choice, str) and tool_choice not in ("auto", "none", "required", "any"))
 
 
 def response_format_instruction(response_format: Any) -> Optional[str]:

@@ -515,7 +515,7 @@ def replying(tiny_model: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
 
 
 def test_bound_tools_give_tool_calls_on_invoke_and_stream(replying: Any) -> None:
-    engine = replying('Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>')
+    engine = replying('Checking.\n<tool_call>\n{"name":"get_weather","arguments":{"city":"Paris"}}\n</tool_call>')
     chat = ChatMLXParallm(model="replying", max_tokens=64).bind_tools([get_weather, get_time])
     message = chat.invoke("What's the weather in Paris?")
     assert message.content == "Checking."
@@ -533,7 +533,7 @@ def test_bound_tools_give_tool_calls_on_invoke_and_stream(replying: Any) -> None
 
 
 def test_a_tool_round_trip_continues_from_the_tool_result(replying: Any) -> None:
-    replying('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>')
+    replying('<tool_call>\n{"name":"get_weather","arguments":{"city":"Paris"}}\n</tool_call>')
     chat = ChatMLXParallm(model="replying", max_tokens=64).bind_tools([get_weather])
     history: list[Any] = [HumanMessage("Weather in Paris?")]
     call_message = chat.invoke(history)

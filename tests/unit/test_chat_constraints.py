@@ -1,0 +1,51 @@
+"""The chat layer's decoding constraints (issue 11): which requests get one, and its shape."""
+
+from __future__ import annotations
+
+import re
+
+from fakes import TIME, WEATHER
+from mlx_parallm_provider.chat.constraints import closed_objects, response_format_constraint, tool_call_constraint
+from mlx_parallm_provider.chat.tool_formats import HERMES_FORMAT
+
+
+def test_closed_objects_closes_every_object_that_does_not_say() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "integer"}}},
+                                               "c": {"type": "object", "properties": {}, "additionalProperties": True}},
+              "anyOf": [{"properties": {"d": {}}}]}
+    closed = closed_objects(schema)
+    assert closed["additionalProperties"] is False
+    assert closed["properties"]["a"]["additionalProperties"] is False
+    assert closed["properties"]["c"]["additionalProperties"] is True  # said explicitly: kept
+    assert closed["anyOf"][0]["additionalProperties"] is False
+    assert "additionalProperties" not in schema  # the caller's schema is not changed
+
+
+def test_forced_calls_are_capped_at_one_per_tool() -> None:
+    two = tool_call_constraint([WEATHER, TIME], forced=True, tool_format=HERMES_FORMAT, parallel=True)
+    assert re.search(r"call\)\{0,1\}", two.value)
+    one = tool_call_constraint([WEATHER, TIME], forced=True, tool_format=HERMES_FORMAT, parallel=False)
+    assert one.value.startswith("start: call\n")
+
+
+def _accepts(constraint, tokenizer, text: str) -> bool:
+    """Whether ``text`` followed by EOS is a sentence of the constraint's grammar."""
+    from mlx_parallm_provider.engine.guided import GrammarTokenizer, RowMatcher
+
+    grammar = GrammarTokenizer(tokenizer, 49152, [tokenizer.eos_token_id])
+    matcher = RowMatcher(constraint, grammar).matcher
+    return matcher.consume_tokens(tokenizer.encode(text, add_special_tokens=False)) and matcher.consume_token(tokenizer.eos_token_id)
+
+
+def test_auto_leaves_text_free_until_a_call_opens_and_then_the_call_must_parse(tiny_model) -> None:
+    auto = tool_call_constraint([WEATHER, TIME], forced=False, tool_format=HERMES_FORMAT, parallel=True)
+    tok = tiny_model.tokenizer
+    assert _accepts(auto, tok, "Plain text, even a < b, and no call.")
+    assert _accepts(auto, tok, 'Let me check. <tool_call>\n{"name":"get_weather","arguments":{"city":"Oslo"}}\n</tool_call>')
+    assert not _accepts(auto, tok, '<tool_call>\n{"name":"no_such_tool","arguments":{}}\n</tool_call>')
+    assert not _accepts(auto, tok, '<tool_call>\n{"name":"get_weather","arguments":{"town":"Oslo"}}\n</tool_call>')
+
+
+def test_text_response_format_has_no_constraint() -> None:
+    assert response_format_constraint(None) is None and response_format_constraint({"type": "text"}) is None
+    assert response_format_constraint({"type": "json_object"}).kind == "json_object"
