@@ -205,9 +205,12 @@ def _build_response(model_response: Optional[ModelResponse], call: LiteLLMCall, 
     response.choices = [_choice(i, call, c) for i, c in enumerate(completions)]
     response.model = call.model
     response.created = int(time.time())
-    prompt_tokens = sum(c.usage.prompt_tokens for c in completions[:: call.n])  # each prompt once
+    firsts = completions[:: call.n]  # each prompt once
+    prompt_tokens = sum(c.usage.prompt_tokens for c in firsts)
+    cached_tokens = sum(c.usage.cached_tokens for c in firsts)
     completion_tokens = sum(c.usage.completion_tokens for c in completions)
-    setattr(response, "usage", litellm.Usage(**usage_dict(Usage(prompt_tokens, completion_tokens))))
+    usage = Usage(prompt_tokens, completion_tokens, cached_tokens=cached_tokens)
+    setattr(response, "usage", litellm.Usage(**usage_dict(usage)))
     return response
 
 

@@ -217,7 +217,8 @@ def test_chat_stream_joins_to_the_invoked_text_and_callbacks_get_each_token_once
     assert recorder.tokens == [c.content for c in chunks]
     assert [c.usage_metadata is not None for c in chunks].count(True) == 1 and chunks[-1].usage_metadata
     merged = sum(chunks[1:], chunks[0])
-    assert merged.usage_metadata == invoked.usage_metadata
+    # The same prompt again: all but its last token now come from the prefix cache.
+    assert merged.usage_metadata == {**invoked.usage_metadata, "input_token_details": {"cache_read": invoked.usage_metadata["input_tokens"] - 1}}
     assert merged.response_metadata["finish_reason"] == "length"
     assert merged.response_metadata["model_name"] == model_name
 
@@ -232,7 +233,7 @@ def test_chat_streaming_invoke_reports_every_token_once(model_name: str) -> None
     message = run(streaming.ainvoke("Tell me a joke", config={"callbacks": [recorder]}))
     assert message.content == plain.content
     assert "".join(recorder.tokens) == plain.content
-    assert message.usage_metadata == plain.usage_metadata
+    assert message.usage_metadata == {**plain.usage_metadata, "input_token_details": {"cache_read": plain.usage_metadata["input_tokens"] - 1}}
 
 
 def test_llm_stream_joins_to_the_invoked_text_and_callbacks_get_each_token_once(model_name: str) -> None:
@@ -264,6 +265,7 @@ def test_llm_stream_ends_with_finish_reason_and_usage(model_name: str, engine: E
         "prompt_tokens": prompt_tokens,
         "completion_tokens": MAX_TOKENS,
         "total_tokens": prompt_tokens + MAX_TOKENS,
+        "prompt_tokens_details": {"cached_tokens": 0},
     }
     assert all(c.generation_info is None for c in chunks[:-1])
 
@@ -422,7 +424,7 @@ def test_recorded_tool_calls_parse_into_tool_calls(name: str) -> None:
     assert all(ids) and len(set(ids)) == len(ids)
     assert message.invalid_tool_calls == []
     assert message.response_metadata["finish_reason"] == "tool_calls"
-    assert message.usage_metadata == {"input_tokens": 40, "output_tokens": 25, "total_tokens": 65}
+    assert message.usage_metadata == {"input_tokens": 40, "output_tokens": 25, "total_tokens": 65, "input_token_details": {"cache_read": 0}}
 
 
 @pytest.mark.parametrize("name", list(RECORDED))

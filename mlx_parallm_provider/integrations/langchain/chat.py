@@ -153,10 +153,9 @@ class ChatMLXParallm(EngineFields, BatchesFromOneThread, BaseChatModel):
 
     def _combine_llm_outputs(self, llm_outputs: list[Optional[dict]]) -> dict:
         outputs = [o for o in llm_outputs if o]
-        totals: dict[str, int] = {}
+        totals: dict[str, Any] = {}
         for output in outputs:
-            for key, value in (output.get("token_usage") or {}).items():
-                totals[key] = totals.get(key, 0) + value
+            _add_counts(totals, output.get("token_usage") or {})
         combined: dict[str, Any] = {"token_usage": totals}
         if outputs:
             combined["model_name"] = outputs[0].get("model_name")
@@ -280,3 +279,12 @@ def _emit(writer: ChunkWriter, deltas: Iterable[Delta], run_manager: Optional[Ca
 
 def _as_delta(completion: Completion) -> Delta:
     return Delta(completion.request_id, completion.text, completion.token_ids, completion.finish_reason, completion.usage, completion.logprobs)
+
+
+def _add_counts(totals: dict[str, Any], counts: Mapping[str, Any]) -> None:
+    """Add OpenAI usage ``counts`` into ``totals``, nested dicts (``prompt_tokens_details``) too."""
+    for key, value in counts.items():
+        if isinstance(value, Mapping):
+            _add_counts(totals.setdefault(key, {}), value)
+        else:
+            totals[key] = totals.get(key, 0) + value

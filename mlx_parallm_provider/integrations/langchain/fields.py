@@ -105,7 +105,12 @@ class EngineFields(BaseModel):
 
 def usage_metadata(usage: Usage) -> UsageMetadata:
     """LangChain's ``usage_metadata`` for a request's usage."""
-    return UsageMetadata(input_tokens=usage.prompt_tokens, output_tokens=usage.completion_tokens, total_tokens=usage.total_tokens)
+    return UsageMetadata(
+        input_tokens=usage.prompt_tokens,
+        output_tokens=usage.completion_tokens,
+        total_tokens=usage.total_tokens,
+        input_token_details={"cache_read": usage.cached_tokens},
+    )
 
 
 def logprobs_dict(logprobs: Sequence[TokenLogprob]) -> dict[str, Any]:
