@@ -18,6 +18,10 @@ from .._validation import check_int
 from ..errors import EngineOverloadedError, InvalidParameterError, MLXParallmError
 from .request import Completion, Prompt, Request, ResultSink, SamplingParams
 
+#: Most choices one call may ask for (OpenAI's limit). Larger ``n`` would run in waves for
+#: minutes, holding a quarter of the queue's worth of rows from every other caller.
+MAX_N = 128
+
 #: How often a call waiting for room in a full queue looks again (seconds).
 POLL_S = 0.005
 
@@ -31,7 +35,7 @@ def expand(
     """Every prompt ``n`` times, prompt by prompt. ``params`` is one :class:`SamplingParams`
     for all prompts or one per prompt. Choice ``i`` of a seeded request samples with
     ``seed + i``, so each choice is reproducible and the choices differ."""
-    check_int("n", n, minimum=1)
+    check_int("n", n, minimum=1, maximum=MAX_N)
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
         raise InvalidParameterError("prompts", f"must be a list of prompts, got {type(prompts).__name__}")
     if params is None or isinstance(params, SamplingParams):

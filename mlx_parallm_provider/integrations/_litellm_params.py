@@ -18,6 +18,7 @@ from typing import Any, Optional
 import litellm
 
 from .._validation import check_int
+from ..engine.fanout import MAX_N
 from ..chat import PreparedPrompt, prepare_chat, prepare_text
 from ..engine import EngineLike, SamplingParams
 from ..errors import InvalidParameterError
@@ -71,7 +72,7 @@ def prepare_call(
     params = _honoured_params(optional_params, litellm_params, model, stream=stream)
     sampling = _sampling_params(params, timeout)
     n = params.get("n", 1)
-    check_int("n", n, minimum=1)
+    check_int("n", n, minimum=1, maximum=MAX_N)
     if litellm_params.get("text_completion"):
         prompts = [prepare_text(p) for p in _text_prompts(messages)]
     else:

@@ -588,3 +588,10 @@ def test_a_tool_round_trip_renders_the_history(engine: FakeEngine) -> None:
         "<|im_start|>assistant\nLet me check.\n" + PARIS_CALL + "<|im_end|>\n"
         "<|im_start|>user\n<tool_response>\n18C\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
     )
+
+
+def test_n_beyond_openais_limit_is_a_bad_request(engine: FakeEngine) -> None:
+    # Issue 8: n=5000 through the proxy filled the queue; now any n runs in waves, so a huge n
+    # would hold rows for minutes. OpenAI's own limit (128) is the bound.
+    with pytest.raises(litellm.BadRequestError, match=r"n: must be <= 128"):
+        litellm.completion(model=MODEL, messages=HI, n=129)
