@@ -29,7 +29,7 @@ class Constraint:
             raise InvalidParameterError("constraint", f"kind must be one of {', '.join(_KINDS)}, got {self.kind!r}")
         if not isinstance(self.value, str):
             raise InvalidParameterError("constraint", f"{self.kind} must be a string, got {type(self.value).__name__}")
-        error = _llguidance().LLMatcher.validate_grammar(self.grammar())
+        error = import_llguidance().LLMatcher.validate_grammar(self.grammar())
         if error:
             raise InvalidParameterError(f"constraint ({self.kind})", error.strip().splitlines()[0])
 
@@ -63,7 +63,7 @@ class Constraint:
 
     def grammar(self) -> str:
         """The llguidance grammar of this constraint."""
-        matcher = _llguidance().LLMatcher
+        matcher = import_llguidance().LLMatcher
         if self.kind == "json_schema":
             try:
                 return matcher.grammar_from_json_schema(self.value, defaults=_COMPACT_JSON)
@@ -76,7 +76,8 @@ class Constraint:
         return matcher.grammar_from_lark(self.value)
 
 
-def _llguidance() -> Any:
+def import_llguidance() -> Any:
+    """The llguidance module, or an InvalidParameterError saying to install it."""
     try:
         import llguidance
     except ImportError:  # pragma: no cover - a declared dependency

@@ -17,7 +17,7 @@ from typing import Any, Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
-from .constraint import Constraint, _llguidance
+from .constraint import Constraint, import_llguidance
 
 
 class GrammarTokenizer:
@@ -32,7 +32,7 @@ class GrammarTokenizer:
     def get(self) -> Any:
         with self._lock:
             if self._built is None:
-                llg = _llguidance()
+                llg = import_llguidance()
                 hf = getattr(self._tokenizer, "_tokenizer", self._tokenizer)
                 backend = copy(hf.backend_tokenizer)
                 backend.no_padding()
@@ -46,7 +46,7 @@ class RowMatcher:
     """The matcher of one constrained request."""
 
     def __init__(self, constraint: Constraint, tokenizer: GrammarTokenizer) -> None:
-        self.matcher = _llguidance().LLMatcher(tokenizer.get(), constraint.grammar(), log_level=0)
+        self.matcher = import_llguidance().LLMatcher(tokenizer.get(), constraint.grammar(), log_level=0)
         self._check()
 
     def consume(self, token: int) -> None:
@@ -77,7 +77,7 @@ def mask_logits(logits: mx.array, matchers: Sequence[Optional[RowMatcher]], toke
     batch, vocab = logits.shape
     words = (vocab + 31) // 32
     bitmask = np.full((batch, words), -1, dtype=np.int32)
-    tokenizer.get()
+    # The executor exists: it is built with the tokenizer, which every RowMatcher needed.
     tokenizer.executor.unsafe_compute_mask_ptr(rows, bitmask.ctypes.data, words * 4, batch)
     bits = (mx.array(bitmask)[:, :, None] >> mx.arange(32, dtype=mx.int32)) & 1
     allowed = bits.reshape(batch, words * 32)[:, :vocab].astype(mx.bool_)

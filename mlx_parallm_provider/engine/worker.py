@@ -375,10 +375,7 @@ class Worker:
             if not request.finished:
                 request.finished = True
                 self.metrics.request_finished(request.request_id)
-                try:
-                    request.sink.put(exc)
-                except Exception:  # the caller is gone; keep failing the others
-                    pass
+                self._deliver(request, exc)
         self.rows, self.cache = [], None
 
 
