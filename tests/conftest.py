@@ -103,3 +103,16 @@ def make_engine(tiny_model):
     yield factory
     for engine in engines:
         engine.shutdown()
+
+
+@pytest.fixture
+def fresh_litellm_engines():
+    """The LiteLLM provider registered and no shared engine, before and after the test
+    (the models themselves load once per process). Modules opt in with
+    ``pytestmark = pytest.mark.usefixtures("fresh_litellm_engines")``."""
+    from mlx_parallm_provider import register, shutdown_engines
+
+    register()
+    shutdown_engines()
+    yield
+    shutdown_engines()

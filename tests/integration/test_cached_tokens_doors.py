@@ -4,24 +4,14 @@ as OpenAI (``usage.prompt_tokens_details.cached_tokens``) and LangChain
 
 from __future__ import annotations
 
-from typing import Any
-
 import litellm
 import pytest
 
-import mlx_parallm_provider
-from mlx_parallm_provider.engine import shutdown_engines
 from mlx_parallm_provider.langchain import ChatMLXParallm
 
+pytestmark = pytest.mark.usefixtures("fresh_litellm_engines")
+
 SYSTEM = {"role": "system", "content": " ".join(f"Rule {i}: answer briefly and politely." for i in range(30))}
-
-
-@pytest.fixture(autouse=True)
-def _fresh() -> Any:
-    mlx_parallm_provider.register()
-    shutdown_engines()
-    yield
-    shutdown_engines()
 
 
 def test_litellm_reports_cached_prompt_tokens(tiny_model_dir) -> None:

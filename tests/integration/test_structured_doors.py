@@ -12,9 +12,9 @@ import litellm
 import pytest
 from pydantic import BaseModel
 
-import mlx_parallm_provider
-from mlx_parallm_provider.engine import shutdown_engines
 from mlx_parallm_provider.langchain import ChatMLXParallm
+
+pytestmark = pytest.mark.usefixtures("fresh_litellm_engines")
 
 N = 16
 CITY = {"type": "string", "enum": ["Paris", "Oslo", "Lima"]}
@@ -37,14 +37,6 @@ SCHEMAS = [
     {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 9}},
      "required": ["ok", "n"], "additionalProperties": False},
 ]
-
-
-@pytest.fixture(autouse=True)
-def _fresh() -> Any:
-    mlx_parallm_provider.register()
-    shutdown_engines()
-    yield
-    shutdown_engines()
 
 
 def _valid(value: Any, schema: dict) -> bool:

@@ -14,24 +14,14 @@ import pytest
 
 from fakes import chat_prompt
 
-import mlx_parallm_provider
-from mlx_parallm_provider import SamplingParams, get_engine, shutdown_engines
+from mlx_parallm_provider import SamplingParams, get_engine
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fresh_litellm_engines")]
 
 MODEL = "mlx-parallm/default"
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 FRUITS = [[{"role": "user", "content": f"Name a fruit that is {colour}."}] for colour in ("red", "yellow", "green", "orange")]
 TOKENS = 16
-
-
-@pytest.fixture(autouse=True)
-def _fresh_engine() -> Any:
-    """A fresh shared engine per test (the model itself loads once per process)."""
-    mlx_parallm_provider.register()
-    shutdown_engines()
-    yield
-    shutdown_engines()
 
 
 def content(response: Any) -> str:

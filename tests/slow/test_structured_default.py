@@ -10,10 +10,8 @@ from typing import Any
 import litellm
 import pytest
 
-import mlx_parallm_provider
-from mlx_parallm_provider import shutdown_engines
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fresh_litellm_engines")]
 
 MODEL = "mlx-parallm/default"
 N = 16
@@ -28,14 +26,6 @@ TOOLS = [
 ]
 QUESTIONS = [f"I am planning trip number {i} to {city}. What should I check first?"
              for i, city in enumerate(["Paris", "Oslo", "Lima", "Tokyo"] * 4)]
-
-
-@pytest.fixture(autouse=True)
-def _fresh_engine() -> Any:
-    mlx_parallm_provider.register()
-    shutdown_engines()
-    yield
-    shutdown_engines()
 
 
 def _all(max_tokens: int = 80, **kw: Any) -> list[Any]:
