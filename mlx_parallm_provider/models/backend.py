@@ -149,7 +149,10 @@ def prepare_model(model: Any, dequantize: Optional[bool] = None) -> Any:
     import mlx.nn as nn
     from mlx_lm.utils import dequantize_model
 
+    from .attention import install as install_attention
+
     log_backend_once()
+    install_attention(model)
     if should_dequantize(dequantize):
         has_quantized = any(
             isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for _, m in model.named_modules()
