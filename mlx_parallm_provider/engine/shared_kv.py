@@ -16,6 +16,8 @@ which is what RoPE needs.
 
 from __future__ import annotations
 
+import math
+from functools import partial
 from typing import Any, Optional, Sequence
 
 import mlx.core as mx
@@ -165,10 +167,33 @@ def _bool_mask(mask: Optional[Any], L: int, S: int) -> Optional[mx.array]:
     return mask
 
 
+_EXP2_TAYLOR = [math.log(2) ** k / math.factorial(k) for k in range(8)]
+
+
+@partial(mx.compile, shapeless=True)
+def _exp2_parts(x: mx.array, top: mx.array) -> tuple[mx.array, mx.array]:
+    """``exp(x - top) = 2^f * 2^n``: the polynomial 2^f (|f| <= 1/2) and the float bits of 2^n."""
+    y = mx.maximum((x - top) * 1.4426950408889634, -126.0)
+    n = mx.round(y)
+    f = y - n
+    p = _EXP2_TAYLOR[7]
+    for c in reversed(_EXP2_TAYLOR[:7]):
+        p = p * f + c
+    return p, (n.astype(mx.int32) + 127) << 23
+
+
+def _exp_shifted(x: mx.array, top: mx.array) -> mx.array:
+    """``exp(x - top)`` for ``x <= top`` (float32). MLX's CPU ``exp`` is scalar (~20 ns an
+    element on x86); this is several times faster with the same accuracy (relative error
+    ~2e-7, flushing to 0 below 2^-126)."""
+    p, bits = _exp2_parts(x, top)
+    return p * bits.view(mx.float32)
+
+
 def _partial(scores: mx.array, values: mx.array) -> tuple[mx.array, mx.array, mx.array]:
     """Unnormalised softmax-weighted values, the row maxima and the sums of exponentials."""
     m = mx.max(scores, axis=-1, keepdims=True)
-    p = mx.exp(scores - m)
+    p = _exp_shifted(scores, m) if mx.default_device().type == mx.DeviceType.cpu else mx.exp(scores - m)
     return p @ values, m, mx.sum(p, axis=-1, keepdims=True)
 
 
@@ -199,15 +224,19 @@ def cascade_attention(
     num, m, den = _partial(scores, values.astype(work))
     for prefix, rows in groups:
         n = rows.shape[0]
-        qg = q[rows].swapaxes(0, 1).reshape(kv_heads, n * rep * L, D)
+        whole = n == B  # every row shares this prefix: no gather / scatter
+        qg = (q if whole else q[rows]).swapaxes(0, 1).reshape(kv_heads, n * rep * L, D)
         sp = (qg @ prefix.keys[0].swapaxes(-1, -2)).astype(work)  # (kv_heads, n*rep*L, P)
         pn, pm, pd = _partial(sp, prefix.values[0].astype(work))
         back = lambda x: x.reshape(kv_heads, n, rep * L, -1).swapaxes(0, 1)  # noqa: E731
         pn, pm, pd = back(pn), back(pm), back(pd)
-        sn, sm, sd = num[rows], m[rows], den[rows]
+        sn, sm, sd = (num, m, den) if whole else (num[rows], m[rows], den[rows])
         top = mx.maximum(sm, pm)
         a, b = mx.exp(sm - top), mx.exp(pm - top)
-        num[rows] = sn * a + pn * b
-        den[rows] = sd * a + pd * b
+        if whole:
+            num, den = sn * a + pn * b, sd * a + pd * b
+        else:
+            num[rows] = sn * a + pn * b
+            den[rows] = sd * a + pd * b
     out = num / den
     return out.reshape(B, H, L, D).astype(queries.dtype)
