@@ -50,6 +50,26 @@ def _slice(kv: list[LayerKV], start: int, end: Optional[int] = None) -> list[Lay
     return out
 
 
+def kv_range(pieces: list[list[LayerKV]], start: int, end: int) -> list[LayerKV]:
+    """Every layer's KV of tokens ``start:end`` of the run that ``pieces`` (from
+    :meth:`PrefixCache.fetch_pieces`) hold, reading only the pieces that overlap it; a
+    range inside one piece is a view of it, not a copy."""
+    parts: list[list[LayerKV]] = []
+    at = 0
+    for piece in pieces:
+        n = piece[0][0].shape[2]
+        a, b = max(start - at, 0), min(end - at, n)
+        if a < b:
+            parts.append(piece if (a, b) == (0, n) else [(k[:, :, a:b], v[:, :, a:b]) for k, v in piece])
+        at += n
+    if len(parts) == 1:
+        return parts[0]
+    return [
+        (mx.concatenate([p[layer][0] for p in parts], axis=2), mx.concatenate([p[layer][1] for p in parts], axis=2))
+        for layer in range(len(parts[0]))
+    ]
+
+
 class PrefixCache:
     """Radix tree of token ids -> KV, bounded by ``max_bytes`` with LRU eviction of leaves.
 
@@ -75,6 +95,14 @@ class PrefixCache:
     def fetch(self, tokens: Sequence[int], n: int) -> list[LayerKV]:
         """Every layer's KV of ``tokens[:n]`` (``n`` at most :meth:`match`), as new arrays
         the caller owns; marks the path as recently used."""
+        pieces = self.fetch_pieces(tokens, n)
+        if len(pieces) == 1:
+            return [(mx.contiguous(k), mx.contiguous(v)) for k, v in pieces[0]]
+        return kv_range(pieces, 0, n)
+
+    def fetch_pieces(self, tokens: Sequence[int], n: int) -> list[list[LayerKV]]:
+        """The KV of ``tokens[:n]`` as the stored pieces along its path (views of the
+        store's arrays, nothing copied: see :func:`kv_range`); marks the path as used."""
         pieces: list[list[LayerKV]] = []
         got = 0
         self._tick += 1
@@ -84,12 +112,7 @@ class PrefixCache:
             got += used
         if got < n:
             raise KeyError(f"only {got} of the {n} requested tokens are cached")
-        if len(pieces) == 1:
-            return [(mx.contiguous(k), mx.contiguous(v)) for k, v in pieces[0]]
-        return [
-            (mx.concatenate([p[layer][0] for p in pieces], axis=2), mx.concatenate([p[layer][1] for p in pieces], axis=2))
-            for layer in range(len(pieces[0]))
-        ]
+        return pieces
 
     # -- updates -----------------------------------------------------------------------
 

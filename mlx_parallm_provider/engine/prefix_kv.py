@@ -11,13 +11,12 @@ import sys
 from array import array
 from typing import Any, Callable, Iterable, Optional, Sequence
 
-import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from ..config import EngineConfig
 from ..models import attention
 from .output import RowState
-from .prefix_cache import LayerKV, PrefixCache
+from .prefix_cache import LayerKV, PrefixCache, kv_range
 from .prefix_match import common_prefix_len
 from .request import Request
 from .shared_kv import SharedPrefix, SharedPrefixBatchCache
@@ -66,7 +65,7 @@ def fetch_prefixes(store: Optional[PrefixCache], requests: Sequence[Request], fa
         if store is None or not request.num_cached or state is None or state.prefix is not None or state.cache is not None:
             continue
         try:
-            state.prefix = store.fetch(request.prompt_ids, request.num_cached)
+            state.prefix = store.fetch_pieces(request.prompt_ids, request.num_cached)
         except Exception as exc:
             fail(request, exc)
 
@@ -109,7 +108,8 @@ def _share_groups(requests: Sequence[Request]) -> list[tuple[int, list[int]]]:
 def batch_cache_from_prefixes(num_layers: int, requests: Sequence[Request], share: bool = False) -> list[Any]:
     """A left-padded batch cache, one row per request, holding its fetched prefix KV
     (which the request hands over). With ``share``, rows admitted together with a common
-    cached prefix reference one copy of it (:class:`SharedPrefixBatchCache`)."""
+    cached prefix reference one copy of it (:class:`SharedPrefixBatchCache`): a view of
+    the store's arrays where the prefix is one stored piece, so nothing is copied."""
     prefixes = []
     for r in requests:
         prefixes.append(r.state.prefix)
@@ -118,9 +118,9 @@ def batch_cache_from_prefixes(num_layers: int, requests: Sequence[Request], shar
     shared: list[list[Optional[SharedPrefix]]] = [[None] * len(requests) for _ in range(num_layers)]
     for length, rows in _share_groups(requests) if share else []:
         key = array("q", requests[rows[0]].prompt_ids[:length]).tobytes()
+        kv = kv_range(prefixes[rows[0]], 0, length)
         for layer in range(num_layers):
-            k, v = prefixes[rows[0]][layer]
-            one = SharedPrefix(mx.contiguous(k[:, :, :length]), mx.contiguous(v[:, :, :length]), key)
+            one = SharedPrefix(*kv[layer], key)
             for i in rows:
                 shared[layer][i] = one
         for i in rows:
@@ -128,16 +128,37 @@ def batch_cache_from_prefixes(num_layers: int, requests: Sequence[Request], shar
     per_layer: list[list[KVCache]] = [[] for _ in range(num_layers)]
     for i, (r, prefix) in enumerate(zip(requests, prefixes)):
         own = r.num_cached - shared_len[i]
+        kv = kv_range(prefix, shared_len[i], r.num_cached) if prefix and own else None
         for layer, rows in enumerate(per_layer):
             row = KVCache()
-            if prefix and own:
-                k, v = prefix[layer]
-                row.keys, row.values = k[:, :, shared_len[i] : r.num_cached], v[:, :, shared_len[i] : r.num_cached]
+            if kv is not None:
+                row.keys, row.values = kv[layer]
                 row.offset = own
             rows.append(row)
     if not share:
         return [BatchKVCache.merge(rows) for rows in per_layer]
     return [SharedPrefixBatchCache(BatchKVCache.merge(rows), shared[layer]) for layer, rows in enumerate(per_layer)]
+
+
+def adopt_shared_prefixes(cache: Optional[list[Any]], sequences: Sequence[list[int]]) -> None:
+    """After rows join the decode batch: a row holding its own copy of a prefix that other
+    rows share (it computed that prefix before they arrived, e.g. the first of a burst or
+    of ``n`` samples) switches to the shared copy (``sequences[i]``: row i's prompt)."""
+    if not cache or not isinstance(cache[0], SharedPrefixBatchCache):
+        return
+    first = cache[0]
+    keys = {p.key: p.length for p in first.prefixes if p is not None}
+    rows = {}
+    for i, seq in enumerate(sequences):
+        if first.prefixes[i] is not None:
+            continue
+        for key, length in keys.items():
+            if len(seq) > length and first.row_length(i) >= length and array("q", seq[:length]).tobytes() == key:
+                rows[i] = key
+                break
+    if rows:
+        for c in cache:
+            c.adopt(rows)
 
 
 def store_rows(

@@ -134,6 +134,27 @@ class SharedPrefixBatchCache:
         self.prefixes = self.prefixes + [None if p is None else mine.get(p.key, p) for p in other.prefixes]
         self._groups = None
 
+    def adopt(self, rows: dict[int, bytes]) -> None:
+        """Let plain rows use a prefix already here (``rows``: row -> prefix key) whose
+        tokens their own KV starts with: those tokens become left padding of the row (the
+        same values, now read from the shared copy), and the columns every row pads are cut,
+        so a row that computed the prefix itself stops holding a copy of it."""
+        by_key = {p.key: p for p in self.prefixes if p is not None}
+        grow = [0] * len(self.prefixes)
+        for i, key in rows.items():
+            self.prefixes[i] = by_key[key]
+            grow[i] = by_key[key].length
+        if not any(grow):
+            return
+        s, g = self.suffix, mx.array(grow)
+        s.left_padding, s.offset = s.left_padding + g, s.offset - g
+        self._groups = None
+        cut = min(s.left_padding.tolist())
+        if cut > 0 and s.keys is not None:
+            s.keys, s.values = mx.contiguous(s.keys[..., cut:, :]), mx.contiguous(s.values[..., cut:, :])
+            s._idx -= cut
+            s.left_padding = s.left_padding - cut
+
     def row_kv(self, i: int, start: int, end: int) -> tuple[mx.array, mx.array]:
         """Row ``i``'s K and V of its sequence's tokens ``start:end`` (prefix, then own)."""
         prefix = self.prefixes[i]

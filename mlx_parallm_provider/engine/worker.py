@@ -35,7 +35,7 @@ from .guided import GrammarTokenizer
 from .metrics import EngineMetrics
 from .output import RowState, add_token
 from .prefill import new_batch_cache, run_pieces, run_right_padded
-from .prefix_kv import batch_cache_from_prefixes, can_share_kv, fetch_prefixes, make_prefix_cache, store_rows
+from .prefix_kv import adopt_shared_prefixes, batch_cache_from_prefixes, can_share_kv, fetch_prefixes, make_prefix_cache, store_rows
 from .request import Request
 from .sampling import RowSampler, SampledRow, sample_batch
 from .scheduler import Scheduler
@@ -277,6 +277,7 @@ class Worker:
             for mine, theirs in zip(self.cache, cache):
                 mine.extend(theirs)
         self.rows.extend(requests)
+        adopt_shared_prefixes(self.cache, [r.prompt_ids for r in self.rows])
         self.scheduler.started(requests)
         self._after_sampling(requests, sampled)
 

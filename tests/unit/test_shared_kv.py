@@ -110,3 +110,23 @@ def test_half_precision_is_computed_in_float32(dtype) -> None:
     got = cache.attend(q, keys, values, scale=0.25, mask=mask)
     want = _reference(cache, q.astype(mx.float32), keys.astype(mx.float32), values.astype(mx.float32), mx.broadcast_to(mask, (2, 1, 1, 1)))
     assert got.dtype == dtype and mx.abs(got.astype(mx.float32) - want).max().item() < 2e-2
+
+
+def test_a_row_holding_its_own_copy_adopts_the_shared_one() -> None:
+    a = _prefix(24, 15, b"a")
+    mx.random.seed(16)
+    own = mx.random.normal((1, KV, 3, D))
+    # Row 0 computed the prefix itself: its own KV is the prefix's 24 tokens + 3 more.
+    plain = SharedPrefixBatchCache(BatchKVCache([0]), [None])
+    plain.update_and_fetch(mx.concatenate([a.keys, own], axis=2), mx.concatenate([a.values, own], axis=2))
+    joining = SharedPrefixBatchCache(BatchKVCache([0, 1]), [a, a])
+    _step(joining, 2, 17, [2, 1])
+    plain.extend(joining)
+    before = plain.offset.tolist()
+    plain.adopt({0: b"a"})
+    assert plain.prefixes[0] is a and plain.offset.tolist() == before == [27, 26, 25]
+    assert plain.suffix.size() == 3 and plain.row_length(0) == 27  # the copy is gone
+    k, _ = plain.row_kv(0, 22, 27)
+    assert mx.array_equal(k, mx.concatenate([a.keys[:, :, 22:], own], axis=2)).item()
+    for step in range(2):
+        assert _step(plain, 1, 18 + step, [1, 1, 1]) < 1e-5
