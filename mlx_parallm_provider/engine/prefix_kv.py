@@ -140,25 +140,26 @@ def batch_cache_from_prefixes(num_layers: int, requests: Sequence[Request], shar
     return [SharedPrefixBatchCache(BatchKVCache.merge(rows), shared[layer]) for layer, rows in enumerate(per_layer)]
 
 
-def adopt_shared_prefixes(cache: Optional[list[Any]], sequences: Sequence[list[int]]) -> None:
-    """After rows join the decode batch: a row holding its own copy of a prefix that other
-    rows share (it computed that prefix before they arrived, e.g. the first of a burst or
-    of ``n`` samples) switches to the shared copy (``sequences[i]``: row i's prompt)."""
-    if not cache or not isinstance(cache[0], SharedPrefixBatchCache):
+def adopt_shared_prefixes(cache: Optional[list[Any]], sequences: Sequence[list[int]], joining: list[Any]) -> None:
+    """Before the ``joining`` rows are appended to ``cache`` (the decode batch; row i's
+    prompt is ``sequences[i]``): a row holding its own copy of a prefix that joining rows
+    share (it computed that prefix before they arrived, e.g. the first of a burst or of
+    ``n`` samples) switches to their shared copy, so no batch ever widens to that copy."""
+    if not cache or not isinstance(cache[0], SharedPrefixBatchCache) or not isinstance(joining[0], SharedPrefixBatchCache):
         return
-    first = cache[0]
-    keys = {p.key: p.length for p in first.prefixes if p is not None}
-    rows = {}
+    offered = {p.key: j for j, p in enumerate(joining[0].prefixes) if p is not None}
+    rows: dict[int, int] = {}  # decode row -> a joining row whose prefix it takes
     for i, seq in enumerate(sequences):
-        if first.prefixes[i] is not None:
+        if cache[0].prefixes[i] is not None:
             continue
-        for key, length in keys.items():
-            if len(seq) > length and first.row_length(i) >= length and array("q", seq[:length]).tobytes() == key:
-                rows[i] = key
+        for key, j in offered.items():
+            length = joining[0].prefixes[j].length
+            if len(seq) > length and cache[0].row_length(i) >= length and array("q", seq[:length]).tobytes() == key:
+                rows[i] = j
                 break
     if rows:
-        for c in cache:
-            c.adopt(rows)
+        for mine, theirs in zip(cache, joining):
+            mine.adopt({i: theirs.prefixes[j] for i, j in rows.items()})
 
 
 def store_rows(

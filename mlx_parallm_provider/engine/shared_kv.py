@@ -134,16 +134,15 @@ class SharedPrefixBatchCache:
         self.prefixes = self.prefixes + [None if p is None else mine.get(p.key, p) for p in other.prefixes]
         self._groups = None
 
-    def adopt(self, rows: dict[int, bytes]) -> None:
-        """Let plain rows use a prefix already here (``rows``: row -> prefix key) whose
-        tokens their own KV starts with: those tokens become left padding of the row (the
-        same values, now read from the shared copy), and the columns every row pads are cut,
-        so a row that computed the prefix itself stops holding a copy of it."""
-        by_key = {p.key: p for p in self.prefixes if p is not None}
+    def adopt(self, rows: dict[int, SharedPrefix]) -> None:
+        """Let plain rows use a shared prefix (``rows``: row -> prefix) whose tokens their
+        own KV starts with: those tokens become left padding of the row (the same values,
+        now read from the shared copy), and the columns every row pads are cut, so a row
+        that computed the prefix itself stops holding a copy of it."""
         grow = [0] * len(self.prefixes)
-        for i, key in rows.items():
-            self.prefixes[i] = by_key[key]
-            grow[i] = by_key[key].length
+        for i, prefix in rows.items():
+            self.prefixes[i] = prefix
+            grow[i] = prefix.length
         if not any(grow):
             return
         s, g = self.suffix, mx.array(grow)

@@ -274,10 +274,10 @@ class Worker:
         if self.cache is None:
             self.cache = cache
         else:
+            adopt_shared_prefixes(self.cache, [r.prompt_ids for r in self.rows], cache)
             for mine, theirs in zip(self.cache, cache):
                 mine.extend(theirs)
         self.rows.extend(requests)
-        adopt_shared_prefixes(self.cache, [r.prompt_ids for r in self.rows])
         self.scheduler.started(requests)
         self._after_sampling(requests, sampled)
 

@@ -121,12 +121,35 @@ def test_a_row_holding_its_own_copy_adopts_the_shared_one() -> None:
     plain.update_and_fetch(mx.concatenate([a.keys, own], axis=2), mx.concatenate([a.values, own], axis=2))
     joining = SharedPrefixBatchCache(BatchKVCache([0, 1]), [a, a])
     _step(joining, 2, 17, [2, 1])
-    plain.extend(joining)
     before = plain.offset.tolist()
-    plain.adopt({0: b"a"})
-    assert plain.prefixes[0] is a and plain.offset.tolist() == before == [27, 26, 25]
+    plain.adopt({0: a})
+    assert plain.prefixes[0] is a and plain.offset.tolist() == before == [27]
     assert plain.suffix.size() == 3 and plain.row_length(0) == 27  # the copy is gone
+    plain.extend(joining)
+    assert plain.suffix.size() == 3 and plain.offset.tolist() == [27, 26, 25]
     k, _ = plain.row_kv(0, 22, 27)
     assert mx.array_equal(k, mx.concatenate([a.keys[:, :, 22:], own], axis=2)).item()
     for step in range(2):
         assert _step(plain, 1, 18 + step, [1, 1, 1]) < 1e-5
+
+
+def test_decode_rows_adopt_a_joining_prefix_with_their_tokens_only() -> None:
+    from array import array
+
+    from mlx_parallm_provider.engine.prefix_kv import adopt_shared_prefixes
+
+    tokens = list(range(100, 124))
+    a = _prefix(24, 19, array("q", tokens).tobytes())
+    mx.random.seed(20)
+    layers = []
+    for _ in range(2):
+        own = mx.random.normal((3, KV, 26, D))
+        layer = SharedPrefixBatchCache(BatchKVCache([0, 0, 0]), [None, None, None])
+        layer.update_and_fetch(own, own)
+        layers.append(layer)
+    joining = [SharedPrefixBatchCache(BatchKVCache([0]), [a]) for _ in range(2)]
+    # Row 0 starts with the prefix's tokens, row 1 does not, row 2 is shorter than it.
+    sequences = [tokens + [1, 2], [7] + tokens[1:] + [1, 2], tokens[:20]]
+    adopt_shared_prefixes(layers, sequences, joining)
+    assert [p is a for p in layers[1].prefixes] == [True, False, False]
+    assert layers[0].offset.tolist() == [26, 26, 26] and layers[0].left_padding.tolist() == [24, 0, 0]
