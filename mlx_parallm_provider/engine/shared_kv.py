@@ -53,6 +53,7 @@ class SharedPrefixBatchCache:
         self.suffix = suffix
         self.prefixes = prefixes if prefixes is not None else [None] * suffix.left_padding.shape[0]
         self._groups: Optional[list[tuple[SharedPrefix, mx.array]]] = None
+        self._lengths: Optional[mx.array] = None  # each row's prefix length, with _groups
 
     @classmethod
     def fresh(cls, left_padding: list[int]) -> "SharedPrefixBatchCache":
@@ -63,8 +64,11 @@ class SharedPrefixBatchCache:
 
     @property
     def offset(self) -> mx.array:
-        lengths = [0 if p is None else p.length for p in self.prefixes]
-        return self.suffix.offset + mx.array(lengths) if any(lengths) else self.suffix.offset
+        if not self.groups():
+            return self.suffix.offset
+        if self._lengths is None:
+            self._lengths = mx.array([0 if p is None else p.length for p in self.prefixes])
+        return self.suffix.offset + self._lengths
 
     @property
     def left_padding(self) -> mx.array:
@@ -91,6 +95,7 @@ class SharedPrefixBatchCache:
                 if p is not None:
                     rows.setdefault(id(p), (p, []))[1].append(i)
             self._groups = [(p, mx.array(idx)) for p, idx in rows.values()]
+            self._lengths = None
         return self._groups
 
     # -- batch operations (mlx-lm's BatchKVCache interface) -------------------------------
