@@ -24,7 +24,7 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import BatchKVCache
 
-from ..models.attention import dense_attention
+from ..models import attention
 
 
 class SharedPrefix:
@@ -84,7 +84,7 @@ class SharedPrefixBatchCache:
         """Attention of ``queries`` over each row's shared prefix and its own ``keys``."""
         groups = self.groups()
         if not groups:
-            return dense_attention(queries, keys, values, scale=scale, mask=mask)
+            return attention.dense_attention(queries, keys, values, scale=scale, mask=mask)
         return cascade_attention(queries, keys, values, scale, _bool_mask(mask, queries.shape[2], keys.shape[2]), groups)
 
     def groups(self) -> list[tuple[SharedPrefix, mx.array]]:
