@@ -38,6 +38,11 @@ def test_choose_keeps_the_owner_while_it_has_room() -> None:
     assert choose(ring, key, {"a": 5, "b": 0}).replica == "a"
     full = choose(ring, key, {"a": 5, "b": 3}, capacities={"a": 5, "b": 5})
     assert (full.replica, full.owner, full.reason) == ("b", "a", "full")
+    # the least busy replica *with room*; the least busy of all only when none has room
+    three = HashRing(["a", "b", "c"])
+    key3 = next(k for k in (f"k{i}" for i in range(100)) if three.owner(k) == "a")
+    assert choose(three, key3, {"a": 5, "b": 4, "c": 5}, capacities={"a": 5, "b": 4, "c": 9}).replica == "c"
+    assert choose(three, key3, {"a": 5, "b": 4, "c": 9}, capacities={"a": 5, "b": 4, "c": 9}).replica == "b"
     # bounded loads: with balance 0.5, a may hold ceil(1.5 * 11 / 2) = 9 of 10 + 1
     assert choose(ring, key, {"a": 8, "b": 2}, balance=0.5).replica == "a"
     assert choose(ring, key, {"a": 9, "b": 1}, balance=0.5).replica == "b"
@@ -109,7 +114,7 @@ def _closed_port() -> int:
         return s.getsockname()[1]
 
 
-def _router(dead: frozenset = frozenset(), **strategy):
+def _router(dead: frozenset = frozenset(), delays: dict | None = None, **strategy):
     import litellm
 
     from mlx_parallm_provider.integrations.routing import PrefixAwareRouting
@@ -119,6 +124,8 @@ def _router(dead: frozenset = frozenset(), **strategy):
         params = {"model": "openai/tiny", "api_base": f"http://127.0.0.1:{_closed_port()}/v1", "api_key": "k"}
         if name not in dead:
             params["mock_response"] = f"from {name}"
+        if delays and name in delays:
+            params["mock_delay"] = delays[name]
         model_list.append({"model_name": "tiny", "litellm_params": params, "model_info": {"id": name}})
     router = litellm.Router(model_list=model_list, num_retries=2, retry_after=0)
     return router, PrefixAwareRouting(**strategy).install(router)
@@ -187,3 +194,34 @@ def test_the_sync_router_uses_the_strategy_too() -> None:
     response = router.completion(model="tiny", messages=_messages(1, 0))
     owner = strategy.choice_for(router.registry().deployments("tiny"), _messages(1, 0)).owner
     assert response._hidden_params["model_id"] == owner
+
+
+def test_a_slow_replica_does_not_hold_the_others_back() -> None:
+    """Requests of one prefix arrive 50 ms apart; their owner takes 1 s per answer. Once it
+    holds ``max_inflight`` of them the rest go to the other replica and are answered at once
+    instead of waiting on the slow one."""
+    import time
+
+    probe, probe_strategy = _router()
+    messages = _messages(0, 0)
+    slow = probe_strategy.choice_for(probe.registry().deployments("tiny"), messages).owner
+    router, strategy = _router(delays={slow: 1.0}, max_inflight=2)
+    for deployment in router.registry().deployments("tiny"):  # the fast one takes them all
+        if deployment["model_info"]["id"] != slow:
+            deployment["litellm_params"]["max_parallel_requests"] = 100
+
+    async def one(i: int) -> tuple[str, float]:
+        await asyncio.sleep(0.05 * i)
+        start = time.monotonic()
+        response = await router.acompletion(model="tiny", messages=messages)
+        return response._hidden_params["model_id"], time.monotonic() - start
+
+    async def run() -> list[tuple[str, float]]:
+        return list(await asyncio.gather(*(one(i) for i in range(8))))
+
+    answered = asyncio.run(run())
+    served = Counter(replica for replica, _ in answered)
+    assert served[slow] == 2 and sum(served.values()) == 8, served
+    assert strategy.decisions == {"owner": 2, "full": 6}
+    assert all(latency >= 1.0 for replica, latency in answered if replica == slow)
+    assert all(latency < 0.5 for replica, latency in answered if replica != slow), answered

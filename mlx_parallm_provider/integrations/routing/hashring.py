@@ -6,7 +6,7 @@ hash, so adding or removing a replica moves only the keys next to its points (th
 replicas keep the prefixes whose KV they already hold). A replica is *full* when it holds
 ``capacity`` requests or more than ``(1 + balance) x`` the mean load (Mirrokni, Thorup and
 Zadimoghaddam's bounded loads, as SGLang's router and vLLM's production stack use it); then
-the request goes to the least busy replica instead.
+the request goes to the least busy replica with room instead.
 """
 
 from __future__ import annotations
@@ -97,7 +97,8 @@ def choose(
 ) -> Choice:
     """The replica for a request with prefix ``key`` among the replicas in ``loads``
     (replica id -> requests it holds now): the key's owner while it is not full, else the
-    least busy replica (ties broken in ring order, so the choice is deterministic)."""
+    least busy replica that is not full (the least busy of all when every one is), ties
+    broken in ring order so the choice is deterministic."""
     if not loads:
         raise ValueError("no replica to choose from")
     caps = capacities or {}
@@ -108,5 +109,6 @@ def choose(
     if owner is not None and not is_full(loads[owner], caps.get(owner), total, len(loads), balance):
         return Choice(owner, owner, "owner")
     rank = {r: i for i, r in enumerate(candidates)}
-    least = min(candidates, key=lambda r: (loads[r], rank[r]))
+    roomy = [r for r in candidates if not is_full(loads[r], caps.get(r), total, len(loads), balance)]
+    least = min(roomy or candidates, key=lambda r: (loads[r], rank[r]))
     return Choice(least, owner, "full" if owner is not None else "no-prefix")
