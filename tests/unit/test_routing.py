@@ -225,3 +225,28 @@ def test_a_slow_replica_does_not_hold_the_others_back() -> None:
     assert strategy.decisions == {"owner": 2, "full": 6}
     assert all(latency >= 1.0 for replica, latency in answered if replica == slow)
     assert all(latency < 0.5 for replica, latency in answered if replica != slow), answered
+
+
+def test_scraped_metrics_count_as_load_when_higher() -> None:
+    """Another front router's requests show in the replica's /metrics, not in our counts."""
+    import httpx
+
+    router, strategy = _router(scrape_interval_s=1.0)
+    port_of = {d["model_info"]["id"]: httpx.URL(d["litellm_params"]["api_base"]).port for d in router.registry().deployments("tiny")}
+    seen: list[tuple[str, str]] = []
+
+    def replica_metrics(request: httpx.Request) -> httpx.Response:
+        seen.append((request.url.path, request.headers.get("authorization", "")))
+        running = 64 if request.url.port == port_of["a"] else 1
+        return httpx.Response(200, text=f'mlx_parallm:num_requests_running{{model_name="tiny"}} {running}\n')
+
+    async def run() -> None:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(replica_metrics)) as client:
+            await strategy.scrape_once(client)
+
+    asyncio.run(run())
+    assert seen == [("/metrics", "Bearer k")] * 2
+    assert strategy.stats()["in_flight"] == {"a": 64, "b": 1}
+    deployments = router.registry().deployments("tiny")
+    owned_by_a = next(m for m in (_messages(g, 0) for g in range(64)) if strategy.choice_for(deployments, m).owner == "a")
+    assert strategy.choice_for(deployments, owned_by_a).replica == "b"  # a is full (64 by its metrics)

@@ -254,11 +254,14 @@ class PrefixAwareRouting(CustomLogger, CustomRoutingStrategyBase):
     async def scrape_once(self, client: httpx.AsyncClient) -> None:
         """Read every replica's ``/metrics`` once and record its load."""
         for d in self._deployments(None):
-            url = (d.get("model_info") or {}).get("metrics_url") or metrics_url((d.get("litellm_params") or {}).get("api_base"))
+            params = d.get("litellm_params") or {}
+            url = (d.get("model_info") or {}).get("metrics_url") or metrics_url(params.get("api_base"))
             if not url:
                 continue
+            key = params.get("api_key")  # a LiteLLM replica asks for its key on /metrics
+            headers = {"Authorization": f"Bearer {key}"} if isinstance(key, str) and key else {}
             try:
-                response = await client.get(url)
+                response = await client.get(url, headers=headers, follow_redirects=True)
                 load = scraped_load(response.text) if response.status_code == 200 else None
             except httpx.HTTPError:
                 continue
