@@ -43,9 +43,12 @@ class RunningProxy:
         return httpx.Client(base_url=self.base_url, headers={"Authorization": f"Bearer {self.key}"}, timeout=timeout, trust_env=False)
 
 
-def start_proxy(config: dict[str, Any], folder: Path, key: str, env: Optional[dict[str, str]] = None) -> RunningProxy:
+def start_proxy(
+    config: dict[str, Any], folder: Path, key: str, env: Optional[dict[str, str]] = None, args: tuple[str, ...] = ()
+) -> RunningProxy:
     """Write ``config`` into ``folder`` and start the real ``litellm`` CLI on it (through
-    scripts/proxy_with_stats.py, which also publishes engine stats if asked), not waiting."""
+    scripts/proxy_with_stats.py, which also publishes engine stats if asked) with the extra
+    command-line ``args``, not waiting."""
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "config.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -57,7 +60,7 @@ def start_proxy(config: dict[str, Any], folder: Path, key: str, env: Optional[di
         "LITELLM_LOCAL_MODEL_COST_MAP": "True",
         **(env or {}),
     }
-    command = [sys.executable, str(REPO / "scripts" / "proxy_with_stats.py"), "--config", str(path), "--host", "127.0.0.1", "--port", str(port)]
+    command = [sys.executable, str(REPO / "scripts" / "proxy_with_stats.py"), "--config", str(path), "--host", "127.0.0.1", "--port", str(port), *args]
     log = folder / "proxy.log"
     with log.open("wb") as out:
         process = subprocess.Popen(command, env=full_env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)

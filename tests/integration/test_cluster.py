@@ -34,6 +34,7 @@ pytestmark = pytest.mark.slow
 
 ALIAS = "tiny"
 IDS = ("rep-a", "rep-b")
+REPLICA_ARGS = ("--keepalive_timeout", "75")  # as the README says: longer than the front's pool keeps connections
 ROWS = 2
 ENGINE = f'{{"max_num_seqs": {ROWS}, "prefix_cache_memory_gb": 0.0005}}'
 SYSTEM = "You are assistant {g} of team {team}. " + " ".join(f"Rule {k}: be precise about item {k}." for k in range(30))
@@ -69,7 +70,7 @@ def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
     key = "sk-" + secrets.token_hex(16)
     replica_config = yaml.safe_load((REPO / "examples" / "cluster" / "replica.yaml").read_text())
     replica_config["model_list"] = [{"model_name": ALIAS, "litellm_params": {"model": f"mlx-parallm/{tiny_model_dir}"}}]
-    replicas = {rid: start_proxy(replica_config, folder / rid, key, {"MLX_PARALLM_ENGINE_CONFIG": ENGINE}) for rid in IDS}
+    replicas = {rid: start_proxy(replica_config, folder / rid, key, {"MLX_PARALLM_ENGINE_CONFIG": ENGINE}, REPLICA_ARGS) for rid in IDS}
     started: list[RunningProxy] = list(replicas.values())
     try:
         for replica in replicas.values():
