@@ -177,6 +177,21 @@ def test_a_dead_replica_is_retried_elsewhere_and_cooled_down() -> None:
     assert in_flight == {"a": 0, "b": 0}
 
 
+def test_a_metadata_dict_shared_by_calls_does_not_carry_one_call_over_to_the_next() -> None:
+    """LiteLLM writes into the caller's metadata dict; the replicas a call tried must not
+    steer the next call that passes the same dict."""
+    router, strategy = _router()
+    shared = {"team": "x"}
+    owner = strategy.choice_for(router.registry().deployments("tiny"), _messages(0, 0)).owner
+
+    async def run() -> list[str]:
+        return [(await router.acompletion(model="tiny", messages=_messages(0, i), metadata=shared))._hidden_params["model_id"]
+                for i in range(3)]
+
+    assert asyncio.run(run()) == [owner] * 3
+    assert strategy.decisions == {"owner": 3}
+
+
 def test_a_full_owner_sends_the_request_to_the_least_busy_replica() -> None:
     router, strategy = _router(max_inflight=2)
     deployments = router.registry().deployments("tiny")

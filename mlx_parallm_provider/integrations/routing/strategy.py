@@ -42,6 +42,7 @@ logger = logging.getLogger(__name__)
 
 TOKEN_KEY = "mlx_parallm_route"
 TRIED_KEY = "mlx_parallm_tried"
+TRACE_KEY = "mlx_parallm_trace"
 
 
 def deployment_id(deployment: Mapping[str, Any]) -> str:
@@ -186,8 +187,13 @@ class PrefixAwareRouting(CustomLogger, CustomRoutingStrategyBase):
         meta = _metadata(kwargs)
         if meta is None:
             meta = kwargs.setdefault("metadata", {})
-        token = meta.setdefault(TOKEN_KEY, uuid.uuid4().hex)
-        tried = meta.setdefault(TRIED_KEY, [])
+        # LiteLLM writes into the caller's metadata dict, which a caller may pass to many
+        # calls: the token and the replicas tried belong to one call (its trace id, the same
+        # across the Router's retries), never to the next call with the same dict.
+        trace = kwargs.get("litellm_trace_id")
+        if trace is None or meta.get(TRACE_KEY) != trace or TOKEN_KEY not in meta:
+            meta.update({TRACE_KEY: trace, TOKEN_KEY: uuid.uuid4().hex, TRIED_KEY: []})
+        token, tried = meta[TOKEN_KEY], meta[TRIED_KEY]
         ids = [deployment_id(d) for d in deployments]
         eligible = [i for i in ids if i not in cooling and i not in tried] or [i for i in ids if i not in cooling] or ids
         choice = self._choose(deployments, eligible, messages if messages is not None else kwargs.get("messages"), kwargs.get("tools"))
