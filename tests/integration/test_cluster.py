@@ -64,8 +64,8 @@ class Cluster:
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    pytest.importorskip("prometheus_client")
     import fastapi  # noqa: F401  (the proxy's server dependencies: the `proxy` extra, in `dev`)
+    import prometheus_client  # noqa: F401  (/metrics on the replicas: the `proxy` extra too)
 
     folder = tmp_path_factory.mktemp("cluster")
     key = "sk-" + secrets.token_hex(16)

@@ -7,12 +7,10 @@ import asyncio
 import threading
 import time
 
-import pytest
+import prometheus_client  # the `proxy` extra (in `dev`)
 
 from mlx_parallm_provider import SamplingParams
 from mlx_parallm_provider.engine.prometheus import EngineCollector
-
-prometheus_client = pytest.importorskip("prometheus_client")
 
 
 def _scrape(collector: EngineCollector) -> dict[str, float]:
@@ -63,3 +61,16 @@ def test_a_scrape_during_and_after_a_run(make_engine) -> None:
     assert after[f"vllm:prefix_cache_queries_total{label}"] == stats["prompt_tokens"]
     assert 0 < after[f"vllm:prefix_cache_hits_total{label}"] == stats["cached_prompt_tokens"]
     assert after[f"vllm:request_success_total{label}"] == 12
+
+
+def test_the_proxy_callback_registers_one_collector_and_mounts_only_inside_a_proxy(monkeypatch) -> None:
+    import sys
+
+    from mlx_parallm_provider.engine.prometheus import register_collector
+    from mlx_parallm_provider.integrations import prometheus as exporter
+
+    monkeypatch.delitem(sys.modules, "litellm.proxy.proxy_server", raising=False)  # no proxy here
+    callback = exporter.engine_metrics
+    assert callback is exporter.engine_metrics and callback.mounted is False
+    assert register_collector() is callback.collector  # once per registry and prefix
+    assert callback.collector in prometheus_client.REGISTRY._collector_to_names

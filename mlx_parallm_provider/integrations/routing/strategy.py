@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import uuid
 import weakref
 from collections import Counter
@@ -119,10 +120,7 @@ class PrefixAwareRouting(CustomLogger, CustomRoutingStrategyBase):
     async def async_pre_call_hook(self, user_api_key_dict: Any, cache: Any, data: dict, call_type: Any) -> dict:
         """Proxy hook, run before each request is routed: install on the proxy's Router
         (again after the proxy rebuilt it)."""
-        try:
-            from litellm.proxy import proxy_server
-        except ImportError:  # pragma: no cover - the hook only runs inside the proxy
-            return data
+        proxy_server = sys.modules.get("litellm.proxy.proxy_server")  # never import (build) one
         router = getattr(proxy_server, "llm_router", None)
         if router is not None and router is not self._router:
             self.install(router)
