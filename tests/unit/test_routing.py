@@ -265,3 +265,27 @@ def test_scraped_metrics_count_as_load_when_higher() -> None:
     deployments = router.registry().deployments("tiny")
     owned_by_a = next(m for m in (_messages(g, 0) for g in range(64)) if strategy.choice_for(deployments, m).owner == "a")
     assert strategy.choice_for(deployments, owned_by_a).replica == "b"  # a is full (64 by its metrics)
+
+
+def test_in_a_proxy_the_strategy_installs_itself_on_the_proxys_router(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+    import types
+
+    import litellm
+
+    from mlx_parallm_provider.integrations.routing import PrefixAwareRouting
+
+    plain, _ = _router()  # a Router as the proxy builds it, without the strategy
+    fake_proxy = types.ModuleType("litellm.proxy.proxy_server")
+    fake_proxy.llm_router = litellm.Router(model_list=plain.registry().deployments(), num_retries=0)
+    monkeypatch.setitem(sys.modules, "litellm.proxy.proxy_server", fake_proxy)
+    strategy = PrefixAwareRouting()
+
+    async def run() -> str:
+        data = {"model": "tiny", "messages": _messages(2, 0)}
+        assert await strategy.async_pre_call_hook(None, None, data, "completion") is data
+        return (await fake_proxy.llm_router.acompletion(**data))._hidden_params["model_id"]
+
+    served = asyncio.run(run())
+    assert strategy.decisions == {"owner": 1}
+    assert served == strategy.choice_for(fake_proxy.llm_router.registry().deployments("tiny"), _messages(2, 0)).owner
