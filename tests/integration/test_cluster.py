@@ -5,7 +5,7 @@ Each replica batches 2 rows and keeps about 2.5 of the 4 groups' prefixes in its
 store (``MLX_PARALLM_ENGINE_CONFIG``), as when a cluster serves more agents than one host's
 cache holds: then where a request lands decides whether its prefix is still cached. (With
 R replicas, routing by prefix shrinks each replica's working set R times, so with 2 the
-cache effect is about 2x: over six runs of this test 1.9x-2.4x, shuffle's own rate varying
+cache effect is about 2x: over seven runs of this test 1.9x-2.9x, shuffle's own rate varying
 with its random spread. The test asks for 1.6x so that it does not fail on that spread.) The
 real ``litellm`` CLI runs all three (30-60 s to start on two busy cores), so every test here
 is ``slow``; the last one kills a replica.
