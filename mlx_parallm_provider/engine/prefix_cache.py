@@ -9,8 +9,10 @@ requests is held once. The store is bounded in bytes; past the bound it evicts t
 recently used leaves (a parent is only evicted after its children, so every cached path
 stays complete).
 
-Rows that use a cached prefix get their own copy of its KV when they join the batch, so
-nothing in the store is ever "in use" by a running row and eviction never invalidates one.
+Rows that use a cached prefix either copy its KV into their own or (a prefix shared by
+several rows, :mod:`.shared_kv`) hold a view of the stored arrays. MLX arrays are immutable
+and reference-counted, so eviction (or a split) never invalidates a running row: it only
+drops the store's reference, and the memory goes back when the last row using it leaves.
 Only the worker thread touches the tree; :meth:`PrefixCache.stats` may be read from any
 thread (plain ints).
 """
