@@ -24,7 +24,7 @@ DESCRIPTIONS = {
     "mlx-lm": "mlx_lm.stream_generate, one request at a time",
     "mlx-lm-batch": "mlx_lm.batch_generate, waves of the concurrency",
     "mlx-lm-server": "mlx_lm.server over HTTP (started on loopback)",
-    "llama-cpp": "llama-cpp-python, one request at a time",
+    "llama-cpp": "llama-cpp-python, one context, a sequence per concurrent request",
     "http": "OpenAI-compatible server at --url",
 }
 
@@ -58,7 +58,7 @@ def make_runner(system: str, options: RunnerOptions, config: Optional[EngineConf
     if system == "llama-cpp":
         from .llama_cpp import LlamaCpp
 
-        return LlamaCpp(system, o.model, o.temperature)
+        return LlamaCpp(system, o.model, o.temperature, o.ignore_eos)
     from .. import servers
     from .http import OpenAIHTTP
 
