@@ -13,7 +13,7 @@ from typing import Any, Optional
 import pytest
 from fake_llama_cpp import EOS, FakeLlamaCpp
 
-from mlx_parallm_provider.bench.runners import RunnerOptions, make_runner
+from mlx_parallm_provider.bench.runners import RunnerOptions, SkipSystem, make_runner
 from mlx_parallm_provider.bench.runners.llama_batch import BatchScheduler, Job, LlamaDecodeError
 from mlx_parallm_provider.bench.workloads import BenchRequest
 
@@ -213,3 +213,13 @@ def test_an_error_inside_the_scheduler_thread_fails_the_request_instead_of_hangi
 
     records = asyncio.run(main())
     assert [r.error for r in records] == ["OSError", "OSError"] and lib.live_samplers == 0
+
+
+def test_a_llama_cpp_python_without_the_memory_api_is_skipped_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    lib = FakeLlamaCpp()
+    lib.__version__ = "0.3.1"  # type: ignore[attr-defined]
+    monkeypatch.delattr(FakeLlamaCpp, "llama_memory_seq_rm")
+    monkeypatch.setitem(sys.modules, "llama_cpp", lib)
+    with pytest.raises(SkipSystem) as info:
+        asyncio.run(make_runner("llama-cpp", RunnerOptions(model="default")).start())
+    assert str(info.value) == "llama-cpp-python 0.3.1 is too old: no llama_memory_seq_rm"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -34,12 +35,23 @@ def gguf_path(model: str) -> Path:
     raise SkipSystem(f"llama.cpp needs a .gguf model, not {model!r}")
 
 
+#: the low-level functions the runner calls (llama.cpp's 2025 memory API among them)
+REQUIRED = (
+    "llama_backend_init", "llama_model_load_from_file", "llama_model_get_vocab", "llama_model_n_ctx_train",
+    "llama_init_from_model", "llama_get_memory", "llama_memory_seq_rm", "llama_batch_init", "llama_decode",
+    "llama_sampler_chain_init", "llama_sampler_init_greedy", "llama_sampler_sample", "llama_vocab_is_eog",
+)
+
+
 def import_llama_cpp() -> Any:
-    """The ``llama_cpp`` module; :class:`SkipSystem` when it is not installed."""
+    """The ``llama_cpp`` module; :class:`SkipSystem` when it is not installed or too old."""
     try:
         import llama_cpp
     except ImportError:
         raise SkipSystem("llama-cpp-python is not installed (pip install 'mlx-parallm-provider[llama-cpp]', which compiles llama.cpp)") from None
+    missing = [name for name in REQUIRED if not hasattr(llama_cpp, name)]
+    if missing:
+        raise SkipSystem(f"llama-cpp-python {getattr(llama_cpp, '__version__', '?')} is too old: no {', '.join(missing)}")
     return llama_cpp
 
 
@@ -140,6 +152,31 @@ class LlamaCpp(Runner):
         self.scheduler.submit(Job(request.prompt_ids, request.max_tokens, on_token=lambda _token: record.add_chunk(1),
                                   on_done=lambda error: loop.call_soon_threadsafe(settle, error)))
         await done
+
+    def generate_ids(self, prompts: Sequence[Sequence[int]], max_tokens: int, width: int) -> list[list[int]]:
+        """The output token ids of ``prompts`` on a fresh context of ``width`` sequences, all
+        submitted at once (blocking; after :meth:`start`). For checks, not timed."""
+        self._open(width, max(len(p) for p in prompts) + max_tokens)
+        outputs: list[list[int]] = [[] for _ in prompts]
+        errors: list[BaseException] = []
+        finished = threading.Semaphore(0)
+
+        def on_done(error: Optional[BaseException]) -> None:
+            if error is not None:
+                errors.append(error)
+            finished.release()
+
+        try:
+            assert self.scheduler is not None
+            for prompt, ids in zip(prompts, outputs):
+                self.scheduler.submit(Job(prompt, max_tokens, on_token=ids.append, on_done=on_done))
+            for _ in prompts:
+                finished.acquire()
+        finally:
+            self._close()
+        if errors:
+            raise errors[0]
+        return outputs
 
     def run_info(self) -> dict[str, Any]:
         return {"max_decode_batch": self._max_decode_batch}
