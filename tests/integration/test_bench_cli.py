@@ -110,10 +110,12 @@ def test_peers_that_cannot_run_are_one_line_notes(tiny_model_dir: Path, tmp_path
 def test_servers_started_on_loopback(tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """mlx_lm.server and the LiteLLM proxy, each started, measured over HTTP and stopped."""
     status = main(["bench", "--quick", "--model", str(tiny_model_dir), "--output-dir", str(tmp_path), "--no-progress",
-                   "--systems", "mlx-lm-server,litellm-proxy", "--concurrency", "2"])
+                   "--systems", "mlx-lm-server,litellm-proxy", "--concurrency", "2", "--ignore-eos"])
     assert status == 0, capsys.readouterr().err
     rows = json.loads((tmp_path / "results.json").read_text())["rows"]
     assert [r["system"] for r in rows] == ["mlx-lm-server", "litellm-proxy"]
+    assert [r["eos"] for r in rows] == ["honoured", "ignored"]  # the proxy passes ignore_eos to the provider
+    assert rows[1]["metrics"]["total_output_tokens"] == 2 * 8
     for r in rows:
         assert r["metrics"]["completed"] == 2 and r["metrics"]["ttft_ms"]["p50"] > 0
         if sys.platform == "linux":

@@ -65,7 +65,7 @@ def make_runner(system: str, options: RunnerOptions, config: Optional[EngineConf
     if system == "litellm-proxy":
         if config != EngineConfig():
             raise SkipSystem("the proxy runs its engine with the default EngineConfig (settings are not passed to it)")
-        return OpenAIHTTP(system, "bench", o.temperature, launch=lambda: servers.litellm_proxy(o.model, o.workdir))
+        return OpenAIHTTP(system, "bench", o.temperature, launch=lambda: servers.litellm_proxy(o.model, o.workdir), ignore_eos=o.ignore_eos)
     if system == "mlx-lm-server":
         from ...models.registry import resolve
 
