@@ -1,6 +1,11 @@
 """The benchmark's llama.cpp peer on the default model's GGUF, when llama-cpp-python is installed
-(the ``[llama-cpp]`` extra): it gets the engine's prompt ids, and batching does not change what
-a sequence generates."""
+(the ``[llama-cpp]`` extra): it gets the engine's prompt ids, decodes a burst side by side and
+stops at EOS unless told not to.
+
+(llama.cpp's CPU kernels round differently with a token's row in the batch, so on this small
+quantized model a sequence batched with others may pick a different near-tie token than alone:
+outputs are compared run to run, not batched to alone.)
+"""
 
 from __future__ import annotations
 
@@ -18,38 +23,44 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def runner():
-    runner = LlamaCpp("llama-cpp", "default", 0.0)
-    asyncio.run(runner.start())
-    yield runner
-    asyncio.run(runner.stop())
-
-
-@pytest.fixture(scope="module")
 def renderer() -> workloads.ChatRenderer:
     """The engine's chat template and tokenizer (no worker starts)."""
     return workloads.ChatRenderer(Engine("default"))
 
 
-def test_llama_cpp_tokenizes_the_rendered_prompt_as_the_engine_does(runner: LlamaCpp, renderer: workloads.ChatRenderer) -> None:
-    for request in workloads.agent(2, 8) + workloads.chat(2, 8):
-        text = renderer.apply_chat_template(request.messages, tools=request.tools).encode()
-        ids = (llama_cpp.llama_token * (len(text) + 8))()
-        n = llama_cpp.llama_tokenize(runner.vocab, text, len(text), ids, len(ids), False, True)  # no BOS; parse <|im_start|>
-        assert 0 < n and list(ids[:n]) == renderer.encode(text.decode())
+def _runner(ignore_eos: bool = False) -> LlamaCpp:
+    runner = LlamaCpp("llama-cpp", "default", 0.0, ignore_eos=ignore_eos)
+    asyncio.run(runner.start())
+    return runner
 
 
-def test_sequences_batched_together_generate_what_they_generate_alone(runner: LlamaCpp, renderer: workloads.ChatRenderer) -> None:
-    prompts = [r.prompt_ids for r in workloads.prepare(workloads.chat(4, 16), renderer)]
-    together = runner.generate_ids(prompts, 16, width=4)
-    assert runner.run_info()["max_decode_batch"] == 4  # the four decoded side by side
-    alone = [runner.generate_ids([p], 16, width=1)[0] for p in prompts]
-    assert together == alone
-    assert all(0 < len(ids) <= 16 for ids in together)
+def test_llama_cpp_tokenizes_the_rendered_prompt_as_the_engine_does(renderer: workloads.ChatRenderer) -> None:
+    runner = _runner()
+    try:
+        for request in workloads.agent(2, 8) + workloads.chat(2, 8):
+            text = renderer.apply_chat_template(request.messages, tools=request.tools).encode()
+            ids = (llama_cpp.llama_token * (len(text) + 8))()
+            n = llama_cpp.llama_tokenize(runner.vocab, text, len(text), ids, len(ids), False, True)  # no BOS; parse <|im_start|>
+            assert 0 < n and list(ids[:n]) == renderer.encode(text.decode())
+    finally:
+        asyncio.run(runner.stop())
 
 
-def test_generation_stops_at_eos(runner: LlamaCpp, renderer: workloads.ChatRenderer) -> None:
-    [prompt] = [r.prompt_ids for r in workloads.prepare(workloads.chat(1, 256), renderer)]  # the capital of France
-    [ids] = runner.generate_ids([prompt], 256, width=1)
-    assert 0 < len(ids) < 256  # ended by an end-of-generation token, which is not counted
-    assert not any(llama_cpp.llama_vocab_is_eog(runner.vocab, t) for t in ids)
+def test_a_burst_decodes_side_by_side_stops_at_eos_and_repeats_exactly(renderer: workloads.ChatRenderer) -> None:
+    prompts = [r.prompt_ids for r in workloads.prepare(workloads.chat(6, 48), renderer)]
+    runner = _runner()
+    try:
+        first = runner.generate_ids(prompts, 48, width=6)
+        assert runner.run_info()["max_decode_batch"] == 6
+        assert runner.generate_ids(prompts, 48, width=6) == first  # same batch, same tokens
+        n_vocab = llama_cpp.llama_vocab_n_tokens(runner.vocab)
+        assert all(0 < len(ids) <= 48 and all(0 <= t < n_vocab for t in ids) for ids in first)
+        assert not any(llama_cpp.llama_vocab_is_eog(runner.vocab, t) for ids in first for t in ids)  # EOS not counted
+        assert min(len(ids) for ids in first) < 48  # some answer ended at EOS
+    finally:
+        asyncio.run(runner.stop())
+    runner = _runner(ignore_eos=True)
+    try:
+        assert [len(ids) for ids in runner.generate_ids(prompts, 48, width=6)] == [48] * 6
+    finally:
+        asyncio.run(runner.stop())

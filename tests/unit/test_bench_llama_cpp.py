@@ -5,6 +5,7 @@ sequences leaving at EOS or their budget and waiting requests taking their place
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -167,6 +168,7 @@ def test_the_runner_sizes_a_context_per_run_and_records_each_token(monkeypatch: 
     assert info == {"max_decode_batch": 2} and wall > 0
     [params] = lib.contexts
     assert params.n_seq_max == 2 and params.kv_unified and params.n_ctx == 2 * 6 and params.n_batch == params.n_ctx
+    assert params.n_threads == params.n_threads_batch == max(1, (os.cpu_count() or 2) // 2)
     assert lib.live_contexts == 0 and lib.model_freed and lib.live_samplers == 0
 
 
@@ -178,14 +180,14 @@ def test_the_runner_passes_ignore_eos(monkeypatch: pytest.MonkeyPatch, tmp_path:
     request = BenchRequest([{"role": "user", "content": "x"}], 5, prompt_ids=[49])
 
     async def main() -> list:
-        runner = make_runner("llama-cpp", RunnerOptions(model=str(gguf), ignore_eos=True))
+        runner = make_runner("llama-cpp", RunnerOptions(model=str(gguf), ignore_eos=True, llama_cpp_threads=3))
         await runner.start()
         records, _ = await runner.run([request], [0.0], 1, None)
         await runner.stop()
         return records
 
     [record] = asyncio.run(main())
-    assert record.output_tokens == 5
+    assert record.output_tokens == 5 and lib.contexts[0].n_threads == 3
 
 
 def test_an_error_inside_the_scheduler_thread_fails_the_request_instead_of_hanging(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -40,6 +40,7 @@ class RunnerOptions:
     url: Optional[str] = None
     api_key: Optional[str] = None
     served_model: Optional[str] = None
+    llama_cpp_threads: Optional[int] = None
 
 
 def make_runner(system: str, options: RunnerOptions, config: Optional[EngineConfig] = None) -> Runner:
@@ -58,7 +59,7 @@ def make_runner(system: str, options: RunnerOptions, config: Optional[EngineConf
     if system == "llama-cpp":
         from .llama_cpp import LlamaCpp
 
-        return LlamaCpp(system, o.model, o.temperature, o.ignore_eos)
+        return LlamaCpp(system, o.model, o.temperature, o.ignore_eos, o.llama_cpp_threads)
     from .. import servers
     from .http import OpenAIHTTP
 

@@ -24,6 +24,12 @@ from .llama_batch import BatchScheduler, Job, serve_in_thread
 MAX_SEQUENCES = 256
 
 
+def default_threads() -> int:
+    """Half the CPUs (llama-cpp-python's default for generation; llama.cpp advises one thread
+    per physical core): its threads spin-wait, and more threads than free cores slow it down."""
+    return max(1, (os.cpu_count() or 2) // 2)
+
+
 def gguf_path(model: str) -> Path:
     """The GGUF file behind a model name; :class:`SkipSystem` when there is none."""
     if model == "default":
@@ -61,8 +67,9 @@ class LlamaCpp(Runner):
     waiting request takes the sequence of one that finished. Greedy at temperature 0; EOS is
     any end-of-generation token of the vocabulary (not counted as output)."""
 
-    def __init__(self, name: str, model: str, temperature: float, ignore_eos: bool = False) -> None:
+    def __init__(self, name: str, model: str, temperature: float, ignore_eos: bool = False, threads: Optional[int] = None) -> None:
         super().__init__(name)
+        self.threads = threads or default_threads()
         self.model_name = model
         self.temperature = temperature
         self.ignore_eos = ignore_eos
@@ -113,7 +120,7 @@ class LlamaCpp(Runner):
         params.n_batch = n_ctx  # room for every prompt of a burst in one llama_decode
         params.n_seq_max = width
         params.kv_unified = True  # one KV pool shared by the sequences, as llama-server
-        params.n_threads = params.n_threads_batch = os.cpu_count() or 1
+        params.n_threads = params.n_threads_batch = self.threads
         self.ctx = lib.llama_init_from_model(self.model, params)
         if not self.ctx:
             raise RuntimeError(f"llama.cpp could not create a context of {n_ctx} tokens for {width} sequences")
