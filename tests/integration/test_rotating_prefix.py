@@ -83,3 +83,31 @@ def test_nothing_is_stored_from_a_row_whose_first_tokens_left_the_window(make_en
     whole.generate_sync(prompt, params)
     assert whole.stats()["prefix_cache"]["cached_tokens_stored"] == 63
     assert whole.generate_sync(prompt, params).token_ids == second.token_ids
+
+
+def test_rows_leaving_a_right_padded_rotating_prefill_leave_the_others_unchanged(tiny_model) -> None:
+    import mlx.core as mx
+
+    from mlx_parallm_provider.engine.prefill import new_batch_cache, run_right_padded
+
+    model, rng = tiny_model.model, random.Random(14)
+    bodies = [ids(rng, 21), ids(rng, 7), ids(rng, 13)]
+    layers = len(model.layers)
+
+    def decode_logits(rows: list[list[int]], drop_after_first_piece: bool) -> mx.array:
+        cache = new_batch_cache(layers, [0] * len(rows), max_kv_size=16)
+        calls = []
+
+        def wanted() -> list[bool]:
+            calls.append(1)
+            return [True, not drop_after_first_piece, True] if len(rows) == 3 else [True] * len(rows)
+
+        kept = run_right_padded(model, rows, cache, 0, 4, wanted)
+        assert len(calls) > 1  # several pieces, the window moved during them
+        nxt = mx.array([[rows[i][-1]] for i in kept])
+        return model(nxt, cache=cache)[:, -1, :]
+
+    dropped = decode_logits(bodies, drop_after_first_piece=True)
+    alone = decode_logits([bodies[0], bodies[2]], drop_after_first_piece=False)
+    assert dropped.shape == alone.shape
+    assert mx.allclose(dropped, alone, atol=1e-4).item()
