@@ -38,7 +38,8 @@ class EngineConfig:
             name): a prefix shared by requests arriving together is prefilled once, and
             the KV of finished prompts and answers is kept for later requests (the next
             wave of an agent, turn 2 of a conversation). False: every prompt is prefilled
-            in full. Off with ``max_kv_size`` (a rotating cache cannot be reused).
+            in full. With ``max_kv_size`` each row copies its prefix, of at most
+            ``max_kv_size - 1`` tokens (beyond that the window has moved).
         prefix_cache_memory_gb: most memory the prefix store keeps (least recently used
             prefixes are evicted past it); counted apart from ``kv_cache_memory_gb``.
     """

@@ -44,6 +44,8 @@ def run_pieces(model: Any, tokens: mx.array, cache: list[Any], piece: int, leave
             tokens = tokens[mx.array(keep)]
             for c in cache:
                 c.filter(keep)
+                if getattr(c, "_lengths", None) is not None:  # BatchRotatingKVCache.filter leaves it
+                    c._lengths = c._lengths[mx.array(keep)]
     return kept, tokens
 
 
@@ -52,11 +54,20 @@ def run_right_padded(model: Any, bodies: Sequence[list[int]], cache: list[Any], 
     already holds: right-padded (as mlx-lm's ``BatchGenerator`` does), then the pads are
     rolled to the left (``BatchKVCache.finalize``). Returns the rows kept, or None."""
     width = max(len(b) for b in bodies)
+    rotating = isinstance(cache[0], BatchRotatingKVCache)
+    if rotating:
+        # A one-column piece would take mlx-lm's decode path, which refuses right padding.
+        piece = max(piece, 2)
+        width += width % piece == 1
     tokens = mx.array([list(b) + [pad_id] * (width - len(b)) for b in bodies])
+    if rotating:  # it needs the lengths first, so that pads never push real tokens out of the window
+        for c in cache:
+            c.prepare(lengths=[len(b) for b in bodies], right_padding=[width - len(b) for b in bodies])
     ran = run_pieces(model, tokens, cache, piece, False, wanted)
     if ran is None:
         return None
     for c in cache:
-        c.prepare(right_padding=[width - len(bodies[i]) for i in ran[0]])
+        if not rotating:
+            c.prepare(right_padding=[width - len(bodies[i]) for i in ran[0]])
         c.finalize()
     return ran[0]

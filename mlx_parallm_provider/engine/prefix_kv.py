@@ -11,7 +11,7 @@ import sys
 from array import array
 from typing import Any, Callable, Iterable, Optional, Sequence
 
-from mlx_lm.models.cache import BatchKVCache, KVCache
+from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, KVCache
 
 from ..config import EngineConfig
 from ..models import attention
@@ -19,6 +19,7 @@ from .output import RowState
 from .prefix_cache import LayerKV, PrefixCache, kv_range
 from .prefix_match import common_prefix_len
 from .request import Request
+from .rotating_prefix import max_reusable_tokens, rotating_batch_from_prefixes, store_rotating_rows
 from .shared_kv import SharedPrefix, SharedPrefixBatchCache
 
 logger = logging.getLogger(__name__)
@@ -31,17 +32,28 @@ MIN_SHARED_TOKENS = 32
 
 
 def make_prefix_cache(config: EngineConfig) -> Optional[PrefixCache]:
-    """The prefix store the config asks for, or None (off, or a rotating KV cache, which
-    keeps only a window of each row and so cannot be reused; logged once)."""
+    """The prefix store the config asks for, or None when off. With a rotating KV cache
+    (``max_kv_size``) each row copies its prefix, of at most ``max_kv_size - 1`` tokens
+    (:mod:`.rotating_prefix`; logged once)."""
     global _warned_rotating
     if not config.enable_prefix_caching:
         return None
-    if config.max_kv_size is not None:
-        if not _warned_rotating:
-            logger.warning("prefix caching is off: a rotating KV cache (max_kv_size) cannot reuse a prefix")
-            _warned_rotating = True
-        return None
+    if config.max_kv_size is not None and not _warned_rotating:
+        logger.warning(
+            "rotating KV cache (max_kv_size=%d): cached prefixes are copied into each row and reused up to %d tokens",
+            config.max_kv_size, max_reusable_tokens(config.max_kv_size),
+        )
+        _warned_rotating = True
     return PrefixCache(config.prefix_cache_memory_bytes)
+
+
+def scheduler_prefix_options(store: Optional[PrefixCache], config: EngineConfig, bytes_per_token: int) -> dict[str, Any]:
+    """The :class:`~.scheduler.Scheduler`'s prefix-sharing keyword arguments."""
+    return {
+        "prefix_match": None if store is None else store.match,
+        "prefix_capacity_tokens": config.prefix_cache_memory_bytes // bytes_per_token,
+        "prefix_max_tokens": None if config.max_kv_size is None else max_reusable_tokens(config.max_kv_size),
+    }
 
 
 def prefix_stats(config: EngineConfig, store: Optional[PrefixCache], snapshot: dict[str, Any]) -> dict[str, Any]:
@@ -49,7 +61,7 @@ def prefix_stats(config: EngineConfig, store: Optional[PrefixCache], snapshot: d
     prompt tokens) and cached prompt tokens from the metrics ``snapshot``, and the
     store's own counts (bytes, stored tokens, evictions) when there is one."""
     return {
-        "enabled": config.enable_prefix_caching and config.max_kv_size is None,
+        "enabled": config.enable_prefix_caching,
         "hit_rate": snapshot["prefix_cache_hit_rate"],
         "cached_tokens": snapshot["cached_prompt_tokens"],
         **(store.stats() if store is not None else {}),
@@ -105,15 +117,19 @@ def _share_groups(requests: Sequence[Request]) -> list[tuple[int, list[int]]]:
     return [g for g in groups if len(g[1]) > 1]
 
 
-def batch_cache_from_prefixes(num_layers: int, requests: Sequence[Request], share: bool = False) -> list[Any]:
+def batch_cache_from_prefixes(num_layers: int, requests: Sequence[Request], share: bool = False, max_kv_size: Optional[int] = None) -> list[Any]:
     """A left-padded batch cache, one row per request, holding its fetched prefix KV
     (which the request hands over). With ``share``, rows admitted together with a common
     cached prefix reference one copy of it (:class:`SharedPrefixBatchCache`): a view of
-    the store's arrays where the prefix is one stored piece, so nothing is copied."""
+    the store's arrays where the prefix is one stored piece, so nothing is copied. With
+    ``max_kv_size``, a rotating cache with a copy per row (:mod:`.rotating_prefix`)."""
     prefixes = []
     for r in requests:
         prefixes.append(r.state.prefix)
         r.state.prefix = None
+    if max_kv_size is not None:
+        kv = [kv_range(p, 0, r.num_cached) if p and r.num_cached else None for r, p in zip(requests, prefixes)]
+        return rotating_batch_from_prefixes(max_kv_size, kv, [r.num_cached for r in requests], num_layers)
     shared_len = [0] * len(requests)
     shared: list[list[Optional[SharedPrefix]]] = [[None] * len(requests) for _ in range(num_layers)]
     for length, rows in _share_groups(requests) if share else []:
@@ -176,6 +192,9 @@ def store_rows(
     if store is None or cache is None:
         return
     try:
+        if isinstance(cache[0], BatchRotatingKVCache):
+            store_rotating_rows(store, cache, sequences, list(rows), bytes_per_token)
+            return
         if hasattr(cache[0], "row_kv"):
             for seq, i in zip(sequences, rows):
 

@@ -64,6 +64,7 @@ class Scheduler:
         *,
         prefix_match: Optional[PrefixMatch] = None,
         prefix_capacity_tokens: Optional[int] = None,
+        prefix_max_tokens: Optional[int] = None,
         min_shared_tokens: int = 64,
     ) -> None:
         self.max_num_seqs = max_num_seqs
@@ -72,6 +73,7 @@ class Scheduler:
         self.kv_budget_tokens = kv_budget_tokens
         self.prefix_match = prefix_match
         self.prefix_capacity_tokens = prefix_capacity_tokens
+        self.prefix_max_tokens = prefix_max_tokens  # the most leading tokens a row may reuse
         self.min_shared_tokens = min_shared_tokens
         self.waiting: deque[Request] = deque()
         self.prefilling: list[Request] = []  # admitted this step, prefilled as one batch
@@ -200,6 +202,8 @@ class Scheduler:
             if self.prefix_capacity_tokens is not None and new_tokens > self.prefix_capacity_tokens:
                 continue  # the store could not keep it
             shared = min(common_prefix_len(sharer.prompt_ids, request.prompt_ids), request.prompt_len - 1)
+            if self.prefix_max_tokens is not None:
+                shared = min(shared, self.prefix_max_tokens)
             gain = shared - cached
             if gain >= self.min_shared_tokens or (gain > 0 and shared == request.prompt_len - 1):
                 return True

@@ -35,7 +35,7 @@ from .guided import GrammarTokenizer
 from .metrics import EngineMetrics
 from .output import RowState, add_token
 from .prefill import new_batch_cache, run_pieces, run_right_padded
-from .prefix_kv import adopt_shared_prefixes, batch_cache_from_prefixes, can_share_kv, fetch_prefixes, make_prefix_cache, store_rows
+from .prefix_kv import adopt_shared_prefixes, batch_cache_from_prefixes, can_share_kv, fetch_prefixes, make_prefix_cache, scheduler_prefix_options, store_rows
 from .request import Request
 from .sampling import RowSampler, SampledRow, sample_batch
 from .scheduler import Scheduler
@@ -71,8 +71,7 @@ class Worker:
             config.max_num_batched_tokens,
             config.prefill_chunk_size,
             None if budget is None else max(1, budget // self.kv_bytes_per_token),
-            prefix_match=None if self.prefix_cache is None else self.prefix_cache.match,
-            prefix_capacity_tokens=config.prefix_cache_memory_bytes // self.kv_bytes_per_token,
+            **scheduler_prefix_options(self.prefix_cache, config, self.kv_bytes_per_token),
         )
         self.eos_ids = set(getattr(tokenizer, "eos_token_ids", None) or [])
         if getattr(tokenizer, "eos_token_id", None) is not None:
@@ -228,7 +227,7 @@ class Worker:
             self.metrics.request_admitted(r.request_id, r.prompt_len, cached_tokens=r.num_cached)
         piece = max(1, self.config.prefill_chunk_size // len(requests))
         if any(r.num_cached for r in requests):
-            cache = batch_cache_from_prefixes(len(self.model.layers), requests, self.share_kv)
+            cache = batch_cache_from_prefixes(len(self.model.layers), requests, self.share_kv, self.config.max_kv_size)
             rest = [r.prompt_ids[r.num_cached :] for r in requests]
             if len({len(x) for x in rest}) > 1:  # all but the last tokens, right-padded
                 kept = run_right_padded(self.model, [x[:-1] for x in rest], cache, self.pad_id, piece, self._wanted(requests))
@@ -257,7 +256,7 @@ class Worker:
             self.metrics.request_admitted(request.request_id, request.prompt_len, cached_tokens=request.num_cached)
             layers = len(self.model.layers)
             share, size = self.share_kv, self.config.max_kv_size
-            state.cache = batch_cache_from_prefixes(layers, [request], share) if request.num_cached else new_batch_cache(layers, [0], size, share)
+            state.cache = batch_cache_from_prefixes(layers, [request], share, size) if request.num_cached else new_batch_cache(layers, [0], size, share)
         start = request.num_prefilled
         chunk = mx.array([request.prompt_ids[start : start + n]])
         logits = self.model(chunk, cache=state.cache)[:, -1, :]

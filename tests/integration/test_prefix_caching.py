@@ -155,16 +155,6 @@ def test_streams_report_cached_tokens_in_the_last_delta(make_engine) -> None:
     assert all(d.usage is None for d in deltas[:-1])
 
 
-def test_rotating_kv_cache_turns_prefix_caching_off(make_engine) -> None:
-    rng = random.Random(6)
-    engine = make_engine(max_kv_size=64)
-    prompt = [1] + ids(rng, 100)
-    first = engine.generate_sync(prompt, SamplingParams(max_tokens=4, ignore_eos=True))
-    second = engine.generate_sync(prompt, SamplingParams(max_tokens=4, ignore_eos=True))
-    assert first.token_ids == second.token_ids and second.usage.cached_tokens == 0
-    assert engine.stats()["prefix_cache"]["enabled"] is False
-
-
 def test_cached_prefix_does_not_count_against_the_step_token_budget(tiny_model, make_engine) -> None:
     rng = random.Random(7)
     prefix = [1] + ids(rng, 200)

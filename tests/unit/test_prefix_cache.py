@@ -117,3 +117,19 @@ def test_a_prefix_larger_than_the_store_is_not_waited_for() -> None:
     for r in rs:
         s.add(r)
     assert s.schedule().prefill == rs
+
+
+def test_sharers_wait_only_for_the_tokens_a_rotating_cache_may_reuse() -> None:
+    # With max_kv_size=64 a row reuses at most 63 tokens: a 200-token common prefix gains
+    # 63 - 0 < min_shared_tokens, so the group is prefilled at once instead of waiting...
+    capped = Scheduler(8, 4096, 1000, prefix_match=lambda ids: 0, prefix_max_tokens=63, min_shared_tokens=64)
+    rs = [req(f"r{i}", list(range(300)) + [i]) for i in range(3)]
+    for r in rs:
+        capped.add(r)
+    assert capped.schedule().prefill == rs
+    # ...while under a larger cap they wait for the first one's prefill, as without a cap.
+    roomy = Scheduler(8, 4096, 1000, prefix_match=lambda ids: 0, prefix_max_tokens=255, min_shared_tokens=64)
+    rs = [req(f"r{i}", list(range(300)) + [i]) for i in range(3)]
+    for r in rs:
+        roomy.add(r)
+    assert roomy.schedule().prefill == rs[:1]
