@@ -30,7 +30,8 @@ class EngineConfig:
             its full size (prompt + max_tokens); None means no budget beyond max_num_seqs.
         max_kv_size: if set, each row keeps at most this many KV entries (a rotating
             cache, as mlx-lm's ``--max-kv-size``): lower memory, longer generations,
-            approximate attention past the window.
+            approximate attention past the window (batched rows keep none of the first
+            tokens, unlike mlx-lm's single-sequence cache, which keeps 4).
         request_timeout_s: default per-request timeout (None: no timeout); a request's
             own ``SamplingParams.timeout`` takes precedence.
         dequantize: dequantize weights at load (None: on the CPU device only).

@@ -383,3 +383,18 @@ def test_kv_budget_refuses_what_can_never_fit_and_queues_the_rest(make_engine) -
 
     assert all(r.usage.completion_tokens == 40 for r in run(main()))
     assert engine.stats()["max_batch_size"] < 6  # the budget held some back until others left
+
+def test_rotating_cache_rows_keep_no_first_tokens_and_batching_does_not_change_them(make_engine) -> None:
+    """Documented decision: batched rotating rows keep only the last ``max_kv_size`` entries
+    (mlx-lm's ``BatchRotatingKVCache`` keeps none of the first tokens, unlike its
+    single-sequence cache with keep=4). Past the window, a row's greedy tokens are the same in
+    a burst as alone, so batching never changes what the window holds."""
+    engine = make_engine(max_kv_size=32)
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+    prompts = mixed_prompts(4)
+    alone = [engine.generate_sync(p, params).token_ids for p in prompts]
+
+    async def burst():
+        return await asyncio.gather(*(engine.generate(p, params) for p in prompts))
+
+    assert [r.token_ids for r in run(burst())] == alone
