@@ -1,0 +1,104 @@
+"""LangChain's standard integration suite (``langchain-tests``' ``ChatModelIntegrationTests``)
+for :class:`ChatMLXParallm` on the real default model (SmolLM2-135M-Instruct).
+
+The whole suite takes many minutes on a CPU, so by default only a few of its tests run
+(:data:`CI_SUBSET`: a call, forced tool calls, streamed tool calls and JSON-schema output).
+Run all of it with::
+
+    MLX_PARALLM_LANGCHAIN_SUITE=all .venv/bin/python -m pytest -m slow tests/slow/test_langchain_integration_default.py
+
+The capability flags are set to what the adapter really does. Decoding is greedy (the
+model's default); the tests that leave the choice of calling a tool to the model
+(``tool_choice`` auto) depend on a 135M model's judgement, and are reported, not hidden.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+from typing import Any
+
+import pytest
+from langchain_tests.integration_tests import ChatModelIntegrationTests
+
+from mlx_parallm_provider.langchain import ChatMLXParallm
+from mlx_parallm_provider.models.registry import default_gguf_path
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fresh_litellm_engines")]
+
+#: The tests run when ``MLX_PARALLM_LANGCHAIN_SUITE`` is not ``all`` (about a minute).
+CI_SUBSET = frozenset({
+    "test_invoke",
+    "test_tool_calling[model0]",
+    "test_tool_choice",
+    "test_tool_calling_with_no_arguments",
+    "test_structured_output[json_schema]",
+})
+
+
+@pytest.fixture(autouse=True)
+def _subset(request: pytest.FixtureRequest) -> None:
+    if os.environ.get("MLX_PARALLM_LANGCHAIN_SUITE") != "all" and request.node.name not in CI_SUBSET:
+        pytest.skip("part of the full LangChain suite: set MLX_PARALLM_LANGCHAIN_SUITE=all to run it")
+
+
+class TestChatMLXParallmIntegration(ChatModelIntegrationTests):
+    """The standard suite against the embedded default model."""
+
+    @property
+    def chat_model_class(self) -> type[ChatMLXParallm]:
+        return ChatMLXParallm
+
+    @property
+    def chat_model_params(self) -> dict[str, Any]:
+        return {"model": "default", "max_tokens": 256}
+
+    @property
+    def has_tool_calling(self) -> bool:
+        return True
+
+    @property
+    def has_tool_choice(self) -> bool:
+        return True  # "any" and a named tool are constrained by a grammar
+
+    @property
+    def has_structured_output(self) -> bool:
+        return True
+
+    @property
+    def supports_json_mode(self) -> bool:
+        return True
+
+    @property
+    def returns_usage_metadata(self) -> bool:
+        return True
+
+    @property
+    def supports_image_inputs(self) -> bool:
+        return False
+
+    @property
+    def supports_model_override(self) -> bool:
+        return True
+
+    @property
+    def model_override_value(self) -> str:
+        # Another model name for the same weights: the default model's own GGUF file (a
+        # second engine; no download, so it runs offline).
+        return str(default_gguf_path())
+
+
+def _run_with_asyncio(test: Any) -> Any:
+    @functools.wraps(test)
+    async def wrapper(*args: Any, **kwargs: Any) -> Any:
+        return await test(*args, **kwargs)
+
+    return pytest.mark.asyncio(wrapper)
+
+
+# The suite's async tests carry no asyncio mark (it expects asyncio_mode=auto): mark them
+# here rather than switch the whole test suite's mode.
+for _name, _test in inspect.getmembers(ChatModelIntegrationTests, inspect.iscoroutinefunction):
+    if _name.startswith("test_"):
+        setattr(TestChatMLXParallmIntegration, _name, _run_with_asyncio(_test))
