@@ -2,14 +2,15 @@
 for :class:`ChatMLXParallm` on the real default model (SmolLM2-135M-Instruct).
 
 The whole suite takes many minutes on a CPU, so by default only a few of its tests run
-(:data:`CI_SUBSET`: a call, forced tool calls, streamed tool calls and JSON-schema output).
+(:data:`CI_SUBSET`: forced tool calls, invoked and streamed, and JSON-schema output).
 Run all of it with::
 
     MLX_PARALLM_LANGCHAIN_SUITE=all .venv/bin/python -m pytest -m slow tests/slow/test_langchain_integration_default.py
 
-The capability flags are set to what the adapter really does. Decoding is greedy (the
-model's default); the tests that leave the choice of calling a tool to the model
-(``tool_choice`` auto) depend on a 135M model's judgement, and are reported, not hidden.
+The capability flags are set to what the adapter really does. Known failures on this
+135M model, left failing rather than hidden: ``test_agent_loop`` (``tool_choice`` auto: the
+model answers in prose instead of calling the tool) and ``test_json_mode`` (JSON mode
+constrains to any JSON object; the model closes it after ``setup``, without ``punchline``).
 """
 
 from __future__ import annotations
@@ -35,10 +36,8 @@ pytestmark = [
 
 #: The tests run when ``MLX_PARALLM_LANGCHAIN_SUITE`` is not ``all`` (about a minute).
 CI_SUBSET = frozenset({
-    "test_invoke",
     "test_tool_calling[model0]",
     "test_tool_choice",
-    "test_tool_calling_with_no_arguments",
     "test_structured_output[json_schema]",
 })
 
@@ -58,7 +57,12 @@ class TestChatMLXParallmIntegration(ChatModelIntegrationTests):
 
     @property
     def chat_model_params(self) -> dict[str, Any]:
-        return {"model": "default", "max_tokens": 256}
+        # Greedy decoding with a light repetition penalty, the default of Ollama and LM Studio:
+        # greedy alone, a 135M model loops inside a JSON string ("a cat is a cat, a cat is
+        # a cat, ...") until max_tokens cuts it: 8 structured-output tests more fail so.
+        # Full suite, 2026-11-29: greedy alone 11 failed; with the penalty 40 passed, 3 failed
+        # (the known ones above), 7 skipped.
+        return {"model": "default", "max_tokens": 256, "repetition_penalty": 1.1}
 
     @property
     def has_tool_calling(self) -> bool:
