@@ -3,7 +3,9 @@ without a grammar, in one run, and the time spent filling and applying masks per
 
     python -m mlx_parallm_provider.bench.constrained [--model default] [--concurrency 32] [--max-tokens 48]
 
-Passes over the same prompts, greedy, interleaved ``--repeats`` times (medians shown):
+Passes over the same prompts, greedy, interleaved ``--repeats`` times (medians shown), then
+one pass of each grammar timing its masks (the logits evaluated first, so the mask time is
+the masks' own; the throughput passes keep the masks overlapped with the model's step):
 unconstrained and a grammar that allows any text (pure overhead of the masks), both with
 EOS ignored so every row makes ``--max-tokens`` tokens; a JSON schema, whose rows stop
 when their object is complete, so the batch thins out; and its unconstrained twin, each
@@ -34,17 +36,24 @@ SCHEMA = {
 
 
 class MaskTimer:
-    """Wraps the sampler's mask step and adds up its wall time and calls: the time to fill
-    the masks of all constrained rows, which runs while MLX computes the step's logits
-    (nothing is evaluated here, so timing does not take that overlap away)."""
+    """Wraps the sampler's mask step. When ``timing``, it evaluates the step's logits first
+    and then adds up the wall time of filling and applying the masks, so that time is the
+    masks' alone (but no longer overlaps the model's compute): throughput passes run with
+    ``timing`` off, and separate passes measure the mask time."""
 
     def __init__(self) -> None:
-        self.seconds, self.calls = 0.0, 0
+        self.seconds, self.calls, self.timing = 0.0, 0, False
         self.real = sampling_module.mask_logits
 
     def __call__(self, logits: Any, matchers: Any, tokenizer: Any) -> Any:
+        if not self.timing:
+            return self.real(logits, matchers, tokenizer)
+        import mlx.core as mx
+
+        mx.eval(logits)  # the model's part of the step, outside the timer
         tic = time.perf_counter()
         out = self.real(logits, matchers, tokenizer)
+        mx.eval(out)
         self.seconds += time.perf_counter() - tic
         self.calls += 1
         return out
@@ -61,14 +70,13 @@ class Pass:
     """One kind of pass: its tok/s and mask ms/step over the repeats."""
 
     def __init__(self, name: str) -> None:
-        self.name, self.rates, self.mask_ms = name, [], []
+        self.name, self.rates = name, []
+        self.mask_ms: list[float] = []  # from the separate timed pass
         self.counts: list[list[int]] = []  # each repeat's output tokens per row
 
-    def record(self, wall: float, counts: list[int], timer: MaskTimer) -> None:
+    def record(self, wall: float, counts: list[int]) -> None:
         self.counts.append(counts)
         self.rates.append(sum(counts) / wall)
-        if timer.calls:
-            self.mask_ms.append(1000 * timer.seconds / timer.calls)
 
     def row(self, base: "Pass") -> str:
         rate, ratio = statistics.median(self.rates), statistics.median(r / b for r, b in zip(self.rates, base.rates))
@@ -89,14 +97,17 @@ def measure(engine: Engine, prompts: list[str], max_tokens: int, repeats: int) -
         passes = {k: Pass(k) for k in ("unconstrained", "any-text grammar", "JSON schema", "unconstrained twin")}
         for _ in range(repeats):
             for name, params in (("unconstrained", free), ("any-text grammar", any_text), ("JSON schema", schema)):
-                timer.seconds, timer.calls = 0.0, 0
                 wall, counts = asyncio.run(_run(engine, prompts, params))
-                passes[name].record(wall, counts, timer)
+                passes[name].record(wall, counts)
             # The JSON rows stop when their object is complete, so the batch thins out: the
             # twin decodes exactly as many tokens per row, unconstrained, and thins out alike.
             twin = [SamplingParams(max_tokens=c, ignore_eos=True) for c in counts]
+            passes["unconstrained twin"].record(*asyncio.run(_run(engine, prompts, twin)))
+        timer.timing = True
+        for name, params in (("any-text grammar", any_text), ("JSON schema", schema)):
             timer.seconds, timer.calls = 0.0, 0
-            passes["unconstrained twin"].record(*asyncio.run(_run(engine, prompts, twin)), timer)
+            asyncio.run(_run(engine, prompts, params))
+            passes[name].mask_ms.append(1000 * timer.seconds / timer.calls)
         return passes
     finally:
         sampling_module.mask_logits = timer.real
@@ -116,7 +127,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         passes = measure(engine, prompts, args.max_tokens, args.repeats)
     finally:
         engine.shutdown()
-    print(f"| {args.concurrency} concurrent, max_tokens={args.max_tokens}, medians of {args.repeats} | output tok/s | vs | mask fill ms/step |")
+    print(f"| {args.concurrency} concurrent, max_tokens={args.max_tokens}, medians of {args.repeats} | output tok/s | vs | mask ms/step |")
     print("|---|---|---|---|")
     base = passes["unconstrained"]
     for name in ("unconstrained", "any-text grammar", "unconstrained twin"):

@@ -14,5 +14,5 @@ def test_json_pass_is_compared_with_a_twin_that_decodes_the_same_tokens_per_row(
     assert sampling.mask_logits is real  # the timer is taken out again
     assert passes["JSON schema"].counts == passes["unconstrained twin"].counts
     assert all(c == [12] * 4 for c in passes["unconstrained"].counts + passes["any-text grammar"].counts)
-    assert len(passes["JSON schema"].mask_ms) == 2 and not passes["unconstrained"].mask_ms
+    assert len(passes["JSON schema"].mask_ms) == 1 and passes["JSON schema"].mask_ms[0] > 0 and not passes["unconstrained"].mask_ms
     assert "(unconstrained twin)" in passes["JSON schema"].row(passes["unconstrained twin"])
