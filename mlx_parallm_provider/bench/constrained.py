@@ -3,18 +3,23 @@ without a grammar, in one run, and the time spent filling and applying masks per
 
     python -m mlx_parallm_provider.bench.constrained [--model default] [--concurrency 32] [--max-tokens 48]
 
-Three passes over the same prompts (greedy, EOS ignored so every row makes the same number
-of tokens): unconstrained; a grammar that allows any text (pure overhead of the masks);
-a JSON schema (compact JSON, rows stop when their object is complete, so the batch thins
-out and tok/s falls for that reason too).
+Passes over the same prompts, greedy, interleaved ``--repeats`` times (medians shown), then
+one pass of each grammar timing its masks (the logits evaluated first, so the mask time is
+the masks' own; the throughput passes keep the masks overlapped with the model's step):
+unconstrained and a grammar that allows any text (pure overhead of the masks), both with
+EOS ignored so every row makes ``--max-tokens`` tokens; a JSON schema, whose rows stop
+when their object is complete, so the batch thins out; and its unconstrained twin, each
+row decoding exactly as many tokens as its JSON twin did (EOS ignored), so it thins out
+alike. The JSON pass is compared with its twin, the any-text pass with the first.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import statistics
 import time
-from typing import Any
+from typing import Any, Optional
 
 import mlx_parallm_provider  # noqa: F401  (BLAS before mlx)
 
@@ -31,60 +36,103 @@ SCHEMA = {
 
 
 class MaskTimer:
-    """Wraps the sampler's mask step and adds up its wall time and calls. (It evaluates the
-    logits first, so the masks no longer overlap the model's compute while timed.)"""
+    """Wraps the sampler's mask step. When ``timing``, it evaluates the step's logits first
+    and then adds up the wall time of filling and applying the masks, so that time is the
+    masks' alone (but no longer overlaps the model's compute): throughput passes run with
+    ``timing`` off, and separate passes measure the mask time."""
 
     def __init__(self) -> None:
-        self.seconds, self.calls = 0.0, 0
-        self._real = sampling_module.mask_logits
+        self.seconds, self.calls, self.timing = 0.0, 0, False
+        self.real = sampling_module.mask_logits
 
     def __call__(self, logits: Any, matchers: Any, tokenizer: Any) -> Any:
+        if not self.timing:
+            return self.real(logits, matchers, tokenizer)
         import mlx.core as mx
 
         mx.eval(logits)  # the model's part of the step, outside the timer
         tic = time.perf_counter()
-        out = self._real(logits, matchers, tokenizer)
+        out = self.real(logits, matchers, tokenizer)
         mx.eval(out)
         self.seconds += time.perf_counter() - tic
         self.calls += 1
         return out
 
 
-async def _run(engine: Engine, prompts: list[str], params: SamplingParams) -> tuple[float, int]:
+async def _run(engine: Engine, prompts: list[str], params: list[SamplingParams]) -> tuple[float, list[int]]:
+    """Wall time and each row's output token count of one concurrent pass."""
     tic = time.perf_counter()
-    results = await asyncio.gather(*(engine.generate(p, params) for p in prompts))
-    return time.perf_counter() - tic, sum(r.usage.completion_tokens for r in results)
+    results = await asyncio.gather(*(engine.generate(p, q) for p, q in zip(prompts, params)))
+    return time.perf_counter() - tic, [r.usage.completion_tokens for r in results]
 
 
-def main() -> None:
+class Pass:
+    """One kind of pass: its tok/s and mask ms/step over the repeats."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.rates = name, []
+        self.mask_ms: list[float] = []  # from the separate timed pass
+        self.counts: list[list[int]] = []  # each repeat's output tokens per row
+
+    def record(self, wall: float, counts: list[int]) -> None:
+        self.counts.append(counts)
+        self.rates.append(sum(counts) / wall)
+
+    def row(self, base: "Pass") -> str:
+        rate, ratio = statistics.median(self.rates), statistics.median(r / b for r, b in zip(self.rates, base.rates))
+        mask = f"{statistics.median(self.mask_ms):.2f}" if self.mask_ms else "-"
+        return f"| {self.name} | {rate:.1f} | {ratio:.2f}x ({base.name}) | {mask} |"
+
+
+def measure(engine: Engine, prompts: list[str], max_tokens: int, repeats: int) -> dict[str, Pass]:
+    """Run the passes (see the module docstring) ``repeats`` times, interleaved."""
+    timer = MaskTimer()
+    sampling_module.mask_logits = timer
+    try:
+        n = len(prompts)
+        free = [SamplingParams(max_tokens=max_tokens, ignore_eos=True)] * n
+        any_text = [SamplingParams(max_tokens=max_tokens, ignore_eos=True, constraint=Constraint.regex(r"(.|\n)*"))] * n
+        schema = [SamplingParams(max_tokens=max_tokens, constraint=Constraint.json_schema(SCHEMA))] * n
+        asyncio.run(_run(engine, prompts[:2], schema[:2]))  # warm-up: builds the grammar tokenizer
+        passes = {k: Pass(k) for k in ("unconstrained", "any-text grammar", "JSON schema", "unconstrained twin")}
+        for _ in range(repeats):
+            for name, params in (("unconstrained", free), ("any-text grammar", any_text), ("JSON schema", schema)):
+                wall, counts = asyncio.run(_run(engine, prompts, params))
+                passes[name].record(wall, counts)
+            # The JSON rows stop when their object is complete, so the batch thins out: the
+            # twin decodes exactly as many tokens per row, unconstrained, and thins out alike.
+            twin = [SamplingParams(max_tokens=c, ignore_eos=True) for c in counts]
+            passes["unconstrained twin"].record(*asyncio.run(_run(engine, prompts, twin)))
+        timer.timing = True
+        for name, params in (("any-text grammar", any_text), ("JSON schema", schema)):
+            timer.seconds, timer.calls = 0.0, 0
+            asyncio.run(_run(engine, prompts, params))
+            passes[name].mask_ms.append(1000 * timer.seconds / timer.calls)
+        return passes
+    finally:
+        sampling_module.mask_logits = timer.real
+
+
+def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="default")
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=48)
-    args = parser.parse_args()
+    parser.add_argument("--repeats", type=int, default=2, help="each pass this many times, interleaved; medians shown")
+    args = parser.parse_args(argv)
     engine = Engine(args.model)
-    prompts = [prepare_chat(engine.tokenizer, [{"role": "user", "content": f"Plan trip {i}: a city, days and activities, as JSON."}]).prompt
-               for i in range(args.concurrency)]
-    timer = MaskTimer()
-    sampling_module.mask_logits = timer
-    passes = {
-        "unconstrained": SamplingParams(max_tokens=args.max_tokens, ignore_eos=True),
-        "any-text grammar": SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, constraint=Constraint.regex(r"(.|\n)*")),
-        "JSON schema": SamplingParams(max_tokens=args.max_tokens, constraint=Constraint.json_schema(SCHEMA)),
-    }
-    asyncio.run(_run(engine, prompts[:2], passes["JSON schema"]))  # warm-up: builds the grammar tokenizer
-    print(f"| {args.concurrency} concurrent, max_tokens={args.max_tokens} | output tok/s | vs unconstrained | mask ms/step |")
+    try:
+        prompts = [prepare_chat(engine.tokenizer, [{"role": "user", "content": f"Plan trip {i}: a city, days and activities, as JSON."}]).prompt
+                   for i in range(args.concurrency)]
+        passes = measure(engine, prompts, args.max_tokens, args.repeats)
+    finally:
+        engine.shutdown()
+    print(f"| {args.concurrency} concurrent, max_tokens={args.max_tokens}, medians of {args.repeats} | output tok/s | vs | mask ms/step |")
     print("|---|---|---|---|")
-    base = None
-    for name, params in passes.items():
-        timer.seconds, timer.calls = 0.0, 0
-        wall, tokens = asyncio.run(_run(engine, prompts, params))
-        rate = tokens / wall
-        base = base or rate
-        mask = f"{1000 * timer.seconds / timer.calls:.1f}" if timer.calls else "-"
-        print(f"| {name} | {rate:.1f} | {rate / base:.2f}x | {mask} |")
-    engine.shutdown()
-
+    base = passes["unconstrained"]
+    for name in ("unconstrained", "any-text grammar", "unconstrained twin"):
+        print(passes[name].row(base))
+    print(passes["JSON schema"].row(passes["unconstrained twin"]))
 
 if __name__ == "__main__":
     main()

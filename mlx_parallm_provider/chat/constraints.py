@@ -22,13 +22,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
 from ..engine import Constraint
+from ..engine.constraint import JSON_STYLE
 from ..errors import InvalidParameterError
 from .tool_defs import TOOL_CALL_END, TOOL_CALL_START
 from .tool_formats import HERMES_FORMAT, ToolCallFormat
 
 logger = logging.getLogger(__name__)
-
-_COMPACT = {"whitespace_flexible": False}
 
 
 def response_format_constraint(response_format: Any) -> Optional[Constraint]:
@@ -63,7 +62,7 @@ def tool_call_constraint(
     """
     if not tools or tool_format.name != HERMES_FORMAT.name:
         return None
-    schema = {"x-guidance": _COMPACT, "anyOf": [_call_schema(t["function"]) for t in tools]}
+    schema = {"x-guidance": JSON_STYLE, "anyOf": [_call_schema(t["function"]) for t in tools]}
     if forced:
         start, end, newline = json.dumps(TOOL_CALL_START + "\n"), json.dumps("\n" + TOOL_CALL_END), json.dumps("\n")
         call = f"{start} %json {json.dumps(schema)} {end}"

@@ -11,9 +11,12 @@ from typing import Any
 from ..errors import InvalidParameterError
 
 _KINDS = ("json_schema", "json_object", "regex", "lark")
-# JSON without free whitespace: a model cannot stall in endless blanks, and output is short.
-# A schema may ask otherwise through llguidance's "x-guidance" key.
-_COMPACT_JSON = {"whitespace_flexible": False}
+#: How constrained JSON is spaced: no free whitespace (a model cannot stall in endless
+#: blanks), one space after ``:`` and ``,`` as ``json.dumps`` writes it, which is how
+#: models write JSON (forced compact, a small model loses its way: ``{"input":`` is followed
+#: by a schema where ``{"input": `` is followed by the value). A schema may ask otherwise
+#: through llguidance's ``"x-guidance"`` key.
+JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,11 +69,11 @@ class Constraint:
         matcher = import_llguidance().LLMatcher
         if self.kind == "json_schema":
             try:
-                return matcher.grammar_from_json_schema(self.value, defaults=_COMPACT_JSON)
+                return matcher.grammar_from_json_schema(self.value, defaults=JSON_STYLE)
             except ValueError as error:
                 raise InvalidParameterError("json_schema", str(error)) from None
         if self.kind == "json_object":
-            return matcher.grammar_from_json_schema({"type": "object"}, defaults=_COMPACT_JSON)
+            return matcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_STYLE)
         if self.kind == "regex":
             return matcher.grammar_from_regex(self.value)
         return matcher.grammar_from_lark(self.value)

@@ -35,8 +35,8 @@ from mlx_parallm_provider.models.registry import LoadedModel
 T = TypeVar("T")
 N = 32
 BATCH_TOKENS = 8  # long enough that the 32 rows decode together, short enough to be quick
-# Compact JSON: with tools offered, a call is constrained to the grammar's form (issue 11).
-TOOL_ANSWER = 'Let me check.\n<tool_call>\n{"name":"get_weather","arguments":{"city":"Paris"}}\n</tool_call>'
+# JSON as json.dumps spaces it: with tools offered, a call is constrained to the grammar's form (issue 11).
+TOOL_ANSWER = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
 
 def ask(i: int) -> list[dict[str, str]]:

@@ -41,11 +41,27 @@ def test_auto_leaves_text_free_until_a_call_opens_and_then_the_call_must_parse(t
     auto = tool_call_constraint([WEATHER, TIME], forced=False, tool_format=HERMES_FORMAT, parallel=True)
     tok = tiny_model.tokenizer
     assert _accepts(auto, tok, "Plain text, even a < b, and no call.")
-    assert _accepts(auto, tok, 'Let me check. <tool_call>\n{"name":"get_weather","arguments":{"city":"Oslo"}}\n</tool_call>')
-    assert not _accepts(auto, tok, '<tool_call>\n{"name":"no_such_tool","arguments":{}}\n</tool_call>')
-    assert not _accepts(auto, tok, '<tool_call>\n{"name":"get_weather","arguments":{"town":"Oslo"}}\n</tool_call>')
+    assert _accepts(auto, tok, 'Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>')
+    assert not _accepts(auto, tok, '<tool_call>\n{"name": "no_such_tool", "arguments": {}}\n</tool_call>')
+    assert not _accepts(auto, tok, '<tool_call>\n{"name": "get_weather", "arguments": {"town": "Oslo"}}\n</tool_call>')
 
 
 def test_text_response_format_has_no_constraint() -> None:
     assert response_format_constraint(None) is None and response_format_constraint({"type": "text"}) is None
     assert response_format_constraint({"type": "json_object"}).kind == "json_object"
+
+
+def test_json_is_spaced_as_json_dumps_writes_it(tiny_model) -> None:
+    # Models write JSON with ", " and ": " (and were shown it so in the tool prompt); forced
+    # compact, a small model followed `{"input":` with a schema instead of a value.
+    from mlx_parallm_provider.engine import Constraint
+
+    tok = tiny_model.tokenizer
+    schema = Constraint.json_schema({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}},
+                                     "required": ["a", "b"]})
+    assert _accepts(schema, tok, '{"a": 1, "b": "x"}')
+    assert not _accepts(schema, tok, '{"a":1,"b":"x"}')
+    assert not _accepts(schema, tok, '{"a": 1,  "b": "x"}')
+    assert _accepts(Constraint.json_object(), tok, '{"a": [1, 2], "b": {"c": null}}')
+    forced = tool_call_constraint([WEATHER], forced=True, tool_format=HERMES_FORMAT, parallel=False)
+    assert _accepts(forced, tok, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>')

@@ -1,0 +1,100 @@
+"""LangChain's standard integration suite (``langchain-tests``' ``ChatModelIntegrationTests``)
+for :class:`ChatMLXParallm` on the real default model (SmolLM2-135M-Instruct).
+
+The whole suite takes many minutes on a CPU, so by default only a few of its tests run
+(:data:`CI_SUBSET`: forced tool calls, invoked and streamed, and JSON-schema output).
+Run all of it with::
+
+    MLX_PARALLM_LANGCHAIN_SUITE=all .venv/bin/python -m pytest -m slow tests/slow/test_langchain_integration_default.py
+
+The capability flags are set to what the adapter really does. Known failures on this
+135M model, left failing rather than hidden: ``test_agent_loop`` (``tool_choice`` auto: the
+model answers in prose instead of calling the tool) and ``test_json_mode`` (JSON mode
+constrains to any JSON object; the model closes it after ``setup``, without ``punchline``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+from langchain_tests.integration_tests import ChatModelIntegrationTests
+
+from mlx_parallm_provider.langchain import ChatMLXParallm
+from mlx_parallm_provider.models.registry import default_gguf_path
+
+# The suite's async tests carry no asyncio mark (it expects asyncio_mode=auto, which this
+# test suite does not use); marking every test is how to mark them without overriding
+# (the suite fails a subclass that overrides its tests). Sync tests ignore the mark.
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.usefixtures("fresh_litellm_engines"),
+    pytest.mark.asyncio,
+    pytest.mark.filterwarnings("ignore:.*marked with '@pytest.mark.asyncio' but it is not an async function"),
+]
+
+#: The tests run when ``MLX_PARALLM_LANGCHAIN_SUITE`` is not ``all`` (about a minute).
+CI_SUBSET = frozenset({
+    "test_tool_calling[model0]",
+    "test_tool_choice",
+    "test_structured_output[json_schema]",
+})
+
+
+@pytest.fixture(autouse=True)
+def _subset(request: pytest.FixtureRequest) -> None:
+    if os.environ.get("MLX_PARALLM_LANGCHAIN_SUITE") != "all" and request.node.name not in CI_SUBSET:
+        pytest.skip("part of the full LangChain suite: set MLX_PARALLM_LANGCHAIN_SUITE=all to run it")
+
+
+class TestChatMLXParallmIntegration(ChatModelIntegrationTests):
+    """The standard suite against the embedded default model."""
+
+    @property
+    def chat_model_class(self) -> type[ChatMLXParallm]:
+        return ChatMLXParallm
+
+    @property
+    def chat_model_params(self) -> dict[str, Any]:
+        # Greedy decoding with a light repetition penalty, the default of Ollama and LM Studio:
+        # greedy alone, a 135M model loops inside a JSON string ("a cat is a cat, a cat is
+        # a cat, ...") until max_tokens cuts it: 8 structured-output tests more fail so.
+        # Full suite, 2026-11-29: greedy alone 11 failed; with the penalty 40 passed, 3 failed
+        # (the known ones above), 7 skipped.
+        return {"model": "default", "max_tokens": 256, "repetition_penalty": 1.1}
+
+    @property
+    def has_tool_calling(self) -> bool:
+        return True
+
+    @property
+    def has_tool_choice(self) -> bool:
+        return True  # "any" and a named tool are constrained by a grammar
+
+    @property
+    def has_structured_output(self) -> bool:
+        return True
+
+    @property
+    def supports_json_mode(self) -> bool:
+        return True
+
+    @property
+    def returns_usage_metadata(self) -> bool:
+        return True
+
+    @property
+    def supports_image_inputs(self) -> bool:
+        return False
+
+    @property
+    def supports_model_override(self) -> bool:
+        return True
+
+    @property
+    def model_override_value(self) -> str:
+        # Another model name for the same weights: the default model's own GGUF file (a
+        # second engine; no download, so it runs offline).
+        return str(default_gguf_path())
+
