@@ -33,11 +33,12 @@ mlx_lm_attention = _base.scaled_dot_product_attention
 mlx_lm_swiglu = _activations.swiglu
 
 CPU_OPS_ENV = "MLX_PARALLM_CPU_OPS"
-_cpu_ops: Optional[bool] = None  # None: on the CPU device only
+_cpu_ops: Optional[bool] = None  # None: MLX_PARALLM_CPU_OPS, else the CPU device only
 
 
 def set_cpu_ops(enabled: Optional[bool]) -> None:
-    """Use :mod:`.cpu_ops` always (True), never (False) or on the CPU device only (None)."""
+    """Use :mod:`.cpu_ops` always (True), never (False), or by default (None:
+    ``MLX_PARALLM_CPU_OPS`` if set, else on the CPU device only)."""
     global _cpu_ops
     _cpu_ops = enabled
 
@@ -46,19 +47,12 @@ def uses_cpu_ops() -> bool:
     """Whether attention and SwiGLU run :mod:`.cpu_ops`' formulations now."""
     if _cpu_ops is not None:
         return _cpu_ops
-    return is_cpu()
-
-
-def _env_choice() -> Optional[bool]:
     value = os.environ.get(CPU_OPS_ENV, "").strip().lower()
     if value in ("0", "off", "false", "no"):
         return False
     if value in ("1", "on", "true", "yes"):
         return True
-    return None
-
-
-set_cpu_ops(_env_choice())
+    return is_cpu()
 
 
 def dense_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Optional[Any]) -> mx.array:
