@@ -154,6 +154,29 @@ def profile(model_name: str, batches: Sequence[int], contexts: Sequence[int], re
     return rows
 
 
+def prefill(model_name: str, prompt_len: int, repeats: int) -> dict[bool, float]:
+    """Prefill tok/s of one ``prompt_len``-token prompt into a fresh cache, cpu_ops off / on."""
+    import mlx.core as mx
+
+    from ..engine.prefill import new_batch_cache
+    from ..models import attention, registry
+
+    model = registry.load(model_name).model
+    tokens = mx.random.randint(0, 1000, (1, prompt_len), key=mx.random.key(7))
+
+    def run() -> Any:
+        cache = new_batch_cache(len(model.layers), [0])
+        return model(tokens, cache=cache)[:, -1, :]
+
+    best = {}
+    for _ in range(2):
+        for on in (False, True):
+            attention.set_cpu_ops(on)
+            best[on] = min(best.get(on, float("inf")), _best(run, max(1, repeats // 2)))
+    attention.set_cpu_ops(None)
+    return {on: prompt_len / (ms / 1000) for on, ms in best.items()}
+
+
 def bookkeeping(model_name: str, batches: Sequence[int], max_tokens: int = 24) -> dict[int, dict[str, float]]:
     """Per decode step of a real engine run: ms in the worker's decode (forward + sampling)
     and in its Python bookkeeping after sampling, for ``batch`` concurrent requests."""
@@ -198,9 +221,13 @@ def bookkeeping(model_name: str, batches: Sequence[int], max_tokens: int = 24) -
     return out
 
 
-def report(rows: list[dict[str, Any]], books: Optional[dict[int, dict[str, float]]] = None) -> str:
+def report(rows: list[dict[str, Any]], books: Optional[dict[int, dict[str, float]]] = None,
+           prefill_tok_s: Optional[dict[Any, float]] = None) -> str:
     """A markdown table per (batch, context): ms per decode step by op family, before/after."""
     lines = []
+    if prefill_tok_s:
+        before, after = prefill_tok_s.get(False) or prefill_tok_s.get("false"), prefill_tok_s.get(True) or prefill_tok_s.get("true")
+        lines.append(f"prefill of a 512-token prompt, batch 1: {before:.0f} tok/s before, {after:.0f} tok/s after ({after / before:.2f}x)")
     keys = sorted({(r["batch"], r["context"]) for r in rows})
     for batch, context in keys:
         lines += [f"\nbatch {batch}, context {context} (ms per decode step, all layers)", "",
@@ -221,6 +248,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--context", type=int, nargs="+", default=[128, 512])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-engine", action="store_true", help="skip the engine run (worker bookkeeping row)")
+    parser.add_argument("--no-prefill", action="store_true", help="skip the prefill row")
     parser.add_argument("--wall", action="store_true", help="time wall-clock with the default BLAS threads")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -230,15 +258,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         out = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if out.returncode != 0:
             raise RuntimeError(f"profile child failed:\n{out.stderr}")
-        rows, books = json.loads([ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")][-1][len("RESULT "):])
-        print(report(rows, {int(k): v for k, v in (books or {}).items()}))
+        rows, books, pre = json.loads([ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")][-1][len("RESULT "):])
+        print(report(rows, {int(k): v for k, v in (books or {}).items()}, pre))
         return 0
     global _clock
     if args.wall:
         _clock = time.perf_counter
     rows = profile(args.model, args.batch, args.context, args.repeats)
     books = None if args.no_engine else bookkeeping(args.model, args.batch)
-    print("RESULT " + json.dumps([rows, books]))
+    pre = None if args.no_prefill else prefill(args.model, 512, args.repeats)
+    print("RESULT " + json.dumps([rows, books, pre]))
     return 0
 
 
