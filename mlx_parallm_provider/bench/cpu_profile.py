@@ -233,8 +233,8 @@ def report(rows: list[dict[str, Any]], books: Optional[dict[int, dict[str, float
         lines += [f"\nbatch {batch}, context {context} (ms per decode step, all layers)", "",
                   "| op | before | after | speed-up |", "|---|---:|---:|---:|"]
         for r in (r for r in rows if (r["batch"], r["context"]) == (batch, context)):
-            ratio = r["before_ms"] / r["after_ms"] if r["after_ms"] > 0 else float("nan")
-            lines.append(f"| {r['op']} | {r['before_ms']:.2f} | {r['after_ms']:.2f} | {ratio:.2f}x |")
+            ratio = f"{r['before_ms'] / r['after_ms']:.2f}x" if min(r["before_ms"], r["after_ms"]) > 0 else ""
+            lines.append(f"| {r['op']} | {r['before_ms']:.2f} | {r['after_ms']:.2f} | {ratio} |")
         if books and batch in books:
             b = books[batch]
             lines.append(f"| worker bookkeeping (engine run, after) | | {b['bookkeeping_ms']:.2f} | |")
