@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass, fields
 from typing import Optional
 
@@ -95,3 +97,23 @@ class EngineConfig:
     def as_dict(self) -> dict:
         """Plain dict of every setting."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_env(cls, variable: str = "MLX_PARALLM_ENGINE_CONFIG") -> "EngineConfig":
+        """The config a JSON object in the environment variable sets (e.g.
+        ``{"max_num_seqs": 32, "prefix_cache_memory_gb": 4}``), defaults for the rest; the
+        defaults alone when it is unset. Engines made without a config (every engine of a
+        LiteLLM proxy) use it, so each replica of a cluster can be sized by its host."""
+        raw = os.environ.get(variable, "").strip()
+        if not raw:
+            return cls()
+        try:
+            values = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise InvalidParameterError(variable, f"is not JSON: {exc}") from None
+        if not isinstance(values, dict):
+            raise InvalidParameterError(variable, "must be a JSON object of EngineConfig fields")
+        unknown = sorted(set(values) - {f.name for f in fields(cls)})
+        if unknown:
+            raise InvalidParameterError(variable, f"has unknown EngineConfig fields {unknown}")
+        return cls(**values)

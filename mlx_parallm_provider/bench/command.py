@@ -28,6 +28,7 @@ from . import metrics, plots, report, sweep, workloads
 from .arrivals import arrival_offsets
 from .progress import Progress
 from .runners import DESCRIPTIONS, OURS, SYSTEMS, RunnerOptions, SkipSystem, make_runner
+from .runners.llama_cpp import default_threads
 
 DEFAULT_SYSTEMS = ("engine", "litellm", "langchain", "mlx-lm", "mlx-lm-batch", "mlx-lm-server", "llama-cpp")
 QUICK_SYSTEMS = ("engine", "litellm", "langchain", "mlx-lm", "mlx-lm-batch", "llama-cpp")
@@ -80,6 +81,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--url", help="OpenAI-compatible server for system 'http' (with or without /v1)")
     a("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="bearer key for --url (default $OPENAI_API_KEY)")
     a("--served-model", help="model name to send to --url (default: --model)")
+    a("--llama-cpp-threads", type=_positive_int, help="threads of the llama-cpp peer (default: half the CPUs, as llama-cpp-python)")
     a("--output-dir", type=Path, help="where results.json and the plots go (default ./bench-results/<time>/)")
     a("--quick", action="store_true", help="a smoke test: chat, concurrency 1,4, 8 tokens, in-process systems")
     a("--no-progress", action="store_true", help="no progress bar")
@@ -100,6 +102,7 @@ def _meta(args: argparse.Namespace, systems: list[str], levels: list[int], slo: 
         "max_tokens": args.max_tokens, "temperature": args.temperature, "ignore_eos": args.ignore_eos,
         "request_rate": None if math.isinf(args.request_rate) else args.request_rate, "burstiness": args.burstiness,
         "slo_ms": slo, "sweep": args.sweep, "percentiles": args.percentiles,
+        "llama_cpp_threads": args.llama_cpp_threads or default_threads(),
         "machine": {"platform": platform.platform(), "machine": platform.machine(), "cpus": os.cpu_count(), "blas": backend.blas_in_use()},
         "versions": {d: version(d) for d in ("mlx-parallm-provider", "mlx", "mlx-lm", "litellm", "langchain-core", "llama-cpp-python")},
     }
@@ -121,7 +124,8 @@ async def _bench(args: argparse.Namespace, systems: list[str], levels: list[int]
         for c in levels
     }
     options = RunnerOptions(model=args.model, temperature=args.temperature, ignore_eos=args.ignore_eos, workdir=out_dir,
-                            url=args.url, api_key=args.api_key, served_model=args.served_model)
+                            url=args.url, api_key=args.api_key, served_model=args.served_model,
+                            llama_cpp_threads=args.llama_cpp_threads)
     rows: list[dict[str, Any]] = []
     skipped: dict[str, str] = {}
     started: list[tuple[str, dict, Any]] = []

@@ -45,7 +45,7 @@ def notes(rows: Sequence[Mapping[str, Any]], skipped: Mapping[str, str], best_li
             out.append(f"- {r['system']} ({r['setting_label']}, concurrency {r['concurrency']}) failures: {kinds}")
     out += [f"- {line}" for line in best_lines]
     out.append("- peak MB: MLX peak memory for in-process systems, the server's peak RSS for servers started here; "
-               "max batch: largest decode batch from engine.stats()")
+               "max batch: largest decode batch from engine.stats() (llama-cpp: most sequences in one llama_decode)")
     return "\n".join(out)
 
 

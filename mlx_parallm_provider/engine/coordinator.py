@@ -67,12 +67,13 @@ class Engine:
     Args:
         model: a model name for :func:`mlx_parallm_provider.models.registry.load`
             (``"default"``, a ``.gguf`` path, a folder or a repo id).
-        config: engine settings; defaults to :class:`EngineConfig()`.
+        config: engine settings; defaults to :meth:`EngineConfig.from_env` (the defaults
+            unless ``MLX_PARALLM_ENGINE_CONFIG`` says otherwise).
         loaded: an already loaded model (then ``model`` is only its display name).
     """
 
     def __init__(self, model: str = "default", config: Optional[EngineConfig] = None, *, loaded: Optional[LoadedModel] = None) -> None:
-        self.config = config or EngineConfig()
+        self.config = config or EngineConfig.from_env()
         self._loaded = loaded or registry.load(model, dequantize=self.config.dequantize)
         self.model_name = model
         self.tokenizer = self._loaded.tokenizer

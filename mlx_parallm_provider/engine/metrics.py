@@ -2,12 +2,14 @@
 
 :class:`EngineMetrics` is updated by the engine's worker thread and read by any thread
 through :meth:`EngineMetrics.snapshot`. Latency histories are bounded deques, so memory
-stays constant however long the engine runs. :func:`register_prometheus` optionally
-exports the same numbers through ``prometheus_client`` when it is installed.
+stays constant however long the engine runs. Latencies are also counted into cumulative
+histogram buckets (:meth:`EngineMetrics.histograms`), which :mod:`.prometheus` exports
+under vLLM's metric names.
 """
 
 from __future__ import annotations
 
+import bisect
 import threading
 import time
 from collections import deque
@@ -19,6 +21,26 @@ Clock = Callable[[], float]
 Listener = Callable[[str, float], None]
 
 HISTORY_NAMES = ("ttft_s", "tpot_s", "itl_s", "queue_s", "step_s")
+
+# Upper bounds (seconds) of the cumulative latency histograms, as vLLM's.
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5,
+                   0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+
+
+@dataclass
+class Histogram:
+    """Cumulative counts of samples at or under each bound of :data:`LATENCY_BUCKETS`,
+    their sum and their count (Prometheus' histogram shape)."""
+
+    buckets: list[int]
+    sum: float = 0.0
+    count: int = 0
+
+    def observe(self, value: float) -> None:
+        self.sum += value
+        self.count += 1
+        for i in range(bisect.bisect_left(LATENCY_BUCKETS, value), len(LATENCY_BUCKETS)):
+            self.buckets[i] += 1
 
 # Token counts recorded closer together than this share one sliding-window bucket.
 _RATE_RESOLUTION_S = 0.01
@@ -83,6 +105,7 @@ class EngineMetrics:
             self._started = self._clock()
             self._requests: dict[Hashable, _RequestTimes] = {}
             self._history = {name: deque(maxlen=self._max_samples) for name in HISTORY_NAMES}
+            self._histograms = {name: Histogram([0] * len(LATENCY_BUCKETS)) for name in HISTORY_NAMES}
             # [time, tokens] buckets for the sliding-window rate; calls closer together
             # than _RATE_RESOLUTION_S share a bucket so its length stays bounded.
             self._token_events: deque[list[float]] = deque()
@@ -172,6 +195,11 @@ class EngineMetrics:
 
     # -- reading (any thread) -------------------------------------------------------------
 
+    def histograms(self) -> dict[str, Histogram]:
+        """A copy of every latency history's cumulative histogram since start or reset."""
+        with self._lock:
+            return {name: Histogram(list(h.buckets), h.sum, h.count) for name, h in self._histograms.items()}
+
     @property
     def num_tracked(self) -> int:
         """Requests announced and not yet finished (each is timed until it finishes)."""
@@ -226,6 +254,7 @@ class EngineMetrics:
 
     def _add(self, name: str, value: float, events: list[tuple[str, float]]) -> None:
         self._history[name].append(value)
+        self._histograms[name].observe(value)
         events.append((name, value))
 
     def _add_to_window(self, now: float, count: int) -> None:
@@ -256,91 +285,3 @@ class EngineMetrics:
         for name, value in events:
             for listener in self._listeners:
                 listener(name, value)
-
-
-@dataclass
-class PrometheusMetrics:
-    """The ``prometheus_client`` objects created by :func:`register_prometheus`."""
-
-    time_to_first_token: Any
-    inter_token_latency: Any
-    time_per_output_token: Any
-    request_queue_time: Any
-    prompt_tokens: Any
-    cached_prompt_tokens: Any
-    generation_tokens: Any
-    num_requests_running: Any
-    num_requests_waiting: Any
-
-    def set_queue_sizes(self, running: int, waiting: int) -> None:
-        """Update the running/waiting gauges (when no callables were given)."""
-        self.num_requests_running.set(running)
-        self.num_requests_waiting.set(waiting)
-
-
-_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5,
-                    0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-
-
-def register_prometheus(
-    metrics: EngineMetrics,
-    registry: Any = None,
-    prefix: str = "mlx_parallm:",
-    running: Optional[Callable[[], int]] = None,
-    waiting: Optional[Callable[[], int]] = None,
-) -> Optional[PrometheusMetrics]:
-    """Export ``metrics`` through ``prometheus_client``, named like vLLM's metrics.
-
-    Returns None if ``prometheus_client`` is not installed (it is not a dependency).
-    ``running``/``waiting``, if given, are read at scrape time for the queue gauges;
-    otherwise call :meth:`PrometheusMetrics.set_queue_sizes`. ``registry`` defaults to
-    the client's global registry.
-    """
-    try:
-        import prometheus_client as prom
-    except ImportError:
-        return None
-    reg = {} if registry is None else {"registry": registry}
-
-    def hist(name: str, doc: str) -> Any:
-        return prom.Histogram(prefix + name, doc, buckets=_LATENCY_BUCKETS, **reg)
-
-    def gauge(name: str, doc: str) -> Any:
-        return prom.Gauge(prefix + name, doc, **reg)
-
-    exported = PrometheusMetrics(
-        time_to_first_token=hist("time_to_first_token_seconds", "Time to first token."),
-        inter_token_latency=hist("inter_token_latency_seconds", "Inter-token latency."),
-        time_per_output_token=hist(
-            "request_time_per_output_token_seconds", "Mean time per output token per request."
-        ),
-        request_queue_time=hist("request_queue_time_seconds", "Time spent waiting."),
-        prompt_tokens=prom.Counter(prefix + "prompt_tokens", "Prefilled prompt tokens.", **reg),
-        cached_prompt_tokens=prom.Counter(
-            prefix + "prefix_cache_hit_tokens", "Prompt tokens reused from the prefix cache.", **reg
-        ),
-        generation_tokens=prom.Counter(prefix + "generation_tokens", "Generated tokens.", **reg),
-        num_requests_running=gauge("num_requests_running", "Requests in the decode batch."),
-        num_requests_waiting=gauge("num_requests_waiting", "Requests waiting to be admitted."),
-    )
-    if running is not None:
-        exported.num_requests_running.set_function(running)
-    if waiting is not None:
-        exported.num_requests_waiting.set_function(waiting)
-    sinks: dict[str, Callable[[float], None]] = {
-        "ttft_s": exported.time_to_first_token.observe,
-        "itl_s": exported.inter_token_latency.observe,
-        "tpot_s": exported.time_per_output_token.observe,
-        "queue_s": exported.request_queue_time.observe,
-        "prompt_tokens": exported.prompt_tokens.inc,
-        "cached_prompt_tokens": exported.cached_prompt_tokens.inc,
-        "generated_tokens": exported.generation_tokens.inc,
-    }
-
-    def listener(name: str, value: float) -> None:
-        sink = sinks.get(name)
-        if sink is not None:
-            sink(value)
-
-    metrics.add_listener(listener)
-    return exported

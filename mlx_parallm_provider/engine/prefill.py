@@ -9,14 +9,19 @@ from typing import Any, Callable, Optional, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache
 
+from .shared_kv import SharedPrefixBatchCache
+
 Wanted = Callable[[], list[bool]]
 """Called between pieces: for each row the batch started with, whether it is still wanted."""
 
 
-def new_batch_cache(num_layers: int, left_padding: list[int], max_kv_size: Optional[int] = None) -> list[Any]:
-    """An empty left-padded batch cache (rotating when ``max_kv_size`` is set)."""
+def new_batch_cache(num_layers: int, left_padding: list[int], max_kv_size: Optional[int] = None, shared: bool = False) -> list[Any]:
+    """An empty left-padded batch cache (rotating when ``max_kv_size`` is set; able to hold
+    shared prefixes once when ``shared``, see :mod:`.shared_kv`)."""
     if max_kv_size is not None:
         return [BatchRotatingKVCache(max_kv_size, left_padding) for _ in range(num_layers)]
+    if shared:
+        return [SharedPrefixBatchCache.fresh(left_padding) for _ in range(num_layers)]
     return [BatchKVCache(left_padding) for _ in range(num_layers)]
 
 

@@ -9,8 +9,10 @@ requests is held once. The store is bounded in bytes; past the bound it evicts t
 recently used leaves (a parent is only evicted after its children, so every cached path
 stays complete).
 
-Rows that use a cached prefix get their own copy of its KV when they join the batch, so
-nothing in the store is ever "in use" by a running row and eviction never invalidates one.
+Rows that use a cached prefix either copy its KV into their own or (a prefix shared by
+several rows, :mod:`.shared_kv`) hold a view of the stored arrays. MLX arrays are immutable
+and reference-counted, so eviction (or a split) never invalidates a running row: it only
+drops the store's reference, and the memory goes back when the last row using it leaves.
 Only the worker thread touches the tree; :meth:`PrefixCache.stats` may be read from any
 thread (plain ints).
 """
@@ -50,6 +52,26 @@ def _slice(kv: list[LayerKV], start: int, end: Optional[int] = None) -> list[Lay
     return out
 
 
+def kv_range(pieces: list[list[LayerKV]], start: int, end: int) -> list[LayerKV]:
+    """Every layer's KV of tokens ``start:end`` of the run that ``pieces`` (from
+    :meth:`PrefixCache.fetch_pieces`) hold, reading only the pieces that overlap it; a
+    range inside one piece is a view of it, not a copy."""
+    parts: list[list[LayerKV]] = []
+    at = 0
+    for piece in pieces:
+        n = piece[0][0].shape[2]
+        a, b = max(start - at, 0), min(end - at, n)
+        if a < b:
+            parts.append(piece if (a, b) == (0, n) else [(k[:, :, a:b], v[:, :, a:b]) for k, v in piece])
+        at += n
+    if len(parts) == 1:
+        return parts[0]
+    return [
+        (mx.concatenate([p[layer][0] for p in parts], axis=2), mx.concatenate([p[layer][1] for p in parts], axis=2))
+        for layer in range(len(parts[0]))
+    ]
+
+
 class PrefixCache:
     """Radix tree of token ids -> KV, bounded by ``max_bytes`` with LRU eviction of leaves.
 
@@ -75,6 +97,14 @@ class PrefixCache:
     def fetch(self, tokens: Sequence[int], n: int) -> list[LayerKV]:
         """Every layer's KV of ``tokens[:n]`` (``n`` at most :meth:`match`), as new arrays
         the caller owns; marks the path as recently used."""
+        pieces = self.fetch_pieces(tokens, n)
+        if len(pieces) == 1:
+            return [(mx.contiguous(k), mx.contiguous(v)) for k, v in pieces[0]]
+        return kv_range(pieces, 0, n)
+
+    def fetch_pieces(self, tokens: Sequence[int], n: int) -> list[list[LayerKV]]:
+        """The KV of ``tokens[:n]`` as the stored pieces along its path (views of the
+        store's arrays, nothing copied: see :func:`kv_range`); marks the path as used."""
         pieces: list[list[LayerKV]] = []
         got = 0
         self._tick += 1
@@ -84,12 +114,7 @@ class PrefixCache:
             got += used
         if got < n:
             raise KeyError(f"only {got} of the {n} requested tokens are cached")
-        if len(pieces) == 1:
-            return [(mx.contiguous(k), mx.contiguous(v)) for k, v in pieces[0]]
-        return [
-            (mx.concatenate([p[layer][0] for p in pieces], axis=2), mx.concatenate([p[layer][1] for p in pieces], axis=2))
-            for layer in range(len(pieces[0]))
-        ]
+        return pieces
 
     # -- updates -----------------------------------------------------------------------
 

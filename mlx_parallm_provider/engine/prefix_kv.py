@@ -7,18 +7,27 @@
 from __future__ import annotations
 
 import logging
+import sys
+from array import array
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from ..config import EngineConfig
+from ..models import attention
 from .output import RowState
-from .prefix_cache import LayerKV, PrefixCache
+from .prefix_cache import LayerKV, PrefixCache, kv_range
+from .prefix_match import common_prefix_len
 from .request import Request
+from .shared_kv import SharedPrefix, SharedPrefixBatchCache
 
 logger = logging.getLogger(__name__)
 
 _warned_rotating = False
+_warned_copying = False
+
+MIN_SHARED_TOKENS = 32
+"""Rows admitted together share one copy of a cached prefix at least this long."""
 
 
 def make_prefix_cache(config: EngineConfig) -> Optional[PrefixCache]:
@@ -56,24 +65,101 @@ def fetch_prefixes(store: Optional[PrefixCache], requests: Sequence[Request], fa
         if store is None or not request.num_cached or state is None or state.prefix is not None or state.cache is not None:
             continue
         try:
-            state.prefix = store.fetch(request.prompt_ids, request.num_cached)
+            state.prefix = store.fetch_pieces(request.prompt_ids, request.num_cached)
         except Exception as exc:
             fail(request, exc)
 
 
-def batch_cache_from_prefixes(num_layers: int, requests: Sequence[Request]) -> list[BatchKVCache]:
+def can_share_kv(model: Any, config: EngineConfig) -> bool:
+    """Whether rows may hold a shared prefix once (:mod:`.shared_kv`): prefix caching on, no
+    rotating KV, the model's attention routed through the cache (``attention.install``) and
+    every layer a plain KV cache. Otherwise each row gets its own copy (logged once)."""
+    global _warned_copying
+    if not config.enable_prefix_caching or config.max_kv_size is not None:
+        return False
+    module = sys.modules.get(type(model).__module__)
+    ok = getattr(module, "scaled_dot_product_attention", None) is attention.attend
+    make_cache = getattr(model, "make_cache", None)
+    if ok and make_cache is not None:
+        ok = all(type(c) is KVCache for c in make_cache())
+    if not ok and not _warned_copying:
+        logger.warning("shared prefixes are copied into each row: %s cannot attend to one shared copy", type(model).__name__)
+        _warned_copying = True
+    return ok
+
+
+def _share_groups(requests: Sequence[Request]) -> list[tuple[int, list[int]]]:
+    """``(shared length, rows)`` for rows whose cached prefixes share at least
+    ``MIN_SHARED_TOKENS`` tokens (a row joins a group if that keeps half its length)."""
+    groups: list[tuple[int, list[int]]] = []
+    for i, r in enumerate(requests):
+        if r.num_cached < MIN_SHARED_TOKENS:
+            continue
+        for g, (length, rows) in enumerate(groups):
+            n = common_prefix_len(requests[rows[0]].prompt_ids[:length], r.prompt_ids[: r.num_cached])
+            if n >= MIN_SHARED_TOKENS and 2 * n >= length:
+                groups[g] = (n, rows + [i])
+                break
+        else:
+            groups.append((r.num_cached, [i]))
+    return [g for g in groups if len(g[1]) > 1]
+
+
+def batch_cache_from_prefixes(num_layers: int, requests: Sequence[Request], share: bool = False) -> list[Any]:
     """A left-padded batch cache, one row per request, holding its fetched prefix KV
-    (which the request hands over)."""
-    per_layer: list[list[KVCache]] = [[] for _ in range(num_layers)]
+    (which the request hands over). With ``share``, rows admitted together with a common
+    cached prefix reference one copy of it (:class:`SharedPrefixBatchCache`): a view of
+    the store's arrays where the prefix is one stored piece, so nothing is copied."""
+    prefixes = []
     for r in requests:
-        prefix, r.state.prefix = r.state.prefix, None
+        prefixes.append(r.state.prefix)
+        r.state.prefix = None
+    shared_len = [0] * len(requests)
+    shared: list[list[Optional[SharedPrefix]]] = [[None] * len(requests) for _ in range(num_layers)]
+    for length, rows in _share_groups(requests) if share else []:
+        key = array("q", requests[rows[0]].prompt_ids[:length]).tobytes()
+        kv = kv_range(prefixes[rows[0]], 0, length)
+        for layer in range(num_layers):
+            one = SharedPrefix(*kv[layer], key)
+            for i in rows:
+                shared[layer][i] = one
+        for i in rows:
+            shared_len[i] = length
+    per_layer: list[list[KVCache]] = [[] for _ in range(num_layers)]
+    for i, (r, prefix) in enumerate(zip(requests, prefixes)):
+        own = r.num_cached - shared_len[i]
+        kv = kv_range(prefix, shared_len[i], r.num_cached) if prefix and own else None
         for layer, rows in enumerate(per_layer):
             row = KVCache()
-            if prefix:
-                row.keys, row.values = prefix[layer]
-                row.offset = r.num_cached
+            if kv is not None:
+                row.keys, row.values = kv[layer]
+                row.offset = own
             rows.append(row)
-    return [BatchKVCache.merge(rows) for rows in per_layer]
+    if not share:
+        return [BatchKVCache.merge(rows) for rows in per_layer]
+    return [SharedPrefixBatchCache(BatchKVCache.merge(rows), shared[layer]) for layer, rows in enumerate(per_layer)]
+
+
+def adopt_shared_prefixes(cache: Optional[list[Any]], sequences: Sequence[list[int]], joining: list[Any]) -> None:
+    """Before the ``joining`` rows are appended to ``cache`` (the decode batch; row i's
+    prompt is ``sequences[i]``): a row holding its own copy of a prefix that joining rows
+    share (it computed that prefix before they arrived, e.g. the first of a burst or of
+    ``n`` samples) switches to their shared copy, so no batch ever widens to that copy."""
+    if not cache or not isinstance(cache[0], SharedPrefixBatchCache) or not isinstance(joining[0], SharedPrefixBatchCache):
+        return
+    offered = {p.key: j for j, p in enumerate(joining[0].prefixes) if p is not None}
+    rows: dict[int, int] = {}  # decode row -> a joining row whose prefix it takes
+    for i, seq in enumerate(sequences):
+        if cache[0].prefixes[i] is not None:
+            continue
+        for key, j in offered.items():
+            length = joining[0].prefixes[j].length
+            if len(seq) > length and cache[0].row_length(i) >= length and array("q", seq[:length]).tobytes() == key:
+                rows[i] = j
+                break
+    if rows:
+        for mine, theirs in zip(cache, joining):
+            mine.adopt({i: theirs.prefixes[j] for i, j in rows.items()})
 
 
 def store_rows(
@@ -90,6 +176,14 @@ def store_rows(
     if store is None or cache is None:
         return
     try:
+        if hasattr(cache[0], "row_kv"):
+            for seq, i in zip(sequences, rows):
+
+                def shared_source(a: int, b: int, i: int = i) -> list[LayerKV]:
+                    return [c.row_kv(i, a, b) for c in cache]
+
+                store.insert(seq[: min(cache[0].row_length(i), len(seq))], shared_source, bytes_per_token)
+            return
         pads = cache[0].left_padding.tolist()
         size = cache[0].size()
         for seq, i in zip(sequences, rows):

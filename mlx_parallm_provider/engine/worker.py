@@ -35,7 +35,7 @@ from .guided import GrammarTokenizer
 from .metrics import EngineMetrics
 from .output import RowState, add_token
 from .prefill import new_batch_cache, run_pieces, run_right_padded
-from .prefix_kv import batch_cache_from_prefixes, fetch_prefixes, make_prefix_cache, store_rows
+from .prefix_kv import adopt_shared_prefixes, batch_cache_from_prefixes, can_share_kv, fetch_prefixes, make_prefix_cache, store_rows
 from .request import Request
 from .sampling import RowSampler, SampledRow, sample_batch
 from .scheduler import Scheduler
@@ -64,6 +64,7 @@ class Worker:
         self.clock = clock
         self.kv_bytes_per_token = max(1, kv_bytes_per_token)
         self.prefix_cache = make_prefix_cache(config)
+        self.share_kv = can_share_kv(model, config)
         budget = config.kv_cache_memory_bytes
         self.scheduler = Scheduler(
             config.max_num_seqs,
@@ -227,7 +228,7 @@ class Worker:
             self.metrics.request_admitted(r.request_id, r.prompt_len, cached_tokens=r.num_cached)
         piece = max(1, self.config.prefill_chunk_size // len(requests))
         if any(r.num_cached for r in requests):
-            cache = batch_cache_from_prefixes(len(self.model.layers), requests)
+            cache = batch_cache_from_prefixes(len(self.model.layers), requests, self.share_kv)
             rest = [r.prompt_ids[r.num_cached :] for r in requests]
             if len({len(x) for x in rest}) > 1:  # all but the last tokens, right-padded
                 kept = run_right_padded(self.model, [x[:-1] for x in rest], cache, self.pad_id, piece, self._wanted(requests))
@@ -239,7 +240,7 @@ class Worker:
             longest = max(r.prompt_len for r in requests)
             padding = [longest - r.prompt_len for r in requests]
             tokens = mx.array([[self.pad_id] * p + r.prompt_ids for p, r in zip(padding, requests)])
-            cache = new_batch_cache(len(self.model.layers), padding, self.config.max_kv_size)
+            cache = new_batch_cache(len(self.model.layers), padding, self.config.max_kv_size, self.share_kv)
         ran = run_pieces(self.model, tokens, cache, piece, True, self._wanted(requests))
         if ran is None:
             return
@@ -255,7 +256,8 @@ class Worker:
         if state.cache is None:
             self.metrics.request_admitted(request.request_id, request.prompt_len, cached_tokens=request.num_cached)
             layers = len(self.model.layers)
-            state.cache = batch_cache_from_prefixes(layers, [request]) if request.num_cached else new_batch_cache(layers, [0], self.config.max_kv_size)
+            share, size = self.share_kv, self.config.max_kv_size
+            state.cache = batch_cache_from_prefixes(layers, [request], share) if request.num_cached else new_batch_cache(layers, [0], size, share)
         start = request.num_prefilled
         chunk = mx.array([request.prompt_ids[start : start + n]])
         logits = self.model(chunk, cache=state.cache)[:, -1, :]
@@ -272,6 +274,7 @@ class Worker:
         if self.cache is None:
             self.cache = cache
         else:
+            adopt_shared_prefixes(self.cache, [r.prompt_ids for r in self.rows], cache)
             for mine, theirs in zip(self.cache, cache):
                 mine.extend(theirs)
         self.rows.extend(requests)

@@ -75,9 +75,9 @@ def test_plots_table_best_setting_and_skips(quick: tuple[dict, str, Path]) -> No
     assert "| system | setting | concurrency |" in stdout
     assert set(result["best"]) == set(OURS)
     assert "best engine setting for ttft<=60000 ms and tpot<=10000 ms" in stdout
-    if importlib.util.find_spec("llama_cpp") is None:
-        assert "llama-cpp-python is not installed" in result["skipped"]["llama-cpp"]
-        assert "skipped llama-cpp: llama-cpp-python is not installed" in stdout
+    # the tiny model is a folder, not a GGUF: llama.cpp is skipped either way, in one line
+    reason = "llama-cpp-python is not installed" if importlib.util.find_spec("llama_cpp") is None else "needs a .gguf model"
+    assert reason in result["skipped"]["llama-cpp"] and f"skipped llama-cpp: {result['skipped']['llama-cpp']}\n" in stdout
     assert result["meta"]["slo_ms"] == {"ttft": 60000.0, "tpot": 10000.0}
 
 
@@ -91,14 +91,31 @@ def test_bad_options_are_one_line_errors(args: list[str], message: str, capsys: 
     assert message in err and "Traceback" not in err
 
 
+def test_peers_that_cannot_run_are_one_line_notes(tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # imports fail as if not installed
+    monkeypatch.setitem(sys.modules, "fastapi", None)
+    status = main(["bench", "--model", str(tiny_model_dir), "--output-dir", str(tmp_path), "--no-progress", "--max-tokens", "2",
+                   "--systems", "engine,llama-cpp,litellm-proxy,http", "--concurrency", "1"])
+    out, err = capsys.readouterr()
+    assert status == 0 and "Traceback" not in out + err
+    skipped = json.loads((tmp_path / "results.json").read_text())["skipped"]
+    assert set(skipped) == {"llama-cpp", "litellm-proxy", "http"}
+    for system, reason in skipped.items():
+        assert "\n" not in reason and f"skipping {system}: {reason}\n" in err and f"skipped {system}: {reason}\n" in out
+    assert "| engine | 1 | 1 / 0 |" in out
+
+
 @pytest.mark.slow
 def test_servers_started_on_loopback(tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """mlx_lm.server and the LiteLLM proxy, each started, measured over HTTP and stopped."""
     status = main(["bench", "--quick", "--model", str(tiny_model_dir), "--output-dir", str(tmp_path), "--no-progress",
-                   "--systems", "mlx-lm-server,litellm-proxy", "--concurrency", "2"])
+                   "--systems", "mlx-lm-server,litellm-proxy", "--concurrency", "2", "--ignore-eos"])
     assert status == 0, capsys.readouterr().err
     rows = json.loads((tmp_path / "results.json").read_text())["rows"]
     assert [r["system"] for r in rows] == ["mlx-lm-server", "litellm-proxy"]
+    assert [r["eos"] for r in rows] == ["honoured", "ignored"]  # the proxy passes ignore_eos to the provider
+    assert rows[1]["metrics"]["total_output_tokens"] == 2 * 8
     for r in rows:
         assert r["metrics"]["completed"] == 2 and r["metrics"]["ttft_ms"]["p50"] > 0
         if sys.platform == "linux":

@@ -24,7 +24,7 @@ def _sse(*chunks: dict) -> bytes:
     return b"".join(f"data: {json.dumps(c)}\n\n".encode() for c in chunks) + b"data: [DONE]\n\n"
 
 
-def _send(handler, request: BenchRequest = REQUEST) -> tuple[RequestRecord, list[dict]]:
+def _send(handler, request: BenchRequest = REQUEST, **runner_options) -> tuple[RequestRecord, list[dict]]:
     bodies: list[dict] = []
 
     def recording(req: httpx.Request) -> httpx.Response:
@@ -33,7 +33,7 @@ def _send(handler, request: BenchRequest = REQUEST) -> tuple[RequestRecord, list
         return handler(req)
 
     async def main() -> RequestRecord:
-        runner = OpenAIHTTP("http", "served", 0.0, base_url="http://server/v1", api_key="k")
+        runner = OpenAIHTTP("http", "served", 0.0, base_url="http://server/v1", api_key="k", **runner_options)
         await runner.start()
         runner.client = httpx.AsyncClient(base_url=runner.base_url, headers=runner.client.headers, transport=httpx.MockTransport(recording))
         record = RequestRecord()
@@ -59,7 +59,14 @@ def test_stream_chunks_and_usage_are_recorded() -> None:
     assert record.prompt_tokens == 5  # the server's count replaces the workload's
     [sent] = bodies
     assert sent["model"] == "served" and sent["stream"] is True and sent["stream_options"] == {"include_usage": True}
-    assert sent["max_tokens"] == 16 and sent["tools"] == AGENT_TOOLS
+    assert sent["max_tokens"] == 16 and sent["tools"] == AGENT_TOOLS and "ignore_eos" not in sent
+
+
+def test_ignore_eos_is_sent_when_asked() -> None:
+    _, [sent] = _send(lambda r: httpx.Response(200, content=_sse()), ignore_eos=True)
+    assert sent["ignore_eos"] is True
+    assert make_runner("litellm-proxy", RunnerOptions(model="default", ignore_eos=True)).eos == "ignored"
+    assert make_runner("mlx-lm-server", RunnerOptions(model="default", ignore_eos=True)).eos == "honoured"
 
 
 def test_without_usage_each_chunk_counts_one_token() -> None:

@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 import json
-import sys
 import threading
-import types
-from typing import Any
 
 import pytest
 
 from mlx_parallm_provider.engine.metrics import (
+    LATENCY_BUCKETS,
     EngineMetrics,
     percentile,
-    register_prometheus,
     summarize,
 )
 
@@ -193,48 +190,16 @@ def test_listeners_receive_samples(metrics: EngineMetrics, clock: FakeClock) -> 
                     ("generated_tokens", 1.0)]
 
 
-def test_register_prometheus_without_client(
-    metrics: EngineMetrics, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setitem(sys.modules, "prometheus_client", None)  # import raises ImportError
-    assert register_prometheus(metrics) is None
-
-
-class _FakeMetric:
-    def __init__(self, name: str, doc: str, **kwargs: Any) -> None:
-        self.name, self.values, self.func = name, [], None
-        kwargs["registry"].append(self)
-
-    def observe(self, v: float) -> None:
-        self.values.append(v)
-
-    inc = set = observe
-
-    def set_function(self, f: Any) -> None:
-        self.func = f
-
-
-def test_register_prometheus_with_client(
-    metrics: EngineMetrics, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    fake = types.ModuleType("prometheus_client")
-    fake.Histogram = fake.Counter = fake.Gauge = _FakeMetric  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "prometheus_client", fake)
-    registry: list[_FakeMetric] = []
-    exported = register_prometheus(metrics, registry=registry, running=lambda: 7)
-    assert exported is not None
-    names = {m.name for m in registry}
-    assert {"mlx_parallm:time_to_first_token_seconds", "mlx_parallm:inter_token_latency_seconds",
-            "mlx_parallm:num_requests_running", "mlx_parallm:num_requests_waiting"} <= names
-    assert exported.num_requests_running.func() == 7
-
+def test_latencies_fill_cumulative_histograms(metrics: EngineMetrics, clock: FakeClock) -> None:
     metrics.request_arrived("r")
     clock.t = 0.5
     metrics.record_token("r")
-    clock.t = 0.6
+    clock.t = 0.53
     metrics.record_token("r")
-    assert exported.time_to_first_token.values == [0.5]
-    assert exported.inter_token_latency.values == [pytest.approx(0.1)]
-    assert exported.generation_tokens.values == [1.0, 1.0]
-    exported.set_queue_sizes(running=2, waiting=3)
-    assert exported.num_requests_waiting.values == [3]
+    ttft, itl = metrics.histograms()["ttft_s"], metrics.histograms()["itl_s"]
+    assert ttft.count == 1 and ttft.sum == pytest.approx(0.5)
+    # cumulative: 0.5 s is counted in every bucket from le=0.5 up, in none below
+    assert ttft.buckets == [1 if b >= 0.5 else 0 for b in LATENCY_BUCKETS]
+    assert itl.count == 1 and itl.buckets == [1 if b >= 0.03 else 0 for b in LATENCY_BUCKETS]
+    metrics.reset()
+    assert metrics.histograms()["ttft_s"].count == 0

@@ -24,7 +24,7 @@ DESCRIPTIONS = {
     "mlx-lm": "mlx_lm.stream_generate, one request at a time",
     "mlx-lm-batch": "mlx_lm.batch_generate, waves of the concurrency",
     "mlx-lm-server": "mlx_lm.server over HTTP (started on loopback)",
-    "llama-cpp": "llama-cpp-python, one request at a time",
+    "llama-cpp": "llama-cpp-python, one context, a sequence per concurrent request",
     "http": "OpenAI-compatible server at --url",
 }
 
@@ -40,6 +40,7 @@ class RunnerOptions:
     url: Optional[str] = None
     api_key: Optional[str] = None
     served_model: Optional[str] = None
+    llama_cpp_threads: Optional[int] = None
 
 
 def make_runner(system: str, options: RunnerOptions, config: Optional[EngineConfig] = None) -> Runner:
@@ -58,14 +59,14 @@ def make_runner(system: str, options: RunnerOptions, config: Optional[EngineConf
     if system == "llama-cpp":
         from .llama_cpp import LlamaCpp
 
-        return LlamaCpp(system, o.model, o.temperature)
+        return LlamaCpp(system, o.model, o.temperature, o.ignore_eos, o.llama_cpp_threads)
     from .. import servers
     from .http import OpenAIHTTP
 
     if system == "litellm-proxy":
         if config != EngineConfig():
             raise SkipSystem("the proxy runs its engine with the default EngineConfig (settings are not passed to it)")
-        return OpenAIHTTP(system, "bench", o.temperature, launch=lambda: servers.litellm_proxy(o.model, o.workdir))
+        return OpenAIHTTP(system, "bench", o.temperature, launch=lambda: servers.litellm_proxy(o.model, o.workdir), ignore_eos=o.ignore_eos)
     if system == "mlx-lm-server":
         from ...models.registry import resolve
 

@@ -36,11 +36,15 @@ class OpenAIHTTP(Runner):
         served_model: the ``model`` field of each request.
         launch: starts a server (blocking) and returns a
             :class:`~mlx_parallm_provider.bench.servers.Server`.
+        ignore_eos: send ``"ignore_eos": true`` (a vLLM extension that this package's LiteLLM
+            provider, hence its proxy, accepts; plain OpenAI servers reject or drop it).
     """
 
     def __init__(self, name: str, served_model: str, temperature: float, *, base_url: Optional[str] = None,
-                 api_key: Optional[str] = None, launch: Optional[Callable[[], Any]] = None) -> None:
+                 api_key: Optional[str] = None, launch: Optional[Callable[[], Any]] = None, ignore_eos: bool = False) -> None:
         super().__init__(name)
+        self.ignore_eos = ignore_eos
+        self.eos = "ignored" if ignore_eos else "honoured"
         self.served_model = served_model
         self.temperature = temperature
         self.base_url = normalize_base_url(base_url) if base_url else None
@@ -74,6 +78,8 @@ class OpenAIHTTP(Runner):
         }
         if request.tools:
             body["tools"] = request.tools
+        if self.ignore_eos:
+            body["ignore_eos"] = True
         async with self.client.stream("POST", "/v1/chat/completions", json=body) as response:
             if response.status_code != 200:
                 raise HTTPFailure(response.status_code, (await response.aread()).decode(errors="replace"))

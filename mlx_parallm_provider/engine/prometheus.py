@@ -1,0 +1,133 @@
+"""Every live engine's metrics for Prometheus, under vLLM's metric names.
+
+:class:`EngineCollector` is a ``prometheus_client`` collector: at each scrape it reads the
+engines of this process (one series per engine, label ``model_name``), so engines created
+after it was registered are exported too and nothing is recorded twice. Names are vLLM's
+with this package's prefix (``mlx_parallm:`` unless told otherwise; ``"vllm:"`` makes
+dashboards and routers written for vLLM read it unchanged):
+
+- gauges ``num_requests_running``, ``num_requests_waiting``, ``kv_cache_usage_perc``
+  (0..1: KV budget reserved by admitted requests, or batch slots used when there is no
+  budget) and ``prefix_cache_usage_perc`` (0..1 of the prefix store's memory);
+- counters ``prompt_tokens``, ``generation_tokens``, ``prefix_cache_queries`` (prompt
+  tokens looked up) and ``prefix_cache_hits`` (prompt tokens found cached),
+  ``request_success`` (requests finished), ``prefix_cache_hit_requests``;
+- histograms ``time_to_first_token_seconds``, ``inter_token_latency_seconds``,
+  ``request_time_per_output_token_seconds``, ``request_queue_time_seconds``.
+
+``prometheus_client`` is needed only to register it (:func:`register_collector`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Optional
+
+from .metrics import LATENCY_BUCKETS
+
+HISTOGRAMS = {
+    "ttft_s": ("time_to_first_token_seconds", "Time to first token."),
+    "itl_s": ("inter_token_latency_seconds", "Time between two tokens of a request."),
+    "tpot_s": ("request_time_per_output_token_seconds", "Mean time per output token of each request."),
+    "queue_s": ("request_queue_time_seconds", "Time a request waited before it was admitted."),
+}
+COUNTERS = {
+    "prompt_tokens": ("prompt_tokens", "Prompt tokens of admitted requests."),
+    "generated_tokens": ("generation_tokens", "Generated tokens."),
+    "prompt_tokens_queried": ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
+    "cached_prompt_tokens": ("prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+    "finished": ("request_success", "Requests that ended."),
+    "prefix_cache_hits": ("prefix_cache_hit_requests", "Requests that reused a cached prefix."),
+}
+
+
+def engine_gauges(engine: Any) -> dict[str, float]:
+    """``running``, ``waiting``, ``kv_usage`` and ``prefix_usage`` of an engine, read
+    without blocking its worker (a racy but consistent-enough snapshot)."""
+    worker = engine._worker
+    if worker is None or not worker.alive:
+        return {"running": 0.0, "waiting": 0.0, "kv_usage": 0.0, "prefix_usage": 0.0}
+    scheduler = worker.scheduler
+    running, waiting = worker.num_running, worker.num_waiting
+    budget = scheduler.kv_budget_tokens
+    if budget:
+        held = [*scheduler.running, *scheduler.prefilling, *([scheduler.chunking] if scheduler.chunking else [])]
+        kv_usage = sum(r.max_kv_tokens for r in held) / budget
+    else:
+        kv_usage = running / scheduler.max_num_seqs
+    store = worker.prefix_cache
+    prefix_usage = store.nbytes / store.max_bytes if store is not None and store.max_bytes else 0.0
+    return {"running": float(running), "waiting": float(waiting), "kv_usage": min(kv_usage, 1.0), "prefix_usage": min(prefix_usage, 1.0)}
+
+
+class EngineCollector:
+    """A ``prometheus_client`` collector over the engines ``engines()`` returns.
+
+    Args:
+        engines: the engines to export at each scrape (default: the process-wide engines
+            of :func:`~mlx_parallm_provider.get_engine`, the ones every front door shares).
+        prefix: prepended to every metric name.
+    """
+
+    def __init__(self, engines: Optional[Callable[[], Iterable[Any]]] = None, prefix: str = "mlx_parallm:") -> None:
+        self._engines = engines or _live_engines
+        self.prefix = prefix
+
+    def describe(self) -> list:
+        return []  # names are only known at scrape time; nothing to check at registration
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+        p, labels = self.prefix, ["model_name"]
+        gauges = {
+            "running": GaugeMetricFamily(p + "num_requests_running", "Requests in the decode batch.", labels=labels),
+            "waiting": GaugeMetricFamily(p + "num_requests_waiting", "Requests waiting to be admitted.", labels=labels),
+            "kv_usage": GaugeMetricFamily(p + "kv_cache_usage_perc", "KV cache usage (1 = full).", labels=labels),
+            "prefix_usage": GaugeMetricFamily(p + "prefix_cache_usage_perc", "Prefix store usage (1 = full).", labels=labels),
+        }
+        counters = {k: CounterMetricFamily(p + name, doc, labels=labels) for k, (name, doc) in COUNTERS.items()}
+        histograms = {k: HistogramMetricFamily(p + name, doc, labels=labels) for k, (name, doc) in HISTOGRAMS.items()}
+        for engine in list(self._engines()):
+            name = [str(engine.model_name)]
+            for key, value in engine_gauges(engine).items():
+                gauges[key].add_metric(name, value)
+            snap = engine.metrics.snapshot()
+            snap["prompt_tokens_queried"] = snap["prompt_tokens"]
+            for key, family in counters.items():
+                family.add_metric(name, float(snap[key]))
+            for key, hist in engine.metrics.histograms().items():
+                if key in histograms:
+                    buckets = [(repr(float(b)), float(c)) for b, c in zip(LATENCY_BUCKETS, hist.buckets)]
+                    histograms[key].add_metric(name, [*buckets, ("+Inf", float(hist.count))], hist.sum)
+        yield from gauges.values()
+        yield from counters.values()
+        yield from histograms.values()
+
+
+def _live_engines() -> list[Any]:
+    from . import coordinator
+
+    with coordinator._engines_lock:
+        return [coordinator._engines[name] for name in sorted(coordinator._engines)]
+
+
+def register_collector(registry: Any = None, prefix: str = "mlx_parallm:") -> Optional[EngineCollector]:
+    """Register an :class:`EngineCollector` of the shared engines with ``registry``
+    (default: ``prometheus_client``'s global one) once per registry and prefix; returns it,
+    or None when ``prometheus_client`` is not installed."""
+    try:
+        import prometheus_client
+    except ImportError:
+        return None
+    target = registry if registry is not None else prometheus_client.REGISTRY
+    for existing in _registered:
+        if existing[0] is target and existing[1].prefix == prefix:
+            return existing[1]
+    collector = EngineCollector(prefix=prefix)
+    target.register(collector)
+    _registered.append((target, collector))
+    return collector
+
+
+_registered: list[tuple[Any, EngineCollector]] = []

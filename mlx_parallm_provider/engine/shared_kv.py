@@ -1,0 +1,267 @@
+"""A batch KV cache that holds a prefix shared by several rows once (per layer).
+
+Rows admitted together with the same cached prefix (an agent's system prompt and tool
+schemas, ``n > 1`` copies of one prompt) reference ONE copy of that prefix's K and V; each
+row's own tokens live in a left-padded mlx-lm ``BatchKVCache`` (the "suffix"). Attention is
+cascade attention (Hydragen; FlashInfer's cascade): the prefix part is one matmul per KV
+head for every query of every row of the group, each row's suffix part is attended with
+its mask, and the two are merged by log-sum-exp. Rows with no shared prefix are plain
+suffix rows; a batch with no shared prefix at all gets plain :func:`dense_attention`.
+
+The cache keeps mlx-lm's ``BatchKVCache`` operations (``filter``, ``extend``, ``prepare``,
+``finalize``, ``make_mask``, ``update_and_fetch``), so the worker's continuous batching
+treats it like any batch cache. ``offset`` is each row's true position (prefix + suffix),
+which is what RoPE needs.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+from typing import Any, Optional, Sequence
+
+import mlx.core as mx
+from mlx_lm.models.base import create_causal_mask
+from mlx_lm.models.cache import BatchKVCache
+
+from ..models import attention
+
+
+class SharedPrefix:
+    """One layer's K and V (``[1, kv_heads, tokens, head_dim]``) of a prefix that rows
+    share; ``key`` (the prefix's token ids) lets rows joining later find it."""
+
+    __slots__ = ("keys", "values", "key")
+
+    def __init__(self, keys: mx.array, values: mx.array, key: tuple[int, ...]) -> None:
+        self.keys, self.values, self.key = keys, values, key
+
+    @property
+    def length(self) -> int:
+        return self.keys.shape[2]
+
+
+class SharedPrefixBatchCache:
+    """One layer of a batch cache: per-row suffix KV (left-padded) plus shared prefixes.
+
+    Args:
+        suffix: the rows' own KV.
+        prefixes: for each row, the prefix it shares (or None).
+    """
+
+    def __init__(self, suffix: BatchKVCache, prefixes: Optional[list[Optional[SharedPrefix]]] = None) -> None:
+        self.suffix = suffix
+        self.prefixes = prefixes if prefixes is not None else [None] * suffix.left_padding.shape[0]
+        self._groups: Optional[list[tuple[SharedPrefix, mx.array]]] = None
+        self._lengths: Optional[mx.array] = None  # each row's prefix length, with _groups
+
+    @classmethod
+    def fresh(cls, left_padding: list[int]) -> "SharedPrefixBatchCache":
+        """No KV yet, no shared prefix (a fresh left-padded prefill batch)."""
+        return cls(BatchKVCache(left_padding))
+
+    # -- what the model reads -------------------------------------------------------------
+
+    @property
+    def offset(self) -> mx.array:
+        if not self.groups():
+            return self.suffix.offset
+        if self._lengths is None:
+            self._lengths = mx.array([0 if p is None else p.length for p in self.prefixes])
+        return self.suffix.offset + self._lengths
+
+    @property
+    def left_padding(self) -> mx.array:
+        return self.suffix.left_padding
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        return self.suffix.update_and_fetch(keys, values)
+
+    def make_mask(self, N: int, return_array: bool = False, **kwargs: Any) -> Any:
+        return self.suffix.make_mask(N, return_array=return_array, **kwargs)
+
+    def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Optional[Any]) -> mx.array:
+        """Attention of ``queries`` over each row's shared prefix and its own ``keys``."""
+        groups = self.groups()
+        if not groups:
+            return attention.dense_attention(queries, keys, values, scale=scale, mask=mask)
+        return cascade_attention(queries, keys, values, scale, _bool_mask(mask, queries.shape[2], keys.shape[2]), groups)
+
+    def groups(self) -> list[tuple[SharedPrefix, mx.array]]:
+        """``(prefix, row indices)`` for each prefix shared by rows of this batch."""
+        if self._groups is None:
+            rows: dict[int, tuple[SharedPrefix, list[int]]] = {}
+            for i, p in enumerate(self.prefixes):
+                if p is not None:
+                    rows.setdefault(id(p), (p, []))[1].append(i)
+            self._groups = [(p, mx.array(idx)) for p, idx in rows.values()]
+            self._lengths = None
+        return self._groups
+
+    # -- batch operations (mlx-lm's BatchKVCache interface) -------------------------------
+
+    @property
+    def state(self) -> tuple:
+        return (*self.suffix.state, [(p.keys, p.values) for p, _ in self.groups()])
+
+    def size(self) -> int:
+        return self.suffix.size()
+
+    def empty(self) -> bool:
+        return self.suffix.empty()
+
+    def is_trimmable(self) -> bool:
+        return False
+
+    @property
+    def nbytes(self) -> int:
+        return self.suffix.nbytes + sum(p.keys.nbytes + p.values.nbytes for p, _ in self.groups())
+
+    def prepare(self, **kwargs: Any) -> None:
+        self.suffix.prepare(**kwargs)
+
+    def finalize(self) -> None:
+        self.suffix.finalize()
+
+    def filter(self, batch_indices: Sequence[int]) -> None:
+        """Keep only the given rows (in that order)."""
+        self.suffix.filter(batch_indices)
+        self.prefixes = [self.prefixes[i] for i in list(batch_indices)]
+        self._groups = None
+
+    def extend(self, other: Any) -> None:
+        """Append ``other``'s rows. A prefix with the same tokens as one already here is
+        replaced by the one here, so both sets of rows share a single copy."""
+        if not isinstance(other, SharedPrefixBatchCache):
+            other = SharedPrefixBatchCache(other)
+        self.suffix.extend(other.suffix)
+        mine = {p.key: p for p in self.prefixes if p is not None}
+        self.prefixes = self.prefixes + [None if p is None else mine.get(p.key, p) for p in other.prefixes]
+        self._groups = None
+
+    def adopt(self, rows: dict[int, SharedPrefix]) -> None:
+        """Let plain rows use a shared prefix (``rows``: row -> prefix) whose tokens their
+        own KV starts with: those tokens become left padding of the row (the same values,
+        now read from the shared copy), and the columns every row pads are cut, so a row
+        that computed the prefix itself stops holding a copy of it."""
+        grow = [0] * len(self.prefixes)
+        for i, prefix in rows.items():
+            self.prefixes[i] = prefix
+            grow[i] = prefix.length
+        if not any(grow):
+            return
+        s, g = self.suffix, mx.array(grow)
+        s.left_padding, s.offset = s.left_padding + g, s.offset - g
+        self._groups = None
+        cut = min(s.left_padding.tolist())
+        if cut > 0 and s.keys is not None:
+            s.keys, s.values = mx.contiguous(s.keys[..., cut:, :]), mx.contiguous(s.values[..., cut:, :])
+            s._idx -= cut
+            s.left_padding = s.left_padding - cut
+
+    def row_kv(self, i: int, start: int, end: int) -> tuple[mx.array, mx.array]:
+        """Row ``i``'s K and V of its sequence's tokens ``start:end`` (prefix, then own)."""
+        prefix = self.prefixes[i]
+        plen = 0 if prefix is None else prefix.length
+        parts = []
+        if start < plen:
+            parts.append((prefix.keys[:, :, start : min(end, plen)], prefix.values[:, :, start : min(end, plen)]))  # type: ignore[union-attr]
+        if end > plen:
+            pad = int(self.suffix.left_padding[i].item())
+            a, b = pad + max(start - plen, 0), pad + end - plen
+            parts.append((self.suffix.keys[i : i + 1, :, a:b], self.suffix.values[i : i + 1, :, a:b]))
+        if len(parts) == 1:
+            return parts[0]
+        return mx.concatenate([parts[0][0], parts[1][0]], axis=2), mx.concatenate([parts[0][1], parts[1][1]], axis=2)
+
+    def row_length(self, i: int) -> int:
+        """How many tokens of row ``i``'s sequence have KV here."""
+        prefix = self.prefixes[i]
+        own = self.suffix.size() - int(self.suffix.left_padding[i].item())
+        return own + (0 if prefix is None else prefix.length)
+
+
+def _bool_mask(mask: Optional[Any], L: int, S: int) -> Optional[mx.array]:
+    """mlx-lm's mask argument as a boolean array (True = attend), or None."""
+    if mask is None:
+        return None
+    if isinstance(mask, str):
+        return create_causal_mask(L, S - L)
+    if mask.dtype != mx.bool_:
+        return mask > -1e30  # an additive mask: -inf (or a huge negative) where masked
+    return mask
+
+
+_EXP2_TAYLOR = [math.log(2) ** k / math.factorial(k) for k in range(8)]
+
+
+@partial(mx.compile, shapeless=True)
+def _exp2_parts(x: mx.array, top: mx.array) -> tuple[mx.array, mx.array]:
+    """``exp(x - top) = 2^f * 2^n``: the polynomial 2^f (|f| <= 1/2) and the float bits of 2^n."""
+    y = mx.maximum((x - top) * 1.4426950408889634, -126.0)
+    n = mx.round(y)
+    f = y - n
+    p = _EXP2_TAYLOR[7]
+    for c in reversed(_EXP2_TAYLOR[:7]):
+        p = p * f + c
+    return p, (n.astype(mx.int32) + 127) << 23
+
+
+def _exp_shifted(x: mx.array, top: mx.array) -> mx.array:
+    """``exp(x - top)`` for ``x <= top`` (float32). MLX's CPU ``exp`` is scalar (~20 ns an
+    element on x86); this is several times faster with the same accuracy (relative error
+    ~2e-7, flushing to 0 below 2^-126)."""
+    p, bits = _exp2_parts(x, top)
+    return p * bits.view(mx.float32)
+
+
+def _partial(scores: mx.array, values: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    """Unnormalised softmax-weighted values, the row maxima and the sums of exponentials."""
+    m = mx.max(scores, axis=-1, keepdims=True)
+    p = _exp_shifted(scores, m) if mx.default_device().type == mx.DeviceType.cpu else mx.exp(scores - m)
+    return p @ values, m, mx.sum(p, axis=-1, keepdims=True)
+
+
+def cascade_attention(
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    scale: float,
+    mask: Optional[mx.array],
+    groups: list[tuple[SharedPrefix, mx.array]],
+) -> mx.array:
+    """Attention over shared prefixes + per-row suffixes, merged by log-sum-exp.
+
+    ``queries`` (B, heads, L, D); ``keys`` / ``values`` the rows' own (B, kv_heads, S, D);
+    ``mask`` (broadcastable to (B, 1, L, S), True = attend) for the own part only; each
+    group's prefix precedes all of its rows' queries, so it needs no mask.
+    """
+    B, H, L, D = queries.shape
+    kv_heads = keys.shape[1]
+    rep = H // kv_heads
+    work = mx.float32 if queries.dtype != mx.float32 else queries.dtype
+    q = (queries * scale).reshape(B, kv_heads, rep * L, D)
+    scores = (q @ keys.swapaxes(-1, -2)).astype(work)  # (B, kv_heads, rep*L, S)
+    if mask is not None:
+        scores = scores.reshape(B, kv_heads, rep, L, -1)
+        scores = mx.where(mx.expand_dims(mask, 2) if mask.ndim == 4 else mask, scores, mx.finfo(work).min)
+        scores = scores.reshape(B, kv_heads, rep * L, -1)
+    num, m, den = _partial(scores, values.astype(work))
+    for prefix, rows in groups:
+        n = rows.shape[0]
+        whole = n == B  # every row shares this prefix: no gather / scatter
+        qg = (q if whole else q[rows]).swapaxes(0, 1).reshape(kv_heads, n * rep * L, D)
+        sp = (qg @ prefix.keys[0].swapaxes(-1, -2)).astype(work)  # (kv_heads, n*rep*L, P)
+        pn, pm, pd = _partial(sp, prefix.values[0].astype(work))
+        back = lambda x: x.reshape(kv_heads, n, rep * L, -1).swapaxes(0, 1)  # noqa: E731
+        pn, pm, pd = back(pn), back(pm), back(pd)
+        sn, sm, sd = (num, m, den) if whole else (num[rows], m[rows], den[rows])
+        top = mx.maximum(sm, pm)
+        a, b = mx.exp(sm - top), mx.exp(pm - top)
+        if whole:
+            num, den = sn * a + pn * b, sd * a + pd * b
+        else:
+            num[rows] = sn * a + pn * b
+            den[rows] = sd * a + pd * b
+    out = num / den
+    return out.reshape(B, H, L, D).astype(queries.dtype)

@@ -1,0 +1,76 @@
+"""The engines' Prometheus metrics (vLLM's names) on the tiny model: gauges, counters and
+histograms as a scrape sees them."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import prometheus_client  # the `proxy` extra (in `dev`)
+
+from mlx_parallm_provider import SamplingParams
+from mlx_parallm_provider.engine.prometheus import EngineCollector
+
+
+def _scrape(collector: EngineCollector) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    registry = prometheus_client.CollectorRegistry()
+    registry.register(collector)
+    text = prometheus_client.generate_latest(registry).decode()
+    return {f"{s.name}{dict(s.labels)}": s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def test_a_scrape_during_and_after_a_run(make_engine) -> None:
+    engine = make_engine(max_num_seqs=4, batch_window_ms=0)
+    collector = EngineCollector(engines=lambda: [engine], prefix="vllm:")
+    label = "{'model_name': 'tiny'}"
+    prompt = "The shared instructions of every request. " * 12
+    seen: list[dict[str, float]] = []
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            seen.append(_scrape(collector))
+            time.sleep(0.01)
+
+    async def run() -> None:
+        params = SamplingParams(max_tokens=24, ignore_eos=True)
+        await asyncio.gather(*(engine.generate(prompt + f"question {i}", params) for i in range(12)))
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        asyncio.run(run())
+    finally:
+        done.set()
+        watcher.join()
+    after = _scrape(collector)
+
+    running = [s[f"vllm:num_requests_running{label}"] for s in seen]
+    waiting = [s[f"vllm:num_requests_waiting{label}"] for s in seen]
+    assert max(running) == 4 and max(waiting) >= 1  # 12 requests, 4 rows: the rest wait
+    assert after[f"vllm:num_requests_running{label}"] == 0 and after[f"vllm:num_requests_waiting{label}"] == 0
+    assert max(s[f"vllm:kv_cache_usage_perc{label}"] for s in seen) == 1.0  # every batch slot taken
+    stats = engine.stats()
+    assert after[f"vllm:time_to_first_token_seconds_count{label}"] == 12
+    assert after[f"vllm:generation_tokens_total{label}"] == stats["generated_tokens"]
+    assert after[f"vllm:inter_token_latency_seconds_count{label}"] == stats["generated_tokens"] - 12
+    assert after["vllm:time_to_first_token_seconds_bucket{'le': '+Inf', 'model_name': 'tiny'}"] == 12
+    assert after[f"vllm:prefix_cache_queries_total{label}"] == stats["prompt_tokens"]
+    assert 0 < after[f"vllm:prefix_cache_hits_total{label}"] == stats["cached_prompt_tokens"]
+    assert after[f"vllm:request_success_total{label}"] == 12
+
+
+def test_the_proxy_callback_registers_one_collector_and_mounts_only_inside_a_proxy(monkeypatch) -> None:
+    import sys
+
+    from mlx_parallm_provider.engine.prometheus import register_collector
+    from mlx_parallm_provider.integrations import prometheus as exporter
+
+    monkeypatch.delitem(sys.modules, "litellm.proxy.proxy_server", raising=False)  # no proxy here
+    callback = exporter.engine_metrics
+    assert callback is exporter.engine_metrics and callback.mounted is False
+    assert register_collector() is callback.collector  # once per registry and prefix
+    assert callback.collector in prometheus_client.REGISTRY._collector_to_names
