@@ -8,24 +8,66 @@ scale=..., mask=...)`` method computes attention itself (a shared prefix held on
 a quantized cache gets mlx-lm's own function; every other cache gets :func:`dense_attention`,
 plain attention over the keys the cache returned (the one place to choose a faster
 formulation for a device).
+
+On the CPU device, :func:`dense_attention` and the model's SwiGLU (where its module uses
+mlx-lm's ``swiglu``) run :mod:`.cpu_ops`' formulations for all but tiny tensors, several
+times faster there; Metal and CUDA keep MLX's fused kernels. ``MLX_PARALLM_CPU_OPS=0`` (or :func:`set_cpu_ops`) turns them
+off, ``=1`` forces them on any device.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any, Optional
 
 import mlx.core as mx
+from mlx_lm.models import activations as _activations
 from mlx_lm.models import base as _base
+
+from . import cpu_ops
+from .backend import is_cpu
 
 mlx_lm_attention = _base.scaled_dot_product_attention
 """mlx-lm's function, which :func:`attend` falls back to."""
+mlx_lm_swiglu = _activations.swiglu
+
+CPU_OPS_ENV = "MLX_PARALLM_CPU_OPS"
+_cpu_ops: Optional[bool] = None  # None: MLX_PARALLM_CPU_OPS, else the CPU device only
+
+
+def set_cpu_ops(enabled: Optional[bool]) -> None:
+    """Use :mod:`.cpu_ops` always (True), never (False), or by default (None:
+    ``MLX_PARALLM_CPU_OPS`` if set, else on the CPU device only)."""
+    global _cpu_ops
+    _cpu_ops = enabled
+
+
+def uses_cpu_ops() -> bool:
+    """Whether attention and SwiGLU run :mod:`.cpu_ops`' formulations now."""
+    if _cpu_ops is not None:
+        return _cpu_ops
+    value = os.environ.get(CPU_OPS_ENV, "").strip().lower()
+    if value in ("0", "off", "false", "no"):
+        return False
+    if value in ("1", "on", "true", "yes"):
+        return True
+    return is_cpu()
 
 
 def dense_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Optional[Any]) -> mx.array:
     """Plain attention: ``queries`` (B, heads, L, D) over ``keys`` / ``values`` (B, kv_heads,
     S, D), ``mask`` as mlx-lm passes it (None, ``"causal"`` or an array)."""
+    if uses_cpu_ops() and cpu_ops.attention_size(queries, keys) >= cpu_ops.MIN_ELEMENTS:
+        return cpu_ops.attention(queries, keys, values, scale, mask)
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+
+
+def swiglu(gate: mx.array, x: mx.array) -> mx.array:
+    """``silu(gate) * x``: :func:`.cpu_ops.swiglu` where :func:`uses_cpu_ops`, else mlx-lm's."""
+    if uses_cpu_ops() and gate.size >= cpu_ops.MIN_ELEMENTS:
+        return cpu_ops.swiglu(gate, x)
+    return mlx_lm_swiglu(gate, x)
 
 
 def attend(queries: Any, keys: Any, values: Any, cache: Any, scale: float, mask: Optional[Any], sinks: Optional[Any] = None) -> Any:
@@ -41,10 +83,13 @@ def attend(queries: Any, keys: Any, values: Any, cache: Any, scale: float, mask:
 
 
 def install(model: Any) -> bool:
-    """Route ``model``'s attention through :func:`attend`. Returns whether its module calls
-    mlx-lm's function by that name (if not, the model is left alone and caches' ``attend``
-    methods are never used, which is correct, only slower)."""
+    """Route ``model``'s attention through :func:`attend` (and its module's mlx-lm
+    ``swiglu``, if it uses one, through :func:`swiglu`). Returns whether its module calls
+    mlx-lm's attention function by that name (if not, the model is left alone and caches'
+    ``attend`` methods are never used, which is correct, only slower)."""
     module = sys.modules.get(type(model).__module__)
+    if getattr(module, "swiglu", None) is mlx_lm_swiglu:
+        module.swiglu = swiglu  # type: ignore[union-attr]
     current = getattr(module, "scaled_dot_product_attention", None)
     if current is attend:
         return True

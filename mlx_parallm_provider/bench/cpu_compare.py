@@ -1,0 +1,121 @@
+"""The CPU targets, measured: this package's engine against llama.cpp (same GGUF) and against
+``mlx_lm.stream_generate`` (same weights), one process per system, same prompts (the chat
+workload), 64 new tokens each (EOS ignored), plus the decode-step cost at batch 64 with 512
+tokens of context against 128.
+
+    python -m mlx_parallm_provider.bench.cpu_compare [--concurrency 1 32 64] [--output-dir DIR]
+
+Each system runs as ``mlx-parallm bench --systems <one>`` in a child process; the figures are
+that command's aggregate output tok/s (``results.json`` of each system is kept under
+``--output-dir``). Targets: at 64 concurrent >= 1.2x llama.cpp, at 32 >= 1.0x; one stream
+>= 2x ``stream_generate``; step at 512 tokens of context <= 2x the step at 128.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+TARGETS = {("llama-cpp", 64): 1.2, ("llama-cpp", 32): 1.0, ("mlx-lm", 1): 2.0}
+STEP_TARGET = 2.0
+
+
+def run_system(name: str, levels: Sequence[int], max_tokens: int, out_dir: Path) -> dict[int, float]:
+    """Aggregate output tok/s of system ``name`` at each concurrency level, from its own
+    process ("engine-before": the engine with ``MLX_PARALLM_CPU_OPS=0``, MLX's own ops)."""
+    system = "engine" if name == "engine-before" else name
+    env = dict(os.environ, LITELLM_LOCAL_MODEL_COST_MAP="True", **({"MLX_PARALLM_CPU_OPS": "0"} if name == "engine-before" else {}))
+    cmd = [sys.executable, "-m", "mlx_parallm_provider.cli", "bench", "--systems", system, "--workload", "chat",
+           "--max-tokens", str(max_tokens), "--ignore-eos", "--concurrency", ",".join(map(str, levels)),
+           "--output-dir", str(out_dir / name), "--no-progress"]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu_s = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+    results = out_dir / name / "results.json"
+    if out.returncode != 0 or not results.exists():
+        print(f"{name}: failed or skipped\n{out.stderr[-2000:]}", file=sys.stderr)
+        return {}
+    rows = [r for r in json.loads(results.read_text())["rows"] if r["system"] == system]
+    tokens = sum(r["metrics"]["total_output_tokens"] for r in rows)
+    print(f"{name}: {tokens} tokens for {cpu_s:.1f} CPU-seconds of its process (load, warm-up and all levels): "
+          f"{tokens / cpu_s if cpu_s else float('nan'):.1f} tokens per CPU-second", file=sys.stderr)
+    return {r["concurrency"]: r["metrics"]["output_throughput"] for r in rows}
+
+
+def step_ratio(repeats: int = 5) -> Optional[dict[str, float]]:
+    """Wall-clock decode step (forward + argmax) at batch 64 with 128 and 512 tokens of context,
+    interleaved, best of ``repeats``, in a child process."""
+    code = (
+        "import mlx_parallm_provider, json, time\n"
+        "from mlx_parallm_provider.bench.cpu_profile import _filled_cache, _full_step\n"
+        "from mlx_parallm_provider.models import registry\n"
+        "m = registry.load('default').model\n"
+        "steps = {c: _full_step(m, _filled_cache(m, 64, c), 64) for c in (128, 512)}\n"
+        "best = {c: float('inf') for c in steps}\n"
+        f"for _ in range({repeats}):\n"
+        "    for c, f in steps.items():\n"
+        "        t = time.perf_counter(); f(); best[c] = min(best[c], time.perf_counter() - t)\n"
+        "print('RESULT ' + json.dumps({str(c): v * 1000 for c, v in best.items()}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
+    if out.returncode != 0 or not lines:
+        print(f"decode-step child failed:\n{out.stderr[-2000:]}", file=sys.stderr)
+        return None
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def report(results: dict[str, dict[int, float]], steps: Optional[dict[str, float]]) -> str:
+    """The tok/s table and each target as met / missed."""
+    levels = sorted({c for per in results.values() for c in per})
+    lines = ["| system | " + " | ".join(f"{c} concurrent" for c in levels) + " |", "|---|" + "---:|" * len(levels)]
+    for system, per in results.items():
+        lines.append(f"| {system} | " + " | ".join(f"{per[c]:.1f}" if c in per else "-" for c in levels) + " |")
+    lines.append("")
+    ours = results.get("engine", {})
+    for (peer, c), target in TARGETS.items():
+        theirs = results.get(peer, {}).get(c)
+        if c not in ours or not theirs:
+            lines.append(f"engine vs {peer} at {c}: not measured")
+            continue
+        ratio = ours[c] / theirs
+        lines.append(f"engine vs {peer} at {c} concurrent: {ours[c]:.1f} / {theirs:.1f} tok/s = {ratio:.2f}x "
+                     f"(target >= {target}x: {'met' if ratio >= target else 'missed'})")
+    if steps:
+        ratio = steps["512"] / steps["128"]
+        lines.append(f"decode step at batch 64: {steps['512']:.0f} ms at 512 tokens of context, {steps['128']:.0f} ms at 128 "
+                     f"= {ratio:.2f}x (target <= {STEP_TARGET}x: {'met' if ratio <= STEP_TARGET else 'missed'})")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 32, 64])
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--systems", nargs="+", default=["engine", "llama-cpp", "mlx-lm"],
+                        help="engine, engine-before (MLX's own CPU ops), llama-cpp, mlx-lm")
+    parser.add_argument("--output-dir", type=Path, default=Path("bench-results") / f"cpu-compare-{time.strftime('%Y%m%d-%H%M%S')}")
+    parser.add_argument("--no-step", action="store_true", help="skip the decode-step ratio")
+    args = parser.parse_args(argv)
+    results = {}
+    for system in args.systems:
+        levels = [1] if system == "mlx-lm" else args.concurrency  # stream_generate serves one at a time
+        results[system] = run_system(system, levels, args.max_tokens, args.output_dir)
+    steps = None if args.no_step else step_ratio()
+    text = report(results, steps)
+    print(text)
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    (args.output_dir / "cpu_compare.json").write_text(json.dumps({"tok_s": results, "step_ms": steps}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

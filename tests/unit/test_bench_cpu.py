@@ -1,0 +1,34 @@
+"""The CPU benchmarks' reports: targets judged met or missed from the figures, tables complete."""
+
+from __future__ import annotations
+
+from mlx_parallm_provider.bench import cpu_compare, cpu_profile
+
+
+def test_compare_report_judges_each_target():
+    results = {"engine": {1: 40.0, 32: 250.0, 64: 300.0}, "llama-cpp": {1: 100.0, 32: 240.0, 64: 270.0}, "mlx-lm": {1: 25.0}}
+    text = cpu_compare.report(results, {"128": 200.0, "512": 450.0})
+    lines = text.splitlines()
+    assert "| engine | 40.0 | 250.0 | 300.0 |" in lines
+    assert "| mlx-lm | 25.0 | - | - |" in lines
+    assert any("llama-cpp at 64" in ln and "1.11x" in ln and "missed" in ln for ln in lines)
+    assert any("llama-cpp at 32" in ln and "1.04x" in ln and ln.endswith("met)") for ln in lines)
+    assert any("mlx-lm at 1" in ln and "1.60x" in ln and "missed" in ln for ln in lines)
+    assert any("2.25x" in ln and "missed" in ln for ln in lines if ln.startswith("decode step"))
+
+
+def test_compare_report_says_what_was_not_measured():
+    text = cpu_compare.report({"engine": {64: 300.0}}, None)
+    assert "engine vs llama-cpp at 64: not measured" in text
+    assert "decode step" not in text
+
+
+def test_profile_report_has_every_row_with_its_speed_up():
+    rows = [{"batch": 64, "context": 128, "op": op, "before_ms": 10.0, "after_ms": 5.0} for op in (*cpu_profile.FAMILIES, "full step")]
+    rows.append({"batch": 64, "context": 128, "op": "other (dispatch, glue)", "before_ms": -1.0, "after_ms": 2.0})
+    text = cpu_profile.report(rows, {64: {"decode_ms": 300.0, "bookkeeping_ms": 0.9}}, {"false": 150.0, "true": 180.0})
+    assert "prefill of a 512-token prompt, batch 1: 150 tok/s before, 180 tok/s after (1.20x)" in text
+    for op in cpu_profile.FAMILIES:
+        assert f"| {op} | 10.00 | 5.00 | 2.00x |" in text
+    assert "| other (dispatch, glue) | -1.00 | 2.00 |  |" in text
+    assert "| worker bookkeeping (engine run, after) | | 0.90 | |" in text
