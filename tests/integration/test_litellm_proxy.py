@@ -10,12 +10,8 @@ from __future__ import annotations
 import asyncio
 import importlib
 import json
-import os
 import secrets
 import shutil
-import signal
-import socket
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -29,12 +25,12 @@ import yaml
 
 import mlx_parallm_provider
 from fakes import chat_prompt
+from proxy_helpers import REPO, start_proxy, stop, wait_ready
 
 from mlx_parallm_provider import Engine, SamplingParams
 from mlx_parallm_provider.models.registry import LoadedModel
 
 
-REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "litellm_proxy_config.yaml"
 ALIAS = "tiny"
 QUESTION = [{"role": "user", "content": "Say something about the sea."}]
@@ -62,12 +58,6 @@ class Proxy:
         return httpx.Client(base_url=self.base_url, headers={"Authorization": f"Bearer {self.key}"}, timeout=120, trust_env=False)
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _litellm_cli() -> str:
     beside = Path(sys.executable).with_name("litellm")
     found = str(beside) if beside.exists() else shutil.which("litellm")
@@ -76,43 +66,11 @@ def _litellm_cli() -> str:
     return found
 
 
-def _write_config(folder: Path, model_dir: Path) -> Path:
+def _config(model_dir: Path) -> dict[str, Any]:
     """The shipped example config, its one model replaced by the tiny model folder."""
     config = yaml.safe_load(EXAMPLE.read_text())
     config["model_list"] = [{"model_name": ALIAS, "litellm_params": {"model": f"mlx-parallm/{model_dir}"}}]
-    path = folder / "proxy_config.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return path
-
-
-def _wait_ready(process: subprocess.Popen, base_url: str, log: Path) -> None:
-    deadline = time.monotonic() + START_LIMIT_S
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise AssertionError(f"the proxy exited with {process.returncode}:\n{log.read_text()[-4000:]}")
-        try:
-            if httpx.get(f"{base_url}/health/liveliness", timeout=2, trust_env=False).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
-    raise AssertionError(f"the proxy was not ready after {START_LIMIT_S:.0f}s:\n{log.read_text()[-4000:]}")
-
-
-def _stop(process: subprocess.Popen) -> None:
-    """SIGTERM the proxy's process group, then SIGKILL it if it lingers."""
-    if process.poll() is not None:
-        return
-    for sig, wait_s in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(process.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            process.wait(timeout=wait_s)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+    return config
 
 
 @pytest.fixture(scope="module")
@@ -120,27 +78,15 @@ def proxy(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
     import fastapi  # noqa: F401  (the proxy's server dependencies: the `proxy` extra, in `dev`)
 
     folder = tmp_path_factory.mktemp("litellm-proxy")
-    config = _write_config(folder, tiny_model_dir)
-    port, key = _free_port(), "sk-" + secrets.token_hex(16)
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p),
-        "LITELLM_MASTER_KEY": key,
-        "LITELLM_LOCAL_MODEL_COST_MAP": "True",
-    }
-    log, stats_file = folder / "proxy.log", folder / "stats.json"
-    env["MLX_PARALLM_STATS_FILE"] = str(stats_file)
-    # The real `litellm` CLI, run by a wrapper that also publishes the engine's stats.
+    key, stats_file = "sk-" + secrets.token_hex(16), folder / "stats.json"
     _litellm_cli()
-    command = [sys.executable, str(REPO / "scripts" / "proxy_with_stats.py"), "--config", str(config), "--host", "127.0.0.1", "--port", str(port)]
-    with log.open("wb") as out:
-        process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    # The real `litellm` CLI, run by a wrapper that also publishes the engine's stats.
+    running = start_proxy(_config(tiny_model_dir), folder, key, env={"MLX_PARALLM_STATS_FILE": str(stats_file)})
     try:
-        base_url = f"http://127.0.0.1:{port}"
-        _wait_ready(process, base_url, log)
-        yield Proxy(base_url, key, log, stats_file)
+        wait_ready(running, START_LIMIT_S)
+        yield Proxy(running.base_url, key, running.log, stats_file)
     finally:
-        _stop(process)
+        stop(running)
 
 
 @pytest.fixture(scope="module")

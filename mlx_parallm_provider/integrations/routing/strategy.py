@@ -59,7 +59,27 @@ def _metadata(kwargs: Mapping[str, Any]) -> Optional[dict]:
     return None
 
 
-class PrefixAwareRouting(CustomLogger, CustomRoutingStrategyBase):
+class _CallEnds(CustomLogger):
+    """A LiteLLM callback whose success and failure events, sync or async, all go to
+    ``self._ended(kwargs)``."""
+
+    def _ended(self, kwargs: Any) -> None:
+        raise NotImplementedError
+
+    async def async_log_success_event(self, kwargs: Any, response_obj: Any, start_time: Any, end_time: Any) -> None:
+        self._ended(kwargs)
+
+    async def async_log_failure_event(self, kwargs: Any, response_obj: Any, start_time: Any, end_time: Any) -> None:
+        self._ended(kwargs)
+
+    def log_success_event(self, kwargs: Any, response_obj: Any, start_time: Any, end_time: Any) -> None:
+        self._ended(kwargs)
+
+    def log_failure_event(self, kwargs: Any, response_obj: Any, start_time: Any, end_time: Any) -> None:
+        self._ended(kwargs)
+
+
+class PrefixAwareRouting(_CallEnds, CustomRoutingStrategyBase):
     """Consistent hashing of prompt prefixes onto replicas, with bounded loads.
 
     Args:
@@ -230,18 +250,6 @@ class PrefixAwareRouting(CustomLogger, CustomRoutingStrategyBase):
             replica = (params.get("model_info") or {}).get("id")
             self.inflight.finish(str(token), None if replica is None else str(replica))
 
-    async def async_log_success_event(self, kwargs: Any, response_obj: Any, start_time: Any, end_time: Any) -> None:
-        self._ended(kwargs)
-
-    async def async_log_failure_event(self, kwargs: Any, response_obj: Any, start_time: Any, end_time: Any) -> None:
-        self._ended(kwargs)
-
-    def log_success_event(self, kwargs: Any, response_obj: Any, start_time: Any, end_time: Any) -> None:
-        self._ended(kwargs)
-
-    def log_failure_event(self, kwargs: Any, response_obj: Any, start_time: Any, end_time: Any) -> None:
-        self._ended(kwargs)
-
     # -- scraping /metrics ------------------------------------------------------------------
 
     def _ensure_scraper(self) -> None:
@@ -273,7 +281,7 @@ class PrefixAwareRouting(CustomLogger, CustomRoutingStrategyBase):
                 self.scraped.record(deployment_id(d), load)
 
 
-class _EndRelay(CustomLogger):
+class _EndRelay(_CallEnds):
     """One callback that tells every installed strategy a call ended. (Each strategy as its
     own callback did not work: with two installed in one process, litellm 1.110 delivered
     the events of the second one's calls to the first only.)"""
@@ -285,18 +293,6 @@ class _EndRelay(CustomLogger):
     def _ended(self, kwargs: Any) -> None:
         for strategy in list(self.strategies):
             strategy._ended(kwargs)
-
-    async def async_log_success_event(self, kwargs: Any, response_obj: Any, start_time: Any, end_time: Any) -> None:
-        self._ended(kwargs)
-
-    async def async_log_failure_event(self, kwargs: Any, response_obj: Any, start_time: Any, end_time: Any) -> None:
-        self._ended(kwargs)
-
-    def log_success_event(self, kwargs: Any, response_obj: Any, start_time: Any, end_time: Any) -> None:
-        self._ended(kwargs)
-
-    def log_failure_event(self, kwargs: Any, response_obj: Any, start_time: Any, end_time: Any) -> None:
-        self._ended(kwargs)
 
 
 _relay = _EndRelay()
