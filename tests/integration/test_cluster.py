@@ -219,8 +219,8 @@ def test_prefix_aware_routing_hits_the_prefix_cache_far_more_often_than_shuffle(
     # Prefix-aware gives 0.919 every run. Shuffle's rate depends on how its 64 random picks
     # interleave the groups on each replica: 0.21-0.50 over 28 runs of this scenario on
     # in-process engines (median 0.36, 2.6x; one run in 28 under 2x, at 1.84x) and 0.36-0.47
-    # in four runs of this test (2.53x, 2.34x, 2.10x, 1.96x). A second row still prefilling also keeps a prefix alive a
-    # little longer under shuffle. Hence 1.6x here: 2x fails now and then (one run in 28
+    # in four runs of this test (2.53x, 2.34x, 2.10x, 1.96x). A second row still prefilling
+    # also keeps a prefix alive a little longer under shuffle. Hence 1.6x here: 2x fails now and then (one run in 28
     # there, one in 4 here; one in 7 runs with an earlier store of about 2.5 prompts).
     assert prefix >= 0.8 and prefix >= 1.6 * shuffle, (prefix, shuffle)
 
