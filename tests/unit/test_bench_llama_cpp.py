@@ -167,7 +167,7 @@ def test_the_runner_sizes_a_context_per_run_and_records_each_token(monkeypatch: 
     assert all(r.ok and r.start <= r.chunk_times[0] <= r.end and r.prompt_tokens == 2 for r in records)
     assert info == {"max_decode_batch": 2} and wall > 0
     [params] = lib.contexts
-    assert params.n_seq_max == 2 and params.kv_unified and params.n_ctx == 2 * 6 and params.n_batch == params.n_ctx
+    assert params.n_seq_max == 2 and not params.kv_unified and params.n_ctx == 2 * 6 and params.n_batch == params.n_ctx
     assert params.n_threads == params.n_threads_batch == max(1, (os.cpu_count() or 2) // 2)
     assert lib.live_contexts == 0 and lib.model_freed and lib.live_samplers == 0
 
