@@ -195,7 +195,7 @@ def _partial(scores: mx.array, values: mx.array) -> tuple[mx.array, mx.array, mx
     """Unnormalised softmax-weighted values, the row maxima and the sums of exponentials."""
     m = mx.max(scores, axis=-1, keepdims=True)
     # MLX's CPU exp is scalar (~20 ns an element on x86): cpu_ops builds it from arithmetic.
-    p = fast_exp(scores - m) if mx.default_device().type == mx.DeviceType.cpu else mx.exp(scores - m)
+    p = fast_exp(scores - m) if attention.uses_cpu_ops() else mx.exp(scores - m)
     return p @ values, m, mx.sum(p, axis=-1, keepdims=True)
 
 
