@@ -29,9 +29,10 @@ STEP_TARGET = 2.0
 
 def run_system(name: str, levels: Sequence[int], max_tokens: int, out_dir: Path) -> dict[int, float]:
     """Aggregate output tok/s of system ``name`` at each concurrency level, from its own
-    process ("engine-before": the engine with ``MLX_PARALLM_CPU_OPS=0``, MLX's own ops)."""
+    process ("engine-before": the engine on MLX's own ops, ``MLX_PARALLM_CPU_OPS=0`` and no
+    packed small-step kernel)."""
     system = "engine" if name == "engine-before" else name
-    env = dict(os.environ, LITELLM_LOCAL_MODEL_COST_MAP="True", **({"MLX_PARALLM_CPU_OPS": "0"} if name == "engine-before" else {}))
+    env = dict(os.environ, LITELLM_LOCAL_MODEL_COST_MAP="True", **({"MLX_PARALLM_CPU_OPS": "0", "MLX_PARALLM_SMALL_BATCH_ROWS": "0"} if name == "engine-before" else {}))
     cmd = [sys.executable, "-m", "mlx_parallm_provider.cli", "bench", "--systems", system, "--workload", "chat",
            "--max-tokens", str(max_tokens), "--ignore-eos", "--concurrency", ",".join(map(str, levels)),
            "--output-dir", str(out_dir / name), "--no-progress"]

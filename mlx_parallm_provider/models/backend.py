@@ -6,7 +6,8 @@ reference BLAS (~4 GFLOP/s f32 matmul); Debian's OpenBLAS loaded with ``RTLD_GLO
 *before* ``mlx`` is imported brings it to ~100+ GFLOP/s. Loading it after ``mlx`` has no
 effect, so :func:`preload_blas` runs when this package is imported, ahead of any
 ``import mlx``. On the CPU, ``quantized_matmul`` gains nothing from batching, whereas
-float32 weights over OpenBLAS do, so quantized weights are dequantized at load there.
+float32 weights over OpenBLAS do, so quantized weights are dequantized at load there, with
+the packed weights kept for steps of a few rows (:mod:`.small_batch`).
 """
 
 from __future__ import annotations
@@ -143,8 +144,11 @@ def should_dequantize(dequantize: Optional[bool] = None) -> bool:
     return is_cpu()
 
 
-def prepare_model(model: Any, dequantize: Optional[bool] = None) -> Any:
-    """Apply the backend's load-time choices to a freshly loaded mlx-lm model."""
+def prepare_model(model: Any, dequantize: Optional[bool] = None, keep_packed: bool = True) -> Any:
+    """Apply the backend's load-time choices to a freshly loaded mlx-lm model.
+
+    ``keep_packed=False`` dequantizes as mlx-lm alone would, without keeping the packed
+    weights for small steps (the benchmark's mlx-lm peer)."""
     import mlx.core as mx
     import mlx.nn as nn
     from mlx_lm.utils import dequantize_model
@@ -158,6 +162,10 @@ def prepare_model(model: Any, dequantize: Optional[bool] = None) -> Any:
             isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for _, m in model.named_modules()
         )
         if has_quantized:
+            if keep_packed and is_cpu():
+                from .small_batch import dequantize as keep_packed_for_small_batches
+
+                keep_packed_for_small_batches(model)
             dequantize_model(model)
             model.set_dtype(mx.float32)
             mx.eval(model.parameters())

@@ -136,18 +136,19 @@ def _download(repo_id: str) -> Path:
         ) from None
 
 
-_models: dict[tuple[str, Optional[bool]], LoadedModel] = {}
-_locks: dict[tuple[str, Optional[bool]], threading.Lock] = {}
+_models: dict[tuple[str, Optional[bool], bool], LoadedModel] = {}
+_locks: dict[tuple[str, Optional[bool], bool], threading.Lock] = {}
 _registry_lock = threading.Lock()
 
 
-def load(name: str = DEFAULT_MODEL, dequantize: Optional[bool] = None) -> LoadedModel:
+def load(name: str = DEFAULT_MODEL, dequantize: Optional[bool] = None, keep_packed: bool = True) -> LoadedModel:
     """Load a model once per process (thread-safe) and return it.
 
     ``dequantize`` keeps or drops quantization; by default weights are dequantized to
-    float32 on the CPU device only (see :mod:`.backend`).
+    float32 on the CPU device only (see :mod:`.backend`), keeping the packed weights for
+    steps of a few rows unless ``keep_packed`` is False (:mod:`.small_batch`).
     """
-    key = (name, dequantize)
+    key = (name, dequantize, keep_packed)
     with _registry_lock:
         if key in _models:
             return _models[key]
@@ -155,13 +156,13 @@ def load(name: str = DEFAULT_MODEL, dequantize: Optional[bool] = None) -> Loaded
     with lock:
         if key in _models:
             return _models[key]
-        loaded = _load_uncached(name, dequantize)
+        loaded = _load_uncached(name, dequantize, keep_packed)
         with _registry_lock:
             _models[key] = loaded
         return loaded
 
 
-def _load_uncached(name: str, dequantize: Optional[bool]) -> LoadedModel:
+def _load_uncached(name: str, dequantize: Optional[bool], keep_packed: bool = True) -> LoadedModel:
     import mlx_lm
 
     path = resolve(name)
@@ -171,5 +172,5 @@ def _load_uncached(name: str, dequantize: Optional[bool]) -> LoadedModel:
         raise
     except Exception as exc:
         raise ModelLoadError(f"{path}: could not load model ({exc})") from exc
-    backend.prepare_model(model, dequantize)
+    backend.prepare_model(model, dequantize, keep_packed)
     return LoadedModel(name=name, path=path, model=model, tokenizer=tokenizer, config=config)

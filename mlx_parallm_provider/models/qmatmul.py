@@ -1,0 +1,137 @@
+"""A C kernel for ``x @ W.T`` with a few rows of ``x`` and affine-quantized ``W``, on the CPU.
+
+Decoding a handful of rows reads every weight once per step, so on the CPU the step is bound
+by memory traffic. The engine dequantizes checkpoints to float32 there (batched GEMMs over
+OpenBLAS need it), which makes a one-row step read 8x the bytes of the checkpoint's 4-bit
+weights, and MLX's own CPU ``quantized_matmul`` is slower still. ``kernels/qmatmul.c`` reads
+the packed weights directly (see :mod:`.small_batch` for where it is used).
+
+The kernel is compiled on first use with the system C compiler (``$CC``, else ``cc``) for
+the machine it runs on, and cached under ``$MLX_PARALLM_HOME/kernels`` (default
+``~/.cache/mlx-parallm/kernels``); ``scripts/setup.sh`` builds it at install. Without a compiler
+:func:`load` returns None and callers keep MLX's ops. ``python -m
+mlx_parallm_provider.models.qmatmul`` builds it and prints where.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("kernels") / "qmatmul.c"
+MAX_ROWS = 8
+"""Rows of ``x`` one call takes (the C kernel's ``MAX_ROWS``)."""
+SUPPORTED_BITS = (4, 8)
+
+_FLAGS = ["-O3", "-shared", "-fPIC", "-fopenmp", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
+_lock = threading.Lock()
+_loaded: Optional[ctypes.CDLL] = None
+_tried = False
+
+
+def _native_flags(compiler: str) -> list[str]:
+    """``-march=native`` where the compiler takes it (GCC/Clang on x86 and ARM Linux)."""
+    probe = subprocess.run([compiler, "-march=native", "-x", "c", "-E", "-", "-o", os.devnull], input="", capture_output=True, text=True)
+    return ["-march=native"] if probe.returncode == 0 else []
+
+
+def _cache_dir() -> Path:
+    from .registry import cache_home
+
+    return cache_home() / "kernels"
+
+
+def _cpu_signature() -> str:
+    """What a ``-march=native`` build depends on: the CPU's model and feature flags."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        lines = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags", "Features"))]
+        return "\n".join(sorted(set(lines)))
+    except OSError:
+        return platform.processor()
+
+
+def build(compiler: Optional[str] = None) -> Optional[Path]:
+    """Compile the kernel (or find it already built) and return the library's path; None when
+    no C compiler is found or compiling fails (logged)."""
+    compiler = compiler or os.environ.get("CC") or "cc"
+    if shutil.which(compiler) is None:
+        logger.info("no C compiler (%s) found: small-batch matmuls keep MLX's ops", compiler)
+        return None
+    try:
+        flags = _FLAGS + _native_flags(compiler)
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    except OSError as exc:
+        logger.info("C compiler %s unusable (%s): small-batch matmuls keep MLX's ops", compiler, exc)
+        return None
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(flags), version, platform.machine(), _cpu_signature()]).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"qmatmul-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / target.name
+        result = subprocess.run([compiler, *flags, "-o", str(built), str(SOURCE)], capture_output=True, text=True)
+        if result.returncode != 0:
+            logger.warning("could not compile %s (small-batch matmuls keep MLX's ops):\n%s", SOURCE.name, result.stderr[-2000:])
+            return None
+        os.replace(built, target)  # atomic: a concurrent builder finds a whole file or none
+    return target
+
+
+def load() -> Optional[ctypes.CDLL]:
+    """The compiled kernel (built on first call), or None where it cannot be built."""
+    global _loaded, _tried
+    with _lock:
+        if not _tried:
+            _tried = True
+            path = build()
+            if path is not None:
+                lib = ctypes.CDLL(str(path))
+                p, i = ctypes.c_void_p, ctypes.c_int
+                lib.qmatmul.argtypes = [p, i, i, p, p, p, i, i, i, p, i]
+                lib.qmatmul.restype = i
+                _loaded = lib
+        return _loaded
+
+
+def reset() -> None:
+    """Forget the loaded kernel so the next :func:`load` builds again (tests)."""
+    global _loaded, _tried
+    with _lock:
+        _loaded, _tried = None, False
+
+
+def qmatmul(lib: ctypes.CDLL, x: np.ndarray, packed: np.ndarray, scales: np.ndarray, biases: np.ndarray, bits: int, group_size: int, threads: int = 1) -> np.ndarray:
+    """``x @ W.T`` for ``x`` (M, K) float32 with M <= :data:`MAX_ROWS` and ``W`` (N, K) given
+    as MLX's ``quantize`` packs it: ``packed`` (N, K * bits / 8) uint8, ``scales`` and
+    ``biases`` (N, K / group_size) float32. Returns (M, N) float32."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    rows, k = x.shape
+    n = packed.shape[0]
+    out = np.empty((rows, n), dtype=np.float32)
+    status = lib.qmatmul(x.ctypes.data, rows, k, packed.ctypes.data, scales.ctypes.data, biases.ctypes.data, n, bits, group_size, out.ctypes.data, threads)
+    if status != 0:
+        raise ValueError(f"qmatmul: unsupported shape or format (rows={rows}, K={k}, bits={bits}, group_size={group_size})")
+    return out
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO)
+    path = build()
+    print(path if path else "no C compiler: small-batch matmuls use MLX's ops")
+    sys.exit(0)

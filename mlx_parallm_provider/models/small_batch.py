@@ -1,0 +1,226 @@
+"""Dequantize a checkpoint for the CPU, keeping its packed weights for steps with few rows.
+
+On the CPU, quantized checkpoints are dequantized to float32 at load: batched decode and
+prefill then run as float32 GEMMs over OpenBLAS, far faster than MLX's CPU
+``quantized_matmul``. A step with a handful of rows (one stream, a batch draining) is bound by
+memory traffic instead, and float32 reads 8x the bytes of 4-bit weights. :func:`dequantize`
+keeps each quantized layer's packed weights next to its float32 copy, and its layers send
+inputs of at most :func:`max_rows` rows to :mod:`.qmatmul`'s C kernel over the packed
+weights, larger ones to the GEMM.
+
+Both paths multiply by the same weights: the float32 copy is dequantized in float32 (scale
+and bias cast up first), which is what the kernel computes, so they differ only in the order
+of float additions. ``MLX_PARALLM_SMALL_BATCH_ROWS=0`` turns the kernel off;
+``MLX_PARALLM_QMATMUL_THREADS`` (default 1) gives it threads (memory-bound: a second thread
+gains little on two cores, and loses much when the other core is busy).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_unflatten
+
+from . import qmatmul
+
+logger = logging.getLogger(__name__)
+
+ROWS_ENV = "MLX_PARALLM_SMALL_BATCH_ROWS"
+THREADS_ENV = "MLX_PARALLM_QMATMUL_THREADS"
+DEFAULT_MAX_ROWS = 8
+_max_rows: Optional[int] = None
+
+
+def max_rows() -> int:
+    """Inputs with at most this many rows use the kernel (``MLX_PARALLM_SMALL_BATCH_ROWS``,
+    default :data:`DEFAULT_MAX_ROWS`, capped at :data:`.qmatmul.MAX_ROWS`; 0 turns it off).
+    The environment is read once; :func:`set_max_rows` changes it."""
+    global _max_rows
+    if _max_rows is None:
+        value = os.environ.get(ROWS_ENV, "").strip()
+        _max_rows = min(int(value) if value.isdigit() else DEFAULT_MAX_ROWS, qmatmul.MAX_ROWS)
+    return _max_rows
+
+
+def set_max_rows(rows: Optional[int]) -> None:
+    """Override :func:`max_rows` in this process (None: read the environment again)."""
+    global _max_rows
+    _max_rows = None if rows is None else min(max(rows, 0), qmatmul.MAX_ROWS)
+
+
+def _threads() -> int:
+    value = os.environ.get(THREADS_ENV, "").strip()
+    return max(int(value), 1) if value.isdigit() else 1
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """An affine-quantized (N, K) weight as numpy arrays the kernel reads."""
+
+    packed: np.ndarray  # (N, K * bits / 8) uint8
+    scales: np.ndarray  # (N, K / group_size) float32
+    biases: np.ndarray  # (N, K / group_size) float32
+    bits: int
+    group_size: int
+
+    @classmethod
+    def from_module(cls, module: Any) -> Optional["PackedWeight"]:
+        """The packed weight of a ``QuantizedLinear`` / ``QuantizedEmbedding``, or None for a
+        layout the kernel does not read (not affine, other bits, group not a multiple of 32)."""
+        if getattr(module, "mode", "affine") != "affine" or module.bits not in qmatmul.SUPPORTED_BITS:
+            return None
+        if module.group_size % 32 or "biases" not in module:
+            return None
+        weight = np.asarray(module.weight)
+        return cls(
+            packed=np.ascontiguousarray(weight.view(np.uint8)),
+            scales=np.asarray(module.scales.astype(mx.float32)).copy(),
+            biases=np.asarray(module.biases.astype(mx.float32)).copy(),
+            bits=module.bits,
+            group_size=module.group_size,
+        )
+
+    def matmul(self, lib: ctypes.CDLL, x: mx.array) -> mx.array:
+        """``x @ W.T`` through the kernel; ``x`` (..., K) with at most :data:`.qmatmul.MAX_ROWS` rows."""
+        rows = np.asarray(x.astype(mx.float32)).reshape(-1, x.shape[-1])
+        out = qmatmul.qmatmul(lib, rows, self.packed, self.scales, self.biases, self.bits, self.group_size, _threads())
+        return mx.array(out).reshape(*x.shape[:-1], out.shape[-1])
+
+
+def _rows(x: mx.array) -> int:
+    return x.size // x.shape[-1] if x.ndim else 1
+
+
+#: Sibling layers that a model calls on the same input; one kernel call serves them all.
+SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+class SharedInput:
+    """Packed weights of layers that take the same input (a block's q/k/v projections, an
+    MLP's gate and up), concatenated: the first of them to see an input computes every
+    output in one kernel call, the others slice it. Each call costs a synchronisation of
+    MLX's lazy graph (~60 us on the CPU), more than the matmul itself for small layers.
+    The last input and output are kept per thread (engines may share a model)."""
+
+    def __init__(self, packed: PackedWeight, lib: ctypes.CDLL) -> None:
+        self.packed, self.lib = packed, lib
+        self._last = threading.local()
+
+    def output(self, x: mx.array) -> mx.array:
+        last = self._last
+        if getattr(last, "input", None) is not x:
+            last.output = self.packed.matmul(self.lib, x)
+            last.input = x  # kept alive, so identity cannot be reused by a new array
+        return last.output
+
+
+class SmallBatchLinear(nn.Linear):
+    """``nn.Linear`` over float32 weights that multiplies small inputs by the packed copy
+    (its own, or its columns of a :class:`SharedInput`)."""
+
+    def __init__(self, weight: mx.array, bias: Optional[mx.array], source: SharedInput, columns: tuple[int, int]) -> None:
+        super().__init__(weight.shape[1], weight.shape[0], bias=bias is not None)
+        self.weight = weight
+        if bias is not None:
+            self.bias = bias
+        self._source, self._columns = source, columns
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if _rows(x) > max_rows():
+            return super().__call__(x)
+        start, stop = self._columns
+        y = self._source.output(x)
+        if (start, stop) != (0, y.shape[-1]):
+            y = y[..., start:stop]
+        return y + self.bias if "bias" in self else y
+
+
+class SmallBatchEmbedding(nn.Embedding):
+    """``nn.Embedding`` whose ``as_linear`` (a tied output head) multiplies small inputs by
+    the packed copy."""
+
+    def __init__(self, weight: mx.array, packed: PackedWeight, lib: ctypes.CDLL) -> None:
+        super().__init__(weight.shape[0], weight.shape[1])
+        self.weight = weight
+        self._packed, self._lib = packed, lib
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        if _rows(x) > max_rows():
+            return super().as_linear(x)
+        return self._packed.matmul(self._lib, x)
+
+
+def _float32_weight(module: Any) -> mx.array:
+    """The module's weight dequantized in float32 (what the kernel multiplies by)."""
+    return mx.dequantize(
+        module.weight, module.scales.astype(mx.float32), module.biases.astype(mx.float32),
+        group_size=module.group_size, bits=module.bits, mode=module.mode,
+    )
+
+
+def _concatenated(parts: list[PackedWeight]) -> Optional[PackedWeight]:
+    first = parts[0]
+    if any((p.bits, p.group_size, p.packed.shape[1]) != (first.bits, first.group_size, first.packed.shape[1]) for p in parts):
+        return None
+    return PackedWeight(
+        packed=np.concatenate([p.packed for p in parts]),
+        scales=np.concatenate([p.scales for p in parts]),
+        biases=np.concatenate([p.biases for p in parts]),
+        bits=first.bits,
+        group_size=first.group_size,
+    )
+
+
+def _sources(packed: dict[str, PackedWeight], lib: ctypes.CDLL) -> dict[str, tuple[SharedInput, tuple[int, int]]]:
+    """Each layer's :class:`SharedInput` and its columns there: siblings (:data:`SIBLINGS`)
+    share one where their formats match, other layers get their own."""
+    sources: dict[str, tuple[SharedInput, tuple[int, int]]] = {}
+    for name in packed:
+        parent, _, leaf = name.rpartition(".")
+        group = next((g for g in SIBLINGS if leaf in g), None)
+        names = [f"{parent}.{n}" if parent else n for n in group] if group else []
+        if names and all(n in packed for n in names) and name not in sources:
+            joined = _concatenated([packed[n] for n in names])
+            if joined is not None:
+                shared, start = SharedInput(joined, lib), 0
+                for n in names:
+                    stop = start + packed[n].packed.shape[0]
+                    sources[n] = (shared, (start, stop))
+                    start = stop
+        if name not in sources:
+            sources[name] = (SharedInput(packed[name], lib), (0, packed[name].packed.shape[0]))
+    return sources
+
+
+def dequantize(model: nn.Module) -> int:
+    """Replace the model's quantized layers that the kernel reads with
+    :class:`SmallBatchLinear` / :class:`SmallBatchEmbedding`; returns how many. Returns 0 and
+    changes nothing when the kernel cannot be built (no C compiler); layers it does not read
+    are left for mlx-lm's ``dequantize_model``."""
+    lib = qmatmul.load()
+    if lib is None:
+        return 0
+    modules = {name: m for name, m in model.named_modules() if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))}
+    packed = {name: p for name, m in modules.items() if (p := PackedWeight.from_module(m)) is not None}
+    sources = _sources({n: p for n, p in packed.items() if isinstance(modules[n], nn.QuantizedLinear)}, lib)
+    replaced = []
+    for name, weights in packed.items():
+        module = modules[name]
+        weight = _float32_weight(module)
+        if isinstance(module, nn.QuantizedLinear):
+            bias = module.bias if "bias" in module else None
+            replaced.append((name, SmallBatchLinear(weight, bias, *sources[name])))
+        else:
+            replaced.append((name, SmallBatchEmbedding(weight, weights, lib)))
+    if replaced:
+        model.update_modules(tree_unflatten(replaced))
+        logger.info("%d quantized layers keep packed weights for steps of <= %d rows", len(replaced), max_rows())
+    return len(replaced)

@@ -1,0 +1,121 @@
+"""The packed-weight kernel for steps of a few rows (models/qmatmul.py, models/small_batch.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from mlx_parallm_provider.models import backend, qmatmul, small_batch
+
+
+@pytest.fixture
+def kernel():
+    lib = qmatmul.load()
+    if lib is None:  # the fallback has its own test below
+        pytest.skip("no C compiler on this machine")
+    return lib
+
+
+@pytest.fixture(autouse=True)
+def _default_rows():
+    yield
+    small_batch.set_max_rows(None)
+
+
+def _quantized(shape: tuple[int, int], bits: int, group: int, seed: int = 0):
+    w = mx.random.normal(shape, key=mx.random.key(seed))
+    wq, scales, biases = mx.quantize(w, group_size=group, bits=bits)
+    module = nn.QuantizedLinear(shape[1], shape[0], bias=False, group_size=group, bits=bits)
+    module.weight, module.scales, module.biases = wq, scales.astype(mx.float16), biases.astype(mx.float16)
+    return module
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_kernel_equals_mlx_on_the_float32_dequantized_weight(kernel, bits: int, group: int, rows: int) -> None:
+    module = _quantized((97, 384), bits, group)
+    packed = small_batch.PackedWeight.from_module(module)
+    x = mx.random.normal((rows, 384), key=mx.random.key(1))
+    expected = x @ small_batch._float32_weight(module).T
+    got = packed.matmul(kernel, x)
+    assert got.shape == (rows, 97)
+    assert np.allclose(np.asarray(got), np.asarray(expected), rtol=1e-5, atol=1e-4)
+
+
+def test_kernel_rejects_what_it_cannot_read(kernel) -> None:
+    assert small_batch.PackedWeight.from_module(_quantized((8, 64), bits=2, group=32)) is None
+    packed = small_batch.PackedWeight.from_module(_quantized((8, 64), bits=4, group=32))
+    with pytest.raises(ValueError, match="unsupported"):
+        packed.matmul(kernel, mx.zeros((qmatmul.MAX_ROWS + 1, 64)))
+
+
+def _quantized_tiny(tiny_model_dir: Path, bits: int = 4):
+    import mlx_lm
+
+    model, _ = mlx_lm.load(str(tiny_model_dir))
+    nn.quantize(model, group_size=32, bits=bits)
+    mx.eval(model.parameters())
+    return model
+
+
+def test_prepare_model_keeps_packed_weights_and_small_steps_use_them(kernel, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = _quantized_tiny(tiny_model_dir)
+    backend.prepare_model(model, dequantize=True)
+    kinds = {type(m) for _, m in model.named_modules()}
+    assert small_batch.SmallBatchLinear in kinds and small_batch.SmallBatchEmbedding in kinds
+    assert not any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for _, m in model.named_modules())
+
+    calls = []
+    real = qmatmul.qmatmul
+    monkeypatch.setattr(qmatmul, "qmatmul", lambda *a, **k: calls.append(a[1].shape[0]) or real(*a, **k))
+    tokens = mx.array([[5], [6]])
+    small = model(tokens)  # 2 rows: the kernel
+    assert calls and set(calls) == {2}
+    calls.clear()
+    small_batch.set_max_rows(1)
+    large = model(tokens)  # 2 rows > 1: the float32 GEMM
+    assert calls == []
+    assert np.allclose(np.asarray(small), np.asarray(large), rtol=1e-4, atol=1e-4)
+
+
+def test_without_a_compiler_the_model_keeps_mlx_ops(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CC", "no-such-compiler-here")
+    qmatmul.reset()
+    try:
+        assert qmatmul.build() is None and qmatmul.load() is None
+        model = _quantized_tiny(tiny_model_dir)
+        tokens = mx.array([[5, 6, 7]])
+        quantized = model(tokens)
+        backend.prepare_model(model, dequantize=True)
+        assert not any(isinstance(m, (small_batch.SmallBatchLinear, small_batch.SmallBatchEmbedding)) for _, m in model.named_modules())
+        assert type(model.model.layers[0].self_attn.q_proj) is nn.Linear
+        assert mx.allclose(model(tokens), quantized, atol=1e-2, rtol=1e-2)
+    finally:
+        qmatmul.reset()
+
+
+def test_build_is_cached_per_source_and_machine(kernel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MLX_PARALLM_HOME", str(tmp_path))
+    first = qmatmul.build()
+    assert first is not None and first.parent == tmp_path / "kernels"
+    stamp = first.stat().st_mtime_ns
+    assert qmatmul.build() == first and first.stat().st_mtime_ns == stamp
+    assert [p.name for p in first.parent.iterdir()] == [first.name]
+
+
+def test_engine_greedy_batched_equals_one_at_a_time_on_packed_weights(kernel, tiny_model_dir: Path, make_engine) -> None:
+    from mlx_parallm_provider.engine import SamplingParams
+
+    model = _quantized_tiny(tiny_model_dir)
+    backend.prepare_model(model, dequantize=True)
+    prompts = [[1, 5 + i, 9, 30 + 3 * i] for i in range(12)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    engine = make_engine(model)
+    together = engine.generate_many_sync(prompts, params)  # 12 rows: the GEMM, the kernel as rows leave
+    alone = [engine.generate_many_sync([p], params)[0] for p in prompts]  # 1 row: the kernel
+    assert [o.token_ids for o in together] == [o.token_ids for o in alone]
