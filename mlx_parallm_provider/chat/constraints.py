@@ -1,7 +1,9 @@
 """Decoding constraints for a chat request: what makes JSON output and forced tool calls
 hold by construction instead of by prompting alone.
 
-* ``response_format`` ``json_object`` / ``json_schema`` -> a JSON (schema) constraint.
+* ``response_format`` ``json_object`` / ``json_schema`` -> a JSON (schema) constraint;
+  ``json_object`` with a ``schema`` (Fireworks' and Together's extension, what LangChain's
+  ``json_mode`` with a schema sends) -> that schema.
 * ``tool_choice`` ``"required"`` or a named function, when the prompt asks for the Hermes
   ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` format -> a grammar that
   allows only such calls, each ``arguments`` valid against its tool's parameter schema.
@@ -35,7 +37,13 @@ def response_format_constraint(response_format: Any) -> Optional[Constraint]:
     Call after :func:`~.prepare.response_format_instruction` has validated it."""
     kind = response_format.get("type") if isinstance(response_format, Mapping) else None
     if kind == "json_object":
-        return Constraint.json_object()
+        schema = response_format.get("schema")
+        if schema is None:
+            return Constraint.json_object()
+        try:
+            return Constraint.json_schema(closed_objects(schema))
+        except InvalidParameterError as error:
+            raise InvalidParameterError("response_format.schema", str(error)) from None
     if kind == "json_schema":
         spec = response_format["json_schema"]
         schema = spec.get("schema", spec) if isinstance(spec, Mapping) else spec

@@ -98,6 +98,9 @@ def response_format_instruction(response_format: Any) -> Optional[str]:
     ``{"type": "json_object"}`` asks for one JSON object; ``{"type": "json_schema",
     "json_schema": {"name", "schema"}}`` puts the schema in the instruction. Decoding is
     constrained to match as well (:func:`~.constraints.response_format_constraint`).
+    ``{"type": "json_object", "schema": {...}}`` (JSON mode with a schema, as Fireworks and
+    Together take it) is prompted as JSON mode, the schema left to the caller's own
+    prompt, and constrained to the schema.
     """
     if response_format is None:
         return None
@@ -105,6 +108,9 @@ def response_format_instruction(response_format: Any) -> Optional[str]:
     if kind == "text":
         return None
     if kind == "json_object":
+        schema = response_format.get("schema")
+        if schema is not None and not isinstance(schema, Mapping):
+            raise InvalidParameterError("response_format.schema", f"must be a JSON schema dict, got {schema!r}")
         return JSON_OBJECT_INSTRUCTION
     if kind == "json_schema":
         spec = response_format.get("json_schema")
@@ -113,6 +119,6 @@ def response_format_instruction(response_format: Any) -> Optional[str]:
             return JSON_SCHEMA_INSTRUCTION.format(schema=json.dumps(schema, ensure_ascii=False))
     raise InvalidParameterError(
         "response_format",
-        "must be {'type': 'text'}, {'type': 'json_object'} or "
+        "must be {'type': 'text'}, {'type': 'json_object'} (with an optional 'schema') or "
         f"{{'type': 'json_schema', 'json_schema': {{'name', 'schema'}}}}, got {response_format!r}",
     )

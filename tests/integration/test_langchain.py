@@ -37,6 +37,7 @@ from mlx_parallm_provider.langchain import ChatMLXParallm, MLXParallmLLM
 from mlx_parallm_provider.models.registry import LoadedModel
 from mlx_parallm_provider.chat import (
     HERMES_FORMAT,
+    JSON_OBJECT_INSTRUCTION,
     JSON_SCHEMA_INSTRUCTION,
     PreparedPrompt,
     REQUIRED_TOOL_INSTRUCTION,
@@ -660,3 +661,18 @@ def test_a_streaming_chat_model_batches_too_and_reports_its_answer(model_name: s
     plain = ChatMLXParallm(model=model_name, max_tokens=MAX_TOKENS, ignore_eos=True)
     assert [m.content for m in messages] == [plain.invoke(t).content for t in topics(8)]
     assert "".join(recorder.tokens) == "".join(m.content for m in messages)
+
+
+def test_json_mode_with_a_schema_is_held_to_it(replying: Any) -> None:
+    # The scripted model closes the object after "name"; the schema wants "age" too, so
+    # that close is masked (what it writes instead is the scripted model's arbitrary pick).
+    engine = replying('{"name": "Ann"}')
+    chat = ChatMLXParallm(model="replying", max_tokens=32)
+    out = chat.with_structured_output(Person, method="json_mode", include_raw=True).invoke("Who is Ann?")
+    assert out["raw"].content.startswith('{"name": "Ann') and out["raw"].content != '{"name": "Ann"}'
+    # JSON mode leaves the prompt to the caller: the schema is not put in it.
+    prompt = chat_prompt(engine, [{"role": "system", "content": JSON_OBJECT_INSTRUCTION},
+                                  {"role": "user", "content": "Who is Ann?"}])
+    assert out["raw"].usage_metadata["input_tokens"] == len(engine.encode(prompt))
+    free = chat.with_structured_output(None, method="json_mode").invoke("Who is Ann?")
+    assert free == {"name": "Ann"}  # no schema: any JSON object

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import re
 
+import pytest
 from fakes import TIME, WEATHER
 from mlx_parallm_provider.chat.constraints import closed_objects, response_format_constraint, tool_call_constraint
 from mlx_parallm_provider.chat.tool_formats import HERMES_FORMAT
+from mlx_parallm_provider.errors import InvalidParameterError
 
 
 def test_closed_objects_closes_every_object_that_does_not_say() -> None:
@@ -65,3 +67,24 @@ def test_json_is_spaced_as_json_dumps_writes_it(tiny_model) -> None:
     assert _accepts(Constraint.json_object(), tok, '{"a": [1, 2], "b": {"c": null}}')
     forced = tool_call_constraint([WEATHER], forced=True, tool_format=HERMES_FORMAT, parallel=False)
     assert _accepts(forced, tok, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>')
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+          "required": ["name", "age"]}
+
+
+def test_json_object_with_a_schema_is_held_to_the_schema(tiny_model) -> None:
+    # LangChain's json_mode with a schema sends this (Fireworks' and Together's form).
+    constraint = response_format_constraint({"type": "json_object", "schema": PERSON})
+    tok = tiny_model.tokenizer
+    assert constraint.kind == "json_schema"
+    assert _accepts(constraint, tok, '{"name": "Ann", "age": 7}')
+    assert not _accepts(constraint, tok, '{"name": "Ann"}')  # a required key missing
+    assert not _accepts(constraint, tok, '{"name": "Ann", "age": 7, "x": 1}')  # closed, as json_schema is
+    assert _accepts(response_format_constraint({"type": "json_object"}), tok, '{"name": "Ann"}')
+
+
+def test_json_object_with_a_bad_schema_names_the_field() -> None:
+    with pytest.raises(InvalidParameterError) as info:
+        response_format_constraint({"type": "json_object", "schema": {"type": "no-such-type"}})
+    assert info.value.field == "response_format.schema"

@@ -40,6 +40,7 @@ TEXT = "Let me check.\n" + CALL + '\n<tool_call>{"name": "get_time", "arguments"
         (HI, {"tools": "abc"}, "tools"),
         (HI, {"tools": {"type": "function"}}, "tools"),
         (HI, {"response_format": {"type": "yaml"}}, "response_format"),
+        (HI, {"response_format": {"type": "json_object", "schema": "{}"}}, "response_format.schema"),
         (HI, {"tools": [WEATHER], "parallel_tool_calls": "no"}, "parallel_tool_calls"),
     ],
 )

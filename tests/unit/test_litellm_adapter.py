@@ -495,6 +495,14 @@ def test_json_response_formats_are_prompted(engine: FakeEngine) -> None:
         litellm.completion(model=MODEL, messages=HI, response_format={"type": "xml"})
 
 
+def test_json_object_with_a_schema_is_prompted_as_json_mode_and_held_to_the_schema(engine: FakeEngine) -> None:
+    schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+    litellm.completion(model=MODEL, messages=HI, response_format={"type": "json_object", "schema": schema})
+    assert JSON_OBJECT_INSTRUCTION in engine.last.prompt and json.dumps(schema) not in engine.last.prompt
+    assert engine.last.params.constraint.kind == "json_schema"
+    assert json.loads(engine.last.params.constraint.value)["required"] == ["name"]
+
+
 # --------------------------------------------------------------------------- other entry points
 
 

@@ -199,7 +199,8 @@ class ChatMLXParallm(EngineFields, BatchesFromOneThread, BaseChatModel):
 
         ``method``: ``"function_calling"`` (a forced call of a tool named after the schema),
         ``"json_schema"`` (the schema in the system prompt, the answer parsed as JSON) or
-        ``"json_mode"`` (any JSON object; ``schema`` only parses it). Output that does not
+        ``"json_mode"`` (JSON output, the prompt left to the caller; with a ``schema``
+        decoding is held to it, else to any JSON object). Output that does not
         parse raises LangChain's ``OutputParserException``, or with ``include_raw=True``
         gives ``{"raw", "parsed": None, "parsing_error"}``.
         """
@@ -249,7 +250,8 @@ def _openai_tools(tools: Any, strict: Optional[bool] = None) -> Optional[list[di
 
 def _response_format(schema: Any, method: str, strict: Optional[bool]) -> dict[str, Any]:
     if method == "json_mode":
-        return {"type": "json_object"}
+        # The parser accepts only the schema, so decoding is held to it as well.
+        return {"type": "json_object"} if schema is None else {"type": "json_object", "schema": convert_to_json_schema(schema)}
     json_schema = convert_to_json_schema(schema)
     name = json_schema.get("title") or "answer"
     return {"type": "json_schema", "json_schema": {"name": name, "schema": json_schema, "strict": strict}}
