@@ -7,10 +7,11 @@ Run all of it with::
 
     MLX_PARALLM_LANGCHAIN_SUITE=all .venv/bin/python -m pytest -m slow tests/slow/test_langchain_integration_default.py
 
-The capability flags are set to what the adapter really does. Known failures on this
-135M model, left failing rather than hidden: ``test_agent_loop`` (run twice, output
-versions v0 and v1; ``tool_choice`` auto: the model answers in prose instead of calling the
-tool). Measured 2026-12-01 (greedy, ``repetition_penalty=1.1``, 12 questions a
+The capability flags are set to what the adapter really does. Known failure on this 135M
+model: ``test_agent_loop`` (run twice, output versions v0 and v1; ``tool_choice`` auto: the
+model answers in prose instead of calling the tool), marked ``xfail(strict=True)`` as the
+suite's own docstring advises for a model that does not call tools reliably; strict, so the
+day it passes the run fails and the mark must go. Measured 2026-12-01 (greedy, ``repetition_penalty=1.1``, 12 questions a
 bound tool answers, 12 it does not): the model opens ``<tool_call>`` first with probability
 about 0.5-1% (0.8% for this test's question) and called a tool in 0 of 12, and no honest
 rewording of the tool prompt (an instruction to call, SmolLM2's own function-calling prompt,
@@ -74,6 +75,14 @@ class TestChatMLXParallmIntegration(ChatModelIntegrationTests):
     @property
     def has_tool_calling(self) -> bool:
         return True
+
+    @pytest.mark.parametrize("model", [{}, {"output_version": "v1"}], indirect=True)  # as the suite's
+    @pytest.mark.xfail(strict=True, reason=(
+        "SmolLM2-135M does not call a tool under tool_choice auto: 0 of 12 warranted questions, "
+        "P(<tool_call> first) ~0.8% here; auto is left to the model, not forced (see module docstring)"
+    ))
+    def test_agent_loop(self, model: Any) -> None:
+        super().test_agent_loop(model)
 
     @property
     def has_tool_choice(self) -> bool:
