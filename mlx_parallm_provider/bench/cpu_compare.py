@@ -1,13 +1,13 @@
 """The CPU targets, measured: this package's engine against llama.cpp (same GGUF) and against
-``mlx_lm.stream_generate`` (same weights), one process per system, same prompts (the chat
+``mlx_lm.stream_generate`` (same weights), a process per system and level, same prompts (the chat
 workload), 64 new tokens each (EOS ignored), plus the decode-step cost at batch 64 with 512
 tokens of context against 128.
 
     python -m mlx_parallm_provider.bench.cpu_compare [--concurrency 1 32 64] [--output-dir DIR]
 
-Each system runs as ``mlx-parallm bench --systems <one>`` in a child process; the figures are
-that command's aggregate output tok/s (``results.json`` of each system is kept under
-``--output-dir``). Targets: at 64 concurrent >= 1.2x llama.cpp, at 32 >= 1.0x; one stream
+Each system runs as ``mlx-parallm bench --systems <one>`` in a child process per concurrency
+level (one stream: 4 prompts in turn); the figures are that command's aggregate output tok/s
+(``results.json`` of each is kept under ``--output-dir``). Targets: at 64 concurrent >= 1.2x llama.cpp, at 32 >= 1.0x; one stream
 >= 2x ``stream_generate``; step at 512 tokens of context <= 2x the step at 128.
 """
 
@@ -21,32 +21,47 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 TARGETS = {("llama-cpp", 64): 1.2, ("llama-cpp", 32): 1.0, ("mlx-lm", 1): 2.0}
 STEP_TARGET = 2.0
 
 
-def run_system(name: str, levels: Sequence[int], max_tokens: int, out_dir: Path) -> dict[int, float]:
-    """Aggregate output tok/s of system ``name`` at each concurrency level, from its own
-    process ("engine-before": the engine on MLX's own ops, ``MLX_PARALLM_CPU_OPS=0`` and no
-    packed small-step kernel)."""
+ONE_STREAM_PROMPTS = 4
+"""Prompts served one after another at concurrency 1 (one 64-token answer is too short a sample)."""
+
+
+def _bench(name: str, system: str, level: int, max_tokens: int, out_dir: Path, env: dict[str, str],
+           llama_cpp_threads: Optional[int]) -> Optional[dict[str, Any]]:
+    """One ``mlx-parallm bench`` child at one concurrency level; its row of results.json."""
+    folder = out_dir / name / f"c{level}"
+    cmd = [sys.executable, "-m", "mlx_parallm_provider.cli", "bench", "--systems", system, "--workload", "chat",
+           "--max-tokens", str(max_tokens), "--ignore-eos", "--concurrency", str(level),
+           "--num-prompts", str(max(level, ONE_STREAM_PROMPTS)), "--output-dir", str(folder), "--no-progress"]
+    if system == "llama-cpp" and llama_cpp_threads:
+        cmd += ["--llama-cpp-threads", str(llama_cpp_threads)]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    results = folder / "results.json"
+    if out.returncode != 0 or not results.exists():
+        print(f"{name} at {level}: failed or skipped\n{out.stderr[-2000:]}", file=sys.stderr)
+        return None
+    return next((r for r in json.loads(results.read_text())["rows"] if r["system"] == system), None)
+
+
+def run_system(name: str, levels: Sequence[int], max_tokens: int, out_dir: Path, llama_cpp_threads: Optional[int] = None) -> dict[int, float]:
+    """Aggregate output tok/s of system ``name`` at each concurrency level, each level in a
+    process of its own ("engine-before": the engine on MLX's own ops, ``MLX_PARALLM_CPU_OPS=0``
+    and no packed small-step kernel). At level 1, :data:`ONE_STREAM_PROMPTS` prompts in turn."""
     system = "engine" if name == "engine-before" else name
     env = dict(os.environ, LITELLM_LOCAL_MODEL_COST_MAP="True", **({"MLX_PARALLM_CPU_OPS": "0", "MLX_PARALLM_SMALL_BATCH_ROWS": "0"} if name == "engine-before" else {}))
-    cmd = [sys.executable, "-m", "mlx_parallm_provider.cli", "bench", "--systems", system, "--workload", "chat",
-           "--max-tokens", str(max_tokens), "--ignore-eos", "--concurrency", ",".join(map(str, levels)),
-           "--output-dir", str(out_dir / name), "--no-progress"]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    rows = [row for level in levels if (row := _bench(name, system, level, max_tokens, out_dir, env, llama_cpp_threads))]
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu_s = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
-    results = out_dir / name / "results.json"
-    if out.returncode != 0 or not results.exists():
-        print(f"{name}: failed or skipped\n{out.stderr[-2000:]}", file=sys.stderr)
+    if not rows:
         return {}
-    rows = [r for r in json.loads(results.read_text())["rows"] if r["system"] == system]
     tokens = sum(r["metrics"]["total_output_tokens"] for r in rows)
-    print(f"{name}: {tokens} tokens for {cpu_s:.1f} CPU-seconds of its process (load, warm-up and all levels): "
+    print(f"{name}: {tokens} tokens for {cpu_s:.1f} CPU-seconds of its processes (load, warm-up and all levels): "
           f"{tokens / cpu_s if cpu_s else float('nan'):.1f} tokens per CPU-second", file=sys.stderr)
     return {r["concurrency"]: r["metrics"]["output_throughput"] for r in rows}
 
@@ -105,11 +120,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="engine, engine-before (MLX's own CPU ops), llama-cpp, mlx-lm")
     parser.add_argument("--output-dir", type=Path, default=Path("bench-results") / f"cpu-compare-{time.strftime('%Y%m%d-%H%M%S')}")
     parser.add_argument("--no-step", action="store_true", help="skip the decode-step ratio")
+    parser.add_argument("--llama-cpp-threads", type=int, default=os.cpu_count() or 1,
+                        help="llama.cpp's threads (default: all CPUs, its fastest at high concurrency here)")
     args = parser.parse_args(argv)
     results = {}
     for system in args.systems:
         levels = [1] if system == "mlx-lm" else args.concurrency  # stream_generate serves one at a time
-        results[system] = run_system(system, levels, args.max_tokens, args.output_dir)
+        results[system] = run_system(system, levels, args.max_tokens, args.output_dir, args.llama_cpp_threads)
     steps = None if args.no_step else step_ratio()
     text = report(results, steps)
     print(text)

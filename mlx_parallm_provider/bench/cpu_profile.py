@@ -1,6 +1,8 @@
 """Per-op profile of one decode step on the CPU: where the time of a step goes, by op family,
-at several batch sizes and context lengths, with :mod:`~mlx_parallm_provider.models.cpu_ops`
-off ("before", MLX's own ops) and on ("after"), interleaved in one process.
+at several batch sizes and context lengths, with the CPU work off ("before", MLX's own ops)
+and on ("after": :mod:`~mlx_parallm_provider.models.cpu_ops` and, for steps of a few rows,
+:mod:`~mlx_parallm_provider.models.small_batch`'s packed-weight kernel), interleaved in one
+process.
 
 Each op family is timed alone at the step's real shapes, for every layer, as one evaluated
 graph (the best of ``--repeats``). Times are the process's CPU time with one OpenBLAS
@@ -29,6 +31,14 @@ FAMILIES = ("attention", "kv cache update", "q/k/v/o matmuls", "MLP matmuls", "e
 
 
 _clock = time.process_time
+
+
+def _optimised(on: Optional[bool]) -> None:
+    """The CPU work on (True), off (False: MLX's own ops, float32 GEMMs) or back to default."""
+    from ..models import attention, small_batch
+
+    attention.set_cpu_ops(on)
+    small_batch.set_max_rows(None if on is None or on else 0)
 
 
 def _best(fn: Callable[[], Any], repeats: int) -> float:
@@ -129,8 +139,8 @@ def _full_step(model: Any, cache: list[Any], batch: int) -> Callable[[], Any]:
 
 
 def profile(model_name: str, batches: Sequence[int], contexts: Sequence[int], repeats: int) -> list[dict[str, Any]]:
-    """Rows of ``{batch, context, op, before_ms, after_ms}``, cpu_ops off and on interleaved."""
-    from ..models import attention, registry
+    """Rows of ``{batch, context, op, before_ms, after_ms}``, the CPU work off and on interleaved."""
+    from ..models import registry
 
     model = registry.load(model_name).model
     rows = []
@@ -140,12 +150,12 @@ def profile(model_name: str, batches: Sequence[int], contexts: Sequence[int], re
             timings: dict[str, dict[bool, float]] = {}
             for _ in range(2):  # two rounds, each off then on: noise hits both columns alike
                 for on in (False, True):
-                    attention.set_cpu_ops(on)
+                    _optimised(on)
                     named = {**_families(model, cache, batch), "full step": _full_step(model, cache, batch)}
                     for name, fn in named.items():
                         t = _best(fn, repeats)
                         timings.setdefault(name, {})[on] = min(t, timings.get(name, {}).get(on, float("inf")))
-            attention.set_cpu_ops(None)
+            _optimised(None)
             for on in (False, True):
                 parts = sum(timings[f][on] for f in FAMILIES)
                 timings.setdefault("other (dispatch, glue)", {})[on] = timings["full step"][on] - parts
@@ -155,11 +165,11 @@ def profile(model_name: str, batches: Sequence[int], contexts: Sequence[int], re
 
 
 def prefill(model_name: str, prompt_len: int, repeats: int) -> dict[bool, float]:
-    """Prefill tok/s of one ``prompt_len``-token prompt into a fresh cache, cpu_ops off / on."""
+    """Prefill tok/s of one ``prompt_len``-token prompt into a fresh cache, CPU work off / on."""
     import mlx.core as mx
 
     from ..engine.prefill import new_batch_cache
-    from ..models import attention, registry
+    from ..models import registry
 
     model = registry.load(model_name).model
     tokens = mx.random.randint(0, 1000, (1, prompt_len), key=mx.random.key(7))
@@ -171,9 +181,9 @@ def prefill(model_name: str, prompt_len: int, repeats: int) -> dict[bool, float]
     best = {}
     for _ in range(2):
         for on in (False, True):
-            attention.set_cpu_ops(on)
+            _optimised(on)
             best[on] = min(best.get(on, float("inf")), _best(run, max(1, repeats // 2)))
-    attention.set_cpu_ops(None)
+    _optimised(None)
     return {on: prompt_len / (ms / 1000) for on, ms in best.items()}
 
 

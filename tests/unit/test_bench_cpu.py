@@ -32,3 +32,31 @@ def test_profile_report_has_every_row_with_its_speed_up():
         assert f"| {op} | 10.00 | 5.00 | 2.00x |" in text
     assert "| other (dispatch, glue) | -1.00 | 2.00 |  |" in text
     assert "| worker bookkeeping (engine run, after) | | 0.90 | |" in text
+
+
+def test_compare_runs_each_level_in_its_own_process(tmp_path, monkeypatch):
+    import json
+    import subprocess
+
+    calls = []
+
+    def fake_run(cmd, **kwargs):
+        calls.append(cmd)
+        level = int(cmd[cmd.index("--concurrency") + 1])
+        folder = cmd[cmd.index("--output-dir") + 1]
+        system = cmd[cmd.index("--systems") + 1]
+        metrics = {"total_output_tokens": 64 * level, "output_throughput": 10.0 * level}
+        (tmp_path / folder).mkdir(parents=True, exist_ok=True)
+        (tmp_path / folder / "results.json").write_text(json.dumps({"rows": [{"system": system, "concurrency": level, "metrics": metrics}]}))
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(cpu_compare.subprocess, "run", fake_run)
+    got = cpu_compare.run_system("llama-cpp", [1, 32], 64, tmp_path / "out", llama_cpp_threads=2)
+    assert got == {1: 10.0, 32: 320.0}
+    assert [c[c.index("--num-prompts") + 1] for c in calls] == [str(cpu_compare.ONE_STREAM_PROMPTS), "32"]
+    assert all(c[c.index("--llama-cpp-threads") + 1] == "2" for c in calls)
+    env_calls = []
+    monkeypatch.setattr(cpu_compare.subprocess, "run", lambda cmd, **kw: env_calls.append(kw["env"]) or fake_run(cmd))
+    cpu_compare.run_system("engine-before", [4], 64, tmp_path / "out2")
+    assert env_calls[0]["MLX_PARALLM_CPU_OPS"] == "0" and env_calls[0]["MLX_PARALLM_SMALL_BATCH_ROWS"] == "0"
