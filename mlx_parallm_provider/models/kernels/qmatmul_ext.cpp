@@ -77,6 +77,12 @@ class QMatmul : public mx::Primitive {
 
   const char* name() const override { return "QMatmul"; }
 
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    auto shape = inputs[0].shape();
+    shape.back() = inputs[1].shape(0);
+    return {shape};
+  }
+
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const QMatmul&>(other);
     return bits_ == o.bits_ && group_ == o.group_ && threads_ == o.threads_;
