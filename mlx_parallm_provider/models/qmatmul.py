@@ -49,13 +49,19 @@ def _native_flags(compiler: str) -> list[str]:
     return ["-march=native"] if probe.returncode == 0 else []
 
 
-def _cache_dir() -> Path:
+def c_flags(compiler: str) -> list[str]:
+    """The flags the kernel is compiled with (also by :mod:`.qmatmul_ext`)."""
+    return _FLAGS + _native_flags(compiler)
+
+
+def cache_dir() -> Path:
+    """Where built kernels are cached: ``$MLX_PARALLM_HOME/kernels``."""
     from .registry import cache_home
 
     return cache_home() / "kernels"
 
 
-def _cpu_signature() -> str:
+def cpu_signature() -> str:
     """What a ``-march=native`` build depends on: the CPU's model and feature flags."""
     try:
         text = Path("/proc/cpuinfo").read_text()
@@ -73,13 +79,13 @@ def build(compiler: Optional[str] = None) -> Optional[Path]:
         logger.info("no C compiler (%s) found: small-batch matmuls keep MLX's ops", compiler)
         return None
     try:
-        flags = _FLAGS + _native_flags(compiler)
+        flags = c_flags(compiler)
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     except OSError as exc:
         logger.info("C compiler %s unusable (%s): small-batch matmuls keep MLX's ops", compiler, exc)
         return None
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(flags), version, platform.machine(), _cpu_signature()]).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"qmatmul-{key}.so"
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(flags), version, platform.machine(), cpu_signature()]).encode()).hexdigest()[:16]
+    target = cache_dir() / f"qmatmul-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

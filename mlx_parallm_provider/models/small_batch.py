@@ -6,7 +6,9 @@ prefill then run as float32 GEMMs over OpenBLAS, far faster than MLX's CPU
 memory traffic instead, and float32 reads 8x the bytes of 4-bit weights. :func:`dequantize`
 keeps each quantized layer's packed weights next to its float32 copy, and its layers send
 inputs of at most :func:`max_rows` rows to :mod:`.qmatmul`'s C kernel over the packed
-weights, larger ones to the GEMM.
+weights, larger ones to the GEMM. The kernel runs as an MLX primitive (:mod:`.qmatmul_ext`,
+in the step's lazy graph) where that extension builds, else through ctypes (each call then
+evaluates its input first).
 
 Both paths multiply by the same weights: the float32 copy is dequantized in float32 (scale
 and bias cast up first), which is what the kernel computes, so they differ only in the order
@@ -21,15 +23,16 @@ import ctypes
 import logging
 import os
 import threading
-from dataclasses import dataclass
-from typing import Any, Optional
+from dataclasses import dataclass, replace
+from types import ModuleType
+from typing import Any, Optional, Union
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_unflatten
 
-from . import qmatmul
+from . import qmatmul, qmatmul_ext
 
 logger = logging.getLogger(__name__)
 
@@ -61,13 +64,23 @@ def _threads() -> int:
     return max(int(value), 1) if value.isdigit() else 1
 
 
+Kernel = Union[ctypes.CDLL, ModuleType]
+"""The ctypes kernel (:func:`.qmatmul.load`) or the MLX extension (:func:`.qmatmul_ext.load`)."""
+
+
+def load_kernel() -> Optional[Kernel]:
+    """The MLX extension where it builds, else the ctypes kernel, else None (no compiler)."""
+    return qmatmul_ext.load() or qmatmul.load()
+
+
 @dataclass(frozen=True)
 class PackedWeight:
-    """An affine-quantized (N, K) weight as numpy arrays the kernel reads."""
+    """An affine-quantized (N, K) weight as the kernel reads it: numpy arrays for the ctypes
+    kernel, ``mx.array`` for the extension (:meth:`for_kernel`)."""
 
-    packed: np.ndarray  # (N, K * bits / 8) uint8
-    scales: np.ndarray  # (N, K / group_size) float32
-    biases: np.ndarray  # (N, K / group_size) float32
+    packed: Any  # (N, K * bits / 8) uint8
+    scales: Any  # (N, K / group_size) float32
+    biases: Any  # (N, K / group_size) float32
     bits: int
     group_size: int
 
@@ -88,10 +101,21 @@ class PackedWeight:
             group_size=module.group_size,
         )
 
-    def matmul(self, lib: ctypes.CDLL, x: mx.array) -> mx.array:
+    def for_kernel(self, kernel: Kernel) -> "PackedWeight":
+        """This weight with its arrays as ``kernel`` takes them (``mx.array`` for the extension)."""
+        if isinstance(kernel, ctypes.CDLL) or isinstance(self.packed, mx.array):
+            return self
+        arrays = [mx.array(a) for a in (self.packed, self.scales, self.biases)]
+        mx.eval(arrays)
+        return replace(self, packed=arrays[0], scales=arrays[1], biases=arrays[2])
+
+    def matmul(self, kernel: Kernel, x: mx.array) -> mx.array:
         """``x @ W.T`` through the kernel; ``x`` (..., K) with at most :data:`.qmatmul.MAX_ROWS` rows."""
+        if not isinstance(kernel, ctypes.CDLL):  # the extension: lazy, in the step's graph
+            w = self.for_kernel(kernel)
+            return kernel.qmatmul(x, w.packed, w.scales, w.biases, self.bits, self.group_size, _threads())
         rows = np.asarray(x.astype(mx.float32)).reshape(-1, x.shape[-1])
-        out = qmatmul.qmatmul(lib, rows, self.packed, self.scales, self.biases, self.bits, self.group_size, _threads())
+        out = qmatmul.qmatmul(kernel, rows, self.packed, self.scales, self.biases, self.bits, self.group_size, _threads())
         return mx.array(out).reshape(*x.shape[:-1], out.shape[-1])
 
 
@@ -106,18 +130,19 @@ SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 class SharedInput:
     """Packed weights of layers that take the same input (a block's q/k/v projections, an
     MLP's gate and up), concatenated: the first of them to see an input computes every
-    output in one kernel call, the others slice it. Each call costs a synchronisation of
-    MLX's lazy graph (~60 us on the CPU), more than the matmul itself for small layers.
+    output in one kernel call, the others slice it. Through ctypes each call costs a
+    synchronisation of MLX's lazy graph (~60 us on the CPU), more than the matmul itself for
+    small layers.
     The last input and output are kept per thread (engines may share a model)."""
 
-    def __init__(self, packed: PackedWeight, lib: ctypes.CDLL) -> None:
-        self.packed, self.lib = packed, lib
+    def __init__(self, packed: PackedWeight, kernel: Kernel) -> None:
+        self.packed, self.kernel = packed.for_kernel(kernel), kernel
         self._last = threading.local()
 
     def output(self, x: mx.array) -> mx.array:
         last = self._last
         if getattr(last, "input", None) is not x:
-            last.output = self.packed.matmul(self.lib, x)
+            last.output = self.packed.matmul(self.kernel, x)
             last.input = x  # kept alive, so identity cannot be reused by a new array
         return last.output
 
@@ -147,15 +172,15 @@ class SmallBatchEmbedding(nn.Embedding):
     """``nn.Embedding`` whose ``as_linear`` (a tied output head) multiplies small inputs by
     the packed copy."""
 
-    def __init__(self, weight: mx.array, packed: PackedWeight, lib: ctypes.CDLL) -> None:
+    def __init__(self, weight: mx.array, packed: PackedWeight, kernel: Kernel) -> None:
         super().__init__(weight.shape[0], weight.shape[1])
         self.weight = weight
-        self._packed, self._lib = packed, lib
+        self._packed, self._kernel = packed.for_kernel(kernel), kernel
 
     def as_linear(self, x: mx.array) -> mx.array:
         if _rows(x) > max_rows():
             return super().as_linear(x)
-        return self._packed.matmul(self._lib, x)
+        return self._packed.matmul(self._kernel, x)
 
 
 def _float32_weight(module: Any) -> mx.array:
@@ -179,7 +204,7 @@ def _concatenated(parts: list[PackedWeight]) -> Optional[PackedWeight]:
     )
 
 
-def _sources(packed: dict[str, PackedWeight], lib: ctypes.CDLL) -> dict[str, tuple[SharedInput, tuple[int, int]]]:
+def _sources(packed: dict[str, PackedWeight], kernel: Kernel) -> dict[str, tuple[SharedInput, tuple[int, int]]]:
     """Each layer's :class:`SharedInput` and its columns there: siblings (:data:`SIBLINGS`)
     share one where their formats match, other layers get their own."""
     sources: dict[str, tuple[SharedInput, tuple[int, int]]] = {}
@@ -190,13 +215,13 @@ def _sources(packed: dict[str, PackedWeight], lib: ctypes.CDLL) -> dict[str, tup
         if names and all(n in packed for n in names) and name not in sources:
             joined = _concatenated([packed[n] for n in names])
             if joined is not None:
-                shared, start = SharedInput(joined, lib), 0
+                shared, start = SharedInput(joined, kernel), 0
                 for n in names:
                     stop = start + packed[n].packed.shape[0]
                     sources[n] = (shared, (start, stop))
                     start = stop
         if name not in sources:
-            sources[name] = (SharedInput(packed[name], lib), (0, packed[name].packed.shape[0]))
+            sources[name] = (SharedInput(packed[name], kernel), (0, packed[name].packed.shape[0]))
     return sources
 
 
@@ -205,12 +230,12 @@ def dequantize(model: nn.Module) -> int:
     :class:`SmallBatchLinear` / :class:`SmallBatchEmbedding`; returns how many. Returns 0 and
     changes nothing when the kernel cannot be built (no C compiler); layers it does not read
     are left for mlx-lm's ``dequantize_model``."""
-    lib = qmatmul.load()
-    if lib is None:
+    kernel = load_kernel()
+    if kernel is None:
         return 0
     modules = {name: m for name, m in model.named_modules() if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))}
     packed = {name: p for name, m in modules.items() if (p := PackedWeight.from_module(m)) is not None}
-    sources = _sources({n: p for n, p in packed.items() if isinstance(modules[n], nn.QuantizedLinear)}, lib)
+    sources = _sources({n: p for n, p in packed.items() if isinstance(modules[n], nn.QuantizedLinear)}, kernel)
     replaced = []
     for name, weights in packed.items():
         module = modules[name]
@@ -219,8 +244,9 @@ def dequantize(model: nn.Module) -> int:
             bias = module.bias if "bias" in module else None
             replaced.append((name, SmallBatchLinear(weight, bias, *sources[name])))
         else:
-            replaced.append((name, SmallBatchEmbedding(weight, weights, lib)))
+            replaced.append((name, SmallBatchEmbedding(weight, weights, kernel)))
     if replaced:
         model.update_modules(tree_unflatten(replaced))
-        logger.info("%d quantized layers keep packed weights for steps of <= %d rows", len(replaced), max_rows())
+        how = "ctypes" if isinstance(kernel, ctypes.CDLL) else "MLX extension"
+        logger.info("%d quantized layers keep packed weights for steps of <= %d rows (%s kernel)", len(replaced), max_rows(), how)
     return len(replaced)

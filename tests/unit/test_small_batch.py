@@ -1,23 +1,49 @@
-"""The packed-weight kernel for steps of a few rows (models/qmatmul.py, models/small_batch.py)."""
+"""The packed-weight kernel for steps of a few rows (models/qmatmul.py, models/qmatmul_ext.py,
+models/small_batch.py): through ctypes and as an MLX primitive."""
 
 from __future__ import annotations
 
+import ctypes
 from pathlib import Path
+from types import SimpleNamespace
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
 
-from mlx_parallm_provider.models import backend, qmatmul, small_batch
+from mlx_parallm_provider.models import backend, qmatmul, qmatmul_ext, small_batch
 
 
-@pytest.fixture
-def kernel():
+def _ctypes_kernel():
     lib = qmatmul.load()
     if lib is None:  # the fallback has its own test below
         pytest.skip("no C compiler on this machine")
     return lib
+
+
+def _extension():
+    ext = qmatmul_ext.load()
+    if ext is None:
+        pytest.skip("the MLX extension does not build here (no C++ compiler or nanobind)")
+    return ext
+
+
+@pytest.fixture(params=["ctypes", "extension"])
+def kernel(request):
+    return _ctypes_kernel() if request.param == "ctypes" else _extension()
+
+
+def _counting(kernel, calls: list[int], monkeypatch: pytest.MonkeyPatch):
+    """``kernel`` as the model's layers will get it, recording the rows of each call."""
+    if isinstance(kernel, ctypes.CDLL):
+        real = qmatmul.qmatmul
+        monkeypatch.setattr(qmatmul, "qmatmul", lambda *a, **k: calls.append(a[1].shape[0]) or real(*a, **k))
+        counted = kernel
+    else:
+        counted = SimpleNamespace(qmatmul=lambda x, *a: calls.append(x.size // x.shape[-1]) or kernel.qmatmul(x, *a))
+    monkeypatch.setattr(small_batch, "load_kernel", lambda: counted)
+    return counted
 
 
 @pytest.fixture(autouse=True)
@@ -36,10 +62,10 @@ def _quantized(shape: tuple[int, int], bits: int, group: int, seed: int = 0):
 
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("group", [32, 64, 128])
-@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("rows", range(1, 9))
 def test_kernel_equals_mlx_on_the_float32_dequantized_weight(kernel, bits: int, group: int, rows: int) -> None:
     module = _quantized((97, 384), bits, group)
-    packed = small_batch.PackedWeight.from_module(module)
+    packed = small_batch.PackedWeight.from_module(module).for_kernel(kernel)
     x = mx.random.normal((rows, 384), key=mx.random.key(1))
     expected = x @ small_batch._float32_weight(module).T
     got = packed.matmul(kernel, x)
@@ -47,9 +73,31 @@ def test_kernel_equals_mlx_on_the_float32_dequantized_weight(kernel, bits: int, 
     assert np.allclose(np.asarray(got), np.asarray(expected), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_extension_equals_the_ctypes_kernel(bits: int, group: int) -> None:
+    lib, ext = _ctypes_kernel(), _extension()
+    packed = small_batch.PackedWeight.from_module(_quantized((130, 256), bits, group))
+    on_mlx = packed.for_kernel(ext)
+    assert isinstance(on_mlx.packed, mx.array) and on_mlx.packed.dtype == mx.uint8
+    for rows in range(1, 9):
+        x = mx.random.normal((rows, 256), key=mx.random.key(rows))
+        assert np.array_equal(np.asarray(on_mlx.matmul(ext, x)), np.asarray(packed.matmul(lib, x)))
+
+
+def test_extension_reads_strided_lazy_inputs() -> None:
+    ext = _extension()
+    module = _quantized((40, 128), 4, 32)
+    packed = small_batch.PackedWeight.from_module(module).for_kernel(ext)
+    x = mx.random.normal((128, 3), key=mx.random.key(2)).T  # column-major rows
+    y = packed.matmul(ext, x[None] * 2.0)  # lazy input, batch axis kept
+    assert y.shape == (1, 3, 40) and y.dtype == mx.float32
+    expected = (x * 2.0) @ small_batch._float32_weight(module).T
+    assert np.allclose(np.asarray(y[0]), np.asarray(expected), rtol=1e-5, atol=1e-4)
+
 def test_kernel_rejects_what_it_cannot_read(kernel) -> None:
     assert small_batch.PackedWeight.from_module(_quantized((8, 64), bits=2, group=32)) is None
-    packed = small_batch.PackedWeight.from_module(_quantized((8, 64), bits=4, group=32))
+    packed = small_batch.PackedWeight.from_module(_quantized((8, 64), bits=4, group=32)).for_kernel(kernel)
     with pytest.raises(ValueError, match="unsupported"):
         packed.matmul(kernel, mx.zeros((qmatmul.MAX_ROWS + 1, 64)))
 
@@ -64,15 +112,15 @@ def _quantized_tiny(tiny_model_dir: Path, bits: int = 4):
 
 
 def test_prepare_model_keeps_packed_weights_and_small_steps_use_them(kernel, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    counted = _counting(kernel, calls, monkeypatch)
     model = _quantized_tiny(tiny_model_dir)
     backend.prepare_model(model, dequantize=True)
     kinds = {type(m) for _, m in model.named_modules()}
     assert small_batch.SmallBatchLinear in kinds and small_batch.SmallBatchEmbedding in kinds
     assert not any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for _, m in model.named_modules())
+    assert model.model.layers[0].self_attn.q_proj._source.kernel is counted
 
-    calls = []
-    real = qmatmul.qmatmul
-    monkeypatch.setattr(qmatmul, "qmatmul", lambda *a, **k: calls.append(a[1].shape[0]) or real(*a, **k))
     tokens = mx.array([[5], [6]])
     small = model(tokens)  # 2 rows: the kernel
     assert calls and set(calls) == {2}
@@ -83,11 +131,52 @@ def test_prepare_model_keeps_packed_weights_and_small_steps_use_them(kernel, tin
     assert np.allclose(np.asarray(small), np.asarray(large), rtol=1e-4, atol=1e-4)
 
 
+def test_the_model_takes_the_extension_where_it_builds(tiny_model_dir: Path) -> None:
+    ext = _extension()
+    assert small_batch.load_kernel() is ext
+    model = _quantized_tiny(tiny_model_dir)
+    backend.prepare_model(model, dequantize=True)
+    source = model.model.layers[0].mlp.gate_proj._source
+    assert source.kernel is ext and isinstance(source.packed.packed, mx.array)
+
+
+def test_without_a_cxx_compiler_the_model_takes_the_ctypes_kernel(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    lib = _ctypes_kernel()
+    monkeypatch.setenv("CXX", "no-such-compiler-here")
+    qmatmul_ext.reset()
+    try:
+        assert qmatmul_ext.build() is None and qmatmul_ext.load() is None
+        assert small_batch.load_kernel() is lib
+        model = _quantized_tiny(tiny_model_dir)
+        tokens = mx.array([[5], [6]])
+        quantized = model(tokens)
+        backend.prepare_model(model, dequantize=True)
+        source = model.model.layers[0].self_attn.k_proj._source
+        assert source.kernel is lib and isinstance(source.packed.packed, np.ndarray)
+        assert mx.allclose(model(tokens), quantized, atol=1e-2, rtol=1e-2)
+    finally:
+        qmatmul_ext.reset()
+
+
+def test_a_failing_extension_build_falls_back(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    _ctypes_kernel()
+    monkeypatch.setenv("MLX_PARALLM_HOME", str(tmp_path))
+    monkeypatch.setattr(qmatmul_ext, "_CXX_FLAGS", [*qmatmul_ext._CXX_FLAGS, "-include", "no/such/header.h"])
+    qmatmul_ext.reset()
+    try:
+        assert qmatmul_ext.load() is None
+        assert isinstance(small_batch.load_kernel(), ctypes.CDLL)
+        assert not list((tmp_path / "kernels").glob("qmatmul_ext-*"))
+    finally:
+        qmatmul_ext.reset()
+
+
 def test_without_a_compiler_the_model_keeps_mlx_ops(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CC", "no-such-compiler-here")
     qmatmul.reset()
+    qmatmul_ext.reset()
     try:
-        assert qmatmul.build() is None and qmatmul.load() is None
+        assert qmatmul.build() is None and qmatmul.load() is None and qmatmul_ext.load() is None
         model = _quantized_tiny(tiny_model_dir)
         tokens = mx.array([[5, 6, 7]])
         quantized = model(tokens)
@@ -97,20 +186,26 @@ def test_without_a_compiler_the_model_keeps_mlx_ops(tiny_model_dir: Path, monkey
         assert mx.allclose(model(tokens), quantized, atol=1e-2, rtol=1e-2)
     finally:
         qmatmul.reset()
+        qmatmul_ext.reset()
 
 
-def test_build_is_cached_per_source_and_machine(kernel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("module", [qmatmul, qmatmul_ext])
+def test_build_is_cached_per_source_and_machine(module, kernel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MLX_PARALLM_HOME", str(tmp_path))
-    first = qmatmul.build()
+    first = module.build()
+    if first is None:
+        pytest.skip(f"{module.__name__} does not build here")
     assert first is not None and first.parent == tmp_path / "kernels"
     stamp = first.stat().st_mtime_ns
-    assert qmatmul.build() == first and first.stat().st_mtime_ns == stamp
+    assert module.build() == first and first.stat().st_mtime_ns == stamp
     assert [p.name for p in first.parent.iterdir()] == [first.name]
 
 
-def test_engine_greedy_batched_equals_one_at_a_time_on_packed_weights(kernel, tiny_model_dir: Path, make_engine) -> None:
+def test_engine_greedy_batched_equals_one_at_a_time_on_packed_weights(kernel, tiny_model_dir: Path, make_engine, monkeypatch: pytest.MonkeyPatch) -> None:
     from mlx_parallm_provider.engine import SamplingParams
 
+    calls: list[int] = []
+    _counting(kernel, calls, monkeypatch)
     model = _quantized_tiny(tiny_model_dir)
     backend.prepare_model(model, dequantize=True)
     prompts = [[1, 5 + i, 9, 30 + 3 * i] for i in range(12)]
@@ -119,3 +214,4 @@ def test_engine_greedy_batched_equals_one_at_a_time_on_packed_weights(kernel, ti
     together = engine.generate_many_sync(prompts, params)  # 12 rows: the GEMM, the kernel as rows leave
     alone = [engine.generate_many_sync([p], params)[0] for p in prompts]  # 1 row: the kernel
     assert [o.token_ids for o in together] == [o.token_ids for o in alone]
+    assert 1 in calls

@@ -1,0 +1,128 @@
+// qmatmul.c's kernel as an MLX primitive, so a decode step stays one lazy graph.
+//
+// Called through ctypes, every kernel call needs its input evaluated first (a synchronisation
+// of MLX's CPU stream, ~60 us); as a primitive it is scheduled on the stream like MLX's own
+// CPU ops. CPU only: eval_gpu raises. Built by models/qmatmul_ext.py with nanobind in MLX's
+// nanobind domain, so mx.array arguments convert.
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include <nanobind/nanobind.h>
+
+#include "mlx/allocator.h"
+#include "mlx/backend/common/utils.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/ops.h"
+#include "mlx/primitives.h"
+
+extern "C" int qmatmul(const float* x, int M, int K, const uint8_t* w, const float* scales,
+                       const float* biases, int N, int bits, int group, float* y, int threads);
+
+namespace mx = mlx::core;
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace {
+
+constexpr int kMaxRows = 8;  // qmatmul.c's MAX_ROWS
+
+// The array's bytes in row-major order: its own buffer when row-contiguous, else a copy.
+const char* row_major(const mx::array& a, std::vector<char>& copy) {
+  if (a.flags().row_contiguous) {
+    return a.data<char>();
+  }
+  size_t item = a.itemsize();
+  copy.resize(a.size() * item);
+  const char* src = a.data<char>();
+  for (size_t i = 0; i < a.size(); i++) {
+    std::memcpy(copy.data() + i * item, src + mx::elem_to_loc(static_cast<int>(i), a.shape(), a.strides()) * item, item);
+  }
+  return copy.data();
+}
+
+class QMatmul : public mx::Primitive {
+ public:
+  QMatmul(mx::Stream stream, int bits, int group, int threads)
+      : mx::Primitive(stream), bits_(bits), group_(group), threads_(threads) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    auto& out = outputs[0];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (auto& in : inputs) encoder.set_input_array(in);
+    encoder.set_output_array(out);
+    // Inputs are kept alive until the task has run by the scheduler (as for MLX's own ops).
+    encoder.dispatch([x = mx::array::unsafe_weak_copy(inputs[0]), w = mx::array::unsafe_weak_copy(inputs[1]),
+                      s = mx::array::unsafe_weak_copy(inputs[2]), b = mx::array::unsafe_weak_copy(inputs[3]),
+                      out = mx::array::unsafe_weak_copy(out), bits = bits_, group = group_, threads = threads_]() mutable {
+      std::vector<char> xc, wc, sc, bc;
+      int k = x.shape(-1), n = w.shape(0);
+      int m = static_cast<int>(x.size() / k);
+      int status = qmatmul(reinterpret_cast<const float*>(row_major(x, xc)), m, k,
+                           reinterpret_cast<const uint8_t*>(row_major(w, wc)),
+                           reinterpret_cast<const float*>(row_major(s, sc)),
+                           reinterpret_cast<const float*>(row_major(b, bc)), n, bits, group,
+                           out.data<float>(), threads);
+      if (status != 0) throw std::runtime_error("qmatmul: kernel failed (out of memory?)");
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("QMatmul has no GPU implementation (CPU only)");
+  }
+
+  const char* name() const override { return "QMatmul"; }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    auto shape = inputs[0].shape();
+    shape.back() = inputs[1].shape(0);
+    return {shape};
+  }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto& o = static_cast<const QMatmul&>(other);
+    return bits_ == o.bits_ && group_ == o.group_ && threads_ == o.threads_;
+  }
+
+ private:
+  int bits_, group_, threads_;
+};
+
+// x (..., K) @ W.T with W (N, K) affine-quantized: w (N, K * bits / 8) bytes (any integer
+// dtype holding MLX's packing), scales and biases (N, K / group) float32. Returns (..., N)
+// float32.
+mx::array qmatmul_op(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
+                     int bits, int group, int threads) {
+  if (x.ndim() < 1 || w.ndim() != 2 || scales.ndim() != 2 || biases.ndim() != 2) {
+    throw std::invalid_argument("qmatmul: x must be (..., K), w, scales and biases 2-D");
+  }
+  int k = x.shape(-1), n = w.shape(0);
+  size_t rows = k ? x.size() / k : 0;
+  bool format_ok = (bits == 4 || bits == 8) && group > 0 && group % 32 == 0 && k % group == 0;
+  if (!format_ok || rows < 1 || rows > kMaxRows || !mx::issubdtype(w.dtype(), mx::integer) ||
+      static_cast<size_t>(w.shape(1)) * w.itemsize() * 8 != static_cast<size_t>(k) * bits ||
+      scales.shape() != mx::Shape{n, k / group} || biases.shape() != scales.shape()) {
+    throw std::invalid_argument("qmatmul: unsupported shape or format (rows=" + std::to_string(rows) + ", K=" +
+                                std::to_string(k) + ", bits=" + std::to_string(bits) +
+                                ", group_size=" + std::to_string(group) + ")");
+  }
+  auto stream = mx::to_stream({});
+  if (stream.device != mx::Device::cpu) stream = mx::default_stream(mx::Device::cpu);
+  auto shape = x.shape();
+  shape.back() = n;
+  return mx::array(shape, mx::float32, std::make_shared<QMatmul>(stream, bits, group, std::max(threads, 1)),
+                   {mx::astype(x, mx::float32, stream), w, mx::astype(scales, mx::float32, stream),
+                    mx::astype(biases, mx::float32, stream)});
+}
+
+}  // namespace
+
+NB_MODULE(mlx_parallm_qmatmul_ext, m) {
+  m.doc() = "qmatmul.c's kernel as an MLX primitive (CPU)";
+  m.def("qmatmul", &qmatmul_op, "x"_a, "w"_a, "scales"_a, "biases"_a, "bits"_a, "group_size"_a, "threads"_a = 1,
+        "x (..., K) @ W.T for W affine-quantized as MLX packs it; at most 8 rows of x; float32 out.");
+}

@@ -1,0 +1,155 @@
+""":mod:`.qmatmul`'s kernel as an MLX primitive, so a decode step stays one lazy graph.
+
+Through ctypes every kernel call first evaluates its input: a synchronisation of MLX's CPU
+stream (~60 us), made ~120 times a step by a 30-layer model. ``kernels/qmatmul_ext.cpp`` wraps
+the same C function in an ``mlx::core::Primitive`` (CPU only) that MLX schedules like its own
+ops. It is a C++ extension bound with nanobind, compiled on first use with ``$CXX`` (else
+``c++``) against the installed MLX and cached next to the C kernel, keyed by sources, flags,
+compiler, MLX version and CPU; ``scripts/setup.sh`` builds it at install.
+
+nanobind must share MLX's internals ABI (the ``nanobind>=3,<4`` that MLX 0.32 is built with),
+or ``mx.array`` arguments do not convert: :func:`load` checks one call and returns None when
+it fails, as it does without nanobind, a C++ compiler, or on any build failure; callers then
+keep the ctypes path. ``python -m mlx_parallm_provider.models.qmatmul_ext`` builds it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+from pathlib import Path
+from types import ModuleType
+from typing import Optional
+
+import mlx.core as mx
+
+from . import qmatmul
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("kernels") / "qmatmul_ext.cpp"
+MODULE = "mlx_parallm_qmatmul_ext"  # NB_MODULE's name in the source
+_CXX_FLAGS = ["-std=c++20", "-O2", "-shared", "-fPIC", "-fvisibility=hidden", "-fno-strict-aliasing", "-DNDEBUG", "-DNB_COMPACT_ASSERTIONS", "-DNB_DOMAIN=mlx"]
+_lock = threading.Lock()
+_loaded: Optional[ModuleType] = None
+_tried = False
+
+
+def _mlx_dir() -> Path:
+    return Path(mx.__file__).resolve().parent
+
+
+def _command(compiler: str, c_object: Path, output: Path) -> Optional[list[str]]:
+    """The compile-and-link command, or None without nanobind."""
+    try:
+        import nanobind
+    except ImportError:
+        return None
+    nb, mlx_dir = Path(nanobind.source_dir()).parent, _mlx_dir()
+    includes = [sysconfig.get_paths()["include"], nb / "include", nb / "ext" / "robin_map" / "include", mlx_dir / "include"]
+    lib = mlx_dir / "lib"
+    return [
+        compiler, *_CXX_FLAGS, *[f"-I{p}" for p in includes], str(SOURCE), str(nb / "src" / "nb_combined.cpp"), str(c_object),
+        f"-L{lib}", "-lmlx", f"-Wl,-rpath,{lib}", "-fopenmp", "-o", str(output),
+    ]
+
+
+def build(compiler: Optional[str] = None) -> Optional[Path]:
+    """Compile the extension (or find it built) and return its path; None when a compiler or
+    nanobind is missing or the build fails (logged)."""
+    compiler = compiler or os.environ.get("CXX") or "c++"
+    cc = os.environ.get("CC") or "cc"
+    if shutil.which(compiler) is None or shutil.which(cc) is None:
+        logger.info("no C/C++ compiler (%s, %s): small-batch matmuls keep the ctypes kernel", cc, compiler)
+        return None
+    with tempfile.TemporaryDirectory() as scratch:
+        c_object, built = Path(scratch) / "qmatmul.o", Path(scratch) / "ext.so"
+        command = _command(compiler, c_object, built)
+        if command is None:
+            logger.info("nanobind is not installed: small-batch matmuls keep the ctypes kernel")
+            return None
+        try:
+            c_command = [cc, *qmatmul.c_flags(cc), "-c", str(qmatmul.SOURCE), "-o", str(c_object)]
+            versions = [subprocess.run([c, "--version"], capture_output=True, text=True).stdout for c in (cc, compiler)]
+        except OSError as exc:
+            logger.info("compiler unusable (%s): small-batch matmuls keep the ctypes kernel", exc)
+            return None
+        import nanobind
+
+        parts = [SOURCE.read_text(), qmatmul.SOURCE.read_text(), *_CXX_FLAGS, *c_command[1:-4], *versions,
+                 mx.__version__, str(_mlx_dir()), nanobind.__version__, platform.machine(), qmatmul.cpu_signature()]
+        key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+        target = qmatmul.cache_dir() / f"qmatmul_ext-{key}{sysconfig.get_config_var('EXT_SUFFIX') or '.so'}"
+        if target.exists():
+            return target
+        target.parent.mkdir(parents=True, exist_ok=True)
+        for step in (c_command, command):
+            try:
+                result = subprocess.run(step, capture_output=True, text=True)
+            except OSError as exc:
+                result = subprocess.CompletedProcess(step, 1, "", str(exc))
+            if result.returncode != 0:
+                logger.warning("could not build %s (small-batch matmuls keep the ctypes kernel):\n%s", SOURCE.name, result.stderr[-2000:])
+                return None
+        staged = target.parent / f".{target.name}.{os.getpid()}"
+        shutil.copyfile(built, staged)
+        os.replace(staged, target)  # atomic: a concurrent builder finds a whole file or none
+    return target
+
+
+def _import(path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(MODULE, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _works(module: ModuleType) -> bool:
+    """One call converts ``mx.array`` arguments (nanobind ABIs match) and is right."""
+    w = mx.full((1, 4), 0x11111111, dtype=mx.uint32)  # 32 weights of 1
+    one = mx.ones((1, 1))
+    try:
+        return mx.allclose(module.qmatmul(mx.ones((1, 32)), w, one, one * 0, 4, 32), mx.array([[32.0]])).item()
+    except (TypeError, RuntimeError, ValueError) as exc:
+        logger.warning("the built %s does not work with this MLX (%s): small-batch matmuls keep the ctypes kernel", MODULE, exc)
+        return False
+
+
+def load() -> Optional[ModuleType]:
+    """The extension module (built on first call), or None where it cannot be built or used."""
+    global _loaded, _tried
+    with _lock:
+        if not _tried:
+            _tried = True
+            path = build()
+            if path is not None:
+                try:
+                    module = _import(path)
+                except ImportError as exc:
+                    logger.warning("could not load %s (%s): small-batch matmuls keep the ctypes kernel", path, exc)
+                else:
+                    _loaded = module if _works(module) else None
+        return _loaded
+
+
+def reset() -> None:
+    """Forget the loaded extension so the next :func:`load` builds again (tests)."""
+    global _loaded, _tried
+    with _lock:
+        _loaded, _tried = None, False
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO)
+    path = build()
+    print(path if path else "the MLX extension could not be built: small-batch matmuls use the ctypes kernel")
+    sys.exit(0)
