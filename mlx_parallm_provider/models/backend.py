@@ -7,7 +7,8 @@ reference BLAS (~4 GFLOP/s f32 matmul); Debian's OpenBLAS loaded with ``RTLD_GLO
 effect, so :func:`preload_blas` runs when this package is imported, ahead of any
 ``import mlx``. On the CPU, ``quantized_matmul`` gains nothing from batching, whereas
 float32 weights over OpenBLAS do, so quantized weights are dequantized at load there, with
-the packed weights kept for steps of a few rows (:mod:`.small_batch`).
+the packed weights kept for steps of a few rows (:mod:`.small_batch`) and RMSNorm / RoPE
+fused into single ops for them (:mod:`.fused_ops`).
 """
 
 from __future__ import annotations
@@ -163,9 +164,11 @@ def prepare_model(model: Any, dequantize: Optional[bool] = None, keep_packed: bo
         )
         if has_quantized:
             if keep_packed and is_cpu():
+                from .fused_ops import install as install_fused_ops
                 from .small_batch import dequantize as keep_packed_for_small_batches
 
                 keep_packed_for_small_batches(model)
+                install_fused_ops(model)
             dequantize_model(model)
             model.set_dtype(mx.float32)
             mx.eval(model.parameters())

@@ -3,7 +3,8 @@
 Through ctypes every kernel call first evaluates its input: a synchronisation of MLX's CPU
 stream (~60 us), made ~120 times a step by a 30-layer model. ``kernels/qmatmul_ext.cpp`` wraps
 the same C function in an ``mlx::core::Primitive`` (CPU only) that MLX schedules like its own
-ops. It is a C++ extension bound with nanobind, compiled on first use with ``$CXX`` (else
+ops. The same module holds RMSNorm and RoPE as single CPU ops (``kernels/norm_rope.cpp``,
+used by :mod:`.fused_ops`). It is a C++ extension bound with nanobind, compiled on first use with ``$CXX`` (else
 ``c++``) against the installed MLX and cached next to the C kernel, keyed by sources, flags,
 compiler, MLX version and CPU; ``scripts/setup.sh`` builds it at install.
 
@@ -37,6 +38,8 @@ from . import qmatmul
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kernels") / "qmatmul_ext.cpp"
+#: C++ sources of the module: the binding and matmul primitive, and RMSNorm / RoPE (:mod:`.fused_ops`).
+SOURCES = (SOURCE, SOURCE.with_name("norm_rope.cpp"))
 MODULE = "mlx_parallm_qmatmul_ext"  # NB_MODULE's name in the source
 _CXX_FLAGS = ["-std=c++20", "-O2", "-shared", "-fPIC", "-fvisibility=hidden", "-fno-strict-aliasing", "-DNDEBUG", "-DNB_COMPACT_ASSERTIONS", "-DNB_DOMAIN=mlx"]
 _lock = threading.Lock()
@@ -58,7 +61,7 @@ def _command(compiler: str, c_object: Path, output: Path) -> Optional[list[str]]
     includes = [sysconfig.get_paths()["include"], nb / "include", nb / "ext" / "robin_map" / "include", mlx_dir / "include"]
     lib = mlx_dir / "lib"
     return [
-        compiler, *_CXX_FLAGS, *[f"-I{p}" for p in includes], str(SOURCE), str(nb / "src" / "nb_combined.cpp"), str(c_object),
+        compiler, *_CXX_FLAGS, *[f"-I{p}" for p in includes], *map(str, SOURCES), str(nb / "src" / "nb_combined.cpp"), str(c_object),
         f"-L{lib}", "-lmlx", f"-Wl,-rpath,{lib}", "-fopenmp", "-o", str(output),
     ]
 
@@ -85,7 +88,7 @@ def build(compiler: Optional[str] = None) -> Optional[Path]:
             return None
         import nanobind
 
-        parts = [SOURCE.read_text(), qmatmul.SOURCE.read_text(), *_CXX_FLAGS, *c_command[1:-4], *versions,
+        parts = [*(s.read_text() for s in SOURCES), qmatmul.SOURCE.read_text(), *_CXX_FLAGS, *c_command[1:-4], *versions,
                  mx.__version__, str(_mlx_dir()), nanobind.__version__, platform.machine(), qmatmul.cpu_signature()]
         key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
         target = qmatmul.cache_dir() / f"qmatmul_ext-{key}{sysconfig.get_config_var('EXT_SUFFIX') or '.so'}"

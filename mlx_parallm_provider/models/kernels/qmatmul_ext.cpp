@@ -24,6 +24,12 @@ extern "C" int qmatmul(const float* x, int M, int K, const uint8_t* w, const flo
 
 namespace mx = mlx::core;
 namespace nb = nanobind;
+
+namespace mlx_parallm {  // norm_rope.cpp
+mx::array rms_norm_op(const mx::array& x, const mx::array& w, float eps);
+mx::array rope_op(const mx::array& x, int dims, bool traditional, float scale, const mx::array& offset,
+                  const mx::array& inv_freq);
+}  // namespace mlx_parallm
 using namespace nb::literals;
 
 namespace {
@@ -122,7 +128,12 @@ mx::array qmatmul_op(const mx::array& x, const mx::array& w, const mx::array& sc
 }  // namespace
 
 NB_MODULE(mlx_parallm_qmatmul_ext, m) {
-  m.doc() = "qmatmul.c's kernel as an MLX primitive (CPU)";
+  m.doc() = "qmatmul.c's kernel, RMSNorm and RoPE as MLX primitives (CPU)";
   m.def("qmatmul", &qmatmul_op, "x"_a, "w"_a, "scales"_a, "biases"_a, "bits"_a, "group_size"_a, "threads"_a = 1,
         "x (..., K) @ W.T for W affine-quantized as MLX packs it; at most 8 rows of x; float32 out.");
+  m.def("rms_norm", &mlx_parallm::rms_norm_op, "x"_a, "weight"_a, "eps"_a,
+        "mx.fast.rms_norm(x, weight, eps) for float32 x, as one CPU op.");
+  m.def("rope", &mlx_parallm::rope_op, "x"_a, "dims"_a, "traditional"_a, "scale"_a, "offset"_a, "inv_freq"_a,
+        "mx.fast.rope for float32 x (B, ..., T, D) as one CPU op; offset an int32 array of 1 or B elements, "
+        "inv_freq (dims / 2,) float32 as the fallback computes it.");
 }
