@@ -40,6 +40,7 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("kernels") / "qmatmul_ext.cpp"
 #: C++ sources of the module: the binding and matmul primitive, and RMSNorm / RoPE (:mod:`.fused_ops`).
 SOURCES = (SOURCE, SOURCE.with_name("norm_rope.cpp"))
+HEADERS = (SOURCE.with_name("cpu_primitive.h"),)  # what the primitives share; part of the cache key
 MODULE = "mlx_parallm_qmatmul_ext"  # NB_MODULE's name in the source
 _CXX_FLAGS = ["-std=c++20", "-O2", "-shared", "-fPIC", "-fvisibility=hidden", "-fno-strict-aliasing", "-DNDEBUG", "-DNB_COMPACT_ASSERTIONS", "-DNB_DOMAIN=mlx"]
 _lock = threading.Lock()
@@ -88,7 +89,7 @@ def build(compiler: Optional[str] = None) -> Optional[Path]:
             return None
         import nanobind
 
-        parts = [*(s.read_text() for s in SOURCES), qmatmul.SOURCE.read_text(), *_CXX_FLAGS, *c_command[1:-4], *versions,
+        parts = [*(s.read_text() for s in (*SOURCES, *HEADERS)), qmatmul.SOURCE.read_text(), *_CXX_FLAGS, *c_command[1:-4], *versions,
                  mx.__version__, str(_mlx_dir()), nanobind.__version__, platform.machine(), qmatmul.cpu_signature()]
         key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
         target = qmatmul.cache_dir() / f"qmatmul_ext-{key}{sysconfig.get_config_var('EXT_SUFFIX') or '.so'}"

@@ -13,22 +13,15 @@
 #include <string>
 #include <vector>
 
-#include "mlx/allocator.h"
+#include "cpu_primitive.h"
 #include "mlx/backend/common/utils.h"
-#include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
-#include "mlx/primitives.h"
 
 namespace mx = mlx::core;
 
 namespace mlx_parallm {
 
 namespace {
-
-mx::Stream cpu_stream() {
-  auto stream = mx::to_stream({});
-  return stream.device == mx::Device::cpu ? stream : mx::default_stream(mx::Device::cpu);
-}
 
 // Offset of row `row` (of `width` elements along the last axis) in `a`, in elements.
 int64_t row_loc(const mx::array& a, size_t row, int width) {
@@ -41,10 +34,7 @@ class RMSNormCPU : public mx::Primitive {
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     auto& out = outputs[0];
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (auto& in : inputs) encoder.set_input_array(in);
-    encoder.set_output_array(out);
+    auto& encoder = cpu_encoder(stream(), inputs, out);
     encoder.dispatch([x = mx::array::unsafe_weak_copy(inputs[0]), w = mx::array::unsafe_weak_copy(inputs[1]),
                       out = mx::array::unsafe_weak_copy(out), eps = eps_]() mutable {
       int d = x.shape(-1);
@@ -87,10 +77,7 @@ class RoPECPU : public mx::Primitive {
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     auto& out = outputs[0];
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (auto& in : inputs) encoder.set_input_array(in);
-    encoder.set_output_array(out);
+    auto& encoder = cpu_encoder(stream(), inputs, out);
     encoder.dispatch([x = mx::array::unsafe_weak_copy(inputs[0]), offset = mx::array::unsafe_weak_copy(inputs[1]),
                       inv_freq = mx::array::unsafe_weak_copy(inputs[2]), out = mx::array::unsafe_weak_copy(out),
                       dims = dims_, traditional = traditional_, scale = scale_]() mutable {

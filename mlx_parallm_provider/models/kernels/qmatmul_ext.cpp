@@ -13,11 +13,9 @@
 
 #include <nanobind/nanobind.h>
 
-#include "mlx/allocator.h"
+#include "cpu_primitive.h"
 #include "mlx/backend/common/utils.h"
-#include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
-#include "mlx/primitives.h"
 
 extern "C" int qmatmul(const float* x, int M, int K, const uint8_t* w, const float* scales,
                        const float* biases, int N, int bits, int group, float* y, int threads);
@@ -57,11 +55,7 @@ class QMatmul : public mx::Primitive {
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     auto& out = outputs[0];
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (auto& in : inputs) encoder.set_input_array(in);
-    encoder.set_output_array(out);
-    // Inputs are kept alive until the task has run by the scheduler (as for MLX's own ops).
+    auto& encoder = mlx_parallm::cpu_encoder(stream(), inputs, out);
     encoder.dispatch([x = mx::array::unsafe_weak_copy(inputs[0]), w = mx::array::unsafe_weak_copy(inputs[1]),
                       s = mx::array::unsafe_weak_copy(inputs[2]), b = mx::array::unsafe_weak_copy(inputs[3]),
                       out = mx::array::unsafe_weak_copy(out), bits = bits_, group = group_, threads = threads_]() mutable {
@@ -116,8 +110,7 @@ mx::array qmatmul_op(const mx::array& x, const mx::array& w, const mx::array& sc
                                 std::to_string(k) + ", bits=" + std::to_string(bits) +
                                 ", group_size=" + std::to_string(group) + ")");
   }
-  auto stream = mx::to_stream({});
-  if (stream.device != mx::Device::cpu) stream = mx::default_stream(mx::Device::cpu);
+  auto stream = mlx_parallm::cpu_stream();
   auto shape = x.shape();
   shape.back() = n;
   return mx::array(shape, mx::float32, std::make_shared<QMatmul>(stream, bits, group, std::max(threads, 1)),
