@@ -26,11 +26,12 @@ import sys
 import tempfile
 import threading
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional, TypeVar
 
 import numpy as np
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 SOURCE = Path(__file__).with_name("kernels") / "qmatmul.c"
 MAX_ROWS = 8
@@ -38,9 +39,6 @@ MAX_ROWS = 8
 SUPPORTED_BITS = (4, 8)
 
 _FLAGS = ["-O3", "-shared", "-fPIC", "-fopenmp", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
-_lock = threading.Lock()
-_loaded: Optional[ctypes.CDLL] = None
-_tried = False
 
 
 def _native_flags(compiler: str) -> list[str]:
@@ -99,27 +97,50 @@ def build(compiler: Optional[str] = None) -> Optional[Path]:
     return target
 
 
+class Once:
+    """A value made on the first :meth:`get` (thread-safe; None, where making it failed, is
+    kept too), until :meth:`reset`. Loading a kernel may compile it, so it happens once."""
+
+    def __init__(self, make: Callable[[], Optional[T]]) -> None:
+        self._make = make
+        self._lock = threading.Lock()
+        self._made = False
+        self._value: Optional[T] = None
+
+    def get(self) -> Optional[T]:
+        with self._lock:
+            if not self._made:
+                self._made = True
+                self._value = self._make()
+            return self._value
+
+    def reset(self) -> None:
+        with self._lock:
+            self._made, self._value = False, None
+
+
+def _load_library() -> Optional[ctypes.CDLL]:
+    path = build()
+    if path is None:
+        return None
+    lib = ctypes.CDLL(str(path))
+    p, i = ctypes.c_void_p, ctypes.c_int
+    lib.qmatmul.argtypes = [p, i, i, p, p, p, i, i, i, p, i]
+    lib.qmatmul.restype = i
+    return lib
+
+
+_library = Once(_load_library)
+
+
 def load() -> Optional[ctypes.CDLL]:
     """The compiled kernel (built on first call), or None where it cannot be built."""
-    global _loaded, _tried
-    with _lock:
-        if not _tried:
-            _tried = True
-            path = build()
-            if path is not None:
-                lib = ctypes.CDLL(str(path))
-                p, i = ctypes.c_void_p, ctypes.c_int
-                lib.qmatmul.argtypes = [p, i, i, p, p, p, i, i, i, p, i]
-                lib.qmatmul.restype = i
-                _loaded = lib
-        return _loaded
+    return _library.get()
 
 
 def reset() -> None:
     """Forget the loaded kernel so the next :func:`load` builds again (tests)."""
-    global _loaded, _tried
-    with _lock:
-        _loaded, _tried = None, False
+    _library.reset()
 
 
 def qmatmul(lib: ctypes.CDLL, x: np.ndarray, packed: np.ndarray, scales: np.ndarray, biases: np.ndarray, bits: int, group_size: int, threads: int = 1) -> np.ndarray:

@@ -26,7 +26,6 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
-import threading
 from pathlib import Path
 from types import ModuleType
 from typing import Optional
@@ -43,9 +42,6 @@ SOURCES = (SOURCE, SOURCE.with_name("norm_rope.cpp"))
 HEADERS = (SOURCE.with_name("cpu_primitive.h"),)  # what the primitives share; part of the cache key
 MODULE = "mlx_parallm_qmatmul_ext"  # NB_MODULE's name in the source
 _CXX_FLAGS = ["-std=c++20", "-O2", "-shared", "-fPIC", "-fvisibility=hidden", "-fno-strict-aliasing", "-DNDEBUG", "-DNB_COMPACT_ASSERTIONS", "-DNB_DOMAIN=mlx"]
-_lock = threading.Lock()
-_loaded: Optional[ModuleType] = None
-_tried = False
 
 
 def _mlx_dir() -> Path:
@@ -128,28 +124,29 @@ def _works(module: ModuleType) -> bool:
         return False
 
 
+def _load_module() -> Optional[ModuleType]:
+    path = build()
+    if path is None:
+        return None
+    try:
+        module = _import(path)
+    except ImportError as exc:
+        logger.warning("could not load %s (%s): small-batch matmuls keep the ctypes kernel", path, exc)
+        return None
+    return module if _works(module) else None
+
+
+_module = qmatmul.Once(_load_module)
+
+
 def load() -> Optional[ModuleType]:
     """The extension module (built on first call), or None where it cannot be built or used."""
-    global _loaded, _tried
-    with _lock:
-        if not _tried:
-            _tried = True
-            path = build()
-            if path is not None:
-                try:
-                    module = _import(path)
-                except ImportError as exc:
-                    logger.warning("could not load %s (%s): small-batch matmuls keep the ctypes kernel", path, exc)
-                else:
-                    _loaded = module if _works(module) else None
-        return _loaded
+    return _module.get()
 
 
 def reset() -> None:
     """Forget the loaded extension so the next :func:`load` builds again (tests)."""
-    global _loaded, _tried
-    with _lock:
-        _loaded, _tried = None, False
+    _module.reset()
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ gains little on two cores, and loses much when the other core is busy).
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 import threading
@@ -59,7 +60,10 @@ def set_max_rows(rows: Optional[int]) -> None:
     _max_rows = None if rows is None else min(max(rows, 0), qmatmul.MAX_ROWS)
 
 
+@functools.cache
 def _threads() -> int:
+    """The kernel's threads (``MLX_PARALLM_QMATMUL_THREADS``, default 1), read once: this is
+    asked on every kernel call."""
     value = os.environ.get(THREADS_ENV, "").strip()
     return max(int(value), 1) if value.isdigit() else 1
 
