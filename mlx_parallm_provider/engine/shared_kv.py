@@ -53,6 +53,8 @@ class SharedPrefixBatchCache:
         self.prefixes = prefixes if prefixes is not None else [None] * suffix.left_padding.shape[0]
         self._groups: Optional[list[tuple[SharedPrefix, mx.array]]] = None
         self._lengths: Optional[mx.array] = None  # each row's prefix length, with _groups
+        # with _groups: each row's group (-1: none) and the groups' (keys, values), for the decode kernel
+        self._prefix_index: tuple[mx.array, list[tuple[mx.array, mx.array]]] = (mx.array([], dtype=mx.int32), [])
 
     @classmethod
     def fresh(cls, left_padding: list[int]) -> "SharedPrefixBatchCache":
@@ -84,6 +86,11 @@ class SharedPrefixBatchCache:
         groups = self.groups()
         if not groups:
             return attention.dense_attention(queries, keys, values, scale=scale, mask=mask)
+        if queries.shape[2] == 1:  # decoding: one fused op where the CPU kernel applies
+            index, prefixes = self._prefix_index
+            out = attention.decode_attention(queries, keys, values, scale, mask, index, prefixes)
+            if out is not None:
+                return out
         return cascade_attention(queries, keys, values, scale, _bool_mask(mask, queries.shape[2], keys.shape[2]), groups)
 
     def groups(self) -> list[tuple[SharedPrefix, mx.array]]:
@@ -95,6 +102,11 @@ class SharedPrefixBatchCache:
                     rows.setdefault(id(p), (p, []))[1].append(i)
             self._groups = [(p, mx.array(idx)) for p, idx in rows.values()]
             self._lengths = None
+            index = [-1] * len(self.prefixes)
+            for g, (_, idx) in enumerate(rows.values()):
+                for i in idx:
+                    index[i] = g
+            self._prefix_index = (mx.array(index, dtype=mx.int32), [(p.keys, p.values) for p, _ in rows.values()])
         return self._groups
 
     # -- batch operations (mlx-lm's BatchKVCache interface) -------------------------------

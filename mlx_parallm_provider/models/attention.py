@@ -11,15 +11,19 @@ formulation for a device).
 
 On the CPU device, :func:`dense_attention` and the model's SwiGLU (where its module uses
 mlx-lm's ``swiglu``) run :mod:`.cpu_ops`' formulations for all but tiny tensors, several
-times faster there; Metal and CUDA keep MLX's fused kernels. ``MLX_PARALLM_CPU_OPS=0`` (or :func:`set_cpu_ops`) turns them
-off, ``=1`` forces them on any device.
+times faster there, and one-token (decode) attention runs :func:`decode_attention`, the MLX
+extension's fused kernel (``kernels/decode_attention.cpp``, on
+``MLX_PARALLM_ATTENTION_THREADS`` threads, default the CPU count up to 8) where that
+extension builds; Metal and CUDA keep MLX's fused kernels. ``MLX_PARALLM_CPU_OPS=0`` (or
+:func:`set_cpu_ops`) turns them off, ``=1`` forces them on any device.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import mlx.core as mx
 from mlx_lm.models import activations as _activations
@@ -33,6 +37,9 @@ mlx_lm_attention = _base.scaled_dot_product_attention
 mlx_lm_swiglu = _activations.swiglu
 
 CPU_OPS_ENV = "MLX_PARALLM_CPU_OPS"
+THREADS_ENV = "MLX_PARALLM_ATTENTION_THREADS"
+MAX_HEAD_DIM = 256  # decode_attention.cpp's limits
+MAX_GROUP = 16
 _cpu_ops: Optional[bool] = None  # None: MLX_PARALLM_CPU_OPS, else the CPU device only
 
 
@@ -55,9 +62,67 @@ def uses_cpu_ops() -> bool:
     return is_cpu()
 
 
+def _extension() -> Any:
+    from . import qmatmul_ext  # here, not at the top: this module loads with the package, the extension's builder need not
+
+    return qmatmul_ext.load()
+
+
+@functools.cache
+def _threads() -> int:
+    """The decode kernel's threads (``MLX_PARALLM_ATTENTION_THREADS``, default the CPU count up to 8), read once."""
+    value = os.environ.get(THREADS_ENV, "").strip()
+    return max(int(value), 1) if value.isdigit() else min(os.cpu_count() or 1, 8)
+
+
+def _row_mask(mask: Optional[Any], batch: int, keys: int) -> tuple[bool, Optional[mx.array]]:
+    """mlx-lm's mask for one query position as the kernel takes it, ``(1 or B, S)``:
+    ``(True, mask)``, ``(True, None)`` for no mask, ``(False, None)`` for a form it does
+    not take (a mask per head)."""
+    if mask is None or (isinstance(mask, str) and mask == "causal"):  # one query sees every key
+        return True, None
+    if isinstance(mask, str) or mask.shape[-1] != keys or mask.size not in (keys, batch * keys):
+        return False, None
+    rows = mask.size // keys
+    if mask.ndim > 1 and mask.shape[0] != rows:
+        return False, None
+    return True, mask.reshape(rows, keys)
+
+
+def decode_attention(
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    scale: float,
+    mask: Optional[Any],
+    prefix_index: Optional[mx.array] = None,
+    prefixes: Sequence[tuple[mx.array, mx.array]] = (),
+) -> Optional[mx.array]:
+    """Attention of one query position per row through the MLX extension's CPU kernel, or
+    None where it does not apply (not one position, :func:`uses_cpu_ops` off, no extension,
+    head sizes or mask it does not take): the caller then uses MLX's ops.
+
+    ``prefix_index`` (B,) int32 and ``prefixes`` (``(keys, values)`` of ``(1, kv_heads, P, D)``
+    each): row ``b`` attends to ``prefixes[prefix_index[b]]`` (none where -1) before its own
+    ``keys`` (see :mod:`..engine.shared_kv`); ``mask`` applies to its own keys only."""
+    B, heads, L, D = queries.shape
+    kv_heads = keys.shape[1]
+    if L != 1 or D % 16 or D > MAX_HEAD_DIM or heads % kv_heads or heads // kv_heads > MAX_GROUP or not uses_cpu_ops():
+        return None
+    ok, row_mask = _row_mask(mask, B, keys.shape[2])
+    ext = _extension() if ok else None
+    if ext is None or not hasattr(ext, "decode_attention"):
+        return None
+    out = ext.decode_attention(queries, keys, values, scale, row_mask, prefix_index, list(prefixes), _threads())
+    return out.astype(queries.dtype)
+
+
 def dense_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Optional[Any]) -> mx.array:
     """Plain attention: ``queries`` (B, heads, L, D) over ``keys`` / ``values`` (B, kv_heads,
     S, D), ``mask`` as mlx-lm passes it (None, ``"causal"`` or an array)."""
+    out = decode_attention(queries, keys, values, scale, mask)
+    if out is not None:
+        return out
     if uses_cpu_ops() and cpu_ops.attention_size(queries, keys) >= cpu_ops.MIN_ELEMENTS:
         return cpu_ops.attention(queries, keys, values, scale, mask)
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)

@@ -8,7 +8,7 @@ effect, so :func:`preload_blas` runs when this package is imported, ahead of any
 ``import mlx``. On the CPU, ``quantized_matmul`` gains nothing from batching, whereas
 float32 weights over OpenBLAS do, so quantized weights are dequantized at load there, with
 the packed weights kept for steps of a few rows (:mod:`.small_batch`) and RMSNorm / RoPE
-fused into single ops for them (:mod:`.fused_ops`).
+fused into single ops (:mod:`.fused_ops`).
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ SUPPORTED_BITS = (4, 8)
 _FLAGS = ["-O3", "-shared", "-fPIC", "-fopenmp", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
 
 
-def _native_flags(compiler: str) -> list[str]:
+def native_flags(compiler: str) -> list[str]:
     """``-march=native`` where the compiler takes it (GCC/Clang on x86 and ARM Linux)."""
     probe = subprocess.run([compiler, "-march=native", "-x", "c", "-E", "-", "-o", os.devnull], input="", capture_output=True, text=True)
     return ["-march=native"] if probe.returncode == 0 else []
@@ -49,7 +49,7 @@ def _native_flags(compiler: str) -> list[str]:
 
 def c_flags(compiler: str) -> list[str]:
     """The flags the kernel is compiled with (also by :mod:`.qmatmul_ext`)."""
-    return _FLAGS + _native_flags(compiler)
+    return _FLAGS + native_flags(compiler)
 
 
 def cache_dir() -> Path:

@@ -37,11 +37,12 @@ from . import qmatmul
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kernels") / "qmatmul_ext.cpp"
-#: C++ sources of the module: the binding and matmul primitive, and RMSNorm / RoPE (:mod:`.fused_ops`).
-SOURCES = (SOURCE, SOURCE.with_name("norm_rope.cpp"))
+#: C++ sources of the module: the binding and matmul primitive, RMSNorm / RoPE (:mod:`.fused_ops`)
+#: and decode attention (:mod:`.attention`).
+SOURCES = (SOURCE, SOURCE.with_name("norm_rope.cpp"), SOURCE.with_name("decode_attention.cpp"))
 HEADERS = (SOURCE.with_name("cpu_primitive.h"),)  # what the primitives share; part of the cache key
 MODULE = "mlx_parallm_qmatmul_ext"  # NB_MODULE's name in the source
-_CXX_FLAGS = ["-std=c++20", "-O2", "-shared", "-fPIC", "-fvisibility=hidden", "-fno-strict-aliasing", "-DNDEBUG", "-DNB_COMPACT_ASSERTIONS", "-DNB_DOMAIN=mlx"]
+_CXX_FLAGS = ["-std=c++20", "-O3", "-shared", "-fPIC", "-fvisibility=hidden", "-fno-strict-aliasing", "-DNDEBUG", "-DNB_COMPACT_ASSERTIONS", "-DNB_DOMAIN=mlx"]
 
 
 def _mlx_dir() -> Path:
@@ -58,7 +59,7 @@ def _command(compiler: str, c_object: Path, output: Path) -> Optional[list[str]]
     includes = [sysconfig.get_paths()["include"], nb / "include", nb / "ext" / "robin_map" / "include", mlx_dir / "include"]
     lib = mlx_dir / "lib"
     return [
-        compiler, *_CXX_FLAGS, *[f"-I{p}" for p in includes], *map(str, SOURCES), str(nb / "src" / "nb_combined.cpp"), str(c_object),
+        compiler, *_CXX_FLAGS, *qmatmul.native_flags(compiler), *[f"-I{p}" for p in includes], *map(str, SOURCES), str(nb / "src" / "nb_combined.cpp"), str(c_object),
         f"-L{lib}", "-lmlx", f"-Wl,-rpath,{lib}", "-fopenmp", "-o", str(output),
     ]
 

@@ -74,8 +74,9 @@ def test_swiglu_matches_mlx_lm():
 def test_cpu_ops_chosen_on_cpu_for_large_tensors_only(monkeypatch):
     calls = []
     monkeypatch.setattr(cpu_ops, "attention", lambda *a: calls.append("attention") or sdpa(*a[:3], a[4]))
-    small = (rand(1, 9, 1, 64), rand(1, 3, 16, 64), rand(1, 3, 16, 64))
-    large = (rand(64, 9, 1, 64), rand(64, 3, 128, 64), rand(64, 3, 128, 64))
+    # two query positions: one (decoding) goes to the extension's kernel, tests/unit/test_decode_attention.py
+    small = (rand(1, 9, 2, 64), rand(1, 3, 16, 64), rand(1, 3, 16, 64))
+    large = (rand(64, 9, 2, 64), rand(64, 3, 128, 64), rand(64, 3, 128, 64))
     try:
         attention.set_cpu_ops(True)
         attention.dense_attention(*small, scale=0.125, mask=None)

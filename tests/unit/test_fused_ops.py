@@ -1,4 +1,4 @@
-"""RMSNorm and RoPE as fused CPU ops for steps of a few rows (models/fused_ops.py,
+"""RMSNorm and RoPE as fused CPU ops (models/fused_ops.py,
 models/kernels/norm_rope.cpp): equal to mx.fast's, and routed only where they apply."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from mlx_parallm_provider.models import backend, fused_ops, qmatmul_ext, small_batch
+from mlx_parallm_provider.models import attention, backend, fused_ops, qmatmul_ext, small_batch
 
 
 def _extension():
@@ -25,6 +25,7 @@ def _extension():
 def _default_rows():
     yield
     small_batch.set_max_rows(None)
+    attention.set_cpu_ops(None)
 
 
 def _close(got: mx.array, expected: mx.array) -> bool:
@@ -109,26 +110,27 @@ def _counting(ext, calls: list[str]):
     )
 
 
-def test_modules_use_the_fused_ops_at_few_rows_only() -> None:
+def test_modules_use_the_fused_ops_for_float32_while_cpu_ops_are_on() -> None:
     ext = _extension()
     calls: list[str] = []
     source_norm, source_rope = nn.RMSNorm(64, eps=1e-6), nn.RoPE(64, base=50000.0, scale=0.5)
     source_norm.weight = mx.random.normal((64,), key=mx.random.key(5))
     norm, rope = fused_ops.FusedRMSNorm(source_norm, _counting(ext, calls)), fused_ops.FusedRoPE(source_rope, _counting(ext, calls))
     assert norm.weight is source_norm.weight and norm.eps == 1e-6 and (rope.dims, rope.base, rope.scale) == (64, 50000.0, 0.5)
-    small_batch.set_max_rows(4)
-    few, many = mx.random.normal((4, 1, 64)), mx.random.normal((5, 1, 64))
-    assert _close(norm(few), source_norm(few)) and calls == ["rms_norm"]
-    assert _close(rope(_queries(2, 2, 3, 64), offset=mx.array([5, 9])), source_rope(_queries(2, 2, 3, 64), offset=mx.array([5, 9])))
-    assert calls == ["rms_norm", "rope"]
+    attention.set_cpu_ops(True)
+    few, many = mx.random.normal((4, 1, 64)), mx.random.normal((64, 1, 64))
+    assert _close(norm(few), source_norm(few)) and _close(norm(many), source_norm(many))
+    assert calls == ["rms_norm", "rms_norm"]
+    queries = _queries(64, 2, 3, 64)  # 64 rows of 2 positions
+    assert _close(rope(queries, offset=mx.arange(64) + 5), source_rope(queries, offset=mx.arange(64) + 5))
+    assert _close(rope(_queries(1, 5, 30, 64), offset=7), source_rope(_queries(1, 5, 30, 64), offset=7))  # a prefill
+    assert calls == ["rms_norm", "rms_norm", "rope", "rope"]
     calls.clear()
-    assert _close(norm(many), source_norm(many))  # 5 rows > 4
-    assert _close(rope(_queries(1, 5, 3, 64), offset=7), source_rope(_queries(1, 5, 3, 64), offset=7))  # 5 positions
     assert _close(norm(few.astype(mx.float16)), source_norm(few.astype(mx.float16)))  # not float32
     assert calls == []
-    small_batch.set_max_rows(0)  # the kernels turned off
-    one = mx.random.normal((1, 64))
-    assert _close(norm(one), source_norm(one)) and calls == []
+    attention.set_cpu_ops(False)  # MLX's own ops (MLX_PARALLM_CPU_OPS=0)
+    assert _close(norm(few), source_norm(few)) and _close(rope(queries, offset=3), source_rope(queries, offset=3))
+    assert calls == []
 
 
 def test_install_replaces_norms_and_plain_rope_only(tiny_model_dir: Path) -> None:
@@ -165,6 +167,7 @@ def test_prepared_model_gives_the_same_logits_with_and_without_fused_ops(tiny_mo
 
     fused = decode()
     small_batch.set_max_rows(0)  # everything back on mx.fast and the GEMM
+    attention.set_cpu_ops(False)
     plain = decode()
     for a, b in zip(fused, plain):
         assert np.allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)

@@ -12,6 +12,9 @@
 #include <vector>
 
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/vector.h>
 
 #include "cpu_primitive.h"
 #include "mlx/backend/common/utils.h"
@@ -27,6 +30,9 @@ namespace mlx_parallm {  // norm_rope.cpp
 mx::array rms_norm_op(const mx::array& x, const mx::array& w, float eps);
 mx::array rope_op(const mx::array& x, int dims, bool traditional, float scale, const mx::array& offset,
                   const mx::array& inv_freq);
+mx::array decode_attention_op(const mx::array& q, const mx::array& k, const mx::array& v, float scale,
+                              const std::optional<mx::array>& mask, const std::optional<mx::array>& prefix_index,
+                              const std::vector<std::pair<mx::array, mx::array>>& prefixes, int threads);
 }  // namespace mlx_parallm
 using namespace nb::literals;
 
@@ -121,7 +127,7 @@ mx::array qmatmul_op(const mx::array& x, const mx::array& w, const mx::array& sc
 }  // namespace
 
 NB_MODULE(mlx_parallm_qmatmul_ext, m) {
-  m.doc() = "qmatmul.c's kernel, RMSNorm and RoPE as MLX primitives (CPU)";
+  m.doc() = "qmatmul.c's kernel, RMSNorm, RoPE and decode attention as MLX primitives (CPU)";
   m.def("qmatmul", &qmatmul_op, "x"_a, "w"_a, "scales"_a, "biases"_a, "bits"_a, "group_size"_a, "threads"_a = 1,
         "x (..., K) @ W.T for W affine-quantized as MLX packs it; at most 8 rows of x; float32 out.");
   m.def("rms_norm", &mlx_parallm::rms_norm_op, "x"_a, "weight"_a, "eps"_a,
@@ -129,4 +135,9 @@ NB_MODULE(mlx_parallm_qmatmul_ext, m) {
   m.def("rope", &mlx_parallm::rope_op, "x"_a, "dims"_a, "traditional"_a, "scale"_a, "offset"_a, "inv_freq"_a,
         "mx.fast.rope for float32 x (B, ..., T, D) as one CPU op; offset an int32 array of 1 or B elements, "
         "inv_freq (dims / 2,) float32 as the fallback computes it.");
+  m.def("decode_attention", &mlx_parallm::decode_attention_op, "q"_a, "k"_a, "v"_a, "scale"_a, "mask"_a = nb::none(),
+        "prefix_index"_a = nb::none(), "prefixes"_a = std::vector<std::pair<mx::array, mx::array>>(), "threads"_a = 1,
+        "Attention of q (B, H, 1, D) over k, v (B, KVH, S, D) under mask (None, or (1 or B, S) bool / additive), "
+        "after each row's shared prefix (prefix_index (B,) into prefixes [(keys, values) (1, KVH, P, D)], -1: none), "
+        "as one CPU op. float32 out.");
 }

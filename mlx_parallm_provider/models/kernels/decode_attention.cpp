@@ -1,0 +1,343 @@
+// One-token (decode) attention as an MLX primitive (CPU), with an optional shared prefix.
+//
+// On the CPU a decode step's attention, written with MLX's ops, is a dozen ops per layer over
+// (B, heads, 1, S) scores (matmuls of one query row, max, exp, sum, a mask), and a prefix that
+// rows share adds the cascade's second pass and its log-sum-exp merge: at batch 64 that was
+// 40-120 ms of a ~230 ms step. Here each (row, KV head) reads its keys and values once for
+// all the query heads of its group, with an online softmax (FlashAttention's running maximum
+// and sum) over the row's shared prefix, if any, then its own keys under its mask.
+//
+// Inputs: q (B, H, 1, D); k, v (B, KVH, S, D); then, by the flags, a mask (Bm, S) with Bm 1
+// or B (bool: true = attend, or additive float32); a prefix index (B,) int32 (-1: none) and
+// per prefix its keys and values (1, KVH, P, D). Strides are read from the arrays (keys and
+// values are usually views of a larger cache buffer); one whose last axis is not contiguous
+// is copied first. float32 throughout.
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <utility>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include "cpu_primitive.h"
+#include "mlx/backend/common/utils.h"
+#include "mlx/ops.h"
+
+namespace mx = mlx::core;
+
+namespace mlx_parallm {
+
+namespace {
+
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef float v16f_u __attribute__((vector_size(64), aligned(4), may_alias));
+
+constexpr int kMaxHeadDim = 256;
+constexpr int kMaxGroup = 16;  // query heads per KV head
+constexpr int kBlock = 64;     // keys scored before their softmax weights are applied
+constexpr int kItemsPerThread = 16;  // (row, KV head) pairs worth starting a thread for
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+inline v16f load(const float* p) { return *reinterpret_cast<const v16f_u*>(p); }
+inline void store(float* p, v16f v) { *reinterpret_cast<v16f_u*>(p) = v; }
+
+inline float hsum(v16f v) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_add_ps(reinterpret_cast<__m512&>(v));
+#endif
+  float s = 0.0f;
+  for (int i = 0; i < 16; i++) s += v[i];
+  return s;
+}
+
+// exp(x) for 16 floats from arithmetic only (as models/cpu_ops.py's fast_exp: relative error
+// < 3e-7; exactly 0 far below the range, so exp(-inf) = 0).
+inline v16f exp16(v16f x) {
+  const v16f lo = v16f{} - 127.0f, hi = v16f{} + 127.0f;
+  v16f y = x * 1.4426950408889634f;
+  y = y < lo ? lo : y;  // also maps -inf to -127
+  y = y > hi ? hi : y;
+  v16f n = (y + 12582912.0f) - 12582912.0f;  // round to nearest integer
+  v16f f = y - n;
+  const float c[7] = {1.0f, 0.6931471805599453f, 0.2402265069591007f, 0.05550410866482158f,
+                      0.009618129107628477f, 0.0013333558146428443f, 0.00015403530393381606f};
+  v16f p = v16f{} + c[6];
+  for (int i = 5; i >= 0; i--) p = p * f + c[i];
+  v16i bits = (__builtin_convertvector(n, v16i) + 127) << 23;
+  return p * reinterpret_cast<v16f&>(bits);
+}
+
+// Keys and values of one (row, KV head) segment: `len` positions `stride` floats apart.
+struct Segment {
+  const float* k;
+  const float* v;
+  int64_t k_stride, v_stride;
+  int len;
+  const uint8_t* keep;  // per position, or null (all kept)
+  const float* add;     // additive mask per position, or null
+};
+
+// Running softmax state of the `group` query heads of one (row, KV head).
+struct Accumulator {
+  int group, dim;
+  float q[kMaxGroup][kMaxHeadDim];
+  float acc[kMaxGroup][kMaxHeadDim];
+  float max[kMaxGroup], sum[kMaxGroup];
+  alignas(64) float score[kMaxGroup][kBlock];
+
+  void start(const float* const* queries, float scale) {
+    for (int r = 0; r < group; r++) {
+      for (int d = 0; d < dim; d++) q[r][d] = queries[r][d] * scale, acc[r][d] = 0.0f;
+      max[r] = kNegInf;
+      sum[r] = 0.0f;
+    }
+  }
+
+  void attend(const Segment& s) {
+    switch (group) {  // the group size as a constant keeps the per-head sums in registers
+      case 1: return attend_as<1>(s);
+      case 2: return attend_as<2>(s);
+      case 3: return attend_as<3>(s);
+      case 4: return attend_as<4>(s);
+      case 6: return attend_as<6>(s);
+      case 8: return attend_as<8>(s);
+      default: return attend_as<0>(s);
+    }
+  }
+
+  // G query heads (0: `group`, not known at compile time).
+  template <int G>
+  void attend_as(const Segment& s) {
+    const int heads = G ? G : group;
+    for (int start = 0; start < s.len; start += kBlock) {
+      int n = std::min(kBlock, s.len - start);
+      bool any = false;
+      for (int j = 0; j < kBlock; j++) {
+        int pos = start + j;
+        if (j >= n || (s.keep && !s.keep[pos])) {
+          for (int r = 0; r < heads; r++) score[r][j] = kNegInf;
+          continue;
+        }
+        any = true;
+        const float* key = s.k + pos * s.k_stride;
+        v16f dot[G ? G : kMaxGroup] = {};
+        for (int d = 0; d < dim; d += 16) {
+          v16f kd = load(key + d);
+          for (int r = 0; r < heads; r++) dot[r] += load(q[r] + d) * kd;
+        }
+        float bias = s.add ? s.add[pos] : 0.0f;
+        for (int r = 0; r < heads; r++) score[r][j] = hsum(dot[r]) + bias;
+      }
+      if (!any) continue;
+      for (int r = 0; r < heads; r++) {
+        float top = max[r];
+        for (int j = 0; j < n; j++) top = std::max(top, score[r][j]);
+        if (top == kNegInf) continue;  // every score masked so far
+        float rescale = std::exp(max[r] - top);
+        max[r] = top;
+        v16f total = v16f{};
+        for (int j = 0; j < kBlock; j += 16) {
+          v16f p = exp16(load(score[r] + j) - top);
+          store(score[r] + j, p);
+          total += p;
+        }
+        sum[r] = sum[r] * rescale + hsum(total);
+        if (rescale != 1.0f) {
+          for (int d = 0; d < dim; d += 16) store(acc[r] + d, load(acc[r] + d) * rescale);
+        }
+      }
+      for (int d = 0; d < dim; d += 16) {  // 16 dimensions at a time, over the block's values
+        v16f part[G ? G : kMaxGroup];
+        for (int r = 0; r < heads; r++) part[r] = load(acc[r] + d);
+        for (int j = 0; j < n; j++) {
+          if (s.keep && !s.keep[start + j]) continue;
+          v16f value = load(s.v + (start + j) * s.v_stride + d);
+          for (int r = 0; r < heads; r++) part[r] += value * score[r][j];
+        }
+        for (int r = 0; r < heads; r++) store(acc[r] + d, part[r]);
+      }
+    }
+  }
+
+  void finish(float* const* outputs) const {
+    for (int r = 0; r < group; r++) {
+      float inv = sum[r] > 0.0f ? 1.0f / sum[r] : 0.0f;
+      for (int d = 0; d < dim; d++) outputs[r][d] = acc[r][d] * inv;
+    }
+  }
+};
+
+enum Flags { kMaskBool = 1, kMaskAdditive = 2, kPrefix = 4 };
+
+class DecodeAttentionCPU : public mx::Primitive {
+ public:
+  DecodeAttentionCPU(mx::Stream stream, float scale, int flags, int threads)
+      : mx::Primitive(stream), scale_(scale), flags_(flags), threads_(threads) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    auto& out = outputs[0];
+    auto& encoder = cpu_encoder(stream(), inputs, out);
+    std::vector<mx::array> in;
+    for (auto& a : inputs) in.push_back(mx::array::unsafe_weak_copy(a));
+    encoder.dispatch([in = std::move(in), out = mx::array::unsafe_weak_copy(out), scale = scale_, flags = flags_,
+                      threads = threads_]() mutable { run(in, out, scale, flags, threads); });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("DecodeAttentionCPU has no GPU implementation (CPU only)");
+  }
+
+  const char* name() const override { return "DecodeAttentionCPU"; }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {inputs[0].shape()}; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto& o = static_cast<const DecodeAttentionCPU&>(other);
+    return scale_ == o.scale_ && flags_ == o.flags_ && threads_ == o.threads_;
+  }
+
+ private:
+  // A float32 array's data with a contiguous last axis (a copy where it is not) and strides.
+  struct View {
+    const float* data;
+    std::vector<int64_t> strides;
+    std::vector<float> copy;
+
+    explicit View(const mx::array& a) : data(a.data<float>()), strides(a.strides().begin(), a.strides().end()) {
+      if (a.ndim() && a.shape(-1) > 1 && a.strides().back() != 1) {
+        copy.resize(a.size());
+        for (size_t i = 0; i < a.size(); i++) copy[i] = data[mx::elem_to_loc(static_cast<int64_t>(i), a.shape(), a.strides())];
+        data = copy.data();
+        strides.assign(a.ndim(), 1);
+        for (int d = a.ndim() - 2; d >= 0; d--) strides[d] = strides[d + 1] * a.shape(d + 1);
+      }
+    }
+  };
+
+  static void run(const std::vector<mx::array>& in, mx::array& out, float scale, int flags, int threads) {
+    const auto& q = in[0];
+    View qv(in[0]), kv(in[1]), vv(in[2]);
+    int B = q.shape(0), H = q.shape(1), D = q.shape(3), KVH = in[1].shape(1), S = in[1].shape(2);
+    int group = H / KVH;
+    size_t next = 3;
+    const mx::array* mask = (flags & (kMaskBool | kMaskAdditive)) ? &in[next++] : nullptr;
+    const mx::array* index = (flags & kPrefix) ? &in[next++] : nullptr;
+    std::vector<View> prefix_views;
+    for (size_t i = next; i < in.size(); i++) prefix_views.emplace_back(in[i]);
+    int n_prefixes = static_cast<int>(prefix_views.size() / 2);
+    float* od = out.data<float>();
+    auto task = [&](int item) {
+      int b = item / KVH, g = item % KVH;
+      static thread_local Accumulator a;
+      a.group = group, a.dim = D;
+      const float* queries[kMaxGroup];
+      float* outputs[kMaxGroup];
+      for (int r = 0; r < group; r++) {
+        int h = g * group + r;
+        queries[r] = qv.data + b * qv.strides[0] + h * qv.strides[1];
+        outputs[r] = od + (static_cast<int64_t>(b) * H + h) * D;
+      }
+      a.start(queries, scale);
+      if (index) {
+        int p = index->data<int32_t>()[b * index->strides(0)];
+        if (p >= 0 && p < n_prefixes) {
+          const View &pk = prefix_views[2 * p], &pv = prefix_views[2 * p + 1];
+          a.attend({pk.data + g * pk.strides[1], pv.data + g * pv.strides[1], pk.strides[2], pv.strides[2],
+                    static_cast<int>(in[next + 2 * p].shape(2)), nullptr, nullptr});
+        }
+      }
+      Segment own{kv.data + b * kv.strides[0] + g * kv.strides[1], vv.data + b * vv.strides[0] + g * vv.strides[1],
+                  kv.strides[2], vv.strides[2], S, nullptr, nullptr};
+      if (mask) {
+        int64_t row = mask->shape(0) == 1 ? 0 : b * mask->strides(0);
+        if (flags & kMaskBool) own.keep = mask->data<uint8_t>() + row;
+        else own.add = mask->data<float>() + row;
+      }
+      a.attend(own);
+      a.finish(outputs);
+    };
+    int items = B * KVH;
+    std::atomic<int> counter{0};
+    auto worker = [&]() {
+      for (int item; (item = counter.fetch_add(1)) < items;) task(item);
+    };
+    int helpers = std::min(threads, std::max(items / kItemsPerThread, 1)) - 1;  // a thread costs ~20 us to start
+    std::vector<std::thread> pool;
+    for (int t = 0; t < helpers; t++) pool.emplace_back(worker);
+    worker();
+    for (auto& t : pool) t.join();
+  }
+
+  float scale_;
+  int flags_, threads_;
+};
+
+}  // namespace
+
+// Attention of one query position per row, see the file comment. `mask`: None, or an array
+// that reshapes to (1 or B, S), bool or floating (additive); `prefix_index` (B,) and
+// `prefixes` [(keys, values), ...] together or not at all.
+mx::array decode_attention_op(const mx::array& q, const mx::array& k, const mx::array& v, float scale,
+                              const std::optional<mx::array>& mask, const std::optional<mx::array>& prefix_index,
+                              const std::vector<std::pair<mx::array, mx::array>>& prefixes, int threads) {
+  if (q.ndim() != 4 || k.ndim() != 4 || v.ndim() != 4 || q.shape(2) != 1) {
+    throw std::invalid_argument("decode_attention: one query position: q must be (B, H, 1, D), k and v (B, KVH, S, D)");
+  }
+  int B = q.shape(0), H = q.shape(1), D = q.shape(3), KVH = k.shape(1), S = k.shape(2);
+  if (k.shape() != v.shape() || k.shape(0) != B || k.shape(3) != D || KVH < 1 || H % KVH || H / KVH > kMaxGroup ||
+      D % 16 || D > kMaxHeadDim) {
+    throw std::invalid_argument("decode_attention: unsupported shapes (head dim a multiple of 16 up to 256, at most 16 "
+                                "query heads per KV head)");
+  }
+  auto stream = cpu_stream();
+  auto f32 = [&](const mx::array& a) { return mx::astype(a, mx::float32, stream); };
+  std::vector<mx::array> inputs = {f32(q), f32(k), f32(v)};
+  int flags = 0;
+  if (mask) {
+    auto m = *mask;
+    if (m.ndim() < 1 || m.shape(-1) != S || (m.size() != static_cast<size_t>(S) && m.size() != static_cast<size_t>(B) * S) ||
+        (m.ndim() > 1 && m.shape(0) * S != static_cast<int>(m.size()))) {
+      throw std::invalid_argument("decode_attention: mask must reshape to (1 or B, S)");
+    }
+    int rows = static_cast<int>(m.size() / S);
+    if (m.dtype() == mx::bool_) {
+      flags |= kMaskBool;
+      inputs.push_back(mx::contiguous(mx::reshape(m, {rows, S}, stream), false, stream));
+    } else {
+      flags |= kMaskAdditive;
+      inputs.push_back(mx::contiguous(f32(mx::reshape(m, {rows, S}, stream)), false, stream));
+    }
+  }
+  if (prefix_index.has_value() != !prefixes.empty()) {
+    throw std::invalid_argument("decode_attention: prefix_index and prefixes go together");
+  }
+  if (prefix_index) {
+    if (prefix_index->ndim() != 1 || prefix_index->shape(0) != B) {
+      throw std::invalid_argument("decode_attention: prefix_index must be (B,)");
+    }
+    flags |= kPrefix;
+    inputs.push_back(mx::astype(*prefix_index, mx::int32, stream));
+    for (auto& [pk, pv] : prefixes) {
+      if (pk.ndim() != 4 || pk.shape(0) != 1 || pk.shape(1) != KVH || pk.shape(3) != D || pk.shape() != pv.shape()) {
+        throw std::invalid_argument("decode_attention: each prefix's keys and values must be (1, KVH, P, D)");
+      }
+      inputs.push_back(f32(pk));
+      inputs.push_back(f32(pv));
+    }
+  }
+  return mx::array(q.shape(), mx::float32, std::make_shared<DecodeAttentionCPU>(stream, scale, flags, std::max(threads, 1)),
+                   std::move(inputs));
+}
+
+}  // namespace mlx_parallm

@@ -1,0 +1,142 @@
+"""One-token attention as the MLX extension's CPU kernel (models/kernels/decode_attention.cpp,
+models/attention.decode_attention): equal to mx.fast's attention for the masks, strides and
+shared prefixes the engine's caches produce, and routed only where it applies."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from mlx_parallm_provider.models import attention, qmatmul_ext
+
+
+def _extension():
+    ext = qmatmul_ext.load()
+    if ext is None:
+        pytest.skip("the MLX extension does not build here (no C++ compiler or nanobind)")
+    return ext
+
+
+def rand(*shape: int, seed: int = 0) -> mx.array:
+    return mx.random.normal(shape, key=mx.random.key(seed))
+
+
+def sdpa(q, k, v, mask=None):
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=q.shape[-1] ** -0.5, mask=mask)
+
+
+def _left_padding_mask(batch: int, keys: int, seed: int) -> mx.array:
+    """Each row attends from its own first key on, as a left-padded batch cache's mask."""
+    pad = mx.random.randint(0, keys, (batch,), key=mx.random.key(seed))
+    return (mx.arange(keys)[None] >= pad[:, None]).reshape(batch, 1, 1, keys)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4), (8, 1), (10, 2)])  # (10, 2): a group size without its own instance
+@pytest.mark.parametrize("dim", [16, 64, 128])
+@pytest.mark.parametrize("keys", [1, 17, 130])  # 130: over two blocks of 64 keys
+def test_equals_mx_fast_without_a_mask(heads: int, kv_heads: int, dim: int, keys: int) -> None:
+    ext = _extension()
+    q, k, v = rand(3, heads, 1, dim, seed=1), rand(3, kv_heads, keys, dim, seed=2), rand(3, kv_heads, keys, dim, seed=3)
+    got = ext.decode_attention(q, k, v, dim**-0.5)
+    assert got.shape == q.shape and got.dtype == mx.float32
+    assert mx.allclose(got, sdpa(q, k, v), atol=2e-6).item()
+
+
+@pytest.mark.parametrize("kind", ["bool", "additive", "shared"])
+def test_equals_mx_fast_with_a_mask(kind: str) -> None:
+    ext = _extension()
+    B, S = 5, 70
+    q, k, v = rand(B, 9, 1, 64, seed=4), rand(B, 3, S, 64, seed=5), rand(B, 3, S, 64, seed=6)
+    mask = _left_padding_mask(B, S, seed=7) if kind != "shared" else (mx.arange(S) % 3 != 1).reshape(1, 1, 1, S)
+    if kind == "additive":
+        mask = mx.where(mask, 0.0, -mx.inf)
+    got = ext.decode_attention(q, k, v, 0.125, mask.reshape(mask.shape[0], S))
+    assert mx.allclose(got, sdpa(q, k, v, mask), atol=2e-6).item()
+
+
+def test_reads_keys_through_their_strides() -> None:
+    """Keys and values as a batch cache returns them: a slice of a longer buffer; and a
+    transposed last axis (copied by the kernel)."""
+    ext = _extension()
+    buffer_k, buffer_v = rand(4, 2, 96, 32, seed=8), rand(4, 2, 96, 32, seed=9)
+    k, v = buffer_k[..., 5:45, :], buffer_v[..., 5:45, :]
+    q = rand(4, 6, 1, 32, seed=10)
+    assert mx.allclose(ext.decode_attention(q, k, v, 32**-0.5), sdpa(q, k, v), atol=2e-6).item()
+    kt = rand(4, 2, 32, 40, seed=11).swapaxes(-1, -2)  # last axis strided
+    assert mx.allclose(ext.decode_attention(q, kt, v, 32**-0.5), sdpa(q, kt, v), atol=2e-6).item()
+
+
+def test_rows_attend_to_their_shared_prefix_first() -> None:
+    """Rows 0-1 share one prefix, rows 3-4 another, row 2 none: equal to plain attention over
+    each row's prefix copied in front of its own masked keys."""
+    ext = _extension()
+    B, S, heads, kv_heads, D = 5, 20, 6, 2, 32
+    q, k, v = rand(B, heads, 1, D, seed=12), rand(B, kv_heads, S, D, seed=13), rand(B, kv_heads, S, D, seed=14)
+    mask = _left_padding_mask(B, S, seed=15)
+    prefixes = [(rand(1, kv_heads, 7, D, seed=16), rand(1, kv_heads, 7, D, seed=17)),
+                (rand(1, kv_heads, 70, D, seed=18), rand(1, kv_heads, 70, D, seed=19))]
+    index = [0, 0, -1, 1, 1]
+    got = ext.decode_attention(q, k, v, D**-0.5, mask.reshape(B, S), mx.array(index, dtype=mx.int32), prefixes)
+    for b, p in enumerate(index):
+        row_k, row_v, row_mask = k[b : b + 1], v[b : b + 1], mask[b : b + 1]
+        if p >= 0:
+            pk, pv = prefixes[p]
+            row_k, row_v = mx.concatenate([pk, row_k], axis=2), mx.concatenate([pv, row_v], axis=2)
+            row_mask = mx.concatenate([mx.ones((1, 1, 1, pk.shape[2]), dtype=mx.bool_), row_mask], axis=-1)
+        assert mx.allclose(got[b : b + 1], sdpa(q[b : b + 1], row_k, row_v, row_mask), atol=2e-6).item(), b
+
+
+def test_threads_give_the_same_bits() -> None:
+    ext = _extension()
+    q, k, v = rand(64, 9, 1, 64, seed=20), rand(64, 3, 50, 64, seed=21), rand(64, 3, 50, 64, seed=22)
+    one = ext.decode_attention(q, k, v, 0.125, threads=1)
+    assert mx.array_equal(one, ext.decode_attention(q, k, v, 0.125, threads=3)).item()
+
+
+def test_rejects_what_it_does_not_compute() -> None:
+    ext = _extension()
+    q, k = rand(2, 4, 1, 24), rand(2, 2, 8, 24)
+    with pytest.raises(ValueError, match="head dim"):
+        ext.decode_attention(q, k, k, 0.2)  # 24 is not a multiple of 16
+    with pytest.raises(ValueError, match="one query"):
+        ext.decode_attention(rand(2, 4, 2, 32), rand(2, 2, 8, 32), rand(2, 2, 8, 32), 0.2)
+    with pytest.raises(ValueError, match="mask"):
+        ext.decode_attention(rand(2, 4, 1, 32), rand(2, 2, 8, 32), rand(2, 2, 8, 32), 0.2, mx.ones((3, 8), dtype=mx.bool_))
+
+
+def test_dense_attention_routes_decoding_to_the_kernel(monkeypatch) -> None:
+    _extension()
+    calls = []
+    real = attention._extension
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(real(), name)
+
+        def decode_attention(self, *args):
+            calls.append(args[4] is None)
+            return real().decode_attention(*args)
+
+    monkeypatch.setattr(attention, "_extension", Spy)
+    q, k, v = rand(2, 9, 1, 64), rand(2, 3, 12, 64), rand(2, 3, 12, 64)
+    per_head = mx.ones((2, 9, 1, 12), dtype=mx.bool_)
+    try:
+        attention.set_cpu_ops(True)
+        assert mx.allclose(attention.dense_attention(q, k, v, 0.125, "causal"), sdpa(q, k, v), atol=2e-6).item()
+        attention.dense_attention(q, k, v, 0.125, _left_padding_mask(2, 12, seed=23))
+        assert calls == [True, False]
+        attention.dense_attention(q, k, v, 0.125, per_head)  # a mask per head: MLX's ops
+        attention.dense_attention(rand(2, 9, 3, 64), k, v, 0.125, None)  # three positions: MLX's ops
+        attention.set_cpu_ops(False)
+        attention.dense_attention(q, k, v, 0.125, None)
+        assert calls == [True, False]
+    finally:
+        attention.set_cpu_ops(None)
+
+
+def test_without_the_extension_decoding_uses_mlx_ops(monkeypatch) -> None:
+    monkeypatch.setattr(attention, "_extension", lambda: None)
+    q, k, v = rand(3, 9, 1, 64), rand(3, 3, 20, 64), rand(3, 3, 20, 64)
+    mask = _left_padding_mask(3, 20, seed=24)
+    assert attention.decode_attention(q, k, v, 0.125, mask) is None
+    assert mx.allclose(attention.dense_attention(q, k, v, 0.125, mask), sdpa(q, k, v, mask), atol=2e-6).item()
