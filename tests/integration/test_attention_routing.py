@@ -39,7 +39,8 @@ def test_cache_with_attend_computes_attention_and_output_is_unchanged(tiny_model
     step_expected = model(mx.array([[7]]), cache=plain)
     step_got = model(mx.array([[7]]), cache=own)
     assert [c.calls for c in own] == [2] * len(model.layers)
-    assert mx.allclose(step_expected, step_got).item()
+    # the plain cache's one-token step runs the CPU decode kernel, which sums in another order
+    assert mx.allclose(step_expected, step_got, rtol=1e-5, atol=1e-4).item()
 
 
 def test_model_from_another_module_is_left_alone():
