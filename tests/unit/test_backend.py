@@ -42,6 +42,21 @@ def test_blas_env_bad_path_falls_back_with_warning() -> None:
     assert "reference BLAS" in _blas_in_subprocess("/no/such/libblas.so")
 
 
+def _timeout_in_subprocess(value: str | None) -> str | None:
+    env = {k: v for k, v in os.environ.items() if k not in (backend.BLAS_ENV, backend.OPENBLAS_TIMEOUT_ENV)}
+    if value is not None:
+        env[backend.OPENBLAS_TIMEOUT_ENV] = value
+    code = f"import json, os, mlx_parallm_provider\nprint(json.dumps(os.environ.get({backend.OPENBLAS_TIMEOUT_ENV!r})))"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or backend.find_openblas() is None, reason="needs the OpenBLAS preload")
+def test_openblas_threads_sleep_after_each_call_unless_the_user_says_otherwise() -> None:
+    assert _timeout_in_subprocess(None) == backend.OPENBLAS_TIMEOUT  # set before OpenBLAS loads
+    assert _timeout_in_subprocess("12") == "12"
+
+
 def test_should_dequantize(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(backend.DEQUANTIZE_ENV, raising=False)
     assert backend.should_dequantize(True) is True
