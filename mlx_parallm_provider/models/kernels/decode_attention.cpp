@@ -22,6 +22,7 @@
 #include <utility>
 #include <stdexcept>
 #include <string>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -274,7 +275,10 @@ class DecodeAttentionCPU : public mx::Primitive {
     };
     int helpers = std::min(threads, std::max(items / kItemsPerThread, 1)) - 1;  // a thread costs ~20 us to start
     std::vector<std::thread> pool;
-    for (int t = 0; t < helpers; t++) pool.emplace_back(worker);
+    try {
+      for (int t = 0; t < helpers; t++) pool.emplace_back(worker);
+    } catch (const std::system_error&) {  // no thread to be had: the threads started so far share the work
+    }
     worker();
     for (auto& t : pool) t.join();
   }
