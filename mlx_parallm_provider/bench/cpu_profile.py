@@ -7,9 +7,9 @@ process.
 
 Each op family is timed alone at the step's real shapes, for every layer, as one evaluated
 graph (the best of ``--repeats``). Times are the process's CPU time with one OpenBLAS
-thread and one decode-attention thread (set in a child process): on a shared machine wall-clock times swing several-fold
-from run to run while this stays within a few percent (``--wall`` times wall-clock with the
-default threads instead). "full step" is the model's forward plus the greedy argmax;
+thread and one decode-attention thread (set in a child process): on a shared machine
+wall-clock times swing several-fold from run to run while this stays within a few percent
+(``--wall`` times wall-clock with the default threads instead). "full step" is the model's forward plus the greedy argmax;
 "other" is the full step less the parts (op dispatch and what the parts miss). "worker
 bookkeeping" is the engine worker's per-step Python work after sampling (detokenising,
 stop strings, delivery), measured on a real engine run of ``batch`` requests.

@@ -76,17 +76,17 @@ def _threads() -> int:
 
 
 def _row_mask(mask: Optional[Any], batch: int, keys: int) -> tuple[bool, Optional[mx.array]]:
-    """mlx-lm's mask for one query position as the kernel takes it, ``(1 or B, S)``:
-    ``(True, mask)``, ``(True, None)`` for no mask, ``(False, None)`` for a form it does
-    not take (a mask per head)."""
+    """Whether the kernel takes mlx-lm's mask for one query position, and the mask to pass:
+    ``(True, mask)`` for one that reshapes to ``(1 or B, S)`` (the kernel reshapes it),
+    ``(True, None)`` for no mask, ``(False, None)`` for a form it does not take (a mask per
+    head)."""
     if mask is None or (isinstance(mask, str) and mask == "causal"):  # one query sees every key
         return True, None
     if isinstance(mask, str) or mask.shape[-1] != keys or mask.size not in (keys, batch * keys):
         return False, None
-    rows = mask.size // keys
-    if mask.ndim > 1 and mask.shape[0] != rows:
+    if mask.ndim > 1 and mask.shape[0] != mask.size // keys:
         return False, None
-    return True, mask.reshape(rows, keys)
+    return True, mask
 
 
 def decode_attention(

@@ -213,13 +213,11 @@ class DecodeAttentionCPU : public mx::Primitive {
   struct View {
     const float* data;
     std::vector<int64_t> strides;
-    std::vector<float> copy;
+    std::vector<char> copy;
 
     explicit View(const mx::array& a) : data(a.data<float>()), strides(a.strides().begin(), a.strides().end()) {
       if (a.ndim() && a.shape(-1) > 1 && a.strides().back() != 1) {
-        copy.resize(a.size());
-        for (size_t i = 0; i < a.size(); i++) copy[i] = data[mx::elem_to_loc(static_cast<int64_t>(i), a.shape(), a.strides())];
-        data = copy.data();
+        data = reinterpret_cast<const float*>(row_major(a, copy));
         strides.assign(a.ndim(), 1);
         for (int d = a.ndim() - 2; d >= 0; d--) strides[d] = strides[d + 1] * a.shape(d + 1);
       }

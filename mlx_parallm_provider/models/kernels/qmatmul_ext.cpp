@@ -6,7 +6,6 @@
 // nanobind domain, so mx.array arguments convert.
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -17,7 +16,6 @@
 #include <nanobind/stl/vector.h>
 
 #include "cpu_primitive.h"
-#include "mlx/backend/common/utils.h"
 #include "mlx/ops.h"
 
 extern "C" int qmatmul(const float* x, int M, int K, const uint8_t* w, const float* scales,
@@ -40,20 +38,6 @@ namespace {
 
 constexpr int kMaxRows = 8;  // qmatmul.c's MAX_ROWS
 
-// The array's bytes in row-major order: its own buffer when row-contiguous, else a copy.
-const char* row_major(const mx::array& a, std::vector<char>& copy) {
-  if (a.flags().row_contiguous) {
-    return a.data<char>();
-  }
-  size_t item = a.itemsize();
-  copy.resize(a.size() * item);
-  const char* src = a.data<char>();
-  for (size_t i = 0; i < a.size(); i++) {
-    std::memcpy(copy.data() + i * item, src + mx::elem_to_loc(static_cast<int>(i), a.shape(), a.strides()) * item, item);
-  }
-  return copy.data();
-}
-
 class QMatmul : public mx::Primitive {
  public:
   QMatmul(mx::Stream stream, int bits, int group, int threads)
@@ -65,6 +49,7 @@ class QMatmul : public mx::Primitive {
     encoder.dispatch([x = mx::array::unsafe_weak_copy(inputs[0]), w = mx::array::unsafe_weak_copy(inputs[1]),
                       s = mx::array::unsafe_weak_copy(inputs[2]), b = mx::array::unsafe_weak_copy(inputs[3]),
                       out = mx::array::unsafe_weak_copy(out), bits = bits_, group = group_, threads = threads_]() mutable {
+      using mlx_parallm::row_major;
       std::vector<char> xc, wc, sc, bc;
       int k = x.shape(-1), n = w.shape(0);
       int m = static_cast<int>(x.size() / k);
