@@ -43,6 +43,13 @@ class EngineConfig:
             ``max_kv_size - 1`` tokens (beyond that the window has moved).
         prefix_cache_memory_gb: most memory the prefix store keeps (least recently used
             prefixes are evicted past it); counted apart from ``kv_cache_memory_gb``.
+        kv_layout: ``"paged"``: KV in blocks of ``kv_block_size`` tokens from one pool
+            (``kv_cache_memory_gb`` of blocks, or up to half the free memory when unset),
+            admission by free blocks and preemption when they run out; models it cannot
+            serve (a rotating ``max_kv_size`` cache, sliding-window layers, attention not
+            routed through the cache) keep the rectangle, logged. ``"rectangle"``: the
+            left-padded batch cache (rows x longest row), kept while both exist.
+        kv_block_size: tokens per KV block of the paged layout.
     """
 
     max_num_seqs: int = 64
@@ -56,6 +63,8 @@ class EngineConfig:
     dequantize: Optional[bool] = None
     enable_prefix_caching: bool = True
     prefix_cache_memory_gb: float = 1.0
+    kv_layout: str = "paged"
+    kv_block_size: int = 32
 
     def __post_init__(self) -> None:
         _check_int("max_num_seqs", self.max_num_seqs, minimum=1)
@@ -80,6 +89,9 @@ class EngineConfig:
         _check_number("prefix_cache_memory_gb", self.prefix_cache_memory_gb, minimum=0.0)
         if self.prefix_cache_memory_gb == 0:
             raise InvalidParameterError("prefix_cache_memory_gb", "must be > 0 (enable_prefix_caching=False turns the store off)")
+        if self.kv_layout not in ("paged", "rectangle"):
+            raise InvalidParameterError("kv_layout", f"must be 'paged' or 'rectangle', got {self.kv_layout!r}")
+        _check_int("kv_block_size", self.kv_block_size, minimum=1, maximum=4096)
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise InvalidParameterError(
                 "max_num_batched_tokens",

@@ -242,14 +242,16 @@ class Engine:
     def stats(self) -> dict[str, Any]:
         """A plain, JSON-serialisable dict: requests running / waiting / finished, token
         counts, the largest decode batch seen, tokens/s over the last minute, p50/p99
-        of TTFT, TPOT, ITL and queue time (seconds), and ``prefix_cache`` (hit rate,
-        cached tokens and bytes, evictions)."""
+        of TTFT, TPOT, ITL and queue time (seconds), ``prefix_cache`` (hit rate,
+        cached tokens and bytes, evictions) and ``kv_cache`` (the layout; for paged KV
+        blocks total / free / used, ``kv_cache_usage_perc``, preemptions)."""
         worker = self._worker
         running = worker.num_running if worker is not None and worker.alive else 0
         waiting = worker.num_waiting if worker is not None and worker.alive else 0
         snap = self.metrics.snapshot(running=running, waiting=waiting)
         snap["model"] = self.model_name
         snap["prefix_cache"] = prefix_stats(self.config, worker.prefix_cache if worker is not None else None, snap)
+        snap["kv_cache"] = worker.kv_stats() if worker is not None else {"layout": self.config.kv_layout}
         return snap
 
     def shutdown(self) -> None:
@@ -311,11 +313,12 @@ class Engine:
             worker = self._live_worker()
             if not worker.scheduler.fits_alone(request):
                 budget = self.config.kv_cache_memory_gb
+                held = worker.kv.capacity_tokens if worker.kv is not None else worker.scheduler.kv_budget_tokens
                 raise InvalidParameterError(
                     "max_tokens",
-                    f"prompt ({len(ids)}) + max_tokens ({params.max_tokens}) needs "
-                    f"{request.max_kv_tokens * self._kv_bytes_per_token / 1024**2:.1f} MiB of KV cache, "
-                    f"more than the engine's kv_cache_memory_gb budget ({budget} GiB)",
+                    f"prompt ({len(ids)}) + max_tokens ({params.max_tokens}) needs {request.max_kv_tokens} tokens "
+                    f"({request.max_kv_tokens * self._kv_bytes_per_token / 1024**2:.3g} MiB) of KV cache, more than "
+                    f"the engine's whole KV pool holds ({held} tokens; kv_cache_memory_gb={budget})",
                 )
             if worker.num_waiting >= self.config.max_queue:
                 raise EngineOverloadedError(
@@ -339,7 +342,7 @@ class Engine:
                 if self._worker is not None:
                     logger.warning("starting a fresh worker after: %s", self._worker.dead)
                 self._worker = Worker(self._loaded.model, self.tokenizer, self.config, self.metrics, self._kv_bytes_per_token,
-                                      vocab_size=self.vocab_size or 0)
+                                      vocab_size=self.vocab_size or 0, context_length=_context_length(self._loaded))
             return self._worker
 
     def _cancel(self, request: Request) -> None:
@@ -347,6 +350,14 @@ class Engine:
         worker = self._worker
         if worker is not None:
             worker.wake()
+
+
+def _context_length(loaded: LoadedModel) -> int:
+    """The model's context length, 4096 where it does not say."""
+    try:
+        return int(loaded.context_length) or 4096
+    except Exception:
+        return 4096
 
 
 def _kv_bytes_per_token(loaded: LoadedModel) -> int:

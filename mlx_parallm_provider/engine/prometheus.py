@@ -7,8 +7,10 @@ with this package's prefix (``mlx_parallm:`` unless told otherwise; ``"vllm:"`` 
 dashboards and routers written for vLLM read it unchanged):
 
 - gauges ``num_requests_running``, ``num_requests_waiting``, ``kv_cache_usage_perc``
-  (0..1: KV budget reserved by admitted requests, or batch slots used when there is no
-  budget) and ``prefix_cache_usage_perc`` (0..1 of the prefix store's memory);
+  (0..1: used / total KV blocks; for the rectangle layout the budget reserved by admitted
+  requests, or batch slots used when there is no budget), ``kv_cache_blocks_total`` /
+  ``kv_cache_blocks_free`` and ``prefix_cache_usage_perc`` (0..1 of the prefix store's memory);
+- counter ``num_preemptions`` (requests whose KV blocks were taken back, to be recomputed);
 - counters ``prompt_tokens``, ``generation_tokens``, ``prefix_cache_queries`` (prompt
   tokens looked up) and ``prefix_cache_hits`` (prompt tokens found cached),
   ``request_success`` (requests finished), ``prefix_cache_hit_requests``;
@@ -42,22 +44,22 @@ COUNTERS = {
 
 
 def engine_gauges(engine: Any) -> dict[str, float]:
-    """``running``, ``waiting``, ``kv_usage`` and ``prefix_usage`` of an engine, read
+    """``running``, ``waiting``, ``kv_usage`` (used / total KV blocks; for the rectangle
+    layout the admitted requests' share of the budget), ``prefix_usage`` and the KV blocks
+    total / free of an engine, read
     without blocking its worker (a racy but consistent-enough snapshot)."""
     worker = engine._worker
     if worker is None or not worker.alive:
-        return {"running": 0.0, "waiting": 0.0, "kv_usage": 0.0, "prefix_usage": 0.0}
-    scheduler = worker.scheduler
+        return {"running": 0.0, "waiting": 0.0, "kv_usage": 0.0, "prefix_usage": 0.0, "kv_blocks_total": 0.0, "kv_blocks_free": 0.0}
     running, waiting = worker.num_running, worker.num_waiting
-    budget = scheduler.kv_budget_tokens
-    if budget:
-        held = [*scheduler.running, *scheduler.prefilling, *([scheduler.chunking] if scheduler.chunking else [])]
-        kv_usage = sum(r.max_kv_tokens for r in held) / budget
-    else:
-        kv_usage = running / scheduler.max_num_seqs
+    kv_usage = worker.kv_usage()
     store = worker.prefix_cache
     prefix_usage = store.nbytes / store.max_bytes if store is not None and store.max_bytes else 0.0
-    return {"running": float(running), "waiting": float(waiting), "kv_usage": min(kv_usage, 1.0), "prefix_usage": min(prefix_usage, 1.0)}
+    kv = worker.kv_stats()
+    return {
+        "running": float(running), "waiting": float(waiting), "kv_usage": min(kv_usage, 1.0), "prefix_usage": min(prefix_usage, 1.0),
+        "kv_blocks_total": float(kv.get("kv_blocks_total", 0)), "kv_blocks_free": float(kv.get("kv_blocks_free", 0)),
+    }
 
 
 class EngineCollector:
@@ -85,13 +87,18 @@ class EngineCollector:
             "waiting": GaugeMetricFamily(p + "num_requests_waiting", "Requests waiting to be admitted.", labels=labels),
             "kv_usage": GaugeMetricFamily(p + "kv_cache_usage_perc", "KV cache usage (1 = full).", labels=labels),
             "prefix_usage": GaugeMetricFamily(p + "prefix_cache_usage_perc", "Prefix store usage (1 = full).", labels=labels),
+            "kv_blocks_total": GaugeMetricFamily(p + "kv_cache_blocks_total", "KV blocks in the pool (paged KV).", labels=labels),
+            "kv_blocks_free": GaugeMetricFamily(p + "kv_cache_blocks_free", "Free KV blocks (paged KV).", labels=labels),
         }
         counters = {k: CounterMetricFamily(p + name, doc, labels=labels) for k, (name, doc) in COUNTERS.items()}
         histograms = {k: HistogramMetricFamily(p + name, doc, labels=labels) for k, (name, doc) in HISTOGRAMS.items()}
+        preemptions = CounterMetricFamily(p + "num_preemptions", "Requests preempted for want of KV blocks.", labels=labels)
         for engine in list(self._engines()):
             name = [str(engine.model_name)]
             for key, value in engine_gauges(engine).items():
                 gauges[key].add_metric(name, value)
+            worker = engine._worker
+            preemptions.add_metric(name, float(worker.kv_stats().get("num_preemptions", 0)) if worker is not None else 0.0)
             snap = engine.metrics.snapshot()
             snap["prompt_tokens_queried"] = snap["prompt_tokens"]
             for key, family in counters.items():
@@ -101,6 +108,7 @@ class EngineCollector:
                     buckets = [(repr(float(b)), float(c)) for b, c in zip(LATENCY_BUCKETS, hist.buckets)]
                     histograms[key].add_metric(name, [*buckets, ("+Inf", float(hist.count))], hist.sum)
         yield from gauges.values()
+        yield preemptions
         yield from counters.values()
         yield from histograms.values()
 

@@ -187,11 +187,23 @@ class Request:
     num_cached: int = 0  # leading prompt tokens whose KV came from the prefix store
     cancelled: bool = False
     finished: bool = False
+    num_preemptions: int = 0  # times its KV blocks were taken back, to be recomputed
     state: object = None  # worker-private per-request state (sampler, text stream, ...)
 
     @property
     def prompt_len(self) -> int:
         return len(self.prompt_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt + output tokens so far."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def computed_ids(self) -> list[int]:
+        """The tokens whose KV an admitted request computes before it samples: its prompt,
+        plus its output so far when it was preempted and is recomputed."""
+        return self.prompt_ids + self.output_ids if self.output_ids else self.prompt_ids
 
     def time_left(self, now: float) -> Optional[float]:
         """Seconds until the deadline (may be negative), or None without one."""

@@ -9,6 +9,13 @@ Each step (vLLM v1's shape, in miniature):
    counting padding): short prompts together as one left-padded prefill batch, a prompt
    longer than ``prefill_chunk_size`` (or than the budget left) as a chunked prefill.
 
+KV blocks (when given a :class:`~.kv.KVCacheManager`): a request is admitted only when
+the pool has free blocks for its prompt, which it is given at once; before each step every
+running row gets room for the token it decodes, and when the pool runs out the newest
+running request is preempted (its blocks freed, itself queued first to be recomputed from
+its prompt and output so far), as vLLM v1 does. The flat ``kv_budget_tokens`` count (prompt
++ max_tokens) is the budget of the rectangle layout only.
+
 Admission is first-come first-served: a request that does not fit blocks the ones behind it,
 so a large request is never starved by a stream of small ones.
 
@@ -27,6 +34,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional
 
+from .kv import KVCacheManager
 from .prefix_match import common_prefix_len
 from .request import Request
 
@@ -66,6 +74,7 @@ class Scheduler:
         prefix_capacity_tokens: Optional[int] = None,
         prefix_max_tokens: Optional[int] = None,
         min_shared_tokens: int = 64,
+        kv: Optional[KVCacheManager] = None,
     ) -> None:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -75,6 +84,7 @@ class Scheduler:
         self.prefix_capacity_tokens = prefix_capacity_tokens
         self.prefix_max_tokens = prefix_max_tokens  # the most leading tokens a row may reuse
         self.min_shared_tokens = min_shared_tokens
+        self.kv = kv
         self.waiting: deque[Request] = deque()
         self.prefilling: list[Request] = []  # admitted this step, prefilled as one batch
         self.chunking: Optional[Request] = None
@@ -96,7 +106,10 @@ class Scheduler:
             self.running.append(request)
 
     def remove(self, request: Request) -> None:
-        """Drop a request wherever it is (finished, cancelled, timed out or failed)."""
+        """Drop a request wherever it is (finished, cancelled, timed out or failed); its KV
+        blocks are freed."""
+        if self.kv is not None:
+            self.kv.free(id(request))
         if request is self.chunking:
             self.chunking = None
         elif request in self.running:
@@ -117,6 +130,9 @@ class Scheduler:
     def clear(self) -> list[Request]:
         """Forget every request (the worker is going away); returns them."""
         requests = self.all_requests()
+        if self.kv is not None:
+            for request in requests:
+                self.kv.free(id(request))
         self.waiting.clear()
         self.prefilling.clear()
         self.chunking = None
@@ -133,17 +149,26 @@ class Scheduler:
         return len(self.waiting)
 
     def fits_alone(self, request: Request) -> bool:
-        """Whether the request could ever be admitted under the KV budget."""
+        """Whether the request could ever be admitted under the KV budget (the pool, or
+        the rectangle layout's token budget)."""
+        if self.kv is not None:
+            return self.kv.fits_alone(request.max_kv_tokens)
         return self.kv_budget_tokens is None or request.max_kv_tokens <= self.kv_budget_tokens
+
+    @property
+    def num_preemptions(self) -> int:
+        return 0 if self.kv is None else self.kv.num_preemptions
 
     # -- policy -----------------------------------------------------------------------
 
     def schedule(self) -> StepPlan:
         """Plan the next step."""
+        if self.kv is not None:
+            self._make_room_to_decode()
         plan = StepPlan(decode=list(self.running))
         budget = self.max_num_batched_tokens - len(plan.decode)
         if self.chunking is not None and budget > 0:
-            remaining = self.chunking.prompt_len - self.chunking.num_prefilled
+            remaining = self.chunking.num_tokens - self.chunking.num_prefilled
             n = min(self.prefill_chunk_size, remaining, budget)
             plan.chunk = (self.chunking, n)
             budget -= n
@@ -158,13 +183,16 @@ class Scheduler:
         deferred: list[Request] = []
         while self.waiting and slots > 0 and budget > 0:
             request = self.waiting[0]
-            if self.kv_budget_tokens is not None and kv_used + request.max_kv_tokens > self.kv_budget_tokens:
+            if self.kv is not None:
+                if not self.kv.can_hold({id(request): request.num_tokens + self.kv.block_size}):
+                    break  # a block of headroom, so that it is not preempted at once
+            elif self.kv_budget_tokens is not None and kv_used + request.max_kv_tokens > self.kv_budget_tokens:
                 break
             cached = self._cached_len(request)
             if self._waits_for_sharer(request, cached, sharers):
                 deferred.append(self.waiting.popleft())
                 continue
-            uncached = request.prompt_len - cached
+            uncached = request.num_tokens - cached
             padded_cost = (len(plan.prefill) + 1) * max(longest, uncached)
             if uncached <= self.prefill_chunk_size and padded_cost <= budget:
                 plan.prefill.append(request)
@@ -178,6 +206,8 @@ class Scheduler:
             else:
                 break
             request.num_cached = request.num_prefilled = cached
+            if self.kv is not None:  # its prompt, and the token it decodes in the step its prefill ends
+                self.kv.grow(id(request), request.num_tokens + 1)
             self.waiting.popleft()
             sharers.append(request)
             slots -= 1
@@ -185,11 +215,33 @@ class Scheduler:
         self.waiting.extendleft(reversed(deferred))
         return plan
 
+    def _make_room_to_decode(self) -> None:
+        """Give every running row a slot for the token it decodes this step, preempting
+        the newest requests (running, else the one being chunk-prefilled) while the pool
+        has too few free blocks."""
+        assert self.kv is not None
+        while True:
+            wanted = {id(r): r.num_tokens for r in self.running}
+            if self.kv.can_hold(wanted):
+                for owner, tokens in wanted.items():
+                    self.kv.grow(owner, tokens)
+                return
+            if self.chunking is not None:
+                victim, self.chunking = self.chunking, None
+            elif len(self.running) > 1:
+                victim = self.running.pop()
+            else:  # pragma: no cover - fits_alone() holds every request to the whole pool
+                raise RuntimeError("one request needs more KV blocks than the pool has")
+            self.kv.preempted(id(victim))
+            victim.num_preemptions += 1
+            victim.num_prefilled = victim.num_cached = 0
+            self.waiting.appendleft(victim)
+
     def _cached_len(self, request: Request) -> int:
         """Prompt tokens the store already holds (at least one token is always computed,
         for the logits of the first output token)."""
-        if self.prefix_match is None:
-            return 0
+        if self.prefix_match is None or request.output_ids:
+            return 0  # a preempted request recomputes all it had
         return min(self.prefix_match(request.prompt_ids), request.prompt_len - 1)
 
     def _waits_for_sharer(self, request: Request, cached: int, sharers: list[Request]) -> bool:

@@ -7,6 +7,8 @@ import asyncio
 import threading
 import time
 
+import pytest
+
 import prometheus_client  # the `proxy` extra (in `dev`)
 
 from mlx_parallm_provider import SamplingParams
@@ -52,8 +54,15 @@ def test_a_scrape_during_and_after_a_run(make_engine) -> None:
     waiting = [s[f"vllm:num_requests_waiting{label}"] for s in seen]
     assert max(running) == 4 and max(waiting) >= 1  # 12 requests, 4 rows: the rest wait
     assert after[f"vllm:num_requests_running{label}"] == 0 and after[f"vllm:num_requests_waiting{label}"] == 0
-    assert max(s[f"vllm:kv_cache_usage_perc{label}"] for s in seen) == 1.0  # every batch slot taken
     stats = engine.stats()
+    # Paged KV: usage is used / total blocks, as the engine's own stats count them.
+    total = stats["kv_cache"]["kv_blocks_total"]
+    assert {s[f"vllm:kv_cache_blocks_total{label}"] for s in seen} <= {0, total}  # 0: no worker yet
+    busiest = max(seen, key=lambda s: s[f"vllm:kv_cache_usage_perc{label}"])
+    used = total - busiest[f"vllm:kv_cache_blocks_free{label}"]
+    assert 0 < busiest[f"vllm:kv_cache_usage_perc{label}"] == pytest.approx(used / total, abs=1 / total)
+    assert after[f"vllm:kv_cache_usage_perc{label}"] == 0 and after[f"vllm:kv_cache_blocks_free{label}"] == total
+    assert after[f"vllm:num_preemptions_total{label}"] == stats["kv_cache"]["num_preemptions"] == 0
     assert after[f"vllm:time_to_first_token_seconds_count{label}"] == 12
     assert after[f"vllm:generation_tokens_total{label}"] == stats["generated_tokens"]
     assert after[f"vllm:inter_token_latency_seconds_count{label}"] == stats["generated_tokens"] - 12

@@ -63,10 +63,12 @@ def _run(engine, first, second, lengths) -> list[list[int]]:
 def test_rows_sharing_joining_and_leaving_decode_the_same_tokens(make_engine, group_sizes) -> None:
     first, second, lengths = _workload(0)
     off = _run(make_engine(enable_prefix_caching=False), first, second, lengths)
-    assert not group_sizes
-    on = _run(make_engine(), first, second, lengths)
+    paged = _run(make_engine(), first, second, lengths)  # paged KV: prefixes copied into blocks
+    assert not group_sizes and paged == off
+    on = _run(make_engine(kv_layout="rectangle"), first, second, lengths)
     assert on == off
-    # Prefixes really were held once for several rows, and more than one group at a time.
+    # Prefixes really were held once for several rows, and more than one group at a time
+    # (the rectangle layout's cascade; paged KV does not share blocks yet).
     assert max(max(g) for g in group_sizes) >= 4
     assert any(len(g) >= 2 for g in group_sizes)
 
@@ -97,12 +99,17 @@ def test_quantized_model_same_tokens_with_sharing_on_and_off(tmp_path, tiny_mode
     first, second, lengths = _workload(1)
     outs = []
     for on in (False, True):
-        engine = Engine("q8", EngineConfig(enable_prefix_caching=on), loaded=LoadedModel("q8", folder, quantized.model, quantized.tokenizer, quantized.config))
+        engine = Engine("q8", EngineConfig(enable_prefix_caching=on, kv_layout="rectangle"), loaded=LoadedModel("q8", folder, quantized.model, quantized.tokenizer, quantized.config))
         try:
             outs.append(_run(engine, first, second, lengths))
         finally:
             engine.shutdown()
     assert outs[0] == outs[1] and max(max(g) for g in group_sizes) >= 4
+    engine = Engine("q8", EngineConfig(), loaded=LoadedModel("q8", folder, quantized.model, quantized.tokenizer, quantized.config))
+    try:
+        assert _run(engine, first, second, lengths) == outs[0]  # paged KV, prefix caching on
+    finally:
+        engine.shutdown()
 
 
 def test_sharing_needs_routed_attention_and_a_plain_kv_cache(tiny_model) -> None:

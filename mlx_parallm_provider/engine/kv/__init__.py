@@ -1,0 +1,14 @@
+"""KV memory in fixed-size blocks, owned in one place.
+
+* :mod:`.block_pool`: which blocks are free, reference counts (pure bookkeeping).
+* :mod:`.manager`: per-request block tables over the pool; what the scheduler asks before
+  admitting, growing or preempting a request (pure bookkeeping, no MLX).
+* :mod:`.storage`: the blocks' K and V arrays, one pool per layer (MLX).
+* :mod:`.paged_cache`: the per-layer cache object a model sees for one forward pass: it
+  writes the step's new K/V into blocks and attends through the rows' block tables.
+"""
+
+from .block_pool import BlockPool
+from .manager import KVCacheManager, blocks_for
+
+__all__ = ["BlockPool", "KVCacheManager", "blocks_for"]

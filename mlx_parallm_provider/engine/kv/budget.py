@@ -1,0 +1,49 @@
+"""How many KV blocks an engine's pool has: from ``kv_cache_memory_gb`` when set, else
+from the machine's free memory (as vLLM sizes its pool from ``gpu_memory_utilization``)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Optional
+
+logger = logging.getLogger(__name__)
+
+FREE_MEMORY_FRACTION = 0.5
+"""Share of the memory free at start that an unset budget may grow into."""
+
+
+def available_memory_bytes() -> Optional[int]:
+    """Memory the OS says is available now (``MemAvailable``; total physical memory where
+    there is no /proc), or None when unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def pool_blocks(budget_bytes: Optional[int], bytes_per_token: int, block_size: int, max_tokens_wanted: int) -> int:
+    """Blocks in the pool (the null block included).
+
+    With a budget, as many as it holds. Without one, enough for ``max_tokens_wanted``
+    (every slot at its full context) but no more than :data:`FREE_MEMORY_FRACTION` of the
+    available memory; the arrays then grow only as blocks are used (:mod:`.storage`)."""
+    block_bytes = bytes_per_token * block_size
+    if budget_bytes is not None:
+        return max(2, budget_bytes // block_bytes + 1)
+    wanted = -(-max_tokens_wanted // block_size) + 1
+    free = available_memory_bytes()
+    if free is not None:
+        wanted = min(wanted, max(2, int(free * FREE_MEMORY_FRACTION) // block_bytes + 1))
+    logger.info(
+        "KV pool: %d blocks of %d tokens (%.2f GiB at most; kv_cache_memory_gb sets it)",
+        wanted - 1, block_size, (wanted - 1) * block_bytes / 1024**3,
+    )
+    return max(2, wanted)

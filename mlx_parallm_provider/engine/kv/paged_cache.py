@@ -1,0 +1,142 @@
+"""What a model sees of the paged KV for one forward pass.
+
+:class:`PagedBatch` describes the pass once (each row's block table, how many tokens it
+already holds, how many it brings); :meth:`PagedBatch.layers` gives one
+:class:`PagedLayerCache` per layer, the object mlx-lm's attention calls as its ``cache``:
+``offset`` (each row's position, for RoPE), ``update_and_fetch`` (writes the new K/V into
+the row's blocks) and ``attend`` (attention through the block tables; the model's
+attention is routed there by :func:`~mlx_parallm_provider.models.attention.attend`).
+
+Attention reads each row's blocks: rows are gathered, per length bucket, into a transient
+rectangle (so a long row never makes short rows attend over its length), then attended by
+:func:`~mlx_parallm_provider.models.attention.dense_attention`. Nothing outlives the pass
+but the blocks.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import mlx.core as mx
+
+from ...models import attention
+from .block_pool import NULL_BLOCK
+from .storage import PagedKVStorage
+
+BUCKET_RATIO = 2
+"""Rows attend in buckets whose longest row is at most this many times their shortest."""
+
+
+class PagedBatch:
+    """One forward pass over rows of the paged KV.
+
+    Args:
+        storage: the layers' K/V arrays.
+        tables: each row's block table (enough blocks for ``starts[b] + lengths[b]`` tokens).
+        starts: tokens each row already holds (its first new token's position).
+        lengths: new tokens of each row in this pass (at most ``width``; the rest is padding).
+        width: the tokens axis of the pass's input.
+    """
+
+    def __init__(self, storage: PagedKVStorage, tables: Sequence[Sequence[int]], starts: Sequence[int], lengths: Sequence[int], width: int) -> None:
+        bs = storage.block_size
+        self.storage, self.width = storage, width
+        self.totals = [s + n for s, n in zip(starts, lengths)]
+        self.offset = mx.array(list(starts), dtype=mx.int32)
+        writes = []
+        for table, start, n in zip(tables, starts, lengths):
+            row = [table[(start + i) // bs] * bs + (start + i) % bs for i in range(n)]
+            writes.extend(row + [NULL_BLOCK * bs] * (width - n))
+        storage.check(max(writes, default=0))
+        self.write_slots = mx.array(writes, dtype=mx.int32)
+        self.buckets = [_Bucket(idx, tables, starts, lengths, self.totals, width, bs) for idx in _length_buckets(self.totals)]
+
+    def layers(self) -> list["PagedLayerCache"]:
+        """One cache object per layer, for ``model(tokens, cache=...)``."""
+        return [PagedLayerCache(self, layer) for layer in range(self.storage.num_layers)]
+
+
+class _Bucket:
+    """Rows attended together: their slots (padded to the bucket's longest row) and mask."""
+
+    def __init__(self, rows: list[int], tables: Sequence[Sequence[int]], starts: Sequence[int], lengths: Sequence[int],
+                 totals: Sequence[int], width: int, bs: int) -> None:
+        self.rows = rows
+        self.index = None if rows == list(range(len(totals))) else mx.array(rows, dtype=mx.int32)
+        longest = max(totals[b] for b in rows)
+        slots = []
+        for b in rows:
+            table = tables[b]
+            row = [table[t // bs] * bs + t % bs for t in range(totals[b])]
+            slots.append(row + [NULL_BLOCK * bs] * (longest - totals[b]))
+        self.slots = mx.array(slots, dtype=mx.int32)
+        key = mx.arange(longest)[None, None, :]  # (1, 1, S)
+        start = mx.array([starts[b] for b in rows])[:, None, None]
+        total = mx.array([totals[b] for b in rows])[:, None, None]
+        if width == 1:
+            self.mask = (key < total)[:, None]  # (B, 1, 1, S)
+        else:
+            # Query i of row b sits at start_b + i; queries past the row's end (padding)
+            # see the row's real keys only, so they never attend to nothing.
+            query = mx.minimum(start + mx.arange(width)[None, :, None], total - 1)
+            self.mask = ((key <= query) & (key < total))[:, None]  # (B, 1, L, S)
+
+
+def _length_buckets(totals: Sequence[int]) -> list[list[int]]:
+    """Rows grouped so that no row attends over more than ``BUCKET_RATIO`` times its length."""
+    order = sorted(range(len(totals)), key=lambda b: totals[b])
+    buckets: list[list[int]] = []
+    for b in order:
+        if buckets and totals[b] <= BUCKET_RATIO * max(totals[buckets[-1][0]], 1):
+            buckets[-1].append(b)
+        else:
+            buckets.append([b])
+    if len(buckets) == 1:
+        return [list(range(len(totals)))]
+    return buckets
+
+
+class PagedLayerCache:
+    """One layer's view of a :class:`PagedBatch` (mlx-lm's cache interface)."""
+
+    def __init__(self, batch: PagedBatch, layer: int) -> None:
+        self.batch, self.layer = batch, layer
+
+    @property
+    def offset(self) -> mx.array:
+        return self.batch.offset
+
+    @property
+    def state(self) -> tuple[Any, ...]:
+        s = self.batch.storage
+        return (s.keys[self.layer], s.values[self.layer])
+
+    def make_mask(self, N: int, return_array: bool = False, **kwargs: Any) -> None:
+        return None  # attend() builds each bucket's mask from the block tables
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Write the pass's new K/V (``(B, kv_heads, L, D)``) into the rows' blocks."""
+        B, H, L, D = keys.shape
+        flat_k = keys.swapaxes(1, 2).reshape(B * L, H, D)
+        flat_v = values.swapaxes(1, 2).reshape(B * L, H, values.shape[-1])
+        self.batch.storage.write(self.layer, self.batch.write_slots, flat_k, flat_v)
+        return keys, values
+
+    def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Optional[Any]) -> mx.array:
+        """Attention of ``queries`` (B, heads, L, D) over each row's blocks."""
+        outs = []
+        for bucket in self.batch.buckets:
+            k, v = self.batch.storage.read(self.layer, bucket.slots)  # (b, S, kv_heads, D)
+            q = queries if bucket.index is None else queries[bucket.index]
+            outs.append(attention.dense_attention(q, k.swapaxes(1, 2), v.swapaxes(1, 2), scale=scale, mask=bucket.mask))
+        if len(outs) == 1:
+            return outs[0]
+        order = [b for bucket in self.batch.buckets for b in bucket.rows]
+        inverse = mx.array(sorted(range(len(order)), key=lambda i: order[i]), dtype=mx.int32)
+        return mx.concatenate(outs, axis=0)[inverse]
+
+    def is_trimmable(self) -> bool:
+        return False
+
+    def empty(self) -> bool:
+        return False

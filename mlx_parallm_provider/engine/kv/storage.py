@@ -1,0 +1,70 @@
+"""The K and V arrays behind a block pool: one pair per layer, slot-major.
+
+Layer ``l``'s keys are ``keys[l]`` of shape ``(blocks * block_size, kv_heads, head_dim)``:
+token ``t`` of a row whose block table is ``table`` lives at slot
+``table[t // block_size] * block_size + t % block_size``. Writes are in-place scatters (MLX
+donates the buffer), so a step's cost is its own tokens, never the batch's.
+
+The arrays are created at the first write (shapes and dtype from the model's own K/V) and
+hold as many blocks as :meth:`reserve` last asked for, up to the pool's size: with an
+explicit budget that is the whole pool at once; otherwise they grow by doubling as the
+highest block in use rises, so a small workload holds little memory.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import mlx.core as mx
+
+
+class PagedKVStorage:
+    """Per-layer K/V pools for ``num_blocks`` blocks of ``block_size`` tokens."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, preallocate: bool = False) -> None:
+        self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
+        self.keys: list[Optional[mx.array]] = [None] * num_layers
+        self.values: list[Optional[mx.array]] = [None] * num_layers
+        self._blocks = num_blocks if preallocate else 0  # blocks the arrays hold (or will, once created)
+
+    @property
+    def physical_blocks(self) -> int:
+        """Blocks the arrays hold now (or will hold when created)."""
+        return self._blocks
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the K and V arrays hold."""
+        return sum(a.nbytes for a in (*self.keys, *self.values) if a is not None)
+
+    def reserve(self, blocks: int) -> None:
+        """Make the arrays hold at least ``blocks`` blocks (by doubling, up to the pool)."""
+        if blocks <= self._blocks:
+            return
+        target = min(self.num_blocks, max(blocks, 2 * self._blocks, 16))
+        extra = (target - self._blocks) * self.block_size
+        for arrays in (self.keys, self.values):
+            for layer, a in enumerate(arrays):
+                if a is not None:
+                    arrays[layer] = mx.concatenate([a, mx.zeros((extra, *a.shape[1:]), a.dtype)])
+        self._blocks = target
+        mx.eval([a for a in (*self.keys, *self.values) if a is not None])
+
+    def check(self, highest_slot: int) -> None:
+        """Raise unless ``highest_slot`` lies in the arrays (MLX's scatters and gathers do
+        not check their indices: one past the end would corrupt memory)."""
+        if highest_slot >= self._blocks * self.block_size:
+            raise IndexError(f"KV slot {highest_slot} is past the {self._blocks} blocks reserved")
+
+    def write(self, layer: int, slots: mx.array, keys: mx.array, values: mx.array) -> None:
+        """Put ``keys`` / ``values`` (``(n, kv_heads, head_dim)``) at ``slots`` (``(n,)``)."""
+        if self.keys[layer] is None:
+            size = self._blocks * self.block_size
+            self.keys[layer] = mx.zeros((size, *keys.shape[1:]), keys.dtype)
+            self.values[layer] = mx.zeros((size, *values.shape[1:]), values.dtype)
+        self.keys[layer][slots] = keys.astype(self.keys[layer].dtype)  # type: ignore[index]
+        self.values[layer][slots] = values.astype(self.values[layer].dtype)  # type: ignore[index]
+
+    def read(self, layer: int, slots: mx.array) -> tuple[mx.array, mx.array]:
+        """K and V at ``slots`` (any shape ``s``): arrays of shape ``(*s, kv_heads, head_dim)``."""
+        return self.keys[layer][slots], self.values[layer][slots]  # type: ignore[index]

@@ -1,0 +1,84 @@
+"""The engine on paged KV: blocks follow the tokens held, preemption when they run out."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from mlx_parallm_provider.engine import SamplingParams
+from mlx_parallm_provider.errors import InvalidParameterError
+
+# The tiny llama: 2 layers x 2 KV heads x 16 dims, float32 K and V.
+BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4
+
+
+def _budget_gb(blocks: int, block_size: int) -> float:
+    return blocks * block_size * BYTES_PER_TOKEN / 1024**3
+
+
+def _prompts(n: int) -> list[list[int]]:
+    return [[100 + (7 * i + j) % 300 for j in range(5 + 9 * i)] for i in range(n)]
+
+
+def test_a_pool_too_small_for_the_batch_preempts_and_answers_every_request_the_same(make_engine) -> None:
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    prompts = _prompts(8)
+    alone = make_engine(max_num_seqs=1)
+    expected = [alone.generate_sync(p, params).token_ids for p in prompts]
+
+    # 16 blocks of 8 tokens: each request needs up to 14 blocks alone, all 8 about 76.
+    small = make_engine(kv_cache_memory_gb=_budget_gb(16, 8), kv_block_size=8, enable_prefix_caching=False)
+
+    async def together():
+        return await asyncio.gather(*(small.generate(p, params) for p in prompts))
+
+    got = [c.token_ids for c in asyncio.run(together())]
+    kv = small.stats()["kv_cache"]
+    assert got == expected
+    assert kv["layout"] == "paged" and kv["kv_blocks_total"] == 16
+    assert kv["num_preemptions"] > 0  # the pool really ran out
+    assert kv["kv_blocks_free"] == 16  # and every block came back
+
+
+def test_streams_of_preempted_requests_carry_every_token(make_engine) -> None:
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    prompts = _prompts(6)
+    engine = make_engine(kv_cache_memory_gb=_budget_gb(12, 8), kv_block_size=8, enable_prefix_caching=False)
+
+    async def stream(p):
+        ids = []
+        async for delta in engine.stream(p, params):
+            ids.extend(delta.token_ids)
+        return ids
+
+    async def together():
+        return await asyncio.gather(*(stream(p) for p in prompts))
+
+    streamed = asyncio.run(together())
+    assert engine.stats()["kv_cache"]["num_preemptions"] > 0
+    assert [len(s) for s in streamed] == [30] * 6
+    assert streamed == [engine.generate_sync(p, params).token_ids for p in prompts]
+
+
+def test_a_request_larger_than_the_whole_pool_is_refused_at_submit(make_engine) -> None:
+    engine = make_engine(kv_cache_memory_gb=_budget_gb(4, 8), kv_block_size=8)
+    with pytest.raises(InvalidParameterError, match="kv_cache_memory_gb"):
+        engine.generate_sync(list(range(100, 130)), SamplingParams(max_tokens=8))
+    assert engine.generate_sync(list(range(100, 110)), SamplingParams(max_tokens=8)).token_ids
+
+
+@pytest.mark.parametrize("layout", ["paged", "rectangle"])
+def test_one_long_prompt_among_short_ones_changes_no_ones_tokens(make_engine, layout) -> None:
+    params = SamplingParams(max_tokens=12)
+    short = _prompts(6)
+    long = [100 + j % 250 for j in range(400)]
+    alone = make_engine(max_num_seqs=1, kv_layout=layout)
+    expected = [alone.generate_sync(p, params).token_ids for p in [long, *short]]
+    engine = make_engine(prefill_chunk_size=64, kv_layout=layout)
+
+    async def together():
+        return await asyncio.gather(*(engine.generate(p, params) for p in [long, *short]))
+
+    assert [c.token_ids for c in asyncio.run(together())] == expected
+    assert engine.stats()["kv_cache"]["layout"] == layout
