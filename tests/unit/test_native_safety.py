@@ -78,3 +78,43 @@ def test_builds_are_recorded_and_checked(tmp_path: Path, monkeypatch: pytest.Mon
     assert qmatmul.build() == built and kernel_cache.verified(built)
     kernel_cache.record_path(built).unlink()  # a file cached without a record is not trusted
     assert not kernel_cache.verified(built) and not built.exists()
+
+
+@pytest.fixture
+def unwritable_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """$MLX_PARALLM_HOME under a regular file (tests run as root, who may write anywhere),
+    with the kernels not loaded yet; loaded afresh from the session's home afterwards."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("MLX_PARALLM_HOME", str(blocker / "home"))
+    qmatmul.reset()
+    qmatmul_ext.reset()
+    yield blocker / "home"
+    qmatmul.reset()
+    qmatmul_ext.reset()
+
+
+def test_an_unwritable_home_keeps_mlx_ops_and_requests_succeed(unwritable_home: Path, make_engine, caplog: pytest.LogCaptureFixture) -> None:
+    from mlx_parallm_provider.engine import SamplingParams
+
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    engine = make_engine()
+    attention.set_cpu_ops(True)  # decoding asks for the extension's attention kernel
+    try:
+        with caplog.at_level(logging.WARNING):
+            outputs = engine.generate_many_sync([[1, 5, 9], [1, 7]], params)
+            assert small_batch.load_kernel() is None  # the kernels report "not used"
+    finally:
+        attention.set_cpu_ops(None)
+    assert [len(o.token_ids) for o in outputs] == [6, 6]
+    assert qmatmul.load() is None and qmatmul_ext.load() is None
+    warnings = [r for r in caplog.records if "not writable" in r.getMessage()]
+    assert len(warnings) == 1 and "MLX's ops" in warnings[0].getMessage()
+
+
+def test_an_unwritable_home_still_converts_gguf_models(unwritable_home: Path, default_gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(registry, "_fallback_root", None, raising=False)
+    folder = registry.converted_gguf_folder(default_gguf)
+    assert (folder / "config.json").is_file() and not str(folder).startswith(str(unwritable_home))
+    assert registry.converted_gguf_folder(default_gguf) == folder  # converted once per process
+    shutil.rmtree(folder.parent, ignore_errors=True)
