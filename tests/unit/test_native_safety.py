@@ -118,3 +118,38 @@ def test_an_unwritable_home_still_converts_gguf_models(unwritable_home: Path, de
     assert (folder / "config.json").is_file() and not str(folder).startswith(str(unwritable_home))
     assert registry.converted_gguf_folder(default_gguf) == folder  # converted once per process
     shutil.rmtree(folder.parent, ignore_errors=True)
+
+
+@pytest.mark.parametrize("raw, expected", [("2147483648", 256), ("999", 256), ("0", 1), ("-1", 1), ("abc", None), ("3", 3)])
+def test_thread_counts_are_bounded(raw: str, expected, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(attention.THREADS_ENV, raw)
+    monkeypatch.setenv(small_batch.THREADS_ENV, raw)
+    attention._threads.cache_clear()
+    small_batch._threads.cache_clear()
+    try:
+        assert attention._threads() == (expected or min(os.cpu_count() or 1, 8))
+        assert small_batch._threads() == (expected or 1)
+    finally:
+        attention._threads.cache_clear()
+        small_batch._threads.cache_clear()
+
+
+def test_a_huge_thread_count_does_not_fail_requests(make_engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    from mlx_parallm_provider.engine import SamplingParams
+
+    if qmatmul_ext.load() is None:
+        pytest.skip("the MLX extension does not build here (no C++ compiler or nanobind)")
+    monkeypatch.setenv(attention.THREADS_ENV, "2147483648")
+    attention._threads.cache_clear()
+    attention.set_cpu_ops(True)
+    try:
+        params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        outputs = make_engine().generate_many_sync([[1, 5, 9], [1, 7]], params)
+        q, k = mx.random.normal((2, 4, 1, 16)), mx.random.normal((2, 2, 5, 16))
+        got = attention.decode_attention(q, k, k, 0.25, None)
+    finally:
+        attention.set_cpu_ops(None)
+        attention._threads.cache_clear()
+    assert [len(o.token_ids) for o in outputs] == [6, 6]
+    expected = mx.fast.scaled_dot_product_attention(q, k, k, scale=0.25, mask=None)
+    assert got is not None and np.allclose(np.asarray(got), np.asarray(expected), atol=2e-6)
