@@ -29,6 +29,7 @@ import mlx.core as mx
 from mlx_lm.models import activations as _activations
 from mlx_lm.models import base as _base
 
+from .._validation import env_int
 from . import cpu_ops
 from .backend import is_cpu
 
@@ -38,6 +39,7 @@ mlx_lm_swiglu = _activations.swiglu
 
 CPU_OPS_ENV = "MLX_PARALLM_CPU_OPS"
 THREADS_ENV = "MLX_PARALLM_ATTENTION_THREADS"
+MAX_THREADS = 256  # more is a typo: the kernel's int would overflow, every step would fail
 MAX_HEAD_DIM = 256  # decode_attention.cpp's limits
 MAX_GROUP = 16
 _cpu_ops: Optional[bool] = None  # None: MLX_PARALLM_CPU_OPS, else the CPU device only
@@ -70,9 +72,9 @@ def _extension() -> Any:
 
 @functools.cache
 def _threads() -> int:
-    """The decode kernel's threads (``MLX_PARALLM_ATTENTION_THREADS``, default the CPU count up to 8), read once."""
-    value = os.environ.get(THREADS_ENV, "").strip()
-    return max(int(value), 1) if value.isdigit() else min(os.cpu_count() or 1, 8)
+    """The decode kernel's threads (``MLX_PARALLM_ATTENTION_THREADS``, default the CPU count up
+    to 8, bounded to 1..:data:`MAX_THREADS` with a warning), read once."""
+    return env_int(THREADS_ENV, min(os.cpu_count() or 1, 8), 1, MAX_THREADS)
 
 
 def _row_mask(mask: Optional[Any], batch: int, keys: int) -> tuple[bool, Optional[mx.array]]:

@@ -8,8 +8,10 @@ the packed weights directly (see :mod:`.small_batch` for where it is used).
 
 The kernel is compiled on first use with the system C compiler (``$CC``, else ``cc``) for
 the machine it runs on, and cached under ``$MLX_PARALLM_HOME/kernels`` (default
-``~/.cache/mlx-parallm/kernels``); ``scripts/setup.sh`` builds it at install. Without a compiler
-:func:`load` returns None and callers keep MLX's ops. ``python -m
+``~/.cache/mlx-parallm/kernels``, written atomically and checked against its recorded size
+and sha256 before it is loaded, see :mod:`.kernel_cache`); ``scripts/setup.sh`` builds it at
+install. Without a compiler or a writable cache :func:`load` returns None and callers keep
+MLX's ops. ``python -m
 mlx_parallm_provider.models.qmatmul`` builds it and prints where.
 """
 
@@ -29,6 +31,8 @@ from pathlib import Path
 from typing import Callable, Optional, TypeVar
 
 import numpy as np
+
+from . import kernel_cache
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -84,17 +88,17 @@ def build(compiler: Optional[str] = None) -> Optional[Path]:
         return None
     key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(flags), version, platform.machine(), cpu_signature()]).encode()).hexdigest()[:16]
     target = cache_dir() / f"qmatmul-{key}.so"
-    if target.exists():
+    if kernel_cache.verified(target):
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
+    if not kernel_cache.writable(target.parent):
+        return None
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
         result = subprocess.run([compiler, *flags, "-o", str(built), str(SOURCE)], capture_output=True, text=True)
         if result.returncode != 0:
             logger.warning("could not compile %s (small-batch matmuls keep MLX's ops):\n%s", SOURCE.name, result.stderr[-2000:])
             return None
-        os.replace(built, target)  # atomic: a concurrent builder finds a whole file or none
-    return target
+        return kernel_cache.install(built, target)  # atomic, with its record: a loader finds a whole file or none
 
 
 class Once:
@@ -120,10 +124,14 @@ class Once:
 
 
 def _load_library() -> Optional[ctypes.CDLL]:
-    path = build()
-    if path is None:
+    try:
+        path = build()
+        lib = None if path is None else ctypes.CDLL(str(path))
+    except OSError as exc:
+        logger.warning("could not build or load the qmatmul kernel (%s): small-batch matmuls keep MLX's ops", exc)
         return None
-    lib = ctypes.CDLL(str(path))
+    if lib is None:
+        return None
     p, i = ctypes.c_void_p, ctypes.c_int
     lib.qmatmul.argtypes = [p, i, i, p, p, p, i, i, i, p, i]
     lib.qmatmul.restype = i

@@ -6,7 +6,8 @@ the same C function in an ``mlx::core::Primitive`` (CPU only) that MLX schedules
 ops. The same module holds RMSNorm and RoPE as single CPU ops (``kernels/norm_rope.cpp``,
 used by :mod:`.fused_ops`). It is a C++ extension bound with nanobind, compiled on first use with ``$CXX`` (else
 ``c++``) against the installed MLX and cached next to the C kernel, keyed by sources, flags,
-compiler, MLX version and CPU; ``scripts/setup.sh`` builds it at install.
+compiler, MLX version and CPU, and checked before loading (:mod:`.kernel_cache`);
+``scripts/setup.sh`` builds it at install.
 
 nanobind must share MLX's internals ABI (the ``nanobind>=3,<4`` that MLX 0.32 is built with),
 or ``mx.array`` arguments do not convert: :func:`load` checks one call and returns None when
@@ -32,7 +33,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from . import qmatmul
+from . import kernel_cache, qmatmul
 
 logger = logging.getLogger(__name__)
 
@@ -90,9 +91,10 @@ def build(compiler: Optional[str] = None) -> Optional[Path]:
                  mx.__version__, str(_mlx_dir()), nanobind.__version__, platform.machine(), qmatmul.cpu_signature()]
         key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
         target = qmatmul.cache_dir() / f"qmatmul_ext-{key}{sysconfig.get_config_var('EXT_SUFFIX') or '.so'}"
-        if target.exists():
+        if kernel_cache.verified(target):
             return target
-        target.parent.mkdir(parents=True, exist_ok=True)
+        if not kernel_cache.writable(target.parent):
+            return None
         for step in (c_command, command):
             try:
                 result = subprocess.run(step, capture_output=True, text=True)
@@ -101,10 +103,7 @@ def build(compiler: Optional[str] = None) -> Optional[Path]:
             if result.returncode != 0:
                 logger.warning("could not build %s (small-batch matmuls keep the ctypes kernel):\n%s", SOURCE.name, result.stderr[-2000:])
                 return None
-        staged = target.parent / f".{target.name}.{os.getpid()}"
-        shutil.copyfile(built, staged)
-        os.replace(staged, target)  # atomic: a concurrent builder finds a whole file or none
-    return target
+        return kernel_cache.install(built, target)  # atomic, with its record: a loader finds a whole file or none
 
 
 def _import(path: Path) -> ModuleType:
@@ -126,13 +125,13 @@ def _works(module: ModuleType) -> bool:
 
 
 def _load_module() -> Optional[ModuleType]:
-    path = build()
-    if path is None:
-        return None
     try:
+        path = build()
+        if path is None:
+            return None
         module = _import(path)
-    except ImportError as exc:
-        logger.warning("could not load %s (%s): small-batch matmuls keep the ctypes kernel", path, exc)
+    except (ImportError, OSError) as exc:
+        logger.warning("could not build or load %s (%s): small-batch matmuls keep the ctypes kernel", MODULE, exc)
         return None
     return module if _works(module) else None
 

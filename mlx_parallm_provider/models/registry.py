@@ -8,16 +8,20 @@ A name is one of:
 * a local mlx-lm / Hugging Face model folder (holding ``config.json``);
 * a Hugging Face repo id (``org/name``), downloaded by mlx-lm when the Hub is reachable.
 
-Converted folders live in ``$MLX_PARALLM_HOME`` (default ``~/.cache/mlx-parallm``).
+Converted folders live in ``$MLX_PARALLM_HOME`` (default ``~/.cache/mlx-parallm``); where that
+cannot be written, in a temporary folder of the process (logged).
 """
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import importlib.metadata
 import logging
 import os
 import re
+import shutil
+import tempfile
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -83,19 +87,52 @@ def converted_gguf_folder(gguf_path: Path) -> Path:
         raise ModelNotFoundError(f"{gguf_path}: no such GGUF file")
     stat = gguf_path.stat()
     key = f"{gguf_path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{CONVERTER_VERSION}"
-    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    folder = cache_home() / "models" / f"{gguf_path.stem}-{digest}"
+    name = f"{gguf_path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+    folder = cache_home() / "models" / name
+    if (folder / "config.json").is_file():
+        return folder
+    folder = _models_root() / name
     if (folder / "config.json").is_file():
         return folder
     logger.info("converting %s into %s (once)", gguf_path, folder)
     try:
         convert_gguf(gguf_path, folder)
-    except (OSError, ModelLoadError):
+    except (OSError, ModelLoadError) as exc:
         # Another process may have finished the same conversion first.
         if (folder / "config.json").is_file():
             return folder
-        raise
+        if isinstance(exc, MLXParallmError):
+            raise
+        raise ModelLoadError(f"{gguf_path}: could not convert into {folder} ({exc}); set {HOME_ENV} to a writable folder") from exc
     return folder
+
+
+_fallback_root: Optional[Path] = None
+_fallback_lock = threading.Lock()
+
+
+def _models_root() -> Path:
+    """Where conversions are written: ``$MLX_PARALLM_HOME/models`` where it can be created and
+    written, else (one warning) a private temporary folder of this process, removed at exit."""
+    global _fallback_root
+    root = cache_home() / "models"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=root):
+            pass
+        return root
+    except OSError as exc:
+        reason = exc
+    with _fallback_lock:
+        if _fallback_root is None:
+            try:
+                _fallback_root = Path(tempfile.mkdtemp(prefix="mlx-parallm-models-"))
+            except OSError as exc:
+                raise ModelLoadError(f"{root} is not writable ({reason}) and no temporary folder could be made ({exc}); set {HOME_ENV} to a writable folder") from exc
+            atexit.register(shutil.rmtree, _fallback_root, ignore_errors=True)
+            logger.warning("%s is not writable (%s): models are converted into %s for this process only; set %s to a writable folder to keep them",
+                           root, reason, _fallback_root, HOME_ENV)
+        return _fallback_root
 
 
 def resolve(name: str) -> Path:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
 import threading
 from dataclasses import dataclass, replace
 from types import ModuleType
@@ -33,6 +32,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_unflatten
 
+from .._validation import env_int
 from . import qmatmul, qmatmul_ext
 
 logger = logging.getLogger(__name__)
@@ -40,6 +40,7 @@ logger = logging.getLogger(__name__)
 ROWS_ENV = "MLX_PARALLM_SMALL_BATCH_ROWS"
 THREADS_ENV = "MLX_PARALLM_QMATMUL_THREADS"
 DEFAULT_MAX_ROWS = 8
+MAX_THREADS = 256
 _max_rows: Optional[int] = None
 
 
@@ -49,8 +50,7 @@ def max_rows() -> int:
     The environment is read once; :func:`set_max_rows` changes it."""
     global _max_rows
     if _max_rows is None:
-        value = os.environ.get(ROWS_ENV, "").strip()
-        _max_rows = min(int(value) if value.isdigit() else DEFAULT_MAX_ROWS, qmatmul.MAX_ROWS)
+        _max_rows = env_int(ROWS_ENV, DEFAULT_MAX_ROWS, 0, qmatmul.MAX_ROWS)
     return _max_rows
 
 
@@ -62,10 +62,9 @@ def set_max_rows(rows: Optional[int]) -> None:
 
 @functools.cache
 def _threads() -> int:
-    """The kernel's threads (``MLX_PARALLM_QMATMUL_THREADS``, default 1), read once: this is
-    asked on every kernel call."""
-    value = os.environ.get(THREADS_ENV, "").strip()
-    return max(int(value), 1) if value.isdigit() else 1
+    """The kernel's threads (``MLX_PARALLM_QMATMUL_THREADS``, default 1, bounded to
+    1..:data:`MAX_THREADS` with a warning), read once: this is asked on every kernel call."""
+    return env_int(THREADS_ENV, 1, 1, MAX_THREADS)
 
 
 Kernel = Union[ctypes.CDLL, ModuleType]

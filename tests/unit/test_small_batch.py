@@ -198,7 +198,7 @@ def test_build_is_cached_per_source_and_machine(module, kernel, tmp_path: Path, 
     assert first is not None and first.parent == tmp_path / "kernels"
     stamp = first.stat().st_mtime_ns
     assert module.build() == first and first.stat().st_mtime_ns == stamp
-    assert [p.name for p in first.parent.iterdir()] == [first.name]
+    assert sorted(p.name for p in first.parent.iterdir()) == [first.name, first.name + ".record"]  # the kernel and its size + sha256
 
 
 def test_engine_greedy_batched_equals_one_at_a_time_on_packed_weights(kernel, tiny_model_dir: Path, make_engine, monkeypatch: pytest.MonkeyPatch) -> None:

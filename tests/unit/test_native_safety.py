@@ -1,0 +1,155 @@
+"""Native code loaded safely (issue 21, items 2, 5, 6): a damaged cached kernel is rebuilt,
+never loaded (each case in a child process, so a SIGBUS fails the test instead of killing
+pytest); an unwritable home keeps MLX's ops and the default model loads; out-of-range thread
+counts are clamped."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_parallm_provider.models import attention, kernel_cache, qmatmul, qmatmul_ext, registry, small_batch
+
+REPO = Path(__file__).resolve().parents[2]
+
+# The child loads the kernel from the (damaged) cache and compares it with MLX's ops.
+CHILD = """
+import mlx_parallm_provider
+import mlx.core as mx, mlx.nn as nn, numpy as np
+from mlx_parallm_provider.models import {module} as m, small_batch
+kernel = m.load()
+assert kernel is not None, "no kernel"
+w = mx.random.normal((40, 128), key=mx.random.key(0))
+layer = nn.QuantizedLinear(128, 40, bias=False, group_size=32, bits=4)
+layer.weight, layer.scales, layer.biases = mx.quantize(w, group_size=32, bits=4)
+x = mx.random.normal((3, 128), key=mx.random.key(1))
+got = small_batch.PackedWeight.from_module(layer).for_kernel(kernel).matmul(kernel, x)
+expected = x @ small_batch._float32_weight(layer).T
+assert np.allclose(np.asarray(got), np.asarray(expected), rtol=1e-5, atol=1e-4)
+print("matches MLX ops")
+"""
+
+
+def _run_child(module: str, home: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, MLX_PARALLM_HOME=str(home), PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    return subprocess.run([sys.executable, "-c", CHILD.format(module=module)], env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("size", ["half", "4k"])
+@pytest.mark.parametrize("module", [qmatmul, qmatmul_ext], ids=["ctypes", "extension"])
+def test_a_truncated_cached_kernel_is_rebuilt_not_loaded(module, size: str, tmp_path: Path) -> None:
+    built = module.build()  # in the session's home: built once for all tests
+    if built is None:
+        pytest.skip(f"{module.__name__} does not build here")
+    cached = tmp_path / "kernels" / built.name
+    cached.parent.mkdir()
+    shutil.copyfile(built, cached)
+    if kernel_cache.record_path(built).exists():
+        shutil.copyfile(kernel_cache.record_path(built), kernel_cache.record_path(cached))
+    whole = cached.stat().st_size
+    os.truncate(cached, whole // 2 if size == "half" else 4096)  # ELF headers intact either way
+
+    child = _run_child(module.__name__.rsplit(".", 1)[1], tmp_path)
+    assert child.returncode == 0, f"child exited {child.returncode}:\n{child.stderr[-3000:]}"
+    assert "matches MLX ops" in child.stdout
+    assert "building it again" in child.stderr
+    assert cached.stat().st_size == whole and kernel_cache.verified(cached)
+
+
+def test_builds_are_recorded_and_checked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MLX_PARALLM_HOME", str(tmp_path))
+    built = qmatmul.build()
+    if built is None:
+        pytest.skip("no C compiler on this machine")
+    assert kernel_cache.verified(built)
+    assert sorted(p.name for p in built.parent.iterdir()) == [built.name, built.name + kernel_cache.RECORD_SUFFIX]
+    with open(built, "r+b") as f:  # same size, other bytes
+        f.seek(100)
+        f.write(b"\0" * 16)
+    assert not kernel_cache.verified(built) and not built.exists()
+    assert qmatmul.build() == built and kernel_cache.verified(built)
+    kernel_cache.record_path(built).unlink()  # a file cached without a record is not trusted
+    assert not kernel_cache.verified(built) and not built.exists()
+
+
+@pytest.fixture
+def unwritable_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """$MLX_PARALLM_HOME under a regular file (tests run as root, who may write anywhere),
+    with the kernels not loaded yet; loaded afresh from the session's home afterwards."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("MLX_PARALLM_HOME", str(blocker / "home"))
+    qmatmul.reset()
+    qmatmul_ext.reset()
+    yield blocker / "home"
+    qmatmul.reset()
+    qmatmul_ext.reset()
+
+
+def test_an_unwritable_home_keeps_mlx_ops_and_requests_succeed(unwritable_home: Path, make_engine, caplog: pytest.LogCaptureFixture) -> None:
+    from mlx_parallm_provider.engine import SamplingParams
+
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    engine = make_engine()
+    attention.set_cpu_ops(True)  # decoding asks for the extension's attention kernel
+    try:
+        with caplog.at_level(logging.WARNING):
+            outputs = engine.generate_many_sync([[1, 5, 9], [1, 7]], params)
+            assert small_batch.load_kernel() is None  # the kernels report "not used"
+    finally:
+        attention.set_cpu_ops(None)
+    assert [len(o.token_ids) for o in outputs] == [6, 6]
+    assert qmatmul.load() is None and qmatmul_ext.load() is None
+    warnings = [r for r in caplog.records if "not writable" in r.getMessage()]
+    assert len(warnings) == 1 and "MLX's ops" in warnings[0].getMessage()
+
+
+def test_an_unwritable_home_still_converts_gguf_models(unwritable_home: Path, default_gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(registry, "_fallback_root", None, raising=False)
+    folder = registry.converted_gguf_folder(default_gguf)
+    assert (folder / "config.json").is_file() and not str(folder).startswith(str(unwritable_home))
+    assert registry.converted_gguf_folder(default_gguf) == folder  # converted once per process
+    shutil.rmtree(folder.parent, ignore_errors=True)
+
+
+@pytest.mark.parametrize("raw, expected", [("2147483648", 256), ("999", 256), ("0", 1), ("-1", 1), ("abc", None), ("3", 3)])
+def test_thread_counts_are_bounded(raw: str, expected, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(attention.THREADS_ENV, raw)
+    monkeypatch.setenv(small_batch.THREADS_ENV, raw)
+    attention._threads.cache_clear()
+    small_batch._threads.cache_clear()
+    try:
+        assert attention._threads() == (expected or min(os.cpu_count() or 1, 8))
+        assert small_batch._threads() == (expected or 1)
+    finally:
+        attention._threads.cache_clear()
+        small_batch._threads.cache_clear()
+
+
+def test_a_huge_thread_count_does_not_fail_requests(make_engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    from mlx_parallm_provider.engine import SamplingParams
+
+    if qmatmul_ext.load() is None:
+        pytest.skip("the MLX extension does not build here (no C++ compiler or nanobind)")
+    monkeypatch.setenv(attention.THREADS_ENV, "2147483648")
+    attention._threads.cache_clear()
+    attention.set_cpu_ops(True)
+    try:
+        params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        outputs = make_engine().generate_many_sync([[1, 5, 9], [1, 7]], params)
+        q, k = mx.random.normal((2, 4, 1, 16)), mx.random.normal((2, 2, 5, 16))
+        got = attention.decode_attention(q, k, k, 0.25, None)
+    finally:
+        attention.set_cpu_ops(None)
+        attention._threads.cache_clear()
+    assert [len(o.token_ids) for o in outputs] == [6, 6]
+    expected = mx.fast.scaled_dot_product_attention(q, k, k, scale=0.25, mask=None)
+    assert got is not None and np.allclose(np.asarray(got), np.asarray(expected), atol=2e-6)
