@@ -50,6 +50,10 @@ class EngineConfig:
             routed through the cache) keep the rectangle, logged. ``"rectangle"``: the
             left-padded batch cache (rows x longest row), kept while both exist.
         kv_block_size: tokens per KV block of the paged layout.
+        shutdown_timeout_s: how long shutting down waits for the step in progress; past
+            it, requests still in flight fail with
+            :class:`~mlx_parallm_provider.errors.EngineDeadError` at once and, at
+            interpreter exit, the process ends without waiting for the step.
     """
 
     max_num_seqs: int = 64
@@ -65,6 +69,7 @@ class EngineConfig:
     prefix_cache_memory_gb: float = 1.0
     kv_layout: str = "paged"
     kv_block_size: int = 32
+    shutdown_timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
         _check_int("max_num_seqs", self.max_num_seqs, minimum=1)
@@ -72,6 +77,7 @@ class EngineConfig:
         _check_int("prefill_chunk_size", self.prefill_chunk_size, minimum=1)
         _check_number("batch_window_ms", self.batch_window_ms, minimum=0.0, maximum=10_000.0)
         _check_int("max_queue", self.max_queue, minimum=0)
+        _check_number("shutdown_timeout_s", self.shutdown_timeout_s, minimum=0.0, maximum=3600.0)
         if self.kv_cache_memory_gb is not None:
             _check_number("kv_cache_memory_gb", self.kv_cache_memory_gb, minimum=0.0)
             if self.kv_cache_memory_gb == 0:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -52,19 +53,21 @@ def smollm_tokenizer_dir(default_gguf: Path, tmp_path_factory: pytest.TempPathFa
     return read_gguf_tokenizer(default_gguf, tmp_path_factory.mktemp("smollm-tokenizer"))
 
 
-def write_tiny_model(folder: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
-    """Write a 2-layer random-weight llama (mlx-lm folder) that uses the given tokenizer."""
+def write_tiny_model(folder: Path, tokenizer_dir: Path, seed: int = 0, config: Optional[dict] = None) -> Path:
+    """Write a 2-layer random-weight llama (mlx-lm folder) that uses the given tokenizer
+    (``config`` replaces :data:`TINY_CONFIG`)."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm.models import llama
 
     folder.mkdir(parents=True, exist_ok=True)
     mx.random.seed(seed)
-    model = llama.Model(llama.ModelArgs.from_dict(TINY_CONFIG))
+    config = TINY_CONFIG if config is None else config
+    model = llama.Model(llama.ModelArgs.from_dict(config))
     # Scale weights up so the random model's next-token choice is not a near-tie.
     params = {k: v * 4 if v.ndim == 2 else v for k, v in tree_flatten(model.parameters())}
     mx.save_safetensors(str(folder / "model.safetensors"), params, metadata={"format": "mlx"})
-    (folder / "config.json").write_text(json.dumps(TINY_CONFIG))
+    (folder / "config.json").write_text(json.dumps(config))
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (folder / name).write_bytes((tokenizer_dir / name).read_bytes())
     return folder

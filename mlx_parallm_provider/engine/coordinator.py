@@ -24,6 +24,7 @@ from ..config import EngineConfig
 from ..errors import ContextWindowExceededError, EngineOverloadedError, InvalidParameterError
 from ..models import registry
 from ..models.registry import LoadedModel
+from .exit_guard import shut_down_at_exit
 from .fanout import POLL_S, FanOut, TaggedSink, expand
 from .metrics import EngineMetrics
 from .prefix_kv import prefix_stats
@@ -404,4 +405,4 @@ def shutdown_engines() -> None:
         engine.shutdown()
 
 
-atexit.register(shutdown_engines)
+atexit.register(shut_down_at_exit, shutdown_engines)

@@ -8,10 +8,9 @@ their KV memory is freed at once.
 
 Isolation: a fault while setting up, sampling, detokenising or delivering one request fails
 that request alone (:class:`RequestFailedError`). Every request lives in the inbox or the
-scheduler until it is retired, so when the model step itself fails and the worker dies,
-every waiter gets :class:`EngineDeadError`. Cancellations and deadlines are honoured
-between prefill pieces, so a dropped request costs at most one ``prefill_chunk_size`` of
-compute.
+scheduler until it is retired, so when the model step fails and the worker dies, or a
+shutdown outlasts its window (:mod:`.exit_guard`), every waiter gets :class:`EngineDeadError`.
+Cancellations and deadlines are honoured between prefill pieces (one ``prefill_chunk_size``).
 
 Paged KV (:mod:`.kv`, the default where the model allows): every row's KV lives in blocks
 of one pool that the scheduler hands out; a step's forward pass reads each row's blocks
@@ -28,7 +27,6 @@ import logging
 import threading
 import time
 from collections import deque
-from pathlib import Path
 from typing import Any, Callable, Optional
 
 import mlx.core as mx
@@ -36,6 +34,7 @@ import mlx.core as mx
 from ..config import EngineConfig
 from ..errors import EngineDeadError, MLXParallmError, RequestFailedError
 from .detokenize import TextStream
+from .exit_guard import register, wait_for_native_exit
 from .guided import GrammarTokenizer
 from .kv import KVCacheManager
 from .kv.budget import pool_blocks
@@ -95,10 +94,12 @@ class Worker:
         self._inbox: deque[Request] = deque()
         self._cond = threading.Condition()
         self._stopping = False
+        self._stop_deadline: Optional[float] = None
         self.dead: Optional[BaseException] = None
         self.rows: list[Request] = []  # order of the decode cache's rows
         self.cache: Optional[list[Any]] = None
         self._thread = threading.Thread(target=self._run, name="mlx-parallm-worker", daemon=True)
+        register(self)
         self._thread.start()
 
     def _paged_kv(self, context_length: int) -> tuple[Optional[KVCacheManager], Optional[PagedKVStorage]]:
@@ -148,14 +149,28 @@ class Worker:
         with self._cond:
             self._cond.notify()
 
-    def stop(self, timeout: float = 5.0) -> None:
-        """Finish the current step, fail what is left, and end the thread."""
+    def stop(self, timeout: Optional[float] = None) -> bool:
+        """Finish the current step, fail what is left, end the thread; True once it has. Past
+        ``timeout`` (default ``config.shutdown_timeout_s``, one window however often called)
+        with the step still computing (MLX cannot interrupt it), every request held fails
+        with :class:`EngineDeadError` at once and the step ends in the background."""
+        window = self.config.shutdown_timeout_s if timeout is None else timeout
         with self._cond:
             self._stopping = True
+            self._stop_deadline = self._stop_deadline or time.monotonic() + window
             self._cond.notify()
-        if threading.current_thread() is not self._thread:
-            self._thread.join(timeout)
-            _wait_for_native_exit(self._thread, timeout)
+        if threading.current_thread() is self._thread:
+            return False
+        self._thread.join(max(0.0, self._stop_deadline - time.monotonic()))
+        if self._thread.is_alive():
+            self._fail_all(EngineDeadError("the engine was shut down while a step was still computing"), from_outside=True)
+            return False
+        wait_for_native_exit(self._thread, window)
+        return True
+
+    @property
+    def computing(self) -> bool:  # after stop(): inside its last step
+        return self._thread.is_alive()
 
     @property
     def alive(self) -> bool:
@@ -516,32 +531,18 @@ class Worker:
         self._deliver(request, exc)
         self._evict_finished()
 
-    def _fail_all(self, exc: BaseException) -> None:
+    def _fail_all(self, exc: BaseException, from_outside: bool = False) -> None:
+        """Fail every request held. ``from_outside``: by another thread during a step, so the
+        lists stay as they are (requests marked finished; the worker's last call skips them)."""
         with self._cond:
             pending = list(self._inbox)
             self._inbox.clear()
             self._stopping = True
-        for request in [*self.rows, *self.scheduler.clear(), *pending]:
+        held = self.scheduler.all_requests() if from_outside else self.scheduler.clear()
+        for request in [*self.rows, *held, *pending]:
             if not request.finished:
                 request.finished = True
                 self.metrics.request_finished(request.request_id)
                 self._deliver(request, exc)
-        self.rows, self.cache = [], None
-
-
-def _wait_for_native_exit(thread: threading.Thread, timeout: float) -> None:
-    """Wait until the OS thread behind ``thread`` is gone, not only its Python state.
-
-    ``join()`` returns before the thread's C++ thread-local destructors run, and MLX's
-    per-thread compile cache releases Python objects there. If the interpreter starts
-    finalizing meanwhile (a script ending right after shutdown), that destructor cannot get
-    the GIL and the process aborts ("terminate called without an active exception").
-    """
-    native_id = thread.native_id
-    task = Path(f"/proc/self/task/{native_id}")
-    if native_id is None or not Path("/proc/self/task").is_dir():
-        time.sleep(0.05)  # no /proc (macOS): give the destructors a moment
-        return
-    deadline = time.monotonic() + timeout
-    while task.exists() and time.monotonic() < deadline:
-        time.sleep(0.002)
+        if not from_outside:
+            self.rows, self.cache = [], None

@@ -210,4 +210,25 @@ def _load_uncached(name: str, dequantize: Optional[bool], keep_packed: bool = Tr
     except Exception as exc:
         raise ModelLoadError(f"{path}: could not load model ({exc})") from exc
     backend.prepare_model(model, dequantize, keep_packed)
+    evaluate_module_arrays(model)
     return LoadedModel(name=name, path=path, model=model, tokenizer=tokenizer, config=config)
+
+
+def evaluate_module_arrays(model: Any) -> None:
+    """Evaluate every array the model's modules hold, parameters or not, on this thread.
+
+    ``mlx_lm.load`` evaluates only the parameters; state such as the ``_freqs`` tables of
+    the ``llama3``, ``longrope`` and YaRN RoPE classes stays a lazy graph on the loading
+    thread's stream, which the engine's worker thread cannot run ("There is no
+    Stream(cpu, 0) in current thread").
+    """
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    arrays = []
+    for module in model.modules():
+        # Its dict entries (arrays, lists, dicts; child modules too, evaluated twice at no
+        # cost) and plain attributes, in case a class stores an array around __setattr__.
+        for value in [*module.values(), *vars(module).values()]:
+            arrays.extend(leaf for _, leaf in tree_flatten(value) if isinstance(leaf, mx.array))
+    mx.eval(arrays)

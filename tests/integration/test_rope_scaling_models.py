@@ -1,0 +1,110 @@
+"""Models whose RoPE builds its frequency table lazily at construction (Llama 3 ``llama3``,
+Phi-3.5 / Phi-4-mini ``longrope``, YaRN) serve requests on the worker thread, and their
+greedy output is mlx-lm's own.
+
+Those tables are plain arrays, not parameters, so loading must evaluate them on the loading
+thread; otherwise the worker meets an array of another thread's stream
+("There is no Stream(cpu, 0) in current thread")."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from mlx_parallm_provider.config import EngineConfig
+from mlx_parallm_provider.engine import Engine
+from mlx_parallm_provider.engine import SamplingParams
+
+from conftest import TINY_CONFIG
+
+HEAD_DIM = TINY_CONFIG["head_dim"]
+
+CONFIGS = {
+    "llama3": {
+        **TINY_CONFIG,
+        "max_position_embeddings": 131072,
+        "rope_scaling": {
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    },
+    "phi3_longrope": {
+        "model_type": "phi3", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "vocab_size": 49152,
+        "rope_theta": 10000.0, "max_position_embeddings": 131072, "original_max_position_embeddings": 4096,
+        "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2,
+        "rope_scaling": {
+            "type": "longrope",
+            "long_factor": [1.0 + i / 4 for i in range(HEAD_DIM // 2)],
+            "short_factor": [1.0 + i / 16 for i in range(HEAD_DIM // 2)],
+        },
+    },
+    "qwen3_yarn": {
+        "model_type": "qwen3", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": HEAD_DIM, "rms_norm_eps": 1e-6,
+        "vocab_size": 49152, "rope_theta": 1000000.0, "max_position_embeddings": 131072,
+        "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2,
+        "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
+    },
+    "gpt_oss_yarn": {
+        "model_type": "gpt_oss", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 64,
+        "num_local_experts": 4, "num_experts_per_tok": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": HEAD_DIM, "rms_norm_eps": 1e-5, "vocab_size": 49152, "sliding_window": 128,
+        "rope_theta": 150000, "max_position_embeddings": 131072, "layer_types": ["sliding_attention", "full_attention"],
+        "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
+        "rope_scaling": {
+            "rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+            "truncate": False, "original_max_position_embeddings": 4096,
+        },
+    },
+}
+
+
+def write_model(folder: Path, config: dict, tokenizer_dir: Path) -> Path:
+    """Save a random-weight model of ``config`` built with mlx-lm's own classes."""
+    import importlib
+
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    folder.mkdir(parents=True)
+    mx.random.seed(0)
+    arch = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    model = arch.Model(arch.ModelArgs.from_dict(config))
+    # Scale weights up so the random model's next-token choice is not a near-tie.
+    params = {k: v * 4 if v.ndim == 2 else v for k, v in tree_flatten(model.parameters())}
+    mx.save_safetensors(str(folder / "model.safetensors"), params, metadata={"format": "mlx"})
+    (folder / "config.json").write_text(json.dumps(config))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / name).write_bytes((tokenizer_dir / name).read_bytes())
+    return folder
+
+
+def mlx_lm_greedy(folder: Path, prompt_ids: list[int], max_tokens: int) -> list[int]:
+    """mlx-lm's own greedy generation on a separately loaded copy of the folder."""
+    import mlx.core as mx
+    import mlx_lm
+    from mlx_lm.generate import generate_step
+
+    model, _ = mlx_lm.load(str(folder))
+    steps = generate_step(mx.array(prompt_ids), model, max_tokens=max_tokens, sampler=lambda x: mx.argmax(x, axis=-1))
+    return [int(token) for token, _ in steps]
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_lazy_rope_tables_serve_on_the_worker_as_mlx_lm_does(name: str, tmp_path: Path, smollm_tokenizer_dir: Path) -> None:
+    from mlx_parallm_provider.models import registry
+
+    folder = write_model(tmp_path / name, CONFIGS[name], smollm_tokenizer_dir)
+    loaded = registry.load(str(folder))  # on this thread; the engine computes on its worker
+    engine = Engine(name, EngineConfig(), loaded=loaded)
+    try:
+        prompt_ids = loaded.tokenizer.encode("The quick brown fox jumps over the lazy dog because")
+        params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+        got = engine.generate_sync(prompt_ids, params).token_ids
+        assert engine.generate_sync(prompt_ids, params).token_ids == got  # a second request, same worker
+    finally:
+        engine.shutdown()
+    assert got == mlx_lm_greedy(folder, prompt_ids, 10)
