@@ -29,6 +29,7 @@ from .fanout import POLL_S, FanOut, TaggedSink, expand
 from .metrics import EngineMetrics
 from .prefix_kv import prefix_stats
 from .request import Completion, Delta, Prompt, Request, ResultSink, SamplingParams
+from .kv.budget import kv_bytes_per_token
 from .worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -81,7 +82,7 @@ class Engine:
         self.context_length = self._loaded.context_length
         self.vocab_size = int(self._loaded.config.get("vocab_size", 0)) or None
         self.metrics = EngineMetrics()
-        self._kv_bytes_per_token = _kv_bytes_per_token(self._loaded)
+        self._kv_bytes_per_token = kv_bytes_per_token(self._loaded.model, self._loaded.config)
         self._worker_lock = threading.Lock()
         self._worker: Optional[Worker] = None
         self._ids = itertools.count()
@@ -343,7 +344,7 @@ class Engine:
                 if self._worker is not None:
                     logger.warning("starting a fresh worker after: %s", self._worker.dead)
                 self._worker = Worker(self._loaded.model, self.tokenizer, self.config, self.metrics, self._kv_bytes_per_token,
-                                      vocab_size=self.vocab_size or 0, context_length=_context_length(self._loaded))
+                                      vocab_size=self.vocab_size or 0, context_length=self.context_length)
             return self._worker
 
     def _cancel(self, request: Request) -> None:
@@ -351,25 +352,6 @@ class Engine:
         worker = self._worker
         if worker is not None:
             worker.wake()
-
-
-def _context_length(loaded: LoadedModel) -> int:
-    """The model's context length, 4096 where it does not say."""
-    try:
-        return int(loaded.context_length) or 4096
-    except Exception:
-        return 4096
-
-
-def _kv_bytes_per_token(loaded: LoadedModel) -> int:
-    """Bytes of K and V one token takes across all layers."""
-    c = loaded.config
-    heads = c.get("num_attention_heads", 1)
-    kv_heads = c.get("num_key_value_heads", heads)
-    head_dim = c.get("head_dim") or c.get("hidden_size", heads) // heads
-    layers = c.get("num_hidden_layers", len(getattr(loaded.model, "layers", [])) or 1)
-    dtype_bytes = loaded.model.model.embed_tokens.weight.dtype.size if hasattr(loaded.model, "model") else 4
-    return 2 * layers * kv_heads * head_dim * max(2, dtype_bytes)
 
 
 _live_engines: "weakref.WeakSet[Engine]" = weakref.WeakSet()

@@ -155,6 +155,16 @@ class Scheduler:
             return self.kv.fits_alone(request.max_kv_tokens)
         return self.kv_budget_tokens is None or request.max_kv_tokens <= self.kv_budget_tokens
 
+    def kv_usage(self) -> float:
+        """KV memory in use, 0..1: used / total blocks; for the rectangle layout the admitted
+        requests' prompt + max_tokens over the budget (or slots over ``max_num_seqs``)."""
+        if self.kv is not None:
+            return self.kv.stats()["kv_cache_usage_perc"]
+        if self.kv_budget_tokens:
+            held = [*self.running, *self.prefilling, *([self.chunking] if self.chunking else [])]
+            return sum(r.max_kv_tokens for r in held) / self.kv_budget_tokens
+        return self.num_running / self.max_num_seqs
+
     @property
     def num_preemptions(self) -> int:
         return 0 if self.kv is None else self.kv.num_preemptions

@@ -1,10 +1,9 @@
-"""The MLX side: one thread that owns the model, the batch's KV cache and the step loop.
+"""The MLX side: one thread that owns the model and the step loop.
 
 Each step: take new arrivals, drop cancelled and timed-out rows, ask the scheduler for a
-plan, prefill (a left-padded batch of new prompts and/or one chunk of a long prompt), then
-run one decode step over every running row. Rows join the decode batch's
-``BatchKVCache`` (mlx-lm) when their prefill ends and leave it the step they finish, so
-their KV memory is freed at once.
+plan, prefill (a batch of new prompts and/or one chunk of a long prompt), then run one
+decode step over every running row. Rows join the decode batch when their prefill ends and
+leave it the step they finish, so their KV memory is freed at once.
 
 Isolation: a fault while setting up, sampling, detokenising or delivering one request fails
 that request alone (:class:`RequestFailedError`). Every request lives in the inbox or the
@@ -12,10 +11,9 @@ scheduler until it is retired, so when the model step fails and the worker dies,
 shutdown outlasts its window (:mod:`.exit_guard`), every waiter gets :class:`EngineDeadError`.
 Cancellations and deadlines are honoured between prefill pieces (one ``prefill_chunk_size``).
 
-Paged KV (:mod:`.kv`, the default where the model allows): every row's KV lives in blocks
-of one pool that the scheduler hands out; a step's forward pass reads each row's blocks
-through its block table, so rows join and leave without moving anyone's KV, and a long row
-costs only itself. Elsewhere, the rectangle: a left-padded mlx-lm ``BatchKVCache``.
+KV: paged (:mod:`.kv.runner`, where the model allows: blocks the scheduler hands out, so
+rows join and leave without moving anyone's KV) or the rectangle (:mod:`.rectangle`, a
+left-padded mlx-lm ``BatchKVCache`` that joins ``extend`` and leaves ``filter``).
 
 Prefix caching (:mod:`.prefix_kv`): a request admitted with cached prompt tokens gets their
 KV right after planning and computes only the rest; prompts (+ answers) go into the store.
@@ -36,16 +34,11 @@ from ..errors import EngineDeadError, MLXParallmError, RequestFailedError
 from .detokenize import TextStream
 from .exit_guard import register, wait_for_native_exit
 from .guided import GrammarTokenizer
-from .kv import KVCacheManager
-from .kv.budget import pool_blocks
-from .kv.paged_cache import PagedBatch
-from .kv.storage import PagedKVStorage
-from .kv.support import read_row, unsupported_reason, write_prefix
+from .kv.runner import PagedRunner
 from .metrics import EngineMetrics
 from .output import RowState, add_token
-from .prefill import new_batch_cache, run_pieces, run_right_padded
-from .prefix_cache import kv_range
-from .prefix_kv import adopt_shared_prefixes, batch_cache_from_prefixes, can_share_kv, fetch_prefixes, make_prefix_cache, scheduler_prefix_options, store_rows
+from .prefix_kv import can_share_kv, fetch_prefixes, make_prefix_cache, scheduler_prefix_options
+from .rectangle import RectangleBatch, prefill_batch, prefill_chunk
 from .request import Request
 from .sampling import RowSampler, SampledRow, sample_batch
 from .scheduler import Scheduler
@@ -75,7 +68,12 @@ class Worker:
         self.clock = clock
         self.kv_bytes_per_token = max(1, kv_bytes_per_token)
         self.prefix_cache = make_prefix_cache(config)
-        self.kv, self.storage = self._paged_kv(context_length)
+        self.eos_ids = set(getattr(tokenizer, "eos_token_ids", None) or [])
+        if getattr(tokenizer, "eos_token_id", None) is not None:
+            self.eos_ids.add(tokenizer.eos_token_id)
+        self.pad_id = next(iter(self.eos_ids), 0)
+        self.paged = PagedRunner.for_model(model, config, self.kv_bytes_per_token, context_length, self.pad_id)
+        self.kv = None if self.paged is None else self.paged.kv
         self.share_kv = self.kv is None and can_share_kv(model, config)
         budget = config.kv_cache_memory_bytes
         self.scheduler = Scheduler(
@@ -86,52 +84,25 @@ class Worker:
             **scheduler_prefix_options(self.prefix_cache, config, self.kv_bytes_per_token),
             kv=self.kv,
         )
-        self.eos_ids = set(getattr(tokenizer, "eos_token_ids", None) or [])
-        if getattr(tokenizer, "eos_token_id", None) is not None:
-            self.eos_ids.add(tokenizer.eos_token_id)
-        self.pad_id = next(iter(self.eos_ids), 0)
         self.grammar = GrammarTokenizer(tokenizer, vocab_size, self.eos_ids)
         self._inbox: deque[Request] = deque()
         self._cond = threading.Condition()
         self._stopping = False
         self._stop_deadline: Optional[float] = None
         self.dead: Optional[BaseException] = None
-        self.rows: list[Request] = []  # order of the decode cache's rows
-        self.cache: Optional[list[Any]] = None
+        self.rows: list[Request] = []  # the decode batch's rows, in order
+        self.rectangle = RectangleBatch()  # their KV when not paged
         self._thread = threading.Thread(target=self._run, name="mlx-parallm-worker", daemon=True)
         register(self)
         self._thread.start()
 
-    def _paged_kv(self, context_length: int) -> tuple[Optional[KVCacheManager], Optional[PagedKVStorage]]:
-        """The block pool and its arrays, or (None, None) where the model keeps the rectangle."""
-        reason = unsupported_reason(self.model, self.config)
-        if reason is not None:
-            if self.config.kv_layout == "paged":
-                logger.info("KV cache: the rectangle layout (%s)", reason)
-            return None, None
-        size = self.config.kv_block_size
-        budget = self.config.kv_cache_memory_bytes
-        blocks = pool_blocks(budget, self.kv_bytes_per_token, size, self.config.max_num_seqs * max(context_length, 1))
-        return KVCacheManager(blocks, size), PagedKVStorage(len(self.model.layers), blocks, size, preallocate=budget is not None)
-
     def kv_stats(self) -> dict[str, Any]:
-        """``stats()["kv_cache"]``: the layout, and for paged KV its blocks (total, free,
-        used, usage = used / total), preemptions and the bytes its arrays hold."""
-        if self.kv is None:
-            return {"layout": "rectangle"}
-        return {"layout": "paged", **self.kv.stats(), "kv_cache_bytes": self.storage.nbytes if self.storage else 0}
+        """``stats()["kv_cache"]``: the layout; for paged KV its blocks, usage, preemptions."""
+        return {"layout": "rectangle"} if self.paged is None else self.paged.stats()
 
     def kv_usage(self) -> float:
-        """KV memory in use, 0..1: used / total blocks for paged KV; for the rectangle, the
-        admitted requests' prompt + max_tokens over the budget (or slots over
-        ``max_num_seqs`` without one)."""
-        if self.kv is not None:
-            return self.kv.stats()["kv_cache_usage_perc"]
-        scheduler = self.scheduler
-        if scheduler.kv_budget_tokens:
-            held = [*scheduler.running, *scheduler.prefilling, *([scheduler.chunking] if scheduler.chunking else [])]
-            return sum(r.max_kv_tokens for r in held) / scheduler.kv_budget_tokens
-        return self.num_running / scheduler.max_num_seqs
+        """KV memory in use, 0..1 (see :meth:`.scheduler.Scheduler.kv_usage`)."""
+        return self.scheduler.kv_usage()
 
     # -- called from other threads ------------------------------------------------------
 
@@ -205,11 +176,10 @@ class Worker:
             return False
         self._reap()
         plan = self.scheduler.schedule()
-        if self.kv is not None:
-            self.storage.reserve(self.kv.pool.high_water())  # the blocks the plan hands out
-            if len(plan.decode) != len(self.rows):  # preempted rows leave
-                decoding = {id(r) for r in plan.decode}
-                self.rows = [r for r in self.rows if id(r) in decoding]
+        if self.paged is not None:
+            self.paged.reserve()  # the blocks the plan hands out; preempted rows leave
+            decoding = {id(r) for r in plan.decode}
+            self.rows = [r for r in self.rows if id(r) in decoding]
         fetch_prefixes(self.prefix_cache, plan.admitted, lambda r, exc: self._fail(r, exc, "while fetching its cached prefix"))
         if plan.chunk is not None and not plan.chunk[0].finished:
             self._prefill_chunk(*plan.chunk)
@@ -292,145 +262,38 @@ class Worker:
             if not r.num_preemptions:
                 self.metrics.request_admitted(r.request_id, r.prompt_len, cached_tokens=r.num_cached)
         piece = max(1, self.config.prefill_chunk_size // len(requests))
-        if self.kv is not None:
-            self._prefill_paged(requests, piece)
+        if self.paged is not None:
+            ran = self.paged.prefill(requests, piece, lambda rows: self._wanted(rows)())
+            if ran is not None:
+                self._join_decode_batch(*ran)
             return
-        if any(r.num_cached for r in requests):
-            cache = batch_cache_from_prefixes(len(self.model.layers), requests, self.share_kv, self.config.max_kv_size)
-            rest = [r.prompt_ids[r.num_cached :] for r in requests]
-            if len({len(x) for x in rest}) > 1:  # all but the last tokens, right-padded
-                kept = run_right_padded(self.model, [x[:-1] for x in rest], cache, self.pad_id, piece, self._wanted(requests))
-                if kept is None:
-                    return
-                requests, rest = [requests[i] for i in kept], [rest[i][-1:] for i in kept]
-            tokens = mx.array(rest)
-        else:
-            longest = max(r.prompt_len for r in requests)
-            padding = [longest - r.prompt_len for r in requests]
-            tokens = mx.array([[self.pad_id] * p + r.prompt_ids for p, r in zip(padding, requests)])
-            cache = new_batch_cache(len(self.model.layers), padding, self.config.max_kv_size, self.share_kv)
-        ran = run_pieces(self.model, tokens, cache, piece, True, self._wanted(requests))
-        if ran is None:
-            return
-        requests = [requests[i] for i in ran[0]]
-        logits = self.model(ran[1], cache=cache)[:, -1, :]
-        for r in requests:
-            r.num_prefilled = r.prompt_len
-        self._join_decode_batch(requests, cache, logits)
+        ran = prefill_batch(self.model, requests, piece, self.pad_id, self.share_kv, self.config.max_kv_size, self._wanted)
+        if ran is not None:
+            self._join_decode_batch(*ran)
 
     def _prefill_chunk(self, request: Request, n: int) -> None:
         """Prefill the next ``n`` prompt tokens of a long prompt into its own cache."""
         state: RowState = request.state
-        if self.kv is not None:
-            self._prefill_chunk_paged(request, n)
+        if self.paged is not None:
+            if request.num_prefilled == request.num_cached and not request.num_preemptions:
+                self.metrics.request_admitted(request.request_id, request.prompt_len, cached_tokens=request.num_cached)
+            logits = self.paged.chunk(request, n)
+            if logits is not None:
+                self._join_decode_batch([request], logits)
             return
         if state.cache is None:
             self.metrics.request_admitted(request.request_id, request.prompt_len, cached_tokens=request.num_cached)
-            layers = len(self.model.layers)
-            share, size = self.share_kv, self.config.max_kv_size
-            state.cache = batch_cache_from_prefixes(layers, [request], share, size) if request.num_cached else new_batch_cache(layers, [0], size, share)
-        start = request.num_prefilled
-        chunk = mx.array([request.prompt_ids[start : start + n]])
-        logits = self.model(chunk, cache=state.cache)[:, -1, :]
-        request.num_prefilled += n
-        if request.num_prefilled < request.prompt_len:
-            mx.eval([c.state for c in state.cache])
-            return
-        cache, state.cache = state.cache, None
-        self._join_decode_batch([request], cache, logits)
+        done = prefill_chunk(self.model, request, n, self.share_kv, self.config.max_kv_size)
+        if done is not None:
+            self._join_decode_batch([request], *done)
 
-    # -- paged KV -----------------------------------------------------------------------
-
-    def _forward(self, rows: list[Request], pieces: list[list[int]], starts: list[int]) -> mx.array:
-        """One forward pass of ``pieces[b]`` (tokens at ``starts[b]`` on) for each row, over
-        the rows' blocks; returns the logits, ``(B, width, vocab)``."""
-        assert self.kv is not None and self.storage is not None
-        width = max(len(p) for p in pieces)
-        self.storage.reserve(self.kv.pool.high_water())
-        batch = PagedBatch(self.storage, [self.kv.table(id(r)) for r in rows], starts, [len(p) for p in pieces], width)
-        tokens = mx.array([p + [self.pad_id] * (width - len(p)) for p in pieces])
-        return self.model(tokens, cache=batch.layers())
-
-    def _fill_cached_prefix(self, request: Request) -> None:
-        """Copy the request's fetched prefix (``num_cached`` tokens) into its blocks."""
-        prefix, request.state.prefix = request.state.prefix, None
-        if prefix and request.num_cached:
-            write_prefix(self.storage, self.kv, id(request), kv_range(prefix, 0, request.num_cached))
-
-    def _eval_storage(self) -> None:
-        mx.eval([a for a in (*self.storage.keys, *self.storage.values) if a is not None])
-
-    def _prefill_paged(self, requests: list[Request], piece: int) -> None:
-        """Prefill the rows' uncached tokens in right-padded pieces of ``piece`` columns,
-        all but each row's last token; the last tokens go together in one column, whose
-        logits give the first sampled tokens."""
-        for r in requests:
-            self._fill_cached_prefix(r)
-        wanted = self._wanted(requests)
-        seqs = {id(r): r.computed_ids for r in requests}
-        while True:
-            active = [r for r in requests if r.num_prefilled < len(seqs[id(r)]) - 1]
-            if not active:
-                break
-            pieces = [seqs[id(r)][r.num_prefilled : min(r.num_prefilled + piece, len(seqs[id(r)]) - 1)] for r in active]
-            self._forward(active, pieces, [r.num_prefilled for r in active])
-            self._eval_storage()
-            for r, p in zip(active, pieces):
-                r.num_prefilled += len(p)
-            flags = wanted()
-            requests = [r for r, keep in zip(requests, flags) if keep]
-            wanted = self._wanted(requests)
-            if not requests:
-                return
-        logits = self._forward(requests, [seqs[id(r)][-1:] for r in requests], [r.num_prefilled for r in requests])[:, -1, :]
-        for r in requests:
-            r.num_prefilled = len(seqs[id(r)])
-        self._join_decode_batch(requests, None, logits)
-
-    def _prefill_chunk_paged(self, request: Request, n: int) -> None:
-        """Prefill the next ``n`` tokens of a long prompt straight into its blocks."""
-        if request.num_prefilled == request.num_cached:
-            if not request.num_preemptions:
-                self.metrics.request_admitted(request.request_id, request.prompt_len, cached_tokens=request.num_cached)
-            self._fill_cached_prefix(request)
-        seq = request.computed_ids
-        start = request.num_prefilled
-        logits = self._forward([request], [seq[start : start + n]], [start])[:, -1, :]
-        request.num_prefilled += n
-        if request.num_prefilled < len(seq):
-            self._eval_storage()
-            return
-        self._join_decode_batch([request], None, logits)
-
-    def _store_paged(self, requests: list[Request], sequences: list[list[int]], held: list[int]) -> None:
-        """Put the first ``held[j]`` tokens of ``sequences[j]`` (row ``requests[j]``'s KV) into
-        the prefix store; a failure is logged and costs nothing else."""
-        if self.prefix_cache is None:
-            return
-        try:
-            for r, seq, n in zip(requests, sequences, held):
-                def source(a: int, b: int, r: Request = r) -> list[Any]:
-                    return read_row(self.storage, self.kv, id(r), a, b)
-                self.prefix_cache.insert(seq[:n], source, self.kv_bytes_per_token)
-        except Exception:
-            logger.exception("could not store KV in the prefix cache")
-
-    def _join_decode_batch(self, requests: list[Request], cache: list[Any], logits: mx.array) -> None:
+    def _join_decode_batch(self, requests: list[Request], logits: mx.array, cache: Optional[list[Any]] = None) -> None:
         sampled = self._sample(requests, logits)
-        if self.kv is not None:
+        if self.paged is not None:  # their prompts (+ output, if recomputed) go into the store
             seqs = [r.computed_ids for r in requests]
-            self._store_paged(requests, seqs, [len(s) for s in seqs])
-            self.rows.extend(requests)
-            self.scheduler.started(requests)
-            self._after_sampling(requests, sampled)
-            return
-        store_rows(self.prefix_cache, cache, [r.prompt_ids for r in requests], range(len(requests)), self.kv_bytes_per_token)
-        if self.cache is None:
-            self.cache = cache
+            self.paged.store(self.prefix_cache, requests, seqs, [len(s) for s in seqs], self.kv_bytes_per_token)
         else:
-            adopt_shared_prefixes(self.cache, [r.prompt_ids for r in self.rows], cache)
-            for mine, theirs in zip(self.cache, cache):
-                mine.extend(theirs)
+            self.rectangle.join(cache, self.rows, requests, self.prefix_cache, self.kv_bytes_per_token)
         self.rows.extend(requests)
         self.scheduler.started(requests)
         self._after_sampling(requests, sampled)
@@ -440,19 +303,11 @@ class Worker:
     def _decode(self) -> None:
         tic = time.perf_counter()
         rows = list(self.rows)
-        if self.kv is not None:
-            logits = self._forward(rows, [[r.output_ids[-1]] for r in rows], [r.num_tokens - 1 for r in rows])[:, -1, :]
-        else:
-            tokens = mx.array([r.output_ids[-1] for r in rows])[:, None]
-            logits = self.model(tokens, cache=self.cache)[:, -1, :]
+        logits = self.paged.decode(rows) if self.paged is not None else self.rectangle.decode(self.model, rows)
         sampled = self._sample(rows, logits)
         self.metrics.record_step(len(rows), time.perf_counter() - tic)
         self._after_sampling(rows, sampled)
-        if logger.isEnabledFor(logging.DEBUG):
-            logger.debug(
-                "decode step: batch=%d waiting=%d step_ms=%.1f",
-                len(rows), self.scheduler.num_waiting, (time.perf_counter() - tic) * 1000,
-            )
+        logger.debug("decode step: batch=%d waiting=%d step_ms=%.1f", len(rows), self.scheduler.num_waiting, (time.perf_counter() - tic) * 1000)
 
     def _sample(self, rows: list[Request], logits: mx.array) -> list[SampledRow]:
         samplers = [r.state.sampler for r in rows]
@@ -471,12 +326,12 @@ class Worker:
                 self._fail(request, exc, "while processing its output")
                 continue
             if finish is not None:
-                if self.kv is not None and any(r is request for r in self.rows):
-                    # keep prompt + answer for a next turn; the last token has no KV yet
-                    self._store_paged([request], [request.prompt_ids + request.output_ids], [request.num_tokens - 1])
-                elif request in self.rows:  # keep prompt + answer for a next turn
-                    seq = request.prompt_ids + request.output_ids
-                    store_rows(self.prefix_cache, self.cache, [seq], [self.rows.index(request)], self.kv_bytes_per_token)
+                row = next((i for i, r in enumerate(self.rows) if r is request), None)
+                if row is not None and self.paged is not None:  # keep prompt + answer for a next turn
+                    seq = request.prompt_ids + request.output_ids  # (its last token has no KV yet)
+                    self.paged.store(self.prefix_cache, [request], [seq], [request.num_tokens - 1], self.kv_bytes_per_token)
+                elif row is not None:
+                    self.rectangle.store(self.prefix_cache, row, request, self.kv_bytes_per_token)
                 self._retire(request)  # first, so a caller woken by its result sees it finished
             if result is not None:
                 self._deliver(request, result)
@@ -489,13 +344,8 @@ class Worker:
         if len(keep) == len(self.rows):
             return
         self.rows = [self.rows[i] for i in keep]
-        if self.kv is not None:
-            return  # the scheduler freed their blocks; nobody else's KV moves
-        if not keep:
-            self.cache = None
-        else:
-            for c in self.cache:
-                c.filter(keep)
+        if self.paged is None:  # paged: the scheduler freed their blocks; nobody else's KV moves
+            self.rectangle.keep(keep)
 
     def _retire(self, request: Request) -> None:
         """Mark a request finished and take it out of the scheduler and the metrics.
@@ -545,4 +395,4 @@ class Worker:
                 self.metrics.request_finished(request.request_id)
                 self._deliver(request, exc)
         if not from_outside:
-            self.rows, self.cache = [], None
+            self.rows, self.rectangle = [], RectangleBatch()

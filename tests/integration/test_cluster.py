@@ -98,11 +98,11 @@ def cluster(tiny_model: Any, tiny_model_dir: Path, tmp_path_factory: pytest.Temp
 def _engine_config(tiny_model: Any) -> str:
     """ROWS rows and a prefix store of ROWS prompts with their answers (the longest prompt
     this module sends plus MAX_TOKENS, at the tiny model's KV bytes per token)."""
-    from mlx_parallm_provider.engine.coordinator import _kv_bytes_per_token
+    from mlx_parallm_provider.engine.kv.budget import kv_bytes_per_token
 
     template = tiny_model.tokenizer.apply_chat_template
     prompt = max(len(template(_messages(team, g, i), add_generation_prompt=True, tokenize=True)) for team in ("warm-up", "shuffle", "prefix") for g in range(16) for i in range(64))
-    store_bytes = ROWS * (prompt + MAX_TOKENS) * _kv_bytes_per_token(tiny_model)
+    store_bytes = ROWS * (prompt + MAX_TOKENS) * kv_bytes_per_token(tiny_model.model, tiny_model.config)
     return json.dumps({"max_num_seqs": ROWS, "prefix_cache_memory_gb": store_bytes / 1024**3})
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Optional
+from typing import Any, Optional
 
 logger = logging.getLogger(__name__)
 
@@ -47,3 +47,14 @@ def pool_blocks(budget_bytes: Optional[int], bytes_per_token: int, block_size: i
         wanted - 1, block_size, (wanted - 1) * block_bytes / 1024**3,
     )
     return max(2, wanted)
+
+
+def kv_bytes_per_token(model: Any, config: dict[str, Any]) -> int:
+    """Bytes of K and V one token takes across all layers (from the model's config; the
+    KV's dtype is that of its embeddings, at least 2 bytes)."""
+    heads = config.get("num_attention_heads", 1)
+    kv_heads = config.get("num_key_value_heads", heads)
+    head_dim = config.get("head_dim") or config.get("hidden_size", heads) // heads
+    layers = config.get("num_hidden_layers", len(getattr(model, "layers", [])) or 1)
+    dtype_bytes = model.model.embed_tokens.weight.dtype.size if hasattr(model, "model") else 4
+    return 2 * layers * kv_heads * head_dim * max(2, dtype_bytes)
