@@ -4,10 +4,6 @@ cancellation, the sync bridge and stats.
 Any number of event loops and plain threads may call one :class:`Engine` at once; every
 request goes to the same worker, so they all land in the same batch. Results are handed
 back with ``loop.call_soon_threadsafe`` (async callers) or a thread-safe queue (sync callers).
-
-A text far longer than the context window can hold is refused from its length, before it
-is tokenized (:mod:`.prompt_size`); async callers' long texts are tokenized on a thread,
-so one request's tokenization never stalls the other streams of its event loop.
 """
 
 from __future__ import annotations
@@ -25,24 +21,17 @@ from collections.abc import Sequence
 from typing import Any, AsyncGenerator, Generator, Optional, Union
 
 from ..config import EngineConfig
-from ..errors import ContextWindowExceededError, EngineOverloadedError, InvalidParameterError, MLXParallmError
+from ..errors import ContextWindowExceededError, EngineOverloadedError, InvalidParameterError
 from ..models import registry
 from ..models.registry import LoadedModel
-from .fanout import POLL_S, FanOut, Job, TaggedSink, expand
+from .fanout import POLL_S, FanOut, TaggedSink, expand
 from .metrics import EngineMetrics
 from .prefix_kv import prefix_stats
-from .prompt_size import max_chars_per_token
+from .prompt_size import PromptEncoder
 from .request import Completion, Delta, Prompt, Request, ResultSink, SamplingParams
 from .worker import Worker
 
 logger = logging.getLogger(__name__)
-
-#: Texts longer than this (characters) are tokenized off an async caller's event loop.
-INLINE_PROMPT_CHARS = 4096
-
-
-class _TokenIds(list):
-    """Token ids this engine's tokenizer produced: submitted without checking each id."""
 
 
 class _LoopSink(ResultSink):
@@ -91,7 +80,7 @@ class Engine:
         self.tokenizer = self._loaded.tokenizer
         self.context_length = self._loaded.context_length
         self.vocab_size = int(self._loaded.config.get("vocab_size", 0)) or None
-        self._chars_per_token = max_chars_per_token(self.tokenizer)
+        self._prompts = PromptEncoder(self.encode, self.tokenizer, self.context_length)
         self.metrics = EngineMetrics()
         self._kv_bytes_per_token = _kv_bytes_per_token(self._loaded)
         self._worker_lock = threading.Lock()
@@ -104,7 +93,7 @@ class Engine:
     async def generate(self, prompt: Prompt, params: Optional[SamplingParams] = None, *, request_id: Optional[str] = None) -> Completion:
         """Generate a whole completion. Cancelling the awaiting task cancels the request."""
         sink = _LoopSink()
-        prompt = await self._tokenized_off_loop(prompt, params)
+        prompt = await self._prompts.tokenized_off_loop(prompt, params)
         request = self._submit(prompt, params, request_id, sink, stream=False)
         sink.request = request
         try:
@@ -119,7 +108,7 @@ class Engine:
     async def stream(self, prompt: Prompt, params: Optional[SamplingParams] = None, *, request_id: Optional[str] = None) -> AsyncGenerator[Delta, None]:
         """Yield :class:`Delta` pieces as they are generated; breaking out cancels."""
         sink = _LoopSink()
-        prompt = await self._tokenized_off_loop(prompt, params)
+        prompt = await self._prompts.tokenized_off_loop(prompt, params)
         request = self._submit(prompt, params, request_id, sink, stream=True)
         sink.request = request
         try:
@@ -182,8 +171,7 @@ class Engine:
         ``return_exceptions`` (then each failure takes its place in the list).
         Cancelling the awaiting task cancels every request.
         """
-        jobs = await self._jobs_tokenized_off_loop(expand(prompts, params, n))
-        run = FanOut(self, jobs, request_id, return_exceptions)
+        run = FanOut(self, await self._prompts.jobs_tokenized_off_loop(expand(prompts, params, n)), request_id, return_exceptions)
         loop = asyncio.get_running_loop()
         inbox: asyncio.Queue = asyncio.Queue()
 
@@ -277,50 +265,6 @@ class Engine:
 
     # -- internals --------------------------------------------------------------------
 
-    async def _tokenized_off_loop(self, prompt: Prompt, params: Optional[SamplingParams]) -> Prompt:
-        """``prompt``, a long text tokenized on a thread (see :meth:`_jobs_tokenized_off_loop`)."""
-        if params is None:
-            params = SamplingParams()
-        if not isinstance(prompt, str) or len(prompt) <= INLINE_PROMPT_CHARS or not isinstance(params, SamplingParams):
-            return prompt  # short, ids, or refused by _submit
-        return (await self._jobs_tokenized_off_loop([(prompt, params)]))[0][0]
-
-    async def _jobs_tokenized_off_loop(self, jobs: list[Job]) -> list[Job]:
-        """``jobs`` with each long text replaced by its token ids, tokenized on a thread
-        (once per prompt, whatever its ``n``). Texts refused from their length, and texts
-        whose tokenization fails, stay text: :meth:`_submit` raises their error."""
-        texts = {id(p): p for p, s in jobs
-                 if isinstance(p, str) and len(p) > INLINE_PROMPT_CHARS and not self._far_over(p, s.max_tokens)}
-        if not texts:
-            return jobs
-
-        def encode_all() -> dict[int, _TokenIds]:
-            done = {}
-            for key, text in texts.items():
-                try:
-                    done[key] = _TokenIds(self.encode(text))
-                except MLXParallmError:
-                    pass
-            return done
-
-        done = await asyncio.to_thread(encode_all)
-        return [(done.get(id(p), p), s) for p, s in jobs]
-
-    def _far_over(self, text: str, max_tokens: int) -> bool:
-        """``text`` has more characters than the room left for the prompt could hold."""
-        return self._chars_per_token is not None and len(text) > max(0, self.context_length - max_tokens) * self._chars_per_token
-
-    def _encode_within_context(self, prompt: Prompt, max_tokens: int) -> list[int]:
-        """:meth:`encode`, refusing from its length a prompt that cannot fit."""
-        if isinstance(prompt, _TokenIds):
-            return prompt
-        if isinstance(prompt, str) and self._far_over(prompt, max_tokens):
-            fewest = -(-len(prompt) // (self._chars_per_token or 1))
-            raise ContextWindowExceededError(fewest, max_tokens, self.context_length, at_least=True)
-        if isinstance(prompt, (list, tuple)) and len(prompt) + max_tokens > self.context_length:
-            raise ContextWindowExceededError(len(prompt), max_tokens, self.context_length)
-        return self.encode(prompt)
-
     async def _next_item(self, sink: _LoopSink, request: Request) -> object:
         """The request's next result; at its deadline, a timeout error, whatever the worker
         is busy with (a long prefill step must not delay the caller's timeout)."""
@@ -349,7 +293,7 @@ class Engine:
             params = SamplingParams()
         elif not isinstance(params, SamplingParams):
             raise InvalidParameterError("params", f"must be a SamplingParams, got {type(params).__name__}")
-        ids = self._encode_within_context(prompt, params.max_tokens)
+        ids = self._prompts.encode_within_context(prompt, params.max_tokens)
         if not ids:
             raise InvalidParameterError("prompt", "is empty")
         if self.vocab_size:

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from mlx_parallm_provider.engine import SamplingParams
-from mlx_parallm_provider.engine.coordinator import INLINE_PROMPT_CHARS
+from mlx_parallm_provider.engine.prompt_size import INLINE_PROMPT_CHARS
 from mlx_parallm_provider.errors import ContextWindowExceededError
 
 ONE = SamplingParams(max_tokens=1)
