@@ -21,14 +21,18 @@ class InvalidParameterError(MLXParallmError, ValueError):
 
 
 class ContextWindowExceededError(MLXParallmError, ValueError):
-    """The prompt plus ``max_tokens`` does not fit the model's context window."""
+    """The prompt plus ``max_tokens`` does not fit the model's context window.
 
-    def __init__(self, prompt_tokens: int, max_tokens: int, context_length: int) -> None:
+    ``at_least``: ``prompt_tokens`` is a lower bound (a text refused from its length,
+    without tokenizing it)."""
+
+    def __init__(self, prompt_tokens: int, max_tokens: int, context_length: int, *, at_least: bool = False) -> None:
         self.prompt_tokens = prompt_tokens
         self.max_tokens = max_tokens
         self.context_length = context_length
         super().__init__(
-            f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) = "
+            f"prompt ({'at least ' if at_least else ''}{prompt_tokens} tokens) + max_tokens ({max_tokens}) = "
+            f"{'at least ' if at_least else ''}"
             f"{prompt_tokens + max_tokens} exceeds the model's context window of "
             f"{context_length} tokens; shorten the prompt or lower max_tokens"
         )

@@ -1,14 +1,22 @@
 """What a request's output must match: a JSON schema, any JSON object, a regex or a Lark
 grammar (:class:`Constraint`), compiled by llguidance. No MLX here; the worker side is
-:mod:`.guided`."""
+:mod:`.guided`.
+
+A constraint's text is checked against :data:`~.grammar_limits.LIMITS` first; llguidance
+then converts and validates it on a compiler thread (:mod:`.compiler`, a large stack), once
+per distinct constraint (:func:`compiled_grammar` caches by content)."""
 
 from __future__ import annotations
 
 import json
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
 from ..errors import InvalidParameterError
+from .compiler import run_compiler
+from .grammar_limits import LIMITS, check_grammar_input
 
 _KINDS = ("json_schema", "json_object", "regex", "lark")
 #: How constrained JSON is spaced: no free whitespace (a model cannot stall in endless
@@ -22,7 +30,8 @@ JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separat
 @dataclass(frozen=True, slots=True)
 class Constraint:
     """What a request's output must match. Build one with the class methods; the grammar
-    is compiled and checked on construction (a bad one is an :class:`InvalidParameterError`)."""
+    is checked and compiled on construction (a bad one, or one over a limit of
+    :class:`~.grammar_limits.GrammarLimits`, is an :class:`InvalidParameterError`)."""
 
     kind: str
     value: str = ""
@@ -32,9 +41,8 @@ class Constraint:
             raise InvalidParameterError("constraint", f"kind must be one of {', '.join(_KINDS)}, got {self.kind!r}")
         if not isinstance(self.value, str):
             raise InvalidParameterError("constraint", f"{self.kind} must be a string, got {type(self.value).__name__}")
-        error = import_llguidance().LLMatcher.validate_grammar(self.grammar())
-        if error:
-            raise InvalidParameterError(f"constraint ({self.kind})", error.strip().splitlines()[0])
+        check_grammar_input(self.kind, self.value)
+        self.grammar()
 
     @classmethod
     def json_schema(cls, schema: Any) -> "Constraint":
@@ -42,11 +50,19 @@ class Constraint:
         if isinstance(schema, str):
             try:
                 schema = json.loads(schema)
+            except RecursionError:
+                raise InvalidParameterError("json_schema", f"nests too deep (limit {LIMITS.max_depth} levels)") from None
             except ValueError as error:
                 raise InvalidParameterError("json_schema", f"is not JSON: {error}") from None
         if not isinstance(schema, dict):
             raise InvalidParameterError("json_schema", f"must be a JSON object, got {type(schema).__name__}")
-        return cls("json_schema", json.dumps(schema))
+        try:
+            text = json.dumps(schema)
+        except RecursionError:
+            raise InvalidParameterError("json_schema", f"nests too deep (limit {LIMITS.max_depth} levels)") from None
+        except (TypeError, ValueError) as error:
+            raise InvalidParameterError("json_schema", f"is not JSON: {error}") from None
+        return cls("json_schema", text)
 
     @classmethod
     def json_object(cls) -> "Constraint":
@@ -65,18 +81,64 @@ class Constraint:
         return cls("lark", grammar)
 
     def grammar(self) -> str:
-        """The llguidance grammar of this constraint."""
-        matcher = import_llguidance().LLMatcher
-        if self.kind == "json_schema":
-            try:
-                return matcher.grammar_from_json_schema(self.value, defaults=JSON_STYLE)
-            except ValueError as error:
-                raise InvalidParameterError("json_schema", str(error)) from None
-        if self.kind == "json_object":
-            return matcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_STYLE)
-        if self.kind == "regex":
-            return matcher.grammar_from_regex(self.value)
-        return matcher.grammar_from_lark(self.value)
+        """The llguidance grammar of this constraint (validated; cached by content)."""
+        return compiled_grammar(self.kind, self.value)
+
+
+def compiled_grammar(kind: str, value: str) -> str:
+    """The validated llguidance grammar of a constraint's ``kind`` and ``value``, converted
+    on a compiler thread once per distinct pair; raises :class:`InvalidParameterError`."""
+    key = (kind, value)
+    with _cache_lock:
+        hit = _cache.get(key)
+        if hit is not None:
+            _cache.move_to_end(key)
+    if hit is None:
+        hit = run_compiler(_convert_and_validate, kind, value)
+        _remember(key, hit)
+    grammar, field, error = hit
+    if error:
+        raise InvalidParameterError(field, error)
+    return grammar
+
+
+#: Characters of constraint text and grammar the cache of :func:`compiled_grammar` keeps.
+CACHE_CHARS = 32 << 20
+#: ``(kind, value) -> (grammar, "", "")`` or ``("", field, error)``: a bad grammar sent
+#: again is not compiled again either. Least recently used first.
+_cache: "OrderedDict[tuple[str, str], tuple[str, str, str]]" = OrderedDict()
+_cache_chars = 0
+_cache_lock = threading.Lock()
+
+
+def _remember(key: tuple[str, str], entry: tuple[str, str, str]) -> None:
+    global _cache_chars
+    size = len(key[1]) + len(entry[0]) + len(entry[2])
+    with _cache_lock:
+        if key in _cache or size > CACHE_CHARS:
+            return
+        _cache[key] = entry
+        _cache_chars += size
+        while _cache_chars > CACHE_CHARS:
+            (_, old_value), (old_grammar, _, old_error) = _cache.popitem(last=False)
+            _cache_chars -= len(old_value) + len(old_grammar) + len(old_error)
+
+
+def _convert_and_validate(kind: str, value: str) -> tuple[str, str, str]:
+    matcher = import_llguidance().LLMatcher
+    if kind == "json_schema":
+        try:
+            grammar = matcher.grammar_from_json_schema(value, defaults=JSON_STYLE)
+        except ValueError as error:
+            return "", "json_schema", str(error)
+    elif kind == "json_object":
+        grammar = matcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_STYLE)
+    elif kind == "regex":
+        grammar = matcher.grammar_from_regex(value)
+    else:
+        grammar = matcher.grammar_from_lark(value)
+    error = matcher.validate_grammar(grammar)
+    return ("", f"constraint ({kind})", error.strip().splitlines()[0]) if error else (grammar, "", "")
 
 
 def import_llguidance() -> Any:

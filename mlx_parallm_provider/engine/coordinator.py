@@ -28,6 +28,7 @@ from .exit_guard import shut_down_at_exit
 from .fanout import POLL_S, FanOut, TaggedSink, expand
 from .metrics import EngineMetrics
 from .prefix_kv import prefix_stats
+from .prompt_size import PromptEncoder
 from .request import Completion, Delta, Prompt, Request, ResultSink, SamplingParams
 from .kv.budget import kv_bytes_per_token
 from .worker import Worker
@@ -81,6 +82,7 @@ class Engine:
         self.tokenizer = self._loaded.tokenizer
         self.context_length = self._loaded.context_length
         self.vocab_size = int(self._loaded.config.get("vocab_size", 0)) or None
+        self._prompts = PromptEncoder(self.encode, self.tokenizer, self.context_length)
         self.metrics = EngineMetrics()
         self._kv_bytes_per_token = kv_bytes_per_token(self._loaded.model, self._loaded.config)
         self._worker_lock = threading.Lock()
@@ -93,6 +95,7 @@ class Engine:
     async def generate(self, prompt: Prompt, params: Optional[SamplingParams] = None, *, request_id: Optional[str] = None) -> Completion:
         """Generate a whole completion. Cancelling the awaiting task cancels the request."""
         sink = _LoopSink()
+        prompt = await self._prompts.tokenized_off_loop(prompt, params)
         request = self._submit(prompt, params, request_id, sink, stream=False)
         sink.request = request
         try:
@@ -107,6 +110,7 @@ class Engine:
     async def stream(self, prompt: Prompt, params: Optional[SamplingParams] = None, *, request_id: Optional[str] = None) -> AsyncGenerator[Delta, None]:
         """Yield :class:`Delta` pieces as they are generated; breaking out cancels."""
         sink = _LoopSink()
+        prompt = await self._prompts.tokenized_off_loop(prompt, params)
         request = self._submit(prompt, params, request_id, sink, stream=True)
         sink.request = request
         try:
@@ -169,7 +173,7 @@ class Engine:
         ``return_exceptions`` (then each failure takes its place in the list).
         Cancelling the awaiting task cancels every request.
         """
-        run = FanOut(self, expand(prompts, params, n), request_id, return_exceptions)
+        run = FanOut(self, await self._prompts.jobs_tokenized_off_loop(expand(prompts, params, n)), request_id, return_exceptions)
         loop = asyncio.get_running_loop()
         inbox: asyncio.Queue = asyncio.Queue()
 
@@ -293,7 +297,7 @@ class Engine:
             params = SamplingParams()
         elif not isinstance(params, SamplingParams):
             raise InvalidParameterError("params", f"must be a SamplingParams, got {type(params).__name__}")
-        ids = self.encode(prompt)
+        ids = self._prompts.encode_within_context(prompt, params.max_tokens)
         if not ids:
             raise InvalidParameterError("prompt", "is empty")
         if self.vocab_size:

@@ -6,18 +6,27 @@ constrained rows are filled together (in parallel, by llguidance's executor, whi
 computes the step's logits) and applied inside the batched sampling step; unconstrained
 rows are untouched and pay nothing. EOS is allowed only where the grammar may end, and a
 row whose grammar is complete finishes with ``"stop"``.
+
+Each distinct grammar is built into a matcher once, on a compiler thread (llguidance
+recurses on the calling thread's stack, see :mod:`.compiler`); the rows that use it get
+copies of that matcher.
 """
 
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from copy import copy
 from typing import Any, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
 
+from .compiler import run_compiler
 from .constraint import Constraint, import_llguidance
+
+#: Built matchers each :class:`GrammarTokenizer` keeps, one per distinct grammar.
+MATCHER_CACHE = 64
 
 
 class GrammarTokenizer:
@@ -28,6 +37,7 @@ class GrammarTokenizer:
         self._built: Any = None
         self._lock = threading.Lock()
         self.executor: Any = None
+        self._matchers: "OrderedDict[str, Any]" = OrderedDict()
 
     def get(self) -> Any:
         with self._lock:
@@ -41,12 +51,28 @@ class GrammarTokenizer:
                 self.executor = llg.LLExecutor()
             return self._built
 
+    def matcher(self, grammar: str) -> Any:
+        """A fresh llguidance matcher of ``grammar``: a copy of the one built (on a compiler
+        thread) the first time this grammar was asked for."""
+        built = self.get()
+        with self._lock:
+            original = self._matchers.get(grammar)
+            if original is not None:
+                self._matchers.move_to_end(grammar)
+        if original is None:
+            original = run_compiler(lambda: import_llguidance().LLMatcher(built, grammar, log_level=0))
+            with self._lock:
+                self._matchers[grammar] = original
+                while len(self._matchers) > MATCHER_CACHE:
+                    self._matchers.popitem(last=False)
+        return original.deep_copy()
+
 
 class RowMatcher:
     """The matcher of one constrained request."""
 
     def __init__(self, constraint: Constraint, tokenizer: GrammarTokenizer) -> None:
-        self.matcher = import_llguidance().LLMatcher(tokenizer.get(), constraint.grammar(), log_level=0)
+        self.matcher = tokenizer.matcher(constraint.grammar())
         self._check()
 
     def consume(self, token: int) -> None:

@@ -25,6 +25,7 @@ stream chunks carry neither a choice index nor logprobs).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import threading
 import time
@@ -91,9 +92,10 @@ class MLXParallmCustomLLM(CustomLLM):
         litellm_params: Optional[dict] = None, timeout: Any = None,
         model_response: Optional[ModelResponse] = None, **_: Any,
     ) -> ModelResponse:
-        """A whole response, awaiting ``engine.generate_many`` on the caller's loop."""
+        """A whole response, awaiting ``engine.generate_many`` on the caller's loop (the
+        prompt rendered and its constraint compiled on a thread, not on the loop)."""
         with _litellm_errors(model):
-            call = _prepare(model, messages, optional_params, litellm_params, timeout, stream=False)
+            call = await asyncio.to_thread(_prepare, model, messages, optional_params, litellm_params, timeout, stream=False)
             completions = await call.engine.generate_many(call.prompt_texts, call.params, n=call.n, request_id=call.request_id)
         return _build_response(model_response, call, completions)
 
@@ -111,9 +113,10 @@ class MLXParallmCustomLLM(CustomLLM):
         self, model: str, messages: list, *, optional_params: Optional[dict] = None,
         litellm_params: Optional[dict] = None, timeout: Any = None, **_: Any,
     ) -> AsyncIterator[GenericStreamingChunk]:
-        """Streamed chunks from ``engine.stream`` (an async generator)."""
+        """Streamed chunks from ``engine.stream`` (an async generator; the prompt prepared
+        on a thread, not on the loop)."""
         with _litellm_errors(model):
-            call = _prepare(model, messages, optional_params, litellm_params, timeout, stream=True)
+            call = await asyncio.to_thread(_prepare, model, messages, optional_params, litellm_params, timeout, stream=True)
             deltas = call.engine.stream(call.prompt_texts[0], call.params, request_id=f"{call.request_id}-0")
             chunks = _ChunkWriter(call.prompts[0])
             try:

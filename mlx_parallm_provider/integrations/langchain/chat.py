@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
@@ -90,7 +91,7 @@ class ChatMLXParallm(EngineFields, BatchesFromOneThread, BaseChatModel):
         run_manager: Optional[AsyncCallbackManagerForLLMRun] = None,
         **kwargs: Any,
     ) -> ChatResult:
-        call = self._prepare(messages, stop, kwargs)
+        call = await asyncio.to_thread(self._prepare, messages, stop, kwargs)  # off the loop: rendering, grammars
         return _chat_result(call, await call.engine.generate(call.prepared.prompt, call.params))
 
     def _stream(
@@ -119,7 +120,7 @@ class ChatMLXParallm(EngineFields, BatchesFromOneThread, BaseChatModel):
         run_manager: Optional[AsyncCallbackManagerForLLMRun] = None,
         **kwargs: Any,
     ) -> AsyncIterator[ChatGenerationChunk]:
-        call = self._prepare(messages, stop, kwargs)
+        call = await asyncio.to_thread(self._prepare, messages, stop, kwargs)  # off the loop: rendering, grammars
         writer = ChunkWriter(call.prepared, call.model)
         deltas = call.engine.stream(call.prepared.prompt, call.params)
         try:

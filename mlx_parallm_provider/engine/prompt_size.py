@@ -1,0 +1,129 @@
+"""Prompts to token ids without stalling anyone: :class:`PromptEncoder` refuses a text far
+over the context window from its length instead of tokenizing it first (a 10 MB message
+took 13 s to tokenize before it was refused), and tokenizes async callers' long texts on a
+thread, so one request never stalls the other streams of its event loop.
+
+How many characters one token can cover is read from the vocabulary
+(:func:`max_chars_per_token`).
+No token covers more characters than its vocabulary entry has: byte-level BPE spells each
+byte as one character, SentencePiece spells text as it is (``<0x0A>`` is longer than the
+byte it stands for), added tokens are their own text. A normalizer that composes
+characters (NFC, NFKC: at most 4 code points into one) multiplies the bound; one that may
+delete characters (stripping, accents, regex replacements, unknown kinds) leaves no bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from typing import Any, Callable, Optional
+
+from ..errors import ContextWindowExceededError, MLXParallmError
+from .fanout import Job
+from .request import Prompt, SamplingParams
+
+#: Texts longer than this (characters) are tokenized off an async caller's event loop.
+INLINE_PROMPT_CHARS = 4096
+
+#: Normalizers that never shorten a text.
+_KEEPING = frozenset({"NFD", "NFKD", "Lowercase", "Prepend"})
+#: Normalizers that compose characters, and by how much at most.
+_COMPOSING = {"NFC": 4, "NFKC": 4}
+
+
+def max_chars_per_token(tokenizer: Any) -> Optional[int]:
+    """The most characters of text one token of ``tokenizer`` can stand for, or None when
+    that cannot be bounded (or the tokenizer cannot be read)."""
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    try:
+        longest = max(map(len, hf.get_vocab()), default=0)
+        backend = getattr(hf, "backend_tokenizer", hf)
+        normalizer = json.loads(backend.to_str()).get("normalizer")
+    except Exception:  # not a Hugging Face tokenizer: no bound
+        return None
+    shrink = _shrink(normalizer)
+    return longest * shrink if longest and shrink else None
+
+
+def _shrink(config: Any) -> Optional[int]:
+    """How many times shorter ``config`` (a normalizer's JSON) can make a text; None: unbounded."""
+    if config is None:
+        return 1
+    kind = config.get("type") if isinstance(config, dict) else None
+    if kind in _KEEPING:
+        return 1
+    if kind in _COMPOSING:
+        return _COMPOSING[kind]
+    if kind == "Sequence":
+        factor = 1
+        for part in config.get("normalizers") or []:
+            step = _shrink(part)
+            if step is None:
+                return None
+            factor *= step
+        return factor
+    if kind == "Replace":  # a fixed string for a fixed string (SentencePiece's " " -> "▁")
+        pattern, content = (config.get("pattern") or {}).get("String"), config.get("content")
+        if isinstance(pattern, str) and isinstance(content, str) and content:
+            return max(1, math.ceil(len(pattern) / len(content)))
+    return None
+
+
+class TokenIds(list):
+    """Token ids the engine's own tokenizer produced: submitted without checking each id."""
+
+
+class PromptEncoder:
+    """One engine's prompts to token ids. ``encode`` is the engine's
+    :meth:`~.coordinator.Engine.encode`; ``tokenizer`` gives the characters-per-token bound."""
+
+    def __init__(self, encode: Callable[[Prompt], list[int]], tokenizer: Any, context_length: int) -> None:
+        self._encode = encode
+        self.context_length = context_length
+        self.chars_per_token = max_chars_per_token(tokenizer)
+
+    def far_over(self, text: str, max_tokens: int) -> bool:
+        """``text`` has more characters than the room left for the prompt could hold."""
+        room = max(0, self.context_length - max_tokens)
+        return self.chars_per_token is not None and len(text) > room * self.chars_per_token
+
+    def encode_within_context(self, prompt: Prompt, max_tokens: int) -> list[int]:
+        """Token ids of ``prompt``; a prompt that cannot fit is refused from its length."""
+        if isinstance(prompt, TokenIds):
+            return prompt
+        if isinstance(prompt, str) and self.far_over(prompt, max_tokens):
+            fewest = -(-len(prompt) // (self.chars_per_token or 1))
+            raise ContextWindowExceededError(fewest, max_tokens, self.context_length, at_least=True)
+        if isinstance(prompt, (list, tuple)) and len(prompt) + max_tokens > self.context_length:
+            raise ContextWindowExceededError(len(prompt), max_tokens, self.context_length)
+        return self._encode(prompt)
+
+    async def tokenized_off_loop(self, prompt: Prompt, params: Optional[SamplingParams]) -> Prompt:
+        """``prompt``, a long text tokenized on a thread (see :meth:`jobs_tokenized_off_loop`)."""
+        if params is None:
+            params = SamplingParams()
+        if not isinstance(prompt, str) or len(prompt) <= INLINE_PROMPT_CHARS or not isinstance(params, SamplingParams):
+            return prompt  # short, ids, or refused when submitted
+        return (await self.jobs_tokenized_off_loop([(prompt, params)]))[0][0]
+
+    async def jobs_tokenized_off_loop(self, jobs: list[Job]) -> list[Job]:
+        """``jobs`` with each long text replaced by its :class:`TokenIds`, tokenized on a
+        thread (once per prompt, whatever its ``n``). Texts refused from their length, and
+        texts whose tokenization fails, stay text: submitting them raises their error."""
+        texts = {id(p): p for p, s in jobs
+                 if isinstance(p, str) and len(p) > INLINE_PROMPT_CHARS and not self.far_over(p, s.max_tokens)}
+        if not texts:
+            return jobs
+
+        def encode_all() -> dict[int, TokenIds]:
+            done = {}
+            for key, text in texts.items():
+                try:
+                    done[key] = TokenIds(self._encode(text))
+                except MLXParallmError:
+                    pass
+            return done
+
+        done = await asyncio.to_thread(encode_all)
+        return [(done.get(id(p), p), s) for p, s in jobs]
