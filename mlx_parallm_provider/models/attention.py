@@ -119,6 +119,28 @@ def decode_attention(
     return out.astype(queries.dtype)
 
 
+def paged_decode_attention(
+    queries: mx.array, k_pool: mx.array, v_pool: mx.array, table: mx.array, lengths: mx.array, block_size: int, scale: float
+) -> Optional[mx.array]:
+    """Attention of one query position per row over paged KV through the MLX extension's
+    CPU kernel, or None where it does not apply (as :func:`decode_attention`, and float32
+    pools only): the caller then gathers the rows' blocks and uses MLX's ops.
+
+    ``k_pool`` / ``v_pool`` ``(slots, kv_heads, D)``; ``table`` ``(B, M)`` int32 block ids;
+    ``lengths`` ``(B,)`` int32, each row's tokens (see :mod:`..engine.kv.storage`)."""
+    B, heads, L, D = queries.shape
+    kv_heads = k_pool.shape[1]
+    if L != 1 or D % 16 or D > MAX_HEAD_DIM or heads % kv_heads or heads // kv_heads > MAX_GROUP or not uses_cpu_ops():
+        return None
+    if k_pool.dtype != mx.float32 or v_pool.dtype != mx.float32 or k_pool.shape != v_pool.shape:
+        return None
+    ext = _extension()
+    if ext is None or not hasattr(ext, "paged_decode_attention"):
+        return None
+    out = ext.paged_decode_attention(queries, k_pool, v_pool, table, lengths, block_size, scale, _threads())
+    return out.astype(queries.dtype)
+
+
 def dense_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Optional[Any]) -> mx.array:
     """Plain attention: ``queries`` (B, heads, L, D) over ``keys`` / ``values`` (B, kv_heads,
     S, D), ``mask`` as mlx-lm passes it (None, ``"causal"`` or an array)."""

@@ -20,8 +20,25 @@ def _reference_logits(model, tokens: list[int]) -> mx.array:
     return mx.concatenate([model(mx.array([[t]]), cache=cache)[0] for t in tokens])
 
 
+@pytest.fixture(params=["kernels", "gather"])
+def cpu_ops(request, monkeypatch):
+    """Decode steps through the paged CPU kernel, or (forced) the gather path every device
+    without one takes; yields the kernel's results, to check which path ran."""
+    results: list = []
+    kernel = attention.paged_decode_attention
+
+    def counted(*args, **kwargs):
+        results.append(kernel(*args, **kwargs))
+        return results[-1]
+
+    monkeypatch.setattr(attention, "paged_decode_attention", counted)
+    attention.set_cpu_ops(None if request.param == "kernels" else False)
+    yield request.param, results
+    attention.set_cpu_ops(None)
+
+
 @pytest.mark.parametrize("block_size", [1, 4, 16])
-def test_paged_prefill_chunks_and_decode_match_mlx_lm(tiny_model, block_size):
+def test_paged_prefill_chunks_and_decode_match_mlx_lm(tiny_model, block_size, cpu_ops):
     model = tiny_model.model
     assert attention.install(model)
     prompts = [list(range(5, 5 + n)) for n in (3, 11, 40)]  # lengths spread over buckets
@@ -49,6 +66,16 @@ def test_paged_prefill_chunks_and_decode_match_mlx_lm(tiny_model, block_size):
     for b, prompt in enumerate(prompts):
         ours = mx.concatenate(got[b])
         assert mx.allclose(ours, _reference_logits(model, prompt), atol=1e-4).item(), b
+    mode, kernel_results = cpu_ops
+    ran = [r is not None for r in kernel_results]
+    assert ran and (all(ran) if mode == "kernels" and attention.uses_cpu_ops() is not False and _has_extension() else not any(ran))
+
+
+def _has_extension() -> bool:
+    from mlx_parallm_provider.models import qmatmul_ext
+
+    ext = qmatmul_ext.load()
+    return ext is not None and hasattr(ext, "paged_decode_attention")
 
 
 def test_storage_grows_on_demand_and_keeps_what_it_held(tiny_model):

@@ -140,3 +140,30 @@ def test_without_the_extension_decoding_uses_mlx_ops(monkeypatch) -> None:
     mask = _left_padding_mask(3, 20, seed=24)
     assert attention.decode_attention(q, k, v, 0.125, mask) is None
     assert mx.allclose(attention.dense_attention(q, k, v, 0.125, mask), sdpa(q, k, v, mask), atol=2e-6).item()
+
+
+def test_paged_kernel_matches_attention_over_each_rows_gathered_blocks():
+    """The paged decode kernel reads rows through block tables (runs of consecutive blocks
+    as one segment, a last block partly filled) as plain attention over the gathered keys."""
+    import mlx.core as mx
+
+    from mlx_parallm_provider.models import attention
+
+    if not attention.uses_cpu_ops():
+        pytest.skip("CPU ops are off on this device")
+    mx.random.seed(3)
+    bs, kv_heads, heads, D = 4, 2, 6, 32
+    k_pool, v_pool = mx.random.normal((40 * bs, kv_heads, D)), mx.random.normal((40 * bs, kv_heads, D))
+    tables = [[5, 6, 7, 2], [9], [3, 4, 30, 31, 32], [11, 12]]
+    lengths = [15, 1, 18, 5]
+    q = mx.random.normal((len(tables), heads, 1, D))
+    width = max(map(len, tables))
+    table = mx.array([t + [0] * (width - len(t)) for t in tables], dtype=mx.int32)
+    out = attention.paged_decode_attention(q, k_pool, v_pool, table, mx.array(lengths, dtype=mx.int32), bs, 0.125)
+    if out is None:
+        pytest.skip("no MLX extension here (no compiler)")
+    for b, (t, n) in enumerate(zip(tables, lengths)):
+        slots = mx.array([t[i // bs] * bs + i % bs for i in range(n)])
+        k, v = k_pool[slots].swapaxes(0, 1)[None], v_pool[slots].swapaxes(0, 1)[None]
+        expected = mx.fast.scaled_dot_product_attention(q[b : b + 1], k, v, scale=0.125)
+        assert mx.allclose(out[b : b + 1], expected, atol=1e-5).item(), b

@@ -7,10 +7,12 @@ already holds, how many it brings); :meth:`PagedBatch.layers` gives one
 the row's blocks) and ``attend`` (attention through the block tables; the model's
 attention is routed there by :func:`~mlx_parallm_provider.models.attention.attend`).
 
-Attention reads each row's blocks: rows are gathered, per length bucket, into a transient
-rectangle (so a long row never makes short rows attend over its length), then attended by
-:func:`~mlx_parallm_provider.models.attention.dense_attention`. Nothing outlives the pass
-but the blocks.
+Attention reads each row's blocks. Decoding on the CPU, one kernel call reads them through
+the block tables (:func:`~mlx_parallm_provider.models.attention.paged_decode_attention`).
+Elsewhere (prefill, Metal, CUDA, kernels off) rows are gathered, per length bucket, into a
+transient rectangle (so a long row never makes short rows attend over its length), then
+attended by :func:`~mlx_parallm_provider.models.attention.dense_attention`. Nothing
+outlives the pass but the blocks.
 """
 
 from __future__ import annotations
@@ -49,7 +51,22 @@ class PagedBatch:
             writes.extend(row + [NULL_BLOCK * bs] * (width - n))
         storage.check(max(writes, default=0))
         self.write_slots = mx.array(writes, dtype=mx.int32)
-        self.buckets = [_Bucket(idx, tables, starts, lengths, self.totals, width, bs) for idx in _length_buckets(self.totals)]
+        self._rows = (tables, starts, lengths)
+        self._buckets: Optional[list[_Bucket]] = None
+        longest = max((len(t) for t in tables), default=0)
+        # For the paged decode kernel: block tables padded with the null block, and lengths.
+        self.table = mx.array([list(t) + [NULL_BLOCK] * (longest - len(t)) for t in tables], dtype=mx.int32) if width == 1 else None
+        self.lengths = mx.array(self.totals, dtype=mx.int32)
+
+    @property
+    def buckets(self) -> list["_Bucket"]:
+        """Rows grouped by length, each with its slots and mask (built on first use: the
+        paged decode kernel reads block tables and needs none)."""
+        if self._buckets is None:
+            tables, starts, lengths = self._rows
+            bs = self.storage.block_size
+            self._buckets = [_Bucket(idx, tables, starts, lengths, self.totals, self.width, bs) for idx in _length_buckets(self.totals)]
+        return self._buckets
 
     def layers(self) -> list["PagedLayerCache"]:
         """One cache object per layer, for ``model(tokens, cache=...)``."""
@@ -123,7 +140,14 @@ class PagedLayerCache:
         return keys, values
 
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Optional[Any]) -> mx.array:
-        """Attention of ``queries`` (B, heads, L, D) over each row's blocks."""
+        """Attention of ``queries`` (B, heads, L, D) over each row's blocks: one CPU kernel
+        call through the block tables when decoding, else per bucket over gathered blocks."""
+        batch, storage = self.batch, self.batch.storage
+        if batch.table is not None:
+            out = attention.paged_decode_attention(queries, storage.keys[self.layer], storage.values[self.layer], batch.table,
+                                                   batch.lengths, storage.block_size, scale)
+            if out is not None:
+                return out
         outs = []
         for bucket in self.batch.buckets:
             k, v = self.batch.storage.read(self.layer, bucket.slots)  # (b, S, kv_heads, D)

@@ -12,11 +12,17 @@
 // per prefix its keys and values (1, KVH, P, D). Strides are read from the arrays (keys and
 // values are usually views of a larger cache buffer); one whose last axis is not contiguous
 // is copied first. float32 throughout.
+//
+// Paged variant (paged_decode_attention_op): keys and values live in per-layer pools of
+// slots (N, KVH, D), block_size slots a block; row b's tokens are the first lengths[b] slots
+// of the blocks table[b][0], table[b][1], ... Physically consecutive blocks are read as one
+// segment. No mask: one query sees every token its row holds.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <optional>
 #include <utility>
@@ -285,6 +291,98 @@ class DecodeAttentionCPU : public mx::Primitive {
   int flags_, threads_;
 };
 
+
+void run_items(int items, int threads, const std::function<void(int)>& task) {
+  std::atomic<int> counter{0};
+  auto worker = [&]() {
+    for (int item; (item = counter.fetch_add(1)) < items;) task(item);
+  };
+  int helpers = std::min(threads, std::max(items / kItemsPerThread, 1)) - 1;  // a thread costs ~20 us to start
+  std::vector<std::thread> pool;
+  try {
+    for (int t = 0; t < helpers; t++) pool.emplace_back(worker);
+  } catch (const std::system_error&) {  // no thread to be had: the threads started so far share the work
+  }
+  worker();
+  for (auto& t : pool) t.join();
+}
+
+class PagedDecodeAttentionCPU : public mx::Primitive {
+ public:
+  PagedDecodeAttentionCPU(mx::Stream stream, float scale, int block_size, int threads)
+      : mx::Primitive(stream), scale_(scale), block_size_(block_size), threads_(threads) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    auto& out = outputs[0];
+    auto& encoder = cpu_encoder(stream(), inputs, out);
+    std::vector<mx::array> in;
+    for (auto& a : inputs) in.push_back(mx::array::unsafe_weak_copy(a));
+    encoder.dispatch([in = std::move(in), out = mx::array::unsafe_weak_copy(out), scale = scale_, bs = block_size_,
+                      threads = threads_]() mutable { run(in, out, scale, bs, threads); });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("PagedDecodeAttentionCPU has no GPU implementation (CPU only)");
+  }
+
+  const char* name() const override { return "PagedDecodeAttentionCPU"; }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {inputs[0].shape()}; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto& o = static_cast<const PagedDecodeAttentionCPU&>(other);
+    return scale_ == o.scale_ && block_size_ == o.block_size_ && threads_ == o.threads_;
+  }
+
+ private:
+  static void run(const std::vector<mx::array>& in, mx::array& out, float scale, int bs, int threads) {
+    const auto& q = in[0];
+    const float* qd = q.data<float>();
+    if (!in[1].flags().row_contiguous || !in[2].flags().row_contiguous) {
+      throw std::runtime_error("paged_decode_attention: the pools must be row-contiguous");
+    }
+    const float* kp = in[1].data<float>();
+    const float* vp = in[2].data<float>();
+    const int32_t* table = in[3].data<int32_t>();
+    const int32_t* lengths = in[4].data<int32_t>();
+    int B = q.shape(0), H = q.shape(1), D = q.shape(3), KVH = in[1].shape(1), M = in[3].shape(1);
+    int64_t slots = in[1].shape(0);
+    int group = H / KVH;
+    int64_t slot_stride = static_cast<int64_t>(KVH) * D;
+    float* od = out.data<float>();
+    run_items(B * KVH, threads, [&](int item) {
+      int b = item / KVH, g = item % KVH;
+      static thread_local Accumulator a;
+      a.group = group, a.dim = D;
+      const float* queries[kMaxGroup];
+      float* outputs[kMaxGroup];
+      for (int r = 0; r < group; r++) {
+        int64_t h = g * group + r;
+        queries[r] = qd + (static_cast<int64_t>(b) * H + h) * D;
+        outputs[r] = od + (static_cast<int64_t>(b) * H + h) * D;
+      }
+      a.start(queries, scale);
+      const int32_t* row = table + static_cast<int64_t>(b) * M;
+      int len = std::min(lengths[b], M * bs);
+      for (int j = 0; j * bs < len;) {
+        int first = row[j], n = 1;  // a run of physically consecutive blocks: one segment
+        while ((j + n) * bs < len && row[j + n] == first + n) n++;
+        int tokens = std::min(n * bs, len - j * bs);
+        int64_t slot = static_cast<int64_t>(first) * bs;
+        if (first >= 0 && slot + tokens <= slots) {
+          a.attend({kp + slot * slot_stride + g * D, vp + slot * slot_stride + g * D, slot_stride, slot_stride, tokens,
+                    nullptr, nullptr});
+        }
+        j += n;
+      }
+      a.finish(outputs);
+    });
+  }
+
+  float scale_;
+  int block_size_, threads_;
+};
+
 }  // namespace
 
 // Attention of one query position per row, see the file comment. `mask`: None, or an array
@@ -339,6 +437,32 @@ mx::array decode_attention_op(const mx::array& q, const mx::array& k, const mx::
     }
   }
   return mx::array(q.shape(), mx::float32, std::make_shared<DecodeAttentionCPU>(stream, scale, flags, std::max(threads, 1)),
+                   std::move(inputs));
+}
+
+// Paged decode attention, see the file comment: q (B, H, 1, D); k_pool, v_pool (N, KVH, D);
+// table (B, M) int32 block ids; lengths (B,) int32 tokens per row.
+mx::array paged_decode_attention_op(const mx::array& q, const mx::array& k_pool, const mx::array& v_pool,
+                                    const mx::array& table, const mx::array& lengths, int block_size, float scale,
+                                    int threads) {
+  if (q.ndim() != 4 || q.shape(2) != 1 || k_pool.ndim() != 3 || k_pool.shape() != v_pool.shape() || table.ndim() != 2 ||
+      lengths.ndim() != 1 || table.shape(0) != q.shape(0) || lengths.shape(0) != q.shape(0) || block_size < 1) {
+    throw std::invalid_argument("paged_decode_attention: q (B, H, 1, D), pools (N, KVH, D), table (B, M), lengths (B,)");
+  }
+  int H = q.shape(1), D = q.shape(3), KVH = k_pool.shape(1);
+  if (k_pool.shape(2) != D || KVH < 1 || H % KVH || H / KVH > kMaxGroup || D % 16 || D > kMaxHeadDim) {
+    throw std::invalid_argument("paged_decode_attention: unsupported shapes (head dim a multiple of 16 up to 256, at most 16 "
+                                "query heads per KV head)");
+  }
+  auto stream = cpu_stream();
+  auto f32 = [&](const mx::array& a) { return mx::contiguous(mx::astype(a, mx::float32, stream), false, stream); };
+  auto i32 = [&](const mx::array& a) { return mx::contiguous(mx::astype(a, mx::int32, stream), false, stream); };
+  if (k_pool.dtype() != mx::float32 || v_pool.dtype() != mx::float32) {
+    throw std::invalid_argument("paged_decode_attention: the pools must be float32 (a cast would copy them every call)");
+  }
+  std::vector<mx::array> inputs = {f32(q), k_pool, v_pool, i32(table), i32(lengths)};
+  return mx::array(q.shape(), mx::float32,
+                   std::make_shared<PagedDecodeAttentionCPU>(stream, scale, block_size, std::max(threads, 1)),
                    std::move(inputs));
 }
 

@@ -31,6 +31,9 @@ mx::array rope_op(const mx::array& x, int dims, bool traditional, float scale, c
 mx::array decode_attention_op(const mx::array& q, const mx::array& k, const mx::array& v, float scale,
                               const std::optional<mx::array>& mask, const std::optional<mx::array>& prefix_index,
                               const std::vector<std::pair<mx::array, mx::array>>& prefixes, int threads);
+mx::array paged_decode_attention_op(const mx::array& q, const mx::array& k_pool, const mx::array& v_pool,
+                                    const mx::array& table, const mx::array& lengths, int block_size, float scale,
+                                    int threads);
 }  // namespace mlx_parallm
 using namespace nb::literals;
 
@@ -125,4 +128,8 @@ NB_MODULE(mlx_parallm_qmatmul_ext, m) {
         "Attention of q (B, H, 1, D) over k, v (B, KVH, S, D) under mask (None, or (1 or B, S) bool / additive), "
         "after each row's shared prefix (prefix_index (B,) into prefixes [(keys, values) (1, KVH, P, D)], -1: none), "
         "as one CPU op. float32 out.");
+  m.def("paged_decode_attention", &mlx_parallm::paged_decode_attention_op, "q"_a, "k_pool"_a, "v_pool"_a, "table"_a,
+        "lengths"_a, "block_size"_a, "scale"_a, "threads"_a = 1,
+        "Attention of q (B, H, 1, D) over each row's first lengths[b] slots of its blocks table[b] in the pools "
+        "(N, KVH, D), block_size slots a block, as one CPU op. float32 out.");
 }
