@@ -68,7 +68,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     prefix_cache_memory_gb: float = 1.0
     kv_layout: str = "paged"
-    kv_block_size: int = 32
+    kv_block_size: int = 16
     shutdown_timeout_s: float = 5.0
 
     def __post_init__(self) -> None:

@@ -256,7 +256,7 @@ class Engine:
         waiting = worker.num_waiting if worker is not None and worker.alive else 0
         snap = self.metrics.snapshot(running=running, waiting=waiting)
         snap["model"] = self.model_name
-        snap["prefix_cache"] = prefix_stats(self.config, worker.prefix_cache if worker is not None else None, snap)
+        snap["prefix_cache"] = prefix_stats(self.config, worker.prefix_store_stats() if worker is not None else None, snap)
         snap["kv_cache"] = worker.kv_stats() if worker is not None else {"layout": self.config.kv_layout}
         return snap
 

@@ -56,15 +56,16 @@ def scheduler_prefix_options(store: Optional[PrefixCache], config: EngineConfig,
     }
 
 
-def prefix_stats(config: EngineConfig, store: Optional[PrefixCache], snapshot: dict[str, Any]) -> dict[str, Any]:
+def prefix_stats(config: EngineConfig, store: Optional[dict[str, Any]], snapshot: dict[str, Any]) -> dict[str, Any]:
     """``stats()["prefix_cache"]``: whether caching is on, the hit rate (cached / all
     prompt tokens) and cached prompt tokens from the metrics ``snapshot``, and the
-    store's own counts (bytes, stored tokens, evictions) when there is one."""
+    store's own counts (bytes, stored tokens, evictions, bound) when there is one."""
+    counts = {k: v for k, v in (store or {}).items() if k != "nbytes"}
     return {
         "enabled": config.enable_prefix_caching,
         "hit_rate": snapshot["prefix_cache_hit_rate"],
         "cached_tokens": snapshot["cached_prompt_tokens"],
-        **(store.stats() if store is not None else {}),
+        **counts,
     }
 
 

@@ -52,9 +52,9 @@ def engine_gauges(engine: Any) -> dict[str, float]:
     if worker is None or not worker.alive:
         return {"running": 0.0, "waiting": 0.0, "kv_usage": 0.0, "prefix_usage": 0.0, "kv_blocks_total": 0.0, "kv_blocks_free": 0.0}
     running, waiting = worker.num_running, worker.num_waiting
-    kv_usage = worker.kv_usage()
-    store = worker.prefix_cache
-    prefix_usage = store.nbytes / store.max_bytes if store is not None and store.max_bytes else 0.0
+    kv_usage = worker.scheduler.kv_usage()
+    store = worker.prefix_store_stats()
+    prefix_usage = store["nbytes"] / store["max_bytes"] if store and store["max_bytes"] else 0.0
     kv = worker.kv_stats()
     return {
         "running": float(running), "waiting": float(waiting), "kv_usage": min(kv_usage, 1.0), "prefix_usage": min(prefix_usage, 1.0),

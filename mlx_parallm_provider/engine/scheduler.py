@@ -10,7 +10,8 @@ Each step (vLLM v1's shape, in miniature):
    longer than ``prefill_chunk_size`` (or than the budget left) as a chunked prefill.
 
 KV blocks (when given a :class:`~.kv.KVCacheManager`): a request is admitted only when
-the pool has free blocks for its prompt, which it is given at once; before each step every
+the pool has free blocks for its prompt, which it is given at once (its cached prefix as
+the cached blocks themselves, shared, when ``prefix_match`` is the manager's); before each step every
 running row gets room for the token it decodes, and when the pool runs out the newest
 running request is preempted (its blocks freed, itself queued first to be recomputed from
 its prompt and output so far), as vLLM v1 does. The flat ``kv_budget_tokens`` count (prompt
@@ -217,7 +218,8 @@ class Scheduler:
                 break
             request.num_cached = request.num_prefilled = cached
             if self.kv is not None:  # its prompt, and the token it decodes in the step its prefill ends
-                self.kv.grow(id(request), request.num_tokens + 1)
+                prefix = self.kv.match(request.prompt_ids, cached) if cached else None
+                self.kv.grow(id(request), request.num_tokens + 1, prefix)
             self.waiting.popleft()
             sharers.append(request)
             slots -= 1

@@ -67,13 +67,13 @@ class Worker:
         self.metrics = metrics
         self.clock = clock
         self.kv_bytes_per_token = max(1, kv_bytes_per_token)
-        self.prefix_cache = make_prefix_cache(config)
         self.eos_ids = set(getattr(tokenizer, "eos_token_ids", None) or [])
         if getattr(tokenizer, "eos_token_id", None) is not None:
             self.eos_ids.add(tokenizer.eos_token_id)
         self.pad_id = next(iter(self.eos_ids), 0)
         self.paged = PagedRunner.for_model(model, config, self.kv_bytes_per_token, context_length, self.pad_id)
         self.kv = None if self.paged is None else self.paged.kv
+        self.prefix_cache = make_prefix_cache(config) if self.paged is None else None  # paged KV caches blocks
         self.share_kv = self.kv is None and can_share_kv(model, config)
         budget = config.kv_cache_memory_bytes
         self.scheduler = Scheduler(
@@ -81,7 +81,7 @@ class Worker:
             config.max_num_batched_tokens,
             config.prefill_chunk_size,
             None if budget is None else max(1, budget // self.kv_bytes_per_token),
-            **scheduler_prefix_options(self.prefix_cache, config, self.kv_bytes_per_token),
+            **(scheduler_prefix_options(self.prefix_cache, config, self.kv_bytes_per_token) if self.paged is None else self.paged.prefix_options(config)),
             kv=self.kv,
         )
         self.grammar = GrammarTokenizer(tokenizer, vocab_size, self.eos_ids)
@@ -100,9 +100,11 @@ class Worker:
         """``stats()["kv_cache"]``: the layout; for paged KV its blocks, usage, preemptions."""
         return {"layout": "rectangle"} if self.paged is None else self.paged.stats()
 
-    def kv_usage(self) -> float:
-        """KV memory in use, 0..1 (see :meth:`.scheduler.Scheduler.kv_usage`)."""
-        return self.scheduler.kv_usage()
+    def prefix_store_stats(self) -> Optional[dict[str, Any]]:
+        """The prefix store's counts (bytes, tokens, evictions, bound), or None without one."""
+        if self.paged is not None:
+            return self.paged.prefix_stats(self.kv_bytes_per_token)
+        return None if self.prefix_cache is None else {**self.prefix_cache.stats(), "nbytes": self.prefix_cache.nbytes}
 
     # -- called from other threads ------------------------------------------------------
 
@@ -289,9 +291,9 @@ class Worker:
 
     def _join_decode_batch(self, requests: list[Request], logits: mx.array, cache: Optional[list[Any]] = None) -> None:
         sampled = self._sample(requests, logits)
-        if self.paged is not None:  # their prompts (+ output, if recomputed) go into the store
-            seqs = [r.computed_ids for r in requests]
-            self.paged.store(self.prefix_cache, requests, seqs, [len(s) for s in seqs], self.kv_bytes_per_token)
+        if self.paged is not None:  # their prompts (+ output, if recomputed) are cached
+            for r in requests:
+                self.paged.cache_blocks(r, r.computed_ids, r.num_prefilled)
         else:
             self.rectangle.join(cache, self.rows, requests, self.prefix_cache, self.kv_bytes_per_token)
         self.rows.extend(requests)
@@ -328,8 +330,7 @@ class Worker:
             if finish is not None:
                 row = next((i for i, r in enumerate(self.rows) if r is request), None)
                 if row is not None and self.paged is not None:  # keep prompt + answer for a next turn
-                    seq = request.prompt_ids + request.output_ids  # (its last token has no KV yet)
-                    self.paged.store(self.prefix_cache, [request], [seq], [request.num_tokens - 1], self.kv_bytes_per_token)
+                    self.paged.cache_blocks(request, request.prompt_ids + request.output_ids, request.num_tokens - 1)
                 elif row is not None:
                     self.rectangle.store(self.prefix_cache, row, request, self.kv_bytes_per_token)
                 self._retire(request)  # first, so a caller woken by its result sees it finished

@@ -46,7 +46,7 @@ def test_tables_grow_by_blocks_and_free_returns_them():
     kv.preempted("b")
     assert kv.stats() == {
         "kv_block_size": 4, "kv_blocks_total": 8, "kv_blocks_free": 8, "kv_blocks_used": 0,
-        "kv_cache_usage_perc": 0.0, "num_preemptions": 1,
+        "kv_cache_usage_perc": 0.0, "num_preemptions": 1, "kv_blocks_cached": 0, "prefix_evictions": 0,
     }
 
 
@@ -57,3 +57,60 @@ def test_growing_past_the_pool_raises_and_changes_nothing():
         kv.grow("b", 1)
     assert kv.table("b") == [] and kv.stats()["kv_blocks_free"] == 0
     assert kv.fits_alone(4) and not kv.fits_alone(5)
+
+
+def test_a_prompt_shares_the_cached_blocks_of_the_longest_prefix_in_whole_blocks():
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    first = list(range(100, 111))  # 11 tokens: two full blocks and 3
+    kv.grow("a", len(first))
+    assert kv.register("a", first, len(first)) == 3  # two whole, one holding 3 tokens
+    a_blocks = kv.table("a")
+    # Same first 9 tokens: the two full blocks, never the token that must be recomputed.
+    second = first[:9] + [7, 7, 7]
+    hit = kv.match(second, len(second) - 1)
+    assert hit.blocks == a_blocks[:2] and hit.copy_from == a_blocks[2] and hit.copy_tokens == 1 and hit.tokens == 9
+    assert kv.match(second, 7).blocks == a_blocks[:1]  # at most 7 tokens: one whole block
+    assert kv.match(second, 7).copy_from == a_blocks[1] and kv.match(second, 7).tokens == 7  # + 3 of the next
+    assert kv.match([1] + first, 20).tokens == 0  # the same tokens at other positions are another prefix
+    kv.grow("b", len(second), prefix=hit)
+    table = kv.table("b")
+    assert table[:2] == a_blocks[:2] and kv.pool.refs(a_blocks[0]) == 2
+    assert table[2] not in a_blocks and kv.pending_copies == [(a_blocks[2], table[2])]
+    assert kv.pool.refs(a_blocks[2]) == 2  # its source is held until copied
+    assert kv.copied() == [(a_blocks[2], table[2])] and kv.pool.refs(a_blocks[2]) == 1 and not kv.pending_copies
+
+
+def test_cached_blocks_outlive_their_request_until_the_pool_needs_them():
+    kv = KVCacheManager(num_blocks=5, block_size=2)  # 4 usable blocks
+    tokens = [1, 2, 3, 4, 5]
+    kv.grow("a", 5)
+    kv.register("a", tokens, 4)  # two whole blocks
+    kv.free("a")
+    assert kv.stats()["kv_blocks_free"] == 4 and kv.stats()["kv_blocks_cached"] == 2
+    assert len(kv.match(tokens, 4).blocks) == 2  # still found after its request ended
+    kv.grow("b", 6)  # the two free blocks, then the least recently used cached one: the second
+    assert kv.match(tokens, 4).blocks == kv.match(tokens, 2).blocks and kv.pool.evictions == 1
+    kv.grow("c", 2)
+    assert kv.match(tokens, 4).tokens == 0 and kv.pool.evictions == 2
+
+
+def test_the_cache_names_at_most_max_cached_blocks():
+    kv = KVCacheManager(num_blocks=9, block_size=2, max_cached_blocks=2)
+    kv.grow("a", 6)
+    assert kv.register("a", [1, 2, 3, 4, 5, 6], 6) == 2  # the third would pass the bound: all held
+    kv.grow("z", 2)
+    assert kv.register("z", [9, 8], 1) == 0  # a partial block too
+    kv.free("a")
+    kv.grow("b", 2)
+    assert kv.register("b", [9, 9], 2) == 1  # an idle one makes room
+    assert kv.stats()["kv_blocks_cached"] == 2
+
+
+def test_a_partly_filled_block_is_renamed_when_it_fills_up():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    tokens = [5, 6, 7, 8, 9, 10]
+    kv.grow("a", 6)
+    assert kv.register("a", tokens, 5) == 2  # one whole block, one with 1 token
+    assert kv.match(tokens + [1, 1], 7).tokens == 5
+    assert kv.register("a", tokens, 6) == 1  # the second now holds 2 of them
+    assert kv.match(tokens + [1, 1], 7).tokens == 6 and kv.stats()["kv_blocks_cached"] == 2

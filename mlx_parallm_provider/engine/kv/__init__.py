@@ -9,6 +9,6 @@
 """
 
 from .block_pool import BlockPool
-from .manager import KVCacheManager, blocks_for
+from .manager import KVCacheManager, PrefixHit, blocks_for
 
-__all__ = ["BlockPool", "KVCacheManager", "blocks_for"]
+__all__ = ["BlockPool", "KVCacheManager", "PrefixHit", "blocks_for"]

@@ -1,17 +1,43 @@
 """Per-request block tables over a :class:`~.block_pool.BlockPool`: the one owner of who
-holds which KV memory. Pure bookkeeping (nano-vllm's ``BlockManager``, vLLM v1's
-``KVCacheManager`` in miniature); the arrays live in :mod:`.storage`.
+holds which KV memory, and the prefix cache on blocks. Pure bookkeeping (nano-vllm's
+``BlockManager``, vLLM v1's ``KVCacheManager`` in miniature); the arrays live in
+:mod:`.storage`.
 
 The scheduler asks :meth:`KVCacheManager.can_hold` before admitting a request and before a
-step grows its rows, and preempts (frees a request's blocks with :meth:`free`) when the
-pool runs out; the runner reads :meth:`table` to know where each row's tokens are.
+step grows its rows, and preempts (frees a request's blocks with :meth:`preempted`) when
+the pool runs out; the runner reads :meth:`table` to know where each row's tokens are.
+
+Prefix caching: a block is named by its tokens and the name of the prefix before it (so
+equal names mean equal prefixes, as vLLM hashes blocks). :meth:`register` names the blocks
+a request has computed (its last, partly filled one too); :meth:`match` finds the longest
+run of whole named blocks a new prompt starts with, then the named block after them that
+shares most of its next tokens; :meth:`grow` with that hit maps the whole blocks into the
+request's table (shared, no copy) and gives it a copy of the last one (copy on write: the
+request writes after the shared tokens), queued in :attr:`pending_copies` for the runner.
 """
 
 from __future__ import annotations
 
-from typing import Hashable
+from dataclasses import dataclass, field
+from typing import Hashable, Optional, Sequence
 
 from .block_pool import BlockPool
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    """What the cache holds of a prompt: whole ``blocks`` to share, then (``copy_from``) a
+    cached block whose first ``copy_tokens`` tokens come next, to be copied into a block
+    of the request's own (it will write after them)."""
+
+    blocks: list[int] = field(default_factory=list)
+    copy_from: Optional[int] = None
+    copy_tokens: int = 0
+    block_size: int = 1
+
+    @property
+    def tokens(self) -> int:
+        return len(self.blocks) * self.block_size + self.copy_tokens
 
 
 def blocks_for(tokens: int, block_size: int) -> int:
@@ -25,15 +51,17 @@ class KVCacheManager:
     Args:
         num_blocks: blocks in the pool, the null block included.
         block_size: tokens per block.
+        max_cached_blocks: the most blocks the prefix cache names (None: no bound but the pool).
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, max_cached_blocks: Optional[int] = None) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks)
+        self.pool = BlockPool(num_blocks, max_cached_blocks)
         self._tables: dict[Hashable, list[int]] = {}
         self.num_preemptions = 0
+        self.pending_copies: list[tuple[int, int]] = []  # (source, destination) blocks, sources held
 
     # -- questions --------------------------------------------------------------------
 
@@ -62,19 +90,87 @@ class KVCacheManager:
         """Whether one request of ``tokens`` entries fits in the whole pool."""
         return blocks_for(tokens, self.block_size) <= self.pool.num_usable
 
+    # -- prefix cache -----------------------------------------------------------------
+
+    def _keys(self, tokens: Sequence[int], blocks: int) -> list[tuple[Hashable, tuple[int, ...]]]:
+        """The names of the first ``blocks`` whole blocks of ``tokens``."""
+        bs, keys, parent = self.block_size, [], 0
+        for i in range(blocks):
+            keys.append((parent, tuple(tokens[i * bs : (i + 1) * bs])))
+            parent = hash(keys[-1])
+        return keys
+
+    @staticmethod
+    def _parent(keys: list[tuple[Hashable, tuple[int, ...]]]) -> Hashable:
+        return hash(keys[-1]) if keys else 0
+
+    def match(self, tokens: Sequence[int], limit: int) -> PrefixHit:
+        """What the cache holds of the longest prefix of ``tokens``, at most ``limit``
+        tokens of it (no side effects)."""
+        bs, found = self.block_size, []
+        keys = self._keys(tokens, min(limit, len(tokens)) // bs)
+        for key in keys:
+            block = self.pool.lookup(key)
+            if block is None:
+                break
+            found.append(block)
+        start = len(found) * bs
+        room = min(limit, len(tokens)) - start
+        best, best_len = None, 0
+        if room > 0:
+            nxt = tokens[start : start + min(room, bs)]
+            for block, held in self.pool.children(self._parent(keys[: len(found)])):
+                n = 0
+                for a, b in zip(held, nxt):
+                    if a != b:
+                        break
+                    n += 1
+                if n > best_len:
+                    best, best_len = block, n
+        return PrefixHit(found, best, best_len, bs)
+
+    def register(self, owner: Hashable, tokens: Sequence[int], computed: int) -> int:
+        """Name ``owner``'s blocks holding its first ``computed`` tokens (``tokens[:computed]``),
+        the last partly filled one too, so later prompts can share them; returns how many
+        were named now."""
+        table, bs = self.table(owner), self.block_size
+        computed = min(computed, len(tokens), len(table) * bs)
+        keys = self._keys(tokens, computed // bs)
+        named = sum(self.pool.set_key(block, key) for block, key in zip(table, keys))
+        if computed % bs:
+            last = (self._parent(keys), tuple(tokens[len(keys) * bs : computed]))
+            named += self.pool.set_key(table[len(keys)], last)
+        return named
+
     # -- changes ----------------------------------------------------------------------
 
-    def grow(self, owner: Hashable, tokens: int) -> None:
-        """Make ``owner``'s table hold ``tokens`` entries (ValueError if blocks run out)."""
+    def grow(self, owner: Hashable, tokens: int, prefix: Optional[PrefixHit] = None) -> None:
+        """Make ``owner``'s table hold ``tokens`` entries (ValueError if blocks run out),
+        starting a new table with a cached ``prefix``: its whole blocks shared, its last
+        block copied into one of the owner's own (queued in :attr:`pending_copies`)."""
+        if prefix is not None and prefix.tokens and owner not in self._tables:
+            self.pool.share(prefix.blocks)
+            self.pool.touch(prefix.blocks)
+            table = self._tables[owner] = list(prefix.blocks)
+            if prefix.copy_from is not None:
+                self.pool.share([prefix.copy_from])  # held until copied
+                table.extend(self.pool.allocate(1))
+                self.pending_copies.append((prefix.copy_from, table[-1]))
         n = self.blocks_to_grow(owner, tokens)
         if n:
             self._tables.setdefault(owner, []).extend(self.pool.allocate(n))
 
     def free(self, owner: Hashable) -> int:
-        """Release every block ``owner`` holds; returns how many."""
+        """Release every block ``owner`` holds (cached ones stay cached); returns how many."""
         blocks = self._tables.pop(owner, [])
-        self.pool.release(blocks)
+        self.pool.release(reversed(blocks))  # the prompt's first blocks are evicted last
         return len(blocks)
+
+    def copied(self) -> list[tuple[int, int]]:
+        """The queued block copies, for the runner to make now; their sources are let go."""
+        copies, self.pending_copies = self.pending_copies, []
+        self.pool.release(src for src, _ in copies)
+        return copies
 
     def preempted(self, owner: Hashable) -> None:
         """``owner`` gives its blocks back to be recomputed later (counted)."""
@@ -84,7 +180,8 @@ class KVCacheManager:
     # -- what metrics show ------------------------------------------------------------
 
     def stats(self) -> dict[str, float]:
-        """Blocks total / free / used, the block size, usage (used / total) and preemptions."""
+        """Blocks total / free / used, the block size, usage (used / total), preemptions,
+        and the prefix cache's named blocks and evictions."""
         total, free = self.pool.num_usable, self.pool.num_free
         return {
             "kv_block_size": self.block_size,
@@ -93,4 +190,6 @@ class KVCacheManager:
             "kv_blocks_used": total - free,
             "kv_cache_usage_perc": (total - free) / total if total else 0.0,
             "num_preemptions": self.num_preemptions,
+            "kv_blocks_cached": self.pool.num_cached,
+            "prefix_evictions": self.pool.evictions,
         }

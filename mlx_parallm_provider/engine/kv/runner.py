@@ -1,5 +1,5 @@
 """Forward passes over paged KV: prefill in right-padded pieces, chunks of a long prompt,
-decode steps, and moving a row's KV between blocks and the prefix store.
+decode steps; and naming computed blocks for the prefix cache.
 
 :class:`PagedRunner` runs what the worker asks on the rows' blocks and returns logits; it
 never decides who runs (the scheduler does) and never touches a request's results (the
@@ -14,13 +14,12 @@ from typing import Any, Callable, Optional
 import mlx.core as mx
 
 from ...config import EngineConfig
-from ..prefix_cache import PrefixCache, kv_range
 from ..request import Request
 from .budget import pool_blocks
 from .manager import KVCacheManager
 from .paged_cache import PagedBatch
 from .storage import PagedKVStorage
-from .support import read_row, unsupported_reason, write_prefix
+from .support import unsupported_reason
 
 logger = logging.getLogger(__name__)
 
@@ -38,8 +37,8 @@ class PagedRunner:
         pad_id: the token padding positions carry.
     """
 
-    def __init__(self, model: Any, kv: KVCacheManager, storage: PagedKVStorage, pad_id: int) -> None:
-        self.model, self.kv, self.storage, self.pad_id = model, kv, storage, pad_id
+    def __init__(self, model: Any, kv: KVCacheManager, storage: PagedKVStorage, pad_id: int, caching: bool = True) -> None:
+        self.model, self.kv, self.storage, self.pad_id, self.caching = model, kv, storage, pad_id, caching
 
     @classmethod
     def for_model(cls, model: Any, config: EngineConfig, bytes_per_token: int, context_length: int, pad_id: int) -> Optional["PagedRunner"]:
@@ -50,20 +49,54 @@ class PagedRunner:
             if config.kv_layout == "paged":
                 logger.info("KV cache: the rectangle layout (%s)", reason)
             return None
-        return cls.create(model, config.kv_cache_memory_bytes, bytes_per_token, config.kv_block_size,
-                          config.max_num_seqs * max(context_length, 1), pad_id)
+        runner = cls.create(model, config.kv_cache_memory_bytes, bytes_per_token, config.kv_block_size,
+                            config.max_num_seqs * max(context_length, 1), pad_id,
+                            max_cached_tokens=config.prefix_cache_memory_bytes // max(1, bytes_per_token))
+        runner.caching = config.enable_prefix_caching
+        return runner
 
     @classmethod
-    def create(cls, model: Any, budget_bytes: Optional[int], bytes_per_token: int, block_size: int, max_tokens: int, pad_id: int) -> "PagedRunner":
+    def create(cls, model: Any, budget_bytes: Optional[int], bytes_per_token: int, block_size: int, max_tokens: int, pad_id: int,
+               max_cached_tokens: Optional[int] = None) -> "PagedRunner":
         """A runner with its own pool: ``budget_bytes`` of blocks (all allocated at once),
-        or, without a budget, room for ``max_tokens`` within the free memory, grown on use."""
+        or, without a budget, room for ``max_tokens`` within the free memory, grown on use;
+        at most ``max_cached_tokens`` of it named by the prefix cache."""
         blocks = pool_blocks(budget_bytes, bytes_per_token, block_size, max_tokens)
-        kv = KVCacheManager(blocks, block_size)
+        kv = KVCacheManager(blocks, block_size, None if max_cached_tokens is None else max(1, max_cached_tokens // block_size))
         return cls(model, kv, PagedKVStorage(len(model.layers), blocks, block_size, preallocate=budget_bytes is not None), pad_id)
 
+    def prefix_options(self, config: EngineConfig) -> dict[str, Any]:
+        """The scheduler's prefix-sharing arguments: prefixes are the pool's cached blocks."""
+        if not config.enable_prefix_caching:
+            return {"prefix_match": None}
+        return {
+            "prefix_match": lambda tokens: self.kv.match(tokens, len(tokens) - 1).tokens,
+            "prefix_capacity_tokens": self.kv.capacity_tokens,
+            "prefix_max_tokens": None,
+        }
+
+    def cache_blocks(self, request: Request, tokens: list[int], computed: int) -> None:
+        """Name the request's full blocks among its first ``computed`` tokens (of ``tokens``)
+        so later prompts share them (when prefix caching is on)."""
+        if self.caching:
+            self.kv.register(id(request), tokens, computed)
+
+    def prefix_stats(self, bytes_per_token: int) -> Optional[dict[str, Any]]:
+        """The prefix cache's counts, as the rectangle's store reports them (None when off)."""
+        if not self.caching:
+            return None
+        pool, bs = self.kv.pool, self.kv.block_size
+        cached = pool.num_cached * bs
+        bound = (pool.max_cached or pool.num_usable) * bs
+        return {"cached_bytes": cached * bytes_per_token, "cached_tokens_stored": cached, "evictions": pool.evictions,
+                "evicted_tokens": pool.evictions * bs, "max_bytes": bound * bytes_per_token, "nbytes": cached * bytes_per_token,
+                "cached_blocks": pool.num_cached}
+
     def reserve(self) -> None:
-        """Make the arrays hold every block the tables use (after the scheduler planned)."""
+        """After the scheduler planned: make the arrays hold every block the tables use, and
+        make the block copies it queued (cached prefixes' partly shared last blocks)."""
         self.storage.reserve(self.kv.pool.high_water())
+        self.storage.copy_blocks(self.kv.copied())
 
     def stats(self) -> dict[str, Any]:
         return {"layout": "paged", **self.kv.stats(), "kv_cache_bytes": self.storage.nbytes}
@@ -86,8 +119,6 @@ class PagedRunner:
         columns, all but each row's last token, then the last tokens together in one
         column, whose logits give the first sampled tokens. Rows no longer ``wanted``
         leave between pieces. Returns the rows kept and their logits, or None."""
-        for r in requests:
-            self._fill_cached_prefix(r)
         seqs = {id(r): r.computed_ids for r in requests}
         while True:
             active = [r for r in requests if r.num_prefilled < len(seqs[id(r)]) - 1]
@@ -109,8 +140,6 @@ class PagedRunner:
     def chunk(self, request: Request, n: int) -> Optional[mx.array]:
         """Prefill the next ``n`` tokens of a long prompt into its blocks; the logits of
         its last token once the whole prompt is in (else None)."""
-        if request.num_prefilled == request.num_cached:
-            self._fill_cached_prefix(request)
         seq, start = request.computed_ids, request.num_prefilled
         logits = self.forward([request], [seq[start : start + n]], [start])[:, -1, :]
         request.num_prefilled += n
@@ -118,26 +147,6 @@ class PagedRunner:
             self._eval()
             return None
         return logits
-
-    def store(self, store: Optional[PrefixCache], requests: list[Request], sequences: list[list[int]], held: list[int], bytes_per_token: int) -> None:
-        """Put the first ``held[j]`` tokens of ``sequences[j]`` (row ``requests[j]``'s KV) into
-        the prefix store; a failure is logged and costs nothing else."""
-        if store is None:
-            return
-        try:
-            for r, seq, n in zip(requests, sequences, held):
-                def source(a: int, b: int, r: Request = r) -> list[Any]:
-                    return read_row(self.storage, self.kv, id(r), a, b)
-                store.insert(seq[:n], source, bytes_per_token)
-        except Exception:
-            logger.exception("could not store KV in the prefix cache")
-
-    def _fill_cached_prefix(self, request: Request) -> None:
-        """Copy the request's fetched prefix (``num_cached`` tokens) into its blocks."""
-        state: Any = request.state
-        prefix, state.prefix = state.prefix, None
-        if prefix and request.num_cached:
-            write_prefix(self.storage, self.kv, id(request), kv_range(prefix, 0, request.num_cached))
 
     def _eval(self) -> None:
         mx.eval([a for a in (*self.storage.keys, *self.storage.values) if a is not None])

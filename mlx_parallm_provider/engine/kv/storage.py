@@ -65,6 +65,19 @@ class PagedKVStorage:
         self.keys[layer][slots] = keys.astype(self.keys[layer].dtype)  # type: ignore[index]
         self.values[layer][slots] = values.astype(self.values[layer].dtype)  # type: ignore[index]
 
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole blocks ``source -> destination`` in every layer (copy on write)."""
+        if not pairs or self.keys[0] is None:
+            return
+        bs = self.block_size
+        src = mx.array([s * bs + i for s, _ in pairs for i in range(bs)], dtype=mx.int32)
+        dst = mx.array([d * bs + i for _, d in pairs for i in range(bs)], dtype=mx.int32)
+        self.check(max(max(s, d) for s, d in pairs) * bs + bs - 1)
+        for arrays in (self.keys, self.values):
+            for layer, a in enumerate(arrays):
+                if a is not None:
+                    a[dst] = a[src]
+
     def read(self, layer: int, slots: mx.array) -> tuple[mx.array, mx.array]:
         """K and V at ``slots`` (any shape ``s``): arrays of shape ``(*s, kv_heads, head_dim)``."""
         return self.keys[layer][slots], self.values[layer][slots]  # type: ignore[index]
