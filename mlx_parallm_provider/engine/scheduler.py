@@ -218,7 +218,7 @@ class Scheduler:
                 break
             request.num_cached = request.num_prefilled = cached
             if self.kv is not None:  # its prompt, and the token it decodes in the step its prefill ends
-                prefix = self.kv.match(request.prompt_ids, cached) if cached else None
+                prefix = self.kv.match(request.computed_ids, cached) if cached else None
                 self.kv.grow(id(request), request.num_tokens + 1, prefix)
             self.waiting.popleft()
             sharers.append(request)
@@ -240,10 +240,14 @@ class Scheduler:
                 return
             if self.chunking is not None:
                 victim, self.chunking = self.chunking, None
+                held = victim.num_prefilled
             elif len(self.running) > 1:
                 victim = self.running.pop()
+                held = victim.num_tokens - 1  # its last sampled token has no KV yet
             else:  # pragma: no cover - fits_alone() holds every request to the whole pool
                 raise RuntimeError("one request needs more KV blocks than the pool has")
+            if self.prefix_match is not None:  # its KV stays findable until the blocks are needed
+                self.kv.register(id(victim), victim.computed_ids, held)
             self.kv.preempted(id(victim))
             victim.num_preemptions += 1
             victim.num_prefilled = victim.num_cached = 0
@@ -252,8 +256,10 @@ class Scheduler:
     def _cached_len(self, request: Request) -> int:
         """Prompt tokens the store already holds (at least one token is always computed,
         for the logits of the first output token)."""
-        if self.prefix_match is None or request.output_ids:
-            return 0  # a preempted request recomputes all it had
+        if self.prefix_match is None:
+            return 0
+        if request.output_ids:  # preempted: its own blocks may still be cached (paged KV only)
+            return 0 if self.kv is None else min(self.prefix_match(request.computed_ids), request.num_tokens - 1)
         return min(self.prefix_match(request.prompt_ids), request.prompt_len - 1)
 
     def _waits_for_sharer(self, request: Request, cached: int, sharers: list[Request]) -> bool:

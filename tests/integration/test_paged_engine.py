@@ -82,3 +82,32 @@ def test_one_long_prompt_among_short_ones_changes_no_ones_tokens(make_engine, la
 
     assert [c.token_ids for c in asyncio.run(together())] == expected
     assert engine.stats()["kv_cache"]["layout"] == layout
+
+
+def test_preempted_requests_recompute_from_their_own_cached_blocks(make_engine, monkeypatch) -> None:
+    from mlx_parallm_provider.engine.kv.runner import PagedRunner
+
+    computed = []
+    forward = PagedRunner.forward
+
+    def counting(self, rows, pieces, starts):
+        computed.append(sum(len(p) for p in pieces))
+        return forward(self, rows, pieces, starts)
+
+    monkeypatch.setattr(PagedRunner, "forward", counting)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    prompts = _prompts(8)
+    expected = [make_engine(max_num_seqs=1, enable_prefix_caching=False).generate_sync(p, params).token_ids for p in prompts]
+    runs = {}
+    for caching in (False, True):
+        computed.clear()
+        engine = make_engine(kv_cache_memory_gb=_budget_gb(24, 8), kv_block_size=8, enable_prefix_caching=caching)
+
+        async def together():
+            return await asyncio.gather(*(engine.generate(p, params) for p in prompts))
+
+        assert [c.token_ids for c in asyncio.run(together())] == expected
+        runs[caching] = (sum(computed), engine.stats()["kv_cache"]["num_preemptions"])
+    assert runs[False][1] > 0 and runs[True][1] > 0
+    # With caching, a preempted row's recompute starts from its own blocks while they last.
+    assert runs[True][0] < runs[False][0]
