@@ -1,5 +1,5 @@
 """``--sweep NAME=V1,V2,...``: engine settings (any numeric or on/off ``EngineConfig`` field,
-and concurrency) to try, and the best of them for the user's SLO."""
+``kv_layout``, and concurrency) to try, and the best of them for the user's SLO."""
 
 from __future__ import annotations
 
@@ -13,10 +13,15 @@ _BOOLEANS = {"true": True, "on": True, "1": True, "false": False, "off": False, 
 # Field types are strings here (the config module uses postponed annotations).
 _KINDS = {f.name: "bool" if "bool" in str(f.type) else "number" for f in fields(EngineConfig)
           if any(t in str(f.type) for t in ("int", "float", "bool"))}
-SWEEPABLE = tuple(_KINDS) + ("concurrency",)
+_CHOICES = {"kv_layout": ("paged", "rectangle")}
+SWEEPABLE = tuple(_KINDS) + tuple(_CHOICES) + ("concurrency",)
 
 
 def _value(name: str, text: str) -> Any:
+    if name in _CHOICES:
+        if text not in _CHOICES[name]:
+            raise ValueError(text)
+        return text
     if _KINDS.get(name) == "bool":
         if text.lower() not in _BOOLEANS:
             raise ValueError(text)
@@ -37,7 +42,9 @@ def parse(specs: Sequence[str]) -> tuple[list[dict[str, Any]], Optional[list[int
         try:
             axes[name] = [_value(name, v.strip()) for v in values.split(",") if v.strip()]
         except ValueError:
-            raise ValueError(f"bad --sweep {spec!r}: values must be numbers (or true/false for a switch)") from None
+            raise ValueError(f"bad --sweep {spec!r}: values must be numbers (true/false for a switch, "
+                             f"{' or '.join(_CHOICES.get(name, ()))} for {name})" if name in _CHOICES else
+                             f"bad --sweep {spec!r}: values must be numbers (or true/false for a switch)") from None
         if not axes[name]:
             raise ValueError(f"bad --sweep {spec!r}: no values")
     concurrency = axes.pop("concurrency", None)

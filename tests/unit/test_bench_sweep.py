@@ -34,3 +34,12 @@ def test_best_prefers_goodput_then_throughput() -> None:
     assert sweep.best([_row("a", None, 500), _row("b", None, 600)])["setting_label"] == "b"
     assert sweep.best([]) is None
     assert sweep.label({}) == "defaults" and sweep.label({"max_num_seqs": 8}) == "max_num_seqs=8"
+
+
+def test_kv_layout_is_swept_by_name_and_checked():
+    from mlx_parallm_provider.bench import sweep
+
+    settings, concurrency = sweep.parse(["kv_layout=paged,rectangle"])
+    assert settings == [{"kv_layout": "paged"}, {"kv_layout": "rectangle"}] and concurrency is None
+    with pytest.raises(ValueError, match="paged or rectangle"):
+        sweep.parse(["kv_layout=square"])
