@@ -18,8 +18,6 @@ import asyncio
 import json
 import random
 import statistics
-import subprocess
-import sys
 import time
 from typing import Any, Sequence
 
@@ -88,13 +86,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.child:
         print(json.dumps(_measure(args.model, args.child, args.requests, args.rows, args.request_rate, args.seed)))
         return 0
-    from .kv_memory import _cpu
+    from .kv_memory import _cpu, run_child
 
     print(f"CPU: {_cpu()}; {args.requests} requests (8-96 new tokens), {args.rows} rows")
     for layout in args.layouts:
-        cmd = [sys.executable, "-m", "mlx_parallm_provider.bench.kv_churn", "--child", layout, "--model", args.model,
-               "--requests", str(args.requests), "--rows", str(args.rows), "--request-rate", str(args.request_rate), "--seed", str(args.seed)]
-        r = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1])
+        r = run_child("mlx_parallm_provider.bench.kv_churn", layout, {k: v for k, v in vars(args).items() if k not in ("layouts", "child")})
         for name in ("poisson", "burst"):
             s = r[f"{name}_steps"]
             ratio = s["churn_ms"] / s["quiet_ms"] if s["churn_ms"] and s["quiet_ms"] else float("nan")

@@ -112,6 +112,13 @@ def _measure(model: str, layout: str, short: int, long_tokens: int, max_tokens: 
     return out
 
 
+def run_child(module: str, layout: str, options: dict[str, Any]) -> dict[str, Any]:
+    """Run ``python -m module --child layout --option value ...`` (one layout in a process of
+    its own, so MLX's peak memory is that layout's); the JSON it prints last."""
+    cmd = [sys.executable, "-m", module, "--child", layout, *(x for k, v in options.items() for x in (f"--{k.replace('_', '-')}", str(v)))]
+    return json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1])
+
+
 def _cpu() -> str:
     try:
         for line in open("/proc/cpuinfo"):
@@ -137,9 +144,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     print(f"CPU: {_cpu()}; {os.cpu_count()} CPUs; {args.short} short requests, one of {args.long_tokens} tokens, {args.max_tokens} new tokens each")
     for layout in args.layouts:
-        cmd = [sys.executable, "-m", "mlx_parallm_provider.bench.kv_memory", "--child", layout, *sum(
-            ([f"--{k.replace('_', '-')}", str(v)] for k, v in vars(args).items() if k not in ("layouts", "child")), [])]
-        r = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1])
+        r = run_child("mlx_parallm_provider.bench.kv_memory", layout, {k: v for k, v in vars(args).items() if k not in ("layouts", "child")})
         ratio = r["beside_tpot_ms"] / r["alone_tpot_ms"]
         extra = r["beside_peak_mb"] - r["alone_peak_mb"]
         print(f"[{r['layout']}] short TPOT p50 alone {r['alone_tpot_ms']:.1f} ms, beside the long row {r['beside_tpot_ms']:.1f} ms "

@@ -187,34 +187,63 @@ struct Accumulator {
 
 enum Flags { kMaskBool = 1, kMaskAdditive = 2, kPrefix = 4 };
 
-class DecodeAttentionCPU : public mx::Primitive {
+// task(0 .. items - 1), shared by this thread and up to `threads - 1` helpers.
+void run_items(int items, int threads, const std::function<void(int)>& task) {
+  std::atomic<int> counter{0};
+  auto worker = [&]() {
+    for (int item; (item = counter.fetch_add(1)) < items;) task(item);
+  };
+  int helpers = std::min(threads, std::max(items / kItemsPerThread, 1)) - 1;  // a thread costs ~20 us to start
+  std::vector<std::thread> pool;
+  try {
+    for (int t = 0; t < helpers; t++) pool.emplace_back(worker);
+  } catch (const std::system_error&) {  // no thread to be had: the threads started so far share the work
+  }
+  worker();
+  for (auto& t : pool) t.join();
+}
+
+// What both attention primitives share: CPU only, one output shaped as the queries, and an
+// eval that hands weak copies of the arrays and a copy of Self's params to Self::run.
+template <class Self>
+class CpuAttention : public mx::Primitive {
  public:
-  DecodeAttentionCPU(mx::Stream stream, float scale, int flags, int threads)
-      : mx::Primitive(stream), scale_(scale), flags_(flags), threads_(threads) {}
+  using mx::Primitive::Primitive;
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     auto& out = outputs[0];
     auto& encoder = cpu_encoder(stream(), inputs, out);
     std::vector<mx::array> in;
     for (auto& a : inputs) in.push_back(mx::array::unsafe_weak_copy(a));
-    encoder.dispatch([in = std::move(in), out = mx::array::unsafe_weak_copy(out), scale = scale_, flags = flags_,
-                      threads = threads_]() mutable { run(in, out, scale, flags, threads); });
+    encoder.dispatch([in = std::move(in), out = mx::array::unsafe_weak_copy(out),
+                      p = static_cast<const Self*>(this)->params]() mutable { Self::run(in, out, p); });
   }
 
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("DecodeAttentionCPU has no GPU implementation (CPU only)");
+    throw std::runtime_error(std::string(name()) + " has no GPU implementation (CPU only)");
   }
-
-  const char* name() const override { return "DecodeAttentionCPU"; }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {inputs[0].shape()}; }
 
   bool is_equivalent(const mx::Primitive& other) const override {
-    auto& o = static_cast<const DecodeAttentionCPU&>(other);
-    return scale_ == o.scale_ && flags_ == o.flags_ && threads_ == o.threads_;
+    return static_cast<const Self*>(this)->params == static_cast<const Self&>(other).params;
   }
+};
 
- private:
+struct DecodeParams {
+  float scale;
+  int flags, threads;
+  bool operator==(const DecodeParams& o) const { return scale == o.scale && flags == o.flags && threads == o.threads; }
+};
+
+class DecodeAttentionCPU : public CpuAttention<DecodeAttentionCPU> {
+ public:
+  DecodeAttentionCPU(mx::Stream stream, DecodeParams p) : CpuAttention(stream), params(p) {}
+
+  const char* name() const override { return "DecodeAttentionCPU"; }
+
+  DecodeParams params;
+
   // A float32 array's data with a contiguous last axis (a copy where it is not) and strides.
   struct View {
     const float* data;
@@ -230,7 +259,9 @@ class DecodeAttentionCPU : public mx::Primitive {
     }
   };
 
-  static void run(const std::vector<mx::array>& in, mx::array& out, float scale, int flags, int threads) {
+  static void run(const std::vector<mx::array>& in, mx::array& out, const DecodeParams& prm) {
+    const float scale = prm.scale;
+    const int flags = prm.flags;
     const auto& q = in[0];
     View qv(in[0]), kv(in[1]), vv(in[2]);
     int B = q.shape(0), H = q.shape(1), D = q.shape(3), KVH = in[1].shape(1), S = in[1].shape(2);
@@ -272,70 +303,30 @@ class DecodeAttentionCPU : public mx::Primitive {
       a.attend(own);
       a.finish(outputs);
     };
-    int items = B * KVH;
-    std::atomic<int> counter{0};
-    auto worker = [&]() {
-      for (int item; (item = counter.fetch_add(1)) < items;) task(item);
-    };
-    int helpers = std::min(threads, std::max(items / kItemsPerThread, 1)) - 1;  // a thread costs ~20 us to start
-    std::vector<std::thread> pool;
-    try {
-      for (int t = 0; t < helpers; t++) pool.emplace_back(worker);
-    } catch (const std::system_error&) {  // no thread to be had: the threads started so far share the work
-    }
-    worker();
-    for (auto& t : pool) t.join();
+    run_items(B * KVH, prm.threads, task);
   }
-
-  float scale_;
-  int flags_, threads_;
 };
 
 
-void run_items(int items, int threads, const std::function<void(int)>& task) {
-  std::atomic<int> counter{0};
-  auto worker = [&]() {
-    for (int item; (item = counter.fetch_add(1)) < items;) task(item);
-  };
-  int helpers = std::min(threads, std::max(items / kItemsPerThread, 1)) - 1;  // a thread costs ~20 us to start
-  std::vector<std::thread> pool;
-  try {
-    for (int t = 0; t < helpers; t++) pool.emplace_back(worker);
-  } catch (const std::system_error&) {  // no thread to be had: the threads started so far share the work
+struct PagedParams {
+  float scale;
+  int block_size, threads;
+  bool operator==(const PagedParams& o) const {
+    return scale == o.scale && block_size == o.block_size && threads == o.threads;
   }
-  worker();
-  for (auto& t : pool) t.join();
-}
+};
 
-class PagedDecodeAttentionCPU : public mx::Primitive {
+class PagedDecodeAttentionCPU : public CpuAttention<PagedDecodeAttentionCPU> {
  public:
-  PagedDecodeAttentionCPU(mx::Stream stream, float scale, int block_size, int threads)
-      : mx::Primitive(stream), scale_(scale), block_size_(block_size), threads_(threads) {}
-
-  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    auto& out = outputs[0];
-    auto& encoder = cpu_encoder(stream(), inputs, out);
-    std::vector<mx::array> in;
-    for (auto& a : inputs) in.push_back(mx::array::unsafe_weak_copy(a));
-    encoder.dispatch([in = std::move(in), out = mx::array::unsafe_weak_copy(out), scale = scale_, bs = block_size_,
-                      threads = threads_]() mutable { run(in, out, scale, bs, threads); });
-  }
-
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("PagedDecodeAttentionCPU has no GPU implementation (CPU only)");
-  }
+  PagedDecodeAttentionCPU(mx::Stream stream, PagedParams p) : CpuAttention(stream), params(p) {}
 
   const char* name() const override { return "PagedDecodeAttentionCPU"; }
 
-  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {inputs[0].shape()}; }
+  PagedParams params;
 
-  bool is_equivalent(const mx::Primitive& other) const override {
-    auto& o = static_cast<const PagedDecodeAttentionCPU&>(other);
-    return scale_ == o.scale_ && block_size_ == o.block_size_ && threads_ == o.threads_;
-  }
-
- private:
-  static void run(const std::vector<mx::array>& in, mx::array& out, float scale, int bs, int threads) {
+  static void run(const std::vector<mx::array>& in, mx::array& out, const PagedParams& prm) {
+    const float scale = prm.scale;
+    const int bs = prm.block_size;
     const auto& q = in[0];
     const float* qd = q.data<float>();
     if (!in[1].flags().row_contiguous || !in[2].flags().row_contiguous) {
@@ -350,7 +341,7 @@ class PagedDecodeAttentionCPU : public mx::Primitive {
     int group = H / KVH;
     int64_t slot_stride = static_cast<int64_t>(KVH) * D;
     float* od = out.data<float>();
-    run_items(B * KVH, threads, [&](int item) {
+    run_items(B * KVH, prm.threads, [&](int item) {
       int b = item / KVH, g = item % KVH;
       static thread_local Accumulator a;
       a.group = group, a.dim = D;
@@ -378,9 +369,6 @@ class PagedDecodeAttentionCPU : public mx::Primitive {
       a.finish(outputs);
     });
   }
-
-  float scale_;
-  int block_size_, threads_;
 };
 
 }  // namespace
@@ -436,7 +424,7 @@ mx::array decode_attention_op(const mx::array& q, const mx::array& k, const mx::
       inputs.push_back(f32(pv));
     }
   }
-  return mx::array(q.shape(), mx::float32, std::make_shared<DecodeAttentionCPU>(stream, scale, flags, std::max(threads, 1)),
+  return mx::array(q.shape(), mx::float32, std::make_shared<DecodeAttentionCPU>(stream, DecodeParams{scale, flags, std::max(threads, 1)}),
                    std::move(inputs));
 }
 
@@ -462,7 +450,7 @@ mx::array paged_decode_attention_op(const mx::array& q, const mx::array& k_pool,
   }
   std::vector<mx::array> inputs = {f32(q), k_pool, v_pool, i32(table), i32(lengths)};
   return mx::array(q.shape(), mx::float32,
-                   std::make_shared<PagedDecodeAttentionCPU>(stream, scale, block_size, std::max(threads, 1)),
+                   std::make_shared<PagedDecodeAttentionCPU>(stream, PagedParams{scale, block_size, std::max(threads, 1)}),
                    std::move(inputs));
 }
 
