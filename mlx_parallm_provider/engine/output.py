@@ -21,6 +21,7 @@ class RowState:
     cache: Optional[list[Any]] = None  # own KV cache while a long prompt is chunk-prefilled
     prefix: Optional[list[Any]] = None  # fetched KV of the cached prompt prefix, until used
     logprobs: Optional[list] = None
+    streamed: int = 0  # output tokens whose ids (and logprobs) a Delta has carried
 
 
 def add_token(request: Request, row: SampledRow, eos_ids: set[int], tokenizer: Any) -> tuple[Optional[str], Optional[object]]:
@@ -53,14 +54,7 @@ def add_token(request: Request, row: SampledRow, eos_ids: set[int], tokenizer: A
     if finish is not None and not state.text.stopped:
         piece += state.text.finish()
     if request.stream and (piece or finish):
-        return finish, Delta(
-            request_id=request.request_id,
-            text=piece,
-            token_ids=[] if is_stop_token else [token],
-            finish_reason=finish,
-            usage=usage(request) if finish else None,
-            logprobs=state.logprobs[-1:] if state.logprobs and not is_stop_token else None,
-        )
+        return finish, _delta(request, piece, finish, len(request.output_ids) - int(is_stop_token))
     if finish is not None:
         return finish, Completion(
             request_id=request.request_id,
@@ -71,6 +65,23 @@ def add_token(request: Request, row: SampledRow, eos_ids: set[int], tokenizer: A
             logprobs=state.logprobs,
         )
     return None, None
+
+
+def _delta(request: Request, text: str, finish: Optional[str], end: int) -> Delta:
+    """The next streamed piece: ``text`` with the ids (and logprobs) of every output token
+    before ``end`` not yet streamed, so tokens whose text was held back (half a UTF-8
+    character, a possible stop string) ride on the delta that carries their text."""
+    state: RowState = request.state
+    start, state.streamed = state.streamed, end
+    logprobs = state.logprobs[start:end] if state.logprobs is not None else None
+    return Delta(
+        request_id=request.request_id,
+        text=text,
+        token_ids=request.output_ids[start:end],
+        finish_reason=finish,
+        usage=usage(request) if finish else None,
+        logprobs=logprobs or None,
+    )
 
 
 def usage(request: Request) -> Usage:

@@ -146,7 +146,10 @@ class Delta:
     """One streamed piece of a request's output.
 
     ``text`` is safe to show (never half a UTF-8 character, never part of a stop string).
-    The last delta of a stream has ``finish_reason`` and ``usage`` set.
+    ``token_ids`` (and ``logprobs``, if asked for) are those of every token not yet
+    streamed: a token whose text is held back rides on the next delta, or the last one,
+    so over a stream they concatenate to the :class:`Completion`'s. Every delta but the
+    last has text; the last has ``finish_reason`` and ``usage`` set.
     """
 
     request_id: str

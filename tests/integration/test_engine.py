@@ -293,6 +293,54 @@ def test_multibyte_text_streams_intact(make_engine, tiny_model) -> None:
     assert deltas[-1].finish_reason == "length" and deltas[-1].usage.completion_tokens == len(script)
 
 
+def _byte_ids(tokenizer, text: str) -> list[int]:
+    """One byte-level token per UTF-8 byte of ``text`` (GPT-2's byte-to-character map), as
+    a model emitting a character byte by byte would."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    others = sorted(set(range(256)) - set(printable))
+    return [tokenizer.convert_tokens_to_ids(chr(b) if b in printable else chr(256 + others.index(b))) for b in text.encode()]
+
+
+def _held_back_case(tokenizer, case: str) -> tuple[list[int], SamplingParams]:
+    """A script and params whose output holds text back: characters split across tokens
+    mid-stream (as BPE splits them, or byte by byte), a character cut at the end (by
+    ``max_tokens`` or by EOS), or text that may begin a stop string."""
+    hi, emoji = _script_ids(tokenizer, "Hi "), _byte_ids(tokenizer, "😀中")
+    lp = dict(logprobs=True, top_logprobs=2, ignore_eos=True)
+    if case == "bpe split":
+        script = _script_ids(tokenizer, "Café 😀 中文字 ok")
+        return script, SamplingParams(max_tokens=len(script), **lp)
+    if case == "byte tokens":
+        script = hi + emoji + _script_ids(tokenizer, " ok")
+        return script, SamplingParams(max_tokens=len(script), **lp)
+    if case == "max_tokens":
+        return hi + emoji, SamplingParams(max_tokens=len(hi) + 3, **lp)
+    if case == "eos":
+        return hi + emoji[:2] + [2], SamplingParams(max_tokens=30, logprobs=True)
+    return _script_ids(tokenizer, "中文 STOP HERE and more"), SamplingParams(max_tokens=30, stop=["STOP HERE"], **lp)
+
+
+@pytest.mark.parametrize("case", ["bpe split", "byte tokens", "max_tokens", "eos", "stop string"])
+def test_stream_carries_every_token_id_and_logprob(make_engine, tiny_model, case) -> None:
+    """Tokens whose text is held back ride on the next delta, or the last one: the
+    stream's token ids and logprobs are the Completion's (issue 22 item 2)."""
+    script, params = _held_back_case(tiny_model.tokenizer, case)
+    engine = make_engine(ScriptedModel(tiny_model.model, script, vocab_size=49152))
+
+    async def main():
+        return [d async for d in engine.stream(list(script), params)], await engine.generate(list(script), params)
+
+    deltas, whole = run(main())
+    ids = [t for d in deltas for t in d.token_ids]
+    logprobs = [lp for d in deltas for lp in d.logprobs or []]
+    assert ids == whole.token_ids
+    assert max(len(d.token_ids) for d in deltas) > 1  # some delta carried held-back tokens
+    assert len(logprobs) == len(ids) == len(whole.logprobs)
+    assert [lp.token_id for lp in logprobs] == ids
+    assert "".join(d.text for d in deltas) == whole.text
+    assert all(d.text for d in deltas[:-1]) and deltas[-1].finish_reason == whole.finish_reason
+
+
 def test_stop_strings_never_leak(make_engine, tiny_model) -> None:
     tokenizer = tiny_model.tokenizer
     target = "Hello there. STOP HERE and more text"

@@ -560,6 +560,37 @@ def test_a_malformed_call_from_the_model_is_an_invalid_tool_call(replying: Any) 
     assert merged.tool_calls == [] and len(merged.invalid_tool_calls) == 1
 
 
+class ChunkRecorder(BaseCallbackHandler):
+    """Records the chunk of every ``on_llm_new_token``."""
+
+    run_inline = True
+
+    def __init__(self) -> None:
+        self.chunks: list[Any] = []
+
+    def on_llm_new_token(self, token: str, **kwargs: Any) -> None:
+        self.chunks.append(kwargs["chunk"])
+
+
+def test_streams_keep_the_logprobs_of_tokens_whose_text_is_held_back(replying: Any, tiny_model: Any) -> None:
+    """A character split across tokens still gives one logprob per token in a stream
+    (issue 22 item 2): the chat model's last chunk, and the LLM's chunks together."""
+    text = "Café 😀 中文字 ok"
+    replying(text)
+    count = len(tiny_model.tokenizer.encode(text, add_special_tokens=False))
+    chat = ChatMLXParallm(model="replying", max_tokens=32, logprobs=True)
+    whole = chat.invoke("hi").response_metadata["logprobs"]["content"]
+    merged = sum(chat.stream("hi"), AIMessageChunk(content=""))
+    assert merged.content == text and len(whole) == count
+    assert merged.response_metadata["logprobs"]["content"] == whole
+    llm = MLXParallmLLM(model="replying", max_tokens=32, logprobs=True)
+    whole = llm.generate(["Say something."]).generations[0][0].generation_info["logprobs"]["content"]
+    recorder = ChunkRecorder()
+    assert "".join(llm.stream("Say something else.", config={"callbacks": [recorder]})) == text
+    streamed = [lp for c in recorder.chunks for lp in (c.generation_info or {}).get("logprobs", {}).get("content", [])]
+    assert streamed == whole and len(whole) == count
+
+
 def test_tool_choice_required_adds_its_instruction(replying: Any) -> None:
     engine = replying("ok")
     forced = ChatMLXParallm(model="replying", max_tokens=8).bind_tools([get_weather], tool_choice="required").invoke("hi")
