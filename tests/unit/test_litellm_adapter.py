@@ -22,6 +22,7 @@ from mlx_parallm_provider.errors import (
     ModelLoadError,
     ModelNotFoundError,
     RequestTimeoutError,
+    UnsupportedModelError,
 )
 from mlx_parallm_provider.integrations import litellm as adapter
 from mlx_parallm_provider.chat import (
@@ -403,7 +404,9 @@ ERRORS = [
     # Issue 8 #8: the engine restarts its worker by itself; the hint said to restart the process.
     (EngineDeadError("worker died"), litellm.ServiceUnavailableError, "retry the request"),
     (RequestFailedError("request r1 failed while processing its output"), litellm.InternalServerError, "failed while processing"),
-    (ModelLoadError("corrupt weights"), litellm.APIError, "corrupt weights"),
+    # Issue 21 item 14: was a generic APIError (500); a bad or unsupported file is no retry.
+    (ModelLoadError("bad.gguf: invalid GGUF header: llama.attention.head_count = 0"), litellm.BadRequestError, "llama.attention.head_count = 0"),
+    (UnsupportedModelError("x.gguf: architecture 'qwen3' is not supported"), litellm.BadRequestError, "architecture 'qwen3'"),
 ]
 
 
