@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 _LAYER_NAMES = {
     "self_attn.q_proj": "attn_q",
@@ -45,8 +45,13 @@ def gguf_tensors_from_hf(params: dict[str, Any], config: dict[str, Any]) -> dict
     return out
 
 
-def write_llama_gguf(path: Path, params: dict[str, Any], config: dict[str, Any], tokenizer_meta: dict[str, Any], architecture: str = "llama") -> Path:
-    """Write a GGUF of a llama model from HF-named ``params`` plus tokenizer metadata."""
+def write_llama_gguf(
+    path: Path, params: dict[str, Any], config: dict[str, Any], tokenizer_meta: dict[str, Any], architecture: str = "llama",
+    header: Optional[dict[str, Any]] = None,
+) -> Path:
+    """Write a GGUF of a llama model from HF-named ``params`` plus tokenizer metadata.
+    ``header`` replaces metadata values by key, after the architecture (``{"attention.head_count":
+    0}`` writes ``llama.attention.head_count = 0``); an int is written as uint32, None drops the key."""
     import mlx.core as mx
 
     def u32(v: int) -> Any:
@@ -64,6 +69,12 @@ def write_llama_gguf(path: Path, params: dict[str, Any], config: dict[str, Any],
         f"{architecture}.context_length": u32(config["max_position_embeddings"]),
         **tokenizer_meta,
     }
+    for key, value in (header or {}).items():
+        key = f"{architecture}.{key}"
+        if value is None:
+            metadata.pop(key, None)
+        else:
+            metadata[key] = u32(value) if isinstance(value, int) else value
     mx.save_gguf(str(path), gguf_tensors_from_hf(params, config), metadata)
     return path
 

@@ -23,8 +23,10 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
+from .._validation import check_nested
 from ..engine import Constraint
 from ..engine.constraint import JSON_STYLE
+from ..engine.grammar_limits import LIMITS
 from ..errors import InvalidParameterError
 from .tool_defs import TOOL_CALL_END, TOOL_CALL_START
 from .tool_formats import HERMES_FORMAT, ToolCallFormat
@@ -90,23 +92,29 @@ def tool_call_constraint(
         return None
 
 
-def closed_objects(schema: Any) -> Any:
+def closed_objects(schema: Any, field: str = "json_schema") -> Any:
     """``schema`` with ``"additionalProperties": false`` on every object that lists its
     ``properties`` and says nothing of extra ones, as OpenAI's strict mode requires. Without
     it a small model, free to add keys, tends to copy the schema into its answer until
-    ``max_tokens`` runs out."""
+    ``max_tokens`` runs out. A schema nested more than ``GrammarLimits.max_depth`` levels is an
+    :class:`InvalidParameterError` naming ``field``, checked before recursing into it."""
+    check_nested(field, schema, LIMITS.max_depth, "GrammarLimits.max_depth")
+    return _closed(schema)
+
+
+def _closed(schema: Any) -> Any:
     if isinstance(schema, Mapping):
-        out = {k: closed_objects(v) for k, v in schema.items()}
+        out = {k: _closed(v) for k, v in schema.items()}
         if "properties" in out and "additionalProperties" not in out:
             out["additionalProperties"] = False
         return out
     if isinstance(schema, list):
-        return [closed_objects(v) for v in schema]
+        return [_closed(v) for v in schema]
     return schema
 
 
 def _call_schema(function: Mapping[str, Any]) -> dict[str, Any]:
-    parameters = closed_objects(function.get("parameters") or {"type": "object"})
+    parameters = closed_objects(function.get("parameters") or {"type": "object"}, f"tools ({function['name']}).parameters")
     return {
         "type": "object",
         "properties": {"name": {"const": function["name"]}, "arguments": parameters},

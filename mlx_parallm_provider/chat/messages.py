@@ -1,7 +1,9 @@
 """OpenAI-style chat messages: validated and normalised to plain dicts.
 
 What LiteLLM passes and what the LangChain adapter converts to. Every mistake is an
-:class:`~mlx_parallm_provider.errors.InvalidParameterError` naming the field.
+:class:`~mlx_parallm_provider.errors.InvalidParameterError` naming the field, text that is not
+valid Unicode (a lone surrogate) and tool-call arguments nested more than
+``GrammarLimits.max_depth`` levels included.
 """
 
 from __future__ import annotations
@@ -9,12 +11,15 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from .._validation import check_json_text_depth, check_nested, check_text
+from ..engine.grammar_limits import LIMITS
 from ..errors import InvalidParameterError
 from .tool_defs import decode_arguments, new_tool_call_id
 
 _ROLE_ALIASES = {"developer": "system", "function": "tool"}
 _ROLES = ("system", "user", "assistant", "tool")
 _TEXT_PART_TYPES = ("text", "input_text", "output_text")
+_DEPTH_LIMIT = "GrammarLimits.max_depth"
 
 
 
@@ -80,6 +85,7 @@ def _normalize_message(index: int, message: Any) -> dict[str, Any]:
         if call_id is not None:
             out["tool_call_id"] = str(call_id)
     if isinstance(message.get("name"), str) and message["name"] and role in ("tool", "user", "system"):
+        check_text(f"{where}.name", message["name"])
         out["name"] = message["name"]
     return out
 
@@ -92,6 +98,7 @@ def content_text(content: Any, where: str = "content") -> str:
     if content is None:
         return ""
     if isinstance(content, str):
+        check_text(where, content)
         return content
     if not isinstance(content, Sequence) or isinstance(content, (bytes, Mapping)):
         raise InvalidParameterError(where, f"must be a string or a list of text parts, got {type(content).__name__}")
@@ -100,6 +107,7 @@ def content_text(content: Any, where: str = "content") -> str:
 
 def _part_text(part: Any, where: str) -> str:
     if isinstance(part, str):
+        check_text(where, part)
         return part
     if not isinstance(part, Mapping):
         raise InvalidParameterError(where, f"must be a dict like {{'type': 'text', 'text': ...}}, got {type(part).__name__}")
@@ -113,6 +121,7 @@ def _part_text(part: Any, where: str) -> str:
     text = part.get("text")
     if not isinstance(text, str):
         raise InvalidParameterError(f"{where}.text", "must be a string")
+    check_text(f"{where}.text", text)
     return text
 
 
@@ -135,8 +144,12 @@ def _normalize_tool_call(call: Any, where: str) -> dict[str, Any]:
     name = function.get("name")
     if not isinstance(name, str) or not name:
         raise InvalidParameterError(f"{where}.function.name", "must be a non-empty string")
+    check_text(f"{where}.function.name", name)
     arguments = function.get("arguments", function.get("args", {}))
+    if isinstance(arguments, str):  # depth read before parsing: json.loads recurses
+        check_json_text_depth(f"{where}.function.arguments", arguments, LIMITS.max_depth, _DEPTH_LIMIT)
     arguments, _ = decode_arguments(arguments)  # a malformed call from the past keeps its text
+    check_nested(f"{where}.function.arguments", arguments, LIMITS.max_depth, _DEPTH_LIMIT)
     call_id = call.get("id")
     return {
         "id": call_id if isinstance(call_id, str) and call_id else new_tool_call_id(),

@@ -13,7 +13,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from .._validation import check_nested
 from ..engine import Constraint
+from ..engine.grammar_limits import LIMITS
 from ..errors import InvalidParameterError
 from .constraints import response_format_constraint, tool_call_constraint
 from .messages import normalize_messages
@@ -111,11 +113,14 @@ def response_format_instruction(response_format: Any) -> Optional[str]:
         schema = response_format.get("schema")
         if schema is not None and not isinstance(schema, Mapping):
             raise InvalidParameterError("response_format.schema", f"must be a JSON schema dict, got {schema!r}")
+        if schema is not None:
+            check_nested("response_format.schema", schema, LIMITS.max_depth, "GrammarLimits.max_depth")
         return JSON_OBJECT_INSTRUCTION
     if kind == "json_schema":
         spec = response_format.get("json_schema")
         schema = spec.get("schema", spec) if isinstance(spec, Mapping) else None
         if isinstance(schema, Mapping):
+            check_nested("response_format.json_schema", schema, LIMITS.max_depth, "GrammarLimits.max_depth")
             return JSON_SCHEMA_INSTRUCTION.format(schema=json.dumps(schema, ensure_ascii=False))
     raise InvalidParameterError(
         "response_format",

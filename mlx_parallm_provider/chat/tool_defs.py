@@ -20,6 +20,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
+from .._validation import check_nested, check_text
+from ..engine.grammar_limits import LIMITS
 from ..errors import InvalidParameterError
 
 TOOL_CALL_START = "<tool_call>"
@@ -122,6 +124,8 @@ def decode_arguments(arguments: Any) -> tuple[Any, Optional[str]]:
         return json.loads(arguments), None
     except json.JSONDecodeError as error:
         return arguments, f"arguments are not valid JSON: {error.msg}"
+    except RecursionError:  # C's json.loads is bounded by the recursion limit
+        return arguments, "arguments nest too deep to decode"
 
 
 # --------------------------------------------------------------------------- definitions
@@ -171,9 +175,12 @@ def _normalize_tool(index: int, tool: Any) -> dict[str, Any]:
         parameters = {"type": "object", "properties": {}}
     if not isinstance(parameters, Mapping):
         raise InvalidParameterError(f"{where}.parameters", "must be a JSON schema dict")
+    check_text(f"{where}.name", name)
+    check_nested(f"{where}.parameters", parameters, LIMITS.max_depth, "GrammarLimits.max_depth")
     out: dict[str, Any] = {"name": name}
     if function.get("description"):
         out["description"] = str(function["description"])
+        check_text(f"{where}.description", out["description"])
     out["parameters"] = dict(parameters)
     if "strict" in function:
         out["strict"] = function["strict"]

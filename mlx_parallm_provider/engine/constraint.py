@@ -14,6 +14,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+from .._validation import check_nested
 from ..errors import InvalidParameterError
 from .compiler import run_compiler
 from .grammar_limits import LIMITS, check_grammar_input
@@ -56,6 +57,7 @@ class Constraint:
                 raise InvalidParameterError("json_schema", f"is not JSON: {error}") from None
         if not isinstance(schema, dict):
             raise InvalidParameterError("json_schema", f"must be a JSON object, got {type(schema).__name__}")
+        check_nested("json_schema", schema, LIMITS.max_depth, "GrammarLimits.max_depth")  # before json.dumps recurses
         try:
             text = json.dumps(schema)
         except RecursionError:

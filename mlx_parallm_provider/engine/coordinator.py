@@ -20,6 +20,7 @@ import weakref
 from collections.abc import Sequence
 from typing import Any, AsyncGenerator, Generator, Optional, Union
 
+from .._validation import check_text
 from ..config import EngineConfig
 from ..errors import ContextWindowExceededError, EngineOverloadedError, InvalidParameterError
 from ..models import registry
@@ -235,6 +236,7 @@ class Engine:
         the BOS token, as in ``mlx_lm.generate``; a list of ids is checked and used as is.
         """
         if isinstance(prompt, str):
+            check_text("prompt", prompt)  # a lone surrogate: tokenizers raise a bare TypeError
             bos = getattr(self.tokenizer, "bos_token", None)
             add_special = bos is None or not prompt.startswith(bos)
             return list(self.tokenizer.encode(prompt, add_special_tokens=add_special))

@@ -61,6 +61,7 @@ from ..errors import (
     EngineOverloadedError,
     InvalidParameterError,
     MLXParallmError,
+    ModelLoadError,
     ModelNotFoundError,
     RequestFailedError,
     RequestTimeoutError,
@@ -327,6 +328,9 @@ def to_litellm_error(error: MLXParallmError, model: str) -> Exception:
     if isinstance(error, ModelNotFoundError):
         hint = f"check the model name after '{PROVIDER}/' (a Hugging Face repo id, a local folder or 'default')"
         return litellm.NotFoundError(message=f"{error}; {hint}", **where)
+    if isinstance(error, ModelLoadError):  # UnsupportedModelError too: a bad or unsupported file, not a retry
+        hint = f"the model after '{PROVIDER}/' could not be loaded: fix or replace it, or name another model"
+        return litellm.BadRequestError(message=f"{type(error).__name__}: {error}; {hint}", **where)
     if isinstance(error, EngineOverloadedError):
         hint = "retry later, send fewer concurrent requests, or raise the engine's max_queue"
         return litellm.RateLimitError(message=f"{error}; {hint}", **where)

@@ -13,6 +13,7 @@ default ``rope_traditional=False``.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -149,25 +150,59 @@ def _model_config(path: Path, metadata: dict[str, Any], weights: dict[str, Any])
             raise ModelLoadError(f"{path}: GGUF metadata lacks {arch}.{key}")
         return value
 
-    hidden = int(need("embedding_length"))
-    heads = int(need("attention.head_count"))
-    kv_heads = int(_scalar(metadata, f"{arch}.attention.head_count_kv", heads))
-    head_dim = int(_scalar(metadata, f"{arch}.attention.key_length", hidden // heads))
-    vocab = len(metadata.get("tokenizer.ggml.tokens", [])) or int(need("vocab_size"))
+    def count(key: str, value: Any) -> int:
+        """A header value that must be a positive integer (a head count of 0 divided by zero)."""
+        number = _header_number(path, f"{arch}.{key}", value, int)
+        if number <= 0:
+            raise ModelLoadError(f"{path}: invalid GGUF header: {arch}.{key} = {number}, must be a positive integer")
+        return number
+
+    def real(key: str, default: float) -> float:
+        number = _header_number(path, f"{arch}.{key}", _scalar(metadata, f"{arch}.{key}", default), float)
+        if not math.isfinite(number) or number <= 0:
+            raise ModelLoadError(f"{path}: invalid GGUF header: {arch}.{key} = {number}, must be a positive number")
+        return number
+
+    hidden = count("embedding_length", need("embedding_length"))
+    heads = count("attention.head_count", need("attention.head_count"))
+    kv_heads = count("attention.head_count_kv", _scalar(metadata, f"{arch}.attention.head_count_kv", heads))
+    if heads % kv_heads:
+        raise ModelLoadError(
+            f"{path}: invalid GGUF header: {arch}.attention.head_count ({heads}) is not a multiple of "
+            f"{arch}.attention.head_count_kv ({kv_heads})"
+        )
+    key_length = _scalar(metadata, f"{arch}.attention.key_length")
+    if key_length is None and hidden % heads:
+        raise ModelLoadError(
+            f"{path}: invalid GGUF header: {arch}.embedding_length ({hidden}) is not a multiple of "
+            f"{arch}.attention.head_count ({heads}), and {arch}.attention.key_length is not given"
+        )
+    head_dim = count("attention.key_length", hidden // heads if key_length is None else key_length)
+    if head_dim % 2:
+        raise ModelLoadError(f"{path}: invalid GGUF header: the head size ({head_dim}) is odd; RoPE needs an even one")
+    layers = count("block_count", need("block_count"))
+    blocks = {int(n.split(".")[1]) for n in weights if n.startswith("blk.") and n.split(".")[1].isdigit()}
+    if blocks != set(range(layers)):
+        raise ModelLoadError(
+            f"{path}: invalid GGUF header: {arch}.block_count = {layers}, but the file holds tensors of "
+            f"{len(blocks)} blocks ({', '.join(map(str, sorted(blocks)[:3]))}{', ...' if len(blocks) > 3 else ''})"
+        )
+    tokens = len(metadata.get("tokenizer.ggml.tokens", []))
+    vocab = tokens or count("vocab_size", need("vocab_size"))
     config: dict[str, Any] = {
         "model_type": "llama",
         "architectures": ["LlamaForCausalLM"],
         "hidden_size": hidden,
-        "num_hidden_layers": int(need("block_count")),
-        "intermediate_size": int(need("feed_forward_length")),
+        "num_hidden_layers": layers,
+        "intermediate_size": count("feed_forward_length", need("feed_forward_length")),
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
-        "rms_norm_eps": float(_scalar(metadata, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        "rms_norm_eps": real("attention.layer_norm_rms_epsilon", 1e-5),
         "vocab_size": vocab,
-        "rope_theta": float(_scalar(metadata, f"{arch}.rope.freq_base", 10000.0)),
+        "rope_theta": real("rope.freq_base", 10000.0),
         "rope_traditional": False,
-        "max_position_embeddings": int(_scalar(metadata, f"{arch}.context_length", 2048)),
+        "max_position_embeddings": count("context_length", _scalar(metadata, f"{arch}.context_length", 2048)),
         "tie_word_embeddings": "output.weight" not in weights,
         "attention_bias": False,
         "mlp_bias": False,
@@ -177,6 +212,13 @@ def _model_config(path: Path, metadata: dict[str, Any], weights: dict[str, Any])
         if value is not None:
             config[name] = int(value)
     return config
+
+
+def _header_number(path: Path, key: str, value: Any, kind: type) -> Any:
+    """``value`` of GGUF header ``key`` as an int or float, or a ModelLoadError naming the key."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
+        raise ModelLoadError(f"{path}: invalid GGUF header: {key} = {value!r}, must be a {'whole ' if kind is int else ''}number")
+    return kind(value)
 
 
 def _hf_name(path: Path, gguf_name: str) -> str:
@@ -189,9 +231,14 @@ def _hf_name(path: Path, gguf_name: str) -> str:
     raise UnsupportedModelError(f"{path}: unexpected tensor {gguf_name!r} for a llama model")
 
 
-def _unpermute_rows(w: Any, n_heads: int) -> Any:
+def _unpermute_rows(path: Path, name: str, w: Any, n_heads: int, head_dim: int) -> Any:
     """Undo llama.cpp's Q/K row permutation (interleaved -> half-split RoPE layout)."""
     rows = w.shape[0]
+    if rows != n_heads * head_dim:
+        raise ModelLoadError(
+            f"{path}: invalid GGUF header: tensor {name!r} has {rows} rows, but the header's "
+            f"{n_heads} heads of {head_dim} need {n_heads * head_dim}"
+        )
     rest = w.shape[1:]
     return w.reshape(n_heads, rows // n_heads // 2, 2, *rest).swapaxes(1, 2).reshape(rows, *rest)
 
@@ -202,9 +249,9 @@ def _convert_tensors(path: Path, weights: dict[str, Any], config: dict[str, Any]
     for gguf_name, array in weights.items():
         name = _hf_name(path, gguf_name)
         if ".attn_q." in gguf_name:
-            array = _unpermute_rows(array, config["num_attention_heads"])
+            array = _unpermute_rows(path, gguf_name, array, config["num_attention_heads"], config["head_dim"])
         elif ".attn_k." in gguf_name:
-            array = _unpermute_rows(array, config["num_key_value_heads"])
+            array = _unpermute_rows(path, gguf_name, array, config["num_key_value_heads"], config["head_dim"])
         tensors[name] = array
         if name.endswith(".scales"):
             module = name[: -len(".scales")]

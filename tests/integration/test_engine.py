@@ -209,6 +209,24 @@ def test_errors_do_not_disturb_requests_in_flight(make_engine, tiny_model) -> No
     assert all(r.usage.completion_tokens == 12 for r in run(main()))
 
 
+def test_a_lone_surrogate_and_a_deep_schema_are_typed_errors(make_engine) -> None:
+    # Issue 21 items 10 and 12: a TypeError from tokenizers; a schema 1,200 levels deep.
+    from mlx_parallm_provider.engine import Constraint
+
+    engine = make_engine()
+    for prompt in ("a\ud800b", "x" * 5000 + "\udfff"):  # inline and tokenized off the loop
+        with pytest.raises(InvalidParameterError, match=r"^prompt: holds a lone surrogate"):
+            run(engine.generate(prompt, GREEDY))
+        with pytest.raises(InvalidParameterError, match=r"^prompt: holds a lone surrogate"):
+            engine.generate_sync(prompt, GREEDY)
+    schema: dict = {"type": "string"}
+    for _ in range(1_200):
+        schema = {"type": "array", "items": schema}
+    with pytest.raises(InvalidParameterError, match=r"more than 128 levels deep.*GrammarLimits\.max_depth"):
+        Constraint.json_schema(schema)
+    assert run(engine.generate("a\U0001f600b", GREEDY)).usage.completion_tokens == 12  # the engine still serves
+
+
 def test_overload_is_immediate_and_typed(make_engine, tiny_model) -> None:
     scripted = ScriptedModel(tiny_model.model, [100, 101, 102], vocab_size=49152)
     scripted.gate = threading.Event()

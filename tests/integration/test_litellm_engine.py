@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -386,6 +387,20 @@ def test_errors_surface_from_sync_and_streaming_calls(model: str) -> None:
         litellm.text_completion(model="mlx-parallm//tmp/no-such-model", prompt="x")
     with pytest.raises(litellm.Timeout):
         litellm.completion(model=model, messages=ask(0), max_tokens=400, ignore_eos=True, timeout=0.01)
+    assert content(litellm.completion(model=model, messages=ask(0), max_tokens=4))  # the engine still serves
+
+
+def test_a_lone_surrogate_and_deep_nesting_are_bad_requests(model: str) -> None:
+    # Issue 21 items 12 and 10: a raw TypeError from tokenizers and a RecursionError (500s).
+    with pytest.raises(litellm.BadRequestError, match=re.escape("messages[0].content: holds a lone surrogate")):
+        litellm.completion(model=model, messages=[{"role": "user", "content": "a\ud800"}], max_tokens=4)
+    with pytest.raises(litellm.BadRequestError, match=re.escape("prompt: holds a lone surrogate")):
+        litellm.text_completion(model=model, prompt="a\ud800", max_tokens=4)
+    schema: dict[str, Any] = {"type": "string"}
+    for _ in range(300):
+        schema = {"type": "object", "properties": {"a": schema}}
+    with pytest.raises(litellm.BadRequestError, match=r"response_format\.json_schema: nests .* more than 128 levels deep"):
+        litellm.completion(model=model, messages=ask(0), max_tokens=4, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
     assert content(litellm.completion(model=model, messages=ask(0), max_tokens=4))  # the engine still serves
 
 

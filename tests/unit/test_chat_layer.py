@@ -102,3 +102,79 @@ def test_a_stream_reads_into_the_same_answer_as_the_whole_text(parallel: bool) -
         positions = [e.position for e in events if isinstance(e, (ToolCallEvent, InvalidToolCallEvent))]
         assert positions == list(range(len(positions)))
         assert events[-1] == FinalEvent("tool_calls", Usage(1, 2), [])
+
+
+# --------------------------------------------------------------------------- issue 21 items 10 and 12
+
+
+def nested(depth: int, leaf: Any = 1) -> Any:
+    """``{"a": {"a": ... leaf}}``, ``depth`` objects deep."""
+    for _ in range(depth):
+        leaf = {"a": leaf}
+    return leaf
+
+
+def nested_schema(depth: int) -> dict[str, Any]:
+    """A schema ``depth`` JSON levels deep (arrays of arrays of ... strings)."""
+    schema: dict[str, Any] = {"type": "string"}
+    for _ in range(depth - 1):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+def deep_requests(depth: int) -> list[tuple[list, dict, str]]:
+    """Requests with one value nested ``depth`` levels, each with the field that names it."""
+    def call(arguments: Any) -> list:
+        return [*HI, {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": arguments}}]}]
+
+    tool = {"type": "function", "function": {"name": "f", "parameters": nested_schema(depth)}}
+    return [
+        (call(nested(depth)), {}, "messages[1].tool_calls[0].function.arguments"),
+        (call('{"a": ' * depth + "1" + "}" * depth), {}, "messages[1].tool_calls[0].function.arguments"),
+        (HI, {"tools": [tool]}, "tools[0].function.parameters"),
+        (HI, {"tools": [tool], "tool_choice": "required"}, "tools[0].function.parameters"),
+        (HI, {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": nested_schema(depth)}}}, "response_format.json_schema"),
+        (HI, {"response_format": {"type": "json_object", "schema": nested_schema(depth)}}, "response_format.schema"),
+    ]
+
+
+@pytest.mark.parametrize("depth", [129, 300, 1_200, 20_000])
+def test_values_nested_past_the_limit_are_refused_naming_field_and_limit(depth: int) -> None:
+    # Was a RecursionError (closed_objects, json.dumps / json.loads of the schema or arguments).
+    for messages, kwargs, field in deep_requests(depth):
+        with pytest.raises(InvalidParameterError) as info:
+            prepare_chat(make_tokenizer(), messages, **kwargs)
+        assert info.value.field == field
+        assert "more than 128 levels deep" in str(info.value) and "GrammarLimits.max_depth" in str(info.value)
+
+
+def test_values_nested_to_the_limit_are_accepted() -> None:
+    for messages, kwargs, _ in deep_requests(120):  # (llguidance's JSON parser stops at 128 itself)
+        prepare_chat(make_tokenizer(), messages, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("messages", "kwargs", "field"),
+    [
+        ([{"role": "user", "content": "a\ud800b"}], {}, "messages[0].content"),
+        ([*HI, {"role": "user", "content": [{"type": "text", "text": "ok"}, {"type": "text", "text": "\udfff"}]}], {}, "messages[1].content[1].text"),
+        ([{"role": "system", "content": "hi", "name": "bot\ud83d"}, *HI], {}, "messages[0].name"),
+        ([*HI, {"role": "assistant", "content": "", "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": {"city": "\ud800"}}}]}], {},
+         "messages[1].tool_calls[0].function.arguments.city"),
+        (HI, {"tools": [{"type": "function", "function": {"name": "f", "description": "d\ud800", "parameters": {"type": "object"}}}]}, "tools[0].function.description"),
+        (HI, {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "description": "\ud800"}}}},
+         "response_format.json_schema.description"),
+    ],
+)
+def test_a_lone_surrogate_is_refused_naming_the_field(messages: Any, kwargs: dict, field: str) -> None:
+    # Was a TypeError from tokenizers ("TextEncodeInput must be Union[...]") once the prompt was encoded.
+    with pytest.raises(InvalidParameterError) as info:
+        prepare_chat(make_tokenizer(), messages, **kwargs)
+    assert info.value.field == field
+    assert "lone surrogate" in str(info.value)
+    str(info.value).encode("utf-8")  # the message itself can be sent
+
+
+def test_a_surrogate_pair_written_out_is_ordinary_text() -> None:
+    prepared = prepare_chat(make_tokenizer(), [{"role": "user", "content": "\U0001f600 ok"}])
+    assert "\U0001f600" in prepared.prompt

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -124,3 +125,46 @@ def test_cli_process_exit_status(tmp_path: Path) -> None:
     assert result.returncode == 1
     assert result.stderr.strip().splitlines() == [f"mlx-parallm: error: {tmp_path / 'nope.gguf'}: no such GGUF file"]
     assert not (tmp_path / "out").exists()
+
+
+# Issue 21 item 14: a header value of 0 (or one that does not fit the others) was a raw
+# ZeroDivisionError / reshape error; the LiteLLM provider answered a generic 500.
+BAD_HEADERS = [
+    ({"attention.head_count": 0}, "llama.attention.head_count = 0"),
+    ({"attention.head_count_kv": 0}, "llama.attention.head_count_kv = 0"),
+    ({"embedding_length": 0, "attention.key_length": None}, "llama.embedding_length = 0"),
+    ({"feed_forward_length": 0}, "llama.feed_forward_length = 0"),
+    ({"block_count": 0}, "llama.block_count = 0"),
+    ({"block_count": 3}, "llama.block_count = 3, but the file holds tensors of 2 blocks"),
+    ({"attention.head_count_kv": 3}, "llama.attention.head_count (4) is not a multiple of llama.attention.head_count_kv (3)"),
+    ({"attention.key_length": 32}, "heads of 32 need"),  # tensor 'blk.N.attn_q.weight' has 64 rows, ... need 128
+    ({"attention.head_count": 3, "attention.head_count_kv": 1}, "llama.embedding_length (64) is not a multiple of llama.attention.head_count (3)"),
+    ({"context_length": 0}, "llama.context_length = 0"),
+    ({"attention.head_count": "four"}, "llama.attention.head_count = 'four'"),
+]
+
+
+@pytest.mark.parametrize(("header", "reason"), BAD_HEADERS)
+def test_bad_header_values_are_a_model_load_error_naming_the_key(header, reason, tiny_params, default_gguf: Path, tmp_path: Path) -> None:
+    _, params = tiny_params
+    path = write_llama_gguf(tmp_path / "bad.gguf", params, TINY_CONFIG, tokenizer_metadata(default_gguf), header=header)
+    with pytest.raises(ModelLoadError, match=re.escape(reason)) as info:
+        convert_gguf(path, tmp_path / "out")
+    assert "invalid GGUF header" in str(info.value) and str(path) in str(info.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_bad_header_through_litellm_is_a_bad_request_naming_the_key(tiny_params, default_gguf: Path, tmp_path: Path) -> None:
+    import litellm
+
+    from mlx_parallm_provider import register, shutdown_engines
+
+    _, params = tiny_params
+    path = write_llama_gguf(tmp_path / "zero-heads.gguf", params, TINY_CONFIG, tokenizer_metadata(default_gguf), header={"attention.head_count": 0})
+    register()
+    try:
+        with pytest.raises(litellm.BadRequestError, match=re.escape("llama.attention.head_count = 0")) as info:
+            litellm.completion(model=f"mlx-parallm/{path}", messages=[{"role": "user", "content": "Hi"}])
+        assert "ModelLoadError" in str(info.value)
+    finally:
+        shutdown_engines()

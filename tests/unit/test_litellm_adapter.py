@@ -22,6 +22,7 @@ from mlx_parallm_provider.errors import (
     ModelLoadError,
     ModelNotFoundError,
     RequestTimeoutError,
+    UnsupportedModelError,
 )
 from mlx_parallm_provider.integrations import litellm as adapter
 from mlx_parallm_provider.chat import (
@@ -403,7 +404,9 @@ ERRORS = [
     # Issue 8 #8: the engine restarts its worker by itself; the hint said to restart the process.
     (EngineDeadError("worker died"), litellm.ServiceUnavailableError, "retry the request"),
     (RequestFailedError("request r1 failed while processing its output"), litellm.InternalServerError, "failed while processing"),
-    (ModelLoadError("corrupt weights"), litellm.APIError, "corrupt weights"),
+    # Issue 21 item 14: was a generic APIError (500); a bad or unsupported file is no retry.
+    (ModelLoadError("bad.gguf: invalid GGUF header: llama.attention.head_count = 0"), litellm.BadRequestError, "llama.attention.head_count = 0"),
+    (UnsupportedModelError("x.gguf: architecture 'qwen3' is not supported"), litellm.BadRequestError, "architecture 'qwen3'"),
 ]
 
 
@@ -603,3 +606,44 @@ def test_n_beyond_openais_limit_is_a_bad_request(engine: FakeEngine) -> None:
     # would hold rows for minutes. OpenAI's own limit (128) is the bound.
     with pytest.raises(litellm.BadRequestError, match=r"n: must be <= 128"):
         litellm.completion(model=MODEL, messages=HI, n=129)
+
+
+# --------------------------------------------------------------------------- issue 21 items 10 and 12
+
+
+def _nested(depth: int) -> Any:
+    value: Any = {"type": "string"}
+    for _ in range(depth):
+        value = {"type": "array", "items": value}
+    return value
+
+
+@pytest.mark.parametrize("depth", [300, 1_200])
+def test_deep_nesting_is_a_bad_request_naming_field_and_limit(engine: FakeEngine, depth: int) -> None:
+    # Was a RecursionError, surfacing from LiteLLM as an APIConnectionError (500).
+    deep_call = [*HI, {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"a": ' * depth + "1" + "}" * depth}}]}]
+    cases = [
+        ({"messages": deep_call}, "messages[1].tool_calls[0].function.arguments"),
+        ({"messages": HI, "tools": [{"type": "function", "function": {"name": "f", "parameters": _nested(depth)}}]}, "tools[0].function.parameters"),
+        ({"messages": HI, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": _nested(depth)}}}, "response_format.json_schema"),
+    ]
+    for kwargs, field in cases:
+        with pytest.raises(litellm.BadRequestError, match=re.escape(field)) as info:
+            litellm.completion(model=MODEL, **kwargs)
+        assert "more than 128 levels deep" in str(info.value)
+        with pytest.raises(litellm.BadRequestError, match=re.escape(field)):
+            asyncio.run(litellm.acompletion(model=MODEL, **kwargs))
+        with pytest.raises(litellm.BadRequestError, match=re.escape(field)):
+            list(litellm.completion(model=MODEL, stream=True, **kwargs))
+    assert engine.calls == []
+
+
+def test_a_lone_surrogate_is_a_bad_request_naming_the_field(engine: FakeEngine) -> None:
+    # Was a TypeError from tokenizers, surfacing as an APIConnectionError (500).
+    messages = [*HI, {"role": "user", "content": "a\ud800b"}]
+    with pytest.raises(litellm.BadRequestError, match=re.escape("messages[1].content: holds a lone surrogate (U+D800)")):
+        litellm.completion(model=MODEL, messages=messages)
+    with pytest.raises(litellm.BadRequestError, match=re.escape("messages[1].content")):
+        list(litellm.completion(model=MODEL, messages=messages, stream=True))
+    assert engine.calls == []
