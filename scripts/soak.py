@@ -232,14 +232,23 @@ def read_stats(path: Path) -> dict[str, Any]:
         return {}
 
 
+def kept_mb(stats: dict[str, Any]) -> float:
+    """What an engine keeps on purpose after a run (MiB): its KV pool with paged KV (cached
+    prefixes included), else its prefix store."""
+    kv = stats.get("kv_cache") or {}
+    if kv.get("layout") == "paged":
+        return kv.get("kv_cache_bytes", 0) / 2**20
+    return (stats.get("prefix_cache") or {}).get("cached_bytes", 0) / 2**20
+
+
 def mlx_mb(path: Path) -> float:
-    """MLX active memory of the proxy process as it last published it, less what its prefix
-    cache holds on purpose."""
+    """MLX active memory of the proxy process as it last published it, less what its engine
+    keeps on purpose (:func:`kept_mb`)."""
     try:
         active = json.loads(path.read_text()).get("_process", {}).get("mlx_active_mb", float("nan"))
     except (FileNotFoundError, json.JSONDecodeError):
         return float("nan")
-    return active - (read_stats(path).get("prefix_cache") or {}).get("cached_bytes", 0) / 2**20
+    return active - kept_mb(read_stats(path))
 
 
 def rss_mb(pid: int) -> float:
@@ -384,12 +393,12 @@ def main() -> int:
     mx.clear_cache()
     after_mb = active_mb()
     stats = engine.stats()
-    # The prefix cache keeps KV on purpose (bounded by prefix_cache_memory_gb): idle plus it.
-    cache_mb = (stats.get("prefix_cache") or {}).get("cached_bytes", 0) / 2**20
+    # The KV pool (paged KV) or the prefix store keeps memory on purpose: idle plus it.
+    cache_mb = kept_mb(stats)
     engine_ok = report("engine (in process)", tally, {
         "wall time (s)": round(wall, 1),
-        "MLX active memory idle -> after, less the prefix cache (MiB)":
-            f"{idle_mb:.1f} -> {after_mb - cache_mb:.1f} ({(after_mb - cache_mb - idle_mb) / idle_mb:+.1%}; prefix cache {cache_mb:.1f})",
+        "MLX active memory idle -> after, less the KV pool / prefix store (MiB)":
+            f"{idle_mb:.1f} -> {after_mb - cache_mb:.1f} ({(after_mb - cache_mb - idle_mb) / idle_mb:+.1%}; kept {cache_mb:.1f})",
         "requests still tracked by the metrics": engine.metrics.num_tracked,
         "largest decode batch": stats["max_batch_size"],
     })
@@ -428,7 +437,7 @@ def main() -> int:
                 proxy_ok = report("LiteLLM proxy over HTTP", tally, {
                     "crashes": crashes, **freed, "abandoned non-streaming requests": abandoned,
                     "proxy RSS before -> after (MiB)": f"{rss_before:.0f} -> {rss_after:.0f}",
-                    "proxy MLX active memory before -> after, less the prefix cache (MiB)": f"{mlx_before:.1f} -> {mlx_after:.1f}",
+                    "proxy MLX active memory before -> after, less the KV pool / prefix store (MiB)": f"{mlx_before:.1f} -> {mlx_after:.1f}",
                 }) and alive and mlx_after <= mlx_before * 1.05
             finally:
                 os.killpg(process.pid, 15)

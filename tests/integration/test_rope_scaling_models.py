@@ -8,7 +8,6 @@ thread; otherwise the worker meets an array of another thread's stream
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -17,7 +16,7 @@ from mlx_parallm_provider.config import EngineConfig
 from mlx_parallm_provider.engine import Engine
 from mlx_parallm_provider.engine import SamplingParams
 
-from conftest import TINY_CONFIG
+from conftest import TINY_CONFIG, write_tiny_model
 
 HEAD_DIM = TINY_CONFIG["head_dim"]
 
@@ -62,26 +61,6 @@ CONFIGS = {
 }
 
 
-def write_model(folder: Path, config: dict, tokenizer_dir: Path) -> Path:
-    """Save a random-weight model of ``config`` built with mlx-lm's own classes."""
-    import importlib
-
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-
-    folder.mkdir(parents=True)
-    mx.random.seed(0)
-    arch = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
-    model = arch.Model(arch.ModelArgs.from_dict(config))
-    # Scale weights up so the random model's next-token choice is not a near-tie.
-    params = {k: v * 4 if v.ndim == 2 else v for k, v in tree_flatten(model.parameters())}
-    mx.save_safetensors(str(folder / "model.safetensors"), params, metadata={"format": "mlx"})
-    (folder / "config.json").write_text(json.dumps(config))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (folder / name).write_bytes((tokenizer_dir / name).read_bytes())
-    return folder
-
-
 def mlx_lm_greedy(folder: Path, prompt_ids: list[int], max_tokens: int) -> list[int]:
     """mlx-lm's own greedy generation on a separately loaded copy of the folder."""
     import mlx.core as mx
@@ -97,7 +76,7 @@ def mlx_lm_greedy(folder: Path, prompt_ids: list[int], max_tokens: int) -> list[
 def test_lazy_rope_tables_serve_on_the_worker_as_mlx_lm_does(name: str, tmp_path: Path, smollm_tokenizer_dir: Path) -> None:
     from mlx_parallm_provider.models import registry
 
-    folder = write_model(tmp_path / name, CONFIGS[name], smollm_tokenizer_dir)
+    folder = write_tiny_model(tmp_path / name, smollm_tokenizer_dir, config=CONFIGS[name])
     loaded = registry.load(str(folder))  # on this thread; the engine computes on its worker
     engine = Engine(name, EngineConfig(), loaded=loaded)
     try:
