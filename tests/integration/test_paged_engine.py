@@ -22,12 +22,12 @@ def _prompts(n: int) -> list[list[int]]:
 
 
 def test_a_pool_too_small_for_the_batch_preempts_and_answers_every_request_the_same(make_engine) -> None:
-    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
     prompts = _prompts(8)
     alone = make_engine(max_num_seqs=1)
     expected = [alone.generate_sync(p, params).token_ids for p in prompts]
 
-    # 16 blocks of 8 tokens: each request needs up to 14 blocks alone, all 8 about 76.
+    # 16 blocks of 8 tokens: each request needs up to 12 blocks alone, all 8 about 60.
     small = make_engine(kv_cache_memory_gb=_budget_gb(16, 8), kv_block_size=8, enable_prefix_caching=False)
 
     async def together():
@@ -42,9 +42,9 @@ def test_a_pool_too_small_for_the_batch_preempts_and_answers_every_request_the_s
 
 
 def test_streams_of_preempted_requests_carry_every_token(make_engine) -> None:
-    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
     prompts = _prompts(6)
-    engine = make_engine(kv_cache_memory_gb=_budget_gb(12, 8), kv_block_size=8, enable_prefix_caching=False)
+    engine = make_engine(kv_cache_memory_gb=_budget_gb(10, 8), kv_block_size=8, enable_prefix_caching=False)
 
     async def stream(p):
         ids = []
@@ -57,7 +57,7 @@ def test_streams_of_preempted_requests_carry_every_token(make_engine) -> None:
 
     streamed = asyncio.run(together())
     assert engine.stats()["kv_cache"]["num_preemptions"] > 0
-    assert [len(s) for s in streamed] == [30] * 6
+    assert [len(s) for s in streamed] == [20] * 6
     assert streamed == [engine.generate_sync(p, params).token_ids for p in prompts]
 
 
@@ -95,13 +95,13 @@ def test_preempted_requests_recompute_from_their_own_cached_blocks(make_engine, 
         return forward(self, rows, pieces, starts)
 
     monkeypatch.setattr(PagedRunner, "forward", counting)
-    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
     prompts = _prompts(8)
     expected = [make_engine(max_num_seqs=1, enable_prefix_caching=False).generate_sync(p, params).token_ids for p in prompts]
     runs = {}
     for caching in (False, True):
         computed.clear()
-        engine = make_engine(kv_cache_memory_gb=_budget_gb(24, 8), kv_block_size=8, enable_prefix_caching=caching)
+        engine = make_engine(kv_cache_memory_gb=_budget_gb(16, 8), kv_block_size=8, enable_prefix_caching=caching)
 
         async def together():
             return await asyncio.gather(*(engine.generate(p, params) for p in prompts))

@@ -114,3 +114,15 @@ def test_a_partly_filled_block_is_renamed_when_it_fills_up():
     assert kv.match(tokens + [1, 1], 7).tokens == 5
     assert kv.register("a", tokens, 6) == 1  # the second now holds 2 of them
     assert kv.match(tokens + [1, 1], 7).tokens == 6 and kv.stats()["kv_blocks_cached"] == 2
+
+
+def test_cached_blocks_are_reused_before_the_arrays_grow():
+    kv = KVCacheManager(num_blocks=20, block_size=2)
+    kv.pool.physical = 4  # the arrays hold blocks 0..3
+    kv.grow("a", 6)  # blocks 1, 2, 3
+    kv.register("a", [1, 2, 3, 4, 5, 6], 6)
+    kv.free("a")
+    kv.grow("b", 4)  # two cached blocks again (least recently used first), not blocks 4 and 5
+    assert sorted(kv.table("b")) == [2, 3] and kv.pool.high_water() == 4
+    kv.grow("c", 4)  # one cached block left, then the arrays must grow
+    assert kv.table("c") == [1, 4] and kv.pool.evictions == 3

@@ -45,6 +45,7 @@ class BlockPool:
         self._children: dict[Hashable, set[int]] = {}  # parent -> keyed blocks after it
         self._idle: OrderedDict[int, None] = OrderedDict()  # keyed, held by nobody: least recently used first
         self._highest = 0  # the highest block id ever handed out
+        self.physical = num_blocks  # blocks the arrays hold now: past them, cached blocks are reused first
         self.evictions = 0
 
     @property
@@ -68,13 +69,14 @@ class BlockPool:
         return len(self._key_of)
 
     def allocate(self, n: int) -> list[int]:
-        """``n`` blocks, each with one holder: free ones first, then the least recently
-        used cached ones (their keys forgotten); ValueError if fewer are left."""
+        """``n`` blocks, each with one holder: free ones within the arrays' present size
+        (:attr:`physical`) first, then the least recently used cached ones (their keys
+        forgotten), then free ones past it (the arrays grow); ValueError if fewer are left."""
         if n > self.num_free:
             raise ValueError(f"{n} KV blocks wanted, {self.num_free} free")
         blocks = []
         for _ in range(n):
-            if self._free:
+            if self._free and (self._free[0] < self.physical or not self._idle):
                 b = heapq.heappop(self._free)
             else:
                 b, _ = self._idle.popitem(last=False)

@@ -96,6 +96,7 @@ class PagedRunner:
         """After the scheduler planned: make the arrays hold every block the tables use, and
         make the block copies it queued (cached prefixes' partly shared last blocks)."""
         self.storage.reserve(self.kv.pool.high_water())
+        self.kv.pool.physical = self.storage.physical_blocks
         self.storage.copy_blocks(self.kv.copied())
 
     def stats(self) -> dict[str, Any]:

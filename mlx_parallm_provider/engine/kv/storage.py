@@ -7,8 +7,9 @@ donates the buffer), so a step's cost is its own tokens, never the batch's.
 
 The arrays are created at the first write (shapes and dtype from the model's own K/V) and
 hold as many blocks as :meth:`reserve` last asked for, up to the pool's size: with an
-explicit budget that is the whole pool at once; otherwise they grow by doubling as the
-highest block in use rises, so a small workload holds little memory.
+explicit budget that is the whole pool at once; otherwise they grow by half as the highest
+block in use rises (the pool hands out cached blocks again before it grows them), so a
+small workload holds little memory.
 """
 
 from __future__ import annotations
@@ -38,10 +39,10 @@ class PagedKVStorage:
         return sum(a.nbytes for a in (*self.keys, *self.values) if a is not None)
 
     def reserve(self, blocks: int) -> None:
-        """Make the arrays hold at least ``blocks`` blocks (by doubling, up to the pool)."""
+        """Make the arrays hold at least ``blocks`` blocks (by half again, up to the pool)."""
         if blocks <= self._blocks:
             return
-        target = min(self.num_blocks, max(blocks, 2 * self._blocks, 16))
+        target = min(self.num_blocks, max(blocks, self._blocks * 3 // 2, 16))
         extra = (target - self._blocks) * self.block_size
         for arrays in (self.keys, self.values):
             for layer, a in enumerate(arrays):
