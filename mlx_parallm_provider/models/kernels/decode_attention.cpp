@@ -15,8 +15,8 @@
 //
 // Paged variant (paged_decode_attention_op): keys and values live in per-layer pools of
 // slots (N, KVH, D), block_size slots a block; row b's tokens are the first lengths[b] slots
-// of the blocks table[b][0], table[b][1], ... Physically consecutive blocks are read as one
-// segment. No mask: one query sees every token its row holds.
+// of the blocks table[b][0], table[b][1], ... read through per-position offsets, so the
+// softmax tiles span blocks. No mask: one query sees every token its row holds.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -93,6 +93,10 @@ struct Segment {
   int len;
   const uint8_t* keep;  // per position, or null (all kept)
   const float* add;     // additive mask per position, or null
+  const int64_t* at = nullptr;  // per position, its offset from k and v (paged KV), or null (pos * stride)
+
+  const float* key(int pos) const { return k + (at ? at[pos] : pos * k_stride); }
+  const float* value(int pos) const { return v + (at ? at[pos] : pos * v_stride); }
 };
 
 // Running softmax state of the `group` query heads of one (row, KV head).
@@ -137,7 +141,7 @@ struct Accumulator {
           continue;
         }
         any = true;
-        const float* key = s.k + pos * s.k_stride;
+        const float* key = s.key(pos);
         v16f dot[G ? G : kMaxGroup] = {};
         for (int d = 0; d < dim; d += 16) {
           v16f kd = load(key + d);
@@ -169,7 +173,7 @@ struct Accumulator {
         for (int r = 0; r < heads; r++) part[r] = load(acc[r] + d);
         for (int j = 0; j < n; j++) {
           if (s.keep && !s.keep[start + j]) continue;
-          v16f value = load(s.v + (start + j) * s.v_stride + d);
+          v16f value = load(s.value(start + j) + d);
           for (int r = 0; r < heads; r++) part[r] += value * score[r][j];
         }
         for (int r = 0; r < heads; r++) store(acc[r] + d, part[r]);
@@ -355,17 +359,17 @@ class PagedDecodeAttentionCPU : public CpuAttention<PagedDecodeAttentionCPU> {
       a.start(queries, scale);
       const int32_t* row = table + static_cast<int64_t>(b) * M;
       int len = std::min(lengths[b], M * bs);
-      for (int j = 0; j * bs < len;) {
-        int first = row[j], n = 1;  // a run of physically consecutive blocks: one segment
-        while ((j + n) * bs < len && row[j + n] == first + n) n++;
-        int tokens = std::min(n * bs, len - j * bs);
-        int64_t slot = static_cast<int64_t>(first) * bs;
-        if (first >= 0 && slot + tokens <= slots) {
-          a.attend({kp + slot * slot_stride + g * D, vp + slot * slot_stride + g * D, slot_stride, slot_stride, tokens,
-                    nullptr, nullptr});
-        }
-        j += n;
+      // Every position's offset, so that the softmax tiles run across blocks (a row's blocks
+      // are seldom consecutive once it decodes); a block outside the pools ends the row.
+      static thread_local std::vector<int64_t> at;
+      at.resize(len);
+      int n = 0;
+      for (; n < len; n++) {
+        int64_t slot = static_cast<int64_t>(row[n / bs]) * bs + n % bs;
+        if (row[n / bs] < 0 || slot >= slots) break;
+        at[n] = slot * slot_stride;
       }
+      a.attend({kp + g * D, vp + g * D, slot_stride, slot_stride, n, nullptr, nullptr, at.data()});
       a.finish(outputs);
     });
   }
