@@ -194,12 +194,15 @@ class Scheduler:
         deferred: list[Request] = []
         while self.waiting and slots > 0 and budget > 0:
             request = self.waiting[0]
+            cached = self._cached_len(request)
+            prefix = None
             if self.kv is not None:
-                if not self.kv.can_hold({id(request): request.num_tokens + self.kv.block_size}):
-                    break  # a block of headroom, so that it is not preempted at once
+                prefix = self.kv.match(request.computed_ids, cached) if cached else None
+                # Its prompt, the token it decodes the step its prefill ends, a block of headroom.
+                if self.kv.admission_cost(request.num_tokens + 1, prefix) + 1 > self.kv.pool.num_free:
+                    break
             elif self.kv_budget_tokens is not None and kv_used + request.max_kv_tokens > self.kv_budget_tokens:
                 break
-            cached = self._cached_len(request)
             if self._waits_for_sharer(request, cached, sharers):
                 deferred.append(self.waiting.popleft())
                 continue
@@ -217,8 +220,7 @@ class Scheduler:
             else:
                 break
             request.num_cached = request.num_prefilled = cached
-            if self.kv is not None:  # its prompt, and the token it decodes in the step its prefill ends
-                prefix = self.kv.match(request.computed_ids, cached) if cached else None
+            if self.kv is not None:
                 self.kv.grow(id(request), request.num_tokens + 1, prefix)
             self.waiting.popleft()
             sharers.append(request)

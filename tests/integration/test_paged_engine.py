@@ -111,3 +111,4 @@ def test_preempted_requests_recompute_from_their_own_cached_blocks(make_engine, 
     assert runs[False][1] > 0 and runs[True][1] > 0
     # With caching, a preempted row's recompute starts from its own blocks while they last.
     assert runs[True][0] < runs[False][0]
+

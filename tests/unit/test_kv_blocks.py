@@ -126,3 +126,20 @@ def test_cached_blocks_are_reused_before_the_arrays_grow():
     assert sorted(kv.table("b")) == [2, 3] and kv.pool.high_water() == 4
     kv.grow("c", 4)  # one cached block left, then the arrays must grow
     assert kv.table("c") == [1, 4] and kv.pool.evictions == 3
+
+
+def test_admission_counts_the_idle_cached_blocks_it_takes_and_the_copy_source():
+    kv = KVCacheManager(num_blocks=8, block_size=4)  # 7 usable
+    tokens = list(range(10, 20))  # two whole blocks and 2 tokens
+    kv.grow("a", 10)
+    kv.register("a", tokens, 10)
+    kv.free("a")  # all three cached, held by nobody
+    hit = kv.match(tokens + [1, 2, 3, 4, 5, 6], 11)
+    assert hit.tokens == 10 and len(hit.blocks) == 2 and hit.copy_from is not None
+    # 16 tokens: 4 blocks; 2 shared (idle: taken from the free count), 1 source held, 2 new.
+    assert kv.admission_cost(16, hit) == 5 == kv.pool.num_free - 2
+    before = kv.pool.num_free
+    kv.grow("b", 16, hit)
+    assert before - kv.pool.num_free == 5
+    kv.copied()
+    assert before - kv.pool.num_free == 4  # the copy's source is let go

@@ -85,3 +85,27 @@ def test_remove_from_any_queue() -> None:
     s.remove(waiting)
     s.remove(chunked)
     assert s.all_requests() == [] and s.schedule().empty
+
+
+def test_admission_counts_cached_blocks_nobody_holds_as_taken() -> None:
+    """A prompt whose cached prefix is idle takes those blocks from the free count (and one
+    more to hold the block it copies): admitting it on its own blocks alone ran the pool dry
+    inside schedule() ('6 KV blocks wanted, 5 free' killed the worker in the soak)."""
+    from mlx_parallm_provider.engine.kv import KVCacheManager
+
+    kv = KVCacheManager(num_blocks=8, block_size=4)  # 7 usable blocks
+    head = list(range(100, 110))  # 10 tokens: two whole blocks and one holding 2 tokens
+    kv.grow("earlier", 10)
+    kv.register("earlier", head, 10)
+    kv.free("earlier")  # three cached blocks, held by nobody
+    s = Scheduler(8, 4096, 512, prefix_match=lambda t: kv.match(t, len(t) - 1).tokens, kv=kv)
+    other = Request("other", list(range(500, 506)), SamplingParams(max_tokens=4), ResultSink())
+    s.add(other)
+    s.started(s.schedule().prefill)  # holds 2 blocks: 5 left, 3 of them the cached ones
+    late = Request("late", head + list(range(200, 206)), SamplingParams(max_tokens=4), ResultSink())
+    s.add(late)
+    plan = s.schedule()  # it needs 5 blocks of its own, 2 shared, 1 copied: 6 of the 5 free
+    assert late not in plan.prefill and s.waiting[0] is late
+    s.remove(other)
+    plan = s.schedule()
+    assert plan.prefill == [late] and late.num_cached == 10 and len(kv.pending_copies) == 1

@@ -86,6 +86,17 @@ class KVCacheManager:
         """Whether every ``owner -> tokens`` in ``wanted`` can be held at once."""
         return sum(self.blocks_to_grow(o, n) for o, n in wanted.items()) <= self.pool.num_free
 
+    def admission_cost(self, tokens: int, prefix: Optional[PrefixHit] = None) -> int:
+        """Free blocks a new table of ``tokens`` entries starting with ``prefix`` takes: its
+        own blocks, plus the cached blocks it shares (or holds to copy) that nobody holds
+        now (they count as free until then)."""
+        cost = blocks_for(tokens, self.block_size)
+        if prefix is not None and prefix.tokens:
+            cost -= len(prefix.blocks)
+            cost += sum(self.pool.refs(b) == 0 for b in prefix.blocks)
+            cost += prefix.copy_from is not None and self.pool.refs(prefix.copy_from) == 0
+        return cost
+
     def fits_alone(self, tokens: int) -> bool:
         """Whether one request of ``tokens`` entries fits in the whole pool."""
         return blocks_for(tokens, self.block_size) <= self.pool.num_usable
