@@ -166,10 +166,6 @@ class Scheduler:
             return sum(r.max_kv_tokens for r in held) / self.kv_budget_tokens
         return self.num_running / self.max_num_seqs
 
-    @property
-    def num_preemptions(self) -> int:
-        return 0 if self.kv is None else self.kv.num_preemptions
-
     # -- policy -----------------------------------------------------------------------
 
     def schedule(self) -> StepPlan:

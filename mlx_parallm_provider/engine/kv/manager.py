@@ -74,10 +74,6 @@ class KVCacheManager:
         """``owner``'s blocks, in token order (empty if it holds none)."""
         return self._tables.get(owner, [])
 
-    def held_tokens(self, owner: Hashable) -> int:
-        """How many KV entries ``owner``'s blocks have room for."""
-        return len(self.table(owner)) * self.block_size
-
     def blocks_to_grow(self, owner: Hashable, tokens: int) -> int:
         """Blocks ``owner`` must add so that its table holds ``tokens`` entries."""
         return max(0, blocks_for(tokens, self.block_size) - len(self.table(owner)))
