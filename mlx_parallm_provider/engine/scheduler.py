@@ -194,9 +194,13 @@ class Scheduler:
             prefix = None
             if self.kv is not None:
                 prefix = self.kv.match(request.computed_ids, cached) if cached else None
-                # Its prompt, the token it decodes the step its prefill ends, a block of headroom.
-                if self.kv.admission_cost(request.num_tokens + 1, prefix) + 1 > self.kv.pool.num_free:
-                    break
+                # Its prompt and the token it decodes the step its prefill ends, with a block of
+                # headroom while others hold blocks; alone, its own blocks always fit (fits_alone).
+                busy = self.num_running > 0
+                if self.kv.admission_cost(request.num_tokens + 1, prefix) + busy > self.kv.pool.num_free:
+                    if busy:
+                        break
+                    prefix, cached = None, 0
             elif self.kv_budget_tokens is not None and kv_used + request.max_kv_tokens > self.kv_budget_tokens:
                 break
             if self._waits_for_sharer(request, cached, sharers):

@@ -109,3 +109,29 @@ def test_admission_counts_cached_blocks_nobody_holds_as_taken() -> None:
     s.remove(other)
     plan = s.schedule()
     assert plan.prefill == [late] and late.num_cached == 10 and len(kv.pending_copies) == 1
+
+
+def test_a_request_that_fills_the_whole_pool_is_admitted_when_it_is_alone() -> None:
+    from mlx_parallm_provider.engine.kv import KVCacheManager
+
+    kv = KVCacheManager(num_blocks=5, block_size=4)  # 16 tokens
+    s = Scheduler(4, 4096, 512, kv=kv)
+    whole = Request("whole", list(range(100, 115)), SamplingParams(max_tokens=1), ResultSink())  # 15 + 1 = 16
+    assert s.fits_alone(whole)
+    s.add(whole)
+    assert s.schedule().prefill == [whole]  # no headroom asked of a request alone
+
+
+def test_alone_a_prompt_skips_a_cached_prefix_it_cannot_afford() -> None:
+    from mlx_parallm_provider.engine.kv import KVCacheManager
+
+    kv = KVCacheManager(num_blocks=5, block_size=4)
+    head = list(range(100, 106))  # one whole block and 2 tokens, cached, held by nobody
+    kv.grow("earlier", 6)
+    kv.register("earlier", head, 6)
+    kv.free("earlier")
+    s = Scheduler(4, 4096, 512, prefix_match=lambda t: kv.match(t, len(t) - 1).tokens, kv=kv)
+    big = Request("big", head + list(range(300, 309)), SamplingParams(max_tokens=1), ResultSink())  # 16 tokens
+    s.add(big)
+    plan = s.schedule()  # with the hit: 4 blocks + the copy's source = 5 of 4; without: 4
+    assert plan.prefill == [big] and big.num_cached == 0 and not kv.pending_copies
