@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from typing import Any, Optional, Sequence
@@ -54,3 +55,25 @@ class TokenCostModel:
         self.tokens += n
         time.sleep(n * self.seconds_per_token)
         return self.inner(inputs, cache=cache)
+
+
+async def max_gap_while(work: Any) -> float:
+    """The longest pause of a 5 ms ticker on this loop while ``work`` runs."""
+    gaps, done = [0.0], asyncio.Event()
+
+    async def ticker() -> None:
+        last = time.monotonic()
+        while not done.is_set():
+            await asyncio.sleep(0.005)
+            now = time.monotonic()
+            gaps.append(now - last)
+            last = now
+
+    task = asyncio.ensure_future(ticker())
+    await asyncio.sleep(0.02)
+    try:
+        await work
+    finally:
+        done.set()
+        await task
+    return max(gaps)

@@ -190,10 +190,13 @@ class Scheduler:
         deferred: list[Request] = []
         while self.waiting and slots > 0 and budget > 0:
             request = self.waiting[0]
-            cached = self._cached_len(request)
             prefix = None
             if self.kv is not None:
-                prefix = self.kv.match(request.computed_ids, cached) if cached else None
+                # Paged KV: the cache is the pool's blocks, looked up once (a preempted request
+                # by its prompt + output too); at least one token is computed, for the logits.
+                if self.prefix_match is not None:
+                    prefix = self.kv.match(request.computed_ids, request.num_tokens - 1)
+                cached = prefix.tokens if prefix is not None else 0
                 # Its prompt and the token it decodes the step its prefill ends, with a block of
                 # headroom while others hold blocks; alone, its own blocks always fit (fits_alone).
                 busy = self.num_running > 0
@@ -201,8 +204,10 @@ class Scheduler:
                     if busy:
                         break
                     prefix, cached = None, 0
-            elif self.kv_budget_tokens is not None and kv_used + request.max_kv_tokens > self.kv_budget_tokens:
-                break
+            else:
+                cached = self._cached_len(request)
+                if self.kv_budget_tokens is not None and kv_used + request.max_kv_tokens > self.kv_budget_tokens:
+                    break
             if self._waits_for_sharer(request, cached, sharers):
                 deferred.append(self.waiting.popleft())
                 continue
@@ -256,12 +261,10 @@ class Scheduler:
             self.waiting.appendleft(victim)
 
     def _cached_len(self, request: Request) -> int:
-        """Prompt tokens the store already holds (at least one token is always computed,
-        for the logits of the first output token)."""
-        if self.prefix_match is None:
-            return 0
-        if request.output_ids:  # preempted: its own blocks may still be cached (paged KV only)
-            return 0 if self.kv is None else min(self.prefix_match(request.computed_ids), request.num_tokens - 1)
+        """Prompt tokens the rectangle layout's store already holds (at least one token is
+        always computed, for the logits of the first output token)."""
+        if self.prefix_match is None or request.output_ids:
+            return 0  # (only paged KV preempts; it looks its cached blocks up itself)
         return min(self.prefix_match(request.prompt_ids), request.prompt_len - 1)
 
     def _waits_for_sharer(self, request: Request, cached: int, sharers: list[Request]) -> bool:

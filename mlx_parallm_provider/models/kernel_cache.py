@@ -51,17 +51,24 @@ def _warn_once(key: str, message: str, *args: object) -> None:
     logger.warning(message, *args)
 
 
-def writable(folder: Path) -> bool:
-    """Whether builds can be cached in ``folder`` (created if needed); False, with one warning
-    per folder, where it cannot be created or written (callers then keep MLX's ops)."""
+def write_error(folder: Path) -> Optional[OSError]:
+    """Why ``folder`` cannot be created or written to, or None when it can (it is created)."""
     try:
         folder.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=folder):
             pass
-        return True
     except OSError as exc:
+        return exc
+    return None
+
+
+def writable(folder: Path) -> bool:
+    """Whether builds can be cached in ``folder`` (created if needed); False, with one warning
+    per folder, where it cannot be created or written (callers then keep MLX's ops)."""
+    exc = write_error(folder)
+    if exc is not None:
         _warn_once(str(folder), "kernel cache %s is not writable (%s): native kernels are not used, MLX's ops are", folder, exc)
-        return False
+    return exc is None
 
 
 def _write_atomic(target: Path, data: bytes, mode: int) -> None:

@@ -30,6 +30,7 @@ from typing import Any, Optional
 from ..errors import MLXParallmError, ModelLoadError, ModelNotFoundError
 from . import backend
 from .gguf import CONVERTER_VERSION, convert_gguf
+from .kernel_cache import write_error
 
 logger = logging.getLogger(__name__)
 
@@ -116,13 +117,9 @@ def _models_root() -> Path:
     written, else (one warning) a private temporary folder of this process, removed at exit."""
     global _fallback_root
     root = cache_home() / "models"
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=root):
-            pass
+    reason = write_error(root)
+    if reason is None:
         return root
-    except OSError as exc:
-        reason = exc
     with _fallback_lock:
         if _fallback_root is None:
             try:

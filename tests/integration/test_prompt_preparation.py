@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 import pytest
+from engine_helpers import max_gap_while
 
 from mlx_parallm_provider.engine import SamplingParams
 from mlx_parallm_provider.engine.prompt_size import INLINE_PROMPT_CHARS
@@ -75,28 +76,6 @@ def test_the_densest_text_that_fits_is_not_refused_from_its_length(counted) -> N
     assert asyncio.run(engine.generate(text, ONE)).usage.completion_tokens == 1
 
 
-async def _max_gap_while(work: Any) -> float:
-    """The longest pause of a 5 ms ticker on this loop while ``work`` runs."""
-    gaps, done = [0.0], asyncio.Event()
-
-    async def ticker() -> None:
-        last = time.monotonic()
-        while not done.is_set():
-            await asyncio.sleep(0.005)
-            now = time.monotonic()
-            gaps.append(now - last)
-            last = now
-
-    task = asyncio.ensure_future(ticker())
-    await asyncio.sleep(0.02)
-    try:
-        await work
-    finally:
-        done.set()
-        await task
-    return max(gaps)
-
-
 @pytest.mark.parametrize("door", ["generate", "stream", "generate_many"])
 def test_a_slow_tokenization_does_not_stall_the_callers_loop(make_engine, monkeypatch, door: str) -> None:
     engine = make_engine()
@@ -114,6 +93,6 @@ def test_a_slow_tokenization_does_not_stall_the_callers_loop(make_engine, monkey
         else:
             await engine.generate_many([text], ONE, n=3)
 
-    gap = asyncio.run(_max_gap_while(work()))
+    gap = asyncio.run(max_gap_while(work()))
     assert tokenizer.encoded == 1  # once, even for n=3
     assert gap < 0.3, f"the loop stalled {gap:.2f} s while a prompt was tokenized"

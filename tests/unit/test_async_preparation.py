@@ -10,6 +10,7 @@ from typing import Any
 
 import litellm
 import pytest
+from engine_helpers import max_gap_while
 from fakes import FakeEngine, make_tokenizer, patch_get_engine
 
 from mlx_parallm_provider.integrations import litellm as adapter
@@ -45,28 +46,6 @@ def engine(monkeypatch: pytest.MonkeyPatch) -> FakeEngine:
     return fake
 
 
-async def _max_gap_while(work: Any) -> float:
-    """The longest pause of a 5 ms ticker on this loop while ``work`` runs."""
-    gaps, done = [0.0], asyncio.Event()
-
-    async def ticker() -> None:
-        last = time.monotonic()
-        while not done.is_set():
-            await asyncio.sleep(0.005)
-            now = time.monotonic()
-            gaps.append(now - last)
-            last = now
-
-    task = asyncio.ensure_future(ticker())
-    await asyncio.sleep(0.02)
-    try:
-        await work
-    finally:
-        done.set()
-        await task
-    return max(gaps)
-
-
 async def _litellm(stream: bool) -> None:
     response = await litellm.acompletion(model="mlx-parallm/fake", messages=HI, stream=stream)
     if stream:
@@ -86,6 +65,6 @@ async def _langchain(stream: bool) -> None:
 @pytest.mark.parametrize("door", [_litellm, _langchain], ids=["litellm", "langchain"])
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 def test_a_slow_preparation_does_not_stall_the_callers_loop(engine: FakeEngine, door: Any, stream: bool) -> None:
-    gap = asyncio.run(_max_gap_while(door(stream)))
+    gap = asyncio.run(max_gap_while(door(stream)))
     assert engine.tokenizer.rendered >= 1 and engine.calls  # prepared, then submitted
     assert gap < DELAY / 2, f"the loop stalled {gap:.2f} s while a request was prepared"
