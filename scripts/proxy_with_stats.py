@@ -5,13 +5,17 @@ real proxy (running / waiting rows, tokens generated) from outside.
     MLX_PARALLM_STATS_FILE=/tmp/stats.json python scripts/proxy_with_stats.py --config CONFIG ...
 
 Arguments are the ``litellm`` command's. The file is replaced atomically every 50 ms:
-``{"<model name>": {...engine.stats()...}, "_process": {"mlx_active_mb": ...}}``.
+``{"<model name>": {...engine.stats()...}, "_process": {"mlx_active_mb": ..., "time": ...}}``
+(``time`` is the wall clock of the write, so a reader can tell a stale file). SIGUSR1 writes
+every thread's stack to stderr (the proxy log), for a test that finds the engine stuck.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -23,10 +27,11 @@ def _publish(path: str, period_s: float = 0.05) -> None:
     while True:
         try:
             stats: dict = {name: engine.stats() for name, engine in list(coordinator._engines.items())}
+            stats["_process"] = {"time": time.time()}
             if "mlx.core" in sys.modules:
                 import mlx.core as mx
 
-                stats["_process"] = {"mlx_active_mb": mx.get_active_memory() / 2**20}
+                stats["_process"]["mlx_active_mb"] = mx.get_active_memory() / 2**20
             with open(path + ".tmp", "w") as f:
                 json.dump(stats, f)
             os.replace(path + ".tmp", path)
@@ -38,6 +43,7 @@ def _publish(path: str, period_s: float = 0.05) -> None:
 def main() -> None:
     import mlx_parallm_provider  # noqa: F401  (BLAS before mlx; registers the provider)
 
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     path = os.environ.get("MLX_PARALLM_STATS_FILE")
     if path:
         threading.Thread(target=_publish, args=(path,), name="stats-publisher", daemon=True).start()

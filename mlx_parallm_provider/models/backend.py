@@ -161,28 +161,33 @@ def should_dequantize(dequantize: Optional[bool] = None) -> bool:
 def prepare_model(model: Any, dequantize: Optional[bool] = None, keep_packed: bool = True) -> Any:
     """Apply the backend's load-time choices to a freshly loaded mlx-lm model.
 
+    With ``dequantize`` (by default on the CPU device only) quantized weights are
+    dequantized and float16 / bfloat16 weights upcast, so everything computes in float32:
+    MLX's CPU half-precision matmuls are an order of magnitude slower than float32.
     ``keep_packed=False`` dequantizes as mlx-lm alone would, without keeping the packed
     weights for small steps (the benchmark's mlx-lm peer)."""
     import mlx.core as mx
     import mlx.nn as nn
+    from mlx.utils import tree_flatten
     from mlx_lm.utils import dequantize_model
 
     from .attention import install as install_attention
 
     log_backend_once()
     install_attention(model)
-    if should_dequantize(dequantize):
-        has_quantized = any(
-            isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for _, m in model.named_modules()
-        )
-        if has_quantized:
-            if keep_packed and is_cpu():
-                from .fused_ops import install as install_fused_ops
-                from .small_batch import dequantize as keep_packed_for_small_batches
+    if not should_dequantize(dequantize):
+        return model
+    has_quantized = any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for _, m in model.named_modules())
+    if has_quantized:
+        if keep_packed and is_cpu():
+            from .fused_ops import install as install_fused_ops
+            from .small_batch import dequantize as keep_packed_for_small_batches
 
-                keep_packed_for_small_batches(model)
-                install_fused_ops(model)
-            dequantize_model(model)
-            model.set_dtype(mx.float32)
-            mx.eval(model.parameters())
+            keep_packed_for_small_batches(model)
+            install_fused_ops(model)
+        dequantize_model(model)
+    half = {mx.float16, mx.bfloat16}
+    if has_quantized or any(p.dtype in half for _, p in tree_flatten(model.parameters())):
+        model.set_dtype(mx.float32)
+        mx.eval(model.parameters())
     return model

@@ -79,3 +79,27 @@ def test_prepare_model_dequantizes_to_float32(tiny_model_dir) -> None:
     assert not any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for _, m in model.named_modules())
     assert model.model.layers[0].self_attn.q_proj.weight.dtype == mx.float32
     assert mx.allclose(model(tokens), quantized_logits, atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("dtype_name", ["bfloat16", "float16"])
+def test_prepare_model_upcasts_half_precision_weights_on_request(tiny_model_dir, dtype_name: str) -> None:
+    """A bf16 / fp16 checkpoint computes in float32 when dequantizing (the CPU default), and
+    stays as stored with ``dequantize=False``."""
+    import mlx.core as mx
+    import mlx_lm
+    from mlx.utils import tree_flatten
+
+    half = getattr(mx, dtype_name)
+    tokens = mx.array([[5, 6, 7, 8]])
+    kept, _ = mlx_lm.load(str(tiny_model_dir))
+    kept.set_dtype(half)
+    backend.prepare_model(kept, dequantize=False)
+    assert {p.dtype for _, p in tree_flatten(kept.parameters())} == {half}
+
+    upcast, _ = mlx_lm.load(str(tiny_model_dir))
+    upcast.set_dtype(half)
+    backend.prepare_model(upcast, dequantize=True)
+    assert {p.dtype for _, p in tree_flatten(upcast.parameters())} == {mx.float32}
+    # the same weights (rounded to half), now multiplied in float32
+    assert mx.allclose(upcast(tokens), kept(tokens).astype(mx.float32), atol=0.5, rtol=0.05)
+    assert upcast(tokens).dtype == mx.float32
