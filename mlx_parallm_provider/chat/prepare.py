@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from .._validation import check_nested
 from ..engine import Constraint
@@ -20,6 +20,7 @@ from ..errors import InvalidParameterError
 from .constraints import response_format_constraint, tool_call_constraint
 from .messages import normalize_messages
 from .render import render_conversation
+from .special_tokens import guard_conversation
 from .tool_defs import TOOL_CALL_START, add_system_instruction, apply_tool_choice
 from .tool_formats import HERMES_FORMAT, ToolCallFormat, template_supports_tools, tool_call_format
 
@@ -33,14 +34,16 @@ JSON_SCHEMA_INSTRUCTION = (
 class PreparedPrompt:
     """What to submit to the engine, and how to read what comes back.
 
-    ``prompt`` is text that already holds the template's special tokens. ``tools`` are
+    ``prompt`` is text that already holds the template's special tokens, or, when a
+    message's text holds special tokens of its own, the token ids with that text as
+    plain text (:mod:`.special_tokens`). ``tools`` are
     the (normalised) tools the model was shown, ``None`` if none; ``tool_format`` is the
     format the prompt asked for; with ``parallel_tool_calls=False`` only the first
     valid call of an answer is kept. ``constraint`` is what decoding must follow (JSON
     output, a forced tool call), to be put in the request's ``SamplingParams``.
     """
 
-    prompt: str
+    prompt: Union[str, list[int]]
     tools: Optional[list[dict[str, Any]]] = None
     tool_format: ToolCallFormat = HERMES_FORMAT
     parallel_tool_calls: bool = True
@@ -79,7 +82,9 @@ def prepare_chat(
     for instruction in instructions:
         conversation = add_system_instruction(conversation, instruction)
     renders_tools = bool(shown) and template_supports_tools(tokenizer, shown)
-    prompt = render_conversation(tokenizer, conversation, shown, renders_tools=renders_tools)
+    conversation, guarded = guard_conversation(tokenizer, conversation)
+    rendered = render_conversation(tokenizer, conversation, shown, renders_tools=renders_tools)
+    prompt = rendered if guarded is None else guarded.encode(rendered)
     fmt = tool_call_format(tokenizer, shown, renders_tools=renders_tools) if shown else HERMES_FORMAT
     parallel = parallel_tool_calls is not False
     forced = tool_instruction is not None  # "required" or a named function
