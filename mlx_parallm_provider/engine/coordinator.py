@@ -52,6 +52,9 @@ class _LoopSink(ResultSink):
             if self.request is not None:
                 self.request.cancelled = True
 
+    def abandoned(self) -> bool:
+        return self.loop.is_closed()
+
 
 class _ThreadSink(ResultSink):
     """Delivers results into a thread-safe queue read by a plain (blocking) caller."""
@@ -186,7 +189,7 @@ class Engine:
 
         try:
             while True:
-                run.submit_ready(lambda index: TaggedSink(put, index))
+                run.submit_ready(lambda index: TaggedSink(put, index, loop.is_closed))
                 if run.done:
                     return run.results
                 if run.waiting_for_room:  # poll (no wait_for: it can drop a result it cancels)

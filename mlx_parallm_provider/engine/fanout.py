@@ -54,14 +54,19 @@ def expand(
 
 
 class TaggedSink(ResultSink):
-    """Hands ``(index, item)`` to a queue shared by all requests of one call."""
+    """Hands ``(index, item)`` to a queue shared by all requests of one call;
+    ``abandoned`` says when that queue's reader is gone (its event loop closed)."""
 
-    def __init__(self, put: Callable[[object], None], index: int) -> None:
+    def __init__(self, put: Callable[[object], None], index: int, abandoned: Callable[[], bool] = lambda: False) -> None:
         self._put = put
         self.index = index
+        self._abandoned = abandoned
 
     def put(self, item: object) -> None:
         self._put((self.index, item))
+
+    def abandoned(self) -> bool:
+        return self._abandoned()
 
 
 class FanOut:

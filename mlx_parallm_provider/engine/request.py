@@ -168,6 +168,11 @@ class ResultSink:
     def put(self, item: object) -> None:  # pragma: no cover - interface
         raise NotImplementedError
 
+    def abandoned(self) -> bool:
+        """True once nobody can receive the results (the caller's event loop is closed): the
+        worker then drops the request at its next step instead of decoding for nobody."""
+        return False
+
 
 @dataclass(eq=False)
 class Request:

@@ -223,7 +223,7 @@ class Worker:
 
     def _set_up(self, request: Request) -> None:
         """Give a new request its sampler and text stream; a fault fails it alone."""
-        if request.cancelled:
+        if request.cancelled or request.sink.abandoned():
             self._drop(request)
             return
         try:
@@ -236,10 +236,11 @@ class Worker:
             self._fail(request, exc, "while being set up")
 
     def _reap(self) -> None:
-        """Drop cancelled requests and fail those past their deadline, wherever they are."""
+        """Drop cancelled and abandoned requests (their caller's loop closed) and fail those
+        past their deadline, wherever they are."""
         now = self.clock()
         for request in self.scheduler.all_requests():
-            if request.cancelled:
+            if request.cancelled or request.sink.abandoned():
                 self._drop(request)
             elif request.deadline is not None and now >= request.deadline:
                 self._fail(request, request.timeout_error())

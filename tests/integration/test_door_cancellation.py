@@ -13,7 +13,7 @@ import litellm
 import pytest
 
 from engine_helpers import TokenCostModel
-from mlx_parallm_provider.engine import Engine, coordinator, shutdown_engines
+from mlx_parallm_provider.engine import Engine, SamplingParams, coordinator, shutdown_engines
 from mlx_parallm_provider.langchain import ChatMLXParallm
 from mlx_parallm_provider.models.registry import LoadedModel
 
@@ -80,4 +80,29 @@ def test_a_litellm_timeout_frees_the_rows(slow_engine) -> None:
 
     results = asyncio.run(asyncio.wait_for(time_out(), 60))
     assert all(isinstance(r, litellm.Timeout) for r in results), results
+    _assert_rows_freed(engine, model)
+
+
+@pytest.mark.parametrize("call", ["generate", "generate_many", "stream"])
+def test_closing_the_callers_loop_frees_its_rows(slow_engine, call: str) -> None:
+    """Issue 21 item 17: requests of an event loop closed before they finished (their tasks
+    never to run again) are dropped, not decoded to max_tokens for nobody."""
+    engine, model = slow_engine
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    prompts = [f"Tell story number {i}." for i in range(ROWS)]
+
+    async def start() -> None:
+        if call == "generate_many":
+            asyncio.ensure_future(engine.generate_many(prompts, params))
+        for prompt in prompts if call != "generate_many" else []:
+            if call == "generate":
+                asyncio.ensure_future(engine.generate(prompt, params))
+            else:
+                asyncio.ensure_future(anext(engine.stream(prompt, params)))
+        while engine.stats()["running"] < ROWS:
+            await asyncio.sleep(0.01)
+
+    loop = asyncio.new_event_loop()
+    loop.run_until_complete(start())
+    loop.close()  # the tasks are still pending: nobody will ever read their results
     _assert_rows_freed(engine, model)

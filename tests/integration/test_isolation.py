@@ -18,9 +18,11 @@ import time
 import pytest
 
 from engine_helpers import ScriptedModel, TokenCostModel
+
 from mlx_parallm_provider.engine import SamplingParams
 from mlx_parallm_provider.engine import sampling as sampling_module
 from mlx_parallm_provider.engine import worker as worker_module
+from mlx_parallm_provider.engine.request import ResultSink
 from mlx_parallm_provider.errors import (
     EngineDeadError,
     InvalidParameterError,
@@ -220,7 +222,7 @@ def test_a_broken_result_sink_cancels_only_its_request(make_engine) -> None:
     engine = make_engine()
     expected = _expected(engine)
 
-    class BrokenSink:
+    class BrokenSink(ResultSink):
         def put(self, item):
             raise RuntimeError("caller's queue is gone")
 
