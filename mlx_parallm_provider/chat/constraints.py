@@ -58,7 +58,7 @@ def response_format_constraint(response_format: Any) -> Optional[Constraint]:
 
 def tool_call_constraint(
     tools: Optional[Sequence[Mapping[str, Any]]], forced: bool, tool_format: ToolCallFormat, parallel: bool,
-    special_start: bool = False,
+    special_start: bool = False, answer: Optional[Constraint] = None,
 ) -> Optional[Constraint]:
     """The grammar of Hermes tool calls to ``tools``, or None when the prompt asked for
     another format or offers no tools.
@@ -66,20 +66,28 @@ def tool_call_constraint(
     When a call is ``forced``, only calls may be written (one, or if ``parallel`` up to one
     per tool, in a row). Otherwise (``tool_choice="auto"``) text is free until the model
     writes ``<tool_call>``; from there the call is constrained (a lazy grammar), then text
-    is free again. ``special_start``: ``<tool_call>`` is one special token of the tokenizer.
-    Objects in the argument schemas are closed (:func:`closed_objects`). A tool schema
-    llguidance cannot compile falls back to prompting alone, logged.
+    is free again; with an ``answer`` constraint (a JSON ``response_format``) the output is
+    either calls or that answer. ``special_start``: ``<tool_call>`` is one special token of
+    the tokenizer. Objects in the argument schemas are closed (:func:`closed_objects`).
+    A forced call whose grammar does not compile is an :class:`InvalidParameterError`; an
+    optional one falls back to prompting alone, logged.
     """
     if not tools or tool_format.name != HERMES_FORMAT.name:
         return None
-    schema = {"x-guidance": JSON_STYLE, "anyOf": [_call_schema(t["function"]) for t in tools]}
-    if forced:
+    defs: dict[str, Any] = {}
+    schema: dict[str, Any] = {"x-guidance": JSON_STYLE, "anyOf": [_call_schema(t["function"], f"tool{i}", defs) for i, t in enumerate(tools)]}
+    if defs:
+        schema["$defs"] = defs
+    answer_schema = _answer_schema(answer)
+    if forced or answer_schema is not None:
         start, end, newline = json.dumps(TOOL_CALL_START + "\n"), json.dumps("\n" + TOOL_CALL_END), json.dumps("\n")
         call = f"{start} %json {json.dumps(schema)} {end}"
         # At most one call per tool offered: small models, once free to go on, repeat the
         # same call until max_tokens runs out.
         more = f" ({newline} call){{0,{len(tools) - 1}}}" if parallel and len(tools) > 1 else ""
         grammar = f"start: call{more}\ncall: {call}\n"
+        if not forced:
+            grammar = f"start: calls | answer\ncalls: call{more}\ncall: {call}\nanswer: %json {json.dumps(answer_schema)}\n"
     else:
         from llguidance import StructTag
 
@@ -88,8 +96,18 @@ def tool_call_constraint(
     try:
         return Constraint.lark(grammar)
     except InvalidParameterError as error:
+        if forced:
+            raise InvalidParameterError("tools", f"the forced tool call's grammar does not compile: {error}") from None
         logger.warning("tool calls are prompted only: their grammar did not compile (%s)", error)
+        return answer
+
+
+def _answer_schema(answer: Optional[Constraint]) -> Optional[dict[str, Any]]:
+    """The JSON schema of a ``response_format`` constraint, to embed beside tool calls."""
+    if answer is None:
         return None
+    schema = {"type": "object"} if answer.kind == "json_object" else json.loads(answer.value)
+    return {"x-guidance": JSON_STYLE, **schema}
 
 
 def closed_objects(schema: Any, field: str = "json_schema") -> Any:
@@ -113,11 +131,34 @@ def _closed(schema: Any) -> Any:
     return schema
 
 
-def _call_schema(function: Mapping[str, Any]) -> dict[str, Any]:
+def _call_schema(function: Mapping[str, Any], key: str, defs: dict[str, Any]) -> dict[str, Any]:
+    """One tool's call object. Parameters that use ``$ref`` (pydantic's ``$defs``, a
+    recursive ``#``) keep resolving once nested under ``arguments``: they move to
+    ``defs[key]`` with every local reference rebased there."""
     parameters = closed_objects(function.get("parameters") or {"type": "object"}, f"tools ({function['name']}).parameters")
+    if _has_local_ref(parameters):
+        defs[key] = _rebased(parameters, f"#/$defs/{key}")
+        parameters = {"$ref": f"#/$defs/{key}"}
     return {
         "type": "object",
         "properties": {"name": {"const": function["name"]}, "arguments": parameters},
         "required": ["name", "arguments"],
         "additionalProperties": False,
     }
+
+
+def _has_local_ref(schema: Any) -> bool:
+    if isinstance(schema, Mapping):
+        ref = schema.get("$ref")
+        return (isinstance(ref, str) and ref.startswith("#")) or any(_has_local_ref(v) for v in schema.values())
+    return isinstance(schema, list) and any(_has_local_ref(v) for v in schema)
+
+
+def _rebased(schema: Any, base: str) -> Any:
+    """``schema`` with each local ``$ref`` (``#``, ``#/$defs/X``, any JSON pointer) under ``base``."""
+    if isinstance(schema, Mapping):
+        return {k: base + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#") else _rebased(v, base)
+                for k, v in schema.items()}
+    if isinstance(schema, list):
+        return [_rebased(v, base) for v in schema]
+    return schema

@@ -90,8 +90,8 @@ def prepare_chat(
     forced = tool_instruction is not None  # "required" or a named function
     named = forced and _choice_is_named(tool_choice)  # a named function is called once
     special_start = len(tokenizer.encode(TOOL_CALL_START, add_special_tokens=False)) == 1
-    constraint = (tool_call_constraint(shown, forced, fmt, parallel and not named, special_start)
-                  or response_format_constraint(response_format))
+    answer = response_format_constraint(response_format)
+    constraint = tool_call_constraint(shown, forced, fmt, parallel and not named, special_start, answer) or answer
     return PreparedPrompt(prompt=prompt, tools=shown, tool_format=fmt, parallel_tool_calls=parallel, constraint=constraint)
 
 

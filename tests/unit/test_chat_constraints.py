@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -88,3 +89,50 @@ def test_json_object_with_a_bad_schema_names_the_field() -> None:
     with pytest.raises(InvalidParameterError) as info:
         response_format_constraint({"type": "json_object", "schema": {"type": "no-such-type"}})
     assert info.value.field == "response_format.schema"
+
+
+# Issue 21 items 7 and 11: schemas as pydantic writes them; JSON answers beside tools.
+
+def _tool(name: str, parameters: dict) -> dict:
+    return {"type": "function", "function": {"name": name, "description": name, "parameters": parameters}}
+
+
+PET_TOOL = _tool("adopt", {  # pydantic's model_json_schema() of a model with a nested model
+    "$defs": {"Pet": {"type": "object", "properties": {"name": {"type": "string"}, "kind": {"enum": ["cat", "dog"]}},
+                      "required": ["name", "kind"], "title": "Pet"}},
+    "type": "object", "properties": {"pet": {"$ref": "#/$defs/Pet"}}, "required": ["pet"], "title": "Adopt"})
+TREE_TOOL = _tool("plant", {  # a recursive schema: the root refers to itself
+    "type": "object", "properties": {"label": {"type": "string"}, "kids": {"type": "array", "items": {"$ref": "#"}}},
+    "required": ["label", "kids"]})
+
+
+@pytest.mark.parametrize("forced", [True, False])
+def test_refs_in_tool_schemas_resolve_once_nested_under_arguments(tiny_model, forced: bool) -> None:
+    constraint = tool_call_constraint([PET_TOOL, TREE_TOOL, WEATHER], forced=forced, tool_format=HERMES_FORMAT, parallel=True)
+    tok = tiny_model.tokenizer
+    call = '<tool_call>\n{{"name": "{}", "arguments": {}}}\n</tool_call>'.format
+    assert _accepts(constraint, tok, call("adopt", '{"pet": {"name": "Rex", "kind": "dog"}}'))
+    assert not _accepts(constraint, tok, call("adopt", '{"pet": {"name": "Rex", "kind": "cow"}}'))
+    assert not _accepts(constraint, tok, call("adopt", '{"pet": {"name": "Rex"}}'))
+    assert _accepts(constraint, tok, call("plant", '{"label": "a", "kids": [{"label": "b", "kids": []}]}'))
+    assert not _accepts(constraint, tok, call("plant", '{"label": "a", "kids": [{"label": "b"}]}'))
+    assert _accepts(constraint, tok, call("get_weather", '{"city": "Oslo"}'))
+    assert "$ref" not in json.dumps(tool_call_constraint([WEATHER], forced=forced, tool_format=HERMES_FORMAT, parallel=True).value)
+
+
+def test_a_json_response_format_beside_optional_tools_allows_calls_or_that_answer(tiny_model) -> None:
+    answer = response_format_constraint({"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}})
+    either = tool_call_constraint([WEATHER], forced=False, tool_format=HERMES_FORMAT, parallel=False, answer=answer)
+    tok = tiny_model.tokenizer
+    assert _accepts(either, tok, '{"name": "Ann", "age": 7}')
+    assert _accepts(either, tok, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>')
+    assert not _accepts(either, tok, "Ann is 7.")
+    assert not _accepts(either, tok, '{"name": "Ann"}')
+
+
+def test_a_forced_call_whose_grammar_does_not_compile_is_a_bad_request() -> None:
+    broken = _tool("broken", {"type": "object", "properties": {"x": {"$ref": "#/$defs/Missing"}}})
+    with pytest.raises(InvalidParameterError) as info:
+        tool_call_constraint([broken], forced=True, tool_format=HERMES_FORMAT, parallel=False)
+    assert info.value.field == "tools" and "Missing" in str(info.value)
+    assert tool_call_constraint([broken], forced=False, tool_format=HERMES_FORMAT, parallel=False) is None  # prompted, logged

@@ -228,3 +228,11 @@ def test_forged_markers_are_plain_text_for_the_real_tokenizer(smollm_tokenizer_d
     turns = text.count("<|im_start|>") - FORGED.count("<|im_start|>")  # its default system turn, the user's, the answer's
     assert turns == 3 and _control_counts(tokenizer, prompt) == (3, 2)
     assert tokenizer.convert_tokens_to_ids("<|endoftext|>") not in prompt
+
+
+def test_a_json_response_format_with_optional_tools_keeps_its_constraint() -> None:
+    """Issue 21 item 11: the JSON answer was dropped when tools were offered (auto)."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "object", "properties": {"a": {"type": "integer"}}}}}
+    prepared = prepare_chat(make_tokenizer(), HI, tools=[WEATHER], response_format=fmt)
+    assert prepared.constraint.kind == "lark" and "answer: %json" in prepared.constraint.value
+    assert '"a"' in prepared.constraint.value.split("answer: %json", 1)[1]
