@@ -22,6 +22,7 @@ from typing import Any, Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
+from ..errors import InvalidParameterError
 from .compiler import run_compiler
 from .constraint import Constraint, import_llguidance
 
@@ -73,28 +74,44 @@ class RowMatcher:
 
     def __init__(self, constraint: Constraint, tokenizer: GrammarTokenizer) -> None:
         self.matcher = tokenizer.matcher(constraint.grammar())
-        self._check()
+        self.consumed = 0
+        self.check()
 
     def consume(self, token: int) -> None:
         """Advance past a sampled token; raises if the grammar refused it."""
         self.matcher.consume_token(token)
-        self._check()
+        self.consumed += 1
+        self.check()
 
     @property
     def done(self) -> bool:
         """The grammar is complete: nothing but EOS may follow."""
         return self.matcher.is_stopped()
 
-    def _check(self) -> None:
-        if self.matcher.is_error():
-            raise ValueError(f"grammar matcher: {self.matcher.get_error()}")
+    def check(self) -> None:
+        """Raise if the matcher failed: before any token, the grammar is valid but nothing can
+        satisfy it (``{"$ref": "#"}``, ``[^\\s\\S]``; found when its first mask is computed),
+        an :class:`InvalidParameterError`; later, a ``ValueError``."""
+        if not self.matcher.is_error():
+            return
+        error = _first_line(self.matcher.get_error())
+        if self.consumed == 0:
+            raise InvalidParameterError("constraint", f"no output can satisfy it ({error})")
+        raise ValueError(f"grammar matcher: {error}")
+
+
+def _first_line(error: str) -> str:
+    """llguidance's message without the matcher state it may append."""
+    lines = (error or "").strip().splitlines()
+    return lines[0][:500] if lines else "unknown error"
 
 
 def mask_logits(logits: mx.array, matchers: Sequence[Optional[RowMatcher]], tokenizer: GrammarTokenizer) -> mx.array:
     """Set the logits of tokens each constrained row's grammar forbids to -inf.
 
     ``matchers[i]`` is row i's matcher or None (that row is left as it is). The masks of
-    all constrained rows are computed together by llguidance's parallel executor.
+    all constrained rows are computed together by llguidance's parallel executor; a row
+    whose matcher failed raises (:meth:`RowMatcher.check`).
     """
     rows = [(m.matcher, i) for i, m in enumerate(matchers) if m is not None]
     if not rows:
@@ -105,6 +122,9 @@ def mask_logits(logits: mx.array, matchers: Sequence[Optional[RowMatcher]], toke
     bitmask = np.full((batch, words), -1, dtype=np.int32)
     # The executor exists: it is built with the tokenizer, which every RowMatcher needed.
     tokenizer.executor.unsafe_compute_mask_ptr(rows, bitmask.ctypes.data, words * 4, batch)
+    for matcher in matchers:  # a failed row fails alone (sample_batch retries row by row)
+        if matcher is not None:
+            matcher.check()
     bits = (mx.array(bitmask)[:, :, None] >> mx.arange(32, dtype=mx.int32)) & 1
     allowed = bits.reshape(batch, words * 32)[:, :vocab].astype(mx.bool_)
     return mx.where(allowed, logits, mx.array(-float("inf"), dtype=logits.dtype))

@@ -111,3 +111,21 @@ def test_bad_grammars_are_invalid_parameters(make) -> None:
 def test_constraint_must_be_a_constraint() -> None:
     with pytest.raises(InvalidParameterError, match="constraint"):
         SamplingParams(constraint={"type": "json_object"})
+
+
+@pytest.mark.parametrize("constraint", [Constraint.json_schema({"$ref": "#"}), Constraint.regex(r"[^\s\S]")],
+                         ids=["ref-loop", "empty-class"])
+def test_a_constraint_nothing_can_satisfy_is_an_invalid_parameter(make_engine, constraint: Constraint) -> None:
+    """Issue 21 item 9: it was answered as success (finish "stop", empty text); its
+    neighbours in the batch are answered as without it."""
+    engine = make_engine()
+    alone = [engine.generate_sync(p, PLAIN).token_ids for p in PROMPTS]
+
+    async def mixed():
+        return await asyncio.gather(engine.generate("x", SamplingParams(max_tokens=10, constraint=constraint)),
+                                    *(engine.generate(p, PLAIN) for p in PROMPTS), return_exceptions=True)
+
+    bad, *plain = asyncio.run(mixed())
+    assert isinstance(bad, InvalidParameterError) and bad.field == "constraint" and "no output can satisfy" in str(bad)
+    assert "\n" not in str(bad)  # llguidance's matcher state is not dumped on the caller
+    assert [r.token_ids for r in plain] == alone
