@@ -36,6 +36,7 @@ from .engine import (  # noqa: E402
     shutdown_engines,
 )
 from .errors import (  # noqa: E402
+    BackendError,
     ContextWindowExceededError,
     EngineDeadError,
     EngineOverloadedError,
@@ -82,6 +83,7 @@ __all__ = [
     "Engine",
     "EngineConfig",
     "EngineLike",
+    "BackendError",
     "EngineDeadError",
     "EngineOverloadedError",
     "InvalidParameterError",

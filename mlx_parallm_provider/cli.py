@@ -1,4 +1,5 @@
-"""The ``mlx-parallm`` command: ``convert`` a GGUF, ``generate`` text, ``bench`` serving."""
+"""The ``mlx-parallm`` command: ``convert`` a GGUF, ``generate`` text, ``bench`` serving,
+``doctor`` (what models run on here)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,12 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _doctor(args: argparse.Namespace) -> int:
+    from .doctor import main as doctor
+
+    return doctor()
+
+
 def _bench(args: argparse.Namespace) -> int:
     from .bench import command
 
@@ -54,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--max-tokens", type=int, default=128)
     generate.add_argument("--temperature", type=float, default=0.0)
     generate.set_defaults(func=_generate)
+
+    doctor = sub.add_parser("doctor", help="print the device, BLAS, CPU features, kernels, model cache and versions")
+    doctor.set_defaults(func=_doctor)
 
     from .bench import command as bench_command
 

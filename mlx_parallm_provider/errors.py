@@ -67,6 +67,12 @@ class UnsupportedModelError(ModelLoadError):
     """The model's architecture or tokenizer is not supported."""
 
 
+class BackendError(MLXParallmError, RuntimeError):
+    """This process cannot run models on its device as set up (for example ``mlx`` was
+    imported before this package and OpenBLAS cannot be bound otherwise); the message says
+    how to fix it."""
+
+
 __all__ = [
     "MLXParallmError",
     "InvalidParameterError",
@@ -78,4 +84,5 @@ __all__ = [
     "ModelNotFoundError",
     "ModelLoadError",
     "UnsupportedModelError",
+    "BackendError",
 ]

@@ -58,6 +58,20 @@ def quiet_openblas_threads() -> None:
     os.environ.setdefault(OPENBLAS_TIMEOUT_ENV, OPENBLAS_TIMEOUT)
 
 
+def preloaded() -> Optional[str]:
+    """The BLAS :func:`preload_blas` put in the global scope for MLX, or None."""
+    return _preloaded
+
+
+def chosen_blas() -> Optional[str]:
+    """The BLAS library ``MLX_PARALLM_BLAS`` asks for (unset or ``auto``: the system
+    OpenBLAS), or None: ``off``, none found, or not Linux."""
+    choice = os.environ.get(BLAS_ENV, "auto").strip()
+    if not sys.platform.startswith("linux") or choice.lower() in ("off", "0", "none", "false"):
+        return None
+    return find_openblas() if choice.lower() in ("", "auto") else choice
+
+
 def preload_blas() -> Optional[str]:
     """Load an optimized BLAS globally so MLX's CPU matmuls bind to it.
 
@@ -69,16 +83,13 @@ def preload_blas() -> Optional[str]:
     if _preload_done:
         return _preloaded
     _preload_done = True
-    choice = os.environ.get(BLAS_ENV, "auto").strip()
-    if not sys.platform.startswith("linux") or choice.lower() in ("off", "0", "none", "false"):
-        return None
-    path = find_openblas() if choice.lower() in ("", "auto") else choice
+    path = chosen_blas()
     if path is None:
         return None
     if "mlx.core" in sys.modules:
-        logger.warning(
-            "mlx was imported before mlx_parallm_provider, so %s cannot take over its "
-            "matmuls; import mlx_parallm_provider first for fast CPU inference",
+        logger.info(
+            "mlx was imported before mlx_parallm_provider, so %s cannot take over its matmuls; "
+            "models multiply through it privately instead (models/private_blas.py)",
             path,
         )
         return None
@@ -165,18 +176,28 @@ def prepare_model(model: Any, dequantize: Optional[bool] = None, keep_packed: bo
     dequantized and float16 / bfloat16 weights upcast, so everything computes in float32:
     MLX's CPU half-precision matmuls are an order of magnitude slower than float32.
     ``keep_packed=False`` dequantizes as mlx-lm alone would, without keeping the packed
-    weights for small steps (the benchmark's mlx-lm peer)."""
+    weights for small steps (the benchmark's mlx-lm peer). When mlx was imported before this
+    package, dense layers multiply through a privately bound OpenBLAS (:mod:`.private_blas`)."""
+    from .attention import install as install_attention
+
+    log_backend_once()
+    install_attention(model)
+    if should_dequantize(dequantize):
+        _compute_in_float32(model, keep_packed)
+    if is_cpu():
+        from .private_blas import install as install_private_blas
+
+        install_private_blas(model)  # only when mlx was imported first
+    return model
+
+
+def _compute_in_float32(model: Any, keep_packed: bool) -> None:
+    """Dequantize (keeping packed weights for small steps on the CPU) and upcast to float32."""
     import mlx.core as mx
     import mlx.nn as nn
     from mlx.utils import tree_flatten
     from mlx_lm.utils import dequantize_model
 
-    from .attention import install as install_attention
-
-    log_backend_once()
-    install_attention(model)
-    if not should_dequantize(dequantize):
-        return model
     has_quantized = any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for _, m in model.named_modules())
     if has_quantized:
         if keep_packed and is_cpu():
@@ -190,4 +211,3 @@ def prepare_model(model: Any, dequantize: Optional[bool] = None, keep_packed: bo
     if has_quantized or any(p.dtype in half for _, p in tree_flatten(model.parameters())):
         model.set_dtype(mx.float32)
         mx.eval(model.parameters())
-    return model

@@ -38,9 +38,9 @@ from . import kernel_cache, qmatmul
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kernels") / "qmatmul_ext.cpp"
-#: C++ sources of the module: the binding and matmul primitive, RMSNorm / RoPE (:mod:`.fused_ops`)
-#: and decode attention (:mod:`.attention`).
-SOURCES = (SOURCE, SOURCE.with_name("norm_rope.cpp"), SOURCE.with_name("decode_attention.cpp"))
+#: C++ sources of the module: the binding and matmul primitive, RMSNorm / RoPE (:mod:`.fused_ops`),
+#: decode attention (:mod:`.attention`) and the privately bound BLAS (:mod:`.private_blas`).
+SOURCES = (SOURCE, SOURCE.with_name("norm_rope.cpp"), SOURCE.with_name("decode_attention.cpp"), SOURCE.with_name("blas_matmul.cpp"))
 HEADERS = (SOURCE.with_name("cpu_primitive.h"),)  # what the primitives share; part of the cache key
 MODULE = "mlx_parallm_qmatmul_ext"  # NB_MODULE's name in the source
 _CXX_FLAGS = ["-std=c++20", "-O3", "-shared", "-fPIC", "-fvisibility=hidden", "-fno-strict-aliasing", "-DNDEBUG", "-DNB_COMPACT_ASSERTIONS", "-DNB_DOMAIN=mlx"]

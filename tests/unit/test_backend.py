@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -103,3 +104,79 @@ def test_prepare_model_upcasts_half_precision_weights_on_request(tiny_model_dir,
     # the same weights (rounded to half), now multiplied in float32
     assert mx.allclose(upcast(tokens), kept(tokens).astype(mx.float32), atol=0.5, rtol=0.05)
     assert upcast(tokens).dtype == mx.float32
+
+
+ORDER_PROBE = (
+    "import json, sys\n"
+    "if sys.argv[1] == 'mlx-first':\n"
+    "    import mlx.core as mx, mlx_parallm_provider\n"
+    "else:\n"
+    "    import mlx_parallm_provider, mlx.core as mx\n"
+    "from mlx_parallm_provider.models import backend, private_blas, registry\n"
+    "model = registry.load(sys.argv[2]).model\n"
+    "logits = model(mx.array([[5, 6, 7, 8], [9, 10, 11, 12]]))\n"
+    "print(json.dumps({'blas': backend.blas_in_use(), 'layer': type(model.model.layers[0].self_attn.q_proj).__name__,\n"
+    "                  'head': type(model.model.embed_tokens).__name__, 'logits': logits[:, :, :64].tolist()}))\n"
+)
+
+
+def _order_in_subprocess(order: str, model_dir) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != backend.BLAS_ENV}
+    out = subprocess.run([sys.executable, "-c", ORDER_PROBE, order, str(model_dir)], env=env, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or backend.find_openblas() is None, reason="needs a system OpenBLAS")
+def test_importing_mlx_first_still_multiplies_through_openblas(tiny_model_dir) -> None:
+    """Issue 22 item 5: mlx imported first binds MLX to its reference BLAS; the model's dense
+    layers and tied head then go through OpenBLAS bound privately, with the same logits."""
+    import numpy as np
+
+    from mlx_parallm_provider.models import qmatmul_ext
+
+    if qmatmul_ext.load() is None:
+        pytest.skip("the MLX extension does not build here (the BackendError case is tested below)")
+    first, usual = _order_in_subprocess("mlx-first", tiny_model_dir), _order_in_subprocess("package-first", tiny_model_dir)
+    assert first["blas"].startswith("reference") and usual["blas"].startswith("OpenBLAS")
+    assert (first["layer"], first["head"]) == ("PrivateBlasLinear", "PrivateBlasEmbedding")
+    assert (usual["layer"], usual["head"]) == ("Linear", "Embedding")
+    np.testing.assert_allclose(np.array(first["logits"]), np.array(usual["logits"]), rtol=1e-4, atol=1e-4)
+
+
+def test_mlx_first_without_the_extension_is_a_backend_error_saying_how_to_fix_it(tiny_model_dir, monkeypatch: pytest.MonkeyPatch) -> None:
+    import mlx_lm
+
+    from mlx_parallm_provider import BackendError
+    from mlx_parallm_provider.models import private_blas, qmatmul_ext
+
+    monkeypatch.setattr(private_blas, "needed", lambda: True)
+    monkeypatch.setattr(private_blas, "_bound", None)
+    monkeypatch.setattr(qmatmul_ext, "load", lambda: None)
+    model, _ = mlx_lm.load(str(tiny_model_dir))
+    with pytest.raises(BackendError) as info:
+        backend.prepare_model(model, dequantize=True)
+    assert "Import mlx_parallm_provider before mlx" in str(info.value) and backend.BLAS_ENV in str(info.value)
+
+
+def test_dense_computes_what_nn_linear_does() -> None:
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    from mlx_parallm_provider.models import private_blas
+
+    layer = nn.Linear(24, 40)
+    x = mx.random.normal((3, 5, 24))
+    assert mx.allclose(private_blas.dense(x, layer.weight, layer.bias), layer(x), atol=1e-5)
+    assert mx.allclose(private_blas.PrivateBlasLinear(layer)(x), layer(x), atol=1e-5)
+
+
+def test_doctor_prints_the_backend_blas_features_kernels_cache_and_versions(capsys: pytest.CaptureFixture[str]) -> None:
+    from mlx_parallm_provider import cli
+
+    assert cli.main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    lines = dict(re.split(r"\s{2,}", line.strip(), maxsplit=1) for line in out.splitlines())  # "key   value"
+    for key in ("device", "blas", "dense layers", "cpu vector features", "kernel cache", "model cache", "version mlx", "version mlx-lm"):
+        assert key in lines, (key, out)
+    assert lines["blas"] == backend.blas_in_use()
+    assert lines["version mlx"] == __import__("mlx.core").core.__version__

@@ -34,6 +34,9 @@ mx::array decode_attention_op(const mx::array& q, const mx::array& k, const mx::
 mx::array paged_decode_attention_op(const mx::array& q, const mx::array& k_pool, const mx::array& v_pool,
                                     const mx::array& table, const mx::array& lengths, int block_size, float scale,
                                     int threads);
+void set_sgemm(std::uintptr_t address);  // blas_matmul.cpp
+bool has_sgemm();
+mx::array blas_matmul_op(const mx::array& x, const mx::array& w);
 }  // namespace mlx_parallm
 using namespace nb::literals;
 
@@ -128,6 +131,11 @@ NB_MODULE(mlx_parallm_qmatmul_ext, m) {
         "Attention of q (B, H, 1, D) over k, v (B, KVH, S, D) under mask (None, or (1 or B, S) bool / additive), "
         "after each row's shared prefix (prefix_index (B,) into prefixes [(keys, values) (1, KVH, P, D)], -1: none), "
         "as one CPU op. float32 out.");
+  m.def("set_sgemm", &mlx_parallm::set_sgemm, "address"_a,
+        "Use the cblas_sgemm at this address (of a BLAS loaded privately) for blas_matmul.");
+  m.def("has_sgemm", &mlx_parallm::has_sgemm, "Whether set_sgemm was given an address.");
+  m.def("blas_matmul", &mlx_parallm::blas_matmul_op, "x"_a, "w"_a,
+        "x (..., K) @ w.T for float32 x and w (N, K), through the sgemm of set_sgemm, as one CPU op.");
   m.def("paged_decode_attention", &mlx_parallm::paged_decode_attention_op, "q"_a, "k_pool"_a, "v_pool"_a, "table"_a,
         "lengths"_a, "block_size"_a, "scale"_a, "threads"_a = 1,
         "Attention of q (B, H, 1, D) over each row's first lengths[b] slots of its blocks table[b] in the pools "

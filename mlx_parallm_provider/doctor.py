@@ -1,0 +1,88 @@
+"""``mlx-parallm doctor``: what this process would run models on, and why it may be slow.
+
+Prints the device, the BLAS MLX's matmuls bind to (and whether dense layers go through a
+privately bound OpenBLAS because mlx was imported first), the CPU's vector features, the
+kernels built and in use, the model cache and the versions of what matters.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import platform
+import sys
+from pathlib import Path
+from typing import Any
+
+#: Vector features that decide which kernels a CPU gets (x86 flags, ARM features).
+VECTOR_FEATURES = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
+                   "avx512_bf16", "amx_tile", "asimd", "asimddp", "sve", "sve2", "i8mm", "bf16")
+
+PACKAGES = ("mlx", "mlx-lm", "mlx-parallm-provider", "litellm", "langchain-core", "llguidance", "transformers",
+            "tokenizers", "nanobind")
+
+
+def cpu_features() -> list[str]:
+    """The CPU's vector features among :data:`VECTOR_FEATURES` (from /proc/cpuinfo)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    flags: set[str] = set()
+    for line in text.splitlines():
+        if line.startswith(("flags", "Features")):
+            flags.update(line.split(":", 1)[1].split())
+    return [f for f in VECTOR_FEATURES if f in flags]
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"{line.split(':', 1)[1].strip()} ({platform.machine()})"
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def report() -> dict[str, Any]:
+    """Everything :func:`main` prints, as a dict."""
+    import mlx.core as mx
+
+    from .models import backend, private_blas, qmatmul, qmatmul_ext, registry
+
+    ext = qmatmul_ext.load() if backend.is_cpu() else None
+    mlx_first = private_blas.needed()
+    cache = registry.cache_home()
+    versions = {}
+    for name in PACKAGES:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = "not installed"
+    return {
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "device": str(mx.default_device()),
+        "blas": backend.blas_in_use(),
+        "blas chosen": backend.chosen_blas() or "none (MLX_PARALLM_BLAS=off, or none found)",
+        "dense layers": ("OpenBLAS bound privately (mlx was imported first)" if mlx_first and ext is not None
+                         else "MLX's reference BLAS: import mlx_parallm_provider before mlx" if mlx_first
+                         else "MLX's matmul, over the BLAS above"),
+        "cpu": _cpu_model(),
+        "cpu vector features": " ".join(cpu_features()) or "unknown",
+        "kernel cache": str(qmatmul.cache_dir()),
+        "mlx extension (fused ops, decode attention, small-batch matmul)": "built and loaded" if ext is not None
+        else ("not used off the CPU" if not backend.is_cpu() else "unavailable: MLX's ops are used (needs a C++ compiler and nanobind)"),
+        "small-batch C kernel (ctypes)": "built" if backend.is_cpu() and qmatmul.load() is not None else "unavailable",
+        "model cache": str(cache),
+        **{f"version {k}": v for k, v in versions.items()},
+    }
+
+
+def main() -> int:
+    """Print :func:`report` as aligned lines; returns 0."""
+    lines = report()
+    width = max(len(k) for k in lines)
+    for key, value in lines.items():
+        print(f"{key:<{width}}  {value}")
+    return 0
