@@ -112,3 +112,26 @@ def test_preempted_requests_recompute_from_their_own_cached_blocks(make_engine, 
     # With caching, a preempted row's recompute starts from its own blocks while they last.
     assert runs[True][0] < runs[False][0]
 
+
+
+def test_a_chunked_prompt_computes_logits_for_its_last_token_only(make_engine, monkeypatch) -> None:
+    """The model is given the last chunk without its last token, then that token alone: the
+    chunk's logits (chunk x vocabulary floats) are never asked for, yet the answer is the
+    one of an unchunked prefill."""
+    from mlx_parallm_provider.engine.kv.runner import PagedRunner
+
+    widths: list[int] = []
+    forward = PagedRunner.forward
+
+    def recording(self, rows, pieces, starts):
+        widths.append(max(len(p) for p in pieces))
+        return forward(self, rows, pieces, starts)
+
+    params = SamplingParams(max_tokens=6)
+    long = [100 + j % 250 for j in range(300)]
+    expected = make_engine(prefill_chunk_size=4096, max_num_batched_tokens=4096).generate_sync(long, params).token_ids
+    monkeypatch.setattr(PagedRunner, "forward", recording)
+    engine = make_engine(prefill_chunk_size=128, max_num_batched_tokens=128)
+    assert engine.generate_sync(long, params).token_ids == expected
+    assert engine.stats()["kv_cache"]["layout"] == "paged"
+    assert widths[:4] == [128, 128, 43, 1] and len(widths) == 4 + 5, widths  # then 5 decode steps
