@@ -15,6 +15,7 @@ import secrets
 import shutil
 import signal
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -272,3 +273,111 @@ def test_dropped_streams_free_their_rows(proxy: Proxy) -> None:
             return proxy.stats().get("generated_tokens", 0)
 
     _assert_rows_freed(proxy, asyncio.run(drop()), n * 400)
+
+
+# --------------------------------------------------------------------------- other client APIs (issue 25)
+
+# An enum: the random tiny model, free inside a string, would write until max_tokens.
+WEATHER_PARAMETERS = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"]}
+
+
+def _openai(proxy: Proxy, http: httpx.Client) -> Any:
+    import openai
+
+    return openai.OpenAI(base_url=f"{proxy.base_url}/v1", api_key=proxy.key, max_retries=0, http_client=http)
+
+
+@pytest.mark.slow
+def test_responses_api_text_streaming_and_a_function_call_turn(proxy: Proxy, reference: Any) -> None:
+    """The OpenAI Responses API (Codex CLI, the Agents SDK's default model) through the
+    proxy's bridge onto chat completions."""
+    tool = {"type": "function", "name": "get_weather", "description": "Weather of a city", "parameters": WEATHER_PARAMETERS}
+    with httpx.Client(timeout=120, trust_env=False) as http:
+        client = _openai(proxy, http)
+        whole = client.responses.create(model=ALIAS, input=QUESTION[0]["content"], max_output_tokens=12, temperature=0)
+        events = list(client.responses.create(model=ALIAS, input=QUESTION[0]["content"], max_output_tokens=12, temperature=0, stream=True))
+        called = client.responses.create(model=ALIAS, input="Weather in Paris?", tools=[tool], tool_choice="required", max_output_tokens=60)
+        calls = [item for item in called.output if item.type == "function_call"]
+        assert calls and calls[0].name == "get_weather", called.output
+        assert json.loads(calls[0].arguments)["city"] in ("Paris", "Oslo")
+        answered = client.responses.create(model=ALIAS, tools=[tool], max_output_tokens=8, input=[
+            {"role": "user", "content": "Weather in Paris?"},
+            {"type": "function_call", "call_id": calls[0].call_id, "name": "get_weather", "arguments": calls[0].arguments},
+            {"type": "function_call_output", "call_id": calls[0].call_id, "output": "18C and sunny"},
+        ])
+    assert whole.output_text == reference.text
+    assert whole.usage.output_tokens == reference.usage.completion_tokens
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == reference.text
+    assert answered.status in ("completed", "incomplete") and answered.output_text  # incomplete: max_output_tokens
+
+
+@pytest.mark.slow
+def test_messages_api_text_streaming_and_a_tool_use_turn(proxy: Proxy, reference: Any) -> None:
+    """The Anthropic Messages API (Claude-Code-style clients) through the proxy."""
+    import anthropic
+
+    tool = {"name": "get_weather", "description": "Weather of a city", "input_schema": WEATHER_PARAMETERS}
+    with anthropic.DefaultHttpxClient(timeout=120, trust_env=False) as http:  # its own httpx
+        client = anthropic.Anthropic(base_url=proxy.base_url, api_key=proxy.key, max_retries=0, http_client=http)
+        whole = client.messages.create(model=ALIAS, messages=QUESTION, max_tokens=12)  # greedy: the engine's default
+        with client.messages.stream(model=ALIAS, messages=QUESTION, max_tokens=12) as stream:
+            streamed = "".join(stream.text_stream)
+        called = client.messages.create(model=ALIAS, max_tokens=60, tools=[tool], tool_choice={"type": "any"},
+                                        messages=[{"role": "user", "content": "Weather in Paris?"}])
+        uses = [block for block in called.content if block.type == "tool_use"]
+        assert uses and uses[0].name == "get_weather" and uses[0].input["city"] in ("Paris", "Oslo"), called.content
+        answered = client.messages.create(model=ALIAS, max_tokens=8, tools=[tool], messages=[
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": uses[0].id, "name": "get_weather", "input": uses[0].input}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": uses[0].id, "content": "18C and sunny"}]},
+        ])
+    assert "".join(b.text for b in whole.content if b.type == "text") == reference.text
+    assert whole.usage.output_tokens == reference.usage.completion_tokens
+    assert streamed == reference.text
+    assert called.stop_reason == "tool_use"
+    assert answered.usage.output_tokens > 0
+
+
+def _peak_running_while(proxy: Proxy, calls: Any) -> int:
+    """The most rows the engine held at once (stats every 50 ms) while ``calls`` ran."""
+    peak, done = 0, threading.Event()
+
+    def watch() -> None:
+        nonlocal peak
+        while not done.is_set():
+            peak = max(peak, proxy.stats().get("running", 0))
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        asyncio.run(calls())
+    finally:
+        done.set()
+        watcher.join()
+    return peak
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("api", ["responses", "messages"])
+def test_32_concurrent_calls_of_each_client_api_decode_as_one_batch(proxy: Proxy, api: str) -> None:
+    n = 32
+
+    async def calls() -> None:
+        import anthropic
+        import openai
+
+        if api == "responses":
+            http: Any = httpx.AsyncClient(timeout=300, trust_env=False, limits=httpx.Limits(max_connections=n))
+            client: Any = openai.AsyncOpenAI(base_url=f"{proxy.base_url}/v1", api_key=proxy.key, max_retries=0, http_client=http)
+            one = lambda i: client.responses.create(model=ALIAS, input=f"Story {i}:", max_output_tokens=400)  # noqa: E731
+        else:
+            http = anthropic.DefaultAsyncHttpxClient(timeout=300, trust_env=False)
+            client = anthropic.AsyncAnthropic(base_url=proxy.base_url, api_key=proxy.key, max_retries=0, http_client=http)
+            one = lambda i: client.messages.create(model=ALIAS, max_tokens=400, messages=[{"role": "user", "content": f"Story {i}:"}])  # noqa: E731
+        async with http:
+            await asyncio.gather(*(one(i) for i in range(n)))
+
+    peak = _peak_running_while(proxy, calls)
+    print(f"{api}: {n} concurrent calls, largest decode batch seen {peak}")
+    assert peak == n
