@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Awaitable, Callable, Optional, Sequence, TypeVar
 
 import mlx.core as mx
 
@@ -77,3 +77,26 @@ async def max_gap_while(work: Any) -> float:
         done.set()
         await task
     return max(gaps)
+
+
+T = TypeVar("T")
+
+
+def sampled_while(sample: Callable[[], T], work: Callable[[], Awaitable[Any]], period_s: float = 0.01) -> list[T]:
+    """``sample()`` every ``period_s`` on a thread while ``asyncio.run(work())`` runs."""
+    seen: list[T] = []
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            seen.append(sample())
+            time.sleep(period_s)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        asyncio.run(work())
+    finally:
+        done.set()
+        watcher.join()
+    return seen

@@ -15,7 +15,6 @@ import secrets
 import shutil
 import signal
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ import yaml
 
 import mlx_parallm_provider
 from fakes import chat_prompt
+from engine_helpers import sampled_while
 from proxy_helpers import REPO, start_proxy, stop, wait_ready
 
 from mlx_parallm_provider import Engine, SamplingParams
@@ -338,26 +338,6 @@ def test_messages_api_text_streaming_and_a_tool_use_turn(proxy: Proxy, reference
     assert answered.usage.output_tokens > 0
 
 
-def _peak_running_while(proxy: Proxy, calls: Any) -> int:
-    """The most rows the engine held at once (stats every 50 ms) while ``calls`` ran."""
-    peak, done = 0, threading.Event()
-
-    def watch() -> None:
-        nonlocal peak
-        while not done.is_set():
-            peak = max(peak, proxy.stats().get("running", 0))
-            time.sleep(0.02)
-
-    watcher = threading.Thread(target=watch)
-    watcher.start()
-    try:
-        asyncio.run(calls())
-    finally:
-        done.set()
-        watcher.join()
-    return peak
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("api", ["responses", "messages"])
 def test_32_concurrent_calls_of_each_client_api_decode_as_one_batch(proxy: Proxy, api: str) -> None:
@@ -378,6 +358,6 @@ def test_32_concurrent_calls_of_each_client_api_decode_as_one_batch(proxy: Proxy
         async with http:
             await asyncio.gather(*(one(i) for i in range(n)))
 
-    peak = _peak_running_while(proxy, calls)
+    peak = max(sampled_while(lambda: proxy.stats().get("running", 0), calls, period_s=0.02), default=0)
     print(f"{api}: {n} concurrent calls, largest decode batch seen {peak}")
     assert peak == n

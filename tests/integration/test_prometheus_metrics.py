@@ -4,12 +4,11 @@ histograms as a scrape sees them."""
 from __future__ import annotations
 
 import asyncio
-import threading
-import time
 
 import pytest
 
 import prometheus_client  # the `proxy` extra (in `dev`)
+from engine_helpers import sampled_while
 
 from mlx_parallm_provider import SamplingParams
 from mlx_parallm_provider.engine.prometheus import EngineCollector
@@ -29,25 +28,12 @@ def test_a_scrape_during_and_after_a_run(make_engine) -> None:
     collector = EngineCollector(engines=lambda: [engine], prefix="vllm:")
     label = "{'model_name': 'tiny'}"
     prompt = "The shared instructions of every request. " * 12
-    seen: list[dict[str, float]] = []
-    done = threading.Event()
-
-    def watch() -> None:
-        while not done.is_set():
-            seen.append(_scrape(collector))
-            time.sleep(0.01)
 
     async def run() -> None:
         params = SamplingParams(max_tokens=24, ignore_eos=True)
         await asyncio.gather(*(engine.generate(prompt + f"question {i}", params) for i in range(12)))
 
-    watcher = threading.Thread(target=watch)
-    watcher.start()
-    try:
-        asyncio.run(run())
-    finally:
-        done.set()
-        watcher.join()
+    seen = sampled_while(lambda: _scrape(collector), run)
     after = _scrape(collector)
 
     running = [s[f"vllm:num_requests_running{label}"] for s in seen]
