@@ -94,7 +94,7 @@ def tool_call_constraint(
         tag = StructTag(trigger=TOOL_CALL_START, begin=TOOL_CALL_START + "\n", grammar=schema, end="\n" + TOOL_CALL_END)
         grammar = StructTag.to_grammar([tag], assume_special=special_start)
     try:
-        return Constraint.lark(grammar)
+        return Constraint.lark(grammar, json_output=forced or answer_schema is not None)  # no free text
     except InvalidParameterError as error:
         if forced:
             raise InvalidParameterError("tools", f"the forced tool call's grammar does not compile: {error}") from None

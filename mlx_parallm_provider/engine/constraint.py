@@ -36,6 +36,9 @@ class Constraint:
 
     kind: str
     value: str = ""
+    #: The whole output is JSON (or tool calls of JSON): near ``max_tokens`` the row is steered
+    #: to close what it opened rather than be cut (JSON kinds; a Lark grammar says so).
+    json_output: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in _KINDS:
@@ -64,12 +67,12 @@ class Constraint:
             raise InvalidParameterError("json_schema", f"nests too deep (limit {LIMITS.max_depth} levels)") from None
         except (TypeError, ValueError) as error:
             raise InvalidParameterError("json_schema", f"is not JSON: {error}") from None
-        return cls("json_schema", text)
+        return cls("json_schema", text, json_output=True)
 
     @classmethod
     def json_object(cls) -> "Constraint":
         """Output is any JSON object (OpenAI's ``response_format={"type": "json_object"}``)."""
-        return cls("json_object")
+        return cls("json_object", json_output=True)
 
     @classmethod
     def regex(cls, pattern: str) -> "Constraint":
@@ -77,10 +80,11 @@ class Constraint:
         return cls("regex", pattern)
 
     @classmethod
-    def lark(cls, grammar: str) -> "Constraint":
+    def lark(cls, grammar: str, json_output: bool = False) -> "Constraint":
         """Output is a sentence of a Lark grammar (llguidance's dialect, which can embed
-        JSON schemas with ``%json {...}``)."""
-        return cls("lark", grammar)
+        JSON schemas with ``%json {...}``); ``json_output``: every sentence is JSON or
+        literals around it (see :attr:`json_output`)."""
+        return cls("lark", grammar, json_output=json_output)
 
     def grammar(self) -> str:
         """The llguidance grammar of this constraint (validated; cached by content)."""

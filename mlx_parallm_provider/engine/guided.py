@@ -14,6 +14,7 @@ copies of that matcher.
 
 from __future__ import annotations
 
+import re
 import threading
 from collections import OrderedDict
 from copy import copy
@@ -29,6 +30,16 @@ from .constraint import Constraint, import_llguidance
 #: Built matchers each :class:`GrammarTokenizer` keeps, one per distinct grammar.
 MATCHER_CACHE = 64
 
+#: Bytes that close JSON outside a string: brackets, braces and spaces between them.
+CLOSERS = frozenset(b"]} \n")
+
+#: A token that is a whole short JSON value (then only closers): where a value must come.
+SHORT_VALUE = re.compile(rb'\s*(\[\]|\{\}|""|-?[0-9]+|null|true|false)[\]}\s]*')
+
+#: Tokens a row keeps in hand beyond one a level of open JSON, before it is steered (room
+#: for what a schema still requires on the way out, such as a required key and its value).
+CLOSING_MARGIN = 8
+
 
 class GrammarTokenizer:
     """llguidance's view of one model's tokenizer, built on first use (about 0.5 s)."""
@@ -39,6 +50,7 @@ class GrammarTokenizer:
         self._lock = threading.Lock()
         self.executor: Any = None
         self._matchers: "OrderedDict[str, Any]" = OrderedDict()
+        self._closing: Optional[tuple[np.ndarray, np.ndarray, np.ndarray]] = None
 
     def get(self) -> Any:
         with self._lock:
@@ -51,6 +63,37 @@ class GrammarTokenizer:
                 self._built = llg.LLTokenizer(backend.to_str(), n_vocab=self._vocab_size or None, eos_token=self._eos or None)
                 self.executor = llg.LLExecutor()
             return self._built
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes of one token, as the grammar sees them."""
+        return self.get().decode_bytes([token])
+
+    def closing_bits(self, words: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Bitmasks (``words`` int32 each) of the tokens that close JSON, for :func:`mask_logits`
+        to narrow a row to when its budget runs out: (``]``, ``}`` and spaces alone, and EOS;
+        a string's closing quote, then only those; a whole short value, such as ``[]``, ``0``
+        or ``null``, then only those). Built once."""
+        with self._lock:
+            cached = self._closing
+        if cached is None or cached[0].shape[0] != words:
+            built = self.get()
+            masks = np.zeros((3, words * 32), dtype=np.uint8)
+            for token in range(min(built.vocab_size, words * 32)):
+                text = built.decode_bytes([token])
+                if text[:1] == b'"' and set(text[1:]) <= CLOSERS:
+                    masks[1, token] = 1
+                elif text.strip(b" \n") and set(text) <= CLOSERS:
+                    masks[0, token] = 1
+                elif SHORT_VALUE.fullmatch(text):
+                    masks[2, token] = 1
+            for token in self._eos:
+                if token < words * 32:
+                    masks[0, token] = 1
+            packed = np.packbits(masks, axis=1, bitorder="little").view(np.int32)
+            cached = (packed[0], packed[1], packed[2])
+            with self._lock:
+                self._closing = cached
+        return cached
 
     def matcher(self, grammar: str) -> Any:
         """A fresh llguidance matcher of ``grammar``: a copy of the one built (on a compiler
@@ -74,7 +117,10 @@ class RowMatcher:
 
     def __init__(self, constraint: Constraint, tokenizer: GrammarTokenizer) -> None:
         self.matcher = tokenizer.matcher(constraint.grammar())
+        self._tokenizer = tokenizer
         self.consumed = 0
+        self.json: Optional[JsonNesting] = JsonNesting() if constraint.json_output else None
+        self.tokens_left: Optional[int] = None  # set by the worker before each step
         self.check()
 
     def consume(self, token: int) -> None:
@@ -82,6 +128,14 @@ class RowMatcher:
         self.matcher.consume_token(token)
         self.consumed += 1
         self.check()
+        if self.json is not None:
+            self.json.feed(self._tokenizer.token_bytes(token))
+
+    @property
+    def must_close(self) -> bool:
+        """The row's token budget is about to run out before its open JSON is closed."""
+        left, nesting = self.tokens_left, self.json
+        return left is not None and nesting is not None and nesting.open > 0 and left <= nesting.open + CLOSING_MARGIN
 
     @property
     def done(self) -> bool:
@@ -111,7 +165,9 @@ def mask_logits(logits: mx.array, matchers: Sequence[Optional[RowMatcher]], toke
 
     ``matchers[i]`` is row i's matcher or None (that row is left as it is). The masks of
     all constrained rows are computed together by llguidance's parallel executor; a row
-    whose matcher failed raises (:meth:`RowMatcher.check`).
+    whose matcher failed raises (:meth:`RowMatcher.check`). A row whose budget is about to
+    run out with JSON still open (:attr:`RowMatcher.must_close`) is narrowed to the tokens
+    that close it, where the grammar allows any, so the answer ends valid rather than cut.
     """
     rows = [(m.matcher, i) for i, m in enumerate(matchers) if m is not None]
     if not rows:
@@ -125,6 +181,44 @@ def mask_logits(logits: mx.array, matchers: Sequence[Optional[RowMatcher]], toke
     for matcher in matchers:  # a failed row fails alone (sample_batch retries row by row)
         if matcher is not None:
             matcher.check()
+    closing = [(i, m) for i, m in enumerate(matchers) if m is not None and m.must_close]
+    if closing:
+        nesting, string, values = tokenizer.closing_bits(words)
+        for i, m in closing:
+            for closers in ((string,) if m.json.in_string else (nesting, values)):
+                narrowed = bitmask[i] & closers
+                if narrowed.any():  # else the grammar wants something else first (":", a key): left free
+                    bitmask[i] = narrowed
+                    break
     bits = (mx.array(bitmask)[:, :, None] >> mx.arange(32, dtype=mx.int32)) & 1
     allowed = bits.reshape(batch, words * 32)[:, :vocab].astype(mx.bool_)
     return mx.where(allowed, logits, mx.array(-float("inf"), dtype=logits.dtype))
+
+
+class JsonNesting:
+    """How many JSON strings, arrays and objects the bytes fed so far leave open."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.in_string = False
+        self._escaped = False
+
+    @property
+    def open(self) -> int:
+        return self.depth + self.in_string
+
+    def feed(self, data: bytes) -> None:
+        for byte in data:
+            if self.in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif byte == 0x5C:  # backslash
+                    self._escaped = True
+                elif byte == 0x22:
+                    self.in_string = False
+            elif byte == 0x22:
+                self.in_string = True
+            elif byte in (0x7B, 0x5B):  # { [
+                self.depth += 1
+            elif byte in (0x7D, 0x5D) and self.depth:
+                self.depth -= 1

@@ -314,6 +314,9 @@ class Worker:
 
     def _sample(self, rows: list[Request], logits: mx.array) -> list[SampledRow]:
         samplers = [r.state.sampler for r in rows]
+        for r, sampler in zip(rows, samplers):
+            if sampler.matcher is not None:
+                sampler.matcher.tokens_left = r.params.max_tokens - len(r.output_ids)
         contexts = [lambda r=r: mx.array(r.prompt_ids + r.output_ids) for r in rows]
         return sample_batch(logits, samplers, contexts)
 

@@ -129,3 +129,32 @@ def test_a_constraint_nothing_can_satisfy_is_an_invalid_parameter(make_engine, c
     assert isinstance(bad, InvalidParameterError) and bad.field == "constraint" and "no output can satisfy" in str(bad)
     assert "\n" not in str(bad)  # llguidance's matcher state is not dumped on the caller
     assert [r.token_ids for r in plain] == alone
+
+
+LIST_SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "scores": {"type": "array", "items": {"type": "integer"}}},
+               "required": ["name", "scores"]}
+
+
+@pytest.mark.parametrize("constraint", [Constraint.json_schema(LIST_SCHEMA), Constraint.json_object()], ids=["schema", "object"])
+def test_json_running_out_of_tokens_is_closed_and_parses(make_engine, constraint: Constraint) -> None:
+    """Issue 21 item 18: the random model never closes an array or object on its own; near
+    max_tokens each row is steered onto the closing tokens, so every answer parses."""
+    engine = make_engine()
+
+    async def answers():
+        return await asyncio.gather(*(engine.generate(p, SamplingParams(max_tokens=m, temperature=1.0, seed=m, constraint=constraint))
+                                      for p in PROMPTS for m in (12, 24, 40)))
+
+    results = asyncio.run(answers())
+    for r in results:
+        value = json.loads(r.text)  # raises if cut
+        assert isinstance(value, dict) and r.usage.completion_tokens <= 40
+        if constraint.kind == "json_schema":
+            assert isinstance(value["name"], str) and all(isinstance(x, int) for x in value["scores"])
+
+
+def test_free_text_constraints_are_never_steered(make_engine) -> None:
+    engine = make_engine()
+    pattern = r'[a-z "\[\]{}]+'
+    r = engine.generate_sync("x", SamplingParams(max_tokens=16, ignore_eos=True, constraint=Constraint.regex(pattern)))
+    assert re.fullmatch(pattern, r.text) and r.finish_reason == "length" and r.usage.completion_tokens == 16
