@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
 settings.register_profile(
-    "ci", max_examples=150, deadline=None, derandomize=True, database=None,
+    "ci", max_examples=100, deadline=None, derandomize=True, database=None,  # ~2.5 min of CI in all
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
 settings.register_profile(

@@ -29,13 +29,13 @@ def test_paged_kv_gives_the_rectangles_tokens_on_default_model() -> None:
         async def burst(engine: Engine, params_for):
             return await asyncio.gather(*(engine.generate(p, params_for(i)) for i, p in enumerate(prompts)))
 
-        for params_for in (
-            lambda i: SamplingParams(max_tokens=16),
-            lambda i: SamplingParams(max_tokens=16, temperature=0.8, seed=i, top_k=20),  # top 20: see the prefix test
+        for params_for, compared in (
+            (lambda i: SamplingParams(max_tokens=16), list(engines)),
+            # top 20: see the prefix test; the small pool (waits at admission, no preemption) greedy only, for CI time
+            (lambda i: SamplingParams(max_tokens=16, temperature=0.8, seed=i, top_k=20), ["paged", "rectangle"]),
         ):
-            got = {name: [c.token_ids for c in asyncio.run(burst(engine, params_for))] for name, engine in engines.items()}
-            assert got["paged"] == got["rectangle"]
-            assert got["paged, small pool"] == got["rectangle"]
+            got = {name: [c.token_ids for c in asyncio.run(burst(engines[name], params_for))] for name in compared}
+            assert all(tokens == got["rectangle"] for tokens in got.values())
         assert engines["paged"].stats()["kv_cache"]["layout"] == "paged"
         small, whole = engines["paged, small pool"].stats(), engines["paged"].stats()
         assert small["kv_cache"]["kv_blocks_total"] < 100  # 0.06 GiB of 16-token blocks

@@ -190,7 +190,7 @@ def test_without_a_compiler_the_model_keeps_mlx_ops(tiny_model_dir: Path, monkey
 
 
 @pytest.mark.parametrize("module", [qmatmul, qmatmul_ext])
-def test_build_is_cached_per_source_and_machine(module, kernel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_build_is_cached_per_source_and_machine(module, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MLX_PARALLM_HOME", str(tmp_path))
     first = module.build()
     if first is None:
