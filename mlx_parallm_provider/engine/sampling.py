@@ -78,14 +78,20 @@ def sample_batch(
     logits: mx.array,
     samplers: Sequence[RowSampler],
     contexts: Sequence[Optional[Callable[[], mx.array]]],
+    tokens_left: Optional[Sequence[int]] = None,
 ) -> list[SampledRow]:
     """Pick the next token of every row of ``logits`` (shape ``[B, vocab]``).
 
     ``contexts[i]`` returns row i's token history (prompt + output) for its penalties; it
-    is only called for rows that have logits processors. A row whose processors, filters or
-    draw fail gets a :class:`SampledRow` with ``error`` set; every other row is sampled as
-    if it were alone, so one bad row never costs its neighbours their token.
+    is only called for rows that have logits processors. ``tokens_left[i]``: row i's budget
+    including this token (a constrained JSON row is steered to close near its end). A row
+    whose processors, filters or draw fail gets a :class:`SampledRow` with ``error`` set;
+    every other row is sampled as if it were alone, so one bad row never costs its
+    neighbours their token.
     """
+    for i, sampler in enumerate(samplers):
+        if sampler.matcher is not None and tokens_left is not None:
+            sampler.matcher.tokens_left = tokens_left[i]
     keys = [s.key for s in samplers]
     try:
         return _sample_rows(logits, samplers, contexts)

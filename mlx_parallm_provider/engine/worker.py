@@ -236,8 +236,7 @@ class Worker:
             self._fail(request, exc, "while being set up")
 
     def _reap(self) -> None:
-        """Drop cancelled and abandoned requests (their caller's loop closed) and fail those
-        past their deadline, wherever they are."""
+        """Drop cancelled or abandoned requests, fail those past their deadline, wherever they are."""
         now = self.clock()
         for request in self.scheduler.all_requests():
             if request.cancelled or request.sink.abandoned():
@@ -314,11 +313,8 @@ class Worker:
 
     def _sample(self, rows: list[Request], logits: mx.array) -> list[SampledRow]:
         samplers = [r.state.sampler for r in rows]
-        for r, sampler in zip(rows, samplers):
-            if sampler.matcher is not None:
-                sampler.matcher.tokens_left = r.params.max_tokens - len(r.output_ids)
         contexts = [lambda r=r: mx.array(r.prompt_ids + r.output_ids) for r in rows]
-        return sample_batch(logits, samplers, contexts)
+        return sample_batch(logits, samplers, contexts, [r.params.max_tokens - len(r.output_ids) for r in rows])
 
     def _after_sampling(self, rows: list[Request], sampled: list[SampledRow]) -> None:
         self.metrics.record_tokens(r.request_id for r, row in zip(rows, sampled) if row.error is None)

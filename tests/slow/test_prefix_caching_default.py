@@ -49,14 +49,9 @@ def test_outputs_identical_with_sharing_on_and_off_on_default_model() -> None:
         async def burst(engine: Engine, params_for):
             return await asyncio.gather(*(engine.generate(p, params_for(i)) for i, p in enumerate(prompts)))
 
-        for params_for in (
-            lambda i: SamplingParams(max_tokens=16),
-            # Seeded draws over the whole 49k vocabulary pick tail tokens whose perturbed scores
-            # nearly tie, so float noise between batch shapes (logprobs differ by ~1e-5 on and
-            # off) flipped about 1 draw in 600 with the weights dequantized in float32; the top
-            # 20 keep the draws random without the tail's near-ties.
-            lambda i: SamplingParams(max_tokens=16, temperature=0.8, seed=i, top_k=20),
-        ):
+        # Greedy only here, for CI time: seeded draws with sharing on and off are compared in
+        # test_paged_default.py (the paged layout shares prefixes, the rectangle run there does not).
+        for params_for in (lambda i: SamplingParams(max_tokens=16),):
             off = asyncio.run(burst(engines[False], params_for))
             on = asyncio.run(burst(engines[True], params_for))
             assert [c.token_ids for c in on] == [c.token_ids for c in off]
