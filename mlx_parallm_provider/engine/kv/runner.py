@@ -142,8 +142,8 @@ class PagedRunner:
         """Prefill the next ``n`` tokens of a long prompt into its blocks; the logits of
         its last token once the whole prompt is in (else None). The last chunk runs its
         last token alone, as :meth:`prefill` does: the model computes logits at every
-        position it is given, and a chunk's (n x vocabulary floats, 400 MB for 2,048 tokens
-        of a 49k vocabulary) were the largest transient of a long prompt."""
+        position it is given, and a chunk's are n x vocabulary floats (400 MB for 2,048
+        tokens of a 49k vocabulary)."""
         seq, start = request.computed_ids, request.num_prefilled
         end = start + n
         if end < len(seq) or n == 1:
