@@ -85,9 +85,8 @@ def tool_call_constraint(
         # At most one call per tool offered: small models, once free to go on, repeat the
         # same call until max_tokens runs out.
         more = f" ({newline} call){{0,{len(tools) - 1}}}" if parallel and len(tools) > 1 else ""
-        grammar = f"start: call{more}\ncall: {call}\n"
-        if not forced:
-            grammar = f"start: calls | answer\ncalls: call{more}\ncall: {call}\nanswer: %json {json.dumps(answer_schema)}\n"
+        rules = f"call{more}\ncall: {call}\n"
+        grammar = f"start: {rules}" if forced else f"start: calls | answer\ncalls: {rules}answer: %json {json.dumps(answer_schema)}\n"
     else:
         from llguidance import StructTag
 
