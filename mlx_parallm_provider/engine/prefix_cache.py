@@ -7,7 +7,8 @@ the KV along that path. Inserting a sequence splits a node where the new sequenc
 diverges and stores only the tokens not already present, so a prefix shared by many
 requests is held once. The store is bounded in bytes; past the bound it evicts the least
 recently used leaves (a parent is only evicted after its children, so every cached path
-stays complete).
+stays complete), taken from a heap of leaves as SGLang's ``RadixCache`` keeps one, so an
+eviction costs O(log n), not a walk of the whole tree.
 
 Rows that use a cached prefix either copy its KV into their own or (a prefix shared by
 several rows, :mod:`.shared_kv`) hold a view of the stored arrays. MLX arrays are immutable
@@ -19,6 +20,8 @@ thread (plain ints).
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from typing import Callable, Optional, Sequence
 
 import mlx.core as mx
@@ -87,6 +90,10 @@ class PrefixCache:
         self.num_tokens = 0
         self.evictions = 0
         self.evicted_tokens = 0
+        # (last_used, seq, node) for each leaf; an entry whose node is no longer a leaf of
+        # the tree, or was used since, is stale and skipped when popped.
+        self._leaves: list[tuple[int, int, _Node]] = []
+        self._seq = itertools.count()
 
     # -- lookups -----------------------------------------------------------------------
 
@@ -110,6 +117,8 @@ class PrefixCache:
         self._tick += 1
         for node, used in self._walk(tokens[:n]):
             node.last_used = self._tick
+            if not node.children:
+                self._push_leaf(node)
             pieces.append(node.kv if used == len(node.tokens) else [(k[:, :, :used], v[:, :, :used]) for k, v in node.kv])
             got += used
         if got < n:
@@ -136,6 +145,8 @@ class PrefixCache:
             if shared < len(child.tokens):
                 child = self._split(child, shared)
             child.last_used = self._tick
+            if not child.children:
+                self._push_leaf(child)
             node, depth = child, depth + shared
         new = len(tokens) - depth
         if new == 0 or new * bytes_per_token > self.max_bytes:
@@ -143,6 +154,7 @@ class PrefixCache:
         leaf = _Node(tokens[depth:], _slice(source(depth, len(tokens)), 0), node)
         leaf.last_used = self._tick
         node.children[tokens[depth]] = leaf
+        self._push_leaf(leaf)
         self.nbytes += leaf.nbytes
         self.num_tokens += new
         self._evict(protect=leaf)
@@ -152,6 +164,7 @@ class PrefixCache:
         """Drop everything stored."""
         self._root = _Node((), [], None)
         self.nbytes = self.num_tokens = 0
+        self._leaves = []
 
     def stats(self) -> dict[str, int]:
         """``{"cached_bytes", "cached_tokens_stored", "evictions", "evicted_tokens", "max_bytes"}``."""
@@ -191,24 +204,51 @@ class PrefixCache:
         self.nbytes += upper.nbytes + node.nbytes - old_bytes
         return upper
 
+    def _push_leaf(self, node: _Node) -> None:
+        if len(self._leaves) > 4 * (self.num_tokens + 16):  # mostly stale: rebuild from the tree
+            self._leaves = [(n.last_used, next(self._seq), n) for n in self._nodes() if not n.children]
+            heapq.heapify(self._leaves)
+        heapq.heappush(self._leaves, (node.last_used, next(self._seq), node))
+
+    def _is_leaf(self, node: _Node, stamp: int) -> bool:
+        parent = node.parent
+        return (not node.children and node.last_used == stamp and parent is not None
+                and parent.children.get(node.tokens[0]) is node)
+
     def _evict(self, protect: _Node) -> None:
+        """Drop least recently used leaves until within ``max_bytes``; leaves on the path to
+        ``protect`` only when no other leaf is left."""
         keep = set()
         node: Optional[_Node] = protect
         while node is not None:
             keep.add(id(node))
             node = node.parent
+        spared: list[tuple[int, int, _Node]] = []
         while self.nbytes > self.max_bytes:
-            leaves = [n for n in self._nodes() if not n.children]
-            leaves = [n for n in leaves if id(n) not in keep] or leaves
-            if not leaves:
+            if self._leaves:
+                entry = heapq.heappop(self._leaves)
+                if not self._is_leaf(entry[2], entry[0]):
+                    continue
+                if id(entry[2]) in keep:
+                    spared.append(entry)
+                    continue
+            elif spared:
+                entry = spared.pop(0)
+            else:
                 return
-            victim = min(leaves, key=lambda n: n.last_used)
+            victim = entry[2]
             assert victim.parent is not None
-            del victim.parent.children[victim.tokens[0]]
+            parent = victim.parent
+            del parent.children[victim.tokens[0]]
+            victim.parent = None
             self.nbytes -= victim.nbytes
             self.num_tokens -= len(victim.tokens)
             self.evictions += 1
             self.evicted_tokens += len(victim.tokens)
+            if not parent.children and parent is not self._root:
+                self._push_leaf(parent)
+        for entry in spared:
+            heapq.heappush(self._leaves, entry)
 
     def _nodes(self):
         stack = list(self._root.children.values())

@@ -68,6 +68,82 @@ def test_eviction_takes_leaves_before_their_parents() -> None:
     assert store.match(base + [5, 6]) == 4 and store.match(base + [7, 8]) == 6 and store.match([20, 21]) == 2
 
 
+class _ScanningStore(PrefixCache):
+    """The eviction rule as first written (a walk of the whole tree per evicted leaf): the
+    reference the heap must agree with."""
+
+    def _evict(self, protect) -> None:
+        keep, node = set(), protect
+        while node is not None:
+            keep.add(id(node))
+            node = node.parent
+        while self.nbytes > self.max_bytes:
+            leaves = [n for n in self._nodes() if not n.children]
+            leaves = [n for n in leaves if id(n) not in keep] or leaves
+            if not leaves:
+                return
+            victim = min(leaves, key=lambda n: n.last_used)
+            del victim.parent.children[victim.tokens[0]]
+            self.nbytes -= victim.nbytes
+            self.num_tokens -= len(victim.tokens)
+            self.evictions += 1
+
+
+def _stored(store: PrefixCache) -> set[tuple[int, ...]]:
+    """Every root-to-leaf token path the store holds."""
+    out, stack = set(), [((), n) for n in store._root.children.values()]  # noqa: SLF001
+    while stack:
+        path, node = stack.pop()
+        path += node.tokens
+        if node.children:
+            stack.extend((path, c) for c in node.children.values())
+        else:
+            out.add(path)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_heap_eviction_evicts_what_a_tree_walk_would(seed: int) -> None:
+    import random
+
+    rng = random.Random(seed)
+    heap, scan = PrefixCache(40 * BYTES_PER_TOKEN), _ScanningStore(40 * BYTES_PER_TOKEN)
+    for _ in range(300):
+        seq = [rng.randrange(4) for _ in range(rng.randrange(1, 5))] + [rng.randrange(50) for _ in range(rng.randrange(0, 12))]
+        if rng.random() < 0.6:
+            assert heap.insert(seq, kv_of(seq), BYTES_PER_TOKEN) == scan.insert(seq, kv_of(seq), BYTES_PER_TOKEN)
+        else:
+            n = heap.match(seq)
+            assert n == scan.match(seq)
+            if n:
+                assert keys_tokens(heap.fetch(seq, n)) == seq[:n]
+                scan.fetch(seq, n)
+        assert _stored(heap) == _stored(scan) and heap.nbytes == scan.nbytes <= heap.max_bytes
+    assert heap.evictions == scan.evictions > 50
+
+
+def test_eviction_does_not_walk_the_tree() -> None:
+    """Issue 21 item 15: each evicted leaf was found by scanning every node (one 20k-token
+    insert into a store of 20k entries held the worker 5.1 s)."""
+    store = PrefixCache(2000 * BYTES_PER_TOKEN)
+    for i in range(2000):
+        store.insert([i, -1], kv_of([i, -1]), BYTES_PER_TOKEN)  # the store ends with 1,000 leaves of 2 tokens
+    visited = 0
+    nodes = store._nodes  # noqa: SLF001
+
+    def counting():
+        nonlocal visited
+        for node in nodes():
+            visited += 1
+            yield node
+
+    store._nodes = counting  # type: ignore[method-assign]  # noqa: SLF001
+    big = list(range(10_000, 11_000))
+    assert store.insert(big, kv_of(big), BYTES_PER_TOKEN) == 1000
+    assert store.evictions >= 500 and store.nbytes <= store.max_bytes
+    assert visited < 10 * 1000, f"{visited} nodes walked for {store.evictions} evictions"
+
+
 def req(name: str, prompt: list[int], max_tokens: int = 4) -> Request:
     return Request(name, prompt, SamplingParams(max_tokens=max_tokens), ResultSink())
 
