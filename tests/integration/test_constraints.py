@@ -158,3 +158,14 @@ def test_free_text_constraints_are_never_steered(make_engine) -> None:
     pattern = r'[a-z "\[\]{}]+'
     r = engine.generate_sync("x", SamplingParams(max_tokens=16, ignore_eos=True, constraint=Constraint.regex(pattern)))
     assert re.fullmatch(pattern, r.text) and r.finish_reason == "length" and r.usage.completion_tokens == 16
+
+
+def test_a_stop_string_inside_constrained_json_ends_it_there(make_engine) -> None:
+    """Issue 21 item 13, settled as vLLM and OpenAI's API do it: stop strings apply inside a
+    constraint too (the README says so), so the answer ends before the first match and is
+    not valid JSON; finish_reason says "stop"."""
+    engine = make_engine()
+    whole = engine.generate_sync("the weather in", SamplingParams(max_tokens=40, constraint=Constraint.json_schema(SCHEMA)))
+    assert _valid(whole.text) and "," in whole.text
+    cut = engine.generate_sync("the weather in", SamplingParams(max_tokens=40, stop=[","], constraint=Constraint.json_schema(SCHEMA)))
+    assert cut.finish_reason == "stop" and cut.text == whole.text[: whole.text.index(",")]
