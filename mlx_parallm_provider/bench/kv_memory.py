@@ -65,6 +65,9 @@ def _measure(model: str, layout: str, short: int, long_tokens: int, max_tokens: 
     def peak_over(idle: int) -> float:
         return (mx.get_peak_memory() - idle) / 1024**2
 
+    # Both peaks over the same idle (before the short rows' first run): the paged pool keeps
+    # what it grew to in (1), so an idle taken again before (2) would leave the short rows'
+    # KV out of (2) but in (1), and understate the long row's cost.
     idle = mx.get_active_memory()
     mx.reset_peak_memory()
     alone = asyncio.run(shorts())
@@ -87,7 +90,6 @@ def _measure(model: str, layout: str, short: int, long_tokens: int, max_tokens: 
         await task
         return rows, long_times
 
-    idle = mx.get_active_memory()
     mx.reset_peak_memory()
     rows, _ = asyncio.run(beside())
     out["beside_tpot_ms"] = 1000 * statistics.median(map(_tpot, rows))

@@ -9,6 +9,7 @@ import pytest
 from mlx_lm.models.cache import KVCache
 
 from mlx_parallm_provider.engine.kv import KVCacheManager
+from mlx_parallm_provider.engine.kv import paged_cache
 from mlx_parallm_provider.engine.kv.paged_cache import PagedBatch
 from mlx_parallm_provider.engine.kv.storage import PagedKVStorage
 from mlx_parallm_provider.models import attention
@@ -37,8 +38,10 @@ def cpu_ops(request, monkeypatch):
     attention.set_cpu_ops(None)
 
 
+@pytest.mark.parametrize("tile_scores", [paged_cache.TILE_SCORES, 1], ids=["untiled", "one-query-tiles"])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
-def test_paged_prefill_chunks_and_decode_match_mlx_lm(tiny_model, block_size, cpu_ops):
+def test_paged_prefill_chunks_and_decode_match_mlx_lm(tiny_model, block_size, cpu_ops, tile_scores, monkeypatch):
+    monkeypatch.setattr(paged_cache, "TILE_SCORES", tile_scores)  # 1: prefill attends one query at a time
     model = tiny_model.model
     assert attention.install(model)
     prompts = [list(range(5, 5 + n)) for n in (3, 11, 40)]  # lengths spread over buckets
@@ -86,5 +89,9 @@ def test_storage_grows_on_demand_and_keeps_what_it_held(tiny_model):
     storage.write(0, mx.array([2, 3]), k, k + 1)
     storage.reserve(40)
     assert storage.physical_blocks == 40 and storage.keys[0].shape[0] == 80
+    storage.reserve(41)  # by a quarter at least: growing copies every block held
+    assert storage.physical_blocks == 50 and storage.keys[0].shape[0] == 100
+    storage.reserve(1000)
+    assert storage.physical_blocks == 100  # never past the pool
     keys, values = storage.read(0, mx.array([2, 3]))
     assert mx.array_equal(keys, k).item() and mx.array_equal(values, k + 1).item()

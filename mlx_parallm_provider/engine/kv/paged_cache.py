@@ -28,6 +28,12 @@ from .storage import PagedKVStorage
 BUCKET_RATIO = 2
 """Rows attend in buckets whose longest row is at most this many times their shortest."""
 
+TILE_SCORES = 1 << 20
+"""Prefill attends in tiles of queries holding at most this many scores (4 MB in float32).
+The softmax's intermediates are each as large as the scores: untiled, a 512-token chunk
+over a 2,000-token row held ~280 MB at once on the default model, three times that row's
+whole KV; in tiles ~50 MB, and the chunk ran no slower (15% faster on a 2-core Zen 3)."""
+
 
 class PagedBatch:
     """One forward pass over rows of the paged KV.
@@ -113,6 +119,21 @@ def _length_buckets(totals: Sequence[int]) -> list[list[int]]:
     return buckets
 
 
+def _attend_tiled(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: mx.array) -> mx.array:
+    """:func:`~mlx_parallm_provider.models.attention.dense_attention` over tiles of the
+    query positions, each within :data:`TILE_SCORES`, each evaluated before the next is
+    built (MLX would otherwise run the tiles side by side, all their intermediates alive)."""
+    B, heads, L, _ = queries.shape
+    tile = max(1, TILE_SCORES // max(1, B * heads * keys.shape[2]))
+    if L <= tile:
+        return attention.dense_attention(queries, keys, values, scale=scale, mask=mask)
+    outs = []
+    for i in range(0, L, tile):
+        outs.append(attention.dense_attention(queries[:, :, i : i + tile], keys, values, scale=scale, mask=mask[:, :, i : i + tile]))
+        mx.eval(outs[-1])
+    return mx.concatenate(outs, axis=2)
+
+
 class PagedLayerCache:
     """One layer's view of a :class:`PagedBatch` (mlx-lm's cache interface)."""
 
@@ -152,7 +173,7 @@ class PagedLayerCache:
         for bucket in self.batch.buckets:
             k, v = self.batch.storage.read(self.layer, bucket.slots)  # (b, S, kv_heads, D)
             q = queries if bucket.index is None else queries[bucket.index]
-            outs.append(attention.dense_attention(q, k.swapaxes(1, 2), v.swapaxes(1, 2), scale=scale, mask=bucket.mask))
+            outs.append(_attend_tiled(q, k.swapaxes(1, 2), v.swapaxes(1, 2), scale, bucket.mask))
         if len(outs) == 1:
             return outs[0]
         order = [b for bucket in self.batch.buckets for b in bucket.rows]

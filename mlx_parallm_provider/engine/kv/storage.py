@@ -7,9 +7,11 @@ donates the buffer), so a step's cost is its own tokens, never the batch's.
 
 The arrays are created at the first write (shapes and dtype from the model's own K/V) and
 hold as many blocks as :meth:`reserve` last asked for, up to the pool's size: with an
-explicit budget that is the whole pool at once; otherwise they grow by half as the highest
-block in use rises (the pool hands out cached blocks again before it grows them), so a
-small workload holds little memory.
+explicit budget that is the whole pool at once; otherwise they grow by a quarter
+(:data:`GROWTH`) as the highest block in use rises (the pool hands out cached blocks again
+before it grows them), so a small workload holds little memory. Growing copies the arrays
+(MLX cannot extend one in place) one layer at a time, so the copy's transient is one
+layer's arrays, not the whole pool's.
 """
 
 from __future__ import annotations
@@ -17,6 +19,11 @@ from __future__ import annotations
 from typing import Optional
 
 import mlx.core as mx
+
+
+GROWTH = 4
+"""The arrays grow by at least 1/GROWTH of their size: a larger step copies less often
+(each growth copies every block held), a smaller one holds fewer blocks nobody uses yet."""
 
 
 class PagedKVStorage:
@@ -39,17 +46,19 @@ class PagedKVStorage:
         return sum(a.nbytes for a in (*self.keys, *self.values) if a is not None)
 
     def reserve(self, blocks: int) -> None:
-        """Make the arrays hold at least ``blocks`` blocks (by half again, up to the pool)."""
+        """Make the arrays hold at least ``blocks`` blocks (by :data:`GROWTH` at least, up to
+        the pool)."""
         if blocks <= self._blocks:
             return
-        target = min(self.num_blocks, max(blocks, self._blocks * 3 // 2, 16))
+        target = min(self.num_blocks, max(blocks, self._blocks + self._blocks // GROWTH, 16))
         extra = (target - self._blocks) * self.block_size
         for arrays in (self.keys, self.values):
             for layer, a in enumerate(arrays):
                 if a is not None:
                     arrays[layer] = mx.concatenate([a, mx.zeros((extra, *a.shape[1:]), a.dtype)])
+                    mx.eval(arrays[layer])  # before the next layer's copy: the old array is freed here
+                    del a
         self._blocks = target
-        mx.eval([a for a in (*self.keys, *self.values) if a is not None])
 
     def check(self, highest_slot: int) -> None:
         """Raise unless ``highest_slot`` lies in the arrays (MLX's scatters and gathers do
