@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from .. import mlx_lm_compat
 from .tool_defs import TOOL_CALL_END, TOOL_CALL_START
 
 ParseFn = Callable[[str, Optional[list]], Any]
@@ -144,12 +145,7 @@ def tool_call_format(tokenizer: Any, tools: Any = None, *, renders_tools: Option
 
 
 def _inferred_format(tokenizer: Any) -> ToolCallFormat:
-    try:
-        from mlx_lm.tokenizer_utils import _infer_tool_parser  # private, so guarded
-
-        parser_type = _infer_tool_parser(tokenizer)
-    except Exception:
-        parser_type = None
+    parser_type = mlx_lm_compat.infer_tool_parser(tokenizer)
     if parser_type is None or parser_type == "json_tools":
         return HERMES_FORMAT
     module = importlib.import_module(f"mlx_lm.tool_parsers.{parser_type}")

@@ -9,6 +9,7 @@ from typing import Any, Callable, Optional, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache
 
+from .. import mlx_lm_compat
 from .shared_kv import SharedPrefixBatchCache
 
 Wanted = Callable[[], list[bool]]
@@ -44,8 +45,7 @@ def run_pieces(model: Any, tokens: mx.array, cache: list[Any], piece: int, leave
             tokens = tokens[mx.array(keep)]
             for c in cache:
                 c.filter(keep)
-                if getattr(c, "_lengths", None) is not None:  # BatchRotatingKVCache.filter leaves it
-                    c._lengths = c._lengths[mx.array(keep)]
+                mlx_lm_compat.filter_rotating_lengths(c, keep)
     return kept, tokens
 
 

@@ -18,6 +18,7 @@ from typing import Optional, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import BatchRotatingKVCache, RotatingKVCache
 
+from .. import mlx_lm_compat
 from .prefix_cache import LayerKV, PrefixCache
 
 
@@ -38,7 +39,7 @@ def rotating_batch_from_prefixes(max_kv_size: int, prefixes: Sequence[Optional[l
             row = RotatingKVCache(max_kv_size)
             if kv is not None and n:
                 row.keys, row.values = kv[layer]
-                row.offset = row._idx = n
+                mlx_lm_compat.set_prefilled(row, n)
             rows.append(row)
     return [BatchRotatingKVCache.merge(rows) for rows in per_layer]
 
@@ -50,7 +51,7 @@ def store_rotating_rows(store: PrefixCache, cache: list[BatchRotatingKVCache], s
     first = cache[0]
     mx.eval(first.left_padding, first.offset)
     pads, offsets = first.left_padding.tolist(), first.offset.tolist()
-    end = first.max_size if first.rotated else first._idx  # temporal columns in use
+    end = first.max_size if first.rotated else mlx_lm_compat.write_index(first)  # temporal columns in use
     limit = max_reusable_tokens(first.max_size)
     for seq, i in zip(sequences, rows):
         start = pads[i]
@@ -69,4 +70,4 @@ def store_rotating_rows(store: PrefixCache, cache: list[BatchRotatingKVCache], s
 def _temporal_row(cache: BatchRotatingKVCache, array: mx.array, i: int) -> mx.array:
     """Row ``i`` of ``array`` (the cache's keys or values) in temporal order."""
     row = array[i : i + 1]
-    return mx.roll(row, -cache._idx, axis=2) if cache.rotated else row
+    return mx.roll(row, -mlx_lm_compat.write_index(cache), axis=2) if cache.rotated else row

@@ -22,6 +22,7 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import BatchKVCache
 
+from .. import mlx_lm_compat
 from ..models import attention
 from ..models.cpu_ops import fast_exp
 
@@ -167,7 +168,7 @@ class SharedPrefixBatchCache:
         cut = min(s.left_padding.tolist())
         if cut > 0 and s.keys is not None:
             s.keys, s.values = mx.contiguous(s.keys[..., cut:, :]), mx.contiguous(s.values[..., cut:, :])
-            s._idx -= cut
+            mlx_lm_compat.drop_leading_columns(s, cut)
             s.left_padding = s.left_padding - cut
 
     def row_kv(self, i: int, start: int, end: int) -> tuple[mx.array, mx.array]:
