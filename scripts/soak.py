@@ -10,8 +10,12 @@ injected at each per-request site (set-up, sampling, detokenising) and one fault
 model step itself (the worker dies and restarts; requests in flight then get
 ``EngineDeadError`` by design). Phase 2 starts the real LiteLLM proxy on loopback and sends
 ``--http-requests`` over up to 256 concurrent connections: plain, malformed bodies, invalid
-fields, clients that hang up while waiting and streams dropped mid-way. (A message without
-``role`` is not among the bad bodies: LiteLLM itself turns it into an assistant message.)
+fields, issue 21's hostile bodies (:mod:`soak_hostile`: schemas that overflowed or stalled
+the grammar compiler, a 10 MB message, a lone surrogate, role markers in user text, nested
+pydantic tools), clients that hang up while waiting and streams dropped mid-way. (A message
+without ``role`` is not among the bad bodies: LiteLLM itself turns it into an assistant
+message.) It prints the longest time the proxy's loop was held (a probe of
+``/health/liveliness``) and the innocent streams' gaps between chunks.
 
 It prints what was sent, what came back (ok, typed errors by class), hangs, untyped errors,
 crashes, harmed neighbours and memory before / after, and exits 1 if any of hangs, untyped
@@ -44,6 +48,7 @@ from mlx_parallm_provider.engine import Engine, SamplingParams
 from mlx_parallm_provider.engine import sampling as sampling_module
 from mlx_parallm_provider.engine import worker as worker_module
 from mlx_parallm_provider.errors import EngineDeadError, MLXParallmError, RequestFailedError
+from soak_hostile import LoopProbe, hostile_cases, judge  # scripts/ is on the path: run as a script
 
 REPO = Path(__file__).resolve().parents[1]
 HANG_S = 180.0
@@ -269,7 +274,9 @@ async def soak_proxy(base_url: str, key: str, n: int, connections: int, rng: ran
         {"model": "soak", "messages": question, "top_k": 10**6, "temperature": 1}, {"model": "soak", "messages": question, "tools": "abc"},
         {"model": "soak", "messages": question, "n": 10**4},
     ]
-    kinds = ["plain"] * 50 + ["bad"] * 20 + ["hang_up"] * 15 + ["stream_drop"] * 15
+    kinds = ["plain"] * 35 + ["stream"] * 15 + ["bad"] * 15 + ["hostile"] * 15 + ["hang_up"] * 10 + ["stream_drop"] * 10
+    hostile = hostile_cases()
+    gaps: list[float] = []
     tally = Tally()
     gate = asyncio.Semaphore(connections)
     limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
@@ -288,6 +295,27 @@ async def soak_proxy(base_url: str, key: str, n: int, connections: int, rng: ran
                         tally.outcomes[f"HTTP {r.status_code}"] += 1
                         if r.status_code >= 500 or r.status_code == 200:
                             tally.untyped.append(f"bad body {str(bad)[:60]} -> {r.status_code} {r.text[:120]}")
+                    elif kind == "hostile":
+                        name, expect, raw = rng.choice(hostile)
+                        r = await client.post("/v1/chat/completions", content=raw, headers={"Content-Type": "application/json"})
+                        tally.outcomes[f"hostile HTTP {r.status_code}"] += 1
+                        if not judge(expect, r.status_code):
+                            tally.untyped.append(f"hostile {name} ({expect}) -> {r.status_code} {r.text[:120]}")
+                        elif name.startswith("nested pydantic") and not _pet_call(r.json()):
+                            tally.harmed.append(f"hostile {name}: no valid call in {r.text[:160]}")
+                    elif kind == "stream":
+                        body.update(stream=True, max_tokens=32)
+                        last = None
+                        async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+                            async for line in r.aiter_lines():
+                                if line.startswith("data:"):
+                                    now = time.perf_counter()
+                                    if last is not None:
+                                        gaps.append(now - last)
+                                    last = now
+                        tally.outcomes[f"stream HTTP {r.status_code}"] += 1
+                        if r.status_code != 200:
+                            tally.harmed.append(f"stream got {r.status_code}")
                     elif kind == "hang_up":
                         body["max_tokens"] = 200
                         call = asyncio.ensure_future(client.post("/v1/chat/completions", json=body))
@@ -311,14 +339,29 @@ async def soak_proxy(base_url: str, key: str, n: int, connections: int, rng: ran
                 except httpx.HTTPError as error:
                     tally.untyped.append(f"{kind}: connection error {type(error).__name__}: {error}")
 
-        await asyncio.gather(*(one(rng.choice(kinds)) for _ in range(n)))
+        with LoopProbe(base_url) as probe:
+            await asyncio.gather(*(one(rng.choice(kinds)) for _ in range(n)))
 
     stats = read_stats(stats_file)
     deadline = time.monotonic() + 60
     while (stats.get("running") or stats.get("waiting")) and time.monotonic() < deadline:
         await asyncio.sleep(0.02)
         stats = read_stats(stats_file)
-    return tally, {"engine idle after the run": not (stats.get("running") or stats.get("waiting"))}
+    gaps.sort()
+    return tally, {"engine idle after the run": not (stats.get("running") or stats.get("waiting")),
+                   "proxy loop held at most (ms; /health/liveliness polled every 20 ms)": f"{probe.slowest_ms:.0f} over {probe.samples} polls",
+                   "innocent streams' gap between chunks p50 / p99 / max (ms; a decode step at this batch)":
+                       " / ".join(f"{1000 * gaps[int(q * (len(gaps) - 1))]:.0f}" for q in (0.5, 0.99, 1.0)) if gaps else "none"}
+
+
+def _pet_call(response: dict[str, Any]) -> bool:
+    """Whether a forced ``adopt`` call came back with arguments its nested schema allows."""
+    try:
+        call = response["choices"][0]["message"]["tool_calls"][0]["function"]
+        pet = json.loads(call["arguments"])["pet"]
+        return call["name"] == "adopt" and isinstance(pet["name"], str) and pet["kind"] in ("cat", "dog")
+    except (KeyError, IndexError, TypeError, ValueError):
+        return False
 
 
 async def abandoned_rows(base_url: str, key: str, stats_file: Path, rows: int = 16) -> dict[str, float]:
