@@ -80,6 +80,7 @@ __all__ = [
     "Constraint",
     "ContextWindowExceededError",
     "Delta",
+    "EmbeddingResult",
     "Engine",
     "EngineConfig",
     "EngineLike",
