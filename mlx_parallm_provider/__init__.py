@@ -27,6 +27,7 @@ from .engine import (  # noqa: E402
     Constraint,
     Completion,
     Delta,
+    EmbeddingResult,
     Engine,
     EngineLike,
     SamplingParams,
