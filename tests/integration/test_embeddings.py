@@ -110,25 +110,37 @@ def test_bad_options_raise_typed_errors(engine: Any) -> None:
         engine.embed_sync(["x"], timeout=0)
 
 
-def test_concurrent_calls_batch_together_and_beside_decoding_rows(engine: Any) -> None:
+def test_concurrent_calls_batch_together(make_engine: Any) -> None:
+    engine = make_engine(batch_window_ms=50)  # an idle engine gathers a burst
+    expected = [engine.embed_sync([t]).embeddings[0] for t in TEXTS]
+
+    async def burst() -> list[Any]:
+        return await asyncio.gather(*(engine.embed([t]) for t in TEXTS))  # four callers, one input each
+
+    before = engine.stats()["embedding_inputs"]
+    calls = asyncio.run(burst())
+    assert engine.stats()["max_embedding_batch"] == len(TEXTS) and engine.stats()["embedding_inputs"] == before + len(TEXTS)
+    assert all(close(c.embeddings[0], e) for c, e in zip(calls, expected))
+
+
+def test_embedding_beside_decoding_rows_leaves_their_greedy_output(engine: Any) -> None:
     prompts = ["Once upon a time", "The sea"]
-    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    params = SamplingParams(max_tokens=64, ignore_eos=True)
     alone = [engine.generate_sync(p, params).token_ids for p in prompts]
     expected = engine.embed_sync(TEXTS).embeddings
 
     async def run() -> tuple[list[Any], list[Any]]:
         decoding = [asyncio.ensure_future(engine.generate(p, params)) for p in prompts]
-        while engine.stats()["running"] < len(prompts):
+        while engine.stats()["generated_tokens"] == 0 or engine.stats()["running"] < len(prompts):
             await asyncio.sleep(0.002)
-        before = engine.stats()["max_embedding_batch"]
-        calls = await asyncio.gather(*(engine.embed([t]) for t in TEXTS))  # one input each, concurrent
-        assert engine.stats()["max_embedding_batch"] >= len(TEXTS) > before or before >= len(TEXTS)
+        calls = [await engine.embed(TEXTS), *await asyncio.gather(*(engine.embed([t]) for t in TEXTS))]
+        assert not any(t.done() for t in decoding)  # the embeddings ran between decode steps
         return await asyncio.gather(*decoding), calls
 
     done, calls = asyncio.run(run())
     assert [c.token_ids for c in done] == alone
-    assert all(close(c.embeddings[0], e) for c, e in zip(calls, expected))
-    assert not any(c.finish_reason is None for c in done)
+    assert all(close(v, e) for v, e in zip(calls[0].embeddings, expected))
+    assert all(close(c.embeddings[0], e) for c, e in zip(calls[1:], expected))
 
 
 # --------------------------------------------------------------------------- adapters
