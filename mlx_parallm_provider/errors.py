@@ -7,6 +7,8 @@ ecosystems' classes at their boundary only.
 
 from __future__ import annotations
 
+from typing import Optional
+
 
 class MLXParallmError(Exception):
     """Base class of every error this package raises on purpose."""
@@ -24,12 +26,20 @@ class ContextWindowExceededError(MLXParallmError, ValueError):
     """The prompt plus ``max_tokens`` does not fit the model's context window.
 
     ``at_least``: ``prompt_tokens`` is a lower bound (a text refused from its length,
-    without tokenizing it)."""
+    without tokenizing it). ``what``: the input named in the message, for an input that
+    generates nothing (an embedding input)."""
 
-    def __init__(self, prompt_tokens: int, max_tokens: int, context_length: int, *, at_least: bool = False) -> None:
+    def __init__(self, prompt_tokens: int, max_tokens: int, context_length: int, *, at_least: bool = False,
+                 what: Optional[str] = None) -> None:
         self.prompt_tokens = prompt_tokens
         self.max_tokens = max_tokens
         self.context_length = context_length
+        if what is not None:  # an input with nothing generated after it (an embedding's)
+            super().__init__(
+                f"{what} ({'at least ' if at_least else ''}{prompt_tokens} tokens) exceeds the model's context "
+                f"window of {context_length} tokens; shorten it"
+            )
+            return
         super().__init__(
             f"prompt ({'at least ' if at_least else ''}{prompt_tokens} tokens) + max_tokens ({max_tokens}) = "
             f"{'at least ' if at_least else ''}"
@@ -53,6 +63,16 @@ class EngineDeadError(MLXParallmError, RuntimeError):
 class RequestFailedError(MLXParallmError, RuntimeError):
     """One request failed inside the engine (while being set up, sampled, detokenised or
     delivered). Only that request fails; the cause is chained as ``__cause__``."""
+
+
+def as_request_error(request_id: str, exc: BaseException, during: str = "") -> BaseException:
+    """``exc`` if it is one of this package's errors, else a :class:`RequestFailedError`
+    saying which request failed and where, ``exc`` chained as its cause."""
+    if isinstance(exc, MLXParallmError):
+        return exc
+    error = RequestFailedError(f"request {request_id} failed {during}: {type(exc).__name__}: {exc}")
+    error.__cause__ = exc
+    return error
 
 
 class ModelNotFoundError(MLXParallmError, FileNotFoundError):

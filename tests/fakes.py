@@ -20,6 +20,7 @@ from typing import Any, Optional, Union
 
 from mlx_parallm_provider.chat import render_chat
 from mlx_parallm_provider.engine.fanout import expand
+from mlx_parallm_provider.engine.embedding import EmbeddingResult
 from mlx_parallm_provider.engine.request import Completion, Delta, SamplingParams, TokenLogprob, Usage
 
 # SmolLM2-135M-Instruct's template (plain ChatML, no tool support), verbatim.
@@ -165,6 +166,7 @@ class FakeEngine:
         self.delay = delay
         self.error = error
         self.calls: list[FakeCall] = []
+        self.embedded: list[list[Any]] = []  # each embed call's inputs
         self.closed_streams = 0
         self.max_in_flight = 0
         self._in_flight = 0
@@ -246,6 +248,17 @@ class FakeEngine:
             if self.delay:
                 time.sleep(self.delay)
             return [r if isinstance(r, BaseException) else self._complete(*r) for r in recorded]
+
+    async def embed(self, inputs, *, pooling="mean", dimensions=None, timeout=None, request_id=None) -> EmbeddingResult:
+        return self.embed_sync(inputs, pooling=pooling, dimensions=dimensions, timeout=timeout, request_id=request_id)
+
+    def embed_sync(self, inputs, *, pooling="mean", dimensions=None, timeout=None, request_id=None) -> EmbeddingResult:
+        """One-hot-ish unit vectors of 4 components (characters are tokens); ``error`` raises."""
+        if self.error is not None:
+            raise self.error
+        self.embedded.append(list(inputs))
+        vectors = [[1.0, 0.0, 0.0, 0.0][: dimensions or 4] if len(x) % 2 else [0.0, 1.0, 0.0, 0.0][: dimensions or 4] for x in inputs]
+        return EmbeddingResult(request_id or f"fake-emb-{next(self._ids)}", vectors, Usage(prompt_tokens=sum(map(len, inputs))), pooling)
 
     def stats(self) -> dict:
         return {"requests": len(self.calls), "max_in_flight": self.max_in_flight}

@@ -2,6 +2,7 @@
 
 from .constraint import Constraint
 from .coordinator import Engine, get_engine, shutdown_engines
+from .embedding import EmbeddingResult
 from .protocol import EngineLike
 from .request import Completion, Delta, SamplingParams, TokenLogprob, Usage
 
@@ -9,6 +10,7 @@ __all__ = [
     "Completion",
     "Constraint",
     "Delta",
+    "EmbeddingResult",
     "Engine",
     "EngineLike",
     "SamplingParams",

@@ -25,51 +25,26 @@ from ..config import EngineConfig
 from ..errors import ContextWindowExceededError, EngineOverloadedError, InvalidParameterError
 from ..models import registry
 from ..models.registry import LoadedModel
+from .embed_api import EmbedMethods
 from .exit_guard import shut_down_at_exit
 from .fanout import POLL_S, FanOut, TaggedSink, expand
 from .metrics import EngineMetrics
 from .prefix_kv import prefix_stats
 from .prompt_size import PromptEncoder
 from .request import Completion, Delta, Prompt, Request, ResultSink, SamplingParams
+from .sinks import LoopSink as _LoopSink
+from .sinks import ThreadSink as _ThreadSink
 from .kv.budget import kv_bytes_per_token
 from .worker import Worker
 
 logger = logging.getLogger(__name__)
 
 
-class _LoopSink(ResultSink):
-    """Delivers results into an asyncio queue owned by the calling event loop."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.get_running_loop()
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.request: Optional[Request] = None
-
-    def put(self, item: object) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:  # the caller's loop is closed: nobody is listening any more
-            if self.request is not None:
-                self.request.cancelled = True
-
-    def abandoned(self) -> bool:
-        return self.loop.is_closed()
-
-
-class _ThreadSink(ResultSink):
-    """Delivers results into a thread-safe queue read by a plain (blocking) caller."""
-
-    def __init__(self) -> None:
-        self.queue: queue.SimpleQueue = queue.SimpleQueue()
-
-    def put(self, item: object) -> None:
-        self.queue.put(item)
-
-
-class Engine:
+class Engine(EmbedMethods):
     """One loaded model served to any number of concurrent callers, batched.
 
     Use :func:`mlx_parallm_provider.get_engine` to share one engine per model per process.
+    Besides generation it embeds texts (:meth:`embed`, :meth:`embed_sync`; see :mod:`.embed_api`).
 
     Args:
         model: a model name for :func:`mlx_parallm_provider.models.registry.load`

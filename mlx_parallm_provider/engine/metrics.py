@@ -117,6 +117,9 @@ class EngineMetrics:
             self._generated_tokens = 0
             self._steps = 0
             self._max_batch_size = 0
+            self._embedding_inputs = 0
+            self._embedding_tokens = 0
+            self._max_embedding_batch = 0
 
     def add_listener(self, listener: Listener) -> None:
         """Call ``listener(name, value)`` for every sample and token count recorded.
@@ -181,6 +184,13 @@ class EngineMetrics:
             self._add("step_s", step_time_s, events)
         self._notify(events)
 
+    def record_embeddings(self, inputs: int, tokens: int) -> None:
+        """One step embedded ``inputs`` inputs of ``tokens`` tokens in all, as one batch."""
+        with self._lock:
+            self._embedding_inputs += inputs
+            self._embedding_tokens += tokens
+            self._max_embedding_batch = max(self._max_embedding_batch, inputs)
+
     def request_finished(self, request_id: Hashable) -> None:
         """A request ended (for any reason); records its TPOT and forgets it."""
         events: list[tuple[str, float]] = []
@@ -232,6 +242,9 @@ class EngineMetrics:
                 "max_batch_size": self._max_batch_size,
                 "tokens_per_s": self._rate(now),
                 "steps": self._steps,
+                "embedding_inputs": self._embedding_inputs,
+                "embedding_tokens": self._embedding_tokens,
+                "max_embedding_batch": self._max_embedding_batch,
             }
         # Sorting happens outside the lock so the worker is never held up by a reader.
         snap.update({name: summarize(values) for name, values in histories.items()})

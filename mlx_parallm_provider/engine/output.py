@@ -24,6 +24,14 @@ class RowState:
     streamed: int = 0  # output tokens whose ids (and logprobs) a Delta has carried
 
 
+def eos_token_ids(tokenizer: Any) -> set[int]:
+    """The token ids that end a row's output: the tokenizer's ``eos_token_ids`` and ``eos_token_id``."""
+    ids = set(getattr(tokenizer, "eos_token_ids", None) or [])
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
 def add_token(request: Request, row: SampledRow, eos_ids: set[int], tokenizer: Any) -> tuple[Optional[str], Optional[object]]:
     """Append a sampled token to ``request``.
 

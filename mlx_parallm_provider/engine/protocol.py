@@ -9,12 +9,13 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator, Generator, Sequence
 from typing import Any, Optional, Protocol, Union, runtime_checkable
 
+from .embedding import EmbeddingResult
 from .request import Completion, Delta, Prompt, SamplingParams
 
 
 @runtime_checkable
 class EngineLike(Protocol):
-    """One model served to concurrent callers: single requests, streams, and fan-out."""
+    """One model served to concurrent callers: single requests, streams, fan-out, embeddings."""
 
     model_name: str
     tokenizer: Any
@@ -47,5 +48,15 @@ class EngineLike(Protocol):
         request_id: Optional[str] = None,
         return_exceptions: bool = False,
     ) -> list[Any]: ...
+
+    async def embed(
+        self, inputs: Sequence[Any], *, pooling: str = "mean", dimensions: Optional[int] = None,
+        timeout: Optional[float] = None, request_id: Optional[str] = None,
+    ) -> EmbeddingResult: ...
+
+    def embed_sync(
+        self, inputs: Sequence[Any], *, pooling: str = "mean", dimensions: Optional[int] = None,
+        timeout: Optional[float] = None, request_id: Optional[str] = None,
+    ) -> EmbeddingResult: ...
 
     def stats(self) -> dict[str, Any]: ...

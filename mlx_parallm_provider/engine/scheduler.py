@@ -17,6 +17,10 @@ running request is preempted (its blocks freed, itself queued first to be recomp
 its prompt and output so far), as vLLM v1 does. The flat ``kv_budget_tokens`` count (prompt
 + max_tokens) is the budget of the rectangle layout only.
 
+Embedding calls (:class:`~.embedding.EmbedRequest`) take a step's token budget as a prefill
+does, in arrival order with the prompts, but hold no slot and no KV: the step embeds as many
+of their inputs as fit, and a call ends the step its last input is embedded.
+
 Admission is first-come first-served: a request that does not fit blocks the ones behind it,
 so a large request is never starved by a stream of small ones.
 
@@ -35,6 +39,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional
 
+from .embedding import EmbedRequest
 from .kv import KVCacheManager
 from .prefix_match import common_prefix_len
 from .request import Request
@@ -50,6 +55,7 @@ class StepPlan:
     decode: list[Request] = field(default_factory=list)
     prefill: list[Request] = field(default_factory=list)
     chunk: Optional[tuple[Request, int]] = None  # (request, tokens of its next chunk)
+    embed: list[tuple[EmbedRequest, list[int]]] = field(default_factory=list)  # (request, its inputs this step)
 
     @property
     def admitted(self) -> list[Request]:
@@ -58,7 +64,7 @@ class StepPlan:
 
     @property
     def empty(self) -> bool:
-        return not (self.decode or self.prefill or self.chunk)
+        return not (self.decode or self.prefill or self.chunk or self.embed)
 
 
 class Scheduler:
@@ -90,12 +96,13 @@ class Scheduler:
         self.prefilling: list[Request] = []  # admitted this step, prefilled as one batch
         self.chunking: Optional[Request] = None
         self.running: list[Request] = []
+        self.embedding: deque[EmbedRequest] = deque()  # until every input has its vector
 
     # -- queues -----------------------------------------------------------------------
 
-    def add(self, request: Request) -> None:
+    def add(self, request: Request | EmbedRequest) -> None:
         """Queue a new request."""
-        self.waiting.append(request)
+        (self.embedding if isinstance(request, EmbedRequest) else self.waiting).append(request)
 
     def started(self, requests: Iterable[Request]) -> None:
         """Prefill finished for these requests: they decode from the next step on."""
@@ -106,9 +113,13 @@ class Scheduler:
                 self.prefilling.remove(request)
             self.running.append(request)
 
-    def remove(self, request: Request) -> None:
+    def remove(self, request: Request | EmbedRequest) -> None:
         """Drop a request wherever it is (finished, cancelled, timed out or failed); its KV
         blocks are freed."""
+        if isinstance(request, EmbedRequest):
+            if request in self.embedding:
+                self.embedding.remove(request)
+            return
         if self.kv is not None:
             self.kv.free(id(request))
         if request is self.chunking:
@@ -123,18 +134,19 @@ class Scheduler:
             except ValueError:
                 pass
 
-    def all_requests(self) -> list[Request]:
+    def all_requests(self) -> list[Request | EmbedRequest]:
         """Every request the scheduler holds."""
         chunking = [self.chunking] if self.chunking is not None else []
-        return [*self.running, *self.prefilling, *chunking, *self.waiting]
+        return [*self.running, *self.prefilling, *chunking, *self.waiting, *self.embedding]
 
-    def clear(self) -> list[Request]:
+    def clear(self) -> list[Request | EmbedRequest]:
         """Forget every request (the worker is going away); returns them."""
         requests = self.all_requests()
         if self.kv is not None:
             for request in requests:
                 self.kv.free(id(request))
         self.waiting.clear()
+        self.embedding.clear()
         self.prefilling.clear()
         self.chunking = None
         self.running.clear()
@@ -147,7 +159,8 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        """Requests queued: prompts not yet admitted and embedding calls not yet answered."""
+        return len(self.waiting) + len(self.embedding)
 
     def fits_alone(self, request: Request) -> bool:
         """Whether the request could ever be admitted under the KV budget (the pool, or
@@ -179,6 +192,9 @@ class Scheduler:
             n = min(self.prefill_chunk_size, remaining, budget)
             plan.chunk = (self.chunking, n)
             budget -= n
+        # Embedding inputs that arrived before the first waiting prompt go first; later ones
+        # take what the prompts leave (they hold no slot or KV, so they never wait for one).
+        budget = self._plan_embeddings(plan, budget, self.waiting[0].arrival if self.waiting else None)
 
         slots = self.max_num_seqs - self.num_running
         kv_used = sum(r.max_kv_tokens for r in [*self.running, *self.prefilling])
@@ -232,7 +248,35 @@ class Scheduler:
             slots -= 1
             kv_used += request.max_kv_tokens
         self.waiting.extendleft(reversed(deferred))
+        self._plan_embeddings(plan, budget - len(plan.prefill) * longest)
         return plan
+
+    def _plan_embeddings(self, plan: StepPlan, budget: int, before: Optional[float] = None) -> int:
+        """Add embedding inputs (of calls that arrived no later than ``before``, in arrival
+        order, each call's shortest first) to the plan while what they add to the step's
+        right-padded embedding batch (rows x longest) fits ``budget``; returns the budget
+        left. The step's first input always goes, so one longer than the whole budget runs
+        in a step of its own rather than never."""
+        rows = sum(len(indices) for _, indices in plan.embed)
+        width = max((len(r.inputs[i]) for r, indices in plan.embed for i in indices), default=0)
+        spent = rows * width
+        for request in self.embedding:
+            if before is not None and request.arrival > before:
+                break
+            taken: list[int] = []
+            while request.num_planned < len(request.inputs):
+                i = request.order[request.num_planned]
+                wider = max(width, len(request.inputs[i]))
+                if (rows + 1) * wider - spent > budget and (rows or budget <= 0):
+                    break
+                taken.append(i)
+                request.num_planned += 1
+                rows, width = rows + 1, wider
+            if taken:
+                plan.embed.append((request, taken))
+            if request.num_planned < len(request.inputs):
+                break
+        return budget - (rows * width - spent)
 
     def _make_room_to_decode(self) -> None:
         """Give every running row a slot for the token it decodes this step, preempting

@@ -1,9 +1,10 @@
 """The MLX side: one thread that owns the model and the step loop.
 
 Each step: take new arrivals, drop cancelled and timed-out rows, ask the scheduler for a
-plan, prefill (a batch of new prompts and/or one chunk of a long prompt), then run one
-decode step over every running row. Rows join the decode batch when their prefill ends and
-leave it the step they finish, so their KV memory is freed at once.
+plan, prefill (a batch of new prompts and/or one chunk of a long prompt), embed (a batch of
+embedding inputs, no KV: :mod:`.embed_forward`), then decode one token of every running
+row. Rows join the decode batch when their prefill ends and leave it the step they
+finish, so their KV memory is freed at once.
 
 Isolation: a fault while setting up, sampling, detokenising or delivering one request fails
 that request alone (:class:`RequestFailedError`). Every request lives in the inbox or the
@@ -30,13 +31,15 @@ from typing import Any, Callable, Optional
 import mlx.core as mx
 
 from ..config import EngineConfig
-from ..errors import EngineDeadError, MLXParallmError, RequestFailedError
+from ..errors import EngineDeadError, MLXParallmError, as_request_error
 from .detokenize import TextStream
+from .embed_forward import embed_step
+from .embedding import EmbedRequest
 from .exit_guard import register, wait_for_native_exit
 from .guided import GrammarTokenizer
 from .kv.runner import PagedRunner
 from .metrics import EngineMetrics
-from .output import RowState, add_token
+from .output import RowState, add_token, eos_token_ids
 from .prefix_kv import can_share_kv, fetch_prefixes, make_prefix_cache, scheduler_prefix_options
 from .rectangle import RectangleBatch, prefill_batch, prefill_chunk
 from .request import Request
@@ -67,23 +70,16 @@ class Worker:
         self.metrics = metrics
         self.clock = clock
         self.kv_bytes_per_token = max(1, kv_bytes_per_token)
-        self.eos_ids = set(getattr(tokenizer, "eos_token_ids", None) or [])
-        if getattr(tokenizer, "eos_token_id", None) is not None:
-            self.eos_ids.add(tokenizer.eos_token_id)
+        self.eos_ids = eos_token_ids(tokenizer)
         self.pad_id = next(iter(self.eos_ids), 0)
         self.paged = PagedRunner.for_model(model, config, self.kv_bytes_per_token, context_length, self.pad_id)
         self.kv = None if self.paged is None else self.paged.kv
         self.prefix_cache = make_prefix_cache(config) if self.paged is None else None  # paged KV caches blocks
         self.share_kv = self.kv is None and can_share_kv(model, config)
         budget = config.kv_cache_memory_bytes
-        self.scheduler = Scheduler(
-            config.max_num_seqs,
-            config.max_num_batched_tokens,
-            config.prefill_chunk_size,
-            None if budget is None else max(1, budget // self.kv_bytes_per_token),
-            **(scheduler_prefix_options(self.prefix_cache, config, self.kv_bytes_per_token) if self.paged is None else self.paged.prefix_options(config)),
-            kv=self.kv,
-        )
+        prefix = scheduler_prefix_options(self.prefix_cache, config, self.kv_bytes_per_token) if self.paged is None else self.paged.prefix_options(config)
+        self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, config.prefill_chunk_size,
+                                   None if budget is None else max(1, budget // self.kv_bytes_per_token), **prefix, kv=self.kv)
         self.grammar = GrammarTokenizer(tokenizer, vocab_size, self.eos_ids)
         self._inbox: deque[Request] = deque()
         self._cond = threading.Condition()
@@ -108,7 +104,7 @@ class Worker:
 
     # -- called from other threads ------------------------------------------------------
 
-    def submit(self, request: Request) -> bool:
+    def submit(self, request: Request | EmbedRequest) -> bool:
         """Queue a request; False if this worker is dead or stopping (start another)."""
         with self._cond:
             if self.dead is not None or self._stopping:
@@ -190,6 +186,12 @@ class Worker:
         if prefill:
             self._prefill(prefill)
             self._reap()
+        done, failed = embed_step(self.model, plan.embed, self.pad_id, self.metrics)  # a failure fails only its calls
+        for request, exc in failed:
+            self._fail(request, exc, "while embedding its inputs")
+        for request in done:
+            self._retire(request)
+            self._deliver(request, request.result())
         if self.rows:
             self._decode()
         return True
@@ -218,7 +220,8 @@ class Worker:
                 arrivals.append(self._inbox.popleft())
                 self.scheduler.add(arrivals[-1])
         for request in arrivals:
-            self._set_up(request)
+            if not isinstance(request, EmbedRequest):  # (an embedding call needs no sampler or text)
+                self._set_up(request)
         return True
 
     def _set_up(self, request: Request) -> None:
@@ -375,9 +378,7 @@ class Worker:
         an error they can catch as :class:`MLXParallmError`."""
         if not isinstance(exc, MLXParallmError):
             logger.error("request %s failed %s", request.request_id, during, exc_info=exc)
-            cause = exc
-            exc = RequestFailedError(f"request {request.request_id} failed {during}: {type(cause).__name__}: {cause}")
-            exc.__cause__ = cause
+        exc = as_request_error(request.request_id, exc, during)
         self._retire(request)
         self._deliver(request, exc)
         self._evict_finished()

@@ -15,7 +15,9 @@ listed in ``litellm.custom_provider_map`` to ``completion`` / ``streaming`` here
 async generator of :meth:`MLXParallmCustomLLM.astreaming`) and awaits it on the caller's
 loop; ``batch_completion`` calls ``completion`` from up to 100 threads; ``text_completion``
 calls ``completion`` with each prompt as a user message and ``text_completion=True`` in
-``litellm_params``, which this handler reads to skip the chat template.
+``litellm_params``, which this handler reads to skip the chat template. ``embedding`` /
+``aembedding`` reach :meth:`MLXParallmCustomLLM.embedding` / ``aembedding`` the same way
+(:mod:`.litellm_embed`).
 
 Inside a stream, LiteLLM's stream wrapper re-raises retriable errors (429, 5xx,
 timeouts) as ``litellm.exceptions.MidStreamFallbackError`` with ours as
@@ -38,6 +40,7 @@ from litellm.types.utils import (
     ChatCompletionTokenLogprob,
     ChoiceLogprobs,
     Choices,
+    EmbeddingResponse,
     GenericStreamingChunk,
     Message,
     ModelResponse,
@@ -68,6 +71,7 @@ from ..errors import (
 )
 from ._common import PROVIDER, usage_dict
 from ._litellm_params import LiteLLMCall, prepare_call
+from .litellm_embed import prepare_embedding
 
 
 class MLXParallmCustomLLM(CustomLLM):
@@ -126,6 +130,27 @@ class MLXParallmCustomLLM(CustomLLM):
                         yield chunk
             finally:
                 await deltas.aclose()
+
+    def embedding(  # type: ignore[override]
+        self, model: str, input: Any, *, optional_params: Optional[dict] = None, litellm_params: Optional[dict] = None,
+        timeout: Any = None, model_response: Optional[EmbeddingResponse] = None, **_: Any,
+    ) -> EmbeddingResponse:
+        """``litellm.embedding``: every input embedded in the shared engine's batches (see
+        :mod:`.litellm_embed` for the parameters)."""
+        with _litellm_errors(model):
+            call = prepare_embedding(model, input, optional_params, litellm_params, timeout)
+            result = call.engine.embed_sync(call.inputs, **call.options())
+        return call.response(model_response, result)
+
+    async def aembedding(  # type: ignore[override]
+        self, model: str, input: Any, *, optional_params: Optional[dict] = None, litellm_params: Optional[dict] = None,
+        timeout: Any = None, model_response: Optional[EmbeddingResponse] = None, **_: Any,
+    ) -> EmbeddingResponse:
+        """``litellm.aembedding``: awaits ``engine.embed`` on the caller's loop."""
+        with _litellm_errors(model):
+            call = await asyncio.to_thread(prepare_embedding, model, input, optional_params, litellm_params, timeout)
+            result = await call.engine.embed(call.inputs, **call.options())
+        return call.response(model_response, result)
 
 
 litellm_handler = MLXParallmCustomLLM()

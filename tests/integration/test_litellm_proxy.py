@@ -84,9 +84,11 @@ def _litellm_cli() -> str:
 
 
 def _config(model_dir: Path) -> dict[str, Any]:
-    """The shipped example config, its one model replaced by the tiny model folder."""
+    """The shipped example config, its one model (with the example's settings) replaced by
+    the tiny model folder."""
     config = yaml.safe_load(EXAMPLE.read_text())
-    config["model_list"] = [{"model_name": ALIAS, "litellm_params": {"model": f"mlx-parallm/{model_dir}"}}]
+    [entry] = config["model_list"]
+    config["model_list"] = [{"model_name": ALIAS, "litellm_params": {**entry["litellm_params"], "model": f"mlx-parallm/{model_dir}"}}]
     return config
 
 
@@ -336,6 +338,35 @@ def test_messages_api_text_streaming_and_a_tool_use_turn(proxy: Proxy, reference
     assert streamed == reference.text
     assert called.stop_reason == "tool_use"
     assert answered.usage.output_tokens > 0
+
+
+@pytest.mark.slow
+def test_openai_client_embeddings(proxy: Proxy, tiny_model: LoadedModel) -> None:
+    """``/v1/embeddings`` with the official client (which asks for base64 unless told
+    otherwise: the example config drops that, so floats come back and it reads them)."""
+    import openai
+
+    texts = ["hello world", "The sea is calm tonight.", "x"]
+    engine = Engine("tiny", loaded=tiny_model)
+    try:
+        expected = engine.embed_sync(texts)
+    finally:
+        engine.shutdown()
+    with httpx.Client(timeout=120, trust_env=False) as http:
+        client = _openai(proxy, http)
+        got = client.embeddings.create(model=ALIAS, input=texts)
+        floats = client.embeddings.create(model=ALIAS, input=texts[0], encoding_format="float", extra_body={"pooling": "last"})
+        with pytest.raises(openai.BadRequestError) as empty:
+            client.embeddings.create(model=ALIAS, input=[""])
+        with pytest.raises(openai.BadRequestError) as too_long:
+            client.embeddings.create(model=ALIAS, input=["word " * 600])
+    assert [d.index for d in got.data] == [0, 1, 2]
+    for d, v in zip(got.data, expected.embeddings):
+        assert max(abs(a - b) for a, b in zip(d.embedding, v)) < 1e-4
+    assert got.usage.prompt_tokens == got.usage.total_tokens == expected.usage.prompt_tokens
+    assert len(floats.data[0].embedding) == len(expected.embeddings[0])
+    assert empty.value.status_code == 400 and "input[0]" in str(empty.value)
+    assert too_long.value.status_code == 400 and "context window" in str(too_long.value)
 
 
 @pytest.mark.slow

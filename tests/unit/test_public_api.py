@@ -18,7 +18,7 @@ PACKAGE = Path(mlx_parallm_provider.__file__).parent
 
 def test_the_package_exports_exactly_its_documented_names() -> None:
     assert sorted(mlx_parallm_provider.__all__) == sorted([
-        "BackendError", "Completion", "Constraint", "ContextWindowExceededError", "Delta", "Engine", "EngineConfig", "EngineDeadError",
+        "BackendError", "Completion", "Constraint", "ContextWindowExceededError", "Delta", "EmbeddingResult", "Engine", "EngineConfig", "EngineDeadError",
         "EngineLike", "EngineOverloadedError", "InvalidParameterError", "MLXParallmError", "ModelLoadError",
         "ModelNotFoundError", "RequestFailedError", "RequestTimeoutError", "SamplingParams", "TokenLogprob", "UnsupportedModelError",
         "Usage", "__version__", "get_engine", "litellm_handler", "register", "shutdown_engines",
@@ -27,8 +27,8 @@ def test_the_package_exports_exactly_its_documented_names() -> None:
         assert getattr(mlx_parallm_provider, name) is not None
 
 
-def test_the_langchain_module_exports_the_two_models() -> None:
-    assert sorted(mlx_parallm_provider.langchain.__all__) == ["ChatMLXParallm", "MLXParallmLLM"]
+def test_the_langchain_module_exports_the_two_models_and_the_embeddings() -> None:
+    assert sorted(mlx_parallm_provider.langchain.__all__) == ["ChatMLXParallm", "MLXParallmEmbeddings", "MLXParallmLLM"]
 
 
 def _imports(path: Path) -> set[str]:

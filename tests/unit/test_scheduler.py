@@ -135,3 +135,40 @@ def test_alone_a_prompt_skips_a_cached_prefix_it_cannot_afford() -> None:
     s.add(big)
     plan = s.schedule()  # with the hit: 4 blocks + the copy's source = 5 of 4; without: 4
     assert plan.prefill == [big] and big.num_cached == 0 and not kv.pending_copies
+
+
+def emb(name: str, lengths: list[int], arrival: float) -> "EmbedRequest":
+    from mlx_parallm_provider.engine.embedding import EmbedRequest
+
+    return EmbedRequest(name, [list(range(n)) for n in lengths], "mean", ResultSink(), arrival=arrival)
+
+
+def test_embedding_inputs_fill_the_step_budget_in_arrival_order_with_prompts() -> None:
+    s = Scheduler(max_num_seqs=8, max_num_batched_tokens=100, prefill_chunk_size=100)
+    early, prompt, late = emb("e0", [30, 10, 20], arrival=0.0), req("r0", 20), emb("e1", [5, 5], arrival=2.0)
+    prompt.arrival = 1.0
+    for r in (early, prompt, late):
+        s.add(r)
+    assert s.num_waiting == 3 and s.num_running == 0
+    plan = s.schedule()
+    # e0 first (shortest first: 3 rows x 30 = 90 of 100), then the prompt gets the 10 left (a
+    # chunk), and e1, behind the prompt, waits.
+    assert [(r.request_id, ix) for r, ix in plan.embed] == [("e0", [1, 2, 0])]
+    assert plan.chunk == (prompt, 10) and plan.prefill == []
+    s.remove(early)  # the worker retires it once its vectors are in
+    plan = s.schedule()
+    # The prompt's next chunk (nothing ran here, so all 20), then e1 in what is left; it holds no slot.
+    assert plan.chunk == (prompt, 20) and [(r.request_id, ix) for r, ix in plan.embed] == [("e1", [0, 1])]
+    assert s.num_running == 1
+
+
+def test_an_embedding_input_over_the_step_budget_runs_alone() -> None:
+    s = Scheduler(max_num_seqs=8, max_num_batched_tokens=50, prefill_chunk_size=50)
+    big = emb("e0", [10, 80], arrival=0.0)
+    s.add(big)
+    first = s.schedule()
+    assert [ix for _, ix in first.embed] == [[0]]  # 2 x 80 > 50: the long one waits for a step of its own
+    second = s.schedule()
+    assert [ix for _, ix in second.embed] == [[1]] and big.num_planned == 2
+    assert s.schedule().embed == []  # every input planned; it stays held until retired
+    assert big in s.all_requests()

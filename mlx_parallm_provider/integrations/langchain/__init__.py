@@ -1,5 +1,6 @@
 """LangChain adapters on the shared engine: :class:`MLXParallmLLM` (text completion,
-``BaseLLM``) and :class:`ChatMLXParallm` (``BaseChatModel``).
+``BaseLLM``), :class:`ChatMLXParallm` (``BaseChatModel``) and :class:`MLXParallmEmbeddings`
+(``Embeddings``).
 
 They only map types: LangChain messages and call kwargs to the chat layer
 (:func:`~mlx_parallm_provider.chat.prepare_chat`) and :class:`SamplingParams`, engine
@@ -11,6 +12,7 @@ with ``tool_choice="auto"`` malformed calls become ``invalid_tool_calls``, never
 """
 
 from .chat import ChatMLXParallm
+from .embeddings import MLXParallmEmbeddings
 from .llm import MLXParallmLLM
 
-__all__ = ["ChatMLXParallm", "MLXParallmLLM"]
+__all__ = ["ChatMLXParallm", "MLXParallmEmbeddings", "MLXParallmLLM"]
