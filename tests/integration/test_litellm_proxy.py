@@ -19,7 +19,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import pytest
@@ -311,6 +311,41 @@ def test_responses_api_text_streaming_and_a_function_call_turn(proxy: Proxy, ref
     assert whole.usage.output_tokens == reference.usage.completion_tokens
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == reference.text
     assert answered.status in ("completed", "incomplete") and answered.output_text  # incomplete: max_output_tokens
+
+
+@pytest.mark.slow
+def test_the_agents_sdk_default_model_runs_a_tool_loop_through_the_proxy(proxy: Proxy) -> None:
+    """The OpenAI Agents SDK with its default model (the Responses API) pointed at the proxy:
+    a forced call of a function tool, run by the SDK, whose result ends the run
+    (``stop_on_first_tool``: the tiny model's free text never ends before ``max_tokens``, which
+    the SDK raises on; the result turn itself is the Responses test's)."""
+    import agents
+    from openai import AsyncOpenAI
+
+    called: list[str] = []
+
+    @agents.function_tool
+    def get_weather(city: Literal["Paris", "Oslo"]) -> str:
+        """The weather of a city."""
+        called.append(city)
+        return f"18C and sunny in {city}"
+
+    async def run() -> Any:
+        async with httpx.AsyncClient(timeout=120, trust_env=False) as http:
+            client = AsyncOpenAI(base_url=f"{proxy.base_url}/v1", api_key=proxy.key, max_retries=0, http_client=http)
+            agents.set_default_openai_client(client, use_for_tracing=False)
+            agents.set_default_openai_api("responses")
+            agents.set_tracing_disabled(True)
+            agent = agents.Agent(name="weather", instructions="Answer with the weather.", model=ALIAS, tools=[get_weather],
+                                 model_settings=agents.ModelSettings(tool_choice="required", max_tokens=48, temperature=0),
+                                 tool_use_behavior="stop_on_first_tool")
+            return await agents.Runner.run(agent, "Weather in Paris?", max_turns=4)
+
+    result = asyncio.run(run())
+    kinds = [item.type for item in result.new_items]
+    assert called and called[0] in ("Paris", "Oslo"), kinds
+    assert kinds[:2] == ["tool_call_item", "tool_call_output_item"], kinds
+    assert result.new_items[1].output == result.final_output == f"18C and sunny in {called[0]}"
 
 
 @pytest.mark.slow
