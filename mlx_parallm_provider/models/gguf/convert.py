@@ -39,13 +39,13 @@ def convert_gguf(gguf_path: Union[str, Path], out_dir: Union[str, Path]) -> Path
 
     gguf = GGUFFile(gguf_path)
     arch, spec = architecture_of(gguf, lambda: describe(gguf))
-    config = model_config(gguf, arch, spec)
     unsupported = sorted({i.type_name for i in gguf.tensors.values()} - set(tensor_types.SUPPORTED_TYPES))
     if unsupported:
         raise UnsupportedModelError(
             f"{gguf_path}: tensor type {', '.join(unsupported)} is not supported "
             f"(supported: {', '.join(tensor_types.SUPPORTED_TYPES)}; the file has {describe(gguf)})"
         )
+    config = model_config(gguf, arch, spec)
     names = {name: hf_name(gguf, spec, name) for name in gguf.tensors}
     tokenizer_json, tokenizer_config = tokenizer_files(gguf_path, gguf.metadata)
     stops = stop_token_ids(gguf.metadata)
