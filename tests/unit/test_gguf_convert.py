@@ -78,7 +78,7 @@ def test_crash_mid_conversion_leaves_nothing(tiny_gguf: Path, tmp_path: Path, mo
 @pytest.fixture
 def unsupported_gguf(tiny_params, default_gguf: Path, tmp_path: Path) -> Path:
     _, params = tiny_params
-    return write_llama_gguf(tmp_path / "qwen.gguf", params, TINY_CONFIG, tokenizer_metadata(default_gguf), architecture="qwen3")
+    return write_llama_gguf(tmp_path / "qwen.gguf", params, TINY_CONFIG, tokenizer_metadata(default_gguf), architecture="falcon")
 
 
 @pytest.fixture
@@ -92,7 +92,7 @@ def truncated_gguf(tiny_gguf: Path, tmp_path: Path) -> Path:
 @pytest.mark.parametrize(
     "case, error, reason",
     [
-        ("unsupported", UnsupportedModelError, "architecture 'qwen3' is not supported"),
+        ("unsupported", UnsupportedModelError, "architecture 'falcon' is not supported"),
         ("truncated", ModelLoadError, "truncated"),
         ("missing", ModelNotFoundError, "no such GGUF file"),
     ],

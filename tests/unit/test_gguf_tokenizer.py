@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import regex
 
-from mlx_parallm_provider.models.gguf import _GPT2_REGEX
+from mlx_parallm_provider.models.gguf.tokenizer import _GPT2_REGEX
 
 SAMPLES = [
     "Hello, world! What is the capital of France?",
