@@ -6,6 +6,7 @@ import mlx_parallm_provider  # noqa: F401  (BLAS before mlx)
 
 import mlx.core as mx
 import pytest
+from mlx.utils import tree_map
 from mlx_lm.models.cache import KVCache
 
 from mlx_parallm_provider.engine.kv import KVCacheManager
@@ -95,3 +96,91 @@ def test_storage_grows_on_demand_and_keeps_what_it_held(tiny_model):
     assert storage.physical_blocks == 100  # never past the pool
     keys, values = storage.read(0, mx.array([2, 3]))
     assert mx.array_equal(keys, k).item() and mx.array_equal(values, k + 1).item()
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma3():
+    """A random-weight gemma3 text model whose local layers see 8 tokens (every 3rd layer global)."""
+    from mlx_lm.models import gemma3_text
+
+    mx.random.seed(3)
+    args = gemma3_text.ModelArgs(model_type="gemma3_text", hidden_size=64, num_hidden_layers=3, intermediate_size=128,
+                                 num_attention_heads=4, head_dim=16, num_key_value_heads=2, vocab_size=256,
+                                 query_pre_attn_scalar=16, sliding_window=8, sliding_window_pattern=3)
+    model = gemma3_text.Model(args)
+    model.update(tree_map(lambda p: p * 8, model.parameters()))  # larger weights: windows change the logits visibly
+    mx.eval(model.parameters())
+    return model
+
+
+def test_sliding_window_layers_on_blocks_match_mlx_lms_rotating_cache(tiny_gemma3, cpu_ops):
+    from mlx_parallm_provider.engine.kv.support import layer_windows
+
+    model = tiny_gemma3
+    assert attention.install(model)
+    assert layer_windows(model) == [8, 8, None]
+    prompts = [list(range(5, 5 + n)) for n in (3, 11, 40)]
+    kv = KVCacheManager(num_blocks=64, block_size=4)
+    storage = PagedKVStorage(len(model.layers), kv.pool.num_blocks, 4)
+    done, got = [0, 0, 0], [[], [], []]
+
+    def run(rows: list[int], width: int) -> None:
+        pieces = [prompts[b][done[b] : done[b] + width] for b in rows]
+        for b, piece in zip(rows, pieces):
+            kv.grow(b, done[b] + len(piece))
+        storage.reserve(kv.pool.high_water())
+        batch = PagedBatch(storage, [kv.table(b) for b in rows], [done[b] for b in rows], [len(p) for p in pieces], width, layer_windows(model))
+        logits = model(mx.array([p + [0] * (width - len(p)) for p in pieces]), cache=batch.layers())
+        for i, (b, piece) in enumerate(zip(rows, pieces)):
+            got[b].append(logits[i, : len(piece)])
+            done[b] += len(piece)
+
+    run([0, 1, 2], 7)
+    run([1, 2], 13)  # a chunk wider than the window
+    while any(done[b] < len(prompts[b]) for b in range(3)):
+        run([b for b in range(3) if done[b] < len(prompts[b])], 1)
+    for b, prompt in enumerate(prompts):
+        cache = model.make_cache()  # mlx-lm's own: RotatingKVCache(8) for the local layers
+        reference = mx.concatenate([model(mx.array([[t]]), cache=cache)[0] for t in prompt])
+        ours = mx.concatenate(got[b])
+        error = mx.abs(ours - reference).max().item()
+        assert error <= 1e-4 * mx.abs(reference).max().item(), (b, error)  # float32 rounding (logits ~100)
+
+
+def test_a_sliding_window_layer_on_blocks_attends_to_its_window_only(tiny_gemma3, cpu_ops):
+    """One local layer's attention output, chunked over blocks, equals mlx-lm's with its
+    RotatingKVCache and differs from attending to every token (the logits above barely
+    show the window: this random model's residual stream drowns its attention)."""
+    from mlx_lm.models.cache import RotatingKVCache
+
+    attn = tiny_gemma3.model.layers[0].self_attn
+    assert attention.install(tiny_gemma3)
+    mx.random.seed(5)
+    xs = [mx.random.normal((1, n, 64)) for n in (3, 11, 40)]
+    kv = KVCacheManager(num_blocks=64, block_size=4)
+    storage = PagedKVStorage(1, kv.pool.num_blocks, 4)
+    done, got = [0, 0, 0], [[], [], []]
+    for rows, width in [([0, 1, 2], 7), ([1, 2], 13)] + [([1, 2], 1)] * 4 + [([2], 1)] * 25:
+        rows = [b for b in rows if done[b] < xs[b].shape[1]]
+        if not rows:
+            continue
+        pieces = [xs[b][:, done[b] : done[b] + width] for b in rows]
+        for b, piece in zip(rows, pieces):
+            kv.grow(b, done[b] + piece.shape[1])
+        storage.reserve(kv.pool.high_water())
+        lengths = [p.shape[1] for p in pieces]
+        batch = PagedBatch(storage, [kv.table(b) for b in rows], [done[b] for b in rows], lengths, width, [8])
+        x = mx.concatenate([mx.pad(p, [(0, 0), (0, width - p.shape[1]), (0, 0)]) for p in pieces])
+        out = attn(x, None, batch.layers()[0])
+        for i, (b, n) in enumerate(zip(rows, lengths)):
+            got[b].append(out[i, :n])
+            done[b] += n
+    for b, x in enumerate(xs):
+        ours = mx.concatenate(got[b])
+        windowed, full = RotatingKVCache(max_size=8), KVCache()
+        reference = mx.concatenate([attn(x[:, t : t + 1], None, windowed)[0] for t in range(x.shape[1])])
+        everything = mx.concatenate([attn(x[:, t : t + 1], None, full)[0] for t in range(x.shape[1])])
+        error = mx.abs(ours - reference).max().item()
+        assert error <= 2e-5 * mx.abs(reference).max().item(), (b, error)  # float32 rounding (outputs ~50)
+        if x.shape[1] > 8:
+            assert mx.abs(everything - reference).max().item() > 0.1  # the window matters here

@@ -11,8 +11,10 @@ Attention reads each row's blocks. Decoding on the CPU, one kernel call reads th
 the block tables (:func:`~mlx_parallm_provider.models.attention.paged_decode_attention`).
 Elsewhere (prefill, Metal, CUDA, kernels off) rows are gathered, per length bucket, into a
 transient rectangle (so a long row never makes short rows attend over its length), then
-attended by :func:`~mlx_parallm_provider.models.attention.dense_attention`. Nothing
-outlives the pass but the blocks.
+attended by :func:`~mlx_parallm_provider.models.attention.dense_attention`. A layer with a
+sliding window (gemma3's local layers) gathers only the tokens its queries can see: the
+last ``window`` before each query, as mlx-lm's ``RotatingKVCache`` and its windowed mask
+give them. Nothing outlives the pass but the blocks.
 """
 
 from __future__ import annotations
@@ -44,11 +46,14 @@ class PagedBatch:
         starts: tokens each row already holds (its first new token's position).
         lengths: new tokens of each row in this pass (at most ``width``; the rest is padding).
         width: the tokens axis of the pass's input.
+        windows: each layer's sliding window (None: all tokens); all None when not given.
     """
 
-    def __init__(self, storage: PagedKVStorage, tables: Sequence[Sequence[int]], starts: Sequence[int], lengths: Sequence[int], width: int) -> None:
+    def __init__(self, storage: PagedKVStorage, tables: Sequence[Sequence[int]], starts: Sequence[int], lengths: Sequence[int], width: int,
+                 windows: Optional[Sequence[Optional[int]]] = None) -> None:
         bs = storage.block_size
         self.storage, self.width = storage, width
+        self.windows = list(windows) if windows is not None else [None] * storage.num_layers
         self.totals = [s + n for s, n in zip(starts, lengths)]
         self.offset = mx.array(list(starts), dtype=mx.int32)
         writes = []
@@ -58,51 +63,57 @@ class PagedBatch:
         storage.check(max(writes, default=0))
         self.write_slots = mx.array(writes, dtype=mx.int32)
         self._rows = (tables, starts, lengths)
-        self._buckets: Optional[list[_Bucket]] = None
+        self._buckets: dict[Optional[int], list[_Bucket]] = {}
         longest = max((len(t) for t in tables), default=0)
         # For the paged decode kernel: block tables padded with the null block, and lengths.
         self.table = mx.array([list(t) + [NULL_BLOCK] * (longest - len(t)) for t in tables], dtype=mx.int32) if width == 1 else None
         self.lengths = mx.array(self.totals, dtype=mx.int32)
 
-    @property
-    def buckets(self) -> list["_Bucket"]:
-        """Rows grouped by length, each with its slots and mask (built on first use: the
-        paged decode kernel reads block tables and needs none)."""
-        if self._buckets is None:
+    def buckets(self, window: Optional[int] = None) -> list["_Bucket"]:
+        """Rows grouped by the length they attend over, each with its slots and mask, for
+        layers of ``window`` (built on first use: the paged decode kernel reads block tables
+        and needs none)."""
+        if window not in self._buckets:
             tables, starts, lengths = self._rows
-            bs = self.storage.block_size
-            self._buckets = [_Bucket(idx, tables, starts, lengths, self.totals, self.width, bs) for idx in _length_buckets(self.totals)]
-        return self._buckets
+            firsts = [0 if window is None else max(0, s - window + 1) for s in starts]
+            spans = [t - f for t, f in zip(self.totals, firsts)]
+            self._buckets[window] = [_Bucket(idx, tables, starts, firsts, self.totals, self.width, self.storage.block_size, window)
+                                     for idx in _length_buckets(spans)]
+        return self._buckets[window]
 
     def layers(self) -> list["PagedLayerCache"]:
         """One cache object per layer, for ``model(tokens, cache=...)``."""
-        return [PagedLayerCache(self, layer) for layer in range(self.storage.num_layers)]
+        return [PagedLayerCache(self, layer, self.windows[layer]) for layer in range(self.storage.num_layers)]
 
 
 class _Bucket:
-    """Rows attended together: their slots (padded to the bucket's longest row) and mask."""
+    """Rows attended together: the slots of the tokens ``firsts[b]:totals[b]`` of each
+    (padded to the bucket's longest span) and their mask."""
 
-    def __init__(self, rows: list[int], tables: Sequence[Sequence[int]], starts: Sequence[int], lengths: Sequence[int],
-                 totals: Sequence[int], width: int, bs: int) -> None:
+    def __init__(self, rows: list[int], tables: Sequence[Sequence[int]], starts: Sequence[int], firsts: Sequence[int],
+                 totals: Sequence[int], width: int, bs: int, window: Optional[int] = None) -> None:
         self.rows = rows
         self.index = None if rows == list(range(len(totals))) else mx.array(rows, dtype=mx.int32)
-        longest = max(totals[b] for b in rows)
+        longest = max(totals[b] - firsts[b] for b in rows)
         slots = []
         for b in rows:
             table = tables[b]
-            row = [table[t // bs] * bs + t % bs for t in range(totals[b])]
-            slots.append(row + [NULL_BLOCK * bs] * (longest - totals[b]))
+            row = [table[t // bs] * bs + t % bs for t in range(firsts[b], totals[b])]
+            slots.append(row + [NULL_BLOCK * bs] * (longest - len(row)))
         self.slots = mx.array(slots, dtype=mx.int32)
-        key = mx.arange(longest)[None, None, :]  # (1, 1, S)
+        key = mx.array([firsts[b] for b in rows])[:, None, None] + mx.arange(longest)[None, None, :]  # positions (B, 1, S)
         start = mx.array([starts[b] for b in rows])[:, None, None]
         total = mx.array([totals[b] for b in rows])[:, None, None]
-        if width == 1:
+        if width == 1:  # the one query sits at total - 1: every gathered key is within its window
             self.mask = (key < total)[:, None]  # (B, 1, 1, S)
         else:
             # Query i of row b sits at start_b + i; queries past the row's end (padding)
             # see the row's real keys only, so they never attend to nothing.
             query = mx.minimum(start + mx.arange(width)[None, :, None], total - 1)
-            self.mask = ((key <= query) & (key < total))[:, None]  # (B, 1, L, S)
+            seen = (key <= query) & (key < total)
+            if window is not None:
+                seen = seen & (key > query - window)
+            self.mask = seen[:, None]  # (B, 1, L, S)
 
 
 def _length_buckets(totals: Sequence[int]) -> list[list[int]]:
@@ -137,8 +148,8 @@ def _attend_tiled(queries: mx.array, keys: mx.array, values: mx.array, scale: fl
 class PagedLayerCache:
     """One layer's view of a :class:`PagedBatch` (mlx-lm's cache interface)."""
 
-    def __init__(self, batch: PagedBatch, layer: int) -> None:
-        self.batch, self.layer = batch, layer
+    def __init__(self, batch: PagedBatch, layer: int, window: Optional[int] = None) -> None:
+        self.batch, self.layer, self.window = batch, layer, window
 
     @property
     def offset(self) -> mx.array:
@@ -164,19 +175,20 @@ class PagedLayerCache:
         """Attention of ``queries`` (B, heads, L, D) over each row's blocks: one CPU kernel
         call through the block tables when decoding, else per bucket over gathered blocks."""
         batch, storage = self.batch, self.batch.storage
-        if batch.table is not None:
+        if batch.table is not None and self.window is None:
             out = attention.paged_decode_attention(queries, storage.keys[self.layer], storage.values[self.layer], batch.table,
                                                    batch.lengths, storage.block_size, scale)
             if out is not None:
                 return out
         outs = []
-        for bucket in self.batch.buckets:
+        buckets = self.batch.buckets(self.window)
+        for bucket in buckets:
             k, v = self.batch.storage.read(self.layer, bucket.slots)  # (b, S, kv_heads, D)
             q = queries if bucket.index is None else queries[bucket.index]
             outs.append(_attend_tiled(q, k.swapaxes(1, 2), v.swapaxes(1, 2), scale, bucket.mask))
         if len(outs) == 1:
             return outs[0]
-        order = [b for bucket in self.batch.buckets for b in bucket.rows]
+        order = [b for bucket in buckets for b in bucket.rows]
         inverse = mx.array(sorted(range(len(order)), key=lambda i: order[i]), dtype=mx.int32)
         return mx.concatenate(outs, axis=0)[inverse]
 

@@ -19,7 +19,7 @@ from .budget import pool_blocks
 from .manager import KVCacheManager
 from .paged_cache import PagedBatch
 from .storage import PagedKVStorage
-from .support import unsupported_reason
+from .support import layer_windows, unsupported_reason
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +39,7 @@ class PagedRunner:
 
     def __init__(self, model: Any, kv: KVCacheManager, storage: PagedKVStorage, pad_id: int, caching: bool = True) -> None:
         self.model, self.kv, self.storage, self.pad_id, self.caching = model, kv, storage, pad_id, caching
+        self.windows = layer_windows(model) or [None] * storage.num_layers
 
     @classmethod
     def for_model(cls, model: Any, config: EngineConfig, bytes_per_token: int, context_length: int, pad_id: int) -> Optional["PagedRunner"]:
@@ -107,7 +108,7 @@ class PagedRunner:
         model, over the rows' blocks; the logits, ``(B, width, vocab)``."""
         width = max(len(p) for p in pieces)
         self.reserve()
-        batch = PagedBatch(self.storage, [self.kv.table(id(r)) for r in rows], starts, [len(p) for p in pieces], width)
+        batch = PagedBatch(self.storage, [self.kv.table(id(r)) for r in rows], starts, [len(p) for p in pieces], width, self.windows)
         tokens = mx.array([p + [self.pad_id] * (width - len(p)) for p in pieces])
         return self.model(tokens, cache=batch.layers())
 

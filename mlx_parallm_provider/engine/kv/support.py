@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 from typing import Any, Optional
 
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from ...config import EngineConfig
 from ...models import attention
@@ -21,9 +21,28 @@ def unsupported_reason(model: Any, config: EngineConfig) -> Optional[str]:
     module = sys.modules.get(type(model).__module__)
     if getattr(module, "scaled_dot_product_attention", None) is not attention.attend:
         return f"{type(model).__module__} does not route attention through its cache"
-    make_cache = getattr(model, "make_cache", None)
-    if make_cache is not None and not all(type(c) is KVCache for c in make_cache()):
-        return f"{type(model).__module__} has layers that are not plain KV caches (sliding windows, state)"
     if not hasattr(model, "layers"):
         return "the model has no layers list"
+    if any(hasattr(getattr(layer, "self_attn", None), "sinks") for layer in model.layers):
+        return f"{type(model).__module__} attends with sinks"
+    if layer_windows(model) is None:
+        return f"{type(model).__module__} has layers that are not plain or sliding-window KV caches (state, kept tokens)"
     return None
+
+
+def layer_windows(model: Any) -> Optional[list[Optional[int]]]:
+    """Each layer's sliding window (None: it attends to every token), as the caches
+    ``model.make_cache()`` builds say (a ``RotatingKVCache`` that keeps no first tokens is a
+    window of its size); None if some layer's cache is neither kind."""
+    make_cache = getattr(model, "make_cache", None)
+    if make_cache is None:
+        return [None] * len(model.layers)
+    windows: list[Optional[int]] = []
+    for cache in make_cache():
+        if type(cache) is KVCache:
+            windows.append(None)
+        elif type(cache) is RotatingKVCache and cache.keep == 0:
+            windows.append(cache.max_size)
+        else:
+            return None
+    return windows
