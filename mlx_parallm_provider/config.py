@@ -46,10 +46,16 @@ class EngineConfig:
         kv_layout: ``"paged"``: KV in blocks of ``kv_block_size`` tokens from one pool
             (``kv_cache_memory_gb`` of blocks, or up to half the free memory when unset),
             admission by free blocks and preemption when they run out; models it cannot
-            serve (a rotating ``max_kv_size`` cache, sliding-window layers, attention not
-            routed through the cache) keep the rectangle, logged. ``"rectangle"``: the
+            serve (a rotating ``max_kv_size`` cache, attention sinks, attention not routed
+            through the cache) keep the rectangle, logged. ``"rectangle"``: the
             left-padded batch cache (rows x longest row), kept while both exist.
         kv_block_size: tokens per KV block of the paged layout.
+        speculative: ``"ngram"``: greedy rows draft up to ``num_speculative_tokens`` tokens
+            a step from their own prompt + output (prompt lookup) and verify them in one
+            forward pass, while at most ``speculative_max_batch`` rows decode and all are
+            greedy without penalties, constraints or logprobs (paged layout only). None: off.
+        num_speculative_tokens: most draft tokens per row and step.
+        speculative_max_batch: speculate only while at most this many rows decode.
         shutdown_timeout_s: how long shutting down waits for the step in progress; past
             it, requests still in flight fail with
             :class:`~mlx_parallm_provider.errors.EngineDeadError` at once and, at
@@ -70,6 +76,9 @@ class EngineConfig:
     kv_layout: str = "paged"
     kv_block_size: int = 16
     shutdown_timeout_s: float = 5.0
+    speculative: Optional[str] = None
+    num_speculative_tokens: int = 4
+    speculative_max_batch: int = 8
 
     def __post_init__(self) -> None:
         _check_int("max_num_seqs", self.max_num_seqs, minimum=1)
@@ -98,6 +107,10 @@ class EngineConfig:
         if self.kv_layout not in ("paged", "rectangle"):
             raise InvalidParameterError("kv_layout", f"must be 'paged' or 'rectangle', got {self.kv_layout!r}")
         _check_int("kv_block_size", self.kv_block_size, minimum=1, maximum=4096)
+        if self.speculative not in (None, "ngram"):
+            raise InvalidParameterError("speculative", f"must be 'ngram' or None, got {self.speculative!r}")
+        _check_int("num_speculative_tokens", self.num_speculative_tokens, minimum=1, maximum=64)
+        _check_int("speculative_max_batch", self.speculative_max_batch, minimum=1)
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise InvalidParameterError(
                 "max_num_batched_tokens",

@@ -238,6 +238,7 @@ class Engine(EmbedMethods):
         snap["model"] = self.model_name
         snap["prefix_cache"] = prefix_stats(self.config, worker.prefix_store_stats() if worker is not None else None, snap)
         snap["kv_cache"] = worker.kv_stats() if worker is not None else {"layout": self.config.kv_layout}
+        snap["speculation"] = worker.speculator.stats.as_dict() if worker is not None and worker.speculator else None
         return snap
 
     def shutdown(self) -> None:

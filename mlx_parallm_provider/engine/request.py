@@ -196,6 +196,7 @@ class Request:
     cancelled: bool = False
     finished: bool = False
     num_preemptions: int = 0  # times its KV blocks were taken back, to be recomputed
+    draft: list[int] = field(default_factory=list)  # speculative tokens its next step verifies
     state: object = None  # worker-private per-request state (sampler, text stream, ...)
 
     @property

@@ -167,3 +167,10 @@ def token_logprob(tokenizer: Any, row: SampledRow) -> TokenLogprob:
     """Turn a sampled row's numbers into the public :class:`TokenLogprob`."""
     top = [(tid, tokenizer.decode([tid]), lp) for tid, lp in (row.top or [])]
     return TokenLogprob(token_id=row.token, token=tokenizer.decode([row.token]), logprob=row.logprob or 0.0, top_logprobs=top)
+
+
+def sample_requests(logits: mx.array, requests: Sequence[Any]) -> list[SampledRow]:
+    """:func:`sample_batch` for decoding requests (``logits`` ``(B, vocab)``, one row each):
+    their samplers, their tokens so far as the processors' context, their budgets left."""
+    contexts = [lambda r=r: mx.array(r.prompt_ids + r.output_ids) for r in requests]
+    return sample_batch(logits, [r.state.sampler for r in requests], contexts, [r.params.max_tokens - len(r.output_ids) for r in requests])

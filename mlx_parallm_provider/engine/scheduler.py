@@ -279,16 +279,20 @@ class Scheduler:
         return budget - (rows * width - spent)
 
     def _make_room_to_decode(self) -> None:
-        """Give every running row a slot for the token it decodes this step, preempting
-        the newest requests (running, else the one being chunk-prefilled) while the pool
-        has too few free blocks."""
+        """Give every running row a slot for the token it decodes this step (and for its
+        speculative drafts), dropping drafts first, then preempting the newest requests
+        (running, else the one being chunk-prefilled) while the pool has too few free blocks."""
         assert self.kv is not None
         while True:
-            wanted = {id(r): r.num_tokens for r in self.running}
+            wanted = {id(r): r.num_tokens + len(r.draft) for r in self.running}
             if self.kv.can_hold(wanted):
                 for owner, tokens in wanted.items():
-                    self.kv.grow(owner, tokens)
+                    self.kv.fit(owner, tokens)
                 return
+            if any(r.draft for r in self.running):
+                for r in self.running:
+                    r.draft = []
+                continue
             if self.chunking is not None:
                 victim, self.chunking = self.chunking, None
                 held = victim.num_prefilled
@@ -302,6 +306,7 @@ class Scheduler:
             self.kv.preempted(id(victim))
             victim.num_preemptions += 1
             victim.num_prefilled = victim.num_cached = 0
+            victim.draft = []
             self.waiting.appendleft(victim)
 
     def _cached_len(self, request: Request) -> int:

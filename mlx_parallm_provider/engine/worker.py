@@ -1,21 +1,18 @@
 """The MLX side: one thread that owns the model and the step loop.
 
 Each step: take new arrivals, drop cancelled and timed-out rows, ask the scheduler for a
-plan, prefill (a batch of new prompts and/or one chunk of a long prompt), embed (a batch of
-embedding inputs, no KV: :mod:`.embed_forward`), then decode one token of every running
-row. Rows join the decode batch when their prefill ends and leave it the step they
-finish, so their KV memory is freed at once.
+plan, prefill (new prompts and/or one chunk of a long prompt), embed (:mod:`.embed_forward`),
+then decode one token of every running row (or verify their drafts: :mod:`.speculation`).
+Rows join the decode batch when their prefill ends and leave it the step they finish.
 
 Isolation: a fault while setting up, sampling, detokenising or delivering one request fails
-that request alone (:class:`RequestFailedError`). Every request lives in the inbox or the
-scheduler until it is retired, so when the model step fails and the worker dies, or a
-shutdown outlasts its window (:mod:`.exit_guard`), every waiter gets :class:`EngineDeadError`.
-Cancellations and deadlines are honoured between prefill pieces (one ``prefill_chunk_size``).
+it alone (:class:`RequestFailedError`). Every request lives in the inbox or the scheduler
+until retired, so when the model step fails or a shutdown outlasts its window
+(:mod:`.exit_guard`), every waiter gets :class:`EngineDeadError`. Cancellations and
+deadlines are honoured between prefill pieces (one ``prefill_chunk_size``).
 
-KV: paged (:mod:`.kv.runner`, where the model allows: blocks the scheduler hands out, so
-rows join and leave without moving anyone's KV) or the rectangle (:mod:`.rectangle`, a
-left-padded mlx-lm ``BatchKVCache`` that joins ``extend`` and leaves ``filter``).
-
+KV: paged (:mod:`.kv.runner`: blocks the scheduler hands out, so rows join and leave
+without moving anyone's KV) or the rectangle (:mod:`.rectangle`, mlx-lm's ``BatchKVCache``).
 Prefix caching (:mod:`.prefix_kv`): a request admitted with cached prompt tokens gets their
 KV right after planning and computes only the rest; prompts (+ answers) go into the store.
 """
@@ -43,8 +40,9 @@ from .output import RowState, add_token, eos_token_ids
 from .prefix_kv import can_share_kv, fetch_prefixes, make_prefix_cache, scheduler_prefix_options
 from .rectangle import RectangleBatch, prefill_batch, prefill_chunk
 from .request import Request
-from .sampling import RowSampler, SampledRow, sample_batch
+from .sampling import RowSampler, SampledRow, sample_requests
 from .scheduler import Scheduler
+from .speculation import speculator_for
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +79,7 @@ class Worker:
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, config.prefill_chunk_size,
                                    None if budget is None else max(1, budget // self.kv_bytes_per_token), **prefix, kv=self.kv)
         self.grammar = GrammarTokenizer(tokenizer, vocab_size, self.eos_ids)
+        self.speculator = speculator_for(config, self.paged)  # None: one token a row a step
         self._inbox: deque[Request] = deque()
         self._cond = threading.Condition()
         self._stopping = False
@@ -92,8 +91,7 @@ class Worker:
         register(self)
         self._thread.start()
 
-    def kv_stats(self) -> dict[str, Any]:
-        """``stats()["kv_cache"]``: the layout; for paged KV its blocks, usage, preemptions."""
+    def kv_stats(self) -> dict[str, Any]:  # stats()["kv_cache"]: the layout; paged: blocks, usage, preemptions
         return {"layout": "rectangle"} if self.paged is None else self.paged.stats()
 
     def prefix_store_stats(self) -> Optional[dict[str, Any]]:
@@ -121,8 +119,7 @@ class Worker:
     def stop(self, timeout: Optional[float] = None) -> bool:
         """Finish the current step, fail what is left, end the thread; True once it has. Past
         ``timeout`` (default ``config.shutdown_timeout_s``, one window however often called)
-        with the step still computing (MLX cannot interrupt it), every request held fails
-        with :class:`EngineDeadError` at once and the step ends in the background."""
+        with the step still computing, every request held fails with :class:`EngineDeadError`."""
         window = self.config.shutdown_timeout_s if timeout is None else timeout
         with self._cond:
             self._stopping = True
@@ -197,8 +194,7 @@ class Worker:
         return True
 
     def _take_arrivals(self) -> bool:
-        """Move new requests to the scheduler; block while there is nothing to do.
-        Returns False when the worker should stop."""
+        """Move new requests to the scheduler, blocking while idle; False: stop."""
         with self._cond:
             idle = not self.scheduler.all_requests()
             while not self._inbox and idle and not self._stopping:
@@ -257,22 +253,17 @@ class Worker:
         return wanted
 
     def _prefill(self, requests: list[Request]) -> None:
-        """Prefill whole prompts (or what follows their cached prefix) as one batch and
-        sample each first token.
-
-        The batch runs in pieces of about ``prefill_chunk_size`` tokens in all; between
-        pieces, cancelled and timed-out rows leave the batch, so they stop costing compute.
-        """
+        """Prefill whole prompts (or what follows their cached prefix) as one batch, in
+        pieces of about ``prefill_chunk_size`` tokens in all (cancelled and timed-out rows
+        leave between pieces), and sample each first token."""
         for r in requests:
             if not r.num_preemptions:
                 self.metrics.request_admitted(r.request_id, r.prompt_len, cached_tokens=r.num_cached)
         piece = max(1, self.config.prefill_chunk_size // len(requests))
         if self.paged is not None:
             ran = self.paged.prefill(requests, piece, lambda rows: self._wanted(rows)())
-            if ran is not None:
-                self._join_decode_batch(*ran)
-            return
-        ran = prefill_batch(self.model, requests, piece, self.pad_id, self.share_kv, self.config.max_kv_size, self._wanted)
+        else:
+            ran = prefill_batch(self.model, requests, piece, self.pad_id, self.share_kv, self.config.max_kv_size, self._wanted)
         if ran is not None:
             self._join_decode_batch(*ran)
 
@@ -293,7 +284,7 @@ class Worker:
             self._join_decode_batch([request], *done)
 
     def _join_decode_batch(self, requests: list[Request], logits: mx.array, cache: Optional[list[Any]] = None) -> None:
-        sampled = self._sample(requests, logits)
+        sampled = sample_requests(logits, requests)
         if self.paged is not None:  # their prompts (+ output, if recomputed) are cached
             for r in requests:
                 self.paged.cache_blocks(r, r.computed_ids, r.num_prefilled)
@@ -308,20 +299,28 @@ class Worker:
     def _decode(self) -> None:
         tic = time.perf_counter()
         rows = list(self.rows)
-        logits = self.paged.decode(rows) if self.paged is not None else self.rectangle.decode(self.model, rows)
-        sampled = self._sample(rows, logits)
-        self.metrics.record_step(len(rows), time.perf_counter() - tic)
+        k = self.speculator.plan(rows) if self.speculator is not None else 0
+        if k:
+            sampled: list[Any] = [[SampledRow(token=t) for t in got] for got in self.speculator.verify(self.paged, rows, k)]
+        else:
+            logits = self.paged.decode(rows) if self.paged is not None else self.rectangle.decode(self.model, rows)
+            sampled = sample_requests(logits, rows)
+        seconds = time.perf_counter() - tic
+        self.metrics.record_step(len(rows), seconds)
+        if self.speculator is not None:  # what a step of this width costs, for its next plan
+            self.speculator.record(len(rows), k, seconds)
         self._after_sampling(rows, sampled)
-        logger.debug("decode step: batch=%d waiting=%d step_ms=%.1f", len(rows), self.scheduler.num_waiting, (time.perf_counter() - tic) * 1000)
+        for request in self.rows if self.speculator is not None else ():
+            self.speculator.draft(request)  # before the next plan, which makes room for the drafts
+        logger.debug("decode step: batch=%d drafts=%d waiting=%d step_ms=%.1f", len(rows), k, self.scheduler.num_waiting, seconds * 1000)
 
-    def _sample(self, rows: list[Request], logits: mx.array) -> list[SampledRow]:
-        samplers = [r.state.sampler for r in rows]
-        contexts = [lambda r=r: mx.array(r.prompt_ids + r.output_ids) for r in rows]
-        return sample_batch(logits, samplers, contexts, [r.params.max_tokens - len(r.output_ids) for r in rows])
-
-    def _after_sampling(self, rows: list[Request], sampled: list[SampledRow]) -> None:
-        self.metrics.record_tokens(r.request_id for r, row in zip(rows, sampled) if row.error is None)
-        for request, row in zip(rows, sampled):
+    def _after_sampling(self, rows: list[Request], sampled: list[Any]) -> None:
+        """Take each row's sampled token (a list of them: accepted drafts, in order)."""
+        sampled = [got if isinstance(got, list) else [got] for got in sampled]
+        self.metrics.record_tokens(r.request_id for r, got in zip(rows, sampled) for row in got if row.error is None)
+        for request, row in ((r, row) for r, got in zip(rows, sampled) for row in got):
+            if request.finished:
+                continue  # (finished at an earlier token of its list)
             if row.error is not None:
                 self._fail(request, row.error, "while sampling its next token")
                 continue
@@ -357,9 +356,10 @@ class Worker:
         request.finished = True
         self.scheduler.remove(request)
         self.metrics.request_finished(request.request_id)
+        if self.speculator is not None:
+            self.speculator.forget(request)
 
-    def _drop(self, request: Request) -> None:
-        """Remove a cancelled request; its caller has gone, so nothing is delivered."""
+    def _drop(self, request: Request) -> None:  # cancelled: its caller has gone, nothing is delivered
         self._retire(request)
         self._evict_finished()
         request.state = None

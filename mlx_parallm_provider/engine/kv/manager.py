@@ -167,6 +167,17 @@ class KVCacheManager:
         if n:
             self._tables.setdefault(owner, []).extend(self.pool.allocate(n))
 
+    def fit(self, owner: Hashable, tokens: int) -> None:
+        """Make ``owner``'s table hold exactly the blocks ``tokens`` entries need: grown, or
+        its blocks past them released (rejected speculative tokens' KV, never cached)."""
+        table = self._tables.get(owner, [])
+        keep = blocks_for(tokens, self.block_size)
+        if len(table) > keep:
+            self.pool.release(reversed(table[keep:]))
+            del table[keep:]
+        else:
+            self.grow(owner, tokens)
+
     def free(self, owner: Hashable) -> int:
         """Release every block ``owner`` holds (cached ones stay cached); returns how many."""
         blocks = self._tables.pop(owner, [])

@@ -1,0 +1,177 @@
+"""Prompt-lookup (n-gram) speculative decoding inside the batch, for greedy rows (issue 24).
+
+Each speculating row proposes up to ``k`` draft tokens by finding the latest earlier place
+in its own prompt + output where its last ``n`` tokens occurred (``n`` from
+:data:`MAX_NGRAM` down to 1; vLLM's ``ngram`` method, llama.cpp's lookup decoding) and
+taking what followed there. One forward pass then runs every row's last token and its
+drafts over its KV blocks; a row keeps the drafts up to the first one that differs from its
+own greedy choice, plus that choice, so each step emits 1 to ``k + 1`` tokens, exactly those
+plain greedy decoding would (up to float rounding between a one-token and a several-token
+pass). Rejected drafts' KV needs no undo: the scheduler fits the row's blocks to its tokens
+at the next step, and their slots are written over.
+
+Only rows whose next token is the plain argmax speculate: greedy, no logits processors (bias,
+penalties), no constraint, no logprobs asked. The worker speculates in a step only when
+every running row does and the batch is small (a large batch is compute-bound, and drafts
+would only add work), and only as many drafts as pay: :meth:`NgramSpeculator.plan` picks
+the number ``k`` that maximises expected tokens per second, from the measured time of a
+step of each width at this batch size and the measured acceptance rate (a width not yet
+measured is tried once; the measures are forgotten every :data:`REMEASURE_STEPS` steps).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import mlx.core as mx
+
+MAX_NGRAM = 3
+"""Longest n-gram matched."""
+
+MIN_NGRAM = 2
+"""Shortest n-gram matched (a single token repeats too often to predict what follows)."""
+
+REMEASURE_STEPS = 256
+"""Step times are measured again after this many steps (the machine's load changes)."""
+
+SMOOTHING = 0.2
+"""Weight of the newest sample in the moving averages of step times and acceptance."""
+
+
+class NgramIndex:
+    """Where each n-gram (n = 1..MAX_NGRAM) of a growing token list last ended: the position
+    that followed it. Updated as tokens are appended, so a lookup costs O(n), not a scan."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self._after: dict[tuple[int, ...], int] = {}
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        """Append ``tokens``; each n-gram ending just before a new token points at it."""
+        for token in tokens:
+            t = len(self.tokens)
+            for n in range(1, MAX_NGRAM + 1):
+                if t >= n:
+                    self._after[tuple(self.tokens[t - n : t])] = t
+            self.tokens.append(token)
+
+    def propose(self, k: int) -> list[int]:
+        """Up to ``k`` tokens that followed the latest earlier occurrence of the longest
+        suffix (of at most MAX_NGRAM tokens) that occurred before; [] when none did."""
+        tokens = self.tokens
+        for n in range(min(MAX_NGRAM, len(tokens) - 1), MIN_NGRAM - 1, -1):
+            at = self._after.get(tuple(tokens[-n:]))
+            if at is not None and at < len(tokens):
+                return tokens[at : at + k]
+        return []
+
+
+def can_speculate(request: Any) -> bool:
+    """Whether ``request``'s next token is the plain argmax of its logits."""
+    sampler = request.state.sampler if request.state is not None else None
+    return (sampler is not None and sampler.greedy and not sampler.processors and sampler.matcher is None
+            and not request.params.logprobs and not request.params.top_logprobs)
+
+
+@dataclass
+class SpeculationStats:
+    """Counts of one engine's speculation."""
+
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    emitted: int = 0
+
+    def as_dict(self) -> dict[str, float]:
+        return {"speculative_steps": self.steps, "draft_tokens": self.drafted, "accepted_tokens": self.accepted,
+                "acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
+                "tokens_per_step": self.emitted / self.steps if self.steps else 0.0}
+
+
+class NgramSpeculator:
+    """Drafts and verification for one engine's rows.
+
+    Args:
+        k: most draft tokens a row proposes per step (``num_speculative_tokens``).
+        max_batch: speculate only while at most this many rows decode.
+    """
+
+    def __init__(self, k: int, max_batch: int) -> None:
+        self.k, self.max_batch = k, max_batch
+        self.stats = SpeculationStats()
+        self._index: dict[int, NgramIndex] = {}
+        self._seconds: dict[tuple[int, int], float] = {}  # (rows, drafts a row) -> step time
+        self._acceptance = 0.5  # of one draft token, a moving average
+        self._steps = 0
+
+    def draft(self, request: Any) -> None:
+        """Set ``request.draft`` for its next step (after it took its latest token)."""
+        if not can_speculate(request) or request.finished:
+            request.draft = []
+            self._index.pop(id(request), None)
+            return
+        index = self._index.get(id(request))
+        if index is None:
+            index = self._index[id(request)] = NgramIndex()
+        index.extend((request.prompt_ids + request.output_ids)[len(index.tokens) :])
+        left = request.params.max_tokens - len(request.output_ids) - 1  # the step emits one token besides
+        request.draft = index.propose(min(self.k, left)) if left > 0 else []
+
+    def forget(self, request: Any) -> None:
+        """Drop a finished or preempted request's index."""
+        self._index.pop(id(request), None)
+        request.draft = []
+
+    def plan(self, rows: Sequence[Any]) -> int:
+        """How many drafts a row verifies this step (0: decode plainly): few rows, all
+        greedy-plain, one with a draft, and the ``k`` expected to give most tokens a second."""
+        if not (0 < len(rows) <= self.max_batch and any(r.draft for r in rows) and all(can_speculate(r) for r in rows)):
+            return 0
+        n, a = len(rows), min(self._acceptance, 0.999)
+        plain = self._seconds.get((n, 0))
+        if plain is None:
+            return 0  # measure a plain step first
+        best, best_rate = 0, 1.0 / plain
+        for k in range(1, min(self.k, max(len(r.draft) for r in rows)) + 1):
+            tokens = (1 - a ** (k + 1)) / (1 - a)  # expected, per row: accepted drafts + the one chosen
+            rate = tokens / self._seconds.get((n, k), plain)  # untried: as cheap as a plain step, so tried once
+            if rate > best_rate:
+                best, best_rate = k, rate
+        return best
+
+    def record(self, rows: int, k: int, seconds: float) -> None:
+        """The time of a step of ``rows`` rows that verified ``k`` drafts a row (0: plain)."""
+        self._steps += 1
+        if self._steps % REMEASURE_STEPS == 0:
+            self._seconds = {key: s for key, s in self._seconds.items() if key[1] == 0}
+        old = self._seconds.get((rows, k))
+        self._seconds[(rows, k)] = seconds if old is None else old + SMOOTHING * (seconds - old)
+
+    def verify(self, runner: Any, rows: Sequence[Any], k: int) -> list[list[int]]:
+        """One forward over each row's last token and its first ``k`` drafts; the tokens each
+        row emits (its greedy choice at every position up to the first rejected draft)."""
+        drafts = [list(r.draft[:k]) for r in rows]
+        logits = runner.forward(list(rows), [[r.output_ids[-1], *d] for r, d in zip(rows, drafts)],
+                                [r.num_tokens - 1 for r in rows])
+        choices = mx.argmax(logits, axis=-1).tolist()
+        emitted: list[list[int]] = []
+        for draft, chosen in zip(drafts, choices):
+            n = 0
+            while n < len(draft) and draft[n] == chosen[n]:
+                n += 1
+            emitted.append(chosen[: n + 1])
+            self.stats.drafted += len(draft)
+            self.stats.accepted += n
+            self.stats.emitted += n + 1
+            if draft:  # acceptance per draft token: accepted / tried (a rejection ends the row's tries)
+                self._acceptance += SMOOTHING * (n / min(len(draft), n + 1) - self._acceptance)
+        self.stats.steps += 1
+        return emitted
+
+
+def speculator_for(config: Any, paged: Optional[Any]) -> Optional[NgramSpeculator]:
+    """The engine's speculator, or None (off, or the rectangle layout: drafts need KV blocks)."""
+    if getattr(config, "speculative", None) != "ngram" or paged is None:
+        return None
+    return NgramSpeculator(config.num_speculative_tokens, config.speculative_max_batch)

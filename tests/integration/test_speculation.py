@@ -1,0 +1,96 @@
+"""Prompt-lookup speculative decoding in the engine (issue 24): greedy output token for token
+what it is without speculation, alone and batched, streamed, with stop strings and budgets.
+
+The tiny random model never repeats itself, so prompt lookup would find nothing to draft:
+the tests draft with an oracle instead (the plain run's next tokens, the third one wrong),
+so every speculative step accepts two drafts, rejects one and rolls its KV back; and they
+speculate at every step (the choice of how many drafts pay is unit-tested)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from mlx_parallm_provider.engine import SamplingParams, speculation
+
+PROMPTS = ["one two three one two three one two three one two", "a b c d a b c d a b", "the sea the sea the sea",
+           "Write the list again: red, green, blue; red, green,"]
+PARAMS = SamplingParams(max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_model):
+    """Each prompt's greedy tokens without speculation."""
+    from mlx_parallm_provider.config import EngineConfig
+    from mlx_parallm_provider.engine import Engine
+
+    engine = Engine("tiny", EngineConfig(), loaded=tiny_model)
+    try:
+        yield [engine.generate_sync(p, PARAMS) for p in PROMPTS]
+    finally:
+        engine.shutdown()
+
+
+@pytest.fixture
+def _speculating(monkeypatch, tiny_model, plain):
+    """A factory of speculating engines whose drafts come from the plain run."""
+    truth = {tuple(tiny_model.tokenizer.encode(p)[-4:]): r.token_ids for p, r in zip(PROMPTS, plain)}
+
+    def oracle(self, request) -> None:
+        known = truth.get(tuple(request.prompt_ids[-4:]))
+        if known is None or not speculation.can_speculate(request) or request.finished:
+            request.draft = []
+            return
+        n, left = len(request.output_ids), request.params.max_tokens - len(request.output_ids) - 1
+        draft = list(known[n : n + min(3, left)])
+        if len(draft) == 3:
+            draft[2] = (draft[2] + 1) % 1000  # rejected: the step emits the true token instead
+        request.draft = draft
+
+    monkeypatch.setattr(speculation.NgramSpeculator, "draft", oracle)
+    monkeypatch.setattr(speculation.NgramSpeculator, "plan", lambda self, rows: min(self.k, max((len(r.draft) for r in rows), default=0))
+                        if len(rows) <= self.max_batch and all(speculation.can_speculate(r) for r in rows) else 0)
+    return lambda make_engine, **config: make_engine(speculative="ngram", num_speculative_tokens=4, **config)
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_greedy_output_is_the_same_alone_batched_and_streamed(make_engine, plain, _speculating, caching: bool) -> None:
+    engine = _speculating(make_engine, enable_prefix_caching=caching)
+    alone = [engine.generate_sync(p, PARAMS) for p in PROMPTS]
+
+    async def batched():
+        return await asyncio.gather(*(engine.generate(p, PARAMS) for p in PROMPTS))
+
+    together = asyncio.run(batched())
+    streamed = list(engine.stream_sync(PROMPTS[0], PARAMS))
+    assert [r.token_ids for r in alone] == [r.token_ids for r in plain]
+    assert [r.token_ids for r in together] == [r.token_ids for r in plain]
+    assert [t for d in streamed for t in d.token_ids] == plain[0].token_ids
+    assert "".join(d.text for d in streamed) == plain[0].text
+    assert all(len(r.token_ids) == PARAMS.max_tokens and r.finish_reason == "length" for r in alone)
+    stats = engine.stats()["speculation"]
+    assert stats["speculative_steps"] > 0 and stats["acceptance_rate"] == pytest.approx(2 / 3, abs=0.1), stats
+    assert stats["tokens_per_step"] > 2.5  # two accepted + the true third, but for the rows' last steps
+
+
+def test_a_stop_string_inside_accepted_drafts_ends_the_row_there(make_engine, plain, _speculating) -> None:
+    engine = _speculating(make_engine)
+    whole = plain[0].text
+    stop = whole[len(whole) // 2 : len(whole) // 2 + 3]
+    expected = whole[: whole.index(stop)]
+    got = engine.generate_sync(PROMPTS[0], SamplingParams(max_tokens=24, ignore_eos=True, stop=[stop]))
+    assert got.finish_reason == "stop" and got.text == expected
+
+
+def test_rows_that_cannot_speculate_decode_as_before_beside_those_that_can(make_engine, plain, _speculating) -> None:
+    engine = _speculating(make_engine)
+    sampled = SamplingParams(max_tokens=24, temperature=0.8, seed=7, ignore_eos=True)
+    sampled_alone = engine.generate_sync(PROMPTS[1], sampled).token_ids
+
+    async def mixed():
+        return await asyncio.gather(engine.generate(PROMPTS[1], sampled), *(engine.generate(p, PARAMS) for p in PROMPTS))
+
+    results = asyncio.run(mixed())
+    assert results[0].token_ids == sampled_alone  # seeded sampling: reproducible
+    assert [r.token_ids for r in results[1:]] == [r.token_ids for r in plain]

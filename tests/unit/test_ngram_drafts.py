@@ -1,0 +1,75 @@
+"""Prompt-lookup drafting and the choice of how many drafts pay (engine/speculation.py)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from mlx_parallm_provider.engine.kv.manager import KVCacheManager
+from mlx_parallm_provider.engine.speculation import MAX_NGRAM, MIN_NGRAM, NgramIndex, NgramSpeculator
+
+
+def _reference(tokens: list[int], k: int) -> list[int]:
+    """The latest earlier occurrence of the longest suffix of MAX_NGRAM..MIN_NGRAM tokens, by scanning."""
+    for n in range(MAX_NGRAM, MIN_NGRAM - 1, -1):
+        if len(tokens) <= n:
+            continue
+        tail = tokens[-n:]
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start : start + n] == tail:
+                return tokens[start + n : start + n + k]
+    return []
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_index_proposes_what_a_scan_finds(seed: int) -> None:
+    rng = random.Random(seed)
+    index, tokens = NgramIndex(), []
+    for _ in range(300):
+        new = [rng.randrange(6) for _ in range(rng.randrange(1, 4))]
+        tokens += new
+        index.extend(new)
+        assert index.propose(4) == _reference(tokens, 4), tokens[-8:]
+
+
+def test_drafts_copy_what_followed_the_same_words_before() -> None:
+    index = NgramIndex()
+    index.extend([7, 1, 2, 3, 4, 5, 9, 1, 2])
+    assert index.propose(3) == [3, 4, 5]
+    index.extend([8])  # "2 8" never occurred, nor did a longer run ending in 8
+    assert index.propose(3) == []
+
+
+class _Row:
+    def __init__(self, draft: list[int]) -> None:
+        self.draft = draft
+        self.state = type("State", (), {"sampler": type("S", (), {"greedy": True, "processors": [], "matcher": None})()})()
+        self.params = type("P", (), {"logprobs": False, "top_logprobs": 0})()
+
+
+def test_drafts_are_verified_only_while_they_pay() -> None:
+    spec = NgramSpeculator(k=4, max_batch=8)
+    rows = [_Row([1, 2, 3, 4])]
+    assert spec.plan(rows) == 0  # no plain step measured yet
+    spec.record(1, 0, 0.100)
+    assert spec.plan(rows) == 4  # untried widths are assumed as cheap as a plain step
+    for k in (1, 2, 3, 4):
+        spec.record(1, k, 0.100 * (1 + k))  # each draft costs a whole step: never pays
+    assert spec.plan(rows) == 0
+    cheap = NgramSpeculator(k=4, max_batch=8)
+    cheap.record(1, 0, 0.100)
+    for k in (1, 2, 3, 4):
+        cheap.record(1, k, 0.100 + 0.001 * k)  # memory-bound: drafts almost free
+    assert cheap.plan(rows) == 4
+    assert cheap.plan([_Row([])]) == 0 and cheap.plan([_Row([1])] * 9) == 0  # no draft / too many rows
+
+
+def test_fitting_a_table_releases_the_blocks_of_rejected_drafts() -> None:
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    kv.fit("row", 6)
+    free = kv.pool.num_free
+    kv.fit("row", 13)  # room for 5 drafts
+    assert len(kv.table("row")) == 4 and kv.pool.num_free == free - 2
+    kv.fit("row", 7)  # 1 accepted: the blocks past it go back
+    assert len(kv.table("row")) == 2 and kv.pool.num_free == free
