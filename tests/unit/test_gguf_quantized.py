@@ -246,7 +246,7 @@ def _mlx_lm_greedy(path: Path, folder: Path, prompt: list[int], n: int) -> list[
     return [int(token) for token, _ in steps]
 
 
-@pytest.mark.parametrize("fixture", ["llama3_gguf", "gemma3_gguf", "qwen3_gguf", "phi3_gguf"])
+@pytest.mark.parametrize("fixture", ["llama3_gguf", "gemma3_gguf", "qwen2_gguf", "qwen3_gguf", "phi3_gguf"])
 def test_weights_equal_gguf_py_dequantization_and_greedy_equals_mlx_lm(fixture, request, tmp_path: Path) -> None:
     from mlx_parallm_provider import Engine, SamplingParams
 
