@@ -56,16 +56,18 @@ def smollm_tokenizer_dir(default_gguf: Path, tmp_path_factory: pytest.TempPathFa
 def write_tiny_model(folder: Path, tokenizer_dir: Path, seed: int = 0, config: Optional[dict] = None) -> Path:
     """Write a 2-layer random-weight llama (mlx-lm folder) that uses the given tokenizer
     (``config`` replaces :data:`TINY_CONFIG`: any mlx-lm architecture, by its ``model_type``,
-    built with mlx-lm's own model class)."""
+    built with mlx-lm's own model class, after its ``MODEL_REMAPPING``)."""
     import importlib
 
     import mlx.core as mx
     from mlx.utils import tree_flatten
+    from mlx_lm.utils import MODEL_REMAPPING
 
     folder.mkdir(parents=True, exist_ok=True)
     mx.random.seed(seed)
     config = TINY_CONFIG if config is None else config
-    arch = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    model_type = MODEL_REMAPPING.get(config["model_type"], config["model_type"])  # "mistral" is mlx-lm's llama
+    arch = importlib.import_module(f"mlx_lm.models.{model_type}")
     model = arch.Model(arch.ModelArgs.from_dict(config))
     # Scale weights up so the random model's next-token choice is not a near-tie.
     params = {k: v * 4 if v.ndim == 2 else v for k, v in tree_flatten(model.parameters())}

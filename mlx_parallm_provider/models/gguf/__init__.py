@@ -15,6 +15,6 @@ from .tensors import SUPPORTED_TYPES
 
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 SUPPORTED_TENSOR_TYPES = SUPPORTED_TYPES
-CONVERTER_VERSION = 2
+CONVERTER_VERSION = 3  # 3: biases kept (Qwen 2 folders converted by 2 saved them over their weights)
 
 __all__ = ["CONVERTER_VERSION", "SUPPORTED_ARCHITECTURES", "SUPPORTED_TENSOR_TYPES", "convert_gguf", "read_gguf_tokenizer"]

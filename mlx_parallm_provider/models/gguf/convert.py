@@ -120,7 +120,9 @@ def _write_weights(gguf: GGUFFile, spec: Architecture, config: dict[str, Any], n
             arrays = {k: unpermute_rows(gguf, gguf_name, v, heads, config["head_dim"]) for k, v in arrays.items()}
         if spec.norm_offset and gguf_name.endswith("norm.weight"):
             arrays["weight"] = arrays["weight"].astype(mx.float32) - spec.norm_offset
-        module = name.rpartition(".")[0]
+        module, _, suffix = name.rpartition(".")
+        if suffix != "weight":  # a bias (Qwen 2's Q / K / V): one float vector, saved under its own name
+            arrays = {suffix: arrays["weight"]}
         for key, array in arrays.items():
             mx.eval(array)
             shard[f"{module}.{key}"] = array
