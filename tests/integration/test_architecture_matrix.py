@@ -67,12 +67,10 @@ QUANTIZED = {"qwen3_4bit": ("qwen3", {"group_size": 64, "bits": 4})}  # mlx-comm
 ARCHITECTURES = sorted([*CONFIGS, *QUANTIZED])
 
 # The KV layout each architecture runs on with the default kv_layout="paged", in ONE place.
-# Models whose caches are not all plain KVCache (gemma3's sliding-window RotatingKVCache) or
-# whose module computes attention itself (gemma2: softcapped scores, no
-# scaled_dot_product_attention) fall back to the rectangle today, logged ("KV cache: the
-# rectangle layout (...)"). Sliding windows are moving onto blocks (issue 20): flip
-# gemma3_text here when they do.
-EXPECTED_LAYOUT = {name: "paged" for name in ARCHITECTURES} | {"gemma2": "rectangle", "gemma3_text": "rectangle"}
+# gemma3's sliding-window layers run on blocks (each query gathers its window); a module that
+# computes attention itself (gemma2: softcapped scores, no scaled_dot_product_attention)
+# falls back to the rectangle, logged ("KV cache: the rectangle layout (...)").
+EXPECTED_LAYOUT = {name: "paged" for name in ARCHITECTURES} | {"gemma2": "rectangle"}
 
 # Architectures whose batches of rows of different lengths fail today, and why (strict: an
 # mlx-lm that fixes it turns these into failures, to be removed here).
