@@ -1,5 +1,5 @@
 """``--sweep NAME=V1,V2,...``: engine settings (any numeric or on/off ``EngineConfig`` field,
-``kv_layout``, and concurrency) to try, and the best of them for the user's SLO."""
+``kv_layout``, ``speculative`` (off / ngram), and concurrency) to try, and the best of them for the user's SLO."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ _BOOLEANS = {"true": True, "on": True, "1": True, "false": False, "off": False, 
 # Field types are strings here (the config module uses postponed annotations).
 _KINDS = {f.name: "bool" if "bool" in str(f.type) else "number" for f in fields(EngineConfig)
           if any(t in str(f.type) for t in ("int", "float", "bool"))}
-_CHOICES = {"kv_layout": ("paged", "rectangle")}
+_CHOICES = {"kv_layout": ("paged", "rectangle"), "speculative": ("off", "ngram")}
 SWEEPABLE = tuple(_KINDS) + tuple(_CHOICES) + ("concurrency",)
 
 
@@ -21,7 +21,7 @@ def _value(name: str, text: str) -> Any:
     if name in _CHOICES:
         if text not in _CHOICES[name]:
             raise ValueError(text)
-        return text
+        return None if text == "off" else text
     if _KINDS.get(name) == "bool":
         if text.lower() not in _BOOLEANS:
             raise ValueError(text)

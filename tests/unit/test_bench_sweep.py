@@ -43,3 +43,10 @@ def test_kv_layout_is_swept_by_name_and_checked():
     assert settings == [{"kv_layout": "paged"}, {"kv_layout": "rectangle"}] and concurrency is None
     with pytest.raises(ValueError, match="paged or rectangle"):
         sweep.parse(["kv_layout=square"])
+
+
+def test_speculation_is_swept_off_and_on():
+    settings, _ = sweep.parse(["speculative=off,ngram"])
+    assert settings == [{"speculative": None}, {"speculative": "ngram"}]
+    with pytest.raises(ValueError):
+        sweep.parse(["speculative=eagle"])
