@@ -83,27 +83,40 @@ def prepare_call(
     return LiteLLMCall(model, engine, prompts, sampling, n, call_id)
 
 
-def _honoured_params(
-    optional_params: Mapping[str, Any], litellm_params: Mapping[str, Any], model: str, *, stream: bool
-) -> dict[str, Any]:
-    """The call's parameters (``extra_body`` merged in) minus ignored and dropped ones."""
+def merged_params(optional_params: Mapping[str, Any]) -> dict[str, Any]:
+    """The call's parameters that are set, ``extra_body``'s merged in (they win)."""
     params = {k: v for k, v in optional_params.items() if v is not None and k != "extra_body"}
     extra_body = optional_params.get("extra_body") or {}
     if not isinstance(extra_body, Mapping):
         raise InvalidParameterError("extra_body", f"must be a dict, got {type(extra_body).__name__}")
     params.update({k: v for k, v in extra_body.items() if v is not None})
-    for key in _IGNORED_KEYS:
-        params.pop(key, None)
-    unsupported = _unsupported(params, stream=stream)
+    return params
+
+
+def refuse_unless_dropped(unsupported: list[str], params: Mapping[str, Any], litellm_params: Mapping[str, Any], model: str,
+                          what: str = "") -> None:
+    """LiteLLM's ``BadRequestError`` naming the ``unsupported`` parameters, unless the call
+    (or ``litellm.drop_params``) says to drop them."""
     if unsupported and not _drop_params(litellm_params):
         raise litellm.BadRequestError(
             message=(
-                f"{PROVIDER} cannot honour {', '.join(f'{k}={params.get(k)!r}' for k in unsupported)}. "
+                f"{PROVIDER}{what} cannot honour {', '.join(f'{k}={params.get(k)!r}' for k in unsupported)}. "
                 "Remove them, or set litellm.drop_params=True (or pass drop_params=True) to drop them."
             ),
             model=model,
             llm_provider=PROVIDER,
         )
+
+
+def _honoured_params(
+    optional_params: Mapping[str, Any], litellm_params: Mapping[str, Any], model: str, *, stream: bool
+) -> dict[str, Any]:
+    """The call's parameters (``extra_body`` merged in) minus ignored and dropped ones."""
+    params = merged_params(optional_params)
+    for key in _IGNORED_KEYS:
+        params.pop(key, None)
+    unsupported = _unsupported(params, stream=stream)
+    refuse_unless_dropped(unsupported, params, litellm_params, model)
     for key in unsupported:
         params.pop(key, None)
     return params

@@ -24,8 +24,7 @@ from litellm.types.utils import EmbeddingResponse
 
 from ..engine import EmbeddingResult, EngineLike, get_engine
 from ..errors import InvalidParameterError
-from ._common import PROVIDER
-from ._litellm_params import _drop_params, _timeout_seconds
+from ._litellm_params import _timeout_seconds, merged_params, refuse_unless_dropped
 
 ENCODINGS = ("float", "base64")
 #: Keys LiteLLM or OpenAI clients add that mean nothing here: ignored.
@@ -81,21 +80,8 @@ def prepare_embedding(model: str, input: Any, optional_params: Optional[Mapping[
 
 
 def _params(model: str, optional_params: Mapping[str, Any], litellm_params: Mapping[str, Any]) -> dict[str, Any]:
-    params = {k: v for k, v in optional_params.items() if v is not None and k != "extra_body"}
-    extra_body = optional_params.get("extra_body") or {}
-    if not isinstance(extra_body, Mapping):
-        raise InvalidParameterError("extra_body", f"must be a dict, got {type(extra_body).__name__}")
-    params.update({k: v for k, v in extra_body.items() if v is not None})
-    unsupported = [k for k in params if k not in _HANDLED and k not in _IGNORED]
-    if unsupported and not _drop_params(litellm_params):
-        raise litellm.BadRequestError(
-            message=(
-                f"{PROVIDER} embeddings cannot honour {', '.join(f'{k}={params[k]!r}' for k in unsupported)}. "
-                "Remove them, or set litellm.drop_params=True (or pass drop_params=True) to drop them."
-            ),
-            model=model,
-            llm_provider=PROVIDER,
-        )
+    params = merged_params(optional_params)
+    refuse_unless_dropped([k for k in params if k not in _HANDLED and k not in _IGNORED], params, litellm_params, model, " embeddings")
     return {k: v for k, v in params.items() if k in _HANDLED}
 
 
