@@ -118,6 +118,15 @@ class NgramSpeculator:
         left = request.params.max_tokens - len(request.output_ids) - 1  # the step emits one token besides
         request.draft = index.propose(min(self.k, left)) if left > 0 else []
 
+    def draft_all(self, rows: Sequence[Any]) -> None:
+        """Set every decoding row's drafts for the next step (none while too many rows decode:
+        they would not be verified, only held room for)."""
+        for request in rows:
+            if len(rows) <= self.max_batch:
+                self.draft(request)
+            else:
+                request.draft = []
+
     def forget(self, request: Any) -> None:
         """Drop a finished or preempted request's index."""
         self._index.pop(id(request), None)

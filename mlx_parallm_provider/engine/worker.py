@@ -310,8 +310,8 @@ class Worker:
         if self.speculator is not None:  # what a step of this width costs, for its next plan
             self.speculator.record(len(rows), k, seconds)
         self._after_sampling(rows, sampled)
-        for request in self.rows if self.speculator is not None else ():
-            self.speculator.draft(request)  # before the next plan, which makes room for the drafts
+        if self.speculator is not None:  # before the next plan, which makes room for the drafts
+            self.speculator.draft_all(self.rows)
         logger.debug("decode step: batch=%d drafts=%d waiting=%d step_ms=%.1f", len(rows), k, self.scheduler.num_waiting, seconds * 1000)
 
     def _after_sampling(self, rows: list[Request], sampled: list[Any]) -> None:
