@@ -12,7 +12,7 @@ from mlx_parallm_provider.engine.kv import KVCacheManager
 from mlx_parallm_provider.engine.kv import paged_cache
 from mlx_parallm_provider.engine.kv.paged_cache import PagedBatch
 from mlx_parallm_provider.engine.kv.storage import PagedKVStorage
-from mlx_parallm_provider.models import attention
+from mlx_parallm_provider.models import attention, backends
 
 
 def _reference_logits(model, tokens: list[int]) -> mx.array:
@@ -22,9 +22,10 @@ def _reference_logits(model, tokens: list[int]) -> mx.array:
 
 
 @pytest.fixture(params=["kernels", "gather"])
-def cpu_ops(request, monkeypatch):
-    """Decode steps through the paged CPU kernel, or (forced) the gather path every device
-    without one takes; yields the kernel's results, to check which path ran."""
+def cpu_ops(request, monkeypatch, tiny_model):
+    """Decode steps through the paged CPU kernel (the model's own backend), or (forced: MLX's
+    ops as its backend) the gather path every device without one takes; yields the kernel's
+    results, to check which path ran."""
     results: list = []
     kernel = attention.paged_decode_attention
 
@@ -33,9 +34,9 @@ def cpu_ops(request, monkeypatch):
         return results[-1]
 
     monkeypatch.setattr(attention, "paged_decode_attention", counted)
-    attention.set_cpu_ops(None if request.param == "kernels" else False)
-    yield request.param, results
-    attention.set_cpu_ops(None)
+    model = tiny_model.model
+    with backends.using(model, backends.of(model) if request.param == "kernels" else "mlx"):
+        yield request.param, results
 
 
 @pytest.mark.parametrize("tile_scores", [paged_cache.TILE_SCORES, 1], ids=["untiled", "one-query-tiles"])
@@ -43,7 +44,7 @@ def cpu_ops(request, monkeypatch):
 def test_paged_prefill_chunks_and_decode_match_mlx_lm(tiny_model, block_size, cpu_ops, tile_scores, monkeypatch):
     monkeypatch.setattr(paged_cache, "TILE_SCORES", tile_scores)  # 1: prefill attends one query at a time
     model = tiny_model.model
-    assert attention.install(model)
+    assert backends.routes_attention(model)
     prompts = [list(range(5, 5 + n)) for n in (3, 11, 40)]  # lengths spread over buckets
     kv = KVCacheManager(num_blocks=64, block_size=block_size)
     storage = PagedKVStorage(len(model.layers), kv.pool.num_blocks, block_size)
@@ -71,7 +72,10 @@ def test_paged_prefill_chunks_and_decode_match_mlx_lm(tiny_model, block_size, cp
         assert mx.allclose(ours, _reference_logits(model, prompt), atol=1e-4).item(), b
     mode, kernel_results = cpu_ops
     ran = [r is not None for r in kernel_results]
-    assert ran and (all(ran) if mode == "kernels" and attention.uses_cpu_ops() is not False and _has_extension() else not any(ran))
+    if mode == "kernels" and backends.of(model).kernels and _has_extension():
+        assert ran and all(ran)
+    else:
+        assert not any(ran)  # MLX's ops as the backend never ask the kernel
 
 
 def _has_extension() -> bool:

@@ -3,13 +3,12 @@ cache classes."""
 
 from __future__ import annotations
 
-import sys
 from typing import Any, Optional
 
 from mlx_lm.models.cache import KVCache
 
 from ...config import EngineConfig
-from ...models import attention
+from ...models import backends
 
 
 def unsupported_reason(model: Any, config: EngineConfig) -> Optional[str]:
@@ -18,8 +17,7 @@ def unsupported_reason(model: Any, config: EngineConfig) -> Optional[str]:
         return "kv_layout='rectangle'"
     if config.max_kv_size is not None:
         return "max_kv_size (a rotating cache) is set"
-    module = sys.modules.get(type(model).__module__)
-    if getattr(module, "scaled_dot_product_attention", None) is not attention.attend:
+    if not backends.routes_attention(model):
         return f"{type(model).__module__} does not route attention through its cache"
     make_cache = getattr(model, "make_cache", None)
     if make_cache is not None and not all(type(c) is KVCache for c in make_cache()):
