@@ -19,6 +19,8 @@ def unsupported_reason(model: Any, config: EngineConfig) -> Optional[str]:
         return "max_kv_size (a rotating cache) is set"
     if not backends.routes_attention(model):
         return f"{type(model).__module__} does not route attention through its cache"
+    if "paged" not in backends.of(model).kv_layouts:
+        return f"its backend ({type(backends.of(model)).__name__}) does not attend over paged KV"
     make_cache = getattr(model, "make_cache", None)
     if make_cache is not None and not all(type(c) is KVCache for c in make_cache()):
         return f"{type(model).__module__} has layers that are not plain KV caches (sliding windows, state)"

@@ -12,15 +12,13 @@ from __future__ import annotations
 
 import sys
 import types
-import weakref
 from typing import Any, Callable
 
 from ..attention import mlx_lm_attention, mlx_lm_swiglu
 
 _ORIGINAL = "_parallm_original_class"  # on a routed subclass: the mlx-lm class it derives from
 _BACKEND = "_parallm_backend"  # on a routed subclass: the backend its methods call
-# Each backend's subclasses, made once: a model switched back gets the same classes again.
-_made: "weakref.WeakKeyDictionary[Any, dict[type, tuple[type, set[str]]]]" = weakref.WeakKeyDictionary()
+_MADE = "_routed_classes"  # on the backend: its subclasses, made once (a model switched back gets the same)
 
 
 def _overrides(module: types.ModuleType, backend: Any) -> dict[str, Callable[..., Any]]:
@@ -79,7 +77,7 @@ def route(model: Any, backend: Any) -> bool:
     if not overrides:
         return False
     namespace = {**vars(module), **overrides}
-    made = _made.setdefault(backend, {})
+    made: dict[type, tuple[type, set[str]]] = vars(backend).setdefault(_MADE, {})
     seen: set[type] = set()
     for _, layer in model.named_modules():
         original = getattr(type(layer), _ORIGINAL, type(layer))
