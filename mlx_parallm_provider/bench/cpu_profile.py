@@ -34,12 +34,12 @@ FAMILIES = ("attention", "kv cache update", "q/k/v/o matmuls", "MLP matmuls", "e
 _clock = time.process_time
 
 
-def _optimised(on: Optional[bool]) -> None:
-    """The CPU work on (True), off (False: MLX's own ops, float32 GEMMs) or back to default."""
-    from ..models import attention, small_batch
+def _optimised(model: Any, on: bool, own: Any) -> None:
+    """The model's CPU work on (True: ``own``, its backend) or off (False: MLX's own ops,
+    float32 GEMMs)."""
+    from ..models import backends
 
-    attention.set_cpu_ops(on)
-    small_batch.set_max_rows(None if on is None or on else 0)
+    backends.install(model, own if on else backends.MLXOps())
 
 
 def _best(fn: Callable[[], Any], repeats: int) -> float:
@@ -73,8 +73,9 @@ def _families(model: Any, cache: list[Any], batch: int) -> dict[str, Callable[[]
     """One closure per op family, computing that family for every layer at the step's shapes."""
     import mlx.core as mx
 
-    from ..models import attention
+    from ..models import backends
 
+    ops = backends.of(model) or backends.MLXOps()
     layers = model.layers
     a0 = layers[0].self_attn
     hidden = model.args.hidden_size
@@ -104,7 +105,7 @@ def _families(model: Any, cache: list[Any], batch: int) -> dict[str, Callable[[]
             h = x + layer.input_layernorm(x)
             out += [a.rope(q, offset=c.offset), a.rope(kv, offset=c.offset)]
             out.append(h + layer.post_attention_layernorm(h))
-            out.append(attention.swiglu(gate, gate))
+            out.append(ops.swiglu(gate, gate))
         return out
 
     def lm_head() -> Any:
@@ -122,7 +123,7 @@ def _families(model: Any, cache: list[Any], batch: int) -> dict[str, Callable[[]
         return out
 
     return {
-        "attention": lambda: [attention.dense_attention(q, k, v, a.scale, mask) for (k, v), a in zip(fetched, (l.self_attn for l in layers))],
+        "attention": lambda: [ops.dense_attention(q, k, v, a.scale, mask) for (k, v), a in zip(fetched, (l.self_attn for l in layers))],
         "kv cache update": kv_update,
         "q/k/v/o matmuls": lambda: [p(xi) for xi in [fresh(x)] for l in layers for p in (l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj, l.self_attn.o_proj)],
         "MLP matmuls": lambda: [p(v) for xi, gi in [(fresh(x), fresh(gate))] for l in layers for p, v in ((l.mlp.gate_proj, xi), (l.mlp.up_proj, xi), (l.mlp.down_proj, gi))],
@@ -149,9 +150,10 @@ def _full_step(model: Any, cache: list[Any], batch: int) -> Callable[[], Any]:
 
 def profile(model_name: str, batches: Sequence[int], contexts: Sequence[int], repeats: int) -> list[dict[str, Any]]:
     """Rows of ``{batch, context, op, before_ms, after_ms}``, the CPU work off and on interleaved."""
-    from ..models import registry
+    from ..models import backends, registry
 
     model = registry.load(model_name).model
+    own = backends.of(model)
     rows = []
     for batch in batches:
         for context in contexts:
@@ -159,12 +161,12 @@ def profile(model_name: str, batches: Sequence[int], contexts: Sequence[int], re
             timings: dict[str, dict[bool, float]] = {}
             for _ in range(2):  # two rounds, each off then on: noise hits both columns alike
                 for on in (False, True):
-                    _optimised(on)
+                    _optimised(model, on, own)
                     named = {**_families(model, cache, batch), "full step": _full_step(model, cache, batch)}
                     for name, fn in named.items():
                         t = _best(fn, repeats)
                         timings.setdefault(name, {})[on] = min(t, timings.get(name, {}).get(on, float("inf")))
-            _optimised(None)
+            _optimised(model, True, own)
             for on in (False, True):
                 parts = sum(timings[f][on] for f in FAMILIES)
                 timings.setdefault("other (dispatch, glue)", {})[on] = timings["full step"][on] - parts
@@ -178,9 +180,10 @@ def prefill(model_name: str, prompt_len: int, repeats: int) -> dict[bool, float]
     import mlx.core as mx
 
     from ..engine.prefill import new_batch_cache
-    from ..models import registry
+    from ..models import backends, registry
 
     model = registry.load(model_name).model
+    own = backends.of(model)
     tokens = mx.random.randint(0, 1000, (1, prompt_len), key=mx.random.key(7))
 
     def run() -> Any:
@@ -190,9 +193,9 @@ def prefill(model_name: str, prompt_len: int, repeats: int) -> dict[bool, float]
     best = {}
     for _ in range(2):
         for on in (False, True):
-            _optimised(on)
+            _optimised(model, on, own)
             best[on] = min(best.get(on, float("inf")), _best(run, max(1, repeats // 2)))
-    _optimised(None)
+    _optimised(model, True, own)
     return {on: prompt_len / (ms / 1000) for on, ms in best.items()}
 
 

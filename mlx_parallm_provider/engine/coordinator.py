@@ -23,7 +23,7 @@ from typing import Any, AsyncGenerator, Generator, Optional, Union
 from .._validation import check_text
 from ..config import EngineConfig
 from ..errors import ContextWindowExceededError, EngineOverloadedError, InvalidParameterError
-from ..models import registry
+from ..models import backends, registry
 from ..models.registry import LoadedModel
 from .embed_api import EmbedMethods
 from .exit_guard import shut_down_at_exit
@@ -57,6 +57,7 @@ class Engine(EmbedMethods):
     def __init__(self, model: str = "default", config: Optional[EngineConfig] = None, *, loaded: Optional[LoadedModel] = None) -> None:
         self.config = config or EngineConfig.from_env()
         self._loaded = loaded or registry.load(model, dequantize=self.config.dequantize)
+        backends.ensure(self._loaded.model)  # a model passed in unprepared gets one too
         self.model_name = model
         self.tokenizer = self._loaded.tokenizer
         self.context_length = self._loaded.context_length

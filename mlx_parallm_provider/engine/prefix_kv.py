@@ -7,14 +7,13 @@
 from __future__ import annotations
 
 import logging
-import sys
 from array import array
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, KVCache
 
 from ..config import EngineConfig
-from ..models import attention
+from ..models import backends
 from .output import RowState
 from .prefix_cache import LayerKV, PrefixCache, kv_range
 from .prefix_match import common_prefix_len
@@ -85,13 +84,12 @@ def fetch_prefixes(store: Optional[PrefixCache], requests: Sequence[Request], fa
 
 def can_share_kv(model: Any, config: EngineConfig) -> bool:
     """Whether rows may hold a shared prefix once (:mod:`.shared_kv`): prefix caching on, no
-    rotating KV, the model's attention routed through the cache (``attention.install``) and
+    rotating KV, the model's attention routed through the cache (by its backend) and
     every layer a plain KV cache. Otherwise each row gets its own copy (logged once)."""
     global _warned_copying
     if not config.enable_prefix_caching or config.max_kv_size is not None:
         return False
-    module = sys.modules.get(type(model).__module__)
-    ok = getattr(module, "scaled_dot_product_attention", None) is attention.attend
+    ok = backends.routes_attention(model)
     make_cache = getattr(model, "make_cache", None)
     if ok and make_cache is not None:
         ok = all(type(c) is KVCache for c in make_cache())

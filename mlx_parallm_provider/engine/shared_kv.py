@@ -6,7 +6,8 @@ row's own tokens live in a left-padded mlx-lm ``BatchKVCache`` (the "suffix"). A
 cascade attention (Hydragen; FlashInfer's cascade): the prefix part is one matmul per KV
 head for every query of every row of the group, each row's suffix part is attended with
 its mask, and the two are merged by log-sum-exp. Rows with no shared prefix are plain
-suffix rows; a batch with no shared prefix at all gets plain :func:`dense_attention`.
+suffix rows; a batch with no shared prefix at all gets the model's backend's plain
+``dense_attention``.
 
 The cache keeps mlx-lm's ``BatchKVCache`` operations (``filter``, ``extend``, ``prepare``,
 ``finalize``, ``make_mask``, ``update_and_fetch``), so the worker's continuous batching
@@ -16,15 +17,16 @@ which is what RoPE needs.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import BatchKVCache
 
 from .. import mlx_lm_compat
-from ..models import attention
-from ..models.cpu_ops import fast_exp
+from ..models.backends import MLXOps
+
+_MLX_OPS = MLXOps()
 
 
 class SharedPrefix:
@@ -82,17 +84,21 @@ class SharedPrefixBatchCache:
     def make_mask(self, N: int, return_array: bool = False, **kwargs: Any) -> Any:
         return self.suffix.make_mask(N, return_array=return_array, **kwargs)
 
-    def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Optional[Any]) -> mx.array:
-        """Attention of ``queries`` over each row's shared prefix and its own ``keys``."""
+    def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Optional[Any],
+               backend: Optional[MLXOps] = None) -> mx.array:
+        """Attention of ``queries`` over each row's shared prefix and its own ``keys``, by
+        ``backend`` (the model's; None: MLX's ops)."""
+        backend = backend or _MLX_OPS
         groups = self.groups()
         if not groups:
-            return attention.dense_attention(queries, keys, values, scale=scale, mask=mask)
-        if queries.shape[2] == 1:  # decoding: one fused op where the CPU kernel applies
+            return backend.dense_attention(queries, keys, values, scale=scale, mask=mask)
+        if queries.shape[2] == 1:  # decoding: one fused op where the backend has a kernel
             index, prefixes = self._prefix_index
-            out = attention.decode_attention(queries, keys, values, scale, mask, index, prefixes)
+            out = backend.decode_attention(queries, keys, values, scale, mask, index, prefixes)
             if out is not None:
                 return out
-        return cascade_attention(queries, keys, values, scale, _bool_mask(mask, queries.shape[2], keys.shape[2]), groups)
+        mask = _bool_mask(mask, queries.shape[2], keys.shape[2])
+        return cascade_attention(queries, keys, values, scale, mask, groups, exp=backend.exp)
 
     def groups(self) -> list[tuple[SharedPrefix, mx.array]]:
         """``(prefix, row indices)`` for each prefix shared by rows of this batch."""
@@ -204,11 +210,11 @@ def _bool_mask(mask: Optional[Any], L: int, S: int) -> Optional[mx.array]:
     return mask
 
 
-def _partial(scores: mx.array, values: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+def _partial(scores: mx.array, values: mx.array, exp: Callable[[mx.array], mx.array]) -> tuple[mx.array, mx.array, mx.array]:
     """Unnormalised softmax-weighted values, the row maxima and the sums of exponentials."""
     m = mx.max(scores, axis=-1, keepdims=True)
-    # MLX's CPU exp is scalar (~20 ns an element on x86): cpu_ops builds it from arithmetic.
-    p = fast_exp(scores - m) if attention.uses_cpu_ops() else mx.exp(scores - m)
+    # MLX's CPU exp is scalar (~20 ns an element on x86): the CPU kernels' backend builds it from arithmetic.
+    p = exp(scores - m)
     return p @ values, m, mx.sum(p, axis=-1, keepdims=True)
 
 
@@ -219,12 +225,14 @@ def cascade_attention(
     scale: float,
     mask: Optional[mx.array],
     groups: list[tuple[SharedPrefix, mx.array]],
+    exp: Callable[[mx.array], mx.array] = mx.exp,
 ) -> mx.array:
     """Attention over shared prefixes + per-row suffixes, merged by log-sum-exp.
 
     ``queries`` (B, heads, L, D); ``keys`` / ``values`` the rows' own (B, kv_heads, S, D);
     ``mask`` (broadcastable to (B, 1, L, S), True = attend) for the own part only; each
-    group's prefix precedes all of its rows' queries, so it needs no mask.
+    group's prefix precedes all of its rows' queries, so it needs no mask. ``exp``: the
+    model's backend's (:meth:`..models.backends.MLXOps.exp`).
     """
     B, H, L, D = queries.shape
     kv_heads = keys.shape[1]
@@ -236,13 +244,13 @@ def cascade_attention(
         scores = scores.reshape(B, kv_heads, rep, L, -1)
         scores = mx.where(mx.expand_dims(mask, 2) if mask.ndim == 4 else mask, scores, mx.finfo(work).min)
         scores = scores.reshape(B, kv_heads, rep * L, -1)
-    num, m, den = _partial(scores, values.astype(work))
+    num, m, den = _partial(scores, values.astype(work), exp)
     for prefix, rows in groups:
         n = rows.shape[0]
         whole = n == B  # every row shares this prefix: no gather / scatter
         qg = (q if whole else q[rows]).swapaxes(0, 1).reshape(kv_heads, n * rep * L, D)
         sp = (qg @ prefix.keys[0].swapaxes(-1, -2)).astype(work)  # (kv_heads, n*rep*L, P)
-        pn, pm, pd = _partial(sp, prefix.values[0].astype(work))
+        pn, pm, pd = _partial(sp, prefix.values[0].astype(work), exp)
         back = lambda x: x.reshape(kv_heads, n, rep * L, -1).swapaxes(0, 1)  # noqa: E731
         pn, pm, pd = back(pn), back(pm), back(pd)
         sn, sm, sd = (num, m, den) if whole else (num[rows], m[rows], den[rows])

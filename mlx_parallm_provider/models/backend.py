@@ -8,7 +8,8 @@ effect, so :func:`preload_blas` runs when this package is imported, ahead of any
 ``import mlx``. On the CPU, ``quantized_matmul`` gains nothing from batching, whereas
 float32 weights over OpenBLAS do, so quantized weights are dequantized at load there, with
 the packed weights kept for steps of a few rows (:mod:`.small_batch`) and RMSNorm / RoPE
-fused into single ops (:mod:`.fused_ops`).
+fused into single ops (:mod:`.fused_ops`), where the model's backend is the CPU kernels
+(:mod:`.backends`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,10 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
+
+if TYPE_CHECKING:
+    from .backends import Choice, MLXOps
 
 logger = logging.getLogger(__name__)
 
@@ -169,21 +173,27 @@ def should_dequantize(dequantize: Optional[bool] = None) -> bool:
     return is_cpu()
 
 
-def prepare_model(model: Any, dequantize: Optional[bool] = None, keep_packed: bool = True) -> Any:
-    """Apply the backend's load-time choices to a freshly loaded mlx-lm model.
+def prepare_model(model: Any, dequantize: Optional[bool] = None, kernels: "Choice" = None, *, engine: bool = True) -> Any:
+    """Apply the load-time choices to a freshly loaded mlx-lm model.
 
     With ``dequantize`` (by default on the CPU device only) quantized weights are
     dequantized and float16 / bfloat16 weights upcast, so everything computes in float32:
     MLX's CPU half-precision matmuls are an order of magnitude slower than float32.
-    ``keep_packed=False`` dequantizes as mlx-lm alone would, without keeping the packed
-    weights for small steps (the benchmark's mlx-lm peer). When mlx was imported before this
-    package, dense layers multiply through a privately bound OpenBLAS (:mod:`.private_blas`)."""
-    from .attention import install as install_attention
+    With ``engine`` (the model is to be served by an engine), a backend is chosen for this
+    model alone (``kernels``, see :func:`.backends.choose`: by default the CPU kernels on the
+    CPU device, ``MLX_PARALLM_CPU_OPS`` overriding) and installed on it; the CPU kernels keep
+    quantized layers' packed weights for small steps and fuse RMSNorm / RoPE.
+    ``engine=False`` leaves mlx-lm's code as it is (the benchmark's mlx-lm peers): only the
+    weights are converted. When mlx was imported before this package, dense layers multiply
+    through a privately bound OpenBLAS (:mod:`.private_blas`) either way."""
+    from . import backends
 
     log_backend_once()
-    install_attention(model)
+    chosen = backends.choose(kernels) if engine else None
+    if chosen is not None:
+        backends.install(model, chosen)
     if should_dequantize(dequantize):
-        _compute_in_float32(model, keep_packed)
+        _compute_in_float32(model, chosen)
     if is_cpu():
         from .private_blas import install as install_private_blas
 
@@ -191,8 +201,9 @@ def prepare_model(model: Any, dequantize: Optional[bool] = None, keep_packed: bo
     return model
 
 
-def _compute_in_float32(model: Any, keep_packed: bool) -> None:
-    """Dequantize (keeping packed weights for small steps on the CPU) and upcast to float32."""
+def _compute_in_float32(model: Any, chosen: Optional["MLXOps"]) -> None:
+    """Dequantize (the backend first replacing the quantized layers it computes its own way)
+    and upcast to float32."""
     import mlx.core as mx
     import mlx.nn as nn
     from mlx.utils import tree_flatten
@@ -200,12 +211,8 @@ def _compute_in_float32(model: Any, keep_packed: bool) -> None:
 
     has_quantized = any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for _, m in model.named_modules())
     if has_quantized:
-        if keep_packed and is_cpu():
-            from .fused_ops import install as install_fused_ops
-            from .small_batch import dequantize as keep_packed_for_small_batches
-
-            keep_packed_for_small_batches(model)
-            install_fused_ops(model)
+        if chosen is not None:
+            chosen.adapt_quantized(model)
         dequantize_model(model)
     half = {mx.float16, mx.bfloat16}
     if has_quantized or any(p.dtype in half for _, p in tree_flatten(model.parameters())):

@@ -6,16 +6,16 @@ step; at 64 rows RoPE still costs ~160 us a call against ~40 fused (a 64-row ste
 235 to 206 ms with both fused). :mod:`.qmatmul_ext` also builds both as fused MLX primitives
 (``kernels/norm_rope.cpp``). :func:`install` replaces a model's ``nn.RMSNorm`` and plain
 ``nn.RoPE`` modules (mlx-lm's ``initialize_rope`` for rope types default and linear; llama3,
-yarn and the other variants are other classes, left alone) with subclasses that call them for
-float32 inputs while :func:`.attention.uses_cpu_ops` (``MLX_PARALLM_CPU_OPS``) holds, and
-``super().__call__`` otherwise. Without the extension nothing is replaced.
+yarn and the other variants are other classes, left alone) with subclasses that hold the
+model's backend and call it: :class:`.backends.CPUKernels` runs the fused ops for float32
+inputs, :class:`.backends.MLXOps` (a model switched to MLX's ops) ``mx.fast``'s. Without the
+extension nothing is replaced.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from types import ModuleType
 from typing import Any, Union
 
 import mlx.core as mx
@@ -23,7 +23,8 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_unflatten
 
-from . import attention, qmatmul_ext
+from . import qmatmul_ext
+from .backends import MLXOps
 
 logger = logging.getLogger(__name__)
 
@@ -37,53 +38,44 @@ def _inv_freq(dims: int, base: float) -> mx.array:
 
 
 class FusedRMSNorm(nn.RMSNorm):
-    """``nn.RMSNorm`` that normalises float32 inputs in one op."""
+    """``nn.RMSNorm`` computed by its model's backend (:meth:`.backends.MLXOps.rms_norm`)."""
 
-    def __init__(self, source: nn.RMSNorm, ext: ModuleType) -> None:
+    def __init__(self, source: nn.RMSNorm, backend: MLXOps) -> None:
         super().__init__(source.weight.shape[0], source.eps)
         self.weight = source.weight
-        self._ext = ext
+        self.backend = backend
 
     def __call__(self, x: mx.array) -> mx.array:
-        if x.dtype != mx.float32 or x.ndim == 0 or not attention.uses_cpu_ops():
-            return super().__call__(x)
-        return self._ext.rms_norm(x, self.weight, self.eps)
+        return self.backend.rms_norm(x, self.weight, self.eps)
 
 
 class FusedRoPE(nn.RoPE):
-    """``nn.RoPE`` that rotates float32 inputs (batch, ..., positions, dims) in one op."""
+    """``nn.RoPE`` computed by its model's backend (:meth:`.backends.MLXOps.rope`), with the
+    inverse frequencies a kernel takes."""
 
-    def __init__(self, source: nn.RoPE, ext: ModuleType) -> None:
+    def __init__(self, source: nn.RoPE, backend: MLXOps) -> None:
         super().__init__(source.dims, traditional=source.traditional, base=source.base, scale=source.scale)
-        self._ext = ext
+        self.backend = backend
         self._freq = _inv_freq(source.dims, source.base)
         mx.eval(self._freq)
 
     def __call__(self, x: mx.array, offset: Union[int, mx.array] = 0) -> mx.array:
-        if x.dtype != mx.float32 or x.ndim < 3 or not attention.uses_cpu_ops():
-            return super().__call__(x, offset)
-        if isinstance(offset, mx.array):
-            if offset.ndim > 1 or offset.size not in (1, x.shape[0]) or not mx.issubdtype(offset.dtype, mx.integer):
-                return super().__call__(x, offset)
-        elif isinstance(offset, int):
-            offset = mx.array(offset, dtype=mx.int32)
-        else:
-            return super().__call__(x, offset)
-        return self._ext.rope(x, self.dims, self.traditional, self.scale, offset, self._freq)
+        return self.backend.rope(x, self.dims, self.traditional, self.base, self.scale, offset, self._freq)
 
 
-def install(model: nn.Module) -> int:
+def install(model: nn.Module, backend: MLXOps) -> int:
     """Replace ``model``'s ``nn.RMSNorm`` and plain ``nn.RoPE`` modules with :class:`FusedRMSNorm`
-    and :class:`FusedRoPE`; returns how many. Nothing changes (0) without the extension."""
+    and :class:`FusedRoPE` on ``backend``; returns how many. Nothing changes (0) without the
+    extension."""
     ext = qmatmul_ext.load()
     if ext is None or not hasattr(ext, "rope"):
         return 0
     replaced: list[tuple[str, Any]] = []
     for name, module in model.named_modules():
         if type(module) is nn.RMSNorm:
-            replaced.append((name, FusedRMSNorm(module, ext)))
+            replaced.append((name, FusedRMSNorm(module, backend)))
         elif type(module) is nn.RoPE:
-            replaced.append((name, FusedRoPE(module, ext)))
+            replaced.append((name, FusedRoPE(module, backend)))
     if replaced:
         model.update_modules(tree_unflatten(replaced))
         logger.info("%d RMSNorm / RoPE modules use fused CPU ops", len(replaced))

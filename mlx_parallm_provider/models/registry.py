@@ -51,6 +51,13 @@ class LoadedModel:
     config: dict[str, Any] = field(default_factory=dict)
 
     @property
+    def backend(self) -> Any:
+        """The model's backend (:mod:`.backends`), or None where it runs mlx-lm's own code."""
+        from . import backends
+
+        return backends.of(self.model)
+
+    @property
     def context_length(self) -> int:
         """Longest sequence (prompt + output) the model was trained for."""
         for key in ("max_position_embeddings", "max_seq_len", "n_positions", "seq_length"):
@@ -170,19 +177,21 @@ def _download(repo_id: str) -> Path:
         ) from None
 
 
-_models: dict[tuple[str, Optional[bool], bool], LoadedModel] = {}
+_models: dict[tuple[str, Optional[bool], bool], LoadedModel] = {}  # (name, dequantize, engine)
 _locks: dict[tuple[str, Optional[bool], bool], threading.Lock] = {}
 _registry_lock = threading.Lock()
 
 
-def load(name: str = DEFAULT_MODEL, dequantize: Optional[bool] = None, keep_packed: bool = True) -> LoadedModel:
+def load(name: str = DEFAULT_MODEL, dequantize: Optional[bool] = None, engine: bool = True) -> LoadedModel:
     """Load a model once per process (thread-safe) and return it.
 
     ``dequantize`` keeps or drops quantization; by default weights are dequantized to
-    float32 on the CPU device only (see :mod:`.backend`), keeping the packed weights for
-    steps of a few rows unless ``keep_packed`` is False (:mod:`.small_batch`).
+    float32 on the CPU device only (see :mod:`.backend`). With ``engine`` (for an engine to
+    serve) the model gets its own backend (:mod:`.backends`: the CPU kernels, keeping the
+    packed weights for steps of a few rows, or MLX's ops); ``engine=False`` gives the same
+    weights running mlx-lm's own code, a separate copy.
     """
-    key = (name, dequantize, keep_packed)
+    key = (name, dequantize, engine)
     with _registry_lock:
         if key in _models:
             return _models[key]
@@ -190,13 +199,13 @@ def load(name: str = DEFAULT_MODEL, dequantize: Optional[bool] = None, keep_pack
     with lock:
         if key in _models:
             return _models[key]
-        loaded = _load_uncached(name, dequantize, keep_packed)
+        loaded = _load_uncached(name, dequantize, engine)
         with _registry_lock:
             _models[key] = loaded
         return loaded
 
 
-def _load_uncached(name: str, dequantize: Optional[bool], keep_packed: bool = True) -> LoadedModel:
+def _load_uncached(name: str, dequantize: Optional[bool], engine: bool = True) -> LoadedModel:
     import mlx_lm
 
     path = resolve(name)
@@ -206,7 +215,7 @@ def _load_uncached(name: str, dequantize: Optional[bool], keep_packed: bool = Tr
         raise
     except Exception as exc:
         raise ModelLoadError(f"{path}: could not load model ({exc})") from exc
-    backend.prepare_model(model, dequantize, keep_packed)
+    backend.prepare_model(model, dequantize, engine=engine)
     evaluate_module_arrays(model)
     return LoadedModel(name=name, path=path, model=model, tokenizer=tokenizer, config=config)
 

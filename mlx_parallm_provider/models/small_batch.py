@@ -5,22 +5,22 @@ prefill then run as float32 GEMMs over OpenBLAS, far faster than MLX's CPU
 ``quantized_matmul``. A step with a handful of rows (one stream, a batch draining) is bound by
 memory traffic instead, and float32 reads 8x the bytes of 4-bit weights. :func:`dequantize`
 keeps each quantized layer's packed weights next to its float32 copy, and its layers send
-inputs of at most :func:`max_rows` rows to :mod:`.qmatmul`'s C kernel over the packed
+inputs of at most the model's backend's ``packed_rows`` rows to :mod:`.qmatmul`'s C kernel over the packed
 weights, larger ones to the GEMM. The kernel runs as an MLX primitive (:mod:`.qmatmul_ext`,
 in the step's lazy graph) where that extension builds, else through ctypes (each call then
 evaluates its input first).
 
 Both paths multiply by the same weights: the float32 copy is dequantized in float32 (scale
 and bias cast up first), which is what the kernel computes, so they differ only in the order
-of float additions. ``MLX_PARALLM_SMALL_BATCH_ROWS=0`` turns the kernel off;
-``MLX_PARALLM_QMATMUL_THREADS`` (default 1) gives it threads (memory-bound: a second thread
-gains little on two cores, and loses much when the other core is busy).
+of float additions. The layers hold the model's backend (:class:`.backends.CPUKernels`), whose
+``packed_rows`` (``MLX_PARALLM_SMALL_BATCH_ROWS``, 0 turns the kernel off) and
+``qmatmul_threads`` (``MLX_PARALLM_QMATMUL_THREADS``) they read; a model switched to MLX's
+ops (:class:`.backends.MLXOps`, ``packed_rows`` 0) multiplies by the float32 copies alone.
 """
 
 from __future__ import annotations
 
 import ctypes
-import functools
 import logging
 import threading
 from dataclasses import dataclass, replace
@@ -32,40 +32,10 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_unflatten
 
-from .._validation import env_int
 from . import private_blas, qmatmul, qmatmul_ext
+from .backends import MLXOps
 
 logger = logging.getLogger(__name__)
-
-ROWS_ENV = "MLX_PARALLM_SMALL_BATCH_ROWS"
-THREADS_ENV = "MLX_PARALLM_QMATMUL_THREADS"
-DEFAULT_MAX_ROWS = 8
-MAX_THREADS = 256
-_max_rows: Optional[int] = None
-
-
-def max_rows() -> int:
-    """Inputs with at most this many rows use the kernel (``MLX_PARALLM_SMALL_BATCH_ROWS``,
-    default :data:`DEFAULT_MAX_ROWS`, capped at :data:`.qmatmul.MAX_ROWS`; 0 turns it off).
-    The environment is read once; :func:`set_max_rows` changes it."""
-    global _max_rows
-    if _max_rows is None:
-        _max_rows = env_int(ROWS_ENV, DEFAULT_MAX_ROWS, 0, qmatmul.MAX_ROWS)
-    return _max_rows
-
-
-def set_max_rows(rows: Optional[int]) -> None:
-    """Override :func:`max_rows` in this process (None: read the environment again)."""
-    global _max_rows
-    _max_rows = None if rows is None else min(max(rows, 0), qmatmul.MAX_ROWS)
-
-
-@functools.cache
-def _threads() -> int:
-    """The kernel's threads (``MLX_PARALLM_QMATMUL_THREADS``, default 1, bounded to
-    1..:data:`MAX_THREADS` with a warning), read once: this is asked on every kernel call."""
-    return env_int(THREADS_ENV, 1, 1, MAX_THREADS)
-
 
 Kernel = Union[ctypes.CDLL, ModuleType]
 """The ctypes kernel (:func:`.qmatmul.load`) or the MLX extension (:func:`.qmatmul_ext.load`)."""
@@ -112,13 +82,14 @@ class PackedWeight:
         mx.eval(arrays)
         return replace(self, packed=arrays[0], scales=arrays[1], biases=arrays[2])
 
-    def matmul(self, kernel: Kernel, x: mx.array) -> mx.array:
-        """``x @ W.T`` through the kernel; ``x`` (..., K) with at most :data:`.qmatmul.MAX_ROWS` rows."""
+    def matmul(self, kernel: Kernel, x: mx.array, threads: int = 1) -> mx.array:
+        """``x @ W.T`` through the kernel on ``threads`` threads; ``x`` (..., K) with at most
+        :data:`.qmatmul.MAX_ROWS` rows."""
         if not isinstance(kernel, ctypes.CDLL):  # the extension: lazy, in the step's graph
             w = self.for_kernel(kernel)
-            return kernel.qmatmul(x, w.packed, w.scales, w.biases, self.bits, self.group_size, _threads())
+            return kernel.qmatmul(x, w.packed, w.scales, w.biases, self.bits, self.group_size, threads)
         rows = np.asarray(x.astype(mx.float32)).reshape(-1, x.shape[-1])
-        out = qmatmul.qmatmul(kernel, rows, self.packed, self.scales, self.biases, self.bits, self.group_size, _threads())
+        out = qmatmul.qmatmul(kernel, rows, self.packed, self.scales, self.biases, self.bits, self.group_size, threads)
         return mx.array(out).reshape(*x.shape[:-1], out.shape[-1])
 
 
@@ -142,30 +113,32 @@ class SharedInput:
         self.packed, self.kernel = packed.for_kernel(kernel), kernel
         self._last = threading.local()
 
-    def output(self, x: mx.array) -> mx.array:
+    def output(self, x: mx.array, threads: int = 1) -> mx.array:
         last = self._last
         if getattr(last, "input", None) is not x:
-            last.output = self.packed.matmul(self.kernel, x)
+            last.output = self.packed.matmul(self.kernel, x, threads)
             last.input = x  # kept alive, so identity cannot be reused by a new array
         return last.output
 
 
 class SmallBatchLinear(nn.Linear):
     """``nn.Linear`` over float32 weights that multiplies small inputs by the packed copy
-    (its own, or its columns of a :class:`SharedInput`)."""
+    (its own, or its columns of a :class:`SharedInput`) for inputs of at most its backend's
+    ``packed_rows`` rows."""
 
-    def __init__(self, weight: mx.array, bias: Optional[mx.array], source: SharedInput, columns: tuple[int, int]) -> None:
+    def __init__(self, weight: mx.array, bias: Optional[mx.array], source: SharedInput, columns: tuple[int, int], backend: MLXOps) -> None:
         super().__init__(weight.shape[1], weight.shape[0], bias=bias is not None)
         self.weight = weight
         if bias is not None:
             self.bias = bias
         self._source, self._columns = source, columns
+        self.backend = backend
 
     def __call__(self, x: mx.array) -> mx.array:
-        if _rows(x) > max_rows():
+        if _rows(x) > self.backend.packed_rows:
             return private_blas.dense(x, self.weight, self.bias if "bias" in self else None)
         start, stop = self._columns
-        y = self._source.output(x)
+        y = self._source.output(x, self.backend.qmatmul_threads)
         if (start, stop) != (0, y.shape[-1]):
             y = y[..., start:stop]
         return y + self.bias if "bias" in self else y
@@ -173,17 +146,18 @@ class SmallBatchLinear(nn.Linear):
 
 class SmallBatchEmbedding(nn.Embedding):
     """``nn.Embedding`` whose ``as_linear`` (a tied output head) multiplies small inputs by
-    the packed copy."""
+    the packed copy (as :class:`SmallBatchLinear`)."""
 
-    def __init__(self, weight: mx.array, packed: PackedWeight, kernel: Kernel) -> None:
+    def __init__(self, weight: mx.array, packed: PackedWeight, kernel: Kernel, backend: MLXOps) -> None:
         super().__init__(weight.shape[0], weight.shape[1])
         self.weight = weight
         self._packed, self._kernel = packed.for_kernel(kernel), kernel
+        self.backend = backend
 
     def as_linear(self, x: mx.array) -> mx.array:
-        if _rows(x) > max_rows():
+        if _rows(x) > self.backend.packed_rows:
             return private_blas.dense(x, self.weight)
-        return self._packed.matmul(self._kernel, x)
+        return self._packed.matmul(self._kernel, x, self.backend.qmatmul_threads)
 
 
 def _float32_weight(module: Any) -> mx.array:
@@ -228,12 +202,12 @@ def _sources(packed: dict[str, PackedWeight], kernel: Kernel) -> dict[str, tuple
     return sources
 
 
-def dequantize(model: nn.Module) -> int:
+def dequantize(model: nn.Module, backend: MLXOps) -> int:
     """Replace the model's quantized layers that the kernel reads with
-    :class:`SmallBatchLinear` / :class:`SmallBatchEmbedding`; returns how many. Returns 0 and
-    changes nothing when the kernel cannot be built (no C compiler); layers it does not read
-    are left for mlx-lm's ``dequantize_model``."""
-    kernel = load_kernel()
+    :class:`SmallBatchLinear` / :class:`SmallBatchEmbedding` on ``backend``; returns how many.
+    Returns 0 and changes nothing when ``backend.packed_rows`` is 0 or the kernel cannot be
+    built (no C compiler); layers it does not read are left for mlx-lm's ``dequantize_model``."""
+    kernel = load_kernel() if backend.packed_rows > 0 else None
     if kernel is None:
         return 0
     modules = {name: m for name, m in model.named_modules() if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))}
@@ -245,11 +219,11 @@ def dequantize(model: nn.Module) -> int:
         weight = _float32_weight(module)
         if isinstance(module, nn.QuantizedLinear):
             bias = module.bias if "bias" in module else None
-            replaced.append((name, SmallBatchLinear(weight, bias, *sources[name])))
+            replaced.append((name, SmallBatchLinear(weight, bias, *sources[name], backend)))
         else:
-            replaced.append((name, SmallBatchEmbedding(weight, weights, kernel)))
+            replaced.append((name, SmallBatchEmbedding(weight, weights, kernel, backend)))
     if replaced:
         model.update_modules(tree_unflatten(replaced))
         how = "ctypes" if isinstance(kernel, ctypes.CDLL) else "MLX extension"
-        logger.info("%d quantized layers keep packed weights for steps of <= %d rows (%s kernel)", len(replaced), max_rows(), how)
+        logger.info("%d quantized layers keep packed weights for steps of <= %d rows (%s kernel)", len(replaced), backend.packed_rows, how)
     return len(replaced)

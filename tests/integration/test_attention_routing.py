@@ -1,12 +1,13 @@
-"""Attention is routed by cache type: caches with an ``attend`` method compute it, others
-get mlx-lm's function, and a loaded model's output does not change with the hook in place."""
+"""Attention is routed by cache type: caches with an ``attend`` method compute it (given the
+model's backend), others get the backend's own, and a loaded model's output does not change
+with the routing in place."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from mlx_parallm_provider.models import attention
+from mlx_parallm_provider.models import attention, backends
 
 
 class CountingCache(KVCache):
@@ -15,16 +16,22 @@ class CountingCache(KVCache):
     def __init__(self) -> None:
         super().__init__()
         self.calls = 0
+        self.backends: set = set()
 
-    def attend(self, queries, keys, values, scale, mask):
+    def attend(self, queries, keys, values, scale, mask, backend=None):
         self.calls += 1
+        self.backends.add(backend)
         return attention.mlx_lm_attention(queries, keys, values, cache=None, scale=scale, mask=mask)
 
 
-def test_loaded_model_routes_attention_through_the_hook(tiny_model):
-    module = __import__(type(tiny_model.model).__module__, fromlist=["x"])
-    assert module.scaled_dot_product_attention is attention.attend
-    assert attention.install(tiny_model.model) is True  # idempotent
+def test_loaded_model_routes_attention_through_its_backend(tiny_model):
+    model = tiny_model.model
+    module = __import__(type(model).__module__, fromlist=["x"])
+    assert module.scaled_dot_product_attention is attention.mlx_lm_attention  # mlx-lm's module untouched
+    assert backends.routes_attention(model) and tiny_model.backend is backends.of(model) is not None
+    attn_class = type(model.layers[0].self_attn)
+    assert backends.install(model, backends.of(model)) is True  # idempotent: the same classes again
+    assert type(model.layers[0].self_attn) is attn_class
 
 
 def test_cache_with_attend_computes_attention_and_output_is_unchanged(tiny_model):
@@ -35,6 +42,7 @@ def test_cache_with_attend_computes_attention_and_output_is_unchanged(tiny_model
     expected = model(tokens, cache=plain)
     got = model(tokens, cache=own)
     assert [c.calls for c in own] == [1] * len(model.layers)
+    assert all(c.backends == {backends.of(model)} for c in own)
     assert mx.allclose(expected, got).item()
     step_expected = model(mx.array([[7]]), cache=plain)
     step_got = model(mx.array([[7]]), cache=own)
@@ -47,4 +55,5 @@ def test_model_from_another_module_is_left_alone():
     class Stranger:
         pass
 
-    assert attention.install(Stranger()) is False
+    assert backends.install(Stranger(), backends.MLXOps()) is False
+    assert not backends.routes_attention(Stranger())

@@ -13,7 +13,7 @@ from mlx_parallm_provider.engine.kv import KVCacheManager
 from mlx_parallm_provider.engine.kv import paged_cache
 from mlx_parallm_provider.engine.kv.paged_cache import PagedBatch
 from mlx_parallm_provider.engine.kv.storage import PagedKVStorage
-from mlx_parallm_provider.models import attention
+from mlx_parallm_provider.models import attention, backends
 
 
 def _reference_logits(model, tokens: list[int]) -> mx.array:
@@ -23,9 +23,10 @@ def _reference_logits(model, tokens: list[int]) -> mx.array:
 
 
 @pytest.fixture(params=["kernels", "gather"])
-def cpu_ops(request, monkeypatch):
-    """Decode steps through the paged CPU kernel, or (forced) the gather path every device
-    without one takes; yields the kernel's results, to check which path ran."""
+def cpu_ops(request, monkeypatch, tiny_model):
+    """Decode steps through the paged CPU kernel (the model's own backend), or (forced: MLX's
+    ops as its backend) the gather path every device without one takes; yields the kernel's
+    results, to check which path ran."""
     results: list = []
     kernel = attention.paged_decode_attention
 
@@ -34,9 +35,9 @@ def cpu_ops(request, monkeypatch):
         return results[-1]
 
     monkeypatch.setattr(attention, "paged_decode_attention", counted)
-    attention.set_cpu_ops(None if request.param == "kernels" else False)
-    yield request.param, results
-    attention.set_cpu_ops(None)
+    model = tiny_model.model
+    with backends.using(model, backends.of(model) if request.param == "kernels" else "mlx"):
+        yield request.param, results
 
 
 @pytest.mark.parametrize("tile_scores", [paged_cache.TILE_SCORES, 1], ids=["untiled", "one-query-tiles"])
@@ -44,7 +45,7 @@ def cpu_ops(request, monkeypatch):
 def test_paged_prefill_chunks_and_decode_match_mlx_lm(tiny_model, block_size, cpu_ops, tile_scores, monkeypatch):
     monkeypatch.setattr(paged_cache, "TILE_SCORES", tile_scores)  # 1: prefill attends one query at a time
     model = tiny_model.model
-    assert attention.install(model)
+    assert backends.routes_attention(model)
     prompts = [list(range(5, 5 + n)) for n in (3, 11, 40)]  # lengths spread over buckets
     kv = KVCacheManager(num_blocks=64, block_size=block_size)
     storage = PagedKVStorage(len(model.layers), kv.pool.num_blocks, block_size)
@@ -72,7 +73,10 @@ def test_paged_prefill_chunks_and_decode_match_mlx_lm(tiny_model, block_size, cp
         assert mx.allclose(ours, _reference_logits(model, prompt), atol=1e-4).item(), b
     mode, kernel_results = cpu_ops
     ran = [r is not None for r in kernel_results]
-    assert ran and (all(ran) if mode == "kernels" and attention.uses_cpu_ops() is not False and _has_extension() else not any(ran))
+    if mode == "kernels" and backends.of(model).kernels and _has_extension():
+        assert ran and all(ran)
+    else:
+        assert not any(ran)  # MLX's ops as the backend never ask the kernel
 
 
 def _has_extension() -> bool:
@@ -113,11 +117,18 @@ def tiny_gemma3():
     return model
 
 
-def test_sliding_window_layers_on_blocks_match_mlx_lms_rotating_cache(tiny_gemma3, cpu_ops):
+@pytest.fixture(params=["kernels", "gather"])
+def gemma3_ops(request, tiny_gemma3):
+    """The tiny gemma3 on the backend the engine would choose, or (forced) on MLX's ops."""
+    with backends.using(tiny_gemma3, None if request.param == "kernels" else "mlx"):
+        yield request.param
+
+
+def test_sliding_window_layers_on_blocks_match_mlx_lms_rotating_cache(tiny_gemma3, gemma3_ops):
     from mlx_parallm_provider.engine.kv.support import layer_windows
 
     model = tiny_gemma3
-    assert attention.install(model)
+    assert backends.routes_attention(model)
     assert layer_windows(model) == [8, 8, None]
     prompts = [list(range(5, 5 + n)) for n in (3, 11, 40)]
     kv = KVCacheManager(num_blocks=64, block_size=4)
@@ -147,14 +158,14 @@ def test_sliding_window_layers_on_blocks_match_mlx_lms_rotating_cache(tiny_gemma
         assert error <= 1e-4 * mx.abs(reference).max().item(), (b, error)  # float32 rounding (logits ~100)
 
 
-def test_a_sliding_window_layer_on_blocks_attends_to_its_window_only(tiny_gemma3, cpu_ops):
+def test_a_sliding_window_layer_on_blocks_attends_to_its_window_only(tiny_gemma3, gemma3_ops):
     """One local layer's attention output, chunked over blocks, equals mlx-lm's with its
     RotatingKVCache and differs from attending to every token (the logits above barely
     show the window: this random model's residual stream drowns its attention)."""
     from mlx_lm.models.cache import RotatingKVCache
 
     attn = tiny_gemma3.model.layers[0].self_attn
-    assert attention.install(tiny_gemma3)
+    assert backends.routes_attention(tiny_gemma3)
     mx.random.seed(5)
     xs = [mx.random.normal((1, n, 64)) for n in (3, 11, 40)]
     kv = KVCacheManager(num_blocks=64, block_size=4)

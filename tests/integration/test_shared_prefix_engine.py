@@ -28,9 +28,9 @@ def group_sizes(monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
     seen: list[list[int]] = []
     real = shared_kv.cascade_attention
 
-    def spy(queries, keys, values, scale, mask, groups):
+    def spy(queries, keys, values, scale, mask, groups, **kwargs):
         seen.append([rows.shape[0] for _, rows in groups])
-        return real(queries, keys, values, scale, mask, groups)
+        return real(queries, keys, values, scale, mask, groups, **kwargs)
 
     monkeypatch.setattr(shared_kv, "cascade_attention", spy)
     return seen

@@ -12,7 +12,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.base import create_causal_mask
 
-from mlx_parallm_provider.models import attention, cpu_ops
+from mlx_parallm_provider.models import attention, backends, cpu_ops
 
 
 def sdpa(q, k, v, mask):
@@ -77,33 +77,30 @@ def test_cpu_ops_chosen_on_cpu_for_large_tensors_only(monkeypatch):
     # two query positions: one (decoding) goes to the extension's kernel, tests/unit/test_decode_attention.py
     small = (rand(1, 9, 2, 64), rand(1, 3, 16, 64), rand(1, 3, 16, 64))
     large = (rand(64, 9, 2, 64), rand(64, 3, 128, 64), rand(64, 3, 128, 64))
-    try:
-        attention.set_cpu_ops(True)
-        attention.dense_attention(*small, scale=0.125, mask=None)
-        assert calls == []
-        attention.dense_attention(*large, scale=0.125, mask=None)
-        assert calls == ["attention"]
-        attention.set_cpu_ops(False)
-        attention.dense_attention(*large, scale=0.125, mask=None)
-        assert calls == ["attention"]
-    finally:
-        attention.set_cpu_ops(None)
+    kernels = backends.CPUKernels()
+    kernels.dense_attention(*small, scale=0.125, mask=None)
+    assert calls == []
+    kernels.dense_attention(*large, scale=0.125, mask=None)
+    assert calls == ["attention"]
+    backends.MLXOps().dense_attention(*large, scale=0.125, mask=None)
+    assert calls == ["attention"]
 
 
 def test_cpu_ops_default_follows_env_then_device(monkeypatch):
-    attention.set_cpu_ops(None)
-    monkeypatch.setenv(attention.CPU_OPS_ENV, "0")
-    assert attention.uses_cpu_ops() is False
-    monkeypatch.setenv(attention.CPU_OPS_ENV, "1")
-    assert attention.uses_cpu_ops() is True
-    monkeypatch.delenv(attention.CPU_OPS_ENV)
-    assert attention.uses_cpu_ops() == (mx.default_device().type == mx.DeviceType.cpu)
+    monkeypatch.setenv(backends.CPU_OPS_ENV, "0")
+    assert backends.wants_kernels() is False
+    monkeypatch.setenv(backends.CPU_OPS_ENV, "1")
+    assert backends.wants_kernels() is True
+    monkeypatch.delenv(backends.CPU_OPS_ENV)
+    assert backends.wants_kernels() == (mx.default_device().type == mx.DeviceType.cpu)
 
 
 def test_loaded_model_swiglu_is_routed(tiny_model):
-    module = sys.modules[type(tiny_model.model).__module__]
+    model = tiny_model.model
+    module = sys.modules[type(model).__module__]
     if hasattr(module, "swiglu"):
-        assert module.swiglu is attention.swiglu
+        assert module.swiglu is attention.mlx_lm_swiglu  # mlx-lm's module untouched
+        assert type(model.layers[0].mlp).__call__.__globals__["swiglu"] == backends.of(model).swiglu
 
 
 def test_model_output_and_greedy_tokens_unchanged_by_cpu_ops(tiny_model, monkeypatch):
@@ -111,11 +108,12 @@ def test_model_output_and_greedy_tokens_unchanged_by_cpu_ops(tiny_model, monkeyp
     from mlx_parallm_provider.engine.prefill import new_batch_cache
 
     model = tiny_model.model
+    own = backends.of(model)
     monkeypatch.setattr(cpu_ops, "MIN_ELEMENTS", 0)
     prompts = mx.array([[5, 6, 7, 8, 9, 10], [1, 1, 1, 11, 12, 13]])
 
     def greedy(on):
-        attention.set_cpu_ops(on)
+        backends.install(model, own if on else backends.MLXOps())
         cache = new_batch_cache(len(model.layers), [0, 3])
         logits = model(prompts, cache=cache)[:, -1, :]
         first = logits
@@ -130,7 +128,7 @@ def test_model_output_and_greedy_tokens_unchanged_by_cpu_ops(tiny_model, monkeyp
         plain_logits, plain_tokens = greedy(False)
         fast_logits, fast_tokens = greedy(True)
     finally:
-        attention.set_cpu_ops(None)
+        backends.install(model, own)
     assert mx.allclose(plain_logits, fast_logits, atol=1e-4).item()
     assert fast_tokens == plain_tokens
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from mlx_parallm_provider.models import attention, qmatmul_ext
+from mlx_parallm_provider.models import attention, backends, qmatmul_ext
+from mlx_parallm_provider.models.backends import CPUKernels, MLXOps
 
 
 def _extension():
@@ -120,18 +121,14 @@ def test_dense_attention_routes_decoding_to_the_kernel(monkeypatch) -> None:
     monkeypatch.setattr(attention, "_extension", Spy)
     q, k, v = rand(2, 9, 1, 64), rand(2, 3, 12, 64), rand(2, 3, 12, 64)
     per_head = mx.ones((2, 9, 1, 12), dtype=mx.bool_)
-    try:
-        attention.set_cpu_ops(True)
-        assert mx.allclose(attention.dense_attention(q, k, v, 0.125, "causal"), sdpa(q, k, v), atol=2e-6).item()
-        attention.dense_attention(q, k, v, 0.125, _left_padding_mask(2, 12, seed=23))
-        assert calls == [True, False]
-        attention.dense_attention(q, k, v, 0.125, per_head)  # a mask per head: MLX's ops
-        attention.dense_attention(rand(2, 9, 3, 64), k, v, 0.125, None)  # three positions: MLX's ops
-        attention.set_cpu_ops(False)
-        attention.dense_attention(q, k, v, 0.125, None)
-        assert calls == [True, False]
-    finally:
-        attention.set_cpu_ops(None)
+    kernels = CPUKernels()
+    assert mx.allclose(kernels.dense_attention(q, k, v, 0.125, "causal"), sdpa(q, k, v), atol=2e-6).item()
+    kernels.dense_attention(q, k, v, 0.125, _left_padding_mask(2, 12, seed=23))
+    assert calls == [True, False]
+    kernels.dense_attention(q, k, v, 0.125, per_head)  # a mask per head: MLX's ops
+    kernels.dense_attention(rand(2, 9, 3, 64), k, v, 0.125, None)  # three positions: MLX's ops
+    MLXOps().dense_attention(q, k, v, 0.125, None)  # MLX's ops as the backend: never the kernel
+    assert calls == [True, False]
 
 
 def test_without_the_extension_decoding_uses_mlx_ops(monkeypatch) -> None:
@@ -139,7 +136,7 @@ def test_without_the_extension_decoding_uses_mlx_ops(monkeypatch) -> None:
     q, k, v = rand(3, 9, 1, 64), rand(3, 3, 20, 64), rand(3, 3, 20, 64)
     mask = _left_padding_mask(3, 20, seed=24)
     assert attention.decode_attention(q, k, v, 0.125, mask) is None
-    assert mx.allclose(attention.dense_attention(q, k, v, 0.125, mask), sdpa(q, k, v, mask), atol=2e-6).item()
+    assert mx.allclose(CPUKernels().dense_attention(q, k, v, 0.125, mask), sdpa(q, k, v, mask), atol=2e-6).item()
 
 
 def test_paged_kernel_matches_attention_over_each_rows_gathered_blocks():
@@ -149,7 +146,7 @@ def test_paged_kernel_matches_attention_over_each_rows_gathered_blocks():
 
     from mlx_parallm_provider.models import attention
 
-    if not attention.uses_cpu_ops():
+    if not backends.wants_kernels():
         pytest.skip("CPU ops are off on this device")
     mx.random.seed(3)
     bs, kv_heads, heads, D = 4, 2, 6, 32

@@ -11,7 +11,8 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from mlx_parallm_provider.models import attention, backend, fused_ops, qmatmul_ext, small_batch
+from mlx_parallm_provider.models import attention, backend, backends, fused_ops, qmatmul_ext
+from mlx_parallm_provider.models.backends import CPUKernels, MLXOps
 
 
 def _extension():
@@ -19,13 +20,6 @@ def _extension():
     if ext is None:
         pytest.skip("the MLX extension does not build here (no C++ compiler or nanobind)")
     return ext
-
-
-@pytest.fixture(autouse=True)
-def _default_rows():
-    yield
-    small_batch.set_max_rows(None)
-    attention.set_cpu_ops(None)
 
 
 def _close(got: mx.array, expected: mx.array) -> bool:
@@ -110,14 +104,14 @@ def _counting(ext, calls: list[str]):
     )
 
 
-def test_modules_use_the_fused_ops_for_float32_while_cpu_ops_are_on() -> None:
+def test_modules_use_the_fused_ops_for_float32_on_the_cpu_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     ext = _extension()
     calls: list[str] = []
+    monkeypatch.setattr(attention, "_extension", lambda: _counting(ext, calls))
     source_norm, source_rope = nn.RMSNorm(64, eps=1e-6), nn.RoPE(64, base=50000.0, scale=0.5)
     source_norm.weight = mx.random.normal((64,), key=mx.random.key(5))
-    norm, rope = fused_ops.FusedRMSNorm(source_norm, _counting(ext, calls)), fused_ops.FusedRoPE(source_rope, _counting(ext, calls))
+    norm, rope = fused_ops.FusedRMSNorm(source_norm, CPUKernels()), fused_ops.FusedRoPE(source_rope, CPUKernels())
     assert norm.weight is source_norm.weight and norm.eps == 1e-6 and (rope.dims, rope.base, rope.scale) == (64, 50000.0, 0.5)
-    attention.set_cpu_ops(True)
     few, many = mx.random.normal((4, 1, 64)), mx.random.normal((64, 1, 64))
     assert _close(norm(few), source_norm(few)) and _close(norm(many), source_norm(many))
     assert calls == ["rms_norm", "rms_norm"]
@@ -128,7 +122,7 @@ def test_modules_use_the_fused_ops_for_float32_while_cpu_ops_are_on() -> None:
     calls.clear()
     assert _close(norm(few.astype(mx.float16)), source_norm(few.astype(mx.float16)))  # not float32
     assert calls == []
-    attention.set_cpu_ops(False)  # MLX's own ops (MLX_PARALLM_CPU_OPS=0)
+    norm.backend = rope.backend = MLXOps()  # a model on MLX's own ops (MLX_PARALLM_CPU_OPS=0)
     assert _close(norm(few), source_norm(few)) and _close(rope(queries, offset=3), source_rope(queries, offset=3))
     assert calls == []
 
@@ -144,8 +138,10 @@ def test_install_replaces_norms_and_plain_rope_only(tiny_model_dir: Path) -> Non
     model.model.layers[0].self_attn.rope = llama3
     norms = sum(isinstance(m, nn.RMSNorm) for _, m in model.named_modules())
     ropes = sum(type(m) is nn.RoPE for _, m in model.named_modules())
-    assert fused_ops.install(model) == norms + ropes
+    kernels = CPUKernels()
+    assert fused_ops.install(model, kernels) == norms + ropes
     assert model.model.layers[0].self_attn.rope is llama3
+    assert model.model.norm.backend is kernels
     assert type(model.model.layers[1].self_attn.rope) is fused_ops.FusedRoPE
     assert type(model.model.norm) is fused_ops.FusedRMSNorm
     assert dict(model.parameters().items()).keys() == dict(mlx_lm.load(str(tiny_model_dir))[0].parameters().items()).keys()
@@ -166,9 +162,8 @@ def test_prepared_model_gives_the_same_logits_with_and_without_fused_ops(tiny_mo
         return [model(mx.array([[t]]), cache=cache) for t in (5, 6, 7, 8)]
 
     fused = decode()
-    small_batch.set_max_rows(0)  # everything back on mx.fast and the GEMM
-    attention.set_cpu_ops(False)
-    plain = decode()
+    with backends.using(model, "mlx"):  # everything back on mx.fast and the GEMM
+        plain = decode()
     for a, b in zip(fused, plain):
         assert np.allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
 
@@ -179,7 +174,7 @@ def test_without_the_extension_nothing_changes(tiny_model_dir: Path, monkeypatch
     monkeypatch.setattr(qmatmul_ext, "load", lambda: None)
     model, _ = mlx_lm.load(str(tiny_model_dir))
     nn.quantize(model, group_size=32, bits=4)
-    assert fused_ops.install(model) == 0
-    backend.prepare_model(model, dequantize=True)
+    assert fused_ops.install(model, CPUKernels()) == 0
+    backend.prepare_model(model, dequantize=True, kernels="cpu")
     assert not any(isinstance(m, (fused_ops.FusedRMSNorm, fused_ops.FusedRoPE)) for _, m in model.named_modules())
     assert type(model.model.norm) is nn.RMSNorm and type(model.model.layers[0].self_attn.rope) is nn.RoPE

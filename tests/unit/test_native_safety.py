@@ -16,7 +16,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_parallm_provider.models import attention, kernel_cache, qmatmul, qmatmul_ext, registry, small_batch
+from mlx_parallm_provider.models import attention, backends, kernel_cache, qmatmul, qmatmul_ext, registry, small_batch
+from mlx_parallm_provider.models.backends import CPUKernels, cpu_kernels
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -94,18 +95,16 @@ def unwritable_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     qmatmul_ext.reset()
 
 
-def test_an_unwritable_home_keeps_mlx_ops_and_requests_succeed(unwritable_home: Path, make_engine, caplog: pytest.LogCaptureFixture) -> None:
+def test_an_unwritable_home_keeps_mlx_ops_and_requests_succeed(unwritable_home: Path, make_engine, tiny_model,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
     from mlx_parallm_provider.engine import SamplingParams
 
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     engine = make_engine()
-    attention.set_cpu_ops(True)  # decoding asks for the extension's attention kernel
-    try:
+    with backends.using(tiny_model.model, "cpu"):  # decoding asks for the extension's attention kernel
         with caplog.at_level(logging.WARNING):
             outputs = engine.generate_many_sync([[1, 5, 9], [1, 7]], params)
             assert small_batch.load_kernel() is None  # the kernels report "not used"
-    finally:
-        attention.set_cpu_ops(None)
     assert [len(o.token_ids) for o in outputs] == [6, 6]
     assert qmatmul.load() is None and qmatmul_ext.load() is None
     warnings = [r for r in caplog.records if "not writable" in r.getMessage()]
@@ -123,33 +122,25 @@ def test_an_unwritable_home_still_converts_gguf_models(unwritable_home: Path, de
 @pytest.mark.parametrize("raw, expected", [("2147483648", 256), ("999", 256), ("0", 1), ("-1", 1), ("abc", None), ("3", 3)])
 def test_thread_counts_are_bounded(raw: str, expected, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(attention.THREADS_ENV, raw)
-    monkeypatch.setenv(small_batch.THREADS_ENV, raw)
-    attention._threads.cache_clear()
-    small_batch._threads.cache_clear()
-    try:
-        assert attention._threads() == (expected or min(os.cpu_count() or 1, 8))
-        assert small_batch._threads() == (expected or 1)
-    finally:
-        attention._threads.cache_clear()
-        small_batch._threads.cache_clear()
+    monkeypatch.setenv(cpu_kernels.QMATMUL_THREADS_ENV, raw)
+    kernels = CPUKernels()  # the environment is read when a model's backend is made
+    assert kernels.attention_threads == (expected or min(os.cpu_count() or 1, 8))
+    assert kernels.qmatmul_threads == (expected or 1)
 
 
-def test_a_huge_thread_count_does_not_fail_requests(make_engine, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_huge_thread_count_does_not_fail_requests(make_engine, tiny_model, monkeypatch: pytest.MonkeyPatch) -> None:
     from mlx_parallm_provider.engine import SamplingParams
 
     if qmatmul_ext.load() is None:
         pytest.skip("the MLX extension does not build here (no C++ compiler or nanobind)")
     monkeypatch.setenv(attention.THREADS_ENV, "2147483648")
-    attention._threads.cache_clear()
-    attention.set_cpu_ops(True)
-    try:
+    kernels = CPUKernels()
+    assert kernels.attention_threads == attention.MAX_THREADS
+    with backends.using(tiny_model.model, kernels):
         params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
         outputs = make_engine().generate_many_sync([[1, 5, 9], [1, 7]], params)
         q, k = mx.random.normal((2, 4, 1, 16)), mx.random.normal((2, 2, 5, 16))
-        got = attention.decode_attention(q, k, k, 0.25, None)
-    finally:
-        attention.set_cpu_ops(None)
-        attention._threads.cache_clear()
+        got = kernels.decode_attention(q, k, k, 0.25, None)
     assert [len(o.token_ids) for o in outputs] == [6, 6]
     expected = mx.fast.scaled_dot_product_attention(q, k, k, scale=0.25, mask=None)
     assert got is not None and np.allclose(np.asarray(got), np.asarray(expected), atol=2e-6)

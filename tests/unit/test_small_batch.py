@@ -12,7 +12,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from mlx_parallm_provider.models import backend, qmatmul, qmatmul_ext, small_batch
+from mlx_parallm_provider.models import backend, backends, qmatmul, qmatmul_ext, small_batch
 
 
 def _ctypes_kernel():
@@ -44,12 +44,6 @@ def _counting(kernel, calls: list[int], monkeypatch: pytest.MonkeyPatch):
         counted = SimpleNamespace(qmatmul=lambda x, *a: calls.append(x.size // x.shape[-1]) or kernel.qmatmul(x, *a))
     monkeypatch.setattr(small_batch, "load_kernel", lambda: counted)
     return counted
-
-
-@pytest.fixture(autouse=True)
-def _default_rows():
-    yield
-    small_batch.set_max_rows(None)
 
 
 def _quantized(shape: tuple[int, int], bits: int, group: int, seed: int = 0):
@@ -125,7 +119,7 @@ def test_prepare_model_keeps_packed_weights_and_small_steps_use_them(kernel, tin
     small = model(tokens)  # 2 rows: the kernel
     assert calls and set(calls) == {2}
     calls.clear()
-    small_batch.set_max_rows(1)
+    backends.of(model).packed_rows = 1  # a per-model setting of its backend
     large = model(tokens)  # 2 rows > 1: the float32 GEMM
     assert calls == []
     assert np.allclose(np.asarray(small), np.asarray(large), rtol=1e-4, atol=1e-4)

@@ -2,8 +2,9 @@
 ``mlx_lm.stream_generate``, and ``mlx_lm.batch_generate``.
 
 The peers get the checkpoint as mlx-lm alone runs it fastest on this device: dequantized to
-float32 on the CPU, without the packed copy the engine keeps for small steps
-(:mod:`mlx_parallm_provider.models.small_batch`), which is the engine's own work."""
+float32 on the CPU, and nothing else: a copy of their own, on which no backend is installed
+(:mod:`mlx_parallm_provider.models.backends`), so they run mlx-lm's own attention, norms and
+matmuls whatever the engine in the same process runs (its kernels are the engine's own work)."""
 
 from __future__ import annotations
 
@@ -21,8 +22,8 @@ from .inprocess import mlx_peak_mb, reset_mlx_peak
 
 
 class _MlxLmPeer(Runner):
-    """Loads the model through the package's registry (the engine's weights, without the
-    packed small-step copy), with a tokenizer copy that has no EOS ids when EOS is ignored."""
+    """Loads the model through the package's registry (the engine's weights, running mlx-lm's
+    own code), with a tokenizer copy that has no EOS ids when EOS is ignored."""
 
     def __init__(self, name: str, model: str, temperature: float, ignore_eos: bool) -> None:
         super().__init__(name)
@@ -36,7 +37,7 @@ class _MlxLmPeer(Runner):
     def _load(self) -> None:
         from ...models import registry
 
-        loaded = registry.load(self.model_name, keep_packed=False)
+        loaded = registry.load(self.model_name, engine=False)
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         if self.ignore_eos:  # a copy: the engine shares the original

@@ -4,17 +4,17 @@
 already holds, how many it brings); :meth:`PagedBatch.layers` gives one
 :class:`PagedLayerCache` per layer, the object mlx-lm's attention calls as its ``cache``:
 ``offset`` (each row's position, for RoPE), ``update_and_fetch`` (writes the new K/V into
-the row's blocks) and ``attend`` (attention through the block tables; the model's
-attention is routed there by :func:`~mlx_parallm_provider.models.attention.attend`).
+the row's blocks) and ``attend`` (attention through the block tables; the model's backend
+routes its attention there, passing itself: :meth:`~mlx_parallm_provider.models.backends.MLXOps.attend`).
 
-Attention reads each row's blocks. Decoding on the CPU, one kernel call reads them through
-the block tables (:func:`~mlx_parallm_provider.models.attention.paged_decode_attention`).
-Elsewhere (prefill, Metal, CUDA, kernels off) rows are gathered, per length bucket, into a
-transient rectangle (so a long row never makes short rows attend over its length), then
-attended by :func:`~mlx_parallm_provider.models.attention.dense_attention`. A layer with a
-sliding window (gemma3's local layers) gathers only the tokens its queries can see: the
-last ``window`` before each query, as mlx-lm's ``RotatingKVCache`` and its windowed mask
-give them. Nothing outlives the pass but the blocks.
+Attention reads each row's blocks. Decoding on the CPU kernels backend, one kernel call
+reads them through the block tables (the backend's ``paged_decode_attention``). Elsewhere
+(prefill, Metal, CUDA, kernels off) rows are gathered, per length bucket, into a transient
+rectangle (so a long row never makes short rows attend over its length), then attended by
+the backend's ``dense_attention``. A layer with a sliding window (gemma3's local layers)
+gathers only the tokens its queries can see: the last ``window`` before each query, as
+mlx-lm's ``RotatingKVCache`` and its windowed mask give them. Nothing outlives the pass but
+the blocks.
 """
 
 from __future__ import annotations
@@ -23,10 +23,11 @@ from typing import Any, Optional, Sequence
 
 import mlx.core as mx
 
-from ...models import attention
+from ...models.backends import MLXOps
 from .block_pool import NULL_BLOCK
 from .storage import PagedKVStorage
 
+_MLX_OPS = MLXOps()
 BUCKET_RATIO = 2
 """Rows attend in buckets whose longest row is at most this many times their shortest."""
 
@@ -130,17 +131,17 @@ def _length_buckets(totals: Sequence[int]) -> list[list[int]]:
     return buckets
 
 
-def _attend_tiled(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: mx.array) -> mx.array:
-    """:func:`~mlx_parallm_provider.models.attention.dense_attention` over tiles of the
+def _attend_tiled(backend: MLXOps, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: mx.array) -> mx.array:
+    """``backend.dense_attention`` over tiles of the
     query positions, each within :data:`TILE_SCORES`, each evaluated before the next is
     built (MLX would otherwise run the tiles side by side, all their intermediates alive)."""
     B, heads, L, _ = queries.shape
     tile = max(1, TILE_SCORES // max(1, B * heads * keys.shape[2]))
     if L <= tile:
-        return attention.dense_attention(queries, keys, values, scale=scale, mask=mask)
+        return backend.dense_attention(queries, keys, values, scale=scale, mask=mask)
     outs = []
     for i in range(0, L, tile):
-        outs.append(attention.dense_attention(queries[:, :, i : i + tile], keys, values, scale=scale, mask=mask[:, :, i : i + tile]))
+        outs.append(backend.dense_attention(queries[:, :, i : i + tile], keys, values, scale=scale, mask=mask[:, :, i : i + tile]))
         mx.eval(outs[-1])
     return mx.concatenate(outs, axis=2)
 
@@ -171,12 +172,15 @@ class PagedLayerCache:
         self.batch.storage.write(self.layer, self.batch.write_slots, flat_k, flat_v)
         return keys, values
 
-    def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Optional[Any]) -> mx.array:
-        """Attention of ``queries`` (B, heads, L, D) over each row's blocks: one CPU kernel
-        call through the block tables when decoding, else per bucket over gathered blocks."""
+    def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Optional[Any],
+               backend: Optional[MLXOps] = None) -> mx.array:
+        """Attention of ``queries`` (B, heads, L, D) over each row's blocks by ``backend``
+        (the model's; None: MLX's ops): one kernel call through the block tables when
+        decoding where it has one, else per bucket over gathered blocks."""
+        backend = backend or _MLX_OPS
         batch, storage = self.batch, self.batch.storage
         if batch.table is not None and self.window is None:
-            out = attention.paged_decode_attention(queries, storage.keys[self.layer], storage.values[self.layer], batch.table,
+            out = backend.paged_decode_attention(queries, storage.keys[self.layer], storage.values[self.layer], batch.table,
                                                    batch.lengths, storage.block_size, scale)
             if out is not None:
                 return out
@@ -185,7 +189,7 @@ class PagedLayerCache:
         for bucket in buckets:
             k, v = self.batch.storage.read(self.layer, bucket.slots)  # (b, S, kv_heads, D)
             q = queries if bucket.index is None else queries[bucket.index]
-            outs.append(_attend_tiled(q, k.swapaxes(1, 2), v.swapaxes(1, 2), scale, bucket.mask))
+            outs.append(_attend_tiled(backend, q, k.swapaxes(1, 2), v.swapaxes(1, 2), scale, bucket.mask))
         if len(outs) == 1:
             return outs[0]
         order = [b for bucket in buckets for b in bucket.rows]

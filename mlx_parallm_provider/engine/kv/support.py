@@ -3,13 +3,12 @@ cache classes."""
 
 from __future__ import annotations
 
-import sys
 from typing import Any, Optional
 
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from ...config import EngineConfig
-from ...models import attention
+from ...models import backends
 
 
 def unsupported_reason(model: Any, config: EngineConfig) -> Optional[str]:
@@ -18,9 +17,10 @@ def unsupported_reason(model: Any, config: EngineConfig) -> Optional[str]:
         return "kv_layout='rectangle'"
     if config.max_kv_size is not None:
         return "max_kv_size (a rotating cache) is set"
-    module = sys.modules.get(type(model).__module__)
-    if getattr(module, "scaled_dot_product_attention", None) is not attention.attend:
+    if not backends.routes_attention(model):
         return f"{type(model).__module__} does not route attention through its cache"
+    if "paged" not in backends.of(model).kv_layouts:
+        return f"its backend ({type(backends.of(model)).__name__}) does not attend over paged KV"
     if not hasattr(model, "layers"):
         return "the model has no layers list"
     if any(hasattr(getattr(layer, "self_attn", None), "sinks") for layer in model.layers):

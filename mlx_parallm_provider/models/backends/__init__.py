@@ -1,0 +1,116 @@
+"""One backend object per loaded model: MLX's own ops (:class:`MLXOps`) or this package's
+CPU kernels (:class:`CPUKernels`), chosen once (:func:`choose`) and installed on that model
+alone (:func:`install`), as vLLM picks one attention backend class per model.
+
+:func:`install` points the model's layers at the backend (:mod:`.routing`: per instance,
+never through mlx-lm's module globals) and records it on the model (:func:`of`). A model
+nobody installs a backend on (a user's own, the benchmark's mlx-lm peers) runs mlx-lm as it
+is, whatever else the process serves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from typing import Any, Iterator, Optional, Union
+
+from .cpu_kernels import CPUKernels
+from .mlx_ops import MLXOps
+from .routing import route, unroute
+
+__all__ = ["CPU_OPS_ENV", "CPUKernels", "MLXOps", "choose", "ensure", "install", "of", "routes_attention", "uninstall", "using", "wants_kernels"]
+
+logger = logging.getLogger(__name__)
+
+CPU_OPS_ENV = "MLX_PARALLM_CPU_OPS"
+_ATTRIBUTE = "_parallm_backend"  # on the model: (backend, whether attention is routed)
+
+Choice = Union[None, bool, str, MLXOps]
+"""What :func:`choose` takes: None (the default), True / ``"cpu"`` (the CPU kernels),
+False / ``"mlx"`` (MLX's own ops), or a backend object."""
+
+
+def wants_kernels() -> bool:
+    """The default choice: ``MLX_PARALLM_CPU_OPS`` (``1``/``on``/``true``/``yes`` or
+    ``0``/``off``/``false``/``no``) if set, else whether MLX's default device is the CPU."""
+    value = os.environ.get(CPU_OPS_ENV, "").strip().lower()
+    if value in ("0", "off", "false", "no"):
+        return False
+    if value in ("1", "on", "true", "yes"):
+        return True
+    from ..backend import is_cpu
+
+    return is_cpu()
+
+
+def choose(choice: Choice = None) -> MLXOps:
+    """A new backend for one model (see :data:`Choice`); the environment is read here, once."""
+    if isinstance(choice, MLXOps):
+        return choice
+    if choice is None:
+        choice = wants_kernels()
+    if choice in (True, "cpu"):
+        return CPUKernels()
+    if choice in (False, "mlx"):
+        return MLXOps()
+    raise ValueError(f"unknown backend {choice!r}: expected 'cpu', 'mlx', a bool or a backend object")
+
+
+def install(model: Any, backend: MLXOps) -> bool:
+    """Make ``backend`` the one ``model``'s layers call (replacing any earlier one: the layers
+    that hold a backend, :mod:`..fused_ops` and :mod:`..small_batch`'s, switch too). Returns
+    whether its attention goes through ``backend.attend``, hence through caches' ``attend``."""
+    routed = route(model, backend)
+    for _, layer in model.named_modules() if hasattr(model, "named_modules") else ():
+        if isinstance(getattr(layer, "backend", None), MLXOps):
+            layer.backend = backend
+    object.__setattr__(model, _ATTRIBUTE, (backend, routed))
+    return routed
+
+
+def ensure(model: Any) -> MLXOps:
+    """``model``'s backend, one chosen by default (:func:`choose`) and installed where it has
+    none (a model handed to an engine without :func:`..backend.prepare_model`)."""
+    backend = of(model)
+    if backend is None:
+        backend = choose()
+        try:
+            install(model, backend)
+        except (AttributeError, TypeError):  # an object that takes no attributes: left as it is
+            logger.info("%s takes no backend: it runs as it is", type(model).__name__)
+    return backend
+
+
+def uninstall(model: Any) -> None:
+    """Give ``model``'s layers back their mlx-lm classes and forget its backend (layers
+    replaced at load, :mod:`..fused_ops` and :mod:`..small_batch`'s, stay)."""
+    unroute(model)
+    if _ATTRIBUTE in vars(model):
+        object.__delattr__(model, _ATTRIBUTE)
+
+
+def of(model: Any) -> Optional[MLXOps]:
+    """The backend installed on ``model``, or None (mlx-lm's own code runs)."""
+    return getattr(model, _ATTRIBUTE, (None, False))[0]
+
+
+def routes_attention(model: Any) -> bool:
+    """Whether ``model``'s attention goes through its backend, hence through caches' ``attend``
+    (what the paged KV and shared prefixes need)."""
+    return getattr(model, _ATTRIBUTE, (None, False))[1]
+
+
+@contextlib.contextmanager
+def using(model: Any, backend: Choice) -> Iterator[MLXOps]:
+    """``model`` on another backend inside the block, its own again after (tests, profiles)."""
+    previous = of(model)
+    chosen = choose(backend)
+    install(model, chosen)
+    try:
+        yield chosen
+    finally:
+        if previous is None:
+            uninstall(model)
+        else:
+            install(model, previous)

@@ -1,0 +1,122 @@
+"""The backend of this package's CPU kernels: several times faster than MLX's own ops on
+the CPU device for attention, SwiGLU, RMSNorm, RoPE and small-batch matmuls.
+
+* attention: one-token (decode) steps through the MLX extension's fused kernel
+  (:mod:`..attention`), other steps through :mod:`..cpu_ops`' plain-MLX formulations for all
+  but tiny tensors, MLX's ``mx.fast`` below that;
+* SwiGLU and the cascade attention's ``exp``: :mod:`..cpu_ops`' arithmetic ``exp``;
+* RMSNorm and RoPE (float32): the extension's fused ops, in the modules
+  :mod:`..fused_ops` installs;
+* linear layers of a quantized checkpoint: steps of at most :attr:`CPUKernels.packed_rows`
+  rows multiply by the packed weights (:mod:`..small_batch`), larger ones by float32 copies.
+
+Without a compiler (no extension) every method falls back to :class:`.MLXOps`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence, Union
+
+import mlx.core as mx
+
+from ..._validation import env_int
+from .. import attention, cpu_ops, qmatmul
+from .mlx_ops import MLXOps
+
+ROWS_ENV = "MLX_PARALLM_SMALL_BATCH_ROWS"
+QMATMUL_THREADS_ENV = "MLX_PARALLM_QMATMUL_THREADS"
+DEFAULT_PACKED_ROWS = 8
+MAX_QMATMUL_THREADS = 256
+
+
+def _attention_threads() -> int:
+    return env_int(attention.THREADS_ENV, attention.default_threads(), 1, attention.MAX_THREADS)
+
+
+def _packed_rows() -> int:
+    return env_int(ROWS_ENV, DEFAULT_PACKED_ROWS, 0, qmatmul.MAX_ROWS)
+
+
+def _qmatmul_threads() -> int:
+    return env_int(QMATMUL_THREADS_ENV, 1, 1, MAX_QMATMUL_THREADS)
+
+
+@dataclass(eq=False)
+class CPUKernels(MLXOps):
+    """This package's CPU kernels. Settings default to the environment, read once, when the
+    backend is made (each bounded with a warning): ``MLX_PARALLM_ATTENTION_THREADS`` (the
+    decode kernel, default the CPU count up to 8), ``MLX_PARALLM_SMALL_BATCH_ROWS`` (default
+    8, at most :data:`.qmatmul.MAX_ROWS`; 0 turns the packed-weight kernel off) and
+    ``MLX_PARALLM_QMATMUL_THREADS`` (default 1: memory-bound, a second thread gains little on
+    two cores). They may be changed on a model's backend afterwards (tests, profiles)."""
+
+    attention_threads: int = field(default_factory=_attention_threads)
+    packed_rows: int = field(default_factory=_packed_rows)  # type: ignore[assignment]
+    qmatmul_threads: int = field(default_factory=_qmatmul_threads)  # type: ignore[assignment]
+
+    name = "cpu"
+    kernels = True
+    head_sizes = (16, attention.MAX_HEAD_DIM, attention.MAX_GROUP)
+
+    def dense_attention(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Optional[Any]) -> mx.array:
+        out = self.decode_attention(queries, keys, values, scale, mask)
+        if out is not None:
+            return out
+        if cpu_ops.attention_size(queries, keys) >= cpu_ops.MIN_ELEMENTS:
+            return cpu_ops.attention(queries, keys, values, scale, mask)
+        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+
+    def decode_attention(
+        self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Optional[Any],
+        prefix_index: Optional[mx.array] = None, prefixes: Sequence[tuple[mx.array, mx.array]] = (),
+    ) -> Optional[mx.array]:
+        return attention.decode_attention(queries, keys, values, scale, mask, prefix_index, prefixes, self.attention_threads)
+
+    def paged_decode_attention(
+        self, queries: mx.array, k_pool: mx.array, v_pool: mx.array, table: mx.array, lengths: mx.array, block_size: int, scale: float
+    ) -> Optional[mx.array]:
+        return attention.paged_decode_attention(queries, k_pool, v_pool, table, lengths, block_size, scale, self.attention_threads)
+
+    def exp(self, x: mx.array) -> mx.array:
+        return cpu_ops.fast_exp(x)
+
+    def swiglu(self, gate: mx.array, x: mx.array) -> mx.array:
+        if gate.size >= cpu_ops.MIN_ELEMENTS:
+            return cpu_ops.swiglu(gate, x)
+        return super().swiglu(gate, x)
+
+    def rms_norm(self, x: mx.array, weight: mx.array, eps: float) -> mx.array:
+        ext = _fused()
+        if ext is None or x.dtype != mx.float32 or x.ndim == 0:
+            return super().rms_norm(x, weight, eps)
+        return ext.rms_norm(x, weight, eps)
+
+    def rope(self, x: mx.array, dims: int, traditional: bool, base: float, scale: float, offset: Union[int, mx.array], freqs: Any) -> mx.array:
+        ext = _fused()
+        if ext is None or freqs is None or x.dtype != mx.float32 or x.ndim < 3:
+            return super().rope(x, dims, traditional, base, scale, offset, freqs)
+        if isinstance(offset, mx.array):
+            if offset.ndim > 1 or offset.size not in (1, x.shape[0]) or not mx.issubdtype(offset.dtype, mx.integer):
+                return super().rope(x, dims, traditional, base, scale, offset, freqs)
+        elif isinstance(offset, int):
+            offset = mx.array(offset, dtype=mx.int32)
+        else:
+            return super().rope(x, dims, traditional, base, scale, offset, freqs)
+        return ext.rope(x, dims, traditional, scale, offset, freqs)
+
+    def adapt_quantized(self, model: Any) -> None:
+        """Keep the packed weights for small steps and fuse RMSNorm / RoPE (CPU device only;
+        nothing without a compiler)."""
+        from .. import fused_ops, small_batch
+        from ..backend import is_cpu
+
+        if is_cpu():
+            small_batch.dequantize(model, self)
+            fused_ops.install(model, self)
+
+
+def _fused() -> Any:
+    """The extension where it builds with the fused norm and RoPE ops, else None."""
+    ext = attention._extension()
+    return ext if ext is not None and hasattr(ext, "rope") else None

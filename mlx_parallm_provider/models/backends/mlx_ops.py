@@ -1,0 +1,90 @@
+"""The backend of MLX's own ops: what a model runs where no CPU kernel applies (Metal, CUDA,
+``MLX_PARALLM_CPU_OPS=0``), and the base class every backend extends."""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence, Union
+
+import mlx.core as mx
+
+from .routing import mlx_lm_attention, mlx_lm_swiglu
+
+
+class MLXOps:
+    """MLX's own ops for one loaded model's attention, SwiGLU, norms, RoPE and linear layers.
+
+    A backend is chosen once per model (:func:`.choose`) and held by the model's layers
+    (:func:`.install`); the engine's caches reach it as the ``backend`` argument of their
+    ``attend``. Class attributes declare what it supports."""
+
+    name = "mlx"
+    kernels = False
+    """Whether it runs this package's CPU kernels (the packed-weight matmul, the fused
+    decode attention, RMSNorm and RoPE)."""
+    kv_layouts: tuple[str, ...] = ("rectangle", "paged")
+    head_sizes: Optional[tuple[int, int, int]] = None
+    """``(multiple, largest, largest query heads per KV head)`` its decode kernels take; None: any."""
+    packed_rows = 0
+    """Inputs of at most this many rows multiply by packed weights (:mod:`..small_batch`); 0: never."""
+    qmatmul_threads = 1
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+    # -- attention ----------------------------------------------------------------------
+
+    def attend(self, queries: Any, keys: Any, values: Any, cache: Any, scale: float, mask: Optional[Any], sinks: Optional[Any] = None) -> Any:
+        """mlx-lm's ``scaled_dot_product_attention`` as the model's layers call it: the
+        cache's own ``attend(queries, keys, values, scale=, mask=, backend=)`` where it has
+        one, mlx-lm's function for quantized caches and attention sinks, else
+        :meth:`dense_attention`."""
+        if sinks is not None or hasattr(cache, "bits"):
+            return mlx_lm_attention(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+        own = getattr(cache, "attend", None)
+        if own is not None:
+            return own(queries, keys, values, scale=scale, mask=mask, backend=self)
+        return self.dense_attention(queries, keys, values, scale=scale, mask=mask)
+
+    def dense_attention(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Optional[Any]) -> mx.array:
+        """Plain attention: ``queries`` (B, heads, L, D) over ``keys`` / ``values`` (B,
+        kv_heads, S, D), ``mask`` as mlx-lm passes it (None, ``"causal"`` or an array)."""
+        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+
+    def decode_attention(
+        self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Optional[Any],
+        prefix_index: Optional[mx.array] = None, prefixes: Sequence[tuple[mx.array, mx.array]] = (),
+    ) -> Optional[mx.array]:
+        """One query position per row through a fused kernel (``prefix_index`` / ``prefixes``:
+        shared prefixes, see :func:`..attention.decode_attention`), or None: use MLX's ops."""
+        return None
+
+    def paged_decode_attention(
+        self, queries: mx.array, k_pool: mx.array, v_pool: mx.array, table: mx.array, lengths: mx.array, block_size: int, scale: float
+    ) -> Optional[mx.array]:
+        """One query position per row over paged KV through a fused kernel, or None: the
+        caller gathers the rows' blocks (see :func:`..attention.paged_decode_attention`)."""
+        return None
+
+    # -- elementwise ----------------------------------------------------------------------
+
+    def exp(self, x: mx.array) -> mx.array:
+        """``exp`` as the engine's cascade attention takes it."""
+        return mx.exp(x)
+
+    def swiglu(self, gate: mx.array, x: mx.array) -> mx.array:
+        """``silu(gate) * x`` (mlx-lm's ``swiglu``)."""
+        return mlx_lm_swiglu(gate, x)
+
+    def rms_norm(self, x: mx.array, weight: mx.array, eps: float) -> mx.array:
+        """``nn.RMSNorm``'s computation."""
+        return mx.fast.rms_norm(x, weight, eps)
+
+    def rope(self, x: mx.array, dims: int, traditional: bool, base: float, scale: float, offset: Union[int, mx.array], freqs: Any) -> mx.array:
+        """``nn.RoPE``'s computation (``freqs``: the inverse frequencies, for a kernel that takes them)."""
+        return mx.fast.rope(x, dims, traditional=traditional, base=base, scale=scale, offset=offset)
+
+    # -- load time ------------------------------------------------------------------------
+
+    def adapt_quantized(self, model: Any) -> None:
+        """Replace layers of a quantized model that this backend computes its own way, before
+        mlx-lm's ``dequantize_model`` dequantizes the rest (nothing here)."""
