@@ -78,14 +78,7 @@ class Engine(EmbedMethods):
         prompt = await self._prompts.tokenized_off_loop(prompt, params)
         request = self._submit(prompt, params, request_id, sink, stream=False)
         sink.request = request
-        try:
-            item = await self._next_item(sink, request)
-        except BaseException:
-            self._cancel(request)
-            raise
-        if isinstance(item, BaseException):
-            raise item
-        return item
+        return await self._result(sink, request)
 
     async def stream(self, prompt: Prompt, params: Optional[SamplingParams] = None, *, request_id: Optional[str] = None) -> AsyncGenerator[Delta, None]:
         """Yield :class:`Delta` pieces as they are generated; breaking out cancels."""
@@ -109,14 +102,7 @@ class Engine(EmbedMethods):
         """Blocking :meth:`generate`, for plain threads (not inside a running event loop's thread)."""
         sink = _ThreadSink()
         request = self._submit(prompt, params, request_id, sink, stream=False)
-        try:
-            item = self._next_item_sync(sink, request)
-        except BaseException:
-            self._cancel(request)
-            raise
-        if isinstance(item, BaseException):
-            raise item
-        return item
+        return self._result_sync(sink, request)
 
     def stream_sync(self, prompt: Prompt, params: Optional[SamplingParams] = None, *, request_id: Optional[str] = None) -> Generator[Delta, None, None]:
         """Blocking :meth:`stream`, for plain threads; closing the iterator cancels."""
@@ -250,6 +236,29 @@ class Engine(EmbedMethods):
             worker.stop()
 
     # -- internals --------------------------------------------------------------------
+
+    async def _result(self, sink: _LoopSink, request: Any) -> Any:
+        """A request's one result (a completion, an embedding), its error raised; the
+        request is cancelled if the wait is interrupted."""
+        try:
+            item = await self._next_item(sink, request)
+        except BaseException:
+            self._cancel(request)
+            raise
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def _result_sync(self, sink: _ThreadSink, request: Any) -> Any:
+        """Blocking :meth:`_result`."""
+        try:
+            item = self._next_item_sync(sink, request)
+        except BaseException:
+            self._cancel(request)
+            raise
+        if isinstance(item, BaseException):
+            raise item
+        return item
 
     async def _next_item(self, sink: _LoopSink, request: Request) -> object:
         """The request's next result; at its deadline, a timeout error, whatever the worker

@@ -47,14 +47,7 @@ class EmbedMethods:
         else:
             request = self._submit_embedding(inputs, pooling, dimensions, timeout, request_id, sink)
         sink.request = request
-        try:
-            item = await self._next_item(sink, request)  # type: ignore[attr-defined]
-        except BaseException:
-            self._cancel(request)  # type: ignore[attr-defined]
-            raise
-        if isinstance(item, BaseException):
-            raise item
-        return item
+        return await self._result(sink, request)  # type: ignore[attr-defined]
 
     def embed_sync(
         self, inputs: EmbedInputs, *, pooling: str = "mean", dimensions: Optional[int] = None,
@@ -63,14 +56,7 @@ class EmbedMethods:
         """Blocking :meth:`embed`, for plain threads (not inside a running event loop's thread)."""
         sink = ThreadSink()
         request = self._submit_embedding(inputs, pooling, dimensions, timeout, request_id, sink)
-        try:
-            item = self._next_item_sync(sink, request)  # type: ignore[attr-defined]
-        except BaseException:
-            self._cancel(request)  # type: ignore[attr-defined]
-            raise
-        if isinstance(item, BaseException):
-            raise item
-        return item
+        return self._result_sync(sink, request)  # type: ignore[attr-defined]
 
     def _submit_embedding(
         self, inputs: Any, pooling: Any, dimensions: Any, timeout: Any, request_id: Optional[str], sink: ResultSink
