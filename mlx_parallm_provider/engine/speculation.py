@@ -108,21 +108,23 @@ class NgramSpeculator:
     def draft(self, request: Any) -> None:
         """Set ``request.draft`` for its next step (after it took its latest token)."""
         if not can_speculate(request) or request.finished:
-            request.draft = []
-            self._index.pop(id(request), None)
+            self.forget(request)
             return
         index = self._index.get(id(request))
         if index is None:
             index = self._index[id(request)] = NgramIndex()
-        index.extend((request.prompt_ids + request.output_ids)[len(index.tokens) :])
+        prompt = request.prompt_ids  # index only the tokens it has not seen (no prompt + output copy a step)
+        index.extend(prompt[len(index.tokens) :])
+        index.extend(request.output_ids[len(index.tokens) - len(prompt) :])
         left = request.params.max_tokens - len(request.output_ids) - 1  # the step emits one token besides
         request.draft = index.propose(min(self.k, left)) if left > 0 else []
 
     def draft_all(self, rows: Sequence[Any]) -> None:
         """Set every decoding row's drafts for the next step (none while too many rows decode:
         they would not be verified, only held room for)."""
+        few = len(rows) <= self.max_batch
         for request in rows:
-            if len(rows) <= self.max_batch:
+            if few:
                 self.draft(request)
             else:
                 request.draft = []

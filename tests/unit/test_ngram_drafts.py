@@ -73,3 +73,16 @@ def test_fitting_a_table_releases_the_blocks_of_rejected_drafts() -> None:
     assert len(kv.table("row")) == 4 and kv.pool.num_free == free - 2
     kv.fit("row", 7)  # 1 accepted: the blocks past it go back
     assert len(kv.table("row")) == 2 and kv.pool.num_free == free
+
+
+def test_a_rows_drafts_come_from_its_whole_prompt_and_output_as_they_grow() -> None:
+    spec = NgramSpeculator(k=3, max_batch=8)
+    row = _Row([])
+    row.prompt_ids, row.output_ids, row.finished = [7, 1, 2, 3, 4, 9], [], False
+    row.params.max_tokens = 20
+    for token in [1, 2, 5, 1, 2]:
+        row.output_ids.append(token)
+        spec.draft(row)
+        assert spec._index[id(row)].tokens == row.prompt_ids + row.output_ids  # noqa: SLF001
+        assert row.draft == _reference(row.prompt_ids + row.output_ids, 3)
+    assert row.draft == [5, 1, 2]  # "1 2" last ended before the 5 of the output
