@@ -56,8 +56,7 @@ class PagedKVStorage:
             for layer, a in enumerate(arrays):
                 if a is not None:
                     arrays[layer] = mx.concatenate([a, mx.zeros((extra, *a.shape[1:]), a.dtype)])
-                    mx.eval(arrays[layer])  # before the next layer's copy: the old array is freed here
-                    del a
+                    mx.eval(arrays[layer])  # now, so one layer's old array at most is held beside its copy
         self._blocks = target
 
     def check(self, highest_slot: int) -> None:
