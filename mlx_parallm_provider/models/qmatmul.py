@@ -38,8 +38,8 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 SOURCE = Path(__file__).with_name("kernels") / "qmatmul.c"
-MAX_ROWS = 8
-"""Rows of ``x`` one call takes (the C kernel's ``MAX_ROWS``)."""
+MAX_ROWS = 64
+"""Rows of ``x`` one call takes (the C kernel's ``MAX_CALL_ROWS``)."""
 SUPPORTED_BITS = (4, 8)
 
 _FLAGS = ["-O3", "-shared", "-fPIC", "-fopenmp", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]

@@ -56,7 +56,7 @@ def _quantized(shape: tuple[int, int], bits: int, group: int, seed: int = 0):
 
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("group", [32, 64, 128])
-@pytest.mark.parametrize("rows", range(1, 9))
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 17, qmatmul.MAX_ROWS])  # 9+: several register tiles
 def test_kernel_equals_mlx_on_the_float32_dequantized_weight(kernel, bits: int, group: int, rows: int) -> None:
     module = _quantized((97, 384), bits, group)
     packed = small_batch.PackedWeight.from_module(module).for_kernel(kernel)
@@ -88,6 +88,27 @@ def test_extension_reads_strided_lazy_inputs() -> None:
     assert y.shape == (1, 3, 40) and y.dtype == mx.float32
     expected = (x * 2.0) @ small_batch._float32_weight(module).T
     assert np.allclose(np.asarray(y[0]), np.asarray(expected), rtol=1e-5, atol=1e-4)
+
+def test_the_portable_path_computes_what_the_native_one_does(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Built without ``-march=native`` the kernel takes its portable path (GCC vector
+    extensions; on x86 the AVX2 path is native-only), which must give the same products."""
+    native = _ctypes_kernel()
+    monkeypatch.setenv("MLX_PARALLM_HOME", str(tmp_path))
+    monkeypatch.setattr(qmatmul, "native_flags", lambda compiler: [])
+    qmatmul.reset()
+    try:
+        portable = qmatmul.load()
+    finally:
+        qmatmul.reset()
+    assert portable is not None and portable is not native
+    for bits, group in [(4, 32), (4, 128), (8, 64)]:
+        module = _quantized((50, 256), bits, group)
+        packed = small_batch.PackedWeight.from_module(module)
+        x = mx.random.normal((11, 256), key=mx.random.key(bits + group))
+        expected = np.asarray(x @ small_batch._float32_weight(module).T)
+        for lib in (native, portable):
+            assert np.allclose(np.asarray(packed.matmul(lib, x)), expected, rtol=1e-5, atol=1e-4)
+
 
 def test_kernel_rejects_what_it_cannot_read(kernel) -> None:
     assert small_batch.PackedWeight.from_module(_quantized((8, 64), bits=2, group=32)) is None

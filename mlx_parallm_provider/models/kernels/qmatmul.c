@@ -1,13 +1,18 @@
-/* y = x @ W.T for a few rows of x and affine-quantized W (MLX's layout), on the CPU.
+/* y = x @ W.T for rows of x and affine-quantized W (MLX's layout), on the CPU.
  *
  * W is N x K, stored as MLX's quantize() writes it: `bits` (4 or 8) per element packed
  * little-endian (element j of a row at bits j*bits.. of the row's byte stream), and per group of
  * `group` elements a scale and a bias, w = scale * q + bias. x is M x K float32, y is M x N.
  *
- * Decoding one token reads every weight once per step, so at a handful of rows the step is
- * bound by memory traffic: 4-bit weights move an eighth of float32's bytes. Each 16-byte chunk
- * of a row is unpacked once and used for all M rows of x. Written with GCC vector extensions,
- * which lower to AVX-512/AVX2 on x86 and NEON on ARM; rows of W are split across OpenMP threads.
+ * Decoding a few rows reads every weight once per step, so the step is bound by memory traffic
+ * and by the work of unpacking: 4-bit weights move an eighth of float32's bytes. Each 32-weight
+ * chunk of a row is dequantized to float32 once (w = q * scale + bias, what the float32 copy of
+ * the weights holds) and used for up to MAX_ROWS rows of x, so the kernel computes what a
+ * float32 GEMM over the dequantized weights does, up to the order of the additions.
+ *
+ * Two paths: AVX2 + FMA intrinsics (x86 without AVX-512: GCC's generic 64-byte vectors split
+ * into scalar conversions there, ~3x slower), and GCC vector extensions for the rest, which
+ * lower to AVX-512 on x86 and NEON on ARM. Rows of W are split across OpenMP threads.
  */
 #include <stdint.h>
 #include <string.h>
@@ -15,44 +20,16 @@
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
-
-#define MAX_ROWS 8
-
-typedef uint8_t v16u8 __attribute__((vector_size(16)));
-typedef float v16f __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-/* Unaligned views for loads: with memcpy into a vector, GCC splits 8-bit loads into scalars. */
-typedef uint8_t v16u8_u __attribute__((vector_size(16), aligned(1), may_alias));
-typedef float v16f_u __attribute__((vector_size(64), aligned(4), may_alias));
-
-/* Bytes to floats in two steps (zero-extend, then int to float): GCC turns a direct
- * uint8 -> float conversion into one scalar conversion per element. */
-static inline v16f to_float(v16u8 b) {
-#if defined(__AVX512F__)  /* GCC scalarizes the generic form for whole bytes */
-    return (v16f)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32((__m128i)b));
-#elif defined(__AVX2__)
-    __m128i bytes = (__m128i)b;
-    __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
-    __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(bytes, bytes)));
-    v16f out;
-    memcpy(&out, &lo, 32);
-    memcpy((char *)&out + 32, &hi, 32);
-    return out;
-#else
-    return __builtin_convertvector(__builtin_convertvector(b, v16i), v16f);
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#define QM_AVX2 1
 #endif
-}
 
-static inline float hsum(v16f v) {
-    float s = 0.0f;
-    for (int i = 0; i < 16; i++) s += v[i];
-    return s;
-}
+#define MAX_ROWS 8        /* rows of x one weight row is multiplied with at a time (registers) */
+#define MAX_CALL_ROWS 64  /* rows of x one call takes; larger inputs belong to a GEMM */
 
 /* x deinterleaved per 32-element chunk for 4-bit weights: a byte holds elements 2i (low
  * nibble) and 2i+1 (high nibble), so evens go first, then odds. 8-bit keeps x as is. */
-static void prepare_x(const float *x, int M, int K, int bits, int group, float *xd, float *xsum) {
-    int G = K / group;
+static void prepare_x(const float *x, int M, int K, int bits, float *xd) {
     for (int m = 0; m < M; m++) {
         const float *xr = x + (size_t)m * K;
         float *dr = xd + (size_t)m * K;
@@ -65,84 +42,133 @@ static void prepare_x(const float *x, int M, int K, int bits, int group, float *
         } else {
             memcpy(dr, xr, sizeof(float) * K);
         }
-        for (int g = 0; g < G; g++) {
-            float s = 0.0f;
-            for (int i = 0; i < group; i++) s += xr[g * group + i];
-            xsum[m * G + g] = s;
-        }
     }
 }
 
-static inline __attribute__((always_inline)) void row4(const uint8_t *w, const float *scales, const float *biases, const float *xd,
-                 const float *xsum, int M, int K, int group, float *out, int N) {
-    v16f acc[MAX_ROWS];
-    for (int m = 0; m < M; m++) acc[m] = (v16f){0};
+#ifdef QM_AVX2
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static inline __m256 dequant8(__m128i bytes, __m256 scale, __m256 bias) {
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)), scale, bias);
+}
+
+/* One weight row times M (<= MAX_ROWS) rows of x; out[m * ldy]. */
+static inline __attribute__((always_inline)) void dot_row(const uint8_t *w, const float *scales, const float *biases,
+        const float *xd, int M, int K, int bits, int group, float *out, size_t ldy) {
+    __m256 acc[MAX_ROWS], acc2[MAX_ROWS];  /* two chains per row: FMA latency, not throughput, bounds one row */
+    for (int m = 0; m < M; m++) acc[m] = acc2[m] = _mm256_setzero_ps();
+    const __m128i low = _mm_set1_epi8(0x0F);
     for (int g = 0; g < K / group; g++) {
-        float s = scales[g];
+        __m256 s = _mm256_set1_ps(scales[g]), b = _mm256_set1_ps(biases[g]);
         for (int c = g * group; c < (g + 1) * group; c += 32) {
-            v16u8 b = *(const v16u8_u *)(w + c / 2);
-            v16f lo = to_float(b & 15) * s;
-            v16f hi = to_float(b >> 4) * s;
+            __m256 w0, w1, w2, w3;  /* the chunk in x's order (deinterleaved for 4-bit) */
+            if (bits == 4) {
+                __m128i raw = _mm_loadu_si128((const __m128i *)(w + c / 2));
+                __m128i lo = _mm_and_si128(raw, low), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low);
+                w0 = dequant8(lo, s, b);
+                w1 = dequant8(_mm_srli_si128(lo, 8), s, b);
+                w2 = dequant8(hi, s, b);
+                w3 = dequant8(_mm_srli_si128(hi, 8), s, b);
+            } else {
+                const uint8_t *p = w + c;
+                w0 = dequant8(_mm_loadl_epi64((const __m128i *)p), s, b);
+                w1 = dequant8(_mm_loadl_epi64((const __m128i *)(p + 8)), s, b);
+                w2 = dequant8(_mm_loadl_epi64((const __m128i *)(p + 16)), s, b);
+                w3 = dequant8(_mm_loadl_epi64((const __m128i *)(p + 24)), s, b);
+            }
             for (int m = 0; m < M; m++) {
-                v16f xe = *(const v16f_u *)(xd + (size_t)m * K + c);
-                v16f xo = *(const v16f_u *)(xd + (size_t)m * K + c + 16);
-                acc[m] += lo * xe + hi * xo;
+                const float *xr = xd + (size_t)m * K + c;
+                acc[m] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xr), acc[m]);
+                acc2[m] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xr + 8), acc2[m]);
+                acc[m] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xr + 16), acc[m]);
+                acc2[m] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xr + 24), acc2[m]);
             }
         }
     }
-    int G = K / group;
-    for (int m = 0; m < M; m++) {
-        float b = 0.0f;
-        for (int g = 0; g < G; g++) b += biases[g] * xsum[m * G + g];
-        out[(size_t)m * N] = hsum(acc[m]) + b;
-    }
+    for (int m = 0; m < M; m++) out[(size_t)m * ldy] = hsum8(_mm256_add_ps(acc[m], acc2[m]));
+}
+#else
+typedef uint8_t v16u8 __attribute__((vector_size(16)));
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+/* Unaligned views for loads: with memcpy into a vector, GCC splits 8-bit loads into scalars. */
+typedef uint8_t v16u8_u __attribute__((vector_size(16), aligned(1), may_alias));
+typedef float v16f_u __attribute__((vector_size(64), aligned(4), may_alias));
+
+/* Bytes to floats in two steps (zero-extend, then int to float): GCC turns a direct
+ * uint8 -> float conversion into one scalar conversion per element. */
+static inline v16f to_float(v16u8 b) {
+#if defined(__AVX512F__)  /* GCC scalarizes the generic form for whole bytes */
+    return (v16f)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32((__m128i)b));
+#else
+    return __builtin_convertvector(__builtin_convertvector(b, v16i), v16f);
+#endif
 }
 
-static inline __attribute__((always_inline)) void row8(const uint8_t *w, const float *scales, const float *biases, const float *xd,
-                 const float *xsum, int M, int K, int group, float *out, int N) {
+static inline float hsum(v16f v) {
+    float s = 0.0f;
+    for (int i = 0; i < 16; i++) s += v[i];
+    return s;
+}
+
+/* One weight row times M (<= MAX_ROWS) rows of x; out[m * ldy]. */
+static inline __attribute__((always_inline)) void dot_row(const uint8_t *w, const float *scales, const float *biases,
+        const float *xd, int M, int K, int bits, int group, float *out, size_t ldy) {
     v16f acc[MAX_ROWS];
     for (int m = 0; m < M; m++) acc[m] = (v16f){0};
     for (int g = 0; g < K / group; g++) {
-        float s = scales[g];
-        for (int c = g * group; c < (g + 1) * group; c += 16) {
-            v16u8 b = *(const v16u8_u *)(w + c);
-            v16f q = to_float(b) * s;
-            for (int m = 0; m < M; m++) {
-                v16f xv = *(const v16f_u *)(xd + (size_t)m * K + c);
-                acc[m] += q * xv;
+        float s = scales[g], b = biases[g];
+        for (int c = g * group; c < (g + 1) * group; c += bits == 4 ? 32 : 16) {
+            if (bits == 4) {
+                v16u8 raw = *(const v16u8_u *)(w + c / 2);
+                v16f lo = to_float(raw & 15) * s + b;
+                v16f hi = to_float(raw >> 4) * s + b;
+                for (int m = 0; m < M; m++) {
+                    const float *xr = xd + (size_t)m * K + c;
+                    acc[m] += lo * *(const v16f_u *)xr + hi * *(const v16f_u *)(xr + 16);
+                }
+            } else {
+                v16f q = to_float(*(const v16u8_u *)(w + c)) * s + b;
+                for (int m = 0; m < M; m++) acc[m] += q * *(const v16f_u *)(xd + (size_t)m * K + c);
             }
         }
     }
-    int G = K / group;
-    for (int m = 0; m < M; m++) {
-        float b = 0.0f;
-        for (int g = 0; g < G; g++) b += biases[g] * xsum[m * G + g];
-        out[(size_t)m * N] = hsum(acc[m]) + b;
-    }
+    for (int m = 0; m < M; m++) out[(size_t)m * ldy] = hsum(acc[m]);
 }
+#endif
 
-/* Returns 0, or -1 for arguments this kernel does not handle (the caller falls back). */
+/* Returns 0, or -1 for arguments this kernel does not handle (the caller falls back) or when
+ * memory for x's copy cannot be had. */
 int qmatmul(const float *x, int M, int K, const uint8_t *w, const float *scales,
             const float *biases, int N, int bits, int group, float *y, int threads) {
-    if (M < 1 || M > MAX_ROWS || (bits != 4 && bits != 8) || group % 32 != 0 || K % group != 0)
+    if (M < 1 || M > MAX_CALL_ROWS || (bits != 4 && bits != 8) || group <= 0 || group % 32 != 0 || K % group != 0)
         return -1;
     int G = K / group;
-    float *xd = malloc(sizeof(float) * ((size_t)M * K + (size_t)M * G));
+    float *xd = malloc(sizeof(float) * (size_t)M * K);
     if (!xd) return -1;
-    float *xsum = xd + (size_t)M * K;
-    prepare_x(x, M, K, bits, group, xd, xsum);
+    prepare_x(x, M, K, bits, xd);
     size_t row_bytes = (size_t)K * bits / 8;
     #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int n = 0; n < N; n++) {
         const uint8_t *wr = w + (size_t)n * row_bytes;
         const float *sr = scales + (size_t)n * G, *br = biases + (size_t)n * G;
-        /* A constant row count lets the compiler keep the accumulators in registers. */
-        switch ((bits == 4 ? 0 : 100) + M) {
-#define ROWS(m) \
-        case m: row4(wr, sr, br, xd, xsum, m, K, group, y + n, N); break; \
-        case 100 + m: row8(wr, sr, br, xd, xsum, m, K, group, y + n, N); break;
-        ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
+        for (int m0 = 0; m0 < M; m0 += MAX_ROWS) {
+            int rows = M - m0 < MAX_ROWS ? M - m0 : MAX_ROWS;
+            const float *xr = xd + (size_t)m0 * K;
+            float *out = y + (size_t)m0 * N + n;
+            /* A constant row count lets the compiler keep the accumulators in registers. */
+            switch ((bits == 4 ? 0 : 100) + rows) {
+#define ROWS(r) \
+            case r: dot_row(wr, sr, br, xr, r, K, 4, group, out, N); break; \
+            case 100 + r: dot_row(wr, sr, br, xr, r, K, 8, group, out, N); break;
+            ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
 #undef ROWS
+            }
         }
     }
     free(xd);

@@ -42,7 +42,7 @@ using namespace nb::literals;
 
 namespace {
 
-constexpr int kMaxRows = 8;  // qmatmul.c's MAX_ROWS
+constexpr int kMaxRows = 64;  // qmatmul.c's MAX_CALL_ROWS
 
 class QMatmul : public mx::Primitive {
  public:
