@@ -55,6 +55,11 @@ def env_int(name: str, default: int, minimum: int, maximum: int) -> int:
     return bounded
 
 
+def env_flag(name: str) -> bool:
+    """Whether environment variable ``name`` is set to 1 / true / yes / on (any case)."""
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
 def check_text(name: str, text: str) -> None:
     """Raise :class:`InvalidParameterError` naming ``name`` if ``text`` is not valid Unicode
     text: a lone surrogate (``"\\ud800"``, which a JSON body can spell as an escape) cannot be

@@ -83,7 +83,7 @@ def _families(model: Any, cache: list[Any], batch: int) -> dict[str, Callable[[]
     x = mx.random.normal((batch, 1, hidden), key=mx.random.key(1))
     q = mx.random.normal((batch, heads, 1, head_dim), key=mx.random.key(2))
     kv = mx.random.normal((batch, kv_heads, 1, head_dim), key=mx.random.key(3))
-    inter = layers[0].mlp.gate_proj.weight.shape[0]
+    inter = model.args.intermediate_size
     gate = mx.random.normal((batch, 1, inter), key=mx.random.key(4))
     mask = cache[0].make_mask(1)
     fetched = [c.update_and_fetch(kv, kv) for c in cache]  # the keys a step attends over

@@ -43,6 +43,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     jobs = [(" ".join(rng.choice(words) for _ in range(rng.randrange(10, 301))), rng.randrange(1, 65)) for _ in range(args.requests)]
     failures: list[str] = []
     gate = asyncio.Semaphore(args.concurrency)
+    done = [0]
+    tic = time.perf_counter()
 
     async def one(prompt: str, n: int) -> int:
         async with gate:
@@ -51,11 +53,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             except Exception as exc:  # counted and shown: the target is none
                 failures.append(f"{type(exc).__name__}: {exc}")
                 return 0
+            finally:
+                done[0] += 1
+                if done[0] % 100 == 0:  # progress, so a long soak shows where it is
+                    print(f"  {done[0]} answered after {time.perf_counter() - tic:.0f} s; peak over idle "
+                          f"{(mx.get_peak_memory() - idle) / 1024**3:.3f} GiB; failed {len(failures)}", flush=True)
 
     async def run() -> int:
         return sum(await asyncio.gather(*(one(p, n) for p, n in jobs)))
 
-    tic = time.perf_counter()
     tokens = asyncio.run(run())
     wall = time.perf_counter() - tic
     stats = engine.stats()

@@ -69,6 +69,34 @@ def bind() -> bool:
         return True
 
 
+def bind_for_gemm() -> bool:
+    """Give the extension a ``cblas_sgemm`` for its tiled GEMM over packed weights
+    (:mod:`.small_batch`), in either import order: the one :func:`bind` set, else the
+    preloaded BLAS's (the library already in the global scope, so nothing changes for MLX).
+    False where there is no extension or no BLAS (logged); :func:`dense` is not affected."""
+    ext = qmatmul_ext.load()
+    if ext is None or not hasattr(ext, "set_sgemm"):
+        return False
+    with _lock:
+        if ext.has_sgemm():
+            return True
+    path = backend.preloaded()
+    if path is None:
+        if not needed():
+            logger.info("no BLAS was preloaded: quantized layers keep float32 copies for large steps")
+            return False
+        return bind()
+    try:
+        address = ctypes.cast(ctypes.CDLL(path).cblas_sgemm, ctypes.c_void_p).value
+    except (OSError, AttributeError, TypeError) as exc:
+        logger.warning("no cblas_sgemm in %s (%s): quantized layers keep float32 copies for large steps", path, exc)
+        return False
+    with _lock:
+        if not ext.has_sgemm():
+            ext.set_sgemm(address)
+    return True
+
+
 def dense(x: mx.array, weight: mx.array, bias: Optional[mx.array] = None) -> mx.array:
     """``x @ weight.T (+ bias)``, as ``nn.Linear`` computes it; float32 through the privately
     bound BLAS once :func:`bind` succeeded, MLX's matmul otherwise."""

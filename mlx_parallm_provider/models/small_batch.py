@@ -1,21 +1,26 @@
-"""Dequantize a checkpoint for the CPU, keeping its packed weights for steps with few rows.
+"""Quantized checkpoints on the CPU: linear layers over the packed weights, at every batch size.
 
-On the CPU, quantized checkpoints are dequantized to float32 at load: batched decode and
-prefill then run as float32 GEMMs over OpenBLAS, far faster than MLX's CPU
-``quantized_matmul``. A step with a handful of rows (one stream, a batch draining) is bound by
-memory traffic instead, and float32 reads 8x the bytes of 4-bit weights. :func:`dequantize`
-keeps each quantized layer's packed weights next to its float32 copy, and its layers send
-inputs of at most the model's backend's ``packed_rows`` rows to :mod:`.qmatmul`'s C kernel over the packed
-weights, larger ones to the GEMM. The kernel runs as an MLX primitive (:mod:`.qmatmul_ext`,
-in the step's lazy graph) where that extension builds, else through ctypes (each call then
-evaluates its input first).
+On the CPU, MLX's own ``quantized_matmul`` is slow and its half-precision matmuls slower
+still, so the engine multiplies a quantized checkpoint's layers itself, through the MLX
+extension (:mod:`.qmatmul_ext`, ops in the step's lazy graph):
 
-Both paths multiply by the same weights: the float32 copy is dequantized in float32 (scale
-and bias cast up first), which is what the kernel computes, so they differ only in the order
-of float additions. The layers hold the model's backend (:class:`.backends.CPUKernels`), whose
-``packed_rows`` (``MLX_PARALLM_SMALL_BATCH_ROWS``, 0 turns the kernel off) and
-``qmatmul_threads`` (``MLX_PARALLM_QMATMUL_THREADS``) they read; a model switched to MLX's
-ops (:class:`.backends.MLXOps`, ``packed_rows`` 0) multiplies by the float32 copies alone.
+* inputs of at most the model's backend's ``packed_rows`` rows (a few streams decoding) go to
+  :mod:`.qmatmul`'s C kernel, which reads the packed weights directly (a one-row step is bound
+  by memory traffic, and 4-bit weights are an eighth of float32's bytes);
+* larger inputs (batched decode, prefill) go to the same op with ``gemm=True``: the weights are
+  dequantized a cache-sized tile at a time and each tile multiplied through OpenBLAS, so no
+  float32 copy of the weights is kept and the model holds about its checkpoint's size.
+
+Both paths multiply by the same float32 weights (``q * scale + bias``, with scale and bias
+cast up first), so they differ only in the order of float additions. Where the extension
+does not build (no C++ compiler or nanobind) or no BLAS can be bound, each layer keeps a
+float32 copy for large inputs and small ones go to the C kernel through ctypes (each call
+then evaluates its input first); ``MLX_PARALLM_FLOAT32_WEIGHTS=1`` keeps the copy too. The
+layers hold the model's backend (:class:`.backends.CPUKernels`), whose ``packed_rows``
+(``MLX_PARALLM_SMALL_BATCH_ROWS``, 0 turns the kernel off) and ``qmatmul_threads``
+(``MLX_PARALLM_QMATMUL_THREADS``) they read; a model switched to MLX's ops
+(:class:`.backends.MLXOps`) multiplies by its float32 copies, or where it has none through
+MLX's ``quantized_matmul`` on the same packed weights.
 """
 
 from __future__ import annotations
@@ -33,12 +38,17 @@ import numpy as np
 from mlx.utils import tree_unflatten
 
 from . import private_blas, qmatmul, qmatmul_ext
+from .._validation import env_flag
 from .backends import MLXOps
 
 logger = logging.getLogger(__name__)
 
 Kernel = Union[ctypes.CDLL, ModuleType]
 """The ctypes kernel (:func:`.qmatmul.load`) or the MLX extension (:func:`.qmatmul_ext.load`)."""
+
+FLOAT32_ENV = "MLX_PARALLM_FLOAT32_WEIGHTS"
+"""Set to 1: keep a float32 copy of each quantized layer for large inputs (the layout before
+the tiled GEMM; more memory, the same numbers up to the order of additions)."""
 
 
 def load_kernel() -> Optional[Kernel]:
@@ -82,12 +92,13 @@ class PackedWeight:
         mx.eval(arrays)
         return replace(self, packed=arrays[0], scales=arrays[1], biases=arrays[2])
 
-    def matmul(self, kernel: Kernel, x: mx.array, threads: int = 1) -> mx.array:
+    def matmul(self, kernel: Kernel, x: mx.array, threads: int = 1, gemm: bool = False) -> mx.array:
         """``x @ W.T`` through the kernel on ``threads`` threads; ``x`` (..., K) with at most
-        :data:`.qmatmul.MAX_ROWS` rows."""
+        :data:`.qmatmul.MAX_ROWS` rows, or any number with ``gemm`` (the extension, once
+        :func:`.private_blas.bind_for_gemm` succeeded: tiles of W dequantized for OpenBLAS)."""
         if not isinstance(kernel, ctypes.CDLL):  # the extension: lazy, in the step's graph
             w = self.for_kernel(kernel)
-            return kernel.qmatmul(x, w.packed, w.scales, w.biases, self.bits, self.group_size, threads)
+            return kernel.qmatmul(x, w.packed, w.scales, w.biases, self.bits, self.group_size, threads, gemm)
         rows = np.asarray(x.astype(mx.float32)).reshape(-1, x.shape[-1])
         out = qmatmul.qmatmul(kernel, rows, self.packed, self.scales, self.biases, self.bits, self.group_size, threads)
         return mx.array(out).reshape(*x.shape[:-1], out.shape[-1])
@@ -113,51 +124,86 @@ class SharedInput:
         self.packed, self.kernel = packed.for_kernel(kernel), kernel
         self._last = threading.local()
 
-    def output(self, x: mx.array, threads: int = 1) -> mx.array:
+    def output(self, x: mx.array, threads: int = 1, gemm: bool = False) -> mx.array:
         last = self._last
-        if getattr(last, "input", None) is not x:
-            last.output = self.packed.matmul(self.kernel, x, threads)
-            last.input = x  # kept alive, so identity cannot be reused by a new array
+        if getattr(last, "input", None) is not x or last.gemm != gemm:
+            last.output = self.packed.matmul(self.kernel, x, threads, gemm)
+            last.input, last.gemm = x, gemm  # the input kept alive, so identity cannot be reused by a new array
         return last.output
+
+    def mlx_matmul(self, x: mx.array) -> mx.array:
+        """``x @ W.T`` through MLX's own ``quantized_matmul`` on the packed weights (a model
+        switched to :class:`.backends.MLXOps` without float32 copies)."""
+        w = self.packed.for_kernel(qmatmul_ext)  # as mx.array
+        return mx.quantized_matmul(x, w.packed.view(mx.uint32), w.scales, w.biases, transpose=True, group_size=w.group_size, bits=w.bits)
 
 
 class SmallBatchLinear(nn.Linear):
-    """``nn.Linear`` over float32 weights that multiplies small inputs by the packed copy
-    (its own, or its columns of a :class:`SharedInput`) for inputs of at most its backend's
-    ``packed_rows`` rows."""
+    """``nn.Linear`` over packed weights (its own, or its columns of a :class:`SharedInput`):
+    inputs of at most its backend's ``packed_rows`` rows through the kernel, larger ones
+    through the tiled GEMM, or by its float32 ``weight`` where it keeps one."""
 
-    def __init__(self, weight: mx.array, bias: Optional[mx.array], source: SharedInput, columns: tuple[int, int], backend: MLXOps) -> None:
-        super().__init__(weight.shape[1], weight.shape[0], bias=bias is not None)
-        self.weight = weight
+    def __init__(self, weight: Optional[mx.array], bias: Optional[mx.array], source: SharedInput, columns: tuple[int, int], backend: MLXOps) -> None:
+        start, stop = columns
+        super().__init__(source.packed.packed.shape[1] * 8 // source.packed.bits, stop - start, bias=bias is not None)
+        if weight is None:
+            del self["weight"]  # nn.Linear's (lazy, never evaluated) initial weight: no float32 copy
+        else:
+            self.weight = weight
         if bias is not None:
             self.bias = bias
         self._source, self._columns = source, columns
         self.backend = backend
 
+    def _extra_repr(self) -> str:
+        return f"input_dims={self._source.packed.packed.shape[1] * 8 // self._source.packed.bits}, output_dims={self._columns[1] - self._columns[0]}, float32_copy={'weight' in self}"
+
     def __call__(self, x: mx.array) -> mx.array:
-        if _rows(x) > self.backend.packed_rows:
-            return private_blas.dense(x, self.weight, self.bias if "bias" in self else None)
+        bias = self.bias if "bias" in self else None
+        small = _rows(x) <= self.backend.packed_rows
+        if not small and "weight" in self:
+            return private_blas.dense(x, self.weight, bias)
+        if not small and not self.backend.kernels:
+            y = self._source.mlx_matmul(x)
+        else:
+            y = self._source.output(x, self.backend.qmatmul_threads, gemm=not small)
         start, stop = self._columns
-        y = self._source.output(x, self.backend.qmatmul_threads)
         if (start, stop) != (0, y.shape[-1]):
             y = y[..., start:stop]
-        return y + self.bias if "bias" in self else y
+        return y + bias if bias is not None else y
 
 
 class SmallBatchEmbedding(nn.Embedding):
-    """``nn.Embedding`` whose ``as_linear`` (a tied output head) multiplies small inputs by
-    the packed copy (as :class:`SmallBatchLinear`)."""
+    """``nn.Embedding`` over packed weights: a lookup dequantizes the rows it takes, and
+    ``as_linear`` (a tied output head) multiplies as :class:`SmallBatchLinear` does."""
 
-    def __init__(self, weight: mx.array, packed: PackedWeight, kernel: Kernel, backend: MLXOps) -> None:
-        super().__init__(weight.shape[0], weight.shape[1])
-        self.weight = weight
-        self._packed, self._kernel = packed.for_kernel(kernel), kernel
+    def __init__(self, weight: Optional[mx.array], packed: PackedWeight, kernel: Kernel, backend: MLXOps) -> None:
+        rows, dims = packed.packed.shape[0], packed.packed.shape[1] * 8 // packed.bits
+        super().__init__(rows, dims)
+        if weight is None:
+            del self["weight"]
+        else:
+            self.weight = weight
+        self._source = SharedInput(packed, kernel)
         self.backend = backend
 
+    def _extra_repr(self) -> str:
+        w = self._source.packed
+        return f"{w.packed.shape[0]}, {w.packed.shape[1] * 8 // w.bits}, float32_copy={'weight' in self}"
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if "weight" in self:
+            return self.weight[x]
+        w = self._source.packed.for_kernel(qmatmul_ext)  # as mx.array
+        return mx.dequantize(w.packed.view(mx.uint32)[x], w.scales[x], w.biases[x], group_size=w.group_size, bits=w.bits)
+
     def as_linear(self, x: mx.array) -> mx.array:
-        if _rows(x) > self.backend.packed_rows:
+        small = _rows(x) <= self.backend.packed_rows
+        if not small and "weight" in self:
             return private_blas.dense(x, self.weight)
-        return self._packed.matmul(self._kernel, x, self.backend.qmatmul_threads)
+        if not small and not self.backend.kernels:
+            return self._source.mlx_matmul(x)
+        return self._source.output(x, self.backend.qmatmul_threads, gemm=not small)
 
 
 def _float32_weight(module: Any) -> mx.array:
@@ -210,13 +256,14 @@ def dequantize(model: nn.Module, backend: MLXOps) -> int:
     kernel = load_kernel() if backend.packed_rows > 0 else None
     if kernel is None:
         return 0
+    float32_copy = isinstance(kernel, ctypes.CDLL) or env_flag(FLOAT32_ENV) or not private_blas.bind_for_gemm()
     modules = {name: m for name, m in model.named_modules() if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))}
     packed = {name: p for name, m in modules.items() if (p := PackedWeight.from_module(m)) is not None}
     sources = _sources({n: p for n, p in packed.items() if isinstance(modules[n], nn.QuantizedLinear)}, kernel)
     replaced = []
     for name, weights in packed.items():
         module = modules[name]
-        weight = _float32_weight(module)
+        weight = _float32_weight(module) if float32_copy else None
         if isinstance(module, nn.QuantizedLinear):
             bias = module.bias if "bias" in module else None
             replaced.append((name, SmallBatchLinear(weight, bias, *sources[name], backend)))
@@ -225,5 +272,7 @@ def dequantize(model: nn.Module, backend: MLXOps) -> int:
     if replaced:
         model.update_modules(tree_unflatten(replaced))
         how = "ctypes" if isinstance(kernel, ctypes.CDLL) else "MLX extension"
-        logger.info("%d quantized layers keep packed weights for steps of <= %d rows (%s kernel)", len(replaced), backend.packed_rows, how)
+        large = "float32 copies" if float32_copy else "tiles of the packed weights dequantized for OpenBLAS (no float32 copy)"
+        logger.info("%d quantized layers: steps of <= %d rows through the packed-weight kernel (%s), larger ones through %s",
+                    len(replaced), backend.packed_rows, how, large)
     return len(replaced)

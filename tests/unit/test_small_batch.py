@@ -12,6 +12,8 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
+from mlx.utils import tree_flatten
+
 from mlx_parallm_provider.models import backend, backends, qmatmul, qmatmul_ext, small_batch
 
 
@@ -41,7 +43,12 @@ def _counting(kernel, calls: list[int], monkeypatch: pytest.MonkeyPatch):
         monkeypatch.setattr(qmatmul, "qmatmul", lambda *a, **k: calls.append(a[1].shape[0]) or real(*a, **k))
         counted = kernel
     else:
-        counted = SimpleNamespace(qmatmul=lambda x, *a: calls.append(x.size // x.shape[-1]) or kernel.qmatmul(x, *a))
+        def counting(x, *a):  # the tiled GEMM's calls (gemm=True, a[6]) are not the packed kernel's
+            if not (len(a) > 6 and a[6]):
+                calls.append(x.size // x.shape[-1])
+            return kernel.qmatmul(x, *a)
+
+        counted = SimpleNamespace(qmatmul=counting)
     monkeypatch.setattr(small_batch, "load_kernel", lambda: counted)
     return counted
 
@@ -141,9 +148,42 @@ def test_prepare_model_keeps_packed_weights_and_small_steps_use_them(kernel, tin
     assert calls and set(calls) == {2}
     calls.clear()
     backends.of(model).packed_rows = 1  # a per-model setting of its backend
-    large = model(tokens)  # 2 rows > 1: the float32 GEMM
+    large = model(tokens)  # 2 rows > 1: the GEMM (tiled over the packed weights, or the ctypes kernel's float32 copy)
     assert calls == []
     assert np.allclose(np.asarray(small), np.asarray(large), rtol=1e-4, atol=1e-4)
+
+
+def _float32_copies(model) -> list[str]:
+    return [name for name, m in model.named_modules() if isinstance(m, (small_batch.SmallBatchLinear, small_batch.SmallBatchEmbedding)) and "weight" in m]
+
+
+def test_with_the_extension_no_float32_copy_is_kept_and_every_path_agrees(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tiled GEMM serves large inputs from the packed weights: the model holds no float32
+    copy, and the kernel, the GEMM, MLX's own ops and the embedding lookup all compute what
+    the float32 copy does (``MLX_PARALLM_FLOAT32_WEIGHTS=1`` keeps it)."""
+    _extension()
+    reference = _quantized_tiny(tiny_model_dir)
+    monkeypatch.setenv(small_batch.FLOAT32_ENV, "1")
+    backend.prepare_model(reference, dequantize=True)
+    assert _float32_copies(reference)
+    monkeypatch.delenv(small_batch.FLOAT32_ENV)
+    model = _quantized_tiny(tiny_model_dir)
+    backend.prepare_model(model, dequantize=True)
+    assert _float32_copies(model) == []
+    packed_bytes = sum(p.nbytes for _, p in tree_flatten(model.parameters()))
+    assert packed_bytes < sum(p.nbytes for _, p in tree_flatten(reference.parameters())) / 2  # norms only: the packed arrays live in the layers' sources
+
+    tokens = mx.array([[5, 9, 14, 2, 7, 7, 30, 1, 4, 11, 3]])  # 11 rows: the GEMM
+    expected = np.asarray(reference(tokens))
+    embedded = model.model.embed_tokens(tokens)
+    assert np.allclose(np.asarray(embedded), np.asarray(reference.model.embed_tokens(tokens)), rtol=1e-6, atol=1e-6)
+    for rows in (backends.of(model).packed_rows, 0):  # 11 rows through the kernel, then through the GEMM
+        backends.of(model).packed_rows = rows
+        assert np.allclose(np.asarray(model(tokens)), expected, rtol=1e-4, atol=1e-4)
+    backends.of(model).packed_rows = 16
+    assert np.allclose(np.asarray(model(tokens)), expected, rtol=1e-4, atol=1e-4)
+    with backends.using(model, "mlx"):  # MLX's own quantized_matmul on the same packed weights
+        assert np.allclose(np.asarray(model(tokens)), expected, rtol=1e-3, atol=1e-3)
 
 
 def test_the_model_takes_the_extension_where_it_builds(tiny_model_dir: Path) -> None:

@@ -51,10 +51,12 @@ def pool_blocks(budget_bytes: Optional[int], bytes_per_token: int, block_size: i
 
 def kv_bytes_per_token(model: Any, config: dict[str, Any]) -> int:
     """Bytes of K and V one token takes across all layers (from the model's config; the
-    KV's dtype is that of its embeddings, at least 2 bytes)."""
+    KV's dtype is that of its embeddings, float32 for packed ones, at least 2 bytes)."""
     heads = config.get("num_attention_heads", 1)
     kv_heads = config.get("num_key_value_heads", heads)
     head_dim = config.get("head_dim") or config.get("hidden_size", heads) // heads
     layers = config.get("num_hidden_layers", len(getattr(model, "layers", [])) or 1)
-    dtype_bytes = model.model.embed_tokens.weight.dtype.size if hasattr(model, "model") else 4
+    weight = getattr(getattr(model, "model", None), "embed_tokens", None)
+    weight = getattr(weight, "weight", None)  # packed-weight embeddings hold none: they compute in float32
+    dtype_bytes = weight.dtype.size if weight is not None else 4
     return 2 * layers * kv_heads * head_dim * max(2, dtype_bytes)

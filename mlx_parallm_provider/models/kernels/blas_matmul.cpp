@@ -69,6 +69,8 @@ void set_sgemm(std::uintptr_t address) { g_sgemm.store(reinterpret_cast<Sgemm>(a
 
 bool has_sgemm() { return g_sgemm.load() != nullptr; }
 
+void* sgemm_address() { return reinterpret_cast<void*>(g_sgemm.load()); }
+
 // x (..., K) float32 @ w.T, w (N, K) float32: (..., N) float32, through the sgemm set.
 mx::array blas_matmul_op(const mx::array& x, const mx::array& w) {
   if (g_sgemm.load() == nullptr) throw std::runtime_error("blas_matmul: no sgemm set (set_sgemm first)");

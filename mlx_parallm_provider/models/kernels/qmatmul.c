@@ -174,3 +174,64 @@ int qmatmul(const float *x, int M, int K, const uint8_t *w, const float *scales,
     free(xd);
     return 0;
 }
+
+/* cblas_sgemm(order, transA, transB, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc), LP64 ints. */
+typedef void (*sgemm_fn)(int, int, int, int, int, int, float, const float *, int, const float *, int, float, float *, int);
+
+/* Weight rows [n0, n0 + rows) dequantized to float32, in element order, into out (rows x K). */
+static void dequantize_rows(const uint8_t *w, const float *scales, const float *biases, int n0, int rows, int K,
+                            int bits, int group, float *out) {
+    int G = K / group;
+    size_t row_bytes = (size_t)K * bits / 8;
+    for (int r = 0; r < rows; r++) {
+        const uint8_t *wr = w + (size_t)(n0 + r) * row_bytes;
+        const float *sr = scales + (size_t)(n0 + r) * G, *br = biases + (size_t)(n0 + r) * G;
+        float *o = out + (size_t)r * K;
+        for (int g = 0; g < G; g++) {
+            float s = sr[g], b = br[g];
+            int k0 = g * group;
+#ifdef QM_AVX2
+            __m256 sv = _mm256_set1_ps(s), bv = _mm256_set1_ps(b);
+            if (bits == 4) {
+                const __m128i low = _mm_set1_epi8(0x0F);
+                for (int k = k0; k < k0 + group; k += 32) {
+                    __m128i raw = _mm_loadu_si128((const __m128i *)(wr + k / 2));
+                    __m128i lo = _mm_and_si128(raw, low), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low);
+                    __m128i e0 = _mm_unpacklo_epi8(lo, hi), e1 = _mm_unpackhi_epi8(lo, hi);  /* element order */
+                    _mm256_storeu_ps(o + k, dequant8(e0, sv, bv));
+                    _mm256_storeu_ps(o + k + 8, dequant8(_mm_srli_si128(e0, 8), sv, bv));
+                    _mm256_storeu_ps(o + k + 16, dequant8(e1, sv, bv));
+                    _mm256_storeu_ps(o + k + 24, dequant8(_mm_srli_si128(e1, 8), sv, bv));
+                }
+            } else {
+                for (int k = k0; k < k0 + group; k += 8)
+                    _mm256_storeu_ps(o + k, dequant8(_mm_loadl_epi64((const __m128i *)(wr + k)), sv, bv));
+            }
+#else
+            for (int k = k0; k < k0 + group; k++) {
+                int q = bits == 4 ? (wr[k / 2] >> (4 * (k & 1))) & 15 : wr[k];
+                o[k] = (float)q * s + b;
+            }
+#endif
+        }
+    }
+}
+
+/* y = x @ W.T for many rows of x: W dequantized `tile` rows at a time into a float32 buffer
+ * that stays in cache, each tile multiplied through `sgemm` (the caller's BLAS), so no float32
+ * copy of W is kept. Returns 0, or -1 for arguments it does not handle or without memory. */
+int qgemm(const float *x, int M, int K, const uint8_t *w, const float *scales, const float *biases, int N,
+          int bits, int group, float *y, void *sgemm, int tile) {
+    if (M < 1 || (bits != 4 && bits != 8) || group <= 0 || group % 32 != 0 || K % group != 0 || !sgemm || tile < 1)
+        return -1;
+    float *buffer = malloc(sizeof(float) * (size_t)tile * K);
+    if (!buffer) return -1;
+    sgemm_fn gemm = (sgemm_fn)sgemm;
+    for (int n0 = 0; n0 < N; n0 += tile) {
+        int rows = N - n0 < tile ? N - n0 : tile;
+        dequantize_rows(w, scales, biases, n0, rows, K, bits, group, buffer);
+        gemm(101, 111, 112, M, rows, K, 1.0f, x, K, buffer, K, 0.0f, y + n0, N);  /* row-major, x @ tile.T */
+    }
+    free(buffer);
+    return 0;
+}

@@ -20,6 +20,8 @@
 
 extern "C" int qmatmul(const float* x, int M, int K, const uint8_t* w, const float* scales,
                        const float* biases, int N, int bits, int group, float* y, int threads);
+extern "C" int qgemm(const float* x, int M, int K, const uint8_t* w, const float* scales, const float* biases, int N,
+                     int bits, int group, float* y, void* sgemm, int tile);
 
 namespace mx = mlx::core;
 namespace nb = nanobind;
@@ -36,6 +38,7 @@ mx::array paged_decode_attention_op(const mx::array& q, const mx::array& k_pool,
                                     int threads);
 void set_sgemm(std::uintptr_t address);  // blas_matmul.cpp
 bool has_sgemm();
+void* sgemm_address();
 mx::array blas_matmul_op(const mx::array& x, const mx::array& w);
 }  // namespace mlx_parallm
 using namespace nb::literals;
@@ -46,24 +49,31 @@ constexpr int kMaxRows = 64;  // qmatmul.c's MAX_CALL_ROWS
 
 class QMatmul : public mx::Primitive {
  public:
-  QMatmul(mx::Stream stream, int bits, int group, int threads)
-      : mx::Primitive(stream), bits_(bits), group_(group), threads_(threads) {}
+  // gemm: any number of rows, through qgemm (tiles of W dequantized for the BLAS set by set_sgemm);
+  // else qmatmul's kernel.
+  QMatmul(mx::Stream stream, int bits, int group, int threads, bool gemm = false)
+      : mx::Primitive(stream), bits_(bits), group_(group), threads_(threads), gemm_(gemm) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     auto& out = outputs[0];
     auto& encoder = mlx_parallm::cpu_encoder(stream(), inputs, out);
     encoder.dispatch([x = mx::array::unsafe_weak_copy(inputs[0]), w = mx::array::unsafe_weak_copy(inputs[1]),
                       s = mx::array::unsafe_weak_copy(inputs[2]), b = mx::array::unsafe_weak_copy(inputs[3]),
-                      out = mx::array::unsafe_weak_copy(out), bits = bits_, group = group_, threads = threads_]() mutable {
+                      out = mx::array::unsafe_weak_copy(out), bits = bits_, group = group_, threads = threads_,
+                      gemm = gemm_]() mutable {
       using mlx_parallm::row_major;
       std::vector<char> xc, wc, sc, bc;
       int k = x.shape(-1), n = w.shape(0);
       int m = static_cast<int>(x.size() / k);
-      int status = qmatmul(reinterpret_cast<const float*>(row_major(x, xc)), m, k,
-                           reinterpret_cast<const uint8_t*>(row_major(w, wc)),
-                           reinterpret_cast<const float*>(row_major(s, sc)),
-                           reinterpret_cast<const float*>(row_major(b, bc)), n, bits, group,
-                           out.data<float>(), threads);
+      auto xp = reinterpret_cast<const float*>(row_major(x, xc));
+      auto wp = reinterpret_cast<const uint8_t*>(row_major(w, wc));
+      auto sp = reinterpret_cast<const float*>(row_major(s, sc));
+      auto bp = reinterpret_cast<const float*>(row_major(b, bc));
+      // Tiles of up to 8 MB of float32 weights: few BLAS calls (each wakes its threads), a
+      // transient of 8 MB at most.
+      int tile = std::max((1 << 21) / std::max(k, 1), 16);
+      int status = gemm ? qgemm(xp, m, k, wp, sp, bp, n, bits, group, out.data<float>(), mlx_parallm::sgemm_address(), tile)
+                        : qmatmul(xp, m, k, wp, sp, bp, n, bits, group, out.data<float>(), threads);
       if (status != 0) throw std::runtime_error("qmatmul: kernel failed (out of memory?)");
     });
   }
@@ -82,25 +92,27 @@ class QMatmul : public mx::Primitive {
 
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const QMatmul&>(other);
-    return bits_ == o.bits_ && group_ == o.group_ && threads_ == o.threads_;
+    return bits_ == o.bits_ && group_ == o.group_ && threads_ == o.threads_ && gemm_ == o.gemm_;
   }
 
  private:
   int bits_, group_, threads_;
+  bool gemm_;
 };
 
 // x (..., K) @ W.T with W (N, K) affine-quantized: w (N, K * bits / 8) bytes (any integer
 // dtype holding MLX's packing), scales and biases (N, K / group) float32. Returns (..., N)
 // float32.
 mx::array qmatmul_op(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
-                     int bits, int group, int threads) {
+                     int bits, int group, int threads, bool gemm) {
   if (x.ndim() < 1 || w.ndim() != 2 || scales.ndim() != 2 || biases.ndim() != 2) {
     throw std::invalid_argument("qmatmul: x must be (..., K), w, scales and biases 2-D");
   }
   int k = x.shape(-1), n = w.shape(0);
   size_t rows = k ? x.size() / k : 0;
   bool format_ok = (bits == 4 || bits == 8) && group > 0 && group % 32 == 0 && k % group == 0;
-  if (!format_ok || rows < 1 || rows > kMaxRows || !mx::issubdtype(w.dtype(), mx::integer) ||
+  if (gemm && !mlx_parallm::has_sgemm()) throw std::runtime_error("qmatmul: gemm=True needs set_sgemm first");
+  if (!format_ok || rows < 1 || (!gemm && rows > kMaxRows) || !mx::issubdtype(w.dtype(), mx::integer) ||
       static_cast<size_t>(w.shape(1)) * w.itemsize() * 8 != static_cast<size_t>(k) * bits ||
       scales.shape() != mx::Shape{n, k / group} || biases.shape() != scales.shape()) {
     throw std::invalid_argument("qmatmul: unsupported shape or format (rows=" + std::to_string(rows) + ", K=" +
@@ -110,7 +122,7 @@ mx::array qmatmul_op(const mx::array& x, const mx::array& w, const mx::array& sc
   auto stream = mlx_parallm::cpu_stream();
   auto shape = x.shape();
   shape.back() = n;
-  return mx::array(shape, mx::float32, std::make_shared<QMatmul>(stream, bits, group, std::max(threads, 1)),
+  return mx::array(shape, mx::float32, std::make_shared<QMatmul>(stream, bits, group, std::max(threads, 1), gemm),
                    {mx::astype(x, mx::float32, stream), w, mx::astype(scales, mx::float32, stream),
                     mx::astype(biases, mx::float32, stream)});
 }
@@ -120,7 +132,9 @@ mx::array qmatmul_op(const mx::array& x, const mx::array& w, const mx::array& sc
 NB_MODULE(mlx_parallm_qmatmul_ext, m) {
   m.doc() = "qmatmul.c's kernel, RMSNorm, RoPE and decode attention as MLX primitives (CPU)";
   m.def("qmatmul", &qmatmul_op, "x"_a, "w"_a, "scales"_a, "biases"_a, "bits"_a, "group_size"_a, "threads"_a = 1,
-        "x (..., K) @ W.T for W affine-quantized as MLX packs it; at most 8 rows of x; float32 out.");
+        "gemm"_a = false,
+        "x (..., K) @ W.T for W affine-quantized as MLX packs it, float32 out: at most 64 rows of x through "
+        "qmatmul.c's kernel, or (gemm=True) any number through tiles of W dequantized for set_sgemm's BLAS.");
   m.def("rms_norm", &mlx_parallm::rms_norm_op, "x"_a, "weight"_a, "eps"_a,
         "mx.fast.rms_norm(x, weight, eps) for float32 x, as one CPU op.");
   m.def("rope", &mlx_parallm::rope_op, "x"_a, "dims"_a, "traditional"_a, "scale"_a, "offset"_a, "inv_freq"_a,
