@@ -55,7 +55,11 @@ class EngineConfig:
             forward pass, while at most ``speculative_max_batch`` rows decode and all are
             greedy without penalties, constraints or logprobs (paged layout only). None: off.
         num_speculative_tokens: most draft tokens per row and step.
-        speculative_max_batch: speculate only while at most this many rows decode.
+        speculative_max_batch: speculate (and fast-forward) only while at most this many
+            rows decode.
+        grammar_fast_forward: constrained rows verify the tokens their grammar forces in one
+            forward pass with the token they decode, instead of one step each (paged layout;
+            output unchanged, see :mod:`~mlx_parallm_provider.engine.fast_forward`).
         shutdown_timeout_s: how long shutting down waits for the step in progress; past
             it, requests still in flight fail with
             :class:`~mlx_parallm_provider.errors.EngineDeadError` at once and, at
@@ -79,6 +83,7 @@ class EngineConfig:
     speculative: Optional[str] = None
     num_speculative_tokens: int = 4
     speculative_max_batch: int = 8
+    grammar_fast_forward: bool = True
 
     def __post_init__(self) -> None:
         _check_int("max_num_seqs", self.max_num_seqs, minimum=1)
@@ -111,6 +116,8 @@ class EngineConfig:
             raise InvalidParameterError("speculative", f"must be 'ngram' or None, got {self.speculative!r}")
         _check_int("num_speculative_tokens", self.num_speculative_tokens, minimum=1, maximum=64)
         _check_int("speculative_max_batch", self.speculative_max_batch, minimum=1)
+        if not isinstance(self.grammar_fast_forward, bool):
+            raise InvalidParameterError("grammar_fast_forward", "must be a bool")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise InvalidParameterError(
                 "max_num_batched_tokens",

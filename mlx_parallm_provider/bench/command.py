@@ -67,6 +67,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--workload", default="chat", help="chat | agent | long | a .jsonl file of OpenAI-style requests")
     a("--num-prompts", type=_positive_int, help="prompts per run (default: the concurrency level)")
     a("--n", type=_positive_int, default=1, help="samples per prompt (sent as n requests arriving together)")
+    a("--tool-choice", choices=("auto", "required"), help="tool_choice sent with the tools of the agent workload (litellm, langchain, "
+      "http; default: none sent, i.e. auto); 'required' makes every answer a constrained tool call")
     a("--max-tokens", type=_positive_int, help="new tokens per request (default 64; 8 with --quick)")
     a("--temperature", type=float, default=0.0)
     a("--ignore-eos", action="store_true", help="generate max-tokens every time (systems that can; the EOS column says)")
@@ -99,7 +101,7 @@ def _meta(args: argparse.Namespace, systems: list[str], levels: list[int], slo: 
     return {
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "model": args.model, "workload": args.workload,
         "systems": systems, "concurrency": levels, "num_prompts": args.num_prompts, "n": args.n,
-        "max_tokens": args.max_tokens, "temperature": args.temperature, "ignore_eos": args.ignore_eos,
+        "max_tokens": args.max_tokens, "tool_choice": args.tool_choice, "temperature": args.temperature, "ignore_eos": args.ignore_eos,
         "request_rate": None if math.isinf(args.request_rate) else args.request_rate, "burstiness": args.burstiness,
         "slo_ms": slo, "sweep": args.sweep, "percentiles": args.percentiles,
         "llama_cpp_threads": args.llama_cpp_threads or default_threads(),
@@ -118,7 +120,7 @@ async def _bench(args: argparse.Namespace, systems: list[str], levels: list[int]
     requests = {
         c: workloads.prepare(
             workloads.build(args.workload, args.num_prompts or c, args.max_tokens, tokenizer=engine.tokenizer,
-                            max_prompt_len=max_prompt_len, n=args.n),
+                            max_prompt_len=max_prompt_len, n=args.n, tool_choice=args.tool_choice),
             renderer,
         )
         for c in levels

@@ -71,6 +71,7 @@ class BenchRequest:
     tools: Optional[list[dict[str, Any]]] = None
     group: int = 0
     prompt_ids: list[int] = field(default_factory=list)
+    tool_choice: Optional[str] = None  # OpenAI's, sent with the tools by the systems that take messages
 
     @property
     def prompt_tokens(self) -> int:
@@ -164,8 +165,10 @@ def build(
     tokenizer: Optional[Tokenizer] = None,
     max_prompt_len: int = 1024,
     n: int = 1,
+    tool_choice: Optional[str] = None,
 ) -> list[BenchRequest]:
-    """The requests of a named workload (or a ``.jsonl`` path), each prompt repeated ``n`` times."""
+    """The requests of a named workload (or a ``.jsonl`` path), each prompt repeated ``n``
+    times; ``tool_choice`` goes with every request that has tools."""
     check_name(workload)
     if workload.endswith(".jsonl"):
         requests = from_jsonl(Path(workload), num_prompts, max_tokens)
@@ -179,6 +182,8 @@ def build(
         if tokenizer is None:
             raise ValueError("the 'long' workload needs the model's tokenizer")
         requests = long(num_prompts, max_tokens, tokenizer, max_prompt_len)
+    if tool_choice is not None:
+        requests = [replace(r, tool_choice=tool_choice) if r.tools else r for r in requests]
     return [r for r in requests for _ in range(n)]
 
 

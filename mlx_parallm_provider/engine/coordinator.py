@@ -217,7 +217,8 @@ class Engine(EmbedMethods):
         counts, the largest decode batch seen, tokens/s over the last minute, p50/p99
         of TTFT, TPOT, ITL and queue time (seconds), ``prefix_cache`` (hit rate,
         cached tokens and bytes, evictions) and ``kv_cache`` (the layout; for paged KV
-        blocks total / free / used, ``kv_cache_usage_perc``, preemptions)."""
+        blocks total / free / used, ``kv_cache_usage_perc``, preemptions), ``speculation``
+        (n-gram drafts) and ``fast_forward`` (grammar-forced tokens): None when off."""
         worker = self._worker
         running = worker.num_running if worker is not None and worker.alive else 0
         waiting = worker.num_waiting if worker is not None and worker.alive else 0
@@ -225,7 +226,7 @@ class Engine(EmbedMethods):
         snap["model"] = self.model_name
         snap["prefix_cache"] = prefix_stats(self.config, worker.prefix_store_stats() if worker is not None else None, snap)
         snap["kv_cache"] = worker.kv_stats() if worker is not None else {"layout": self.config.kv_layout}
-        snap["speculation"] = worker.speculator.stats.as_dict() if worker is not None and worker.speculator else None
+        snap.update(worker.drafts.stats() if worker is not None and worker.drafts else {"speculation": None, "fast_forward": None})
         return snap
 
     def shutdown(self) -> None:

@@ -131,6 +131,24 @@ class RowMatcher:
         if self.json is not None:
             self.json.feed(self._tokenizer.token_bytes(token))
 
+    def forced(self, limit: int) -> list[int]:
+        """Up to ``limit`` tokens the grammar forces next, as llguidance tokenizes the bytes
+        it forces (its fast-forward tokens); [] when none, or the matcher is done or failed."""
+        if limit <= 0 or self.matcher.is_stopped() or self.matcher.is_error():
+            return []
+        return list(self.matcher.compute_ff_tokens()[:limit])
+
+    def mark(self) -> tuple[int, Optional["JsonNesting"]]:
+        """Where the matcher is now, for :meth:`rewind` after looking ahead."""
+        return self.consumed, copy(self.json)
+
+    def rewind(self, mark: tuple[int, Optional["JsonNesting"]]) -> None:
+        """Undo the tokens consumed since ``mark`` was taken."""
+        consumed, nesting = mark
+        if self.consumed > consumed:
+            self.matcher.rollback(self.consumed - consumed)
+        self.consumed, self.json = consumed, nesting
+
     @property
     def must_close(self) -> bool:
         """The row's token budget is about to run out before its open JSON is closed."""

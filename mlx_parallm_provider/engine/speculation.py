@@ -89,21 +89,44 @@ class SpeculationStats:
                 "tokens_per_step": self.emitted / self.steps if self.steps else 0.0}
 
 
+class StepTimes:
+    """Measured seconds of a decode step of ``rows`` rows that verifies ``k`` tokens a row
+    beyond the one it decodes (0: a plain step), as moving averages; shared by the n-gram
+    speculator and grammar fast-forward (:mod:`.fast_forward`), whose steps have the same
+    shape. Widths other than 0 are forgotten every :data:`REMEASURE_STEPS` steps."""
+
+    def __init__(self) -> None:
+        self._seconds: dict[tuple[int, int], float] = {}
+        self._steps = 0
+
+    def get(self, rows: int, k: int) -> Optional[float]:
+        """The measured time, or None when not measured (since the last forgetting)."""
+        return self._seconds.get((rows, k))
+
+    def record(self, rows: int, k: int, seconds: float) -> None:
+        """The time of a step of ``rows`` rows that verified ``k`` tokens a row."""
+        self._steps += 1
+        if self._steps % REMEASURE_STEPS == 0:
+            self._seconds = {key: s for key, s in self._seconds.items() if key[1] == 0}
+        old = self._seconds.get((rows, k))
+        self._seconds[(rows, k)] = seconds if old is None else old + SMOOTHING * (seconds - old)
+
+
 class NgramSpeculator:
     """Drafts and verification for one engine's rows.
 
     Args:
         k: most draft tokens a row proposes per step (``num_speculative_tokens``).
         max_batch: speculate only while at most this many rows decode.
+        times: the step times to plan by (shared with fast-forward; a new table when None).
     """
 
-    def __init__(self, k: int, max_batch: int) -> None:
+    def __init__(self, k: int, max_batch: int, times: Optional[StepTimes] = None) -> None:
         self.k, self.max_batch = k, max_batch
         self.stats = SpeculationStats()
+        self.times = StepTimes() if times is None else times
         self._index: dict[int, NgramIndex] = {}
-        self._seconds: dict[tuple[int, int], float] = {}  # (rows, drafts a row) -> step time
         self._acceptance = 0.5  # of one draft token, a moving average
-        self._steps = 0
 
     def draft(self, request: Any) -> None:
         """Set ``request.draft`` for its next step (after it took its latest token)."""
@@ -140,24 +163,20 @@ class NgramSpeculator:
         if not (0 < len(rows) <= self.max_batch and any(r.draft for r in rows) and all(can_speculate(r) for r in rows)):
             return 0
         n, a = len(rows), min(self._acceptance, 0.999)
-        plain = self._seconds.get((n, 0))
+        plain = self.times.get(n, 0)
         if plain is None:
             return 0  # measure a plain step first
         best, best_rate = 0, 1.0 / plain
         for k in range(1, min(self.k, max(len(r.draft) for r in rows)) + 1):
             tokens = (1 - a ** (k + 1)) / (1 - a)  # expected, per row: accepted drafts + the one chosen
-            rate = tokens / self._seconds.get((n, k), plain)  # untried: as cheap as a plain step, so tried once
+            rate = tokens / (self.times.get(n, k) or plain)  # untried: as cheap as a plain step, so tried once
             if rate > best_rate:
                 best, best_rate = k, rate
         return best
 
     def record(self, rows: int, k: int, seconds: float) -> None:
         """The time of a step of ``rows`` rows that verified ``k`` drafts a row (0: plain)."""
-        self._steps += 1
-        if self._steps % REMEASURE_STEPS == 0:
-            self._seconds = {key: s for key, s in self._seconds.items() if key[1] == 0}
-        old = self._seconds.get((rows, k))
-        self._seconds[(rows, k)] = seconds if old is None else old + SMOOTHING * (seconds - old)
+        self.times.record(rows, k, seconds)
 
     def verify(self, runner: Any, rows: Sequence[Any], k: int) -> list[list[int]]:
         """One forward over each row's last token and its first ``k`` drafts; the tokens each
@@ -181,8 +200,8 @@ class NgramSpeculator:
         return emitted
 
 
-def speculator_for(config: Any, paged: Optional[Any]) -> Optional[NgramSpeculator]:
+def speculator_for(config: Any, paged: Optional[Any], times: Optional[StepTimes] = None) -> Optional[NgramSpeculator]:
     """The engine's speculator, or None (off, or the rectangle layout: drafts need KV blocks)."""
     if getattr(config, "speculative", None) != "ngram" or paged is None:
         return None
-    return NgramSpeculator(config.num_speculative_tokens, config.speculative_max_batch)
+    return NgramSpeculator(config.num_speculative_tokens, config.speculative_max_batch, times)

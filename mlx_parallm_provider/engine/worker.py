@@ -2,7 +2,7 @@
 
 Each step: take new arrivals, drop cancelled and timed-out rows, ask the scheduler for a
 plan, prefill (new prompts and/or one chunk of a long prompt), embed (:mod:`.embed_forward`),
-then decode one token of every running row (or verify their drafts: :mod:`.speculation`).
+then decode one token of every running row (or verify their drafts: :mod:`.drafts`).
 Rows join the decode batch when their prefill ends and leave it the step they finish.
 
 Isolation: a fault while setting up, sampling, detokenising or delivering one request fails
@@ -30,6 +30,7 @@ import mlx.core as mx
 from ..config import EngineConfig
 from ..errors import EngineDeadError, MLXParallmError, as_request_error
 from .detokenize import TextStream
+from .drafts import Drafts
 from .embed_forward import embed_step
 from .embedding import EmbedRequest
 from .exit_guard import register, wait_for_native_exit
@@ -40,9 +41,8 @@ from .output import RowState, add_token, eos_token_ids
 from .prefix_kv import can_share_kv, fetch_prefixes, make_prefix_cache, scheduler_prefix_options
 from .rectangle import RectangleBatch, prefill_batch, prefill_chunk
 from .request import Request
-from .sampling import RowSampler, SampledRow, sample_requests
+from .sampling import RowSampler, sample_requests
 from .scheduler import Scheduler
-from .speculation import speculator_for
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ class Worker:
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, config.prefill_chunk_size,
                                    None if budget is None else max(1, budget // self.kv_bytes_per_token), **prefix, kv=self.kv)
         self.grammar = GrammarTokenizer(tokenizer, vocab_size, self.eos_ids)
-        self.speculator = speculator_for(config, self.paged)  # None: one token a row a step
+        self.drafts = Drafts.for_engine(config, self.paged)  # None: one token a row a step
         self._inbox: deque[Request] = deque()
         self._cond = threading.Condition()
         self._stopping = False
@@ -299,19 +299,19 @@ class Worker:
     def _decode(self) -> None:
         tic = time.perf_counter()
         rows = list(self.rows)
-        k = self.speculator.plan(rows) if self.speculator is not None else 0
-        if k:
-            sampled: list[Any] = [[SampledRow(token=t) for t in got] for got in self.speculator.verify(self.paged, rows, k)]
+        drafted = self.drafts.decode(self.paged, rows) if self.drafts is not None else None
+        if drafted is not None:  # accepted drafts + one sampled token a row
+            sampled, k = drafted
         else:
             logits = self.paged.decode(rows) if self.paged is not None else self.rectangle.decode(self.model, rows)
-            sampled = sample_requests(logits, rows)
+            sampled, k = sample_requests(logits, rows), 0
         seconds = time.perf_counter() - tic
         self.metrics.record_step(len(rows), seconds)
-        if self.speculator is not None:  # what a step of this width costs, for its next plan
-            self.speculator.record(len(rows), k, seconds)
+        if self.drafts is not None:  # what a step of this width costs, for its next plan
+            self.drafts.record(len(rows), k, seconds)
         self._after_sampling(rows, sampled)
-        if self.speculator is not None:  # before the next plan, which makes room for the drafts
-            self.speculator.draft_all(self.rows)
+        if self.drafts is not None:  # before the next plan, which makes room for the drafts
+            self.drafts.draft_all(self.rows)
         logger.debug("decode step: batch=%d drafts=%d waiting=%d step_ms=%.1f", len(rows), k, self.scheduler.num_waiting, seconds * 1000)
 
     def _after_sampling(self, rows: list[Request], sampled: list[Any]) -> None:
@@ -356,8 +356,8 @@ class Worker:
         request.finished = True
         self.scheduler.remove(request)
         self.metrics.request_finished(request.request_id)
-        if self.speculator is not None:
-            self.speculator.forget(request)
+        if self.drafts is not None:
+            self.drafts.forget(request)
 
     def _drop(self, request: Request) -> None:  # cancelled: its caller has gone, nothing is delivered
         self._retire(request)

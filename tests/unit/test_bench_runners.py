@@ -14,7 +14,7 @@ from mlx_parallm_provider.bench.metrics import RequestRecord
 from mlx_parallm_provider.bench.runners import RunnerOptions, SkipSystem, make_runner
 from mlx_parallm_provider.bench.runners.http import OpenAIHTTP, normalize_base_url
 from mlx_parallm_provider.bench.runners.llama_cpp import gguf_path
-from mlx_parallm_provider.bench.workloads import AGENT_TOOLS, BenchRequest
+from mlx_parallm_provider.bench.workloads import AGENT_TOOLS, BenchRequest, build
 from mlx_parallm_provider.config import EngineConfig
 
 REQUEST = BenchRequest([{"role": "user", "content": "hi"}], 16, tools=AGENT_TOOLS, prompt_ids=[1, 2, 3])
@@ -60,6 +60,14 @@ def test_stream_chunks_and_usage_are_recorded() -> None:
     [sent] = bodies
     assert sent["model"] == "served" and sent["stream"] is True and sent["stream_options"] == {"include_usage": True}
     assert sent["max_tokens"] == 16 and sent["tools"] == AGENT_TOOLS and "ignore_eos" not in sent
+    assert "tool_choice" not in sent
+
+
+def test_a_workload_s_tool_choice_is_sent_with_its_tools() -> None:
+    [required] = build("agent", 1, 16, tool_choice="required")
+    _, [sent] = _send(lambda r: httpx.Response(200, content=_sse()), request=required)
+    assert sent["tool_choice"] == "required" and sent["tools"] == AGENT_TOOLS
+    assert [r.tool_choice for r in build("chat", 1, 16, tool_choice="required")] == [None]  # no tools, no choice
 
 
 def test_ignore_eos_is_sent_when_asked() -> None:

@@ -78,6 +78,8 @@ class OpenAIHTTP(Runner):
         }
         if request.tools:
             body["tools"] = request.tools
+            if request.tool_choice:
+                body["tool_choice"] = request.tool_choice
         if self.ignore_eos:
             body["ignore_eos"] = True
         async with self.client.stream("POST", "/v1/chat/completions", json=body) as response:

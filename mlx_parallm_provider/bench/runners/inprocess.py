@@ -85,6 +85,8 @@ class LiteLLMRunner(_OnSharedEngine):
         extra: dict[str, Any] = {"ignore_eos": True} if self.ignore_eos else {}
         if request.tools:
             extra["tools"] = request.tools
+            if request.tool_choice:
+                extra["tool_choice"] = request.tool_choice
         stream = await litellm.acompletion(
             model=f"mlx-parallm/{self.model}", messages=request.messages, max_tokens=request.max_tokens,
             temperature=self.temperature, stream=True, stream_options={"include_usage": True}, **extra,
@@ -108,10 +110,10 @@ class LangChainRunner(_OnSharedEngine):
     def _chat(self, request: BenchRequest) -> Any:
         from ...langchain import ChatMLXParallm
 
-        key = json.dumps([request.max_tokens, request.tools])
+        key = json.dumps([request.max_tokens, request.tools, request.tool_choice])
         if key not in self._chats:
             chat: Any = ChatMLXParallm(model=self.model, max_tokens=request.max_tokens, temperature=self.temperature, ignore_eos=self.ignore_eos)
-            self._chats[key] = chat.bind_tools(request.tools) if request.tools else chat
+            self._chats[key] = chat.bind_tools(request.tools, **({"tool_choice": request.tool_choice} if request.tool_choice else {})) if request.tools else chat
         return self._chats[key]
 
     async def send(self, request: BenchRequest, record: RequestRecord) -> None:

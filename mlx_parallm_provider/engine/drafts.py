@@ -1,0 +1,64 @@
+"""The worker's speculative steps, one face over both kinds of draft: prompt-lookup drafts
+of plain greedy rows (:mod:`.speculation`) and the forced tokens of constrained rows
+(:mod:`.fast_forward`). A step verifies one kind or decodes plainly; both plan by the same
+measured step times."""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+from .fast_forward import FastForward, fast_forward_for
+from .sampling import SampledRow
+from .speculation import NgramSpeculator, StepTimes, speculator_for
+
+
+class Drafts:
+    """What the worker's decode step asks about drafts.
+
+    Args:
+        ngram: the n-gram speculator, or None (off).
+        forward: grammar fast-forward, or None (off).
+        times: the step times both plan by.
+    """
+
+    def __init__(self, ngram: Optional[NgramSpeculator], forward: Optional[FastForward], times: StepTimes) -> None:
+        self.ngram, self.forward, self.times = ngram, forward, times
+
+    @classmethod
+    def for_engine(cls, config: Any, paged: Optional[Any]) -> Optional["Drafts"]:
+        """The drafts ``config`` asks for, or None when neither kind is on (or KV is not paged)."""
+        times = StepTimes()
+        ngram, forward = speculator_for(config, paged, times), fast_forward_for(config, paged, times)
+        return None if ngram is None and forward is None else cls(ngram, forward, times)
+
+    def decode(self, runner: Any, rows: Sequence[Any]) -> Optional[tuple[list[list[SampledRow]], int]]:
+        """Verify this step's drafts: what each row emits and the drafts a row verified; None:
+        decode plainly. N-gram drafts go when every row can take them (no constrained rows),
+        forced tokens otherwise."""
+        k = self.ngram.plan(rows) if self.ngram is not None else 0
+        if k:
+            return [[SampledRow(token=t) for t in got] for got in self.ngram.verify(runner, rows, k)], k
+        k = self.forward.plan(rows) if self.forward is not None else 0
+        return (self.forward.verify(runner, rows, k), k) if k else None
+
+    def record(self, rows: int, k: int, seconds: float) -> None:
+        """The time of the step just run (``k`` drafts a row, 0: plain)."""
+        self.times.record(rows, k, seconds)
+
+    def draft_all(self, rows: Sequence[Any]) -> None:
+        """Every decoding row's drafts for the next step."""
+        if self.ngram is not None:
+            self.ngram.draft_all(rows)
+        if self.forward is not None:
+            self.forward.draft_all(rows)
+
+    def forget(self, request: Any) -> None:
+        """Drop a finished request's drafts (and its n-gram index)."""
+        if self.ngram is not None:
+            self.ngram.forget(request)
+        request.draft = []
+
+    def stats(self) -> dict[str, Optional[dict[str, float]]]:
+        """``{"speculation": ..., "fast_forward": ...}``, each None when off."""
+        return {"speculation": self.ngram.stats.as_dict() if self.ngram is not None else None,
+                "fast_forward": self.forward.stats.as_dict() if self.forward is not None else None}

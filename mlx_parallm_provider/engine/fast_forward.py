@@ -1,0 +1,165 @@
+"""Grammar fast-forward inside the batch (issue 24): the tokens a constrained row's grammar
+forces, computed in one forward instead of one decode step each.
+
+Under a grammar many next tokens are forced (``{"name": "``, the keys of a closed schema,
+closing braces). After each step every constrained row drafts the tokens llguidance reports
+as forced (:meth:`~.guided.RowMatcher.forced`, its fast-forward tokens). The next step runs
+each row's last token and its forced ones as one short causal block over its KV blocks (the
+verify shape of :mod:`.speculation`; rejected tokens' KV needs no undo, the scheduler fits
+the row's blocks to its tokens), then walks each drafting row's positions in order and
+samples each exactly as a plain step would: the mask of the matcher advanced past the tokens
+before it (then rewound: the worker consumes the kept tokens as usual), the logits
+processors over the same history, the filters, the row's PRNG key split once a token, its
+logprobs, the steer to close JSON near the budget. The row keeps the tokens up to the first
+one that differs from its draft, plus that one, so each step emits 1 to ``k + 1`` tokens.
+
+Why it is on by default (``EngineConfig.grammar_fast_forward``): it cannot change output.
+Every token a row keeps is the one its own sampler draws, with the key it would have used,
+from the masked logits at its position; and where a token is forced, the mask allows it
+alone (llguidance allows only its own tokenization of forced bytes: every fast-forward token
+of a schema's keys measured here was the one token of its mask), so no logits choose another.
+The one difference from plain decoding is that a position's logits come from a several-token
+forward rather than a one-token one: float rounding of the kind a row's logits already have
+between batches of different sizes. It runs only while at most ``speculative_max_batch``
+rows decode, with as many forced tokens a row as the measured step times
+(:class:`~.speculation.StepTimes`, shared with the n-gram drafts) and the acceptance rate say
+pay: a large compute-bound batch decodes plainly.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import mlx.core as mx
+
+from .sampling import SampledRow, sample_batch, sample_requests
+from .speculation import StepTimes
+
+logger = logging.getLogger(__name__)
+
+MAX_FORCED = 16
+"""Most forced tokens a row verifies in one step."""
+
+
+def can_fast_forward(request: Any) -> bool:
+    """Whether ``request`` decodes under a grammar (its drafts are its forced tokens)."""
+    sampler = request.state.sampler if request.state is not None else None
+    return sampler is not None and sampler.matcher is not None
+
+
+@dataclass
+class FastForwardStats:
+    """Counts of one engine's fast-forward (``stats()["fast_forward"]``)."""
+
+    steps: int = 0  # steps that verified forced tokens
+    row_steps: int = 0  # (row, step) pairs with forced tokens
+    forced: int = 0  # forced tokens verified
+    accepted: int = 0  # of them, kept
+    emitted: int = 0  # tokens those row-steps emitted (kept + the one sampled after)
+
+    def as_dict(self) -> dict[str, float]:
+        return {"fast_forward_steps": self.steps, "forced_tokens": self.forced, "accepted_tokens": self.accepted,
+                "acceptance_rate": self.accepted / self.forced if self.forced else 0.0,
+                "tokens_per_row_step": self.emitted / self.row_steps if self.row_steps else 0.0}
+
+
+class FastForward:
+    """Forced-token drafts and their verification for one engine's constrained rows.
+
+    Args:
+        max_batch: fast-forward only while at most this many rows decode.
+        times: the measured step times (shared with the n-gram speculator).
+        limit: most forced tokens a row verifies a step.
+    """
+
+    def __init__(self, max_batch: int, times: StepTimes, limit: int = MAX_FORCED) -> None:
+        self.max_batch, self.times, self.limit = max_batch, times, limit
+        self.stats = FastForwardStats()
+        self._acceptance = 0.9  # of one forced token, a moving average (forced tokens are mostly the mask's only one)
+
+    def draft_all(self, rows: Sequence[Any]) -> None:
+        """Set every constrained row's draft to its forced tokens (none while too many rows
+        decode); other rows' drafts are left as they are."""
+        few = len(rows) <= self.max_batch
+        for request in rows:
+            if not can_fast_forward(request) or request.finished:
+                continue
+            left = request.params.max_tokens - len(request.output_ids) - 1  # the step samples one token besides
+            try:
+                request.draft = request.state.sampler.matcher.forced(min(self.limit, left)) if few else []
+            except Exception:  # the next plain step's mask reports the matcher's fault, for this row alone
+                logger.debug("no forced tokens for request %s", request.request_id, exc_info=True)
+                request.draft = []
+
+    def plan(self, rows: Sequence[Any]) -> int:
+        """How many forced tokens a row verifies this step (0: decode plainly): the number,
+        among the rows' draft lengths, expected to give the most tokens a second."""
+        lengths = [len(r.draft) for r in rows if r.draft and can_fast_forward(r)]
+        if not lengths or len(rows) > self.max_batch:
+            return 0
+        n, a = len(rows), min(self._acceptance, 0.999)
+        plain = self.times.get(n, 0)
+        if plain is None:
+            return 0  # measure a plain step first
+        best, best_rate = 0, n / plain
+        for k in sorted(set(lengths)):
+            gained = sum(a * (1 - a ** min(length, k)) / (1 - a) for length in lengths)  # expected kept tokens
+            rate = (n + gained) / (self.times.get(n, k) or plain)  # untried: as cheap as a plain step, so tried once
+            if rate > best_rate:
+                best, best_rate = k, rate
+        return best
+
+    def verify(self, runner: Any, rows: Sequence[Any], k: int) -> list[list[SampledRow]]:
+        """One forward over each row's last token and its first ``k`` forced tokens (rows
+        without, their last token only); what each row emits, in order."""
+        drafts = [list(r.draft[:k]) if can_fast_forward(r) else [] for r in rows]
+        logits = runner.forward(list(rows), [[r.output_ids[-1], *d] for r, d in zip(rows, drafts)],
+                                [r.num_tokens - 1 for r in rows])
+        mx.eval(logits)
+        out: list[list[SampledRow]] = [[] for _ in rows]
+        plain = [i for i, d in enumerate(drafts) if not d]
+        if plain:  # sampled together, as in a plain step (each row as if alone)
+            for i, row in zip(plain, sample_requests(logits[mx.array(plain), 0, :], [rows[i] for i in plain])):
+                out[i] = [row]
+        for i, draft in enumerate(drafts):
+            if draft:
+                out[i] = self._walk(rows[i], logits[i], draft)
+        self.stats.steps += 1
+        return out
+
+    def _walk(self, request: Any, logits: mx.array, draft: list[int]) -> list[SampledRow]:
+        """Sample ``request``'s positions in order (``logits``: ``(width, vocab)``) while each
+        draws its draft token; the matcher is left where it was."""
+        sampler = request.state.sampler
+        matcher = sampler.matcher
+        history = request.prompt_ids + request.output_ids
+        left = request.params.max_tokens - len(request.output_ids)
+        mark = matcher.mark()
+        out: list[SampledRow] = []
+        try:
+            for j in range(len(draft) + 1):
+                row = sample_batch(logits[j : j + 1], [sampler], [lambda j=j: mx.array(history + draft[:j])], [left - j])[0]
+                out.append(row)
+                if row.error is not None or j == len(draft) or row.token != draft[j]:
+                    break
+                matcher.consume(row.token)  # the next position's mask follows it
+        except Exception as exc:  # consume() refused a token the mask allowed: this row alone fails
+            out[-1] = SampledRow(error=exc)
+        finally:
+            matcher.rewind(mark)
+        kept = sum(1 for got, want in zip(out, draft) if got.error is None and got.token == want)
+        self.stats.row_steps += 1
+        self.stats.forced += len(draft)
+        self.stats.accepted += kept
+        self.stats.emitted += len(out)
+        self._acceptance += 0.2 * (kept / min(len(draft), kept + 1) - self._acceptance)
+        return out
+
+
+def fast_forward_for(config: Any, paged: Any, times: StepTimes) -> "FastForward | None":
+    """The engine's fast-forward, or None (off, or the rectangle layout: it needs KV blocks)."""
+    if not getattr(config, "grammar_fast_forward", False) or paged is None:
+        return None
+    return FastForward(config.speculative_max_batch, times)

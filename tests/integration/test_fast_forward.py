@@ -1,0 +1,99 @@
+"""Grammar fast-forward (issue 24): constrained rows verify their grammar's forced tokens in one
+forward, and emit exactly what they emit without it: greedy, seeded sampled, with logprobs,
+batched beside unconstrained rows, streamed, cut by a stop string or by max_tokens."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from mlx_parallm_provider.engine import Constraint, SamplingParams
+from mlx_parallm_provider.engine.guided import RowMatcher
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"const": "get_weather"},
+                   "arguments": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                                                 "unit": {"enum": ["celsius", "fahrenheit"]}},
+                                 "required": ["city", "unit"], "additionalProperties": False}},
+    "required": ["name", "arguments"], "additionalProperties": False,
+}
+CALL = Constraint.json_schema(SCHEMA)
+PROMPTS = ["the weather in", "a lazy dog", "over the wall", "seven cats"]
+PARAMS = [
+    SamplingParams(max_tokens=48, constraint=CALL),
+    SamplingParams(max_tokens=48, temperature=0.9, seed=3, constraint=CALL),
+    SamplingParams(max_tokens=48, temperature=0.9, seed=4, constraint=CALL, logprobs=True, top_logprobs=2),
+    SamplingParams(max_tokens=48, constraint=CALL, stop=['"unit']),  # a stop string inside a forced run
+    SamplingParams(max_tokens=7, constraint=CALL),  # the budget ends inside a forced run
+    SamplingParams(max_tokens=12, ignore_eos=True),  # unconstrained, beside them
+]
+
+
+def _run(engine) -> list:
+    """Each request alone, then all of them batched, then the first streamed."""
+    alone = [engine.generate_sync(p, s) for p, s in zip(PROMPTS * 2, PARAMS)]
+
+    async def together():
+        return await asyncio.gather(*(engine.generate(p, s) for p, s in zip(PROMPTS * 2, PARAMS)))
+
+    streamed = list(engine.stream_sync(PROMPTS[1], PARAMS[1]))
+    return [*alone, *asyncio.run(together()), streamed]
+
+
+def _same(a, b) -> None:
+    """Two runs' results agree token for token (and in text, finish reason and logprobs)."""
+    assert len(a) == len(b) == 2 * len(PARAMS) + 1
+    *whole_a, stream_a = a
+    *whole_b, stream_b = b
+    for x, y in zip(whole_a, whole_b):
+        assert (x.token_ids, x.text, x.finish_reason) == (y.token_ids, y.text, y.finish_reason)
+        if x.logprobs is not None:  # (the logits of a several-token forward differ in rounding only)
+            assert [(p.token_id, [t for t, _, _ in p.top_logprobs]) for p in x.logprobs] == \
+                   [(p.token_id, [t for t, _, _ in p.top_logprobs]) for p in y.logprobs]
+            assert [p.logprob for p in x.logprobs] == pytest.approx([p.logprob for p in y.logprobs], abs=1e-4)
+    assert [t for d in stream_a for t in d.token_ids] == [t for d in stream_b for t in d.token_ids]
+    assert "".join(d.text for d in stream_b) == whole_b[1].text
+
+
+@pytest.fixture(scope="module")
+def without(tiny_model):
+    """The requests' results with fast-forward off."""
+    from mlx_parallm_provider.config import EngineConfig
+    from mlx_parallm_provider.engine import Engine
+
+    engine = Engine("tiny", EngineConfig(grammar_fast_forward=False), loaded=tiny_model)
+    try:
+        assert engine.stats()["fast_forward"] is None
+        yield _run(engine)
+    finally:
+        engine.shutdown()
+
+
+def test_forced_tokens_are_fast_forwarded_and_output_is_unchanged(make_engine, without) -> None:
+    engine = make_engine()  # on by default
+    got = _run(engine)
+    _same(without, got)
+    assert got[3].finish_reason == "stop" and '"unit' not in got[3].text and got[3].text.startswith('{"name": "get_weather"')
+    assert len(got[4].token_ids) == 7 and got[4].finish_reason == "length"
+    stats = engine.stats()["fast_forward"]
+    # The schema's keys and the tool's name are forced: whole runs of them go in one step.
+    assert stats["fast_forward_steps"] > 0 and stats["accepted_tokens"] >= 40, stats
+    assert stats["acceptance_rate"] == 1.0 and stats["tokens_per_row_step"] > 3, stats
+
+
+def test_a_draft_the_model_would_not_choose_is_rejected_for_the_row_s_own_choice(make_engine, without, monkeypatch) -> None:
+    """Drafts are verified, not trusted: with the last of every run of forced tokens replaced
+    by another token, each row still emits what it emits without fast-forward."""
+    forced = RowMatcher.forced
+
+    def wrong_last(self, limit: int) -> list[int]:
+        tokens = forced(self, limit)
+        return tokens[:-1] + [(tokens[-1] + 1) % 1000] if len(tokens) > 1 else tokens
+
+    monkeypatch.setattr(RowMatcher, "forced", wrong_last)
+    engine = make_engine(enable_prefix_caching=False)
+    _same(without, _run(engine))
+    stats = engine.stats()["fast_forward"]
+    assert 0.5 < stats["acceptance_rate"] < 1.0 and stats["accepted_tokens"] > 0, stats

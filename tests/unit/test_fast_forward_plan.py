@@ -1,0 +1,50 @@
+"""How many forced tokens a fast-forward step verifies (engine/fast_forward.py): only as many as
+the measured step times say pay, only for constrained rows, never in a large batch."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from mlx_parallm_provider.engine.fast_forward import FastForward
+from mlx_parallm_provider.engine.speculation import StepTimes
+
+
+def _row(draft: list[int], constrained: bool = True) -> SimpleNamespace:
+    sampler = SimpleNamespace(matcher=object() if constrained else None)
+    return SimpleNamespace(draft=draft, state=SimpleNamespace(sampler=sampler))
+
+
+def test_forced_tokens_are_verified_only_while_they_pay() -> None:
+    times = StepTimes()
+    ff = FastForward(max_batch=8, times=times)
+    rows = [_row([1, 2, 3, 4, 5, 6]), _row([7, 8]), _row([], constrained=False)]
+    assert ff.plan(rows) == 0  # no plain step of three rows measured yet
+    times.record(3, 0, 0.100)
+    assert ff.plan(rows) == 6  # untried widths are assumed as cheap as a plain step
+    for k in (2, 6):
+        times.record(3, k, 0.100 * (1 + k))  # each forced token costs a whole step: never pays
+    assert ff.plan(rows) == 0
+
+
+def _measured(seconds: dict[int, float]) -> FastForward:
+    times = StepTimes()
+    for k, s in seconds.items():
+        times.record(3, k, s)
+    return FastForward(max_batch=8, times=times)
+
+
+def test_the_width_with_most_tokens_a_second_is_chosen() -> None:
+    rows = [_row([1, 2, 3, 4, 5, 6]), _row([7, 8]), _row([], constrained=False)]
+    assert _measured({0: 0.100, 2: 0.101, 6: 0.300}).plan(rows) == 2  # memory-bound to 3 tokens a row, then not
+    assert _measured({0: 0.100, 2: 0.101, 6: 0.102}).plan(rows) == 6  # memory-bound throughout
+
+
+def test_no_fast_forward_without_constrained_drafts_or_in_a_large_batch() -> None:
+    times = StepTimes()
+    ff = FastForward(max_batch=2, times=times)
+    for n in (1, 3):
+        times.record(n, 0, 0.1)
+    assert ff.plan([_row([])]) == 0
+    assert ff.plan([_row([5, 6], constrained=False)]) == 0  # an n-gram draft is not fast-forward's
+    assert ff.plan([_row([5, 6])]) == 2
+    assert ff.plan([_row([5, 6])] * 3) == 0  # more rows than max_batch
