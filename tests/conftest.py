@@ -33,8 +33,41 @@ TINY_CONFIG = {
 
 @pytest.fixture(scope="session", autouse=True)
 def _isolated_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
-    """Converted models go to a per-session folder, never the user's cache."""
-    os.environ["MLX_PARALLM_HOME"] = str(tmp_path_factory.mktemp("mlx-parallm-home"))
+    """Converted models go to a per-session folder, never the user's cache. The kernels that
+    ``scripts/setup.sh`` built into the user's cache are copied in (read, never written
+    there): each is keyed by its sources, flags, compiler and CPU and checked against its
+    record before it is loaded, so a copy is what a build would give, without the MLX
+    extension's ~45 s build per session. Building from an empty cache is tested on its own
+    (test_small_batch.py, test_native_safety.py, each in a fresh home)."""
+    from mlx_parallm_provider.models.registry import cache_home
+
+    home = tmp_path_factory.mktemp("mlx-parallm-home")
+    _copy_built_kernels(cache_home() / "kernels", home / "kernels")
+    os.environ["MLX_PARALLM_HOME"] = str(home)
+
+
+def _copy_built_kernels(source: Path, target: Path) -> None:
+    """Copy each kernel of ``source`` that has its record into ``target``, where it is then
+    checked (:func:`kernel_cache.verified` removes a copy that does not match)."""
+    import shutil
+
+    from mlx_parallm_provider.models import kernel_cache
+
+    try:
+        records = sorted(source.glob("*" + kernel_cache.RECORD_SUFFIX))
+    except OSError:
+        return
+    for record in records:
+        kernel = record.with_name(record.name[: -len(kernel_cache.RECORD_SUFFIX)])
+        if not kernel.is_file():
+            continue
+        target.mkdir(parents=True, exist_ok=True)
+        try:
+            shutil.copyfile(record, target / record.name)
+            shutil.copy2(kernel, target / kernel.name)
+        except OSError:
+            continue
+        kernel_cache.verified(target / kernel.name)
 
 
 @pytest.fixture(scope="session")

@@ -78,8 +78,8 @@ def cluster(tiny_model: Any, tiny_model_dir: Path, tmp_path_factory: pytest.Temp
     replicas = {rid: start_proxy(replica_config, folder / rid, key, engine, REPLICA_ARGS) for rid in IDS}
     started: list[RunningProxy] = list(replicas.values())
     try:
-        for replica in replicas.values():
-            wait_ready(replica)
+        # The front starts beside the replicas (their ports are known once started; it does
+        # not call them until a request comes), and all three are waited for.
         front_config = yaml.safe_load((REPO / "examples" / "cluster" / "front.yaml").read_text())
         assert len(front_config["model_list"]) == len(IDS)
         for deployment, rid in zip(front_config["model_list"], IDS):
@@ -88,7 +88,8 @@ def cluster(tiny_model: Any, tiny_model_dir: Path, tmp_path_factory: pytest.Temp
             deployment["model_info"]["id"] = rid
         front = start_proxy(front_config, folder / "front", key)
         started.append(front)
-        wait_ready(front)
+        for proxy in started:
+            wait_ready(proxy)
         yield Cluster(replicas, front, key, front_config["model_list"])
     finally:
         for proxy in started:

@@ -46,7 +46,11 @@ def _run_child(module: str, home: Path) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize(("module", "size"), [(qmatmul, "half"), (qmatmul, "4k"), (qmatmul_ext, "half")],
                          ids=["ctypes-half", "ctypes-4k", "extension-half"])  # the extension's rebuild takes ~45 s
-def test_a_truncated_cached_kernel_is_rebuilt_not_loaded(module, size: str, tmp_path: Path) -> None:
+def test_a_truncated_cached_kernel_is_rebuilt_not_loaded(module, size: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Also, for the extension, what test_small_batch.py's test_build_is_cached_per_source_and_machine
+    checks for the ctypes kernel (a second build of its own would cost another ~45 s): the
+    build lands in ``$MLX_PARALLM_HOME/kernels`` with its record and nothing else, and is
+    found there, not built again."""
     built = module.build()  # in the session's home: built once for all tests
     if built is None:
         pytest.skip(f"{module.__name__} does not build here")
@@ -63,6 +67,10 @@ def test_a_truncated_cached_kernel_is_rebuilt_not_loaded(module, size: str, tmp_
     assert "matches MLX ops" in child.stdout
     assert "building it again" in child.stderr
     assert cached.stat().st_size == whole and kernel_cache.verified(cached)
+    monkeypatch.setenv("MLX_PARALLM_HOME", str(tmp_path))
+    stamp = cached.stat().st_mtime_ns
+    assert module.build() == cached and cached.stat().st_mtime_ns == stamp  # found in the home, not built again
+    assert sorted(p.name for p in cached.parent.iterdir()) == [cached.name, cached.name + kernel_cache.RECORD_SUFFIX]
 
 
 def test_builds_are_recorded_and_checked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
