@@ -159,18 +159,8 @@ class SmallBatchLinear(nn.Linear):
         return f"input_dims={self._source.packed.packed.shape[1] * 8 // self._source.packed.bits}, output_dims={self._columns[1] - self._columns[0]}, float32_copy={'weight' in self}"
 
     def __call__(self, x: mx.array) -> mx.array:
-        bias = self.bias if "bias" in self else None
-        small = _rows(x) <= self.backend.packed_rows
-        if not small and "weight" in self:
-            return private_blas.dense(x, self.weight, bias)
-        if not small and not self.backend.kernels:
-            y = self._source.mlx_matmul(x)
-        else:
-            y = self._source.output(x, self.backend.qmatmul_threads, gemm=not small)
-        start, stop = self._columns
-        if (start, stop) != (0, y.shape[-1]):
-            y = y[..., start:stop]
-        return y + bias if bias is not None else y
+        y = _multiply(x, self._source, self._columns, self.weight if "weight" in self else None, self.backend)
+        return y + self.bias if "bias" in self else y
 
 
 class SmallBatchEmbedding(nn.Embedding):
@@ -198,12 +188,21 @@ class SmallBatchEmbedding(nn.Embedding):
         return mx.dequantize(w.packed.view(mx.uint32)[x], w.scales[x], w.biases[x], group_size=w.group_size, bits=w.bits)
 
     def as_linear(self, x: mx.array) -> mx.array:
-        small = _rows(x) <= self.backend.packed_rows
-        if not small and "weight" in self:
-            return private_blas.dense(x, self.weight)
-        if not small and not self.backend.kernels:
-            return self._source.mlx_matmul(x)
-        return self._source.output(x, self.backend.qmatmul_threads, gemm=not small)
+        rows = self._source.packed.packed.shape[0]
+        return _multiply(x, self._source, (0, rows), self.weight if "weight" in self else None, self.backend)
+
+
+def _multiply(x: mx.array, source: SharedInput, columns: tuple[int, int], weight: Optional[mx.array], backend: MLXOps) -> mx.array:
+    """``x @ W.T`` for a layer's ``columns`` of ``source`` by the path for ``x``'s rows: the
+    packed kernel for at most ``backend.packed_rows``, else the layer's float32 ``weight``
+    where one is kept, MLX's ``quantized_matmul`` on a backend without kernels, or the tiled
+    GEMM."""
+    small = _rows(x) <= backend.packed_rows
+    if not small and weight is not None:
+        return private_blas.dense(x, weight)  # the layer's own columns already
+    y = source.mlx_matmul(x) if not small and not backend.kernels else source.output(x, backend.qmatmul_threads, gemm=not small)
+    start, stop = columns
+    return y if (start, stop) == (0, y.shape[-1]) else y[..., start:stop]
 
 
 def _float32_weight(module: Any) -> mx.array:
