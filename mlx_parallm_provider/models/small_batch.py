@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import threading
 from dataclasses import dataclass, replace
 from types import ModuleType
@@ -47,8 +48,29 @@ Kernel = Union[ctypes.CDLL, ModuleType]
 """The ctypes kernel (:func:`.qmatmul.load`) or the MLX extension (:func:`.qmatmul_ext.load`)."""
 
 FLOAT32_ENV = "MLX_PARALLM_FLOAT32_WEIGHTS"
-"""Set to 1: keep a float32 copy of each quantized layer for large inputs (the layout before
-the tiled GEMM; more memory, the same numbers up to the order of additions)."""
+"""1: keep a float32 copy of each quantized layer for large inputs; 0: never (the tiled GEMM);
+unset: keep copies while they take at most :data:`FLOAT32_SHARE` of the machine's memory."""
+FLOAT32_SHARE = 0.25
+"""The share of physical memory float32 copies may take by default. On a quiet 2-core Zen 3
+the tiled GEMM ran 32 concurrent rows at ~0.7x the copies' speed (it dequantizes every
+weight each step on one thread), so small models keep the speed and large ones the memory."""
+
+
+def _keep_float32_copies(packed: dict[str, "PackedWeight"]) -> bool:
+    """Whether quantized layers keep float32 copies (:data:`FLOAT32_ENV`, else by size)."""
+    choice = os.environ.get(FLOAT32_ENV, "").strip().lower()
+    if choice in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+        return env_flag(FLOAT32_ENV)
+    copies = sum(4 * p.packed.shape[0] * p.packed.shape[1] * 8 // p.bits for p in packed.values())
+    try:
+        memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return True
+    keep = copies <= FLOAT32_SHARE * memory
+    if not keep:
+        logger.info("float32 copies would take %.1f GiB of %.1f GiB: quantized layers multiply by their packed weights alone",
+                    copies / 1024**3, memory / 1024**3)
+    return keep
 
 
 def load_kernel() -> Optional[Kernel]:
@@ -255,9 +277,9 @@ def dequantize(model: nn.Module, backend: MLXOps) -> int:
     kernel = load_kernel() if backend.packed_rows > 0 else None
     if kernel is None:
         return 0
-    float32_copy = isinstance(kernel, ctypes.CDLL) or env_flag(FLOAT32_ENV) or not private_blas.bind_for_gemm()
     modules = {name: m for name, m in model.named_modules() if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))}
     packed = {name: p for name, m in modules.items() if (p := PackedWeight.from_module(m)) is not None}
+    float32_copy = isinstance(kernel, ctypes.CDLL) or _keep_float32_copies(packed) or not private_blas.bind_for_gemm()
     sources = _sources({n: p for n, p in packed.items() if isinstance(modules[n], nn.QuantizedLinear)}, kernel)
     replaced = []
     for name, weights in packed.items():

@@ -117,6 +117,18 @@ def test_the_portable_path_computes_what_the_native_one_does(tmp_path: Path, mon
             assert np.allclose(np.asarray(packed.matmul(lib, x)), expected, rtol=1e-5, atol=1e-4)
 
 
+def test_by_default_float32_copies_are_kept_while_they_take_a_quarter_of_memory_at_most(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _extension()
+    monkeypatch.delenv(small_batch.FLOAT32_ENV, raising=False)
+    small = _quantized_tiny(tiny_model_dir)
+    backend.prepare_model(small, dequantize=True)
+    assert _float32_copies(small)  # a tiny model: copies, for speed
+    monkeypatch.setattr(small_batch, "FLOAT32_SHARE", 1e-12)  # as if the copies would not fit
+    large = _quantized_tiny(tiny_model_dir)
+    backend.prepare_model(large, dequantize=True)
+    assert _float32_copies(large) == []
+
+
 def test_kernel_rejects_what_it_cannot_read(kernel) -> None:
     assert small_batch.PackedWeight.from_module(_quantized((8, 64), bits=2, group=32)) is None
     packed = small_batch.PackedWeight.from_module(_quantized((8, 64), bits=4, group=32)).for_kernel(kernel)
@@ -158,15 +170,15 @@ def _float32_copies(model) -> list[str]:
 
 
 def test_with_the_extension_no_float32_copy_is_kept_and_every_path_agrees(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The tiled GEMM serves large inputs from the packed weights: the model holds no float32
-    copy, and the kernel, the GEMM, MLX's own ops and the embedding lookup all compute what
-    the float32 copy does (``MLX_PARALLM_FLOAT32_WEIGHTS=1`` keeps it)."""
+    """With ``MLX_PARALLM_FLOAT32_WEIGHTS=0`` the tiled GEMM serves large inputs from the packed
+    weights: the model holds no float32 copy, and the kernel, the GEMM, MLX's own ops and the
+    embedding lookup all compute what the float32 copy (``=1``) does."""
     _extension()
     reference = _quantized_tiny(tiny_model_dir)
     monkeypatch.setenv(small_batch.FLOAT32_ENV, "1")
     backend.prepare_model(reference, dequantize=True)
     assert _float32_copies(reference)
-    monkeypatch.delenv(small_batch.FLOAT32_ENV)
+    monkeypatch.setenv(small_batch.FLOAT32_ENV, "0")
     model = _quantized_tiny(tiny_model_dir)
     backend.prepare_model(model, dequantize=True)
     assert _float32_copies(model) == []
