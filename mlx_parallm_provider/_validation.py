@@ -8,7 +8,7 @@ import math
 import os
 import re
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, Optional
 
 from .errors import InvalidParameterError
 
@@ -55,9 +55,19 @@ def env_int(name: str, default: int, minimum: int, maximum: int) -> int:
     return bounded
 
 
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def env_choice(name: str) -> Optional[bool]:
+    """Environment variable ``name`` as a yes / no: True for 1 / true / yes / on, False for
+    0 / false / no / off (any case), None when unset or anything else."""
+    value = os.environ.get(name, "").strip().lower()
+    return True if value in _TRUE else False if value in _FALSE else None
+
+
 def env_flag(name: str) -> bool:
     """Whether environment variable ``name`` is set to 1 / true / yes / on (any case)."""
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+    return env_choice(name) is True
 
 
 def check_text(name: str, text: str) -> None:

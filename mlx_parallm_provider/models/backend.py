@@ -22,6 +22,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
+from .._validation import env_flag
+
 if TYPE_CHECKING:
     from .backends import Choice, MLXOps
 
@@ -167,9 +169,8 @@ def should_dequantize(dequantize: Optional[bool] = None) -> bool:
     """Whether to dequantize weights at load: explicit choice, else env, else on CPU only."""
     if dequantize is not None:
         return dequantize
-    env = os.environ.get(DEQUANTIZE_ENV)
-    if env is not None:
-        return env.strip().lower() in ("1", "true", "yes", "on")
+    if DEQUANTIZE_ENV in os.environ:
+        return env_flag(DEQUANTIZE_ENV)
     return is_cpu()
 
 

@@ -39,7 +39,7 @@ import numpy as np
 from mlx.utils import tree_unflatten
 
 from . import private_blas, qmatmul, qmatmul_ext
-from .._validation import env_flag
+from .._validation import env_choice
 from .backends import MLXOps
 
 logger = logging.getLogger(__name__)
@@ -58,10 +58,10 @@ weight each step on one thread), so small models keep the speed and large ones t
 
 def _keep_float32_copies(packed: dict[str, "PackedWeight"]) -> bool:
     """Whether quantized layers keep float32 copies (:data:`FLOAT32_ENV`, else by size)."""
-    choice = os.environ.get(FLOAT32_ENV, "").strip().lower()
-    if choice in ("1", "true", "yes", "on", "0", "false", "no", "off"):
-        return env_flag(FLOAT32_ENV)
-    copies = sum(4 * p.packed.shape[0] * p.packed.shape[1] * 8 // p.bits for p in packed.values())
+    choice = env_choice(FLOAT32_ENV)
+    if choice is not None:
+        return choice
+    copies = sum(4 * p.shape[0] * p.shape[1] for p in packed.values())
     try:
         memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
@@ -105,6 +105,11 @@ class PackedWeight:
             bits=module.bits,
             group_size=module.group_size,
         )
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """``(N, K)``: the weight's shape unpacked."""
+        return self.packed.shape[0], self.packed.shape[1] * 8 // self.bits
 
     def for_kernel(self, kernel: Kernel) -> "PackedWeight":
         """This weight with its arrays as ``kernel`` takes them (``mx.array`` for the extension)."""
@@ -167,18 +172,15 @@ class SmallBatchLinear(nn.Linear):
 
     def __init__(self, weight: Optional[mx.array], bias: Optional[mx.array], source: SharedInput, columns: tuple[int, int], backend: MLXOps) -> None:
         start, stop = columns
-        super().__init__(source.packed.packed.shape[1] * 8 // source.packed.bits, stop - start, bias=bias is not None)
-        if weight is None:
-            del self["weight"]  # nn.Linear's (lazy, never evaluated) initial weight: no float32 copy
-        else:
-            self.weight = weight
+        super().__init__(source.packed.shape[1], stop - start, bias=bias is not None)
+        _hold(self, weight)
         if bias is not None:
             self.bias = bias
         self._source, self._columns = source, columns
         self.backend = backend
 
     def _extra_repr(self) -> str:
-        return f"input_dims={self._source.packed.packed.shape[1] * 8 // self._source.packed.bits}, output_dims={self._columns[1] - self._columns[0]}, float32_copy={'weight' in self}"
+        return f"input_dims={self._source.packed.shape[1]}, output_dims={self._columns[1] - self._columns[0]}, float32_copy={'weight' in self}"
 
     def __call__(self, x: mx.array) -> mx.array:
         y = _multiply(x, self._source, self._columns, self.weight if "weight" in self else None, self.backend)
@@ -190,18 +192,14 @@ class SmallBatchEmbedding(nn.Embedding):
     ``as_linear`` (a tied output head) multiplies as :class:`SmallBatchLinear` does."""
 
     def __init__(self, weight: Optional[mx.array], packed: PackedWeight, kernel: Kernel, backend: MLXOps) -> None:
-        rows, dims = packed.packed.shape[0], packed.packed.shape[1] * 8 // packed.bits
-        super().__init__(rows, dims)
-        if weight is None:
-            del self["weight"]
-        else:
-            self.weight = weight
+        super().__init__(*packed.shape)
+        _hold(self, weight)
         self._source = SharedInput(packed, kernel)
         self.backend = backend
 
     def _extra_repr(self) -> str:
-        w = self._source.packed
-        return f"{w.packed.shape[0]}, {w.packed.shape[1] * 8 // w.bits}, float32_copy={'weight' in self}"
+        rows, dims = self._source.packed.shape
+        return f"{rows}, {dims}, float32_copy={'weight' in self}"
 
     def __call__(self, x: mx.array) -> mx.array:
         if "weight" in self:
@@ -210,8 +208,16 @@ class SmallBatchEmbedding(nn.Embedding):
         return mx.dequantize(w.packed.view(mx.uint32)[x], w.scales[x], w.biases[x], group_size=w.group_size, bits=w.bits)
 
     def as_linear(self, x: mx.array) -> mx.array:
-        rows = self._source.packed.packed.shape[0]
-        return _multiply(x, self._source, (0, rows), self.weight if "weight" in self else None, self.backend)
+        return _multiply(x, self._source, (0, self._source.packed.shape[0]), self.weight if "weight" in self else None, self.backend)
+
+
+def _hold(layer: nn.Module, weight: Optional[mx.array]) -> None:
+    """Give ``layer`` its float32 ``weight``, or none: the initial one its ``nn`` base class
+    made (lazy, never evaluated) is dropped, so no float32 copy exists."""
+    if weight is None:
+        del layer["weight"]
+    else:
+        layer.weight = weight
 
 
 def _multiply(x: mx.array, source: SharedInput, columns: tuple[int, int], weight: Optional[mx.array], backend: MLXOps) -> mx.array:
@@ -279,7 +285,8 @@ def dequantize(model: nn.Module, backend: MLXOps) -> int:
         return 0
     modules = {name: m for name, m in model.named_modules() if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))}
     packed = {name: p for name, m in modules.items() if (p := PackedWeight.from_module(m)) is not None}
-    float32_copy = isinstance(kernel, ctypes.CDLL) or _keep_float32_copies(packed) or not private_blas.bind_for_gemm()
+    # A BLAS for the tiles first: the copies are only dropped (and said so) where it is bound.
+    float32_copy = isinstance(kernel, ctypes.CDLL) or not private_blas.bind_for_gemm() or _keep_float32_copies(packed)
     sources = _sources({n: p for n, p in packed.items() if isinstance(modules[n], nn.QuantizedLinear)}, kernel)
     replaced = []
     for name, weights in packed.items():
