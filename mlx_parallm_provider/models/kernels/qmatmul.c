@@ -142,11 +142,16 @@ static inline __attribute__((always_inline)) void dot_row(const uint8_t *w, cons
 }
 #endif
 
+/* Whether the kernels read this layout: 4- or 8-bit, groups of a multiple of 32, K whole groups. */
+static int readable(int M, int K, int bits, int group) {
+    return M >= 1 && (bits == 4 || bits == 8) && group > 0 && group % 32 == 0 && K % group == 0;
+}
+
 /* Returns 0, or -1 for arguments this kernel does not handle (the caller falls back) or when
  * memory for x's copy cannot be had. */
 int qmatmul(const float *x, int M, int K, const uint8_t *w, const float *scales,
             const float *biases, int N, int bits, int group, float *y, int threads) {
-    if (M < 1 || M > MAX_CALL_ROWS || (bits != 4 && bits != 8) || group <= 0 || group % 32 != 0 || K % group != 0)
+    if (M > MAX_CALL_ROWS || !readable(M, K, bits, group))
         return -1;
     int G = K / group;
     float *xd = malloc(sizeof(float) * (size_t)M * K);
@@ -222,7 +227,7 @@ static void dequantize_rows(const uint8_t *w, const float *scales, const float *
  * copy of W is kept. Returns 0, or -1 for arguments it does not handle or without memory. */
 int qgemm(const float *x, int M, int K, const uint8_t *w, const float *scales, const float *biases, int N,
           int bits, int group, float *y, void *sgemm, int tile) {
-    if (M < 1 || (bits != 4 && bits != 8) || group <= 0 || group % 32 != 0 || K % group != 0 || !sgemm || tile < 1)
+    if (!readable(M, K, bits, group) || !sgemm || tile < 1)
         return -1;
     float *buffer = malloc(sizeof(float) * (size_t)tile * K);
     if (!buffer) return -1;
