@@ -174,10 +174,6 @@ class NgramSpeculator:
                 best, best_rate = k, rate
         return best
 
-    def record(self, rows: int, k: int, seconds: float) -> None:
-        """The time of a step of ``rows`` rows that verified ``k`` drafts a row (0: plain)."""
-        self.times.record(rows, k, seconds)
-
     def verify(self, runner: Any, rows: Sequence[Any], k: int) -> list[list[int]]:
         """One forward over each row's last token and its first ``k`` drafts; the tokens each
         row emits (its greedy choice at every position up to the first rejected draft)."""

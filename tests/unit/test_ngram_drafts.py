@@ -52,15 +52,15 @@ def test_drafts_are_verified_only_while_they_pay() -> None:
     spec = NgramSpeculator(k=4, max_batch=8)
     rows = [_Row([1, 2, 3, 4])]
     assert spec.plan(rows) == 0  # no plain step measured yet
-    spec.record(1, 0, 0.100)
+    spec.times.record(1, 0, 0.100)
     assert spec.plan(rows) == 4  # untried widths are assumed as cheap as a plain step
     for k in (1, 2, 3, 4):
-        spec.record(1, k, 0.100 * (1 + k))  # each draft costs a whole step: never pays
+        spec.times.record(1, k, 0.100 * (1 + k))  # each draft costs a whole step: never pays
     assert spec.plan(rows) == 0
     cheap = NgramSpeculator(k=4, max_batch=8)
-    cheap.record(1, 0, 0.100)
+    cheap.times.record(1, 0, 0.100)
     for k in (1, 2, 3, 4):
-        cheap.record(1, k, 0.100 + 0.001 * k)  # memory-bound: drafts almost free
+        cheap.times.record(1, k, 0.100 + 0.001 * k)  # memory-bound: drafts almost free
     assert cheap.plan(rows) == 4
     assert cheap.plan([_Row([])]) == 0 and cheap.plan([_Row([1])] * 9) == 0  # no draft / too many rows
 
