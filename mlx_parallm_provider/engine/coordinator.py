@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from typing import Any, AsyncGenerator, Generator, Optional, Union
 
 from .._validation import check_text
+from .. import mlx_lm_compat
 from ..config import EngineConfig
 from ..errors import ContextWindowExceededError, EngineOverloadedError, InvalidParameterError
 from ..models import backends, registry
@@ -58,6 +59,7 @@ class Engine(EmbedMethods):
         self.config = config or EngineConfig.from_env()
         self._loaded = loaded or registry.load(model, dequantize=self.config.dequantize)
         backends.ensure(self._loaded.model)  # a model passed in unprepared gets one too
+        mlx_lm_compat.fit_grouped_query_masks(self._loaded.model)
         self.model_name = model
         self.tokenizer = self._loaded.tokenizer
         self.context_length = self._loaded.context_length

@@ -27,7 +27,6 @@ import pytest
 
 from mlx_parallm_provider.config import EngineConfig
 from mlx_parallm_provider.engine import Engine, SamplingParams
-from mlx_parallm_provider.errors import EngineDeadError
 
 from conftest import TINY_CONFIG, write_tiny_model
 
@@ -71,14 +70,6 @@ ARCHITECTURES = sorted([*CONFIGS, *QUANTIZED])
 # computes attention itself (gemma2: softcapped scores, no scaled_dot_product_attention)
 # falls back to the rectangle, logged ("KV cache: the rectangle layout (...)").
 EXPECTED_LAYOUT = {name: "paged" for name in ARCHITECTURES} | {"gemma2": "rectangle"}
-
-# Architectures whose batches of rows of different lengths fail today, and why (strict: an
-# mlx-lm that fixes it turns these into failures, to be removed here).
-BATCHES_FAIL = {
-    "gemma2": "mlx-lm 0.32's gemma2 attention computes its own scores as (B, kv_heads, repeats, L, S) for "
-              "grouped-query attention and adds the batch's (B, 1, L, S) padding mask unchanged: broadcast_shapes "
-              "fails at any batch >= 2 of unequal lengths, the worker dies",
-}
 
 MAX_TOKENS = 10
 PROMPT_LENGTHS = (9, 14, 21, 30)  # all longer than gemma3's window
@@ -211,13 +202,7 @@ def arch(request, smollm_tokenizer_dir: Path, tmp_path_factory: pytest.TempPathF
     built.shutdown()
 
 
-def _xfail_if_batches_fail(arch: Arch, request) -> None:
-    if arch.name in BATCHES_FAIL:
-        request.applymarker(pytest.mark.xfail(reason=BATCHES_FAIL[arch.name], raises=EngineDeadError, strict=True))
-
-
-def test_batched_equals_alone(arch: Arch, request) -> None:
-    _xfail_if_batches_fail(arch, request)
+def test_batched_equals_alone(arch: Arch) -> None:
     together, streamed = arch.together()
     assert together == arch.alone()
     assert len(streamed) == MAX_TOKENS
@@ -244,6 +229,5 @@ def test_the_layout_that_runs_is_the_expected_one(arch: Arch) -> None:
     assert arch.engine(kv_layout="rectangle").stats()["kv_cache"]["layout"] == "rectangle"
 
 
-def test_paged_equals_rectangle(arch: Arch, request) -> None:
-    _xfail_if_batches_fail(arch, request)
+def test_paged_equals_rectangle(arch: Arch) -> None:
     assert arch.together(kv_layout="rectangle")[0] == arch.together()[0]
