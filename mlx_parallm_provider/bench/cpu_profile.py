@@ -7,7 +7,7 @@ process.
 
 Each op family is timed alone at the step's real shapes, for every layer, as one evaluated
 graph (the best of ``--repeats``). Times are the process's CPU time with one OpenBLAS
-thread and one decode-attention thread (set in a child process): on a shared machine
+thread, one decode-attention thread and one packed-matmul thread (set in a child process): on a shared machine
 wall-clock times swing several-fold from run to run while this stays within a few percent
 (``--wall`` times wall-clock with the default threads instead). "full step" is the model's forward plus the greedy argmax;
 "other" is the full step less the parts (op dispatch and what the parts miss). "worker
@@ -275,7 +275,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if not args.child:  # OpenBLAS reads its thread count when loaded: set it in a child
-        env = dict(os.environ, **({} if args.wall else {"OPENBLAS_NUM_THREADS": "1", "MLX_PARALLM_ATTENTION_THREADS": "1"}))
+        env = dict(os.environ, **({} if args.wall else {"OPENBLAS_NUM_THREADS": "1", "MLX_PARALLM_ATTENTION_THREADS": "1", "MLX_PARALLM_QMATMUL_THREADS": "1"}))
         cmd = [sys.executable, "-m", "mlx_parallm_provider.bench.cpu_profile", "--child", *(argv if argv is not None else sys.argv[1:])]
         out = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if out.returncode != 0:

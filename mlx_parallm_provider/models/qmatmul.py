@@ -42,7 +42,7 @@ MAX_ROWS = 64
 """Rows of ``x`` one call takes (the C kernel's ``MAX_CALL_ROWS``)."""
 SUPPORTED_BITS = (4, 8)
 
-_FLAGS = ["-O3", "-shared", "-fPIC", "-fopenmp", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
+_FLAGS = ["-O3", "-shared", "-fPIC", "-pthread", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
 
 
 def native_flags(compiler: str) -> list[str]:

@@ -61,7 +61,7 @@ def _command(compiler: str, c_object: Path, output: Path) -> Optional[list[str]]
     lib = mlx_dir / "lib"
     return [
         compiler, *_CXX_FLAGS, *qmatmul.native_flags(compiler), *[f"-I{p}" for p in includes], *map(str, SOURCES), str(nb / "src" / "nb_combined.cpp"), str(c_object),
-        f"-L{lib}", "-lmlx", f"-Wl,-rpath,{lib}", "-fopenmp", "-o", str(output),
+        f"-L{lib}", "-lmlx", f"-Wl,-rpath,{lib}", "-pthread", "-o", str(output),
     ]
 
 

@@ -127,13 +127,13 @@ def test_an_unwritable_home_still_converts_gguf_models(unwritable_home: Path, de
     shutil.rmtree(folder.parent, ignore_errors=True)
 
 
-@pytest.mark.parametrize("raw, expected", [("2147483648", 256), ("999", 256), ("0", 1), ("-1", 1), ("abc", None), ("3", 3)])
+@pytest.mark.parametrize("raw, expected", [("2147483648", (256, 16)), ("999", (256, 16)), ("0", (1, 1)), ("-1", (1, 1)), ("abc", None), ("3", (3, 3))])
 def test_thread_counts_are_bounded(raw: str, expected, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(attention.THREADS_ENV, raw)
     monkeypatch.setenv(cpu_kernels.QMATMUL_THREADS_ENV, raw)
     kernels = CPUKernels()  # the environment is read when a model's backend is made
-    assert kernels.attention_threads == (expected or min(os.cpu_count() or 1, 8))
-    assert kernels.qmatmul_threads == (expected or 1)
+    assert kernels.attention_threads == (expected[0] if expected else min(os.cpu_count() or 1, 8))
+    assert kernels.qmatmul_threads == (expected[1] if expected else min(os.cpu_count() or 1, 2))
 
 
 def test_a_huge_thread_count_does_not_fail_requests(make_engine, tiny_model, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -86,6 +86,25 @@ def test_extension_equals_the_ctypes_kernel(bits: int, group: int) -> None:
         assert np.array_equal(np.asarray(on_mlx.matmul(ext, x)), np.asarray(packed.matmul(lib, x)))
 
 
+@pytest.mark.parametrize("threads", [2, 3, 16])
+def test_threads_compute_exactly_what_one_thread_does_even_with_concurrent_callers(kernel, threads: int) -> None:
+    """The kernel's helper threads claim chunks of weight rows: every row of every call is
+    computed once, the same way, whichever thread takes it, also while another thread calls
+    (it then computes alone)."""
+    import concurrent.futures
+
+    cases = [(small_batch.PackedWeight.from_module(_quantized(shape, bits, 32, seed)).for_kernel(kernel), rows, shape[1])
+             for seed, (shape, bits, rows) in enumerate([((4099, 256), 4, 1), ((2048, 512), 8, 3), ((9000, 128), 4, 8), ((77, 256), 4, 64)])]
+    inputs = [mx.random.normal((rows, k), key=mx.random.key(i)) for i, (_, rows, k) in enumerate(cases)]
+    alone = [np.asarray(p.matmul(kernel, x)) for (p, _, _), x in zip(cases, inputs)]
+
+    def run(_: int) -> bool:
+        return all(np.array_equal(np.asarray(p.matmul(kernel, x, threads)), a) for (p, _, _), x, a in zip(cases, inputs, alone) for _ in range(5))
+
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        assert all(pool.map(run, range(6)))
+
+
 def test_extension_reads_strided_lazy_inputs() -> None:
     ext = _extension()
     module = _quantized((40, 128), 4, 32)

@@ -15,6 +15,8 @@ Without a compiler (no extension) every method falls back to :class:`.MLXOps`.
 
 from __future__ import annotations
 
+import os
+
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, Union
 
@@ -27,7 +29,7 @@ from .mlx_ops import MLXOps
 ROWS_ENV = "MLX_PARALLM_SMALL_BATCH_ROWS"
 QMATMUL_THREADS_ENV = "MLX_PARALLM_QMATMUL_THREADS"
 DEFAULT_PACKED_ROWS = 8
-MAX_QMATMUL_THREADS = 256
+MAX_QMATMUL_THREADS = 16  # the kernel's pool: 15 helpers and the caller
 
 
 def _attention_threads() -> int:
@@ -38,8 +40,14 @@ def _packed_rows() -> int:
     return env_int(ROWS_ENV, DEFAULT_PACKED_ROWS, 0, qmatmul.MAX_ROWS)
 
 
+def default_qmatmul_threads() -> int:
+    """The packed-weight kernel's default threads: 2 where the machine has two CPUs or more
+    (measured on 2 cores; more are untested)."""
+    return min(os.cpu_count() or 1, 2)
+
+
 def _qmatmul_threads() -> int:
-    return env_int(QMATMUL_THREADS_ENV, 1, 1, MAX_QMATMUL_THREADS)
+    return env_int(QMATMUL_THREADS_ENV, default_qmatmul_threads(), 1, MAX_QMATMUL_THREADS)
 
 
 @dataclass(eq=False)
@@ -48,8 +56,10 @@ class CPUKernels(MLXOps):
     backend is made (each bounded with a warning): ``MLX_PARALLM_ATTENTION_THREADS`` (the
     decode kernel, default the CPU count up to 8), ``MLX_PARALLM_SMALL_BATCH_ROWS`` (default
     8, at most :data:`.qmatmul.MAX_ROWS`; 0 turns the packed-weight kernel off) and
-    ``MLX_PARALLM_QMATMUL_THREADS`` (default 1: memory-bound, a second thread gains little on
-    two cores). They may be changed on a model's backend afterwards (tests, profiles)."""
+    ``MLX_PARALLM_QMATMUL_THREADS`` (the packed-weight kernel, default
+    :func:`default_qmatmul_threads`, at most 16; its helper threads take shares of a call's
+    rows as they come free, so a busy core slows a call no more than one thread would). They
+    may be changed on a model's backend afterwards (tests, profiles)."""
 
     attention_threads: int = field(default_factory=_attention_threads)
     packed_rows: int = field(default_factory=_packed_rows)  # type: ignore[assignment]

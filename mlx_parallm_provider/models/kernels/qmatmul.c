@@ -12,11 +12,16 @@
  *
  * Two paths: AVX2 + FMA intrinsics (x86 without AVX-512: GCC's generic 64-byte vectors split
  * into scalar conversions there, ~3x slower), and GCC vector extensions for the rest, which
- * lower to AVX-512 on x86 and NEON on ARM. Rows of W are split across OpenMP threads.
+ * lower to AVX-512 on x86 and NEON on ARM. Rows of W are split across threads (see the pool
+ * below).
  */
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
 #include <stdlib.h>
+#include <time.h>
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -147,35 +152,179 @@ static int readable(int M, int K, int bits, int group) {
     return M >= 1 && (bits == 4 || bits == 8) && group > 0 && group % 32 == 0 && K % group == 0;
 }
 
+/* One call's work: weight rows [chunk * rows_per_chunk, ...) for each chunk. */
+typedef struct {
+    const float *xd;
+    const uint8_t *w;
+    const float *scales, *biases;
+    float *y;
+    int M, K, N, bits, group, rows_per_chunk, chunks;
+} Job;
+
+static void run_rows(const Job *j, int n0, int n1) {
+    int G = j->K / j->group;
+    size_t row_bytes = (size_t)j->K * j->bits / 8;
+    for (int n = n0; n < n1; n++) {
+        const uint8_t *wr = j->w + (size_t)n * row_bytes;
+        const float *sr = j->scales + (size_t)n * G, *br = j->biases + (size_t)n * G;
+        for (int m0 = 0; m0 < j->M; m0 += MAX_ROWS) {
+            int rows = j->M - m0 < MAX_ROWS ? j->M - m0 : MAX_ROWS;
+            const float *xr = j->xd + (size_t)m0 * j->K;
+            float *out = j->y + (size_t)m0 * j->N + n;
+            /* A constant row count lets the compiler keep the accumulators in registers. */
+            switch ((j->bits == 4 ? 0 : 100) + rows) {
+#define ROWS(r) \
+            case r: dot_row(wr, sr, br, xr, r, j->K, 4, j->group, out, j->N); break; \
+            case 100 + r: dot_row(wr, sr, br, xr, r, j->K, 8, j->group, out, j->N); break;
+            ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
+#undef ROWS
+            }
+        }
+    }
+}
+
+/* The pool: helper threads that claim chunks of the caller's job, never a barrier.
+ *
+ * OpenMP's fork/join waits for every thread at the end of a call; on a loaded machine one
+ * descheduled thread stalled every call (20 s instead of 2.8 s for 64 tokens at 2 threads).
+ * Here the caller posts the job, wakes the helpers and claims chunks itself; a helper that
+ * wakes late finds the chunks taken and does nothing, so the caller waits only for chunks a
+ * helper is already computing. A chunk is claimed with one compare-and-swap on a word that
+ * holds the job's number and the next chunk, so a helper holding a finished job's number can
+ * claim nothing of the next one. Helpers wait ~100 us for the next job (calls come back to
+ * back within a step), yielding often, and then sleep. One caller at a time: a second
+ * concurrent caller (another engine's thread) computes its call alone, as does a child after
+ * fork (it has no helpers; locks are only tried, so one copied locked cannot hang it). */
+#define MAX_HELPERS 15
+#define SPIN_NS 100000  /* how long a helper waits for the next job before it sleeps */
+
+#define CLOSED 0xFFFFFFFFu  /* the next chunk of a finished job: nothing left to claim */
+
+static Job pool_job;                  /* written only while no chunk of it can be claimed */
+static _Atomic int pool_chunks;       /* pool_job.chunks, read by helpers that may be stale */
+static _Atomic uint64_t pool_claims;  /* job number << 32 | next chunk */
+static _Atomic int pool_done;         /* chunks finished in the current job */
+static _Atomic int pool_wanted;       /* helpers the current job may use (the first ones) */
+static _Atomic uint32_t pool_posted;  /* the latest job number */
+static pthread_mutex_t pool_caller = PTHREAD_MUTEX_INITIALIZER, pool_sleep = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t pool_wake = PTHREAD_COND_INITIALIZER;
+static int pool_helpers, pool_sleepers;
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+static void claim_chunks(uint32_t job) {
+    for (;;) {
+        uint64_t word = atomic_load(&pool_claims);
+        uint32_t next = (uint32_t)word;
+        if ((uint32_t)(word >> 32) != job || next >= (uint32_t)atomic_load_explicit(&pool_chunks, memory_order_relaxed))
+            return;
+        if (!atomic_compare_exchange_weak(&pool_claims, &word, word + 1))
+            continue;
+        int n0 = (int)next * pool_job.rows_per_chunk;
+        int n1 = n0 + pool_job.rows_per_chunk < pool_job.N ? n0 + pool_job.rows_per_chunk : pool_job.N;
+        run_rows(&pool_job, n0, n1);
+        atomic_fetch_add(&pool_done, 1);
+    }
+}
+
+static void *helper_main(void *arg) {
+    int index = (int)(intptr_t)arg;
+    uint32_t seen = atomic_load(&pool_posted);
+    for (;;) {
+        uint32_t job = atomic_load(&pool_posted);
+        if (job == seen) {
+            /* Short bursts of pause instructions with a yield every few: on an idle core the
+             * next job is picked up within a microsecond or two; on a loaded one the threads
+             * doing the step's other work (or other processes) get the core meanwhile. */
+            struct timespec start, now;
+            clock_gettime(CLOCK_MONOTONIC, &start);
+            int round = 0;
+            do {
+                for (int i = 0; i < 64; i++) cpu_relax();
+                if (++round % 8 == 0) sched_yield();
+                job = atomic_load(&pool_posted);
+                clock_gettime(CLOCK_MONOTONIC, &now);
+            } while (job == seen && (now.tv_sec - start.tv_sec) * 1000000000L + (now.tv_nsec - start.tv_nsec) < SPIN_NS);
+        }
+        if (job == seen) {
+            pthread_mutex_lock(&pool_sleep);
+            pool_sleepers++;
+            while ((job = atomic_load(&pool_posted)) == seen)
+                pthread_cond_wait(&pool_wake, &pool_sleep);
+            pool_sleepers--;
+            pthread_mutex_unlock(&pool_sleep);
+        }
+        seen = job;
+        if (index < atomic_load(&pool_wanted))
+            claim_chunks(job);
+    }
+    return NULL;
+}
+
+/* Start helpers up to `wanted` (called with pool_caller held); fewer where threads cannot be had. */
+static void grow_pool(int wanted) {
+    wanted = wanted > MAX_HELPERS ? MAX_HELPERS : wanted;
+    while (pool_helpers < wanted) {
+        pthread_t t;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        int failed = pthread_create(&t, &attr, helper_main, (void *)(intptr_t)pool_helpers);
+        pthread_attr_destroy(&attr);
+        if (failed) return;
+        pool_helpers++;
+    }
+}
+
+/* Run `job` on this thread and up to threads - 1 helpers. */
+static void run_job(const Job *job, int threads) {
+    if (threads <= 1 || job->chunks <= 1 || pthread_mutex_trylock(&pool_caller) != 0) {
+        run_rows(job, 0, job->N);
+        return;
+    }
+    grow_pool(threads - 1);
+    pool_job = *job;
+    atomic_store(&pool_chunks, job->chunks);
+    atomic_store(&pool_done, 0);
+    atomic_store(&pool_wanted, threads - 1);
+    uint32_t number = atomic_load(&pool_posted) + 1;
+    atomic_store(&pool_claims, (uint64_t)number << 32);
+    atomic_store(&pool_posted, number);
+    if (pthread_mutex_trylock(&pool_sleep) == 0) {  /* else a helper holds it: it sees the job or misses only this one */
+        if (pool_sleepers) pthread_cond_broadcast(&pool_wake);
+        pthread_mutex_unlock(&pool_sleep);
+    }
+    claim_chunks(number);
+    for (long spin = 0; atomic_load(&pool_done) < job->chunks; spin++)
+        if (spin & 63) cpu_relax(); else sched_yield();  /* a helper is inside its last chunk */
+    /* Closed before pool_job can change: a helper that read this job's last word before it
+     * finished would otherwise claim a chunk of fields being rewritten for the next one. */
+    atomic_store(&pool_claims, (uint64_t)number << 32 | CLOSED);
+    pthread_mutex_unlock(&pool_caller);
+}
+
 /* Returns 0, or -1 for arguments this kernel does not handle (the caller falls back) or when
  * memory for x's copy cannot be had. */
 int qmatmul(const float *x, int M, int K, const uint8_t *w, const float *scales,
             const float *biases, int N, int bits, int group, float *y, int threads) {
     if (M > MAX_CALL_ROWS || !readable(M, K, bits, group))
         return -1;
-    int G = K / group;
     float *xd = malloc(sizeof(float) * (size_t)M * K);
     if (!xd) return -1;
     prepare_x(x, M, K, bits, xd);
-    size_t row_bytes = (size_t)K * bits / 8;
-    #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-    for (int n = 0; n < N; n++) {
-        const uint8_t *wr = w + (size_t)n * row_bytes;
-        const float *sr = scales + (size_t)n * G, *br = biases + (size_t)n * G;
-        for (int m0 = 0; m0 < M; m0 += MAX_ROWS) {
-            int rows = M - m0 < MAX_ROWS ? M - m0 : MAX_ROWS;
-            const float *xr = xd + (size_t)m0 * K;
-            float *out = y + (size_t)m0 * N + n;
-            /* A constant row count lets the compiler keep the accumulators in registers. */
-            switch ((bits == 4 ? 0 : 100) + rows) {
-#define ROWS(r) \
-            case r: dot_row(wr, sr, br, xr, r, K, 4, group, out, N); break; \
-            case 100 + r: dot_row(wr, sr, br, xr, r, K, 8, group, out, N); break;
-            ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
-#undef ROWS
-            }
-        }
-    }
+    /* Chunks of ~64 KB of weights per row of x: small enough to share out, large enough that
+     * claiming one costs nothing beside computing it. */
+    size_t chunk_bytes = (size_t)65536 / (M < MAX_ROWS ? M : MAX_ROWS);
+    int rows_per_chunk = (int)(chunk_bytes / ((size_t)K * bits / 8));
+    rows_per_chunk = rows_per_chunk < 8 ? 8 : rows_per_chunk;
+    Job job = {xd, w, scales, biases, y, M, K, N, bits, group, rows_per_chunk, (N + rows_per_chunk - 1) / rows_per_chunk};
+    run_job(&job, threads);
     free(xd);
     return 0;
 }
