@@ -103,6 +103,14 @@ def test_threads_compute_exactly_what_one_thread_does_even_with_concurrent_calle
 
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         assert all(pool.map(run, range(6)))
+    from mlx_parallm_provider.models import private_blas
+
+    if not isinstance(kernel, ctypes.CDLL) and private_blas.bind_for_gemm():  # the tiled GEMM dequantizes on the threads too
+        tiled = small_batch.PackedWeight.from_module(_quantized((40000, 128), 4, 32, 7)).for_kernel(kernel)  # 3 tiles
+        x = mx.random.normal((100, 128), key=mx.random.key(9))
+        one = np.asarray(tiled.matmul(kernel, x, 1, gemm=True))
+        assert np.array_equal(np.asarray(tiled.matmul(kernel, x, threads, gemm=True)), one)
+        assert np.allclose(one, np.asarray(x @ small_batch._float32_weight(_quantized((40000, 128), 4, 32, 7)).T), rtol=1e-4, atol=1e-3)
 
 
 def test_extension_reads_strided_lazy_inputs() -> None:

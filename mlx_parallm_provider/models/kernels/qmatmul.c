@@ -152,13 +152,19 @@ static int readable(int M, int K, int bits, int group) {
     return M >= 1 && (bits == 4 || bits == 8) && group > 0 && group % 32 == 0 && K % group == 0;
 }
 
-/* One call's work: weight rows [chunk * rows_per_chunk, ...) for each chunk. */
+static void dequantize_rows(const uint8_t *w, const float *scales, const float *biases, int n0, int rows, int K,
+                            int bits, int group, float *out);
+
+/* One call's work, shared out by chunks of rows_per_chunk weight rows: y = x @ W.T over rows
+ * [0, N) (MULTIPLY), or rows [first, first + N) of W dequantized into y, N x K (DEQUANTIZE). */
+enum { MULTIPLY, DEQUANTIZE };
 typedef struct {
+    int kind;
     const float *xd;
     const uint8_t *w;
     const float *scales, *biases;
     float *y;
-    int M, K, N, bits, group, rows_per_chunk, chunks;
+    int M, K, N, bits, group, rows_per_chunk, chunks, first;
 } Job;
 
 static void run_rows(const Job *j, int n0, int n1) {
@@ -181,6 +187,13 @@ static void run_rows(const Job *j, int n0, int n1) {
             }
         }
     }
+}
+
+static void run_chunk(const Job *j, int n0, int n1) {
+    if (j->kind == MULTIPLY)
+        run_rows(j, n0, n1);
+    else
+        dequantize_rows(j->w, j->scales, j->biases, j->first + n0, n1 - n0, j->K, j->bits, j->group, j->y + (size_t)n0 * j->K);
 }
 
 /* The pool: helper threads that claim chunks of the caller's job, never a barrier.
@@ -228,7 +241,7 @@ static void claim_chunks(uint32_t job) {
             continue;
         int n0 = (int)next * pool_job.rows_per_chunk;
         int n1 = n0 + pool_job.rows_per_chunk < pool_job.N ? n0 + pool_job.rows_per_chunk : pool_job.N;
-        run_rows(&pool_job, n0, n1);
+        run_chunk(&pool_job, n0, n1);
         atomic_fetch_add(&pool_done, 1);
     }
 }
@@ -285,7 +298,7 @@ static void grow_pool(int wanted) {
 /* Run `job` on this thread and up to threads - 1 helpers. */
 static void run_job(const Job *job, int threads) {
     if (threads <= 1 || job->chunks <= 1 || pthread_mutex_trylock(&pool_caller) != 0) {
-        run_rows(job, 0, job->N);
+        run_chunk(job, 0, job->N);
         return;
     }
     grow_pool(threads - 1);
@@ -323,7 +336,7 @@ int qmatmul(const float *x, int M, int K, const uint8_t *w, const float *scales,
     size_t chunk_bytes = (size_t)65536 / (M < MAX_ROWS ? M : MAX_ROWS);
     int rows_per_chunk = (int)(chunk_bytes / ((size_t)K * bits / 8));
     rows_per_chunk = rows_per_chunk < 8 ? 8 : rows_per_chunk;
-    Job job = {xd, w, scales, biases, y, M, K, N, bits, group, rows_per_chunk, (N + rows_per_chunk - 1) / rows_per_chunk};
+    Job job = {MULTIPLY, xd, w, scales, biases, y, M, K, N, bits, group, rows_per_chunk, (N + rows_per_chunk - 1) / rows_per_chunk, 0};
     run_job(&job, threads);
     free(xd);
     return 0;
@@ -371,11 +384,12 @@ static void dequantize_rows(const uint8_t *w, const float *scales, const float *
     }
 }
 
-/* y = x @ W.T for many rows of x: W dequantized `tile` rows at a time into a float32 buffer
- * that stays in cache, each tile multiplied through `sgemm` (the caller's BLAS), so no float32
- * copy of W is kept. Returns 0, or -1 for arguments it does not handle or without memory. */
+/* y = x @ W.T for many rows of x: W dequantized `tile` rows at a time (on `threads` threads)
+ * into a float32 buffer that stays in cache, each tile multiplied through `sgemm` (the
+ * caller's BLAS), so no float32 copy of W is kept. Returns 0, or -1 for arguments it does not
+ * handle or without memory. */
 int qgemm(const float *x, int M, int K, const uint8_t *w, const float *scales, const float *biases, int N,
-          int bits, int group, float *y, void *sgemm, int tile) {
+          int bits, int group, float *y, void *sgemm, int tile, int threads) {
     if (!readable(M, K, bits, group) || !sgemm || tile < 1)
         return -1;
     float *buffer = malloc(sizeof(float) * (size_t)tile * K);
@@ -383,7 +397,9 @@ int qgemm(const float *x, int M, int K, const uint8_t *w, const float *scales, c
     sgemm_fn gemm = (sgemm_fn)sgemm;
     for (int n0 = 0; n0 < N; n0 += tile) {
         int rows = N - n0 < tile ? N - n0 : tile;
-        dequantize_rows(w, scales, biases, n0, rows, K, bits, group, buffer);
+        int per_chunk = (int)((size_t)65536 / ((size_t)K * bits / 8)) + 1;  /* ~64 KB of packed weights */
+        Job job = {DEQUANTIZE, NULL, w, scales, biases, buffer, 0, K, rows, bits, group, per_chunk, (rows + per_chunk - 1) / per_chunk, n0};
+        run_job(&job, threads);
         gemm(101, 111, 112, M, rows, K, 1.0f, x, K, buffer, K, 0.0f, y + n0, N);  /* row-major, x @ tile.T */
     }
     free(buffer);

@@ -21,7 +21,7 @@
 extern "C" int qmatmul(const float* x, int M, int K, const uint8_t* w, const float* scales,
                        const float* biases, int N, int bits, int group, float* y, int threads);
 extern "C" int qgemm(const float* x, int M, int K, const uint8_t* w, const float* scales, const float* biases, int N,
-                     int bits, int group, float* y, void* sgemm, int tile);
+                     int bits, int group, float* y, void* sgemm, int tile, int threads);
 
 namespace mx = mlx::core;
 namespace nb = nanobind;
@@ -72,7 +72,7 @@ class QMatmul : public mx::Primitive {
       // Tiles of up to 8 MB of float32 weights: few BLAS calls (each wakes its threads), a
       // transient of 8 MB at most.
       int tile = std::max((1 << 21) / std::max(k, 1), 16);
-      int status = gemm ? qgemm(xp, m, k, wp, sp, bp, n, bits, group, out.data<float>(), mlx_parallm::sgemm_address(), tile)
+      int status = gemm ? qgemm(xp, m, k, wp, sp, bp, n, bits, group, out.data<float>(), mlx_parallm::sgemm_address(), tile, threads)
                         : qmatmul(xp, m, k, wp, sp, bp, n, bits, group, out.data<float>(), threads);
       if (status != 0) throw std::runtime_error("qmatmul: kernel failed (out of memory?)");
     });
