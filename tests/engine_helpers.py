@@ -100,3 +100,17 @@ def sampled_while(sample: Callable[[], T], work: Callable[[], Awaitable[Any]], p
         done.set()
         watcher.join()
     return seen
+
+
+def scrape(engine: Any, prefix: str = "vllm:") -> dict[str, float]:
+    """One Prometheus scrape of ``engine`` alone (:class:`EngineCollector`): sample name with
+    labels -> value."""
+    import prometheus_client
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from mlx_parallm_provider.engine.prometheus import EngineCollector
+
+    registry = prometheus_client.CollectorRegistry()
+    registry.register(EngineCollector(engines=lambda: [engine], prefix=prefix))
+    text = prometheus_client.generate_latest(registry).decode()
+    return {f"{s.name}{dict(s.labels)}": s.value for fam in text_string_to_metric_families(text) for s in fam.samples}

@@ -14,6 +14,10 @@ dashboards and routers written for vLLM read it unchanged):
 - counters ``prompt_tokens``, ``generation_tokens``, ``prefix_cache_queries`` (prompt
   tokens looked up) and ``prefix_cache_hits`` (prompt tokens found cached),
   ``request_success`` (requests finished), ``prefix_cache_hit_requests``;
+- counters ``spec_decode_num_drafts`` (steps that verified n-gram drafts),
+  ``spec_decode_num_draft_tokens``, ``spec_decode_num_accepted_tokens`` (vLLM's speculative
+  decoding names) and ``grammar_fast_forward_steps``, ``grammar_fast_forward_forced_tokens``,
+  ``grammar_fast_forward_accepted_tokens`` (tokens a grammar forced, verified / kept); 0 where off;
 - histograms ``time_to_first_token_seconds``, ``inter_token_latency_seconds``,
   ``request_time_per_output_token_seconds``, ``request_queue_time_seconds``.
 
@@ -41,6 +45,22 @@ COUNTERS = {
     "finished": ("request_success", "Requests that ended."),
     "prefix_cache_hits": ("prefix_cache_hit_requests", "Requests that reused a cached prefix."),
 }
+
+DRAFT_COUNTERS = {  # (stats() section, its key) -> metric name, help
+    ("speculation", "speculative_steps"): ("spec_decode_num_drafts", "Decode steps that verified n-gram drafts."),
+    ("speculation", "draft_tokens"): ("spec_decode_num_draft_tokens", "n-gram draft tokens verified."),
+    ("speculation", "accepted_tokens"): ("spec_decode_num_accepted_tokens", "n-gram draft tokens accepted."),
+    ("fast_forward", "fast_forward_steps"): ("grammar_fast_forward_steps", "Decode steps that verified grammar-forced tokens."),
+    ("fast_forward", "forced_tokens"): ("grammar_fast_forward_forced_tokens", "Grammar-forced tokens verified."),
+    ("fast_forward", "accepted_tokens"): ("grammar_fast_forward_accepted_tokens", "Grammar-forced tokens kept."),
+}
+
+
+def draft_counts(engine: Any) -> dict[tuple[str, str], float]:
+    """The :data:`DRAFT_COUNTERS` of an engine (0 for what is off or not started)."""
+    worker = engine._worker
+    stats = worker.drafts.stats() if worker is not None and worker.drafts else {}
+    return {key: float((stats.get(key[0]) or {}).get(key[1], 0)) for key in DRAFT_COUNTERS}
 
 
 def engine_gauges(engine: Any) -> dict[str, float]:
@@ -93,12 +113,15 @@ class EngineCollector:
         counters = {k: CounterMetricFamily(p + name, doc, labels=labels) for k, (name, doc) in COUNTERS.items()}
         histograms = {k: HistogramMetricFamily(p + name, doc, labels=labels) for k, (name, doc) in HISTOGRAMS.items()}
         preemptions = CounterMetricFamily(p + "num_preemptions", "Requests preempted for want of KV blocks.", labels=labels)
+        drafts = {k: CounterMetricFamily(p + name, doc, labels=labels) for k, (name, doc) in DRAFT_COUNTERS.items()}
         for engine in list(self._engines()):
             name = [str(engine.model_name)]
             for key, value in engine_gauges(engine).items():
                 gauges[key].add_metric(name, value)
             worker = engine._worker
             preemptions.add_metric(name, float(worker.kv_stats().get("num_preemptions", 0)) if worker is not None else 0.0)
+            for key, value in draft_counts(engine).items():
+                drafts[key].add_metric(name, value)
             snap = engine.metrics.snapshot()
             snap["prompt_tokens_queried"] = snap["prompt_tokens"]
             for key, family in counters.items():
@@ -110,6 +133,7 @@ class EngineCollector:
         yield from gauges.values()
         yield preemptions
         yield from counters.values()
+        yield from drafts.values()
         yield from histograms.values()
 
 

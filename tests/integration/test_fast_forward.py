@@ -8,6 +8,8 @@ import asyncio
 
 import pytest
 
+from engine_helpers import scrape
+
 from mlx_parallm_provider.engine import Constraint, SamplingParams
 from mlx_parallm_provider.engine.guided import RowMatcher
 
@@ -81,6 +83,11 @@ def test_forced_tokens_are_fast_forwarded_and_output_is_unchanged(make_engine, w
     # The schema's keys and the tool's name are forced: whole runs of them go in one step.
     assert stats["fast_forward_steps"] > 0 and stats["accepted_tokens"] >= 40, stats
     assert stats["acceptance_rate"] == 1.0 and stats["tokens_per_row_step"] > 3, stats
+    scraped = {k.split("{")[0]: v for k, v in scrape(engine).items()}  # /metrics counts the same
+    assert scraped["vllm:grammar_fast_forward_steps_total"] == stats["fast_forward_steps"]
+    assert scraped["vllm:grammar_fast_forward_forced_tokens_total"] == stats["forced_tokens"]
+    assert scraped["vllm:grammar_fast_forward_accepted_tokens_total"] == stats["accepted_tokens"]
+    assert scraped["vllm:spec_decode_num_drafts_total"] == 0  # n-gram speculation is off
 
 
 def test_a_draft_the_model_would_not_choose_is_rejected_for_the_row_s_own_choice(make_engine, without, monkeypatch) -> None:

@@ -8,24 +8,13 @@ import asyncio
 import pytest
 
 import prometheus_client  # the `proxy` extra (in `dev`)
-from engine_helpers import sampled_while
+from engine_helpers import sampled_while, scrape
 
 from mlx_parallm_provider import SamplingParams
-from mlx_parallm_provider.engine.prometheus import EngineCollector
-
-
-def _scrape(collector: EngineCollector) -> dict[str, float]:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    registry = prometheus_client.CollectorRegistry()
-    registry.register(collector)
-    text = prometheus_client.generate_latest(registry).decode()
-    return {f"{s.name}{dict(s.labels)}": s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
 
 
 def test_a_scrape_during_and_after_a_run(make_engine) -> None:
     engine = make_engine(max_num_seqs=4, batch_window_ms=0)
-    collector = EngineCollector(engines=lambda: [engine], prefix="vllm:")
     label = "{'model_name': 'tiny'}"
     prompt = "The shared instructions of every request. " * 12
 
@@ -33,8 +22,8 @@ def test_a_scrape_during_and_after_a_run(make_engine) -> None:
         params = SamplingParams(max_tokens=24, ignore_eos=True)
         await asyncio.gather(*(engine.generate(prompt + f"question {i}", params) for i in range(12)))
 
-    seen = sampled_while(lambda: _scrape(collector), run)
-    after = _scrape(collector)
+    seen = sampled_while(lambda: scrape(engine), run)
+    after = scrape(engine)
 
     running = [s[f"vllm:num_requests_running{label}"] for s in seen]
     waiting = [s[f"vllm:num_requests_waiting{label}"] for s in seen]

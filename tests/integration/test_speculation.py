@@ -12,6 +12,8 @@ import asyncio
 
 import pytest
 
+from engine_helpers import scrape
+
 from mlx_parallm_provider.engine import SamplingParams, speculation
 
 PROMPTS = ["one two three one two three one two three one two", "a b c d a b c d a b", "the sea the sea the sea",
@@ -72,6 +74,10 @@ def test_greedy_output_is_the_same_alone_batched_and_streamed(make_engine, plain
     stats = engine.stats()["speculation"]
     assert stats["speculative_steps"] > 0 and stats["acceptance_rate"] == pytest.approx(2 / 3, abs=0.1), stats
     assert stats["tokens_per_step"] > 2.5  # two accepted + the true third, but for the rows' last steps
+    scraped = {k.split("{")[0]: v for k, v in scrape(engine).items()}  # /metrics counts the same
+    assert scraped["vllm:spec_decode_num_drafts_total"] == stats["speculative_steps"]
+    assert scraped["vllm:spec_decode_num_draft_tokens_total"] == stats["draft_tokens"]
+    assert scraped["vllm:spec_decode_num_accepted_tokens_total"] == stats["accepted_tokens"]
 
 
 def test_a_stop_string_inside_accepted_drafts_ends_the_row_there(make_engine, plain, _speculating) -> None:
