@@ -31,10 +31,16 @@ def default_threads() -> int:
     return min(os.cpu_count() or 1, 8)
 
 
-def _extension() -> Any:
-    from . import qmatmul_ext  # here, not at the top: this module loads with the package, the extension's builder need not
+_builder: Any = None  # .qmatmul_ext, imported on first use: this module loads with the package, the builder need not
 
-    return qmatmul_ext.load()
+
+def _extension() -> Any:
+    global _builder
+    if _builder is None:
+        from . import qmatmul_ext
+
+        _builder = qmatmul_ext
+    return _builder.load()
 
 
 def takes_heads(queries: mx.array, kv_heads: int) -> bool:

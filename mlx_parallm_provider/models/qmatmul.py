@@ -112,10 +112,12 @@ class Once:
         self._value: Optional[T] = None
 
     def get(self) -> Optional[T]:
+        if self._made:  # the step's hot path (several calls a layer): no lock once made
+            return self._value
         with self._lock:
             if not self._made:
-                self._made = True
                 self._value = self._make()
+                self._made = True
             return self._value
 
     def reset(self) -> None:
