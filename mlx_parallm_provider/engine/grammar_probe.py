@@ -34,6 +34,7 @@ _HINTS = (
                         "write a long list of values as an enum or a regex"),
     ("Too many items", "the grammar is too ambiguous for the parser"),
     ("lexer", "a regex of the grammar is too complex"),
+    ("NoExtension", "nothing the grammar allows can follow this point (a part of it no output satisfies)"),
 )
 
 

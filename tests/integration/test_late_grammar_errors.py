@@ -6,6 +6,7 @@ alone with an InvalidParameterError naming the cause in one line."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -83,3 +84,34 @@ def test_a_grammar_failing_on_one_path_fails_that_request_alone_mid_generation(m
     fine = SamplingParams(max_tokens=16, logit_bias={a: 100.0}, constraint=constraint)
     assert engine.generate_sync("hi", fine).text == "a"  # the grammar itself works
     assert engine._worker.alive
+
+
+def test_a_large_grammar_is_built_off_the_callers_loop(make_engine) -> None:
+    """Building and probing a new grammar takes a while (a 60,000-value enum: ~0.3 s); an
+    async caller's loop keeps running meanwhile (issue 21 item 4's rule)."""
+    engine = make_engine()
+    engine.generate_sync("hi", SamplingParams(max_tokens=2, constraint=Constraint.regex("a+")))  # the tokenizer view built
+    big = Constraint.json_schema({"enum": [f"value{i}" for i in range(60_000)]})
+
+    async def timed():
+        gaps, done = [0.0], asyncio.Event()
+
+        async def tick():
+            last = time.perf_counter()
+            while not done.is_set():
+                await asyncio.sleep(0.002)
+                now = time.perf_counter()
+                gaps.append(now - last)
+                last = now
+
+        ticker = asyncio.create_task(tick())
+        await asyncio.sleep(0.01)  # ticking
+        start = time.perf_counter()
+        await engine.generate("hi", SamplingParams(max_tokens=2, constraint=big))
+        took = time.perf_counter() - start
+        done.set()
+        await ticker
+        return took, max(gaps)
+
+    took, gap = asyncio.run(timed())
+    assert gap < max(0.05, took / 4), (gap, took)
