@@ -6,21 +6,23 @@ the first mask; a required ``$ref`` that recurses without end, 30,000 Lark alter
 or 5,000 optional properties after the first token (llguidance's parser limits). Each
 distinct grammar is built once per model (:class:`~.guided.GrammarTokenizer`), and
 :func:`probe` walks a copy of it a few tokens (what the grammar forces, else the lowest
-allowed token id), so
-these fail at submit as a 400. What only some outputs reach (an ambiguous grammar whose
-parser gives up after a dozen tokens) still fails mid-generation, for that request alone,
-with the same one-line cause (:func:`grammar_error`). No MLX here.
+allowed token id), so these fail at submit as a 400. What only some outputs reach (an
+ambiguous grammar whose parser gives up after a dozen tokens) still fails mid-generation,
+for that request alone, with the same one-line cause (:func:`grammar_error`). No MLX here.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Collection, Sequence
+from typing import TYPE_CHECKING, Any, Collection, Sequence
 
 import numpy as np
 
 from ..errors import InvalidParameterError
 from .constraint import import_llguidance
+
+if TYPE_CHECKING:
+    from .guided import GrammarTokenizer
 
 #: Choices of a token :func:`probe` makes after the first mask.
 PROBE_TOKENS = 4
@@ -107,9 +109,9 @@ def probe(matcher: Any, vocab_size: int, eos: Collection[int], steps: int = PROB
     return ""
 
 
-async def build_off_loop(tokenizer: Any, params: Sequence[Any]) -> None:
-    """Build and probe the grammars of ``params``' constraints that ``tokenizer`` (a
-    :class:`~.guided.GrammarTokenizer`) has not built yet, on a thread: a large one takes
+async def build_off_loop(tokenizer: "GrammarTokenizer", params: Sequence[Any]) -> None:
+    """Build and probe the grammars of ``params``' constraints (SamplingParams) that
+    ``tokenizer`` has not built yet, on a thread: a large one takes
     seconds, which would stall every stream of an async caller's loop. Errors stay cached
     for the submit, which raises them."""
     grammars = {p.constraint.grammar() for p in params if getattr(p, "constraint", None) is not None}
@@ -117,7 +119,7 @@ async def build_off_loop(tokenizer: Any, params: Sequence[Any]) -> None:
         await asyncio.to_thread(_build_all, tokenizer, grammars)
 
 
-def _build_all(tokenizer: Any, grammars: set[str]) -> None:
+def _build_all(tokenizer: "GrammarTokenizer", grammars: set[str]) -> None:
     for grammar in grammars:
         try:
             tokenizer.check(grammar)
