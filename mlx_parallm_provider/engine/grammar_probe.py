@@ -28,6 +28,8 @@ if TYPE_CHECKING:
 PROBE_TOKENS = 4
 #: Tokens a grammar forces that :func:`probe` follows at once, at most, per choice.
 FORCED_TOKENS = 64
+#: Allowed tokens :func:`probe` tries, lowest id first, for one that llguidance validates.
+CANDIDATES = 16
 
 #: What a user can do about llguidance's errors, by a piece of their text.
 _HINTS = (
@@ -36,6 +38,7 @@ _HINTS = (
                         "write a long list of values as an enum or a regex"),
     ("Too many items", "the grammar is too ambiguous for the parser"),
     ("lexer", "a regex of the grammar is too complex"),
+    ("forced bytes", "the model's tokenizer cannot write a character the grammar requires here (a rare Unicode character?)"),
     ("NoExtension", "nothing the grammar allows can follow this point (a part of it no output satisfies)"),
 )
 
@@ -81,7 +84,9 @@ def build_checked(tokenizer: Any, grammar: str, eos: Collection[int]) -> tuple[A
 def probe(matcher: Any, vocab_size: int, eos: Collection[int], steps: int = PROBE_TOKENS) -> str:
     """Walk ``matcher`` (consumed: pass a copy) ``steps`` choices: at each, the tokens its
     grammar forces (up to :data:`FORCED_TOKENS`), else the lowest id its mask allows other
-    than EOS; what failed (:func:`failure`), or ""."""
+    than EOS; what failed (:func:`failure`), or "". Only tokens llguidance validates are
+    taken where any is (its mask may allow one that it then refuses), so a failure is
+    what any output along that path meets."""
     if matcher.is_error():
         return failure(matcher.get_error(), 0, built=False)
     words = (vocab_size + 31) // 32
@@ -93,12 +98,14 @@ def probe(matcher: Any, vocab_size: int, eos: Collection[int], steps: int = PROB
             return failure(matcher.get_error(), consumed)
         if step == steps or matcher.is_stopped():
             return ""
-        tokens = [int(t) for t in matcher.compute_ff_tokens()[:FORCED_TOKENS]]
+        forced = [int(t) for t in matcher.compute_ff_tokens()[:FORCED_TOKENS]]
+        tokens = forced[: matcher.validate_tokens(forced)] if forced and not matcher.is_error() else []
         if not tokens and not matcher.is_error():
-            allowed = np.flatnonzero(np.unpackbits(bitmask.view(np.uint8), bitorder="little")[:vocab_size])
-            tokens = [next((int(t) for t in allowed if int(t) not in eos), -1)]
-            if tokens[0] < 0:  # only EOS: the grammar is complete
+            allowed = [int(t) for t in np.flatnonzero(np.unpackbits(bitmask.view(np.uint8), bitorder="little")[:vocab_size])
+                       if int(t) not in eos]
+            if not allowed:  # only EOS: the grammar is complete
                 return ""
+            tokens = [next((t for t in allowed[:CANDIDATES] if matcher.validate_tokens([t]) == 1), allowed[0])]
         for token in tokens:
             if matcher.is_error():
                 break

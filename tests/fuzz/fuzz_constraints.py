@@ -45,16 +45,25 @@ def expected(engine):
     return [engine.generate_sync(p, INNOCENT).token_ids for p in INNOCENT_PROMPTS]
 
 
-def _answer(engine: Engine, expected: list, make: Callable[[], Constraint], seed: int) -> Any:
-    """The fuzzed request's Completion, or its InvalidParameterError (at construction, at
-    submit or mid-generation); asserts everything else an outcome must hold."""
+async def _streamed(engine: Engine, params: SamplingParams) -> Completion:
+    pieces = [d async for d in engine.stream("x", params)]
+    assert sum(len(d.token_ids) for d in pieces) <= params.max_tokens
+    return Completion(request_id="streamed", text="".join(d.text for d in pieces),
+                      token_ids=[t for d in pieces for t in d.token_ids], finish_reason=pieces[-1].finish_reason, usage=None)
+
+
+def _answer(engine: Engine, expected: list, make: Callable[[], Constraint], seed: int, stream: bool = False) -> Any:
+    """The fuzzed request's Completion (``stream``: its pieces joined), or its
+    InvalidParameterError (at construction, at submit or mid-generation); asserts
+    everything else an outcome must hold."""
     async def together():
         try:
             constraint = await asyncio.to_thread(make)
         except InvalidParameterError as error:
             return error, None
         params = SamplingParams(max_tokens=16, temperature=1.0, seed=seed, constraint=constraint)
-        return await asyncio.gather(engine.generate("x", params), *(engine.generate(p, INNOCENT) for p in INNOCENT_PROMPTS),
+        fuzzed = _streamed(engine, params) if stream else engine.generate("x", params)
+        return await asyncio.gather(fuzzed, *(engine.generate(p, INNOCENT) for p in INNOCENT_PROMPTS),
                                     return_exceptions=True), constraint
 
     async def bounded():
@@ -102,6 +111,6 @@ def test_any_regex_answers_a_match_or_is_refused_typed(engine, expected, pattern
 
 
 @EXAMPLES
-@given(grammar=lark_grammars, seed=st.integers(0, 2**16))
-def test_any_lark_grammar_answers_or_is_refused_typed(engine, expected, grammar, seed) -> None:
-    _answer(engine, expected, lambda: Constraint.lark(grammar), seed)
+@given(grammar=lark_grammars, seed=st.integers(0, 2**16), stream=st.booleans())
+def test_any_lark_grammar_answers_or_is_refused_typed(engine, expected, grammar, seed, stream) -> None:
+    _answer(engine, expected, lambda: Constraint.lark(grammar), seed, stream)

@@ -5,6 +5,7 @@ contradictory), small regexes and small Lark grammars (recursive rules, embedded
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from fuzzing import mostly
@@ -87,8 +88,9 @@ regexes = st.recursive(
 _LARK_ITEMS = st.one_of(
     st.sampled_from(['"a"', '"yes"', '" "', "/[a-z]+/", "/[0-9]{1,3}/", "start", "r1", "r2", "r9", "<|endoftext|>",
                      "<|no_such_token|>", '""', "/(/"]),
-    st.builds(lambda body: f"%json {body}", st.sampled_from(['{"type": "integer"}', '{"type": "object"}', '{"$ref": "#"}',
-                                                           '{"enum": ["x", "y"]}', '{"type": "array", "items": {"$ref": "#"}, "minItems": 1}'])),
+    st.builds(lambda body: f"%json {body}", st.sampled_from(['{"type": "integer"}', '{"$ref": "#"}',
+                                                           '{"type": "array", "items": {"$ref": "#"}, "minItems": 1}'])),
+    st.builds(lambda schema: f"%json {json.dumps(schema)}", SCHEMA_BODIES),
 )
 _LARK_SEQUENCES = st.lists(
     st.tuples(_LARK_ITEMS, st.sampled_from(["", "", "?", "*", "+"])).map(lambda p: "".join(p) if p[1] == "" or not p[0].startswith("%") else p[0]),
