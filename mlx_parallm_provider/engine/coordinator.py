@@ -29,6 +29,7 @@ from ..models.registry import LoadedModel
 from .embed_api import EmbedMethods
 from .exit_guard import shut_down_at_exit
 from .fanout import POLL_S, FanOut, TaggedSink, expand
+from .grammar_probe import build_off_loop
 from .metrics import EngineMetrics
 from .prefix_kv import prefix_stats
 from .prompt_size import PromptEncoder
@@ -78,6 +79,7 @@ class Engine(EmbedMethods):
         """Generate a whole completion. Cancelling the awaiting task cancels the request."""
         sink = _LoopSink()
         prompt = await self._prompts.tokenized_off_loop(prompt, params)
+        await self._grammars_built_off_loop([params])
         request = self._submit(prompt, params, request_id, sink, stream=False)
         sink.request = request
         return await self._result(sink, request)
@@ -86,6 +88,7 @@ class Engine(EmbedMethods):
         """Yield :class:`Delta` pieces as they are generated; breaking out cancels."""
         sink = _LoopSink()
         prompt = await self._prompts.tokenized_off_loop(prompt, params)
+        await self._grammars_built_off_loop([params])
         request = self._submit(prompt, params, request_id, sink, stream=True)
         sink.request = request
         try:
@@ -141,7 +144,9 @@ class Engine(EmbedMethods):
         ``return_exceptions`` (then each failure takes its place in the list).
         Cancelling the awaiting task cancels every request.
         """
-        run = FanOut(self, await self._prompts.jobs_tokenized_off_loop(expand(prompts, params, n)), request_id, return_exceptions)
+        jobs = await self._prompts.jobs_tokenized_off_loop(expand(prompts, params, n))
+        await self._grammars_built_off_loop([s for _, s in jobs])
+        run = FanOut(self, jobs, request_id, return_exceptions)
         loop = asyncio.get_running_loop()
         inbox: asyncio.Queue = asyncio.Queue()
 
@@ -286,6 +291,11 @@ class Engine(EmbedMethods):
             self._cancel(request)
             return request.timeout_error()
 
+    async def _grammars_built_off_loop(self, params: Sequence[Any]) -> None:
+        """New constraints' grammars built and probed on a thread (:func:`.grammar_probe.build_off_loop`)."""
+        if any(isinstance(p, SamplingParams) and p.constraint is not None for p in params):
+            await build_off_loop(self._live_worker().grammar, params)
+
     def _submit(self, prompt: Prompt, params: Optional[SamplingParams], request_id: Optional[str], sink: ResultSink, stream: bool) -> Request:
         if params is None:
             params = SamplingParams()
@@ -311,6 +321,8 @@ class Engine(EmbedMethods):
         )
         for _ in range(2):
             worker = self._live_worker()
+            if params.constraint is not None:  # one that fails within a few tokens is a 400 here
+                worker.grammar.check(params.constraint.grammar())
             if not worker.scheduler.fits_alone(request):
                 budget = self.config.kv_cache_memory_gb
                 held = worker.kv.capacity_tokens if worker.kv is not None else worker.scheduler.kv_budget_tokens

@@ -8,8 +8,9 @@ rows are untouched and pay nothing. EOS is allowed only where the grammar may en
 row whose grammar is complete finishes with ``"stop"``.
 
 Each distinct grammar is built into a matcher once, on a compiler thread (llguidance
-recurses on the calling thread's stack, see :mod:`.compiler`); the rows that use it get
-copies of that matcher.
+recurses on the calling thread's stack, see :mod:`.compiler`), and probed a few tokens
+(:mod:`.grammar_probe`: the engine does it at submit, so a grammar that fails early is a
+400 before admission); the rows that use it get copies of that matcher.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import numpy as np
 from ..errors import InvalidParameterError
 from .compiler import run_compiler
 from .constraint import Constraint, import_llguidance
+from .grammar_probe import build_checked, grammar_error
 
 #: Built matchers each :class:`GrammarTokenizer` keeps, one per distinct grammar.
 MATCHER_CACHE = 64
@@ -49,7 +51,7 @@ class GrammarTokenizer:
         self._built: Any = None
         self._lock = threading.Lock()
         self.executor: Any = None
-        self._matchers: "OrderedDict[str, Any]" = OrderedDict()
+        self._matchers: "OrderedDict[str, tuple[Any, str]]" = OrderedDict()  # grammar -> (matcher, "") or (None, error)
         self._closing: Optional[tuple[np.ndarray, np.ndarray, np.ndarray]] = None
 
     def get(self) -> Any:
@@ -96,20 +98,39 @@ class GrammarTokenizer:
         return cached
 
     def matcher(self, grammar: str) -> Any:
-        """A fresh llguidance matcher of ``grammar``: a copy of the one built (on a compiler
-        thread) the first time this grammar was asked for."""
+        """A fresh llguidance matcher of ``grammar``: a copy of the one built and probed (on
+        a compiler thread, :func:`~.grammar_probe.build_checked`) the first time this grammar
+        was asked for. A grammar the probe failed raises its :class:`InvalidParameterError`."""
         built = self.get()
         with self._lock:
-            original = self._matchers.get(grammar)
-            if original is not None:
+            entry = self._matchers.get(grammar)
+            if entry is not None:
                 self._matchers.move_to_end(grammar)
-        if original is None:
-            original = run_compiler(lambda: import_llguidance().LLMatcher(built, grammar, log_level=0))
+        if entry is None:
+            entry = run_compiler(build_checked, built, grammar, self._eos)
             with self._lock:
-                self._matchers[grammar] = original
+                self._matchers[grammar] = entry
                 while len(self._matchers) > MATCHER_CACHE:
                     self._matchers.popitem(last=False)
+        original, error = entry
+        if error:
+            raise InvalidParameterError("constraint", error)
         return original.deep_copy()
+
+    def check(self, grammar: str) -> None:
+        """Raise the :class:`InvalidParameterError` of a grammar that fails on this model's
+        tokenizer within a few tokens (see :mod:`.grammar_probe`); builds it if not yet built."""
+        with self._lock:
+            entry = self._matchers.get(grammar)
+        if entry is None:
+            self.matcher(grammar)
+        elif entry[1]:
+            raise InvalidParameterError("constraint", entry[1])
+
+    def checked(self, grammar: str) -> bool:
+        """``grammar`` was built and probed (its matcher or its error is cached)."""
+        with self._lock:
+            return grammar in self._matchers
 
 
 class RowMatcher:
@@ -161,21 +182,11 @@ class RowMatcher:
         return self.matcher.is_stopped()
 
     def check(self) -> None:
-        """Raise if the matcher failed: before any token, the grammar is valid but nothing can
-        satisfy it (``{"$ref": "#"}``, ``[^\\s\\S]``; found when its first mask is computed),
-        an :class:`InvalidParameterError`; later, a ``ValueError``."""
-        if not self.matcher.is_error():
-            return
-        error = _first_line(self.matcher.get_error())
-        if self.consumed == 0:
-            raise InvalidParameterError("constraint", f"no output can satisfy it ({error})")
-        raise ValueError(f"grammar matcher: {error}")
-
-
-def _first_line(error: str) -> str:
-    """llguidance's message without the matcher state it may append."""
-    lines = (error or "").strip().splitlines()
-    return lines[0][:500] if lines else "unknown error"
+        """Raise the :func:`~.grammar_probe.grammar_error` of a failed matcher: before any
+        token, nothing can satisfy the grammar; later, its parser gave up (an ambiguous
+        grammar's limit). Either is an :class:`InvalidParameterError` naming the cause."""
+        if self.matcher.is_error():
+            raise grammar_error(self.matcher.get_error(), self.consumed)
 
 
 def mask_logits(logits: mx.array, matchers: Sequence[Optional[RowMatcher]], tokenizer: GrammarTokenizer) -> mx.array:

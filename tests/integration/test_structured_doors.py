@@ -96,6 +96,19 @@ def test_litellm_invalid_schema_is_a_bad_request(tiny_model_dir) -> None:
         litellm.completion(model=f"mlx-parallm/{tiny_model_dir}", messages=[{"role": "user", "content": "hi"}], response_format=fmt)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_litellm_schema_failing_on_the_tokenizer_is_a_bad_request(tiny_model_dir, stream) -> None:
+    """Issue 21 item 8: a required $ref that never ends compiles, then failed at its first
+    token as a 500 with llguidance's text; now a 400 at submit naming the cause."""
+    node = {"type": "object", "properties": {"next": {"$ref": "#/$defs/node"}}, "required": ["next"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$defs": {"node": node}, "$ref": "#/$defs/node"}}}
+    with pytest.raises(litellm.BadRequestError, match="recurse") as caught:
+        response = litellm.completion(model=f"mlx-parallm/{tiny_model_dir}", messages=[{"role": "user", "content": "hi"}],
+                                      response_format=fmt, stream=stream, max_tokens=16)
+        list(response) if stream else None
+    assert "<non-verbose/>" not in str(caught.value)
+
+
 class Reading(BaseModel):
     """A reading."""
 
