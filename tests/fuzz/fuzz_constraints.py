@@ -14,12 +14,11 @@ import re
 from typing import Any, Callable
 
 import pytest
-from fuzzing import HANG_S
+from fuzzing import HANG_S, INNOCENT, INNOCENT_PROMPTS
 from grammars import json_schemas, lark_grammars, regexes
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from mlx_parallm_provider.config import EngineConfig
 from mlx_parallm_provider.engine import Completion, Constraint, Engine, SamplingParams
 from mlx_parallm_provider.errors import InvalidParameterError
 
@@ -28,21 +27,7 @@ try:
 except ImportError:  # pragma: no cover - json.loads only
     Draft202012Validator = None
 
-INNOCENT = SamplingParams(max_tokens=6, ignore_eos=True)
-INNOCENT_PROMPTS = ["the quick brown fox", "seven curious cats"]
 EXAMPLES = settings(max_examples=max(10, settings.default.max_examples // 3), deadline=None)
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_model):
-    engine = Engine("tiny", EngineConfig(max_queue=64), loaded=tiny_model)
-    yield engine
-    engine.shutdown()
-
-
-@pytest.fixture(scope="module")
-def expected(engine):
-    return [engine.generate_sync(p, INNOCENT).token_ids for p in INNOCENT_PROMPTS]
 
 
 async def _streamed(engine: Engine, params: SamplingParams) -> Completion:

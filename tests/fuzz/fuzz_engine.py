@@ -6,28 +6,13 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from fuzzing import hostile_kwargs, plausible_kwargs, prompts, run
+from fuzzing import INNOCENT, INNOCENT_PROMPTS, hostile_kwargs, plausible_kwargs, prompts, run
 from hypothesis import event, given
 from hypothesis import strategies as st
 
-from mlx_parallm_provider.config import EngineConfig
 from mlx_parallm_provider.engine import Completion, Engine, SamplingParams
 from mlx_parallm_provider.errors import InvalidParameterError, MLXParallmError
 
-INNOCENT = SamplingParams(max_tokens=6, ignore_eos=True)
-INNOCENT_PROMPTS = ["the quick brown fox", "seven curious cats"]
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_model):
-    engine = Engine("tiny", EngineConfig(max_queue=64), loaded=tiny_model)
-    yield engine
-    engine.shutdown()
-
-
-@pytest.fixture(scope="module")
-def expected(engine):
-    return [engine.generate_sync(p, INNOCENT).token_ids for p in INNOCENT_PROMPTS]
 
 
 async def _fuzzed(engine: Engine, prompt, params: SamplingParams, stream: bool):

@@ -15,6 +15,8 @@ from typing import Any
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
+from mlx_parallm_provider.engine import SamplingParams
+
 settings.register_profile(
     "ci", max_examples=100, deadline=None, derandomize=True, database=None,  # ~2.5 min of CI in all
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
@@ -26,6 +28,10 @@ settings.register_profile(
 settings.load_profile("ci")
 
 HANG_S = 60.0  # a call that takes longer than this counts as a hang
+
+# Greedy requests decoding beside each fuzzed one: they must answer as they do alone.
+INNOCENT = SamplingParams(max_tokens=6, ignore_eos=True)
+INNOCENT_PROMPTS = ["the quick brown fox", "seven curious cats"]
 
 # Values of the wrong kind, for any field.
 junk = st.one_of(

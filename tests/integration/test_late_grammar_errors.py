@@ -9,6 +9,7 @@ import asyncio
 import time
 
 import pytest
+from engine_helpers import max_gap_while
 
 from mlx_parallm_provider.engine import Constraint, SamplingParams
 from mlx_parallm_provider.errors import InvalidParameterError
@@ -97,24 +98,9 @@ def test_a_large_grammar_is_built_off_the_callers_loop(make_engine) -> None:
     big = Constraint.json_schema({"enum": [f"value{i}" for i in range(60_000)]})
 
     async def timed():
-        gaps, done = [0.0], asyncio.Event()
-
-        async def tick():
-            last = time.perf_counter()
-            while not done.is_set():
-                await asyncio.sleep(0.002)
-                now = time.perf_counter()
-                gaps.append(now - last)
-                last = now
-
-        ticker = asyncio.create_task(tick())
-        await asyncio.sleep(0.01)  # ticking
         start = time.perf_counter()
-        await engine.generate("hi", SamplingParams(max_tokens=2, constraint=big))
-        took = time.perf_counter() - start
-        done.set()
-        await ticker
-        return took, max(gaps)
+        gap = await max_gap_while(engine.generate("hi", SamplingParams(max_tokens=2, constraint=big)))
+        return time.perf_counter() - start, gap
 
     took, gap = asyncio.run(timed())
     assert gap < max(0.05, took / 4), (gap, took)
