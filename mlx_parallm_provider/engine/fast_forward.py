@@ -24,13 +24,18 @@ between batches of different sizes. It runs only while at most ``speculative_max
 rows decode, with as many forced tokens a row as the measured step times
 (:class:`~.speculation.StepTimes`, shared with the n-gram drafts) and the acceptance rate say
 pay: a large compute-bound batch decodes plainly.
+
+With n-gram speculation on (``speculative="ngram"``), a constrained row that nothing forces
+drafts from its prompt + output instead (the speculator's lookup), cut to what its grammar
+accepts: verified the same way, so its output stays what it would be; such drafts are
+accepted less often, so they plan by their own acceptance rate.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import mlx.core as mx
 
@@ -57,11 +62,14 @@ class FastForwardStats:
     row_steps: int = 0  # (row, step) pairs with forced tokens
     forced: int = 0  # forced tokens verified
     accepted: int = 0  # of them, kept
+    looked_up: int = 0  # n-gram tokens verified (rows nothing forced)
+    looked_up_accepted: int = 0  # of them, kept
     emitted: int = 0  # tokens those row-steps emitted (kept + the one sampled after)
 
     def as_dict(self) -> dict[str, float]:
         return {"fast_forward_steps": self.steps, "forced_tokens": self.forced, "accepted_tokens": self.accepted,
                 "acceptance_rate": self.accepted / self.forced if self.forced else 0.0,
+                "lookup_tokens": self.looked_up, "lookup_accepted_tokens": self.looked_up_accepted,
                 "tokens_per_row_step": self.emitted / self.row_steps if self.row_steps else 0.0}
 
 
@@ -72,44 +80,60 @@ class FastForward:
         max_batch: fast-forward only while at most this many rows decode.
         times: the measured step times (shared with the n-gram speculator).
         limit: most forced tokens a row verifies a step.
+        lookup: ``(request, k) -> tokens``, the n-gram speculator's drafts, for rows nothing
+            forces (None: they draft nothing); ``lookup_limit`` of them at most.
     """
 
-    def __init__(self, max_batch: int, times: StepTimes, limit: int = MAX_FORCED) -> None:
+    def __init__(self, max_batch: int, times: StepTimes, limit: int = MAX_FORCED,
+                 lookup: Optional[Callable[[Any, int], list[int]]] = None, lookup_limit: int = 0) -> None:
         self.max_batch, self.times, self.limit = max_batch, times, limit
+        self.lookup, self.lookup_limit = lookup, lookup_limit
         self.stats = FastForwardStats()
         self._acceptance = 0.9  # of one forced token, a moving average (forced tokens are mostly the mask's only one)
+        self._lookup_acceptance = 0.5  # of one looked-up token
+        self._looked_up: set[int] = set()  # the rows whose drafts are looked up, not forced
 
     def draft_all(self, rows: Sequence[Any]) -> None:
         """Set every constrained row's draft to its forced tokens (none while too many rows
         decode); other rows' drafts are left as they are."""
         few = len(rows) <= self.max_batch
+        self._looked_up.clear()
         for request in rows:
             if not can_fast_forward(request) or request.finished:
                 continue
             left = request.params.max_tokens - len(request.output_ids) - 1  # the step samples one token besides
+            matcher = request.state.sampler.matcher
             try:
-                request.draft = request.state.sampler.matcher.forced(min(self.limit, left)) if few else []
+                request.draft = matcher.forced(min(self.limit, left)) if few else []
+                if few and not request.draft and self.lookup is not None and left > 0:
+                    request.draft = matcher.allowed_prefix(self.lookup(request, min(self.lookup_limit, left)))
+                    if request.draft:
+                        self._looked_up.add(id(request))
             except Exception:  # the next plain step's mask reports the matcher's fault, for this row alone
-                logger.debug("no forced tokens for request %s", request.request_id, exc_info=True)
+                logger.debug("no drafts for request %s", request.request_id, exc_info=True)
                 request.draft = []
 
     def plan(self, rows: Sequence[Any]) -> int:
         """How many forced tokens a row verifies this step (0: decode plainly): the number,
         among the rows' draft lengths, expected to give the most tokens a second."""
-        lengths = [len(r.draft) for r in rows if r.draft and can_fast_forward(r)]
-        if not lengths or len(rows) > self.max_batch:
+        drafting = [(len(r.draft), self._rate_of(r)) for r in rows if r.draft and can_fast_forward(r)]
+        if not drafting or len(rows) > self.max_batch:
             return 0
-        n, a = len(rows), min(self._acceptance, 0.999)
+        n = len(rows)
         plain = self.times.get(n, 0)
         if plain is None:
             return 0  # measure a plain step first
         best, best_rate = 0, n / plain
-        for k in sorted(set(lengths)):
-            gained = sum(a * (1 - a ** min(length, k)) / (1 - a) for length in lengths)  # expected kept tokens
+        for k in sorted({length for length, _ in drafting}):
+            gained = sum(a * (1 - a ** min(length, k)) / (1 - a) for length, a in drafting)  # expected kept tokens
             rate = (n + gained) / (self.times.get(n, k) or plain)  # untried: as cheap as a plain step, so tried once
             if rate > best_rate:
                 best, best_rate = k, rate
         return best
+
+    def _rate_of(self, request: Any) -> float:
+        """The acceptance rate ``request``'s draft plans by (forced or looked up)."""
+        return min(self._lookup_acceptance if id(request) in self._looked_up else self._acceptance, 0.999)
 
     def verify(self, runner: Any, rows: Sequence[Any], k: int) -> list[list[SampledRow]]:
         """One forward over each row's last token and its first ``k`` forced tokens (rows
@@ -151,15 +175,22 @@ class FastForward:
             matcher.rewind(mark)
         kept = sum(1 for got, want in zip(out, draft) if got.error is None and got.token == want)
         self.stats.row_steps += 1
-        self.stats.forced += len(draft)
-        self.stats.accepted += kept
         self.stats.emitted += len(out)
-        self._acceptance += 0.2 * (kept / min(len(draft), kept + 1) - self._acceptance)
+        rate = kept / min(len(draft), kept + 1)
+        if id(request) in self._looked_up:
+            self.stats.looked_up += len(draft)
+            self.stats.looked_up_accepted += kept
+            self._lookup_acceptance += 0.2 * (rate - self._lookup_acceptance)
+        else:
+            self.stats.forced += len(draft)
+            self.stats.accepted += kept
+            self._acceptance += 0.2 * (rate - self._acceptance)
         return out
 
 
-def fast_forward_for(config: Any, paged: Any, times: StepTimes) -> "FastForward | None":
-    """The engine's fast-forward, or None (off, or the rectangle layout: it needs KV blocks)."""
+def fast_forward_for(config: Any, paged: Any, times: StepTimes, lookup: Optional[Callable[[Any, int], list[int]]] = None) -> "FastForward | None":
+    """The engine's fast-forward, or None (off, or the rectangle layout: it needs KV blocks);
+    ``lookup``: the n-gram speculator's, for constrained rows nothing forces."""
     if not getattr(config, "grammar_fast_forward", False) or paged is None:
         return None
-    return FastForward(config.speculative_max_batch, times)
+    return FastForward(config.speculative_max_batch, times, lookup=lookup, lookup_limit=config.num_speculative_tokens)

@@ -159,6 +159,15 @@ class RowMatcher:
             return []
         return list(self.matcher.compute_ff_tokens()[:limit])
 
+    def allowed_prefix(self, tokens: list[int]) -> list[int]:
+        """The longest start of ``tokens`` the grammar accepts from here ([] on any fault)."""
+        if not tokens or self.matcher.is_stopped() or self.matcher.is_error():
+            return []
+        try:
+            return tokens[: self.matcher.validate_tokens(tokens)]
+        except Exception:
+            return []
+
     def mark(self) -> tuple[int, Optional["JsonNesting"]]:
         """Where the matcher is now, for :meth:`rewind` after looking ahead."""
         return self.consumed, copy(self.json)

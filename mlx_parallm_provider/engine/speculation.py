@@ -131,16 +131,21 @@ class NgramSpeculator:
     def draft(self, request: Any) -> None:
         """Set ``request.draft`` for its next step (after it took its latest token)."""
         if not can_speculate(request) or request.finished:
-            self.forget(request)
+            request.draft = []  # (a constrained row's index stays: fast-forward looks up in it)
             return
+        left = request.params.max_tokens - len(request.output_ids) - 1  # the step emits one token besides
+        request.draft = self.lookup(request, min(self.k, left))
+
+    def lookup(self, request: Any, k: int) -> list[int]:
+        """Up to ``k`` tokens that followed the latest earlier occurrence of ``request``'s
+        longest recent n-gram in its prompt + output (its index brought up to date)."""
         index = self._index.get(id(request))
         if index is None:
             index = self._index[id(request)] = NgramIndex()
         prompt = request.prompt_ids  # index only the tokens it has not seen (no prompt + output copy a step)
         index.extend(prompt[len(index.tokens) :])
         index.extend(request.output_ids[len(index.tokens) - len(prompt) :])
-        left = request.params.max_tokens - len(request.output_ids) - 1  # the step emits one token besides
-        request.draft = index.propose(min(self.k, left)) if left > 0 else []
+        return index.propose(k) if k > 0 else []
 
     def draft_all(self, rows: Sequence[Any]) -> None:
         """Set every decoding row's drafts for the next step (none while too many rows decode:

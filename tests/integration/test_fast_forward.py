@@ -104,3 +104,29 @@ def test_a_draft_the_model_would_not_choose_is_rejected_for_the_row_s_own_choice
     _same(without, _run(engine))
     stats = engine.stats()["fast_forward"]
     assert 0.5 < stats["acceptance_rate"] < 1.0 and stats["accepted_tokens"] > 0, stats
+
+
+def test_with_ngram_speculation_rows_nothing_forces_verify_looked_up_drafts(make_engine, without, monkeypatch) -> None:
+    """With ``speculative="ngram"`` a constrained row that nothing forces drafts from the n-gram
+    lookup, cut to what its grammar accepts, and verifies it like forced tokens: output
+    unchanged, sampled rows included. The lookup here is an oracle (the row's own answer,
+    every third token wrong), so acceptance does not hang on the random model's repeats."""
+    from mlx_parallm_provider.engine.speculation import NgramSpeculator
+
+    answers = {}
+    for (prompt, params), got in zip(zip(PROMPTS * 2, PARAMS), without[: len(PARAMS)]):
+        answers[(prompt, params.seed, params.max_tokens)] = got.token_ids
+    engine = make_engine(speculative="ngram", num_speculative_tokens=4)
+
+    def oracle(self, request, k: int) -> list[int]:
+        prompt = next(p for p in PROMPTS if engine.encode(p) == request.prompt_ids[-len(engine.encode(p)):])
+        known = answers[(prompt, request.params.seed, request.params.max_tokens)]
+        n = len(request.output_ids)
+        draft = list(known[n : n + k])
+        return [t if (n + i) % 3 else (t + 1) % 1000 for i, t in enumerate(draft)]
+
+    monkeypatch.setattr(NgramSpeculator, "lookup", oracle)
+    _same(without, _run(engine))
+    stats = engine.stats()["fast_forward"]
+    assert stats["lookup_tokens"] > 0 and 0 < stats["lookup_accepted_tokens"] < stats["lookup_tokens"], stats
+    assert stats["forced_tokens"] > 0  # forced runs still go first
