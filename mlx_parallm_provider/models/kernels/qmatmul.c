@@ -220,8 +220,8 @@ static _Atomic int pool_done;         /* chunks finished in the current job */
 static _Atomic int pool_wanted;       /* helpers the current job may use (the first ones) */
 static _Atomic uint32_t pool_posted;  /* the latest job number */
 static pthread_mutex_t pool_caller = PTHREAD_MUTEX_INITIALIZER, pool_sleep = PTHREAD_MUTEX_INITIALIZER;
-static pthread_cond_t pool_wake = PTHREAD_COND_INITIALIZER;
-static int pool_helpers, pool_sleepers;
+static pthread_cond_t pool_wake[MAX_HELPERS];  /* one per helper: a call wakes only those it may use */
+static int pool_helpers, pool_asleep[MAX_HELPERS];
 
 static inline void cpu_relax(void) {
 #if defined(__x86_64__) || defined(__i386__)
@@ -251,7 +251,7 @@ static void *helper_main(void *arg) {
     uint32_t seen = atomic_load(&pool_posted);
     for (;;) {
         uint32_t job = atomic_load(&pool_posted);
-        if (job == seen) {
+        if (job == seen && index < atomic_load(&pool_wanted)) {
             /* Short bursts of pause instructions with a yield every few: on an idle core the
              * next job is picked up within a microsecond or two; on a loaded one the threads
              * doing the step's other work (or other processes) get the core meanwhile. */
@@ -265,17 +265,18 @@ static void *helper_main(void *arg) {
                 clock_gettime(CLOCK_MONOTONIC, &now);
             } while (job == seen && (now.tv_sec - start.tv_sec) * 1000000000L + (now.tv_nsec - start.tv_nsec) < SPIN_NS);
         }
-        if (job == seen) {
+        if (job == seen || index >= atomic_load(&pool_wanted)) {  /* sleep until a job that may use this helper */
             pthread_mutex_lock(&pool_sleep);
-            pool_sleepers++;
-            while ((job = atomic_load(&pool_posted)) == seen)
-                pthread_cond_wait(&pool_wake, &pool_sleep);
-            pool_sleepers--;
+            pool_asleep[index] = 1;
+            while ((job = atomic_load(&pool_posted)) == seen || index >= atomic_load(&pool_wanted)) {
+                seen = job;
+                pthread_cond_wait(&pool_wake[index], &pool_sleep);
+            }
+            pool_asleep[index] = 0;
             pthread_mutex_unlock(&pool_sleep);
         }
         seen = job;
-        if (index < atomic_load(&pool_wanted))
-            claim_chunks(job);
+        claim_chunks(job);
     }
     return NULL;
 }
@@ -286,6 +287,7 @@ static void grow_pool(int wanted) {
     while (pool_helpers < wanted) {
         pthread_t t;
         pthread_attr_t attr;
+        pthread_cond_init(&pool_wake[pool_helpers], NULL);
         pthread_attr_init(&attr);
         pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
         int failed = pthread_create(&t, &attr, helper_main, (void *)(intptr_t)pool_helpers);
@@ -310,7 +312,8 @@ static void run_job(const Job *job, int threads) {
     atomic_store(&pool_claims, (uint64_t)number << 32);
     atomic_store(&pool_posted, number);
     if (pthread_mutex_trylock(&pool_sleep) == 0) {  /* else a helper holds it: it sees the job or misses only this one */
-        if (pool_sleepers) pthread_cond_broadcast(&pool_wake);
+        for (int i = 0; i < threads - 1 && i < pool_helpers; i++)
+            if (pool_asleep[i]) pthread_cond_signal(&pool_wake[i]);
         pthread_mutex_unlock(&pool_sleep);
     }
     claim_chunks(number);
