@@ -50,8 +50,9 @@ CONFIGS: dict[str, dict[str, Any]] = {
     # mlx-lm runs "mistral" as its llama; Mistral 7B v0.1's sliding_window is ignored there.
     "mistral": {**TINY_CONFIG, "model_type": "mistral", "sliding_window": 4096, "tie_word_embeddings": False,
                 "rope_theta": 1000000.0},
-    "qwen2": {**_COMMON, "model_type": "qwen2", "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
-              "max_position_embeddings": 32768, "tie_word_embeddings": True},
+    # Qwen pads its embeddings past its tokenizer (151,936 rows, 151,665 tokens): 64 rows no token has.
+    "qwen2": {**_COMMON, "vocab_size": TINY_CONFIG["vocab_size"] + 64, "model_type": "qwen2", "rms_norm_eps": 1e-6,
+              "rope_theta": 1000000.0, "max_position_embeddings": 32768, "tie_word_embeddings": True},
     "qwen3": {**_COMMON, "model_type": "qwen3", "head_dim": HEAD_DIM, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
               "max_position_embeddings": 40960, "tie_word_embeddings": True},
     "gemma2": {**_COMMON, "model_type": "gemma2", "head_dim": HEAD_DIM, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
