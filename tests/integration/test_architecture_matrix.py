@@ -108,6 +108,11 @@ ARCHITECTURES = sorted([*CONFIGS, *QUANTIZED, *BFLOAT16])
 # ("KV cache: the rectangle layout (...)").
 EXPECTED_LAYOUT = {name: "paged" for name in ARCHITECTURES} | {name: "rectangle" for name in ("gemma2", "gpt_oss")}
 
+# Architectures whose decode steps the CPU kernels' fused attention never runs (on == off holds
+# trivially there, so the check asserts that too): gemma2 computes its softcapped scores
+# itself, attention with sinks (gpt_oss) goes to mlx-lm's own function.
+NO_DECODE_KERNEL = {"gemma2", "gpt_oss"}
+
 MAX_TOKENS = 10
 PROMPT_LENGTHS = (9, 14, 21, 30)  # all longer than gemma3's window
 PREFIX_LENGTH = 40  # two full blocks of 16 and then some
@@ -222,6 +227,22 @@ class Arch:
         self.loaded = replace(loaded, tokenizer=_SHARED_TOKENIZER.setdefault("smollm2", loaded.tokenizer))
         self._engines: dict[tuple, Engine] = {}
         self._results: dict[str, Any] = {}
+        self.kernel_decodes = self._count_kernel_decodes()
+
+    def _count_kernel_decodes(self) -> list[int]:
+        """Count the decode steps the model's own backend answers with its fused kernel (a
+        result, not None) in the one-element list returned."""
+        from mlx_parallm_provider.models import backends
+
+        ops, count = backends.of(self.loaded.model), [0]
+        for name in ("decode_attention", "paged_decode_attention"):
+            def counted(*args: Any, _method=getattr(ops, name), **kwargs: Any) -> Any:
+                out = _method(*args, **kwargs)
+                count[0] += out is not None
+                return out
+
+            setattr(ops, name, counted)  # on this model's backend instance alone
+        return count
 
     def engine(self, **config: Any) -> Engine:
         key = tuple(sorted(config.items()))
@@ -316,9 +337,11 @@ def test_alone_equals_mlx_lm_greedy(arch: Arch) -> None:
 def test_cpu_kernels_on_equals_off(arch: Arch) -> None:
     from mlx_parallm_provider.models import backend, backends
 
-    if backend.is_cpu():  # the default backend there: this package's kernels
+    on = arch.together()[0]
+    if backend.is_cpu():  # the default backend there: this package's kernels, and they ran
         assert backends.of(arch.loaded.model).kernels
-    assert arch.together_on_mlx_ops() == arch.together()[0]
+        assert (arch.kernel_decodes[0] > 0) == (arch.name not in NO_DECODE_KERNEL), arch.kernel_decodes
+    assert arch.together_on_mlx_ops() == on
     assert backends.of(arch.loaded.model) is arch.loaded.backend  # its own backend again
 
 
