@@ -157,3 +157,21 @@ def fresh_litellm_engines():
     shutdown_engines()
     yield
     shutdown_engines()
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """The architecture matrix's size and outcome, architectures x checks (issue 22)."""
+    from collections import Counter
+
+    outcomes_kept = ("passed", "failed", "xfailed", "xpassed", "error")
+    runs = [(outcome, r.nodeid.split("::")[-1]) for outcome in outcomes_kept for r in terminalreporter.stats.get(outcome, ())
+            if (getattr(r, "when", None) == "call" or outcome == "error") and "test_architecture_matrix.py::" in r.nodeid
+            and "[" in r.nodeid]
+    if not runs:
+        return
+    names = [name for _, name in runs]
+    architectures = {name[name.index("[") + 1 : -1] for name in names}
+    checks = {name[: name.index("[")] for name in names}
+    outcomes = ", ".join(f"{n} {outcome}" for outcome, n in sorted(Counter(outcome for outcome, _ in runs).items()))
+    terminalreporter.write_line(f"architecture matrix: {len(architectures)} architectures x {len(checks)} checks"
+                                f" = {len(runs)} runs ({outcomes})")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import re
 import threading
+import weakref
 from collections import OrderedDict
 from copy import copy
 from typing import Any, Optional, Sequence
@@ -42,9 +43,31 @@ SHORT_VALUE = re.compile(rb'\s*(\[\]|\{\}|""|-?[0-9]+|null|true|false)[\]}\s]*')
 #: for what a schema still requires on the way out, such as a required key and its value).
 CLOSING_MARGIN = 8
 
+#: llguidance tokenizers built, per Hugging Face tokenizer object and (vocabulary size, EOS
+#: ids): engines on one loaded model (replicas, a restarted worker) build it once.
+_BUILT: "weakref.WeakKeyDictionary[Any, dict[tuple, Any]]" = weakref.WeakKeyDictionary()
+_BUILT_LOCK = threading.Lock()
+
+
+def _llg_tokenizer(hf: Any, vocab_size: int, eos: list[int]) -> Any:
+    key = (vocab_size, tuple(eos))
+    with _BUILT_LOCK:  # held while building: a second engine waits for the first's
+        try:
+            per_tokenizer = _BUILT.setdefault(hf, {})
+        except TypeError:  # not weakly referenceable: built for this caller alone
+            per_tokenizer = {}
+        if key not in per_tokenizer:
+            backend = copy(hf.backend_tokenizer)
+            backend.no_padding()
+            backend.no_truncation()
+            llg = import_llguidance()
+            per_tokenizer[key] = llg.LLTokenizer(backend.to_str(), n_vocab=vocab_size or None, eos_token=eos or None)
+        return per_tokenizer[key]
+
 
 class GrammarTokenizer:
-    """llguidance's view of one model's tokenizer, built on first use (about 0.5 s)."""
+    """llguidance's view of one model's tokenizer, built on first use (about 0.5 s; once a
+    process for each tokenizer object, vocabulary size and EOS ids)."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_ids: Sequence[int]) -> None:
         self._tokenizer, self._vocab_size, self._eos = tokenizer, vocab_size, sorted(eos_ids)
@@ -57,13 +80,9 @@ class GrammarTokenizer:
     def get(self) -> Any:
         with self._lock:
             if self._built is None:
-                llg = import_llguidance()
                 hf = getattr(self._tokenizer, "_tokenizer", self._tokenizer)
-                backend = copy(hf.backend_tokenizer)
-                backend.no_padding()
-                backend.no_truncation()
-                self._built = llg.LLTokenizer(backend.to_str(), n_vocab=self._vocab_size or None, eos_token=self._eos or None)
-                self.executor = llg.LLExecutor()
+                self._built = _llg_tokenizer(hf, self._vocab_size, self._eos)
+                self.executor = import_llguidance().LLExecutor()
             return self._built
 
     def token_bytes(self, token: int) -> bytes:

@@ -4,7 +4,11 @@ greedy output is mlx-lm's own.
 
 Those tables are plain arrays, not parameters, so loading must evaluate them on the loading
 thread; otherwise the worker meets an array of another thread's stream
-("There is no Stream(cpu, 0) in current thread")."""
+("There is no Stream(cpu, 0) in current thread").
+
+Phi-3.5's longrope and gpt-oss's YaRN run in the architecture matrix
+(``test_architecture_matrix.py``: ``phi3_longrope``, ``gpt_oss``), loaded the same way and
+checked against mlx-lm's greedy output there, with its other checks."""
 
 from __future__ import annotations
 
@@ -29,34 +33,12 @@ CONFIGS = {
             "original_max_position_embeddings": 8192,
         },
     },
-    "phi3_longrope": {
-        "model_type": "phi3", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "vocab_size": 49152,
-        "rope_theta": 10000.0, "max_position_embeddings": 131072, "original_max_position_embeddings": 4096,
-        "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2,
-        "rope_scaling": {
-            "type": "longrope",
-            "long_factor": [1.0 + i / 4 for i in range(HEAD_DIM // 2)],
-            "short_factor": [1.0 + i / 16 for i in range(HEAD_DIM // 2)],
-        },
-    },
     "qwen3_yarn": {
         "model_type": "qwen3", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": HEAD_DIM, "rms_norm_eps": 1e-6,
         "vocab_size": 49152, "rope_theta": 1000000.0, "max_position_embeddings": 131072,
         "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2,
         "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
-    },
-    "gpt_oss_yarn": {
-        "model_type": "gpt_oss", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 64,
-        "num_local_experts": 4, "num_experts_per_tok": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "head_dim": HEAD_DIM, "rms_norm_eps": 1e-5, "vocab_size": 49152, "sliding_window": 128,
-        "rope_theta": 150000, "max_position_embeddings": 131072, "layer_types": ["sliding_attention", "full_attention"],
-        "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
-        "rope_scaling": {
-            "rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
-            "truncate": False, "original_max_position_embeddings": 4096,
-        },
     },
 }
 

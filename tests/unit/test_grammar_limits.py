@@ -163,3 +163,15 @@ def test_grammars_compile_on_a_thread_with_a_large_stack() -> None:
 
     names = compiler.run_compiler(lambda: threading.current_thread().name)
     assert names.startswith("mlx-parallm-grammar") and compiler.STACK_BYTES >= 256 << 20
+
+
+def test_engines_on_one_tokenizer_build_llguidance_s_tokenizer_once() -> None:
+    hf, other = make_tokenizer(), make_tokenizer()
+
+    def grammar(tokenizer, vocab_size: int) -> guided.GrammarTokenizer:
+        return guided.GrammarTokenizer(types.SimpleNamespace(_tokenizer=tokenizer), vocab_size, [tokenizer.eos_token_id])
+
+    a, b = grammar(hf, len(hf)), grammar(hf, len(hf))
+    assert a.get() is b.get() and a.executor is not b.executor  # one table, each worker its own executor
+    assert grammar(hf, len(hf) + 32).get() is not a.get()  # another vocabulary
+    assert grammar(other, len(other)).get() is not a.get()
