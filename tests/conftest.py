@@ -9,8 +9,21 @@ from pathlib import Path
 from typing import Optional
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 import mlx_parallm_provider  # noqa: F401  (preloads BLAS before mlx is imported)
+
+# The fuzz suite's profiles (tests/fuzz), here so that they exist when pytest reads
+# --hypothesis-profile (a conftest under tests/fuzz would shadow this one's module name).
+settings.register_profile(
+    "ci", max_examples=100, deadline=None, derandomize=True, database=None,  # ~2.5 min of CI in all
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+settings.register_profile(
+    "long", max_examples=2000, deadline=None, database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+settings.load_profile("ci")
 
 TINY_CONFIG = {
     "model_type": "llama",

@@ -14,7 +14,7 @@ import re
 from typing import Any, Callable
 
 import pytest
-from fuzzing import HANG_S, INNOCENT, INNOCENT_PROMPTS
+from fuzzing import HANG_S, INNOCENT, INNOCENT_PROMPTS, engine, expected  # noqa: F401  (fixtures)
 from grammars import json_schemas, lark_grammars, regexes
 from hypothesis import event, given, settings
 from hypothesis import strategies as st

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from fuzzing import INNOCENT, INNOCENT_PROMPTS, hostile_kwargs, plausible_kwargs, prompts, run
+from fuzzing import INNOCENT, INNOCENT_PROMPTS, engine, expected, hostile_kwargs, plausible_kwargs, prompts, run  # noqa: F401  (fixtures)
 from hypothesis import event, given
 from hypothesis import strategies as st
 

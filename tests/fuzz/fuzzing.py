@@ -1,4 +1,6 @@
-"""Shared pieces of the fuzz suite: Hypothesis profiles and strategies of hostile input.
+"""Shared pieces of the fuzz suite: strategies of hostile input and the engine fixtures of
+the engine-level modules (Hypothesis's ``ci`` and ``long`` profiles are registered by
+``tests/conftest.py``, before pytest reads ``--hypothesis-profile``).
 
 The fuzz modules (``fuzz_*.py``) are not collected by the normal test run. The test
 ``tests/integration/test_fuzz.py`` runs them in a subprocess, so a crash of the process
@@ -12,26 +14,33 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from hypothesis import HealthCheck, settings
+import pytest
 from hypothesis import strategies as st
 
-from mlx_parallm_provider.engine import SamplingParams
+from mlx_parallm_provider.config import EngineConfig
+from mlx_parallm_provider.engine import Engine, SamplingParams
 
-settings.register_profile(
-    "ci", max_examples=100, deadline=None, derandomize=True, database=None,  # ~2.5 min of CI in all
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
-)
-settings.register_profile(
-    "long", max_examples=2000, deadline=None, database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
-)
-settings.load_profile("ci")
 
 HANG_S = 60.0  # a call that takes longer than this counts as a hang
 
 # Greedy requests decoding beside each fuzzed one: they must answer as they do alone.
 INNOCENT = SamplingParams(max_tokens=6, ignore_eos=True)
 INNOCENT_PROMPTS = ["the quick brown fox", "seven curious cats"]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model):
+    """The engine-level fuzz modules' engine on the tiny model (a queue deep enough for
+    every example's requests); a module imports it from here."""
+    engine = Engine("tiny", EngineConfig(max_queue=64), loaded=tiny_model)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def expected(engine):
+    """What the innocent requests answer alone."""
+    return [engine.generate_sync(p, INNOCENT).token_ids for p in INNOCENT_PROMPTS]
 
 # Values of the wrong kind, for any field.
 junk = st.one_of(
