@@ -62,10 +62,6 @@ class StepPlan:
         """The requests whose prompts this step prefills (or goes on chunk-prefilling)."""
         return [*self.prefill, *([self.chunk[0]] if self.chunk else [])]
 
-    def holding(self) -> list[Request]:
-        """The requests this step computes, which hold KV blocks (or are given some)."""
-        return [*self.decode, *self.admitted]
-
     @property
     def empty(self) -> bool:
         return not (self.decode or self.prefill or self.chunk or self.embed)

@@ -172,7 +172,7 @@ class Worker:
         self._reap()
         plan = self.scheduler.schedule()
         if self.paged is not None:
-            self.paged.reserve(plan.holding())  # the blocks the plan hands out; preempted rows leave
+            self.paged.reserve()  # the blocks the plan hands out; preempted rows leave
             decoding = {id(r) for r in plan.decode}
             self.rows = [r for r in self.rows if id(r) in decoding]
         fetch_prefixes(self.prefix_cache, plan.admitted, lambda r, exc: self._fail(r, exc, "while fetching its cached prefix"))

@@ -68,17 +68,6 @@ def test_a_request_larger_than_the_whole_pool_is_refused_at_submit(make_engine) 
     assert engine.generate_sync(list(range(100, 110)), SamplingParams(max_tokens=8)).token_ids
 
 
-def test_without_a_budget_the_arrays_grow_no_further_than_the_rows_can_use(make_engine) -> None:
-    """A long answer grows the arrays step by step, each growth a quarter at least, but never
-    past the blocks prompt + max_tokens can fill."""
-    engine = make_engine(kv_block_size=16)
-    prompt, params = [100 + j % 250 for j in range(100)], SamplingParams(max_tokens=400, ignore_eos=True)
-    assert len(engine.generate_sync(prompt, params).token_ids) == 400
-    needed = -(-(len(prompt) + 400) // 16) + 1  # its blocks and the null block
-    # by quarters alone: 16 -> 20 -> 25 -> 31 -> 38 blocks
-    assert engine.stats()["kv_cache"]["kv_cache_bytes"] == needed * 16 * BYTES_PER_TOKEN
-
-
 @pytest.mark.parametrize("layout", ["paged", "rectangle"])
 def test_one_long_prompt_among_short_ones_changes_no_ones_tokens(make_engine, layout) -> None:
     params = SamplingParams(max_tokens=12)

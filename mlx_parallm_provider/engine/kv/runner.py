@@ -40,7 +40,6 @@ class PagedRunner:
     def __init__(self, model: Any, kv: KVCacheManager, storage: PagedKVStorage, pad_id: int, caching: bool = True) -> None:
         self.model, self.kv, self.storage, self.pad_id, self.caching = model, kv, storage, pad_id, caching
         self.windows = layer_windows(model) or [None] * storage.num_layers
-        self._cap: Optional[int] = None  # the most blocks the arrays need for the rows of the last plan
 
     @classmethod
     def for_model(cls, model: Any, config: EngineConfig, bytes_per_token: int, context_length: int, pad_id: int) -> Optional["PagedRunner"]:
@@ -94,15 +93,10 @@ class PagedRunner:
                 "evicted_tokens": pool.evictions * bs, "max_bytes": bound * bytes_per_token, "nbytes": cached * bytes_per_token,
                 "cached_blocks": pool.num_cached}
 
-    def reserve(self, holding: Optional[list[Request]] = None) -> None:
+    def reserve(self) -> None:
         """After the scheduler planned: make the arrays hold every block the tables use, and
-        make the block copies it queued (cached prefixes' partly shared last blocks).
-        ``holding``: the requests whose tables the plan keeps; the arrays then grow ahead
-        at most to the blocks those can still add (each up to prompt + ``max_tokens``)."""
-        high = self.kv.pool.high_water()
-        if holding is not None:
-            self._cap = high + sum(self.kv.blocks_to_grow(id(r), r.max_kv_tokens) for r in holding)
-        self.storage.reserve(high, self._cap)
+        make the block copies it queued (cached prefixes' partly shared last blocks)."""
+        self.storage.reserve(self.kv.pool.high_water())
         self.kv.pool.physical = self.storage.physical_blocks
         self.storage.copy_blocks(self.kv.copied())
 

@@ -9,9 +9,7 @@ The arrays are created at the first write (shapes and dtype from the model's own
 hold as many blocks as :meth:`reserve` last asked for, up to the pool's size: with an
 explicit budget that is the whole pool at once; otherwise they grow by a quarter
 (:data:`GROWTH`) as the highest block in use rises (the pool hands out cached blocks again
-before it grows them), so a small workload holds little memory, and never past what the rows
-holding blocks can still use (``cap``: a long prompt's arrays do not grow a quarter past
-its prompt + ``max_tokens``). Growing copies the arrays
+before it grows them), so a small workload holds little memory. Growing copies the arrays
 (MLX cannot extend one in place) one layer at a time, so the copy's transient is one
 layer's arrays, not the whole pool's.
 """
@@ -47,13 +45,12 @@ class PagedKVStorage:
         """Bytes the K and V arrays hold."""
         return sum(a.nbytes for a in (*self.keys, *self.values) if a is not None)
 
-    def reserve(self, blocks: int, cap: Optional[int] = None) -> None:
-        """Make the arrays hold at least ``blocks`` blocks: by :data:`GROWTH` at least, but
-        not past ``cap`` (the most the present rows can use) nor the pool."""
+    def reserve(self, blocks: int) -> None:
+        """Make the arrays hold at least ``blocks`` blocks (by :data:`GROWTH` at least, up to
+        the pool)."""
         if blocks <= self._blocks:
             return
-        ahead = max(self._blocks + self._blocks // GROWTH, 16)
-        target = min(self.num_blocks, max(blocks, ahead if cap is None else min(ahead, cap)))
+        target = min(self.num_blocks, max(blocks, self._blocks + self._blocks // GROWTH, 16))
         extra = (target - self._blocks) * self.block_size
         for arrays in (self.keys, self.values):
             for layer, a in enumerate(arrays):
