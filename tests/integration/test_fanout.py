@@ -92,7 +92,10 @@ def test_return_exceptions_fails_only_the_bad_request(make_engine: Callable[...,
     engine = make_engine()
     results = engine.generate_many_sync(["a b c", "", "d e f"], SAMPLED, return_exceptions=True)
     assert isinstance(results[1], InvalidParameterError) and results[1].field == "prompt"
-    assert [r.text for r in (results[0], results[2])] == [engine.generate_sync(p, SAMPLED).text for p in ("a b c", "d e f")]
+    # The same neighbours without the bad request (a batch of two either way: answered alone, a
+    # row's seeded draw could differ by the rounding of another batch size, not by the failure).
+    clean = engine.generate_many_sync(["a b c", "d e f"], SAMPLED)
+    assert [r.text for r in (results[0], results[2])] == [c.text for c in clean]
     results = asyncio.run(engine.generate_many(["a b c", LONG], SAMPLED, return_exceptions=True))
     assert results[0].text == engine.generate_sync("a b c", SAMPLED).text
     assert isinstance(results[1], ContextWindowExceededError)
