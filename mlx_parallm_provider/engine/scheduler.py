@@ -242,7 +242,7 @@ class Scheduler:
                 break
             request.num_cached = request.num_prefilled = cached
             if self.kv is not None:
-                self.kv.grow(id(request), request.num_tokens + 1, prefix)
+                self.kv.grow(id(request), request.num_tokens + 1, prefix, limit=request.max_kv_tokens)
             self.waiting.popleft()
             sharers.append(request)
             slots -= 1

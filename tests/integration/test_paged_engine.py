@@ -135,3 +135,23 @@ def test_a_chunked_prompt_computes_logits_for_its_last_token_only(make_engine, m
     assert engine.generate_sync(long, params).token_ids == expected
     assert engine.stats()["kv_cache"]["layout"] == "paged"
     assert widths[:4] == [128, 128, 43, 1] and len(widths) == 4 + 5, widths  # then 5 decode steps
+
+
+def test_without_a_budget_a_long_request_grows_the_arrays_to_about_its_own_need(make_engine) -> None:
+    # Growth by a quarter alone would leave up to a quarter of the arrays unused past the long
+    # row's prompt + max_tokens; capped at what the requests holding blocks can still use,
+    # the arrays stop within a sixteenth of that (the least a growth adds).
+    engine = make_engine(kv_block_size=8, prefill_chunk_size=64, enable_prefix_caching=False)
+    short = SamplingParams(max_tokens=4, ignore_eos=True)
+
+    async def shorts():
+        return await asyncio.gather(*(engine.generate(p, short) for p in _prompts(6)))
+
+    asyncio.run(shorts())
+    storage = engine._worker.paged.storage
+    before = storage.physical_blocks
+    long = [100 + j % 250 for j in range(440)]
+    engine.generate_sync(long, SamplingParams(max_tokens=40, ignore_eos=True))  # 5 blocks while decoding
+    need = -(-(len(long) + 40) // 8)  # its blocks: the short rows' are free again by then
+    # (growth by a quarter alone: 71 blocks here, for the 61 it needs with the null block)
+    assert need < storage.physical_blocks <= max(before, need + 1) * 17 // 16 + 1

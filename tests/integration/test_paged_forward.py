@@ -102,6 +102,20 @@ def test_storage_grows_on_demand_and_keeps_what_it_held(tiny_model):
     assert mx.array_equal(keys, k).item() and mx.array_equal(values, k + 1).item()
 
 
+def test_storage_grows_ahead_no_further_than_the_cap_but_a_sixteenth_at_least(tiny_model):
+    storage = PagedKVStorage(1, num_blocks=1000, block_size=2)
+    storage.reserve(160)
+    assert storage.physical_blocks == 160
+    storage.reserve(161, cap=170)  # a quarter would be 200: the present requests use 170 at most
+    assert storage.physical_blocks == 170
+    storage.reserve(171, cap=171)  # a sixteenth at least, so a slowly rising peak copies seldom
+    assert storage.physical_blocks == 170 + 170 // 16
+    storage.reserve(181, cap=5000)  # a large cap: a quarter, as without one
+    assert storage.physical_blocks == 180 + 180 // 4
+    storage.reserve(226, cap=100)  # a cap below what is asked for: a sixteenth
+    assert storage.physical_blocks == 225 + 225 // 16
+
+
 @pytest.fixture(scope="module")
 def tiny_gemma3():
     """A random-weight gemma3 text model whose local layers see 8 tokens (every 3rd layer global)."""

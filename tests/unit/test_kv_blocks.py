@@ -143,3 +143,20 @@ def test_admission_counts_the_idle_cached_blocks_it_takes_and_the_copy_source():
     assert before - kv.pool.num_free == 5
     kv.copied()
     assert before - kv.pool.num_free == 4  # the copy's source is let go
+
+
+def test_blocks_to_come_counts_what_each_table_may_still_add_up_to_its_limit():
+    kv = KVCacheManager(num_blocks=40, block_size=4)
+    kv.grow("a", 9, limit=20)  # 3 blocks now, 5 at most
+    kv.grow("b", 4, limit=4)  # full already
+    kv.grow("c", 2)  # no limit given: counts nothing
+    assert kv.blocks_to_come() == 2
+    kv.grow("a", 17)
+    assert kv.blocks_to_come() == 0
+    kv.fit("a", 30)  # past its limit (speculative drafts): never negative
+    assert kv.blocks_to_come() == 0
+    kv.free("a")
+    kv.grow("d", 1, limit=40)
+    assert kv.blocks_to_come() == 9
+    kv.preempted("d")  # its limit goes with its blocks
+    assert kv.blocks_to_come() == 0

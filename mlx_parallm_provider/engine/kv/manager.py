@@ -60,6 +60,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, max_cached_blocks)
         self._tables: dict[Hashable, list[int]] = {}
+        self._limits: dict[Hashable, int] = {}  # owner -> the most entries its table may come to hold
         self.num_preemptions = 0
         self.pending_copies: list[tuple[int, int]] = []  # (source, destination) blocks, sources held
 
@@ -77,6 +78,12 @@ class KVCacheManager:
     def blocks_to_grow(self, owner: Hashable, tokens: int) -> int:
         """Blocks ``owner`` must add so that its table holds ``tokens`` entries."""
         return max(0, blocks_for(tokens, self.block_size) - len(self.table(owner)))
+
+    def blocks_to_come(self) -> int:
+        """Blocks the tables may still add before each reaches its limit (prompt +
+        ``max_tokens``, given to :meth:`grow`): what the arrays may have to hold beyond the
+        blocks in use for the requests holding blocks now."""
+        return sum(max(0, blocks_for(limit, self.block_size) - len(self.table(o))) for o, limit in self._limits.items())
 
     def can_hold(self, wanted: dict[Hashable, int]) -> bool:
         """Whether every ``owner -> tokens`` in ``wanted`` can be held at once."""
@@ -151,10 +158,13 @@ class KVCacheManager:
 
     # -- changes ----------------------------------------------------------------------
 
-    def grow(self, owner: Hashable, tokens: int, prefix: Optional[PrefixHit] = None) -> None:
+    def grow(self, owner: Hashable, tokens: int, prefix: Optional[PrefixHit] = None, limit: Optional[int] = None) -> None:
         """Make ``owner``'s table hold ``tokens`` entries (ValueError if blocks run out),
         starting a new table with a cached ``prefix``: its whole blocks shared, its last
-        block copied into one of the owner's own (queued in :attr:`pending_copies`)."""
+        block copied into one of the owner's own (queued in :attr:`pending_copies`).
+        ``limit``: the most entries the owner will ever hold (see :meth:`blocks_to_come`)."""
+        if limit is not None:
+            self._limits[owner] = limit
         if prefix is not None and prefix.tokens and owner not in self._tables:
             self.pool.share(prefix.blocks)
             self.pool.touch(prefix.blocks)
@@ -181,6 +191,7 @@ class KVCacheManager:
     def free(self, owner: Hashable) -> int:
         """Release every block ``owner`` holds (cached ones stay cached); returns how many."""
         blocks = self._tables.pop(owner, [])
+        self._limits.pop(owner, None)
         self.pool.release(reversed(blocks))  # the prompt's first blocks are evicted last
         return len(blocks)
 

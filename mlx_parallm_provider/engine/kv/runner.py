@@ -95,8 +95,10 @@ class PagedRunner:
 
     def reserve(self) -> None:
         """After the scheduler planned: make the arrays hold every block the tables use, and
-        make the block copies it queued (cached prefixes' partly shared last blocks)."""
-        self.storage.reserve(self.kv.pool.high_water())
+        make the block copies it queued (cached prefixes' partly shared last blocks). The
+        arrays grow ahead at most to what the requests holding blocks can still add."""
+        high = self.kv.pool.high_water()
+        self.storage.reserve(high, high + self.kv.blocks_to_come())
         self.kv.pool.physical = self.storage.physical_blocks
         self.storage.copy_blocks(self.kv.copied())
 

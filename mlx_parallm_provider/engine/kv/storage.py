@@ -7,9 +7,11 @@ donates the buffer), so a step's cost is its own tokens, never the batch's.
 
 The arrays are created at the first write (shapes and dtype from the model's own K/V) and
 hold as many blocks as :meth:`reserve` last asked for, up to the pool's size: with an
-explicit budget that is the whole pool at once; otherwise they grow by a quarter
-(:data:`GROWTH`) as the highest block in use rises (the pool hands out cached blocks again
-before it grows them), so a small workload holds little memory. Growing copies the arrays
+explicit budget that is the whole pool at once; otherwise they grow as the highest block in
+use rises (the pool hands out cached blocks again before it grows them), so a small workload
+holds little memory: by a quarter (:data:`GROWTH`), but not past what the requests holding
+blocks can still use (``cap``: a long prompt's arrays stop near its prompt + ``max_tokens``),
+and by a sixteenth at least (:data:`MIN_GROWTH`). Growing copies the arrays
 (MLX cannot extend one in place) one layer at a time, so the copy's transient is one
 layer's arrays, not the whole pool's.
 """
@@ -24,6 +26,11 @@ import mlx.core as mx
 GROWTH = 4
 """The arrays grow by at least 1/GROWTH of their size: a larger step copies less often
 (each growth copies every block held), a smaller one holds fewer blocks nobody uses yet."""
+
+MIN_GROWTH = 16
+"""Growth capped at the requests' need is still 1/MIN_GROWTH of the arrays at least: a
+series of requests each a little past the last peak copies the arrays a bounded number of
+times per doubling, not once per request."""
 
 
 class PagedKVStorage:
@@ -45,12 +52,16 @@ class PagedKVStorage:
         """Bytes the K and V arrays hold."""
         return sum(a.nbytes for a in (*self.keys, *self.values) if a is not None)
 
-    def reserve(self, blocks: int) -> None:
-        """Make the arrays hold at least ``blocks`` blocks (by :data:`GROWTH` at least, up to
-        the pool)."""
+    def reserve(self, blocks: int, cap: Optional[int] = None) -> None:
+        """Make the arrays hold at least ``blocks`` blocks: by :data:`GROWTH` at least, but
+        not past ``cap`` (the most the present requests can use) unless that is less than
+        :data:`MIN_GROWTH`; never past the pool."""
         if blocks <= self._blocks:
             return
-        target = min(self.num_blocks, max(blocks, self._blocks + self._blocks // GROWTH, 16))
+        ahead = max(self._blocks + self._blocks // GROWTH, 16)
+        if cap is not None:
+            ahead = min(ahead, max(cap, self._blocks + self._blocks // MIN_GROWTH, 16))
+        target = min(self.num_blocks, max(blocks, ahead))
         extra = (target - self._blocks) * self.block_size
         for arrays in (self.keys, self.values):
             for layer, a in enumerate(arrays):
