@@ -102,15 +102,15 @@ BFLOAT16 = {"llama3_rope_bf16": "llama3_rope"}  # Llama 3.2's mlx-community fold
 ARCHITECTURES = sorted([*CONFIGS, *QUANTIZED, *BFLOAT16])
 
 # The KV layout each architecture runs on with the default kv_layout="paged", in ONE place.
-# gemma3's sliding-window layers run on blocks (each query gathers its window); a module that
-# computes attention itself (gemma2: softcapped scores, no scaled_dot_product_attention)
-# or attends with sinks (gpt_oss) falls back to the rectangle, logged
-# ("KV cache: the rectangle layout (...)").
-EXPECTED_LAYOUT = {name: "paged" for name in ARCHITECTURES} | {name: "rectangle" for name in ("gemma2", "gpt_oss")}
+# gemma3's and gpt_oss's sliding-window layers run on blocks (each query gathers its window;
+# gpt_oss's sinks reach the gathered attention); a module that computes attention itself
+# (gemma2: softcapped scores, no scaled_dot_product_attention) falls back to the rectangle,
+# logged ("KV cache: the rectangle layout (...)").
+EXPECTED_LAYOUT = {name: "paged" for name in ARCHITECTURES} | {"gemma2": "rectangle"}
 
 # Architectures whose decode steps the CPU kernels' fused attention never runs (on == off holds
 # trivially there, so the check asserts that too): gemma2 computes its softcapped scores
-# itself, attention with sinks (gpt_oss) goes to mlx-lm's own function.
+# itself, attention with sinks (gpt_oss) takes MLX's attention over the gathered blocks.
 NO_DECODE_KERNEL = {"gemma2", "gpt_oss"}
 
 MAX_TOKENS = 10

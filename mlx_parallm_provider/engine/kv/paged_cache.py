@@ -132,7 +132,8 @@ def _length_buckets(totals: Sequence[int]) -> list[list[int]]:
     return buckets
 
 
-def _attend_tiled(backend: MLXOps, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: mx.array) -> mx.array:
+def _attend_tiled(backend: MLXOps, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: mx.array,
+                  sinks: Optional[mx.array] = None) -> mx.array:
     """``backend.dense_attention`` over tiles of the query positions, each within
     :data:`TILE_SCORES`. Each tile's queries depend on the previous tile's output
     (``mx.depends``), so MLX computes the tiles one after another, freeing each one's
@@ -141,19 +142,22 @@ def _attend_tiled(backend: MLXOps, queries: mx.array, keys: mx.array, values: mx
     the middle of a step (at interpreter exit that aborts the process)."""
     B, heads, L, _ = queries.shape
     tile = max(1, TILE_SCORES // max(1, B * heads * keys.shape[2]))
+    extra = {} if sinks is None else {"sinks": sinks}
     if L <= tile:
-        return backend.dense_attention(queries, keys, values, scale=scale, mask=mask)
+        return backend.dense_attention(queries, keys, values, scale=scale, mask=mask, **extra)
     outs: list[mx.array] = []
     for i in range(0, L, tile):
         q = queries[:, :, i : i + tile]
         if outs:
             q = mx.depends(q, outs[-1])
-        outs.append(backend.dense_attention(q, keys, values, scale=scale, mask=mask[:, :, i : i + tile]))
+        outs.append(backend.dense_attention(q, keys, values, scale=scale, mask=mask[:, :, i : i + tile], **extra))
     return mx.concatenate(outs, axis=2)
 
 
 class PagedLayerCache:
     """One layer's view of a :class:`PagedBatch` (mlx-lm's cache interface)."""
+
+    attends_sinks = True  # gpt-oss's attention sinks reach attend() (the gathered path)
 
     def __init__(self, batch: PagedBatch, layer: int, window: Optional[int] = None) -> None:
         self.batch, self.layer, self.window = batch, layer, window
@@ -179,13 +183,14 @@ class PagedLayerCache:
         return keys, values
 
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Optional[Any],
-               backend: Optional[MLXOps] = None) -> mx.array:
+               backend: Optional[MLXOps] = None, sinks: Optional[mx.array] = None) -> mx.array:
         """Attention of ``queries`` (B, heads, L, D) over each row's blocks by ``backend``
         (the model's; None: MLX's ops): one kernel call through the block tables when
-        decoding where it has one, else per bucket over gathered blocks."""
+        decoding where it has one, else per bucket over gathered blocks (always with
+        attention ``sinks``, which the kernel does not take)."""
         backend = backend or _MLX_OPS
         batch, storage = self.batch, self.batch.storage
-        if batch.table is not None and self.window is None:
+        if batch.table is not None and self.window is None and sinks is None:
             out = backend.paged_decode_attention(queries, storage.keys[self.layer], storage.values[self.layer], batch.table,
                                                    batch.lengths, storage.block_size, scale)
             if out is not None:
@@ -195,7 +200,7 @@ class PagedLayerCache:
         for bucket in buckets:
             k, v = self.batch.storage.read(self.layer, bucket.slots)  # (b, S, kv_heads, D)
             q = queries if bucket.index is None else queries[bucket.index]
-            outs.append(_attend_tiled(backend, q, k.swapaxes(1, 2), v.swapaxes(1, 2), scale, bucket.mask))
+            outs.append(_attend_tiled(backend, q, k.swapaxes(1, 2), v.swapaxes(1, 2), scale, bucket.mask, sinks))
         if len(outs) == 1:
             return outs[0]
         order = [b for bucket in buckets for b in bucket.rows]

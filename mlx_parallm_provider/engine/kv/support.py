@@ -23,8 +23,6 @@ def unsupported_reason(model: Any, config: EngineConfig) -> Optional[str]:
         return f"its backend ({type(backends.of(model)).__name__}) does not attend over paged KV"
     if not hasattr(model, "layers"):
         return "the model has no layers list"
-    if any(hasattr(getattr(layer, "self_attn", None), "sinks") for layer in model.layers):
-        return f"{type(model).__module__} attends with sinks"
     if layer_windows(model) is None:
         return f"{type(model).__module__} has layers that are not plain or sliding-window KV caches (state, kept tokens)"
     return None

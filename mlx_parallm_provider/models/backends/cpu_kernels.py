@@ -69,7 +69,10 @@ class CPUKernels(MLXOps):
     kernels = True
     head_sizes = (16, attention.MAX_HEAD_DIM, attention.MAX_GROUP)
 
-    def dense_attention(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Optional[Any]) -> mx.array:
+    def dense_attention(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Optional[Any],
+                        sinks: Optional[mx.array] = None) -> mx.array:
+        if sinks is not None:  # (the kernels and cpu_ops' formulation take none)
+            return super().dense_attention(queries, keys, values, scale, mask, sinks)
         out = self.decode_attention(queries, keys, values, scale, mask)
         if out is not None:
             return out

@@ -36,18 +36,24 @@ class MLXOps:
     def attend(self, queries: Any, keys: Any, values: Any, cache: Any, scale: float, mask: Optional[Any], sinks: Optional[Any] = None) -> Any:
         """mlx-lm's ``scaled_dot_product_attention`` as the model's layers call it: the
         cache's own ``attend(queries, keys, values, scale=, mask=, backend=)`` where it has
-        one, mlx-lm's function for quantized caches and attention sinks, else
-        :meth:`dense_attention`."""
+        one (with ``sinks=`` where the cache declares ``attends_sinks``), mlx-lm's function
+        for quantized caches and for attention sinks elsewhere, else :meth:`dense_attention`."""
+        own = getattr(cache, "attend", None)
+        if sinks is not None and own is not None and getattr(cache, "attends_sinks", False):
+            return own(queries, keys, values, scale=scale, mask=mask, backend=self, sinks=sinks)
         if sinks is not None or hasattr(cache, "bits"):
             return mlx_lm_attention(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
-        own = getattr(cache, "attend", None)
         if own is not None:
             return own(queries, keys, values, scale=scale, mask=mask, backend=self)
         return self.dense_attention(queries, keys, values, scale=scale, mask=mask)
 
-    def dense_attention(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Optional[Any]) -> mx.array:
+    def dense_attention(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Optional[Any],
+                        sinks: Optional[mx.array] = None) -> mx.array:
         """Plain attention: ``queries`` (B, heads, L, D) over ``keys`` / ``values`` (B,
-        kv_heads, S, D), ``mask`` as mlx-lm passes it (None, ``"causal"`` or an array)."""
+        kv_heads, S, D), ``mask`` as mlx-lm passes it (None, ``"causal"`` or an array);
+        ``sinks`` (heads,): gpt-oss's per-head logit that takes a share of the softmax."""
+        if sinks is not None:
+            return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
 
     def decode_attention(
