@@ -8,7 +8,9 @@ kernels built and in use, the model cache and the versions of what matters.
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import platform
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -23,14 +25,9 @@ PACKAGES = ("mlx", "mlx-lm", "mlx-parallm-provider", "litellm", "langchain-core"
 
 def cpu_features() -> list[str]:
     """The CPU's vector features among :data:`VECTOR_FEATURES` (from /proc/cpuinfo)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return []
-    flags: set[str] = set()
-    for line in text.splitlines():
-        if line.startswith(("flags", "Features")):
-            flags.update(line.split(":", 1)[1].split())
+    from .models.qmatmul import cpu_flags
+
+    flags = cpu_flags()
     return [f for f in VECTOR_FEATURES if f in flags]
 
 
@@ -42,6 +39,14 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def _march(qmatmul: Any) -> str:
+    """The ``-march`` the kernels are built with (``MLX_PARALLM_KERNEL_MARCH`` or native)."""
+    compiler = os.environ.get("CC") or "cc"
+    if shutil.which(compiler) is None:
+        return f"no C compiler ({compiler})"
+    return " ".join(qmatmul.native_flags(compiler)) or "no -march (generic)"
 
 
 def report() -> dict[str, Any]:
@@ -71,6 +76,7 @@ def report() -> dict[str, Any]:
         "cpu": _cpu_model(),
         "cpu vector features": " ".join(cpu_features()) or "unknown",
         "kernel cache": str(qmatmul.cache_dir()),
+        "kernels built with": _march(qmatmul),
         "mlx extension (fused ops, decode attention, small-batch matmul)": "built and loaded" if ext is not None
         else ("not used off the CPU" if not backend.is_cpu() else "unavailable: MLX's ops are used (needs a C++ compiler and nanobind)"),
         "small-batch C kernel (ctypes)": "built" if backend.is_cpu() and qmatmul.load() is not None else "unavailable",

@@ -22,6 +22,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -45,8 +46,57 @@ SUPPORTED_BITS = (4, 8)
 _FLAGS = ["-O3", "-shared", "-fPIC", "-pthread", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
 
 
+MARCH_ENV = "MLX_PARALLM_KERNEL_MARCH"
+"""An ``-march`` value for the kernels instead of ``native``: a lesser ISA of this CPU, e.g.
+``x86-64-v3`` (AVX2 + FMA) on an AVX-512 machine, to run and measure that path here."""
+
+# Compiler macros of vector features -> the /proc/cpuinfo flag (x86) or Features entry (arm64)
+# the CPU must report for code built with them to run.
+_FEATURE_FLAGS = {
+    "__AVX__": "avx", "__AVX2__": "avx2", "__FMA__": "fma", "__F16C__": "f16c", "__BMI2__": "bmi2",
+    "__AVX512F__": "avx512f", "__AVX512BW__": "avx512bw", "__AVX512DQ__": "avx512dq", "__AVX512VL__": "avx512vl",
+    "__AVX512VNNI__": "avx512_vnni", "__AVXVNNI__": "avx_vnni", "__AVX512BF16__": "avx512_bf16", "__AVX512FP16__": "avx512_fp16",
+    "__ARM_FEATURE_DOTPROD": "asimddp", "__ARM_FEATURE_MATMUL_INT8": "i8mm", "__ARM_FEATURE_SVE": "sve",
+    "__ARM_FEATURE_FP16_VECTOR_ARITHMETIC": "asimdhp",
+}
+
+
+def cpu_flags() -> set[str]:
+    """The vector features the CPU reports (``flags`` on x86, ``Features`` on arm64)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return {f for ln in text.splitlines() if ln.startswith(("flags", "Features")) for f in ln.split(":", 1)[1].split()}
+
+
+def march_problem(compiler: str, march: str) -> Optional[str]:
+    """Why kernels built with ``-march=march`` cannot run here (None: they can): a value
+    that is no plain ISA name, one the compiler does not know, or features this CPU lacks."""
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,63}", march):
+        return "not an -march name"
+    probe = subprocess.run([compiler, f"-march={march}", "-dM", "-E", "-x", "c", "-"], input="", capture_output=True, text=True)
+    if probe.returncode != 0:
+        return f"{compiler} does not know it"
+    macros = {line.split()[1] for line in probe.stdout.splitlines() if line.startswith("#define ")}
+    missing = sorted(flag for macro, flag in _FEATURE_FLAGS.items() if macro in macros and flag not in cpu_flags())
+    return f"this CPU lacks {', '.join(missing)}" if missing else None
+
+
+_warned: set[tuple[str, str]] = set()
+
+
 def native_flags(compiler: str) -> list[str]:
-    """``-march=native`` where the compiler takes it (GCC/Clang on x86 and ARM Linux)."""
+    """``-march=native`` where the compiler takes it (GCC/Clang on x86 and ARM Linux), or
+    the ISA ``MLX_PARALLM_KERNEL_MARCH`` names where this CPU runs it (else warned and ignored)."""
+    march = os.environ.get(MARCH_ENV, "").strip()
+    if march and march != "native":
+        problem = march_problem(compiler, march)
+        if problem is None:
+            return [f"-march={march}"]
+        if (march, problem) not in _warned:  # once: every kernel build asks
+            _warned.add((march, problem))
+            logger.warning("%s=%s ignored (%s): the kernels are built for this CPU (-march=native)", MARCH_ENV, march, problem)
     probe = subprocess.run([compiler, "-march=native", "-x", "c", "-E", "-", "-o", os.devnull], input="", capture_output=True, text=True)
     return ["-march=native"] if probe.returncode == 0 else []
 

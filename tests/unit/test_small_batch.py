@@ -144,6 +144,54 @@ def test_the_portable_path_computes_what_the_native_one_does(tmp_path: Path, mon
             assert np.allclose(np.asarray(packed.matmul(lib, x)), expected, rtol=1e-5, atol=1e-4)
 
 
+def _build_with_march(march: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("MLX_PARALLM_HOME", str(tmp_path))
+    monkeypatch.setenv(qmatmul.MARCH_ENV, march)
+    qmatmul.reset()
+    try:
+        return qmatmul.load()
+    finally:
+        qmatmul.reset()
+
+
+def test_a_forced_avx2_build_computes_what_the_native_one_does(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``MLX_PARALLM_KERNEL_MARCH=x86-64-v3`` builds the AVX2 + FMA intrinsics path, which an
+    AVX-512 machine's native build never runs; it must give the same products."""
+    native = _ctypes_kernel()
+    if not {"avx2", "fma"} <= qmatmul.cpu_flags():
+        pytest.skip("not an x86 CPU with AVX2 and FMA")
+    assert qmatmul.march_problem("cc", "x86-64-v3") is None
+    avx2 = _build_with_march("x86-64-v3", tmp_path, monkeypatch)
+    assert avx2 is not None and avx2 is not native
+    for bits, group in [(4, 32), (4, 128), (8, 64)]:
+        module = _quantized((50, 256), bits, group)
+        packed = small_batch.PackedWeight.from_module(module)
+        x = mx.random.normal((11, 256), key=mx.random.key(bits + group))
+        expected = np.asarray(x @ small_batch._float32_weight(module).T)
+        assert np.allclose(np.asarray(packed.matmul(avx2, x)), expected, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("march", ["x86-64-v3; rm -rf /", "no-such-isa-anywhere"])
+def test_a_kernel_march_that_cannot_run_here_is_warned_about_and_ignored(march: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                         caplog: pytest.LogCaptureFixture) -> None:
+    _ctypes_kernel()
+    assert qmatmul.march_problem("cc", march) is not None
+    monkeypatch.setenv(qmatmul.MARCH_ENV, march)
+    monkeypatch.setattr(qmatmul, "_warned", set())  # (warned once a process)
+    with caplog.at_level("WARNING", logger=qmatmul.__name__):
+        flags = qmatmul.native_flags("cc")
+    assert flags in (["-march=native"], []) and qmatmul.MARCH_ENV in caplog.text
+
+
+def test_a_kernel_march_with_features_the_cpu_lacks_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    _ctypes_kernel()
+    probe = "x86-64-v3" if qmatmul.march_problem("cc", "x86-64-v3") is None else "armv8.2-a+dotprod"
+    if qmatmul.march_problem("cc", probe) is not None:
+        pytest.skip("the compiler targets neither x86-64-v3 nor armv8.2-a+dotprod here")
+    monkeypatch.setattr(qmatmul, "cpu_flags", lambda: set())  # a CPU with no vector features
+    assert "this CPU lacks" in qmatmul.march_problem("cc", probe)
+
+
 def test_by_default_float32_copies_are_kept_while_they_take_a_quarter_of_memory_at_most(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _extension()
     monkeypatch.delenv(small_batch.FLOAT32_ENV, raising=False)
