@@ -83,7 +83,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--url", help="OpenAI-compatible server for system 'http' (with or without /v1)")
     a("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="bearer key for --url (default $OPENAI_API_KEY)")
     a("--served-model", help="model name to send to --url (default: --model)")
-    a("--llama-cpp-threads", type=_positive_int, help="threads of the llama-cpp peer (default: half the CPUs, as llama-cpp-python)")
+    a("--llama-cpp-threads", type=_positive_int, help="threads of the llama-cpp and llama-server peers (default: half the CPUs, as llama-cpp-python)")
     a("--output-dir", type=Path, help="where results.json and the plots go (default ./bench-results/<time>/)")
     a("--quick", action="store_true", help="a smoke test: chat, concurrency 1,4, 8 tokens, in-process systems")
     a("--no-progress", action="store_true", help="no progress bar")

@@ -1,14 +1,19 @@
-"""The CPU targets, measured: this package's engine against llama.cpp (same GGUF) and against
-``mlx_lm.stream_generate`` (same weights), a process per system and level, same prompts (the chat
-workload), 64 new tokens each (EOS ignored), plus the decode-step cost at batch 64 with 512
-tokens of context against 128.
+"""The CPU targets, measured: this package's engine (and its LiteLLM proxy) against llama.cpp
+(same GGUF: ``llama-server`` from the ``xllamacpp`` wheel over HTTP, and llama-cpp-python in
+process) and against ``mlx_lm.stream_generate`` (same weights), a process per system and level,
+same prompts (the chat workload), 64 new tokens each (EOS ignored), plus the decode-step cost
+at batch 64 with 512 tokens of context against 128.
 
-    python -m mlx_parallm_provider.bench.cpu_compare [--concurrency 1 32 64] [--output-dir DIR]
+    python -m mlx_parallm_provider.bench.cpu_compare [--systems engine litellm-proxy llama-server]
+        [--concurrency 1 32 64] [--output-dir DIR]
 
 Each system runs as ``mlx-parallm bench --systems <one>`` in a child process per concurrency
 level (one stream: 4 prompts in turn); the figures are that command's aggregate output tok/s
-(``results.json`` of each is kept under ``--output-dir``). Targets: at 64 concurrent >= 1.2x llama.cpp, at 32 >= 1.0x; one stream
->= 2x ``stream_generate``; step at 512 tokens of context <= 2x the step at 128.
+and peak memory (MLX's peak in process, the server's peak RSS for servers; ``results.json`` of
+each is kept under ``--output-dir``). Targets (:data:`TARGETS`): issue 23's against
+llama-server (engine >= 1.5x at 64 concurrent and >= 1.0x at one stream, the proxy >= 1.2x at
+64), and the earlier ones against llama-cpp-python and ``stream_generate``; step at 512
+tokens of context <= 2x the step at 128.
 """
 
 from __future__ import annotations
@@ -23,7 +28,14 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-TARGETS = {("llama-cpp", 64): 1.2, ("llama-cpp", 32): 1.0, ("mlx-lm", 1): 2.0}
+from ..doctor import cpu_features
+from .kv_memory import _cpu
+
+TARGETS = {
+    ("engine", "llama-server", 64): 1.5, ("litellm-proxy", "llama-server", 64): 1.2, ("engine", "llama-server", 1): 1.0,
+    ("engine", "llama-cpp", 64): 1.2, ("engine", "llama-cpp", 32): 1.0, ("engine", "mlx-lm", 1): 2.0,
+}
+"""``(ours, peer, concurrency) -> the least tok/s ratio ours / peer``."""
 STEP_TARGET = 2.0
 
 
@@ -38,7 +50,7 @@ def _bench(name: str, system: str, level: int, max_tokens: int, out_dir: Path, e
     cmd = [sys.executable, "-m", "mlx_parallm_provider.cli", "bench", "--systems", system, "--workload", "chat",
            "--max-tokens", str(max_tokens), "--ignore-eos", "--concurrency", str(level),
            "--num-prompts", str(max(level, ONE_STREAM_PROMPTS)), "--output-dir", str(folder), "--no-progress"]
-    if system == "llama-cpp" and llama_cpp_threads:
+    if system in ("llama-cpp", "llama-server") and llama_cpp_threads:
         cmd += ["--llama-cpp-threads", str(llama_cpp_threads)]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env)
     results = folder / "results.json"
@@ -48,8 +60,9 @@ def _bench(name: str, system: str, level: int, max_tokens: int, out_dir: Path, e
     return next((r for r in json.loads(results.read_text())["rows"] if r["system"] == system), None)
 
 
-def run_system(name: str, levels: Sequence[int], max_tokens: int, out_dir: Path, llama_cpp_threads: Optional[int] = None) -> dict[int, float]:
-    """Aggregate output tok/s of system ``name`` at each concurrency level, each level in a
+def run_system(name: str, levels: Sequence[int], max_tokens: int, out_dir: Path,
+               llama_cpp_threads: Optional[int] = None) -> tuple[dict[int, float], dict[int, Optional[float]]]:
+    """Aggregate output tok/s and peak memory (MB) of system ``name`` at each concurrency level, each level in a
     process of its own ("engine-before": the engine on MLX's own ops, ``MLX_PARALLM_CPU_OPS=0``
     and no packed small-step kernel). At level 1, :data:`ONE_STREAM_PROMPTS` prompts in turn."""
     system = "engine" if name == "engine-before" else name
@@ -59,11 +72,11 @@ def run_system(name: str, levels: Sequence[int], max_tokens: int, out_dir: Path,
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu_s = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
     if not rows:
-        return {}
+        return {}, {}
     tokens = sum(r["metrics"]["total_output_tokens"] for r in rows)
     print(f"{name}: {tokens} tokens for {cpu_s:.1f} CPU-seconds of its processes (load, warm-up and all levels): "
           f"{tokens / cpu_s if cpu_s else float('nan'):.1f} tokens per CPU-second", file=sys.stderr)
-    return {r["concurrency"]: r["metrics"]["output_throughput"] for r in rows}
+    return {r["concurrency"]: r["metrics"]["output_throughput"] for r in rows}, {r["concurrency"]: r["metrics"].get("peak_memory_mb") for r in rows}
 
 
 def step_ratio(repeats: int = 5) -> Optional[dict[str, float]]:
@@ -89,21 +102,29 @@ def step_ratio(repeats: int = 5) -> Optional[dict[str, float]]:
     return json.loads(lines[-1][len("RESULT "):])
 
 
-def report(results: dict[str, dict[int, float]], steps: Optional[dict[str, float]]) -> str:
-    """The tok/s table and each target as met / missed."""
+def report(results: dict[str, dict[int, float]], steps: Optional[dict[str, float]],
+           peaks: Optional[dict[str, dict[int, Optional[float]]]] = None) -> str:
+    """The tok/s table (peak memory MB beside each figure where known) and each target of
+    :data:`TARGETS` between systems that ran, as met / missed."""
+    peaks = peaks or {}
     levels = sorted({c for per in results.values() for c in per})
     lines = ["| system | " + " | ".join(f"{c} concurrent" for c in levels) + " |", "|---|" + "---:|" * len(levels)]
     for system, per in results.items():
-        lines.append(f"| {system} | " + " | ".join(f"{per[c]:.1f}" if c in per else "-" for c in levels) + " |")
+        cells = []
+        for c in levels:
+            peak = peaks.get(system, {}).get(c)
+            cells.append("-" if c not in per else f"{per[c]:.1f}" + (f" ({peak:.0f} MB)" if peak else ""))
+        lines.append(f"| {system} | " + " | ".join(cells) + " |")
     lines.append("")
-    ours = results.get("engine", {})
-    for (peer, c), target in TARGETS.items():
-        theirs = results.get(peer, {}).get(c)
-        if c not in ours or not theirs:
-            lines.append(f"engine vs {peer} at {c}: not measured")
+    for (mine, peer, c), target in TARGETS.items():
+        if mine not in results or peer not in results:
             continue
-        ratio = ours[c] / theirs
-        lines.append(f"engine vs {peer} at {c} concurrent: {ours[c]:.1f} / {theirs:.1f} tok/s = {ratio:.2f}x "
+        ours, theirs = results[mine].get(c), results[peer].get(c)
+        if not ours or not theirs:
+            lines.append(f"{mine} vs {peer} at {c}: not measured")
+            continue
+        ratio = ours / theirs
+        lines.append(f"{mine} vs {peer} at {c} concurrent: {ours:.1f} / {theirs:.1f} tok/s = {ratio:.2f}x "
                      f"(target >= {target}x: {'met' if ratio >= target else 'missed'})")
     if steps:
         ratio = steps["512"] / steps["128"]
@@ -117,21 +138,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 32, 64])
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--systems", nargs="+", default=["engine", "llama-cpp", "mlx-lm"],
-                        help="engine, engine-before (MLX's own CPU ops), llama-cpp, mlx-lm")
+                        help="engine, engine-before (MLX's own CPU ops), litellm-proxy, llama-server, llama-cpp, mlx-lm")
     parser.add_argument("--output-dir", type=Path, default=Path("bench-results") / f"cpu-compare-{time.strftime('%Y%m%d-%H%M%S')}")
     parser.add_argument("--no-step", action="store_true", help="skip the decode-step ratio")
     parser.add_argument("--llama-cpp-threads", type=int, default=os.cpu_count() or 1,
                         help="llama.cpp's threads (default: all CPUs, its fastest at high concurrency here)")
     args = parser.parse_args(argv)
-    results = {}
+    results, peaks = {}, {}
+    print(f"CPU: {_cpu()}; vector features: {' '.join(cpu_features()) or 'unknown'}; {os.cpu_count()} CPUs", flush=True)
     for system in args.systems:
         levels = [1] if system == "mlx-lm" else args.concurrency  # stream_generate serves one at a time
-        results[system] = run_system(system, levels, args.max_tokens, args.output_dir, args.llama_cpp_threads)
+        results[system], peaks[system] = run_system(system, levels, args.max_tokens, args.output_dir, args.llama_cpp_threads)
     steps = None if args.no_step else step_ratio()
-    text = report(results, steps)
+    text = report(results, steps, peaks)
     print(text)
     args.output_dir.mkdir(parents=True, exist_ok=True)
-    (args.output_dir / "cpu_compare.json").write_text(json.dumps({"tok_s": results, "step_ms": steps}, indent=2))
+    (args.output_dir / "cpu_compare.json").write_text(json.dumps({"tok_s": results, "peak_mb": peaks, "step_ms": steps}, indent=2))
     return 0
 
 

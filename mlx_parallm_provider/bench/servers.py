@@ -1,5 +1,5 @@
 """OpenAI-compatible servers the benchmark starts on loopback and always stops: the LiteLLM
-proxy serving this package, and ``mlx_lm.server``."""
+proxy serving this package, ``mlx_lm.server`` and llama.cpp's ``llama-server``."""
 
 from __future__ import annotations
 
@@ -113,3 +113,12 @@ def mlx_lm_server(model_dir: Path, folder: Path) -> Server:
     bootstrap = "import sys, mlx_parallm_provider; from mlx_lm.server import main; sys.exit(main())"
     command = [sys.executable, "-c", bootstrap, "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port), "--log-level", "WARNING"]
     return start(command, dict(os.environ), port, "/health", folder / "mlx-lm-server.log")
+
+
+def llama_server(gguf: Path, folder: Path, slots: int, ctx_per_slot: int, threads: int) -> Server:
+    """llama.cpp's ``llama-server`` (the ``xllamacpp`` wheel's) on ``gguf``, ``slots`` sequences
+    of ``ctx_per_slot`` tokens each, on loopback (:mod:`.llama_server`)."""
+    port = free_port()
+    command = [sys.executable, "-m", "mlx_parallm_provider.bench.llama_server", "--model", str(gguf), "--port", str(port),
+               "--slots", str(slots), "--ctx-per-slot", str(ctx_per_slot), "--threads", str(threads)]
+    return start(command, dict(os.environ), port, "/health", folder / f"llama-server-{slots}.log")

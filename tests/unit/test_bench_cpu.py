@@ -15,10 +15,22 @@ def test_compare_report_judges_each_target():
     assert any("llama-cpp at 32" in ln and "1.04x" in ln and ln.endswith("met)") for ln in lines)
     assert any("mlx-lm at 1" in ln and "1.60x" in ln and "missed" in ln for ln in lines)
     assert any("2.25x" in ln and "missed" in ln for ln in lines if ln.startswith("decode step"))
+    assert not any("llama-server" in ln for ln in lines)  # a peer that did not run: no verdict
+
+
+def test_compare_report_judges_issue_23s_targets_against_llama_server_with_peak_memory():
+    results = {"engine": {1: 40.0, 64: 300.0}, "litellm-proxy": {1: 30.0, 64: 170.0}, "llama-server": {1: 100.0, 64: 150.0}}
+    peaks = {"engine": {1: 120.0, 64: 700.0}, "litellm-proxy": {1: None, 64: 1900.0}, "llama-server": {1: 240.0, 64: 300.0}}
+    lines = cpu_compare.report(results, None, peaks).splitlines()
+    assert "| engine | 40.0 (120 MB) | 300.0 (700 MB) |" in lines
+    assert "| litellm-proxy | 30.0 | 170.0 (1900 MB) |" in lines
+    assert any(ln.startswith("engine vs llama-server at 64") and "2.00x" in ln and ln.endswith("met)") for ln in lines)
+    assert any(ln.startswith("litellm-proxy vs llama-server at 64") and "1.13x" in ln and "missed" in ln for ln in lines)
+    assert any(ln.startswith("engine vs llama-server at 1 ") and "0.40x" in ln and "missed" in ln for ln in lines)
 
 
 def test_compare_report_says_what_was_not_measured():
-    text = cpu_compare.report({"engine": {64: 300.0}}, None)
+    text = cpu_compare.report({"engine": {64: 300.0}, "llama-cpp": {1: 90.0}}, None)
     assert "engine vs llama-cpp at 64: not measured" in text
     assert "decode step" not in text
 
@@ -53,9 +65,12 @@ def test_compare_runs_each_level_in_its_own_process(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(cpu_compare.subprocess, "run", fake_run)
     got = cpu_compare.run_system("llama-cpp", [1, 32], 64, tmp_path / "out", llama_cpp_threads=2)
-    assert got == {1: 10.0, 32: 320.0}
+    assert got == ({1: 10.0, 32: 320.0}, {1: None, 32: None})
     assert [c[c.index("--num-prompts") + 1] for c in calls] == [str(cpu_compare.ONE_STREAM_PROMPTS), "32"]
     assert all(c[c.index("--llama-cpp-threads") + 1] == "2" for c in calls)
+    calls.clear()
+    cpu_compare.run_system("llama-server", [8], 64, tmp_path / "out3", llama_cpp_threads=2)
+    assert calls[0][calls[0].index("--systems") + 1] == "llama-server" and calls[0][calls[0].index("--llama-cpp-threads") + 1] == "2"
     env_calls = []
     monkeypatch.setattr(cpu_compare.subprocess, "run", lambda cmd, **kw: env_calls.append(kw["env"]) or fake_run(cmd))
     cpu_compare.run_system("engine-before", [4], 64, tmp_path / "out2")

@@ -137,3 +137,56 @@ def test_a_server_that_exits_is_skipped_with_its_last_log_line(tmp_path) -> None
     command = [sys.executable, "-c", "import sys; print('no model here'); sys.exit(3)"]
     with pytest.raises(SkipSystem, match="exited with 3 \\(no model here"):
         servers.start(command, {}, servers.free_port(), "/health", tmp_path / "server.log")
+
+
+def test_llama_server_skips_with_one_line_when_xllamacpp_is_not_installed(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "xllamacpp" else real(name, *a))
+    runner = make_runner("llama-server", RunnerOptions(model="default"))
+    with pytest.raises(SkipSystem) as info:
+        asyncio.run(runner.start())
+    assert "xllamacpp" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_llama_server_sizes_a_server_per_run_for_its_concurrency_and_longest_request(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """Each run starts a server with one slot per concurrent request and room for its longest
+    request in each, and stops it after, keeping its peak memory for the run's row."""
+    from mlx_parallm_provider.bench import servers
+    from mlx_parallm_provider.bench.runners import llama_server
+
+    launched, stopped = [], []
+
+    class FakeServer:
+        base_url, api_key = "http://127.0.0.1:1", None
+
+        def peak_rss_mb(self) -> float:
+            return 123.0
+
+        def stop(self) -> None:
+            stopped.append(True)
+
+    monkeypatch.setattr(servers, "llama_server", lambda gguf, folder, slots, ctx, threads: launched.append((slots, ctx, threads)) or FakeServer())
+    monkeypatch.setattr(llama_server.importlib.util, "find_spec", lambda name, *a: object())
+    runner = make_runner("llama-server", RunnerOptions(model=str(tmp_path / "m.gguf"), llama_cpp_threads=3, workdir=tmp_path))
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    sent = []
+
+    async def send(request, record):
+        sent.append(runner.client.base_url)
+        record.output_tokens = request.max_tokens
+
+    runner.send = send  # type: ignore[method-assign]
+    requests = [BenchRequest(messages=[{"role": "user", "content": "hi"}], max_tokens=16, prompt_ids=list(range(n))) for n in (10, 300, 40)]
+
+    async def two_runs():
+        await runner.start()
+        await runner.run(requests, [0.0] * 3, 2)
+        await runner.run(requests[:1], [0.0], 1)
+        await runner.stop()
+
+    asyncio.run(two_runs())
+    assert launched == [(2, 512, 3), (1, 256, 3)]  # 300 + 16 (+32) -> 512; 10 + 16 (+32) -> 256
+    assert len(stopped) == 2 and runner.run_info() == {"peak_memory_mb": 123.0}
+    assert sent and all(str(url).startswith("http://127.0.0.1:1") for url in sent)

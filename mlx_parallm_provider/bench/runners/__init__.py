@@ -12,7 +12,7 @@ from .base import OneAtATime, Runner, SkipSystem
 #: this package's front doors: engine settings (sweeps) apply to these
 OURS = ("engine", "litellm", "langchain", "litellm-proxy")
 #: what a user would pick instead
-PEERS = ("mlx-lm", "mlx-lm-batch", "mlx-lm-server", "llama-cpp")
+PEERS = ("mlx-lm", "mlx-lm-batch", "mlx-lm-server", "llama-cpp", "llama-server")
 #: any OpenAI-compatible server at --url
 SYSTEMS = OURS + PEERS + ("http",)
 
@@ -25,6 +25,7 @@ DESCRIPTIONS = {
     "mlx-lm-batch": "mlx_lm.batch_generate, waves of the concurrency",
     "mlx-lm-server": "mlx_lm.server over HTTP (started on loopback)",
     "llama-cpp": "llama-cpp-python, one context, a sequence per concurrent request",
+    "llama-server": "llama.cpp's llama-server (xllamacpp) over HTTP, a slot per concurrent request (started on loopback)",
     "http": "OpenAI-compatible server at --url",
 }
 
@@ -60,6 +61,10 @@ def make_runner(system: str, options: RunnerOptions, config: Optional[EngineConf
         from .llama_cpp import LlamaCpp
 
         return LlamaCpp(system, o.model, o.temperature, o.ignore_eos, o.llama_cpp_threads)
+    if system == "llama-server":
+        from .llama_server import LlamaServer
+
+        return LlamaServer(system, o.model, o.temperature, o.ignore_eos, o.llama_cpp_threads, o.workdir)
     from .. import servers
     from .http import OpenAIHTTP
 
