@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from gguf_quant_fixtures import byte_level_vocab, random_tensor, sentencepiece_vocab, write_gguf
-from mlx_parallm_provider.errors import UnsupportedModelError
+from mlx_parallm_provider.errors import ModelLoadError, UnsupportedModelError
 from mlx_parallm_provider.models.gguf import convert_gguf
 from mlx_parallm_provider.models.gguf import tensors as gguf_tensors
 from mlx_parallm_provider.models.gguf.architectures import ARCHITECTURES, hf_name, unpermute_rows
@@ -107,8 +107,7 @@ QWEN_LAYER_TYPES = [
 ]
 
 
-@pytest.fixture(scope="session")
-def qwen2_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def _write_qwen2(path: Path, header_extra: dict | None = None) -> Path:
     """Qwen 2 / 2.5: NeoX RoPE (rows as in Hugging Face), Q / K / V biases, tied embeddings."""
     from gguf import GGMLQuantizationType as T
 
@@ -123,7 +122,22 @@ def qwen2_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     header = {"embedding_length": HIDDEN, "block_count": 2, "feed_forward_length": FFN, "attention.head_count": HEADS,
               "attention.head_count_kv": KV_HEADS, "attention.layer_norm_rms_epsilon": 1e-6, "rope.freq_base": 1000000.0,
               "context_length": 32768}
-    return write_gguf(tmp_path_factory.mktemp("qwen2") / "qwen2-tiny.gguf", "qwen2", header, vocab, tensors)
+    return write_gguf(path, "qwen2", {**header, **(header_extra or {})}, vocab, tensors)
+
+
+@pytest.fixture(scope="session")
+def qwen2_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _write_qwen2(tmp_path_factory.mktemp("qwen2") / "qwen2-tiny.gguf")
+
+
+# Qwen2.5's YaRN as llama.cpp's converter writes it: 4x its original 32768 tokens.
+YARN_HEADER = {"context_length": 131072, "rope.scaling.type": "yarn", "rope.scaling.factor": 4.0,
+               "rope.scaling.original_context_length": 32768}
+
+
+@pytest.fixture(scope="session")
+def qwen2_yarn_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _write_qwen2(tmp_path_factory.mktemp("qwen2-yarn") / "qwen2-yarn-tiny.gguf", YARN_HEADER)
 
 
 @pytest.fixture(scope="session")
@@ -144,8 +158,7 @@ def qwen3_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_gguf(tmp_path_factory.mktemp("qwen3") / "qwen3-tiny.gguf", "qwen3", header, vocab, tensors)
 
 
-@pytest.fixture(scope="session")
-def phi3_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def _write_phi3(path: Path, header_extra: dict | None = None, tensors_extra: dict | None = None) -> Path:
     """Phi-3 (mini-4k): fused Q / K / V rows and fused gate / up rows, SentencePiece."""
     from gguf import GGMLQuantizationType as T
 
@@ -161,7 +174,36 @@ def phi3_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     header = {"embedding_length": HIDDEN, "block_count": 2, "feed_forward_length": FFN, "attention.head_count": HEADS,
               "attention.head_count_kv": KV_HEADS, "attention.layer_norm_rms_epsilon": 1e-5, "rope.freq_base": 10000.0,
               "context_length": 4096, "rope.dimension_count": head_dim, "rope.scaling.original_context_length": 4096}
-    return write_gguf(tmp_path_factory.mktemp("phi3") / "phi3-tiny.gguf", "phi3", header, vocab, tensors)
+    return write_gguf(path, "phi3", {**header, **(header_extra or {})}, vocab, {**tensors, **(tensors_extra or {})})
+
+
+@pytest.fixture(scope="session")
+def phi3_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _write_phi3(tmp_path_factory.mktemp("phi3") / "phi3-tiny.gguf")
+
+
+def _longrope_factors(rotary: int) -> tuple[np.ndarray, np.ndarray]:
+    """Phi-3.5-mini-like LongRoPE factors: short ones near 1, long ones rising to ~40."""
+    i = np.arange(rotary // 2, dtype=np.float32)
+    return (1 + 40 * (i / i[-1]) ** 2).astype(np.float32), (1 + 0.1 * i / i[-1]).astype(np.float32)
+
+
+LONGROPE_HEADER = {"context_length": 131072, "rope.scaling.attn_factor": math.sqrt(1 + math.log(32) / math.log(4096))}
+
+
+def _longrope_tensors(head_dim: int) -> dict:
+    from gguf import GGMLQuantizationType as T
+
+    long, short = _longrope_factors(head_dim)
+    return {"rope_factors_long.weight": (long, T.F32), "rope_factors_short.weight": (short, T.F32)}
+
+
+@pytest.fixture(scope="session")
+def phi3_longrope_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Phi-3.5-mini's shape of LongRoPE: a 131072-token context over an original 4096, the
+    factors as llama.cpp's converter writes them (``rope_factors_long`` / ``_short``)."""
+    path = tmp_path_factory.mktemp("phi3-longrope") / "phi3-longrope-tiny.gguf"
+    return _write_phi3(path, LONGROPE_HEADER, _longrope_tensors(HIDDEN // HEADS))
 
 
 def _reference_weights(path: Path) -> tuple[dict, dict]:
@@ -246,7 +288,7 @@ def _mlx_lm_greedy(path: Path, folder: Path, prompt: list[int], n: int) -> list[
     return [int(token) for token, _ in steps]
 
 
-@pytest.mark.parametrize("fixture", ["llama3_gguf", "gemma3_gguf", "qwen2_gguf", "qwen3_gguf", "phi3_gguf"])
+@pytest.mark.parametrize("fixture", ["llama3_gguf", "gemma3_gguf", "qwen2_gguf", "qwen3_gguf", "phi3_gguf", "phi3_longrope_gguf", "qwen2_yarn_gguf"])
 def test_weights_equal_gguf_py_dequantization_and_greedy_equals_mlx_lm(fixture, request, tmp_path: Path) -> None:
     from mlx_parallm_provider import Engine, SamplingParams
 
@@ -272,6 +314,40 @@ def test_llama3_rope_freqs_become_llama3_rope_scaling(llama3_gguf: Path, tmp_pat
     assert scaling["rope_type"] == "llama3" and scaling["factor"] == 32.0
     assert (scaling["low_freq_factor"], scaling["high_freq_factor"], scaling["original_max_position_embeddings"]) == (1.0, 4.0, 8192)
     assert config["quantization"]["lm_head"] == {"group_size": 32, "bits": 8}  # Q6_K re-quantized to 8 bits
+
+
+def test_phi3_longrope_factors_become_its_rope_scaling(phi3_longrope_gguf: Path, tmp_path: Path) -> None:
+    config = json.loads((convert_gguf(phi3_longrope_gguf, tmp_path / "out") / "config.json").read_text())
+    long, short = _longrope_factors(HIDDEN // HEADS)
+    scaling = config["rope_scaling"]
+    assert scaling["type"] == "longrope" and scaling["long_factor"] == long.tolist() and scaling["short_factor"] == short.tolist()
+    assert (config["max_position_embeddings"], config["original_max_position_embeddings"]) == (131072, 4096)
+
+
+def test_phi3_longrope_with_factors_mlx_lm_cannot_apply_is_refused(tmp_path: Path) -> None:
+    from gguf import GGMLQuantizationType as T
+
+    odd = _write_phi3(tmp_path / "odd.gguf", {**LONGROPE_HEADER, "rope.scaling.attn_factor": 1.5}, _longrope_tensors(HIDDEN // HEADS))
+    with pytest.raises(UnsupportedModelError, match="attention factor 1.5"):
+        convert_gguf(odd, tmp_path / "out")
+    wrong = {**_longrope_tensors(HIDDEN // HEADS), "rope_factors_long.weight": (np.ones(5, np.float32), T.F32)}  # not half the rotary dims
+    with pytest.raises(ModelLoadError, match="rope_factors_long"):
+        convert_gguf(_write_phi3(tmp_path / "short.gguf", LONGROPE_HEADER, wrong), tmp_path / "out2")
+
+
+def test_yarn_becomes_the_rope_scaling_mlx_lm_reads(qwen2_yarn_gguf: Path, tmp_path: Path) -> None:
+    config = json.loads((convert_gguf(qwen2_yarn_gguf, tmp_path / "out") / "config.json").read_text())
+    assert config["rope_scaling"] == {"rope_type": "yarn", "type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768,
+                                      "beta_fast": 32.0, "beta_slow": 1.0}
+    assert config["max_position_embeddings"] == 131072
+
+
+@pytest.mark.parametrize("key, value", [("rope.scaling.yarn_log_multiplier", 0.1), ("rope.scaling.attn_factor", 0.7),
+                                        ("rope.scaling.type", "longrope-ish")])
+def test_rope_scaling_mlx_lm_cannot_apply_is_refused_naming_it(key: str, value, tmp_path: Path) -> None:
+    path = _write_qwen2(tmp_path / "odd.gguf", {**YARN_HEADER, key: value})
+    with pytest.raises(UnsupportedModelError, match=key.rsplit(".", 1)[-1] if key != "rope.scaling.type" else "longrope-ish"):
+        convert_gguf(path, tmp_path / "out")
 
 
 def test_gemma3_config_and_sentencepiece_tokenizer(gemma3_gguf: Path, tmp_path: Path) -> None:

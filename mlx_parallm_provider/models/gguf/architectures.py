@@ -8,6 +8,7 @@ Gemma 3 and Phi-3 use NeoX RoPE and are stored as in Hugging Face. Gemma's RMSNo
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -32,7 +33,7 @@ _LLAMA_LAYER = {
 _QK_NORMS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
 TOP_LEVEL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 # Tensors that are not weights: folded into the config by the architecture's config function.
-_CONFIG_TENSORS = ("rope_freqs.weight",)
+_CONFIG_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,7 @@ class Architecture:
 
 def _llama_extra(header: Header, gguf: GGUFFile, config: dict[str, Any]) -> dict[str, Any]:
     extra: dict[str, Any] = {"attention_bias": False, "mlp_bias": False}
-    scaling = _linear_scaling(header)
+    scaling = _rope_scaling(header)
     if "rope_freqs.weight" in gguf.tensors:
         info = gguf.tensors["rope_freqs.weight"]
         freqs = gguf.data(info).view(np.float32) if info.type_name == "F32" else None
@@ -73,34 +74,86 @@ def _gemma3_extra(header: Header, gguf: GGUFFile, config: dict[str, Any]) -> dic
         "sliding_window_pattern": header.count("attention.sliding_window_pattern", 6),
         "rope_local_base_freq": header.real("rope.freq_base_swa", 10000.0),
         "query_pre_attn_scalar": pre_attn,
-        "rope_scaling": _linear_scaling(header),
+        "rope_scaling": _rope_scaling(header),
     }
     return extra
 
 
 def _phi3_extra(header: Header, gguf: GGUFFile, config: dict[str, Any]) -> dict[str, Any]:
-    if any(name.startswith("rope_factors_") for name in gguf.tensors):
-        raise UnsupportedModelError(f"{gguf.path}: Phi-3 LongRoPE scaling (rope_factors_long / _short) is not supported yet")
     rotary = header.count("rope.dimension_count", config["head_dim"])
-    return {
+    extra: dict[str, Any] = {
         "partial_rotary_factor": rotary / config["head_dim"],
         "original_max_position_embeddings": header.count("rope.scaling.original_context_length", config["max_position_embeddings"]),
     }
+    if "rope_factors_long.weight" in gguf.tensors:
+        extra["rope_scaling"] = _longrope_scaling(header, gguf, rotary, config["max_position_embeddings"], extra["original_max_position_embeddings"])
+    return extra
 
 
-def _linear_scaling(header: Header) -> Optional[dict[str, Any]]:
+def _rope_factors(gguf: GGUFFile, name: str, size: int) -> list[float]:
+    info = gguf.tensors[name]
+    if info.type_name != "F32" or int(np.prod(info.shape)) != size:
+        raise ModelLoadError(f"{gguf.path}: invalid GGUF header: {name!r} should hold {size} float32 values "
+                             f"(half the rotary dimensions), it holds {int(np.prod(info.shape))} of {info.type_name}")
+    return [float(x) for x in gguf.data(info).view(np.float32).reshape(-1)]
+
+
+def _longrope_scaling(header: Header, gguf: GGUFFile, rotary: int, context: int, original: int) -> dict[str, Any]:
+    """Phi-3.5 / Phi-4-mini LongRoPE (llama.cpp's ``rope_factors_long`` / ``_short`` tensors) as
+    the Hugging Face ``rope_scaling`` mlx-lm's ``phi3`` reads. mlx-lm derives the attention
+    factor from the context lengths, as llama.cpp's converter wrote it; a file with another
+    one is refused rather than run with the wrong scale."""
+    long = _rope_factors(gguf, "rope_factors_long.weight", rotary // 2)
+    short = _rope_factors(gguf, "rope_factors_short.weight", rotary // 2) if "rope_factors_short.weight" in gguf.tensors else long
+    factor = context / original
+    derived = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
+    given = header.real("rope.scaling.attn_factor", derived)
+    if abs(given - derived) > 1e-4 * derived:
+        raise UnsupportedModelError(
+            f"{gguf.path}: LongRoPE attention factor {given:.6g} is not the one mlx-lm's phi3 derives from the "
+            f"context lengths ({context} / {original}: {derived:.6g})"
+        )
+    return {"type": "longrope", "long_factor": long, "short_factor": short}
+
+
+# YaRN settings mlx-lm's YarnRoPE cannot take, with the value each has when unused.
+_YARN_NEUTRAL = {"rope.scaling.yarn_log_multiplier": (0.0,), "rope.scaling.yarn_attn_factor": (1.0,),
+                 "rope.scaling.attn_factor": (1.0,), "rope.scaling.yarn_ext_factor": (-1.0, 1.0)}
+
+
+def _rope_scaling(header: Header) -> Optional[dict[str, Any]]:
+    """The file's RoPE scaling as the Hugging Face ``rope_scaling`` mlx-lm's models read
+    (``initialize_rope``): linear, or YaRN (factor, original context, beta fast / slow; the
+    attention factor mlx-lm derives from the factor, as llama.cpp does by default)."""
     kind = header.raw("rope.scaling.type")
     if kind in (None, "none"):
         return None
-    if kind != "linear":
-        raise UnsupportedModelError(f"{header.path}: RoPE scaling {kind!r} is not supported (supported: linear, llama3)")
-    return {"rope_type": "linear", "type": "linear", "factor": header.real("rope.scaling.factor", 1.0)}
+    factor = header.real("rope.scaling.factor", 1.0)
+    if kind == "linear":
+        return {"rope_type": "linear", "type": "linear", "factor": factor}
+    if kind != "yarn":
+        raise UnsupportedModelError(f"{header.path}: RoPE scaling {kind!r} is not supported (supported: linear, yarn, llama3)")
+    for key, neutral in _YARN_NEUTRAL.items():
+        value = header.raw(key)
+        if value is not None and not any(abs(header.number(key, value, float) - n) < 1e-6 for n in neutral):
+            raise UnsupportedModelError(f"{header.path}: YaRN with {header.arch}.{key} = {value} is not supported (mlx-lm's YaRN has no such setting)")
+    return {
+        "rope_type": "yarn", "type": "yarn", "factor": factor,
+        "original_max_position_embeddings": header.count("rope.scaling.original_context_length"),
+        "beta_fast": header.real("rope.scaling.yarn_beta_fast", 32.0),
+        "beta_slow": header.real("rope.scaling.yarn_beta_slow", 1.0),
+    }
+
+
+def _qwen_extra(header: Header, gguf: GGUFFile, config: dict[str, Any]) -> dict[str, Any]:
+    scaling = _rope_scaling(header)
+    return {"rope_scaling": scaling} if scaling else {}
 
 
 ARCHITECTURES: dict[str, Architecture] = {
     "llama": Architecture("llama", "LlamaForCausalLM", _LLAMA_LAYER, permute_qk=True, extra_config=_llama_extra),
-    "qwen2": Architecture("qwen2", "Qwen2ForCausalLM", _LLAMA_LAYER),
-    "qwen3": Architecture("qwen3", "Qwen3ForCausalLM", {**_LLAMA_LAYER, **_QK_NORMS}),
+    "qwen2": Architecture("qwen2", "Qwen2ForCausalLM", _LLAMA_LAYER, extra_config=_qwen_extra),
+    "qwen3": Architecture("qwen3", "Qwen3ForCausalLM", {**_LLAMA_LAYER, **_QK_NORMS}, extra_config=_qwen_extra),
     "gemma3": Architecture(
         "gemma3_text",
         "Gemma3ForCausalLM",
