@@ -103,10 +103,11 @@ ARCHITECTURES = sorted([*CONFIGS, *QUANTIZED, *BFLOAT16])
 
 # The KV layout each architecture runs on with the default kv_layout="paged", in ONE place.
 # gemma3's and gpt_oss's sliding-window layers run on blocks (each query gathers its window;
-# gpt_oss's sinks reach the gathered attention); a module that computes attention itself
-# (gemma2: softcapped scores, no scaled_dot_product_attention) falls back to the rectangle,
-# logged ("KV cache: the rectangle layout (...)").
-EXPECTED_LAYOUT = {name: "paged" for name in ARCHITECTURES} | {"gemma2": "rectangle"}
+# gpt_oss's sinks reach the gathered attention); gemma2, which computes its softcapped
+# attention itself, gets every row's blocks gathered per layer (kv.support.GATHERED_MODULES).
+# A module that does neither falls back to the rectangle, logged ("KV cache: the rectangle
+# layout (...)"); none of the matrix's does.
+EXPECTED_LAYOUT = {name: "paged" for name in ARCHITECTURES}
 
 # Architectures whose decode steps the CPU kernels' fused attention never runs (on == off holds
 # trivially there, so the check asserts that too): gemma2 computes its softcapped scores

@@ -209,3 +209,30 @@ def test_a_sliding_window_layer_on_blocks_attends_to_its_window_only(tiny_gemma3
         assert error <= 2e-5 * mx.abs(reference).max().item(), (b, error)  # float32 rounding (outputs ~50)
         if x.shape[1] > 8:
             assert mx.abs(everything - reference).max().item() > 0.1  # the window matters here
+
+
+def test_a_gathered_batch_hands_a_model_every_rows_keys_in_order_with_their_mask(tiny_model):
+    """For a model that attends itself (gemma2), update_and_fetch returns each row's keys and
+    values gathered from its blocks, padded to the longest row, and make_mask which of them
+    each query sees (its own earlier tokens; the window's where the layer has one)."""
+    kv = KVCacheManager(num_blocks=16, block_size=2)
+    storage = PagedKVStorage(1, num_blocks=16, block_size=2, preallocate=True)
+    kv.grow("a", 3)
+    kv.grow("b", 5)
+    tables = [kv.table("a"), kv.table("b")]
+    for gathered, window in ((True, None), (True, 2), (False, None)):
+        batch = PagedBatch(storage, tables, [0, 0], [3, 5], 5, windows=[window], gathered=gathered)
+        layer = batch.layers()[0]
+        k = mx.arange(2 * 5 * 4, dtype=mx.float32).reshape(2, 1, 5, 4)  # (B, kv_heads, L, D)
+        keys, values = layer.update_and_fetch(k, k + 1)
+        mask = layer.make_mask(5)
+        if not gathered:
+            assert keys is k and mask is None
+            continue
+        assert keys.shape == (2, 1, 5, 4) and mask.shape == (2, 1, 5, 5)
+        assert mx.array_equal(keys[0, :, :3], k[0, :, :3]).item() and mx.array_equal(keys[1], k[1]).item()
+        assert mx.array_equal(values[1], k[1] + 1).item()
+        seen = [[[bool(x) for x in row] for row in mask[b, 0].tolist()] for b in range(2)]
+        assert seen[1][4] == ([True] * 5 if window is None else [False, False, False, True, True])
+        assert seen[0][1] == [True, True, False, False, False]  # causal within row a
+        assert seen[0][4] == ([True, True, True, False, False] if window is None else [False, True, True, False, False])  # padding: a's last

@@ -13,7 +13,10 @@ reads them through the block tables (the backend's ``paged_decode_attention``). 
 rectangle (so a long row never makes short rows attend over its length), then attended by
 the backend's ``dense_attention``. A layer with a sliding window (gemma3's local layers)
 gathers only the tokens its queries can see: the last ``window`` before each query, as
-mlx-lm's ``RotatingKVCache`` and its windowed mask give them. Nothing outlives the pass but
+mlx-lm's ``RotatingKVCache`` and its windowed mask give them. A model that computes
+attention itself (``gathered``: gemma2's softcapped scores) gets every row's keys and values
+from ``update_and_fetch``, gathered layer by layer into one transient rectangle, and their
+mask from ``make_mask``, as mlx-lm's batch cache gives them. Nothing outlives the pass but
 the blocks.
 """
 
@@ -49,12 +52,14 @@ class PagedBatch:
         lengths: new tokens of each row in this pass (at most ``width``; the rest is padding).
         width: the tokens axis of the pass's input.
         windows: each layer's sliding window (None: all tokens); all None when not given.
+        gathered: the model attends itself over what ``update_and_fetch`` returns (its
+            attention is not routed through :meth:`PagedLayerCache.attend`).
     """
 
     def __init__(self, storage: PagedKVStorage, tables: Sequence[Sequence[int]], starts: Sequence[int], lengths: Sequence[int], width: int,
-                 windows: Optional[Sequence[Optional[int]]] = None) -> None:
+                 windows: Optional[Sequence[Optional[int]]] = None, gathered: bool = False) -> None:
         bs = storage.block_size
-        self.storage, self.width = storage, width
+        self.storage, self.width, self.gathered = storage, width, gathered
         self.windows = list(windows) if windows is not None else [None] * storage.num_layers
         self.totals = [s + n for s, n in zip(starts, lengths)]
         self.offset = mx.array(list(starts), dtype=mx.int32)
@@ -65,7 +70,7 @@ class PagedBatch:
         storage.check(max(writes, default=0))
         self.write_slots = mx.array(writes, dtype=mx.int32)
         self._rows = (tables, starts, lengths)
-        self._buckets: dict[Optional[int], list[_Bucket]] = {}
+        self._buckets: dict[Any, list[_Bucket]] = {}
         longest = max((len(t) for t in tables), default=0)
         # For the paged decode kernel: block tables padded with the null block, and lengths.
         self.table = mx.array([list(t) + [NULL_BLOCK] * (longest - len(t)) for t in tables], dtype=mx.int32) if width == 1 else None
@@ -82,6 +87,15 @@ class PagedBatch:
             self._buckets[window] = [_Bucket(idx, tables, starts, firsts, self.totals, self.width, self.storage.block_size, window)
                                      for idx in _length_buckets(spans)]
         return self._buckets[window]
+
+    def whole(self, window: Optional[int] = None) -> "_Bucket":
+        """Every row in one bucket, in order (what a model attending itself is given)."""
+        key = ("whole", window)
+        if key not in self._buckets:
+            tables, starts, _ = self._rows
+            firsts = [0 if window is None else max(0, s - window + 1) for s in starts]
+            self._buckets[key] = [_Bucket(list(range(len(tables))), tables, starts, firsts, self.totals, self.width, self.storage.block_size, window)]
+        return self._buckets[key][0]
 
     def layers(self) -> list["PagedLayerCache"]:
         """One cache object per layer, for ``model(tokens, cache=...)``."""
@@ -171,16 +185,23 @@ class PagedLayerCache:
         s = self.batch.storage
         return (s.keys[self.layer], s.values[self.layer])
 
-    def make_mask(self, N: int, return_array: bool = False, **kwargs: Any) -> None:
-        return None  # attend() builds each bucket's mask from the block tables
+    def make_mask(self, N: int, return_array: bool = False, **kwargs: Any) -> Optional[mx.array]:
+        """None: attend() builds each bucket's mask from the block tables; for a model that
+        attends itself, the mask of every row's gathered tokens, ``(B, 1, N, S)``."""
+        return self.batch.whole(self.window).mask if self.batch.gathered else None
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """Write the pass's new K/V (``(B, kv_heads, L, D)``) into the rows' blocks."""
+        """Write the pass's new K/V (``(B, kv_heads, L, D)``) into the rows' blocks; return
+        them (attend() reads the blocks), or, for a model that attends itself, every row's
+        keys and values gathered from its blocks, ``(B, kv_heads, S, D)`` (:meth:`make_mask`'s S)."""
         B, H, L, D = keys.shape
         flat_k = keys.swapaxes(1, 2).reshape(B * L, H, D)
         flat_v = values.swapaxes(1, 2).reshape(B * L, H, values.shape[-1])
         self.batch.storage.write(self.layer, self.batch.write_slots, flat_k, flat_v)
-        return keys, values
+        if not self.batch.gathered:
+            return keys, values
+        k, v = self.batch.storage.read(self.layer, self.batch.whole(self.window).slots)  # (B, S, kv_heads, D)
+        return k.swapaxes(1, 2), v.swapaxes(1, 2)
 
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Optional[Any],
                backend: Optional[MLXOps] = None, sinks: Optional[mx.array] = None) -> mx.array:

@@ -14,6 +14,7 @@ from typing import Any, Callable, Optional
 import mlx.core as mx
 
 from ...config import EngineConfig
+from ...models import backends
 from ..request import Request
 from .budget import pool_blocks
 from .manager import KVCacheManager
@@ -40,6 +41,7 @@ class PagedRunner:
     def __init__(self, model: Any, kv: KVCacheManager, storage: PagedKVStorage, pad_id: int, caching: bool = True) -> None:
         self.model, self.kv, self.storage, self.pad_id, self.caching = model, kv, storage, pad_id, caching
         self.windows = layer_windows(model) or [None] * storage.num_layers
+        self.gathered = not backends.routes_attention(model)  # it attends itself over gathered K/V
 
     @classmethod
     def for_model(cls, model: Any, config: EngineConfig, bytes_per_token: int, context_length: int, pad_id: int) -> Optional["PagedRunner"]:
@@ -110,7 +112,8 @@ class PagedRunner:
         model, over the rows' blocks; the logits, ``(B, width, vocab)``."""
         width = max(len(p) for p in pieces)
         self.reserve()
-        batch = PagedBatch(self.storage, [self.kv.table(id(r)) for r in rows], starts, [len(p) for p in pieces], width, self.windows)
+        batch = PagedBatch(self.storage, [self.kv.table(id(r)) for r in rows], starts, [len(p) for p in pieces], width, self.windows,
+                           self.gathered)
         tokens = mx.array([p + [self.pad_id] * (width - len(p)) for p in pieces])
         return self.model(tokens, cache=batch.layers())
 

@@ -11,13 +11,21 @@ from ...config import EngineConfig
 from ...models import backends
 
 
+GATHERED_MODULES = frozenset({"mlx_lm.models.gemma2"})
+"""mlx-lm model modules that compute attention themselves (not through
+``scaled_dot_product_attention``) over what the cache's ``update_and_fetch`` returns, under the
+mask its ``make_mask`` gives, and nothing else: they run on paged KV with every row's blocks
+gathered per layer (:class:`.paged_cache.PagedBatch`'s ``gathered``). Each is checked by the
+architecture matrix; a module not listed keeps the rectangle layout."""
+
+
 def unsupported_reason(model: Any, config: EngineConfig) -> Optional[str]:
     """Why ``model`` keeps the rectangle layout under ``config``, or None if it can be paged."""
     if config.kv_layout != "paged":
         return "kv_layout='rectangle'"
     if config.max_kv_size is not None:
         return "max_kv_size (a rotating cache) is set"
-    if not backends.routes_attention(model):
+    if not backends.routes_attention(model) and type(model).__module__ not in GATHERED_MODULES:
         return f"{type(model).__module__} does not route attention through its cache"
     if "paged" not in backends.of(model).kv_layouts:
         return f"its backend ({type(backends.of(model)).__name__}) does not attend over paged KV"
