@@ -28,10 +28,12 @@ class EngineConfig:
             with :class:`~mlx_parallm_provider.errors.EngineOverloadedError`.
         kv_cache_memory_gb: budget for the KV cache of admitted requests, each counted at
             its full size (prompt + max_tokens); None means no budget beyond max_num_seqs.
-        max_kv_size: if set, each row keeps at most this many KV entries (a rotating
-            cache, as mlx-lm's ``--max-kv-size``): lower memory, longer generations,
-            approximate attention past the window (batched rows keep none of the first
-            tokens, unlike mlx-lm's single-sequence cache, which keeps 4).
+        max_kv_size: if set, each row attends to at most this many recent KV entries (as
+            mlx-lm's ``--max-kv-size``): lower memory, longer generations, approximate
+            attention past the window (batched rows keep none of the first tokens, unlike
+            mlx-lm's single-sequence cache, which keeps 4). On paged KV every layer gets that
+            window and a row's blocks that left it go back to the pool as it decodes; on
+            the rectangle layout it is a rotating cache.
         request_timeout_s: default per-request timeout (None: no timeout); a request's
             own ``SamplingParams.timeout`` takes precedence.
         dequantize: dequantize weights at load (None: on the CPU device only).
@@ -46,8 +48,8 @@ class EngineConfig:
         kv_layout: ``"paged"``: KV in blocks of ``kv_block_size`` tokens from one pool
             (``kv_cache_memory_gb`` of blocks, or up to half the free memory when unset),
             admission by free blocks and preemption when they run out; models it cannot
-            serve (a rotating ``max_kv_size`` cache, attention sinks, attention not routed
-            through the cache) keep the rectangle, logged. ``"rectangle"``: the
+            serve (state-space layers, attention computed outside the cache by a module not
+            known to work over gathered blocks) keep the rectangle, logged. ``"rectangle"``: the
             left-padded batch cache (rows x longest row), kept while both exist.
         kv_block_size: tokens per KV block of the paged layout.
         speculative: ``"ngram"``: greedy rows draft up to ``num_speculative_tokens`` tokens

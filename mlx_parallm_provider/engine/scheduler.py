@@ -166,7 +166,7 @@ class Scheduler:
         """Whether the request could ever be admitted under the KV budget (the pool, or
         the rectangle layout's token budget)."""
         if self.kv is not None:
-            return self.kv.fits_alone(request.max_kv_tokens)
+            return self.kv.fits_alone(self.kv.peak_tokens(request.num_tokens, request.max_kv_tokens))
         return self.kv_budget_tokens is None or request.max_kv_tokens <= self.kv_budget_tokens
 
     def kv_usage(self) -> float:
@@ -243,6 +243,7 @@ class Scheduler:
             request.num_cached = request.num_prefilled = cached
             if self.kv is not None:
                 self.kv.grow(id(request), request.num_tokens + 1, prefix, limit=request.max_kv_tokens)
+                self.kv.slide(id(request), request.num_cached)  # (a long cached prefix: only its window is held)
             self.waiting.popleft()
             sharers.append(request)
             slots -= 1
@@ -284,6 +285,8 @@ class Scheduler:
         (running, else the one being chunk-prefilled) while the pool has too few free blocks."""
         assert self.kv is not None
         while True:
+            for r in [*self.running, *([self.chunking] if self.chunking is not None else [])]:
+                self.kv.slide(id(r), r.num_prefilled if r is self.chunking else r.num_tokens - 1)  # its next query's window
             wanted = {id(r): r.num_tokens + len(r.draft) for r in self.running}
             if self.kv.can_hold(wanted):
                 for owner, tokens in wanted.items():

@@ -422,7 +422,7 @@ class CacheSpy:
 def test_rotating_kv_cache_bounds_memory(make_engine, tiny_model) -> None:
     full = make_engine()
     spy = CacheSpy(tiny_model.model)
-    rotating = make_engine(spy, max_kv_size=32)
+    rotating = make_engine(spy, max_kv_size=32, kv_layout="rectangle")  # (paged: test_paged_engine)
     params = SamplingParams(max_tokens=60, ignore_eos=True)
     short = SamplingParams(max_tokens=8, ignore_eos=True)
     prompts = mixed_prompts(4)
@@ -450,12 +450,13 @@ def test_kv_budget_refuses_what_can_never_fit_and_queues_the_rest(make_engine) -
     assert all(r.usage.completion_tokens == 40 for r in run(main()))
     assert engine.stats()["max_batch_size"] < 6  # the budget held some back until others left
 
-def test_rotating_cache_rows_keep_no_first_tokens_and_batching_does_not_change_them(make_engine) -> None:
+@pytest.mark.parametrize("layout", ["paged", "rectangle"])
+def test_rotating_cache_rows_keep_no_first_tokens_and_batching_does_not_change_them(make_engine, layout) -> None:
     """Documented decision: batched rotating rows keep only the last ``max_kv_size`` entries
     (mlx-lm's ``BatchRotatingKVCache`` keeps none of the first tokens, unlike its
     single-sequence cache with keep=4). Past the window, a row's greedy tokens are the same in
     a burst as alone, so batching never changes what the window holds."""
-    engine = make_engine(max_kv_size=32)
+    engine = make_engine(max_kv_size=32, kv_layout=layout)
     params = SamplingParams(max_tokens=60, ignore_eos=True)
     prompts = mixed_prompts(4)
     alone = [engine.generate_sync(p, params).token_ids for p in prompts]

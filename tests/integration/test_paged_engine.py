@@ -155,3 +155,46 @@ def test_without_a_budget_a_long_request_grows_the_arrays_to_about_its_own_need(
     need = -(-(len(long) + 40) // 8)  # its blocks: the short rows' are free again by then
     # (growth by a quarter alone: 71 blocks here, for the 61 it needs with the null block)
     assert need < storage.physical_blocks <= max(before, need + 1) * 17 // 16 + 1
+
+
+def test_max_kv_size_on_blocks_answers_as_the_rotating_rectangle_and_releases_blocks_that_left_the_window(make_engine) -> None:
+    # Every layer attends to the last 32 tokens, as mlx-lm's batch rotating cache keeps them;
+    # on blocks, those older than every query's window go back to the pool while the row decodes.
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+    prompts = [p for p in _prompts(8) if len(p) < 60]  # some inside the window, some past it
+
+    async def together(engine):
+        return [c.token_ids for c in await asyncio.gather(*(engine.generate(p, params) for p in prompts))]
+
+    rectangle = make_engine(max_kv_size=32, kv_layout="rectangle")
+    paged = make_engine(max_kv_size=32, kv_block_size=8, enable_prefix_caching=False)
+    assert asyncio.run(together(paged)) == asyncio.run(together(rectangle))
+    assert paged.stats()["kv_cache"]["layout"] == "paged"
+    one = make_engine(max_kv_size=32, kv_block_size=8, enable_prefix_caching=False)
+    long = SamplingParams(max_tokens=300, ignore_eos=True)
+    assert one.generate_sync(_prompts(2)[1], long).token_ids == rectangle.generate_sync(_prompts(2)[1], long).token_ids
+    # 14 + 300 tokens would take 40 blocks; a window of 32 straddles 5 at most, plus the
+    # block being written (the pool hands the lowest free ids out first).
+    assert one._worker.kv.pool.high_water() <= 8
+    assert one.stats()["kv_cache"]["kv_blocks_free"] == one.stats()["kv_cache"]["kv_blocks_total"]
+
+
+def test_max_kv_size_on_blocks_serves_a_generation_longer_than_the_pool(make_engine) -> None:
+    # 12 blocks of 8 tokens hold 96 tokens; a window of 32 needs ~6 of them at a time.
+    engine = make_engine(max_kv_size=32, kv_block_size=8, kv_cache_memory_gb=_budget_gb(12, 8), enable_prefix_caching=False)
+    done = engine.generate_sync(_prompts(1)[0], SamplingParams(max_tokens=200, ignore_eos=True))
+    assert len(done.token_ids) == 200
+    with pytest.raises(InvalidParameterError, match="kv_cache_memory_gb"):  # a prompt longer than the pool still is not
+        engine.generate_sync([100 + j % 250 for j in range(120)], SamplingParams(max_tokens=4))
+
+
+def test_prefix_caching_under_a_window_on_blocks_changes_no_tokens(make_engine) -> None:
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    shared = [100 + j % 250 for j in range(70)]  # a prefix longer than the window
+    prompts = [shared + [7 + i, 9, 11] for i in range(4)]
+    off = make_engine(max_kv_size=48, kv_block_size=8, enable_prefix_caching=False)
+    expected = [off.generate_sync(p, params).token_ids for p in prompts]
+    on = make_engine(max_kv_size=48, kv_block_size=8)
+    got = [on.generate_sync(p, params) for p in prompts]
+    assert [c.token_ids for c in got] == expected
+    assert all(c.usage.cached_tokens >= 64 for c in got[1:])  # the shared blocks, cached while they were held

@@ -1,7 +1,8 @@
-"""Prefix caching with a rotating KV cache (``max_kv_size``) on the tiny random llama: the
-first ``max_kv_size - 1`` tokens of a prompt are reused, copied per row, with the same
-tokens as with caching off, and nothing is stored from a row whose first tokens left the
-window."""
+"""Prefix caching with a rotating KV cache (``max_kv_size``) on the rectangle layout's store,
+on the tiny random llama: the first ``max_kv_size - 1`` tokens of a prompt are reused, copied
+per row, with the same tokens as with caching off, and nothing is stored from a row whose
+first tokens left the window. (On paged KV a window is a window of blocks:
+test_paged_engine.py.)"""
 
 from __future__ import annotations
 
@@ -33,8 +34,8 @@ def test_greedy_and_seeded_outputs_match_with_caching_on_and_off_under_a_window(
     greedy = lambda i: SamplingParams(max_tokens=40, ignore_eos=True)  # noqa: E731
     seeded = lambda i: SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.9, top_k=20, seed=i)  # noqa: E731
     for params_for in (greedy, seeded):
-        off = _run_all(make_engine(max_kv_size=window, prefill_chunk_size=128, enable_prefix_caching=False), prompts, params_for)
-        engine = make_engine(max_kv_size=window, prefill_chunk_size=128)
+        off = _run_all(make_engine(kv_layout="rectangle", max_kv_size=window, prefill_chunk_size=128, enable_prefix_caching=False), prompts, params_for)
+        engine = make_engine(kv_layout="rectangle", max_kv_size=window, prefill_chunk_size=128)
         on = _run_all(engine, prompts, params_for)
         assert [c.token_ids for c in on] == [c.token_ids for c in off]
         cached = [c.usage.cached_tokens for c in on]
@@ -48,8 +49,8 @@ def test_a_second_request_reuses_at_most_the_window_less_one(make_engine) -> Non
     rng = random.Random(12)
     short, long = [1] + ids(rng, 40), [2] + ids(rng, 150)
     params = SamplingParams(max_tokens=70, ignore_eos=True)  # decodes past the window
-    off = make_engine(max_kv_size=64, prefill_chunk_size=256, enable_prefix_caching=False)
-    engine = make_engine(max_kv_size=64, prefill_chunk_size=256)
+    off = make_engine(kv_layout="rectangle", max_kv_size=64, prefill_chunk_size=256, enable_prefix_caching=False)
+    engine = make_engine(kv_layout="rectangle", max_kv_size=64, prefill_chunk_size=256)
     for prompt, reused in ((short, len(short)), (long, 63)):  # the long one: one-piece prefill
         first = engine.generate_sync(prompt + [5], params)
         second = engine.generate_sync(prompt + [6], params)
@@ -73,13 +74,13 @@ def test_nothing_is_stored_from_a_row_whose_first_tokens_left_the_window(make_en
     params = SamplingParams(max_tokens=3, ignore_eos=True)
     # Prefilled in pieces of 32 into a window of 64, the row has lost its first tokens
     # by the time its prefill ends, and it stores nothing.
-    chunked = make_engine(max_kv_size=64, prefill_chunk_size=32)
+    chunked = make_engine(kv_layout="rectangle", max_kv_size=64, prefill_chunk_size=32)
     chunked.generate_sync(prompt, params)
     assert chunked.stats()["prefix_cache"]["cached_tokens_stored"] == 0
     second = chunked.generate_sync(prompt, params)
     assert second.usage.cached_tokens == 0
     # Prefilled in one piece, the cache still holds the prompt from its first token.
-    whole = make_engine(max_kv_size=64, prefill_chunk_size=256)
+    whole = make_engine(kv_layout="rectangle", max_kv_size=64, prefill_chunk_size=256)
     whole.generate_sync(prompt, params)
     assert whole.stats()["prefix_cache"]["cached_tokens_stored"] == 63
     assert whole.generate_sync(prompt, params).token_ids == second.token_ids

@@ -160,3 +160,21 @@ def test_blocks_to_come_counts_what_each_table_may_still_add_up_to_its_limit():
     assert kv.blocks_to_come() == 9
     kv.preempted("d")  # its limit goes with its blocks
     assert kv.blocks_to_come() == 0
+
+
+def test_slide_releases_the_blocks_no_later_query_can_see_and_keeps_positions():
+    kv = KVCacheManager(num_blocks=20, block_size=4, window=6)
+    kv.grow("a", 17)  # 5 blocks: tokens 0-3, 4-7, 8-11, 12-15, 16
+    first = list(kv.table("a"))
+    assert kv.slide("a", 9) == 1  # a query at 9 sees 4..9: block 0 goes
+    assert kv.table("a") == [0, *first[1:]] and kv.stats()["kv_blocks_used"] == 4
+    assert kv.slide("a", 9) == 0  # already gone
+    assert kv.slide("a", 16) == 1  # sees 11..16: block 1 (4-7) goes, block 2 (8-11) holds 11
+    assert kv.table("a") == [0, 0, *first[2:]]
+    kv.grow("a", 21)  # positions keep their place: the next block is entry 5
+    assert len(kv.table("a")) == 6 and kv.stats()["kv_blocks_used"] == 4
+    kv.register("a", list(range(21)), 21)  # released entries are not named
+    assert kv.stats()["kv_blocks_cached"] == 4
+    assert kv.free("a") == 4 and kv.stats()["kv_blocks_used"] == 0
+    assert KVCacheManager(num_blocks=20, block_size=4).slide("x", 100) == 0  # no window: nothing
+    assert kv.peak_tokens(10, 500) == 6 + 2 * 4 and kv.peak_tokens(40, 500) == 41 and kv.peak_tokens(3, 9) == 9

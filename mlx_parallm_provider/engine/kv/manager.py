@@ -14,6 +14,10 @@ run of whole named blocks a new prompt starts with, then the named block after t
 shares most of its next tokens; :meth:`grow` with that hit maps the whole blocks into the
 request's table (shared, no copy) and gives it a copy of the last one (copy on write: the
 request writes after the shared tokens), queued in :attr:`pending_copies` for the runner.
+
+Sliding windows: where every layer attends to at most the last ``window`` tokens
+(``max_kv_size``), :meth:`slide` releases a table's blocks that no later query can see; their
+entries become the null block, so positions keep their place in the table.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Hashable, Optional, Sequence
 
-from .block_pool import BlockPool
+from .block_pool import NULL_BLOCK, BlockPool
 
 
 @dataclass(frozen=True)
@@ -52,12 +56,15 @@ class KVCacheManager:
         num_blocks: blocks in the pool, the null block included.
         block_size: tokens per block.
         max_cached_blocks: the most blocks the prefix cache names (None: no bound but the pool).
+        window: the most recent tokens any layer attends to, where every layer has a window
+            (None: some layer attends to every token, and no block is released early).
     """
 
-    def __init__(self, num_blocks: int, block_size: int, max_cached_blocks: Optional[int] = None) -> None:
+    def __init__(self, num_blocks: int, block_size: int, max_cached_blocks: Optional[int] = None, window: Optional[int] = None) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
+        self.window = window
         self.pool = BlockPool(num_blocks, max_cached_blocks)
         self._tables: dict[Hashable, list[int]] = {}
         self._limits: dict[Hashable, int] = {}  # owner -> the most entries its table may come to hold
@@ -103,6 +110,14 @@ class KVCacheManager:
     def fits_alone(self, tokens: int) -> bool:
         """Whether one request of ``tokens`` entries fits in the whole pool."""
         return blocks_for(tokens, self.block_size) <= self.pool.num_usable
+
+    def peak_tokens(self, prompt: int, total: int) -> int:
+        """The most entries a request of a ``prompt`` and ``total`` tokens in all holds at once:
+        ``total``, or with a window its prompt (given its blocks at admission) or a window's
+        worth and the blocks it straddles, whichever is more."""
+        if self.window is None:
+            return total
+        return min(total, max(prompt + 1, self.window + 2 * self.block_size))
 
     # -- prefix cache -----------------------------------------------------------------
 
@@ -150,8 +165,8 @@ class KVCacheManager:
         table, bs = self.table(owner), self.block_size
         computed = min(computed, len(tokens), len(table) * bs)
         keys = self._keys(tokens, computed // bs)
-        named = sum(self.pool.set_key(block, key) for block, key in zip(table, keys))
-        if computed % bs:
+        named = sum(self.pool.set_key(block, key) for block, key in zip(table, keys) if block != NULL_BLOCK)
+        if computed % bs and table[len(keys)] != NULL_BLOCK:
             last = (self._parent(keys), tuple(tokens[len(keys) * bs : computed]))
             named += self.pool.set_key(table[len(keys)], last)
         return named
@@ -190,10 +205,23 @@ class KVCacheManager:
 
     def free(self, owner: Hashable) -> int:
         """Release every block ``owner`` holds (cached ones stay cached); returns how many."""
-        blocks = self._tables.pop(owner, [])
+        blocks = [b for b in self._tables.pop(owner, []) if b != NULL_BLOCK]
         self._limits.pop(owner, None)
         self.pool.release(reversed(blocks))  # the prompt's first blocks are evicted last
         return len(blocks)
+
+    def slide(self, owner: Hashable, position: int) -> int:
+        """With a :attr:`window`: release ``owner``'s blocks that hold only tokens before the
+        window of a query at ``position`` (no query at or after it can see them); returns how
+        many were released now."""
+        if self.window is None:
+            return 0
+        table = self._tables.get(owner, [])
+        gone = [i for i in range(min(len(table), max(0, position - self.window + 1) // self.block_size)) if table[i] != NULL_BLOCK]
+        self.pool.release(table[i] for i in gone)
+        for i in gone:
+            table[i] = NULL_BLOCK
+        return len(gone)
 
     def copied(self) -> list[tuple[int, int]]:
         """The queued block copies, for the runner to make now; their sources are let go."""

@@ -20,7 +20,7 @@ from .budget import pool_blocks
 from .manager import KVCacheManager
 from .paged_cache import PagedBatch
 from .storage import PagedKVStorage
-from .support import layer_windows, unsupported_reason
+from .support import layer_windows, unsupported_reason, with_max_kv_size
 
 logger = logging.getLogger(__name__)
 
@@ -38,9 +38,10 @@ class PagedRunner:
         pad_id: the token padding positions carry.
     """
 
-    def __init__(self, model: Any, kv: KVCacheManager, storage: PagedKVStorage, pad_id: int, caching: bool = True) -> None:
+    def __init__(self, model: Any, kv: KVCacheManager, storage: PagedKVStorage, pad_id: int, caching: bool = True,
+                 max_kv_size: Optional[int] = None) -> None:
         self.model, self.kv, self.storage, self.pad_id, self.caching = model, kv, storage, pad_id, caching
-        self.windows = layer_windows(model) or [None] * storage.num_layers
+        self.windows = with_max_kv_size(layer_windows(model) or [None] * storage.num_layers, max_kv_size)
         self.gathered = not backends.routes_attention(model)  # it attends itself over gathered K/V
 
     @classmethod
@@ -54,19 +55,23 @@ class PagedRunner:
             return None
         runner = cls.create(model, config.kv_cache_memory_bytes, bytes_per_token, config.kv_block_size,
                             config.max_num_seqs * max(context_length, 1), pad_id,
-                            max_cached_tokens=config.prefix_cache_memory_bytes // max(1, bytes_per_token))
+                            max_cached_tokens=config.prefix_cache_memory_bytes // max(1, bytes_per_token), max_kv_size=config.max_kv_size)
         runner.caching = config.enable_prefix_caching
         return runner
 
     @classmethod
     def create(cls, model: Any, budget_bytes: Optional[int], bytes_per_token: int, block_size: int, max_tokens: int, pad_id: int,
-               max_cached_tokens: Optional[int] = None) -> "PagedRunner":
+               max_cached_tokens: Optional[int] = None, max_kv_size: Optional[int] = None) -> "PagedRunner":
         """A runner with its own pool: ``budget_bytes`` of blocks (all allocated at once),
         or, without a budget, room for ``max_tokens`` within the free memory, grown on use;
-        at most ``max_cached_tokens`` of it named by the prefix cache."""
+        at most ``max_cached_tokens`` of it named by the prefix cache. ``max_kv_size``: every
+        layer attends to at most that many recent tokens, and older blocks are released."""
         blocks = pool_blocks(budget_bytes, bytes_per_token, block_size, max_tokens)
-        kv = KVCacheManager(blocks, block_size, None if max_cached_tokens is None else max(1, max_cached_tokens // block_size))
-        return cls(model, kv, PagedKVStorage(len(model.layers), blocks, block_size, preallocate=budget_bytes is not None), pad_id)
+        windows = with_max_kv_size(layer_windows(model) or [None] * len(model.layers), max_kv_size)
+        window = None if None in windows else max(windows)  # type: ignore[type-var]
+        kv = KVCacheManager(blocks, block_size, None if max_cached_tokens is None else max(1, max_cached_tokens // block_size), window)
+        storage = PagedKVStorage(len(model.layers), blocks, block_size, preallocate=budget_bytes is not None)
+        return cls(model, kv, storage, pad_id, max_kv_size=max_kv_size)
 
     def prefix_options(self, config: EngineConfig) -> dict[str, Any]:
         """The scheduler's prefix-sharing arguments: prefixes are the pool's cached blocks."""

@@ -23,8 +23,6 @@ def unsupported_reason(model: Any, config: EngineConfig) -> Optional[str]:
     """Why ``model`` keeps the rectangle layout under ``config``, or None if it can be paged."""
     if config.kv_layout != "paged":
         return "kv_layout='rectangle'"
-    if config.max_kv_size is not None:
-        return "max_kv_size (a rotating cache) is set"
     if not backends.routes_attention(model) and type(model).__module__ not in GATHERED_MODULES:
         return f"{type(model).__module__} does not route attention through its cache"
     if "paged" not in backends.of(model).kv_layouts:
@@ -52,3 +50,11 @@ def layer_windows(model: Any) -> Optional[list[Optional[int]]]:
         else:
             return None
     return windows
+
+
+def with_max_kv_size(windows: list[Optional[int]], max_kv_size: Optional[int]) -> list[Optional[int]]:
+    """Each layer's window once ``max_kv_size`` bounds every layer to that many recent tokens
+    (as mlx-lm's batch rotating cache keeps them: none of the first tokens)."""
+    if max_kv_size is None:
+        return windows
+    return [max_kv_size if w is None else min(w, max_kv_size) for w in windows]
