@@ -43,8 +43,6 @@ def prefill_batch(model: Any, requests: list[Request], piece: int, pad_id: int, 
         return None
     requests = [requests[i] for i in ran[0]]
     logits = model(ran[1], cache=cache)[:, -1, :]
-    for r in requests:
-        r.num_prefilled = r.prompt_len
     return requests, logits, cache
 
 
@@ -55,10 +53,9 @@ def prefill_chunk(model: Any, request: Request, n: int, share: bool, max_kv_size
     if state.cache is None:
         layers = len(model.layers)
         state.cache = batch_cache_from_prefixes(layers, [request], share, max_kv_size) if request.num_cached else new_batch_cache(layers, [0], max_kv_size, share)
-    start = request.num_prefilled
+    start = request.num_prefilled  # (the scheduler advances it after the chunk)
     logits = model(mx.array([request.prompt_ids[start : start + n]]), cache=state.cache)[:, -1, :]
-    request.num_prefilled += n
-    if request.num_prefilled < request.prompt_len:
+    if start + n < request.prompt_len:
         mx.eval([c.state for c in state.cache])
         return None
     cache, state.cache = state.cache, None

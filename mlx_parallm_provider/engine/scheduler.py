@@ -104,9 +104,15 @@ class Scheduler:
         """Queue a new request."""
         (self.embedding if isinstance(request, EmbedRequest) else self.waiting).append(request)
 
+    def advanced(self, request: Request, n: int) -> None:
+        """The chunk of ``n`` prompt tokens planned for ``request`` was prefilled."""
+        request.num_prefilled += n
+
     def started(self, requests: Iterable[Request]) -> None:
-        """Prefill finished for these requests: they decode from the next step on."""
+        """Prefill finished for these requests (every token they hold is computed): they
+        decode from the next step on."""
         for request in requests:
+            request.num_prefilled = request.num_tokens
             if request is self.chunking:
                 self.chunking = None
             elif request in self.prefilling:

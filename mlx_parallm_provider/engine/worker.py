@@ -274,24 +274,26 @@ class Worker:
             if request.num_prefilled == request.num_cached and not request.num_preemptions:
                 self.metrics.request_admitted(request.request_id, request.prompt_len, cached_tokens=request.num_cached)
             logits = self.paged.chunk(request, n)
+            self.scheduler.advanced(request, n)
             if logits is not None:
                 self._join_decode_batch([request], logits)
             return
         if state.cache is None:
             self.metrics.request_admitted(request.request_id, request.prompt_len, cached_tokens=request.num_cached)
         done = prefill_chunk(self.model, request, n, self.share_kv, self.config.max_kv_size)
+        self.scheduler.advanced(request, n)
         if done is not None:
             self._join_decode_batch([request], *done)
 
     def _join_decode_batch(self, requests: list[Request], logits: mx.array, cache: Optional[list[Any]] = None) -> None:
         sampled = sample_requests(logits, requests)
+        self.scheduler.started(requests)
         if self.paged is not None:  # their prompts (+ output, if recomputed) are cached
             for r in requests:
                 self.paged.cache_blocks(r, r.computed_ids, r.num_prefilled)
         else:
             self.rectangle.join(cache, self.rows, requests, self.prefix_cache, self.kv_bytes_per_token)
         self.rows.extend(requests)
-        self.scheduler.started(requests)
         self._after_sampling(requests, sampled)
 
     # -- decode -------------------------------------------------------------------------

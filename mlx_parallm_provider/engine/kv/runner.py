@@ -2,8 +2,8 @@
 decode steps; and naming computed blocks for the prefix cache.
 
 :class:`PagedRunner` runs what the worker asks on the rows' blocks and returns logits; it
-never decides who runs (the scheduler does) and never touches a request's results (the
-worker does). The blocks each row uses are the :class:`~.manager.KVCacheManager`'s.
+only reads requests: it never decides who runs nor records how far a prompt is prefilled
+(the scheduler does both) and never touches a request's results (the worker does). The blocks each row uses are the :class:`~.manager.KVCacheManager`'s.
 """
 
 from __future__ import annotations
@@ -130,23 +130,23 @@ class PagedRunner:
         """Prefill the requests' uncached tokens in right-padded pieces of ``piece``
         columns, all but each row's last token, then the last tokens together in one
         column, whose logits give the first sampled tokens. Rows no longer ``wanted``
-        leave between pieces. Returns the rows kept and their logits, or None."""
+        leave between pieces. Returns the rows kept and their logits, or None. (The
+        requests' progress is the scheduler's to record: see :meth:`.Scheduler.started`.)"""
         seqs = {id(r): r.computed_ids for r in requests}
+        done = {id(r): r.num_prefilled for r in requests}
         while True:
-            active = [r for r in requests if r.num_prefilled < len(seqs[id(r)]) - 1]
+            active = [r for r in requests if done[id(r)] < len(seqs[id(r)]) - 1]
             if not active:
                 break
-            pieces = [seqs[id(r)][r.num_prefilled : min(r.num_prefilled + piece, len(seqs[id(r)]) - 1)] for r in active]
-            self.forward(active, pieces, [r.num_prefilled for r in active])
+            pieces = [seqs[id(r)][done[id(r)] : min(done[id(r)] + piece, len(seqs[id(r)]) - 1)] for r in active]
+            self.forward(active, pieces, [done[id(r)] for r in active])
             self._eval()
             for r, p in zip(active, pieces):
-                r.num_prefilled += len(p)
+                done[id(r)] += len(p)
             requests = [r for r, keep in zip(requests, wanted(requests)) if keep]
             if not requests:
                 return None
-        logits = self.forward(requests, [seqs[id(r)][-1:] for r in requests], [r.num_prefilled for r in requests])[:, -1, :]
-        for r in requests:
-            r.num_prefilled = len(seqs[id(r)])
+        logits = self.forward(requests, [seqs[id(r)][-1:] for r in requests], [done[id(r)] for r in requests])[:, -1, :]
         return requests, logits
 
     def chunk(self, request: Request, n: int) -> Optional[mx.array]:
@@ -154,7 +154,8 @@ class PagedRunner:
         its last token once the whole prompt is in (else None). The last chunk runs its
         last token alone, as :meth:`prefill` does: the model computes logits at every
         position it is given, and a chunk's are n x vocabulary floats (400 MB for 2,048
-        tokens of a 49k vocabulary)."""
+        tokens of a 49k vocabulary). (The scheduler records the progress:
+        :meth:`.Scheduler.advanced`.)"""
         seq, start = request.computed_ids, request.num_prefilled
         end = start + n
         if end < len(seq) or n == 1:
@@ -163,7 +164,6 @@ class PagedRunner:
             self.forward([request], [seq[start : end - 1]], [start])  # its logits are never evaluated
             self._eval()
             logits = self.forward([request], [seq[end - 1 : end]], [end - 1])[:, -1, :]
-        request.num_prefilled = end
         if end < len(seq):
             self._eval()
             return None
