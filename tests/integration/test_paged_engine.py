@@ -198,3 +198,29 @@ def test_prefix_caching_under_a_window_on_blocks_changes_no_tokens(make_engine) 
     got = [on.generate_sync(p, params) for p in prompts]
     assert [c.token_ids for c in got] == expected
     assert all(c.usage.cached_tokens >= 64 for c in got[1:])  # the shared blocks, cached while they were held
+
+
+def test_on_the_gather_path_rows_sharing_a_cached_prefix_answer_as_alone(make_engine, tiny_model, monkeypatch) -> None:
+    # MLX's ops as the backend (as on Metal and CUDA): decode steps gather blocks, and rows
+    # that share a cached system prompt attend to it as one cascade.
+    from mlx_parallm_provider.engine.kv import paged_cache
+    from mlx_parallm_provider.models import backends
+
+    system = [100 + j % 250 for j in range(90)]
+    prompts = [system + [7 + i] * (1 + 3 * i) for i in range(6)]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    with backends.using(tiny_model.model, "mlx"):
+        alone = make_engine(max_num_seqs=1, kv_block_size=8)
+        expected = [alone.generate_sync(p, params).token_ids for p in prompts]
+        engine = make_engine(kv_block_size=8)
+        engine.generate_sync(system + [1], SamplingParams(max_tokens=1))  # the system prompt's blocks, cached
+        calls = []
+        real = paged_cache.cascade_attention
+        monkeypatch.setattr(paged_cache, "cascade_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+        got = asyncio.run(_gather(engine, prompts, params))
+    assert [c.token_ids for c in got] == expected
+    assert calls and all(c.usage.cached_tokens >= 88 for c in got)
+
+
+async def _gather(engine, prompts, params):
+    return await asyncio.gather(*(engine.generate(p, params) for p in prompts))

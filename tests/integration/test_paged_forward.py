@@ -236,3 +236,43 @@ def test_a_gathered_batch_hands_a_model_every_rows_keys_in_order_with_their_mask
         assert seen[1][4] == ([True] * 5 if window is None else [False, False, False, True, True])
         assert seen[0][1] == [True, True, False, False, False]  # causal within row a
         assert seen[0][4] == ([True, True, True, False, False] if window is None else [False, True, True, False, False])  # padding: a's last
+
+
+@pytest.mark.parametrize("cascade", [True, False])
+def test_decoding_rows_sharing_cached_blocks_attend_them_as_one_cascade(tiny_model, monkeypatch, cascade):
+    """On the gather path (MLX's ops: Metal, CUDA, kernels off), decode rows whose tables start
+    with the same cached blocks attend to them once, merged with each row's own tokens by
+    log-sum-exp; the logits are the model's as one sequence, as without the cascade."""
+    from mlx_parallm_provider.engine import shared_kv
+
+    model = tiny_model.model
+    calls = []
+    real = shared_kv.cascade_attention
+    monkeypatch.setattr(paged_cache, "cascade_attention", lambda *a, **k: calls.append(a[5]) or real(*a, **k))
+    if not cascade:
+        monkeypatch.setattr(paged_cache, "MIN_SHARED_BLOCKS", 10**6)
+    prefix = list(range(7, 47))  # 10 blocks of 4
+    prompts = [prefix + [60 + i] * (2 + 5 * i) for i in range(3)] + [list(range(90, 99))]  # 3 sharers, 1 not
+    kv = KVCacheManager(num_blocks=64, block_size=4)
+    storage = PagedKVStorage(len(model.layers), kv.pool.num_blocks, 4)
+    with backends.using(model, "mlx"):
+        def forward(rows, pieces, starts):
+            storage.reserve(kv.pool.high_water())
+            width = max(map(len, pieces))
+            batch = PagedBatch(storage, [kv.table(b) for b in rows], starts, [len(p) for p in pieces], width)
+            return model(mx.array([p + [0] * (width - len(p)) for p in pieces]), cache=batch.layers())
+
+        kv.grow("p", len(prefix))
+        forward(["p"], [prefix], [0])
+        kv.register("p", prefix, len(prefix))
+        for b, prompt in enumerate(prompts):
+            hit = kv.match(prompt, len(prompt) - 1)
+            kv.grow(b, len(prompt) + 1, hit)
+            forward([b], [prompt[hit.tokens :]], [hit.tokens])
+        assert [kv.table(b)[:10] == kv.table("p") for b in range(4)] == [True, True, True, False]
+        logits = forward(list(range(4)), [[5]] * 4, [len(p) for p in prompts])[:, -1]
+    for b, prompt in enumerate(prompts):
+        assert mx.allclose(logits[b], _reference_logits(model, prompt + [5])[-1], atol=1e-4).item(), b
+    # Own tokens 3, 8, 13 (the sharers) and 10: buckets [0] and [1, 3, 2]; per layer one cascade
+    # in each, over the sharing rows of that bucket only.
+    assert [sum(g.size for _, g in groups) for groups in calls] == ([1, 2] * len(model.layers) if cascade else [])

@@ -11,7 +11,10 @@ Attention reads each row's blocks. Decoding on the CPU kernels backend, one kern
 reads them through the block tables (the backend's ``paged_decode_attention``). Elsewhere
 (prefill, Metal, CUDA, kernels off) rows are gathered, per length bucket, into a transient
 rectangle (so a long row never makes short rows attend over its length), then attended by
-the backend's ``dense_attention``. A layer with a sliding window (gemma3's local layers)
+the backend's ``dense_attention``. Decoding rows whose tables start with the same cached
+blocks (an agent's system prompt mapped into every table) gather those blocks once: the
+shared prefix is attended as one matmul for all their queries and merged with each row's own
+tokens by log-sum-exp (cascade attention, :func:`..shared_kv.cascade_attention`). A layer with a sliding window (gemma3's local layers)
 gathers only the tokens its queries can see: the last ``window`` before each query, as
 mlx-lm's ``RotatingKVCache`` and its windowed mask give them. A model that computes
 attention itself (``gathered``: gemma2's softcapped scores) gets every row's keys and values
@@ -27,10 +30,13 @@ from typing import Any, Optional, Sequence
 import mlx.core as mx
 
 from ...models.backends import MLXOps
+from ..shared_kv import SharedPrefix, cascade_attention
 from .block_pool import NULL_BLOCK
 from .storage import PagedKVStorage
 
 _MLX_OPS = MLXOps()
+MIN_SHARED_BLOCKS = 4
+"""Decoding rows that share at least this many leading blocks attend to them as one cascade."""
 BUCKET_RATIO = 2
 """Rows attend in buckets whose longest row is at most this many times their shortest."""
 
@@ -87,6 +93,43 @@ class PagedBatch:
             self._buckets[window] = [_Bucket(idx, tables, starts, firsts, self.totals, self.width, self.storage.block_size, window)
                                      for idx in _length_buckets(spans)]
         return self._buckets[window]
+
+    def shared(self) -> list[tuple[list[int], list[int]]]:
+        """For a decode pass: ``(blocks, rows)`` of each set of two rows or more whose
+        tables start with the same :data:`MIN_SHARED_BLOCKS` blocks or more (whole blocks
+        before every such row's query)."""
+        if "shared" not in self._buckets:
+            tables, starts, _ = self._rows
+            by_first: dict[int, list[int]] = {}
+            for b, table in enumerate(tables):
+                if table and table[0] != NULL_BLOCK:
+                    by_first.setdefault(table[0], []).append(b)
+            groups = []
+            for rows in by_first.values():
+                if len(rows) < 2:
+                    continue
+                n = min(min(len(tables[b]) for b in rows), min(starts[b] for b in rows) // self.storage.block_size)
+                common = 0
+                while common < n and all(tables[b][common] == tables[rows[0]][common] for b in rows):
+                    common += 1
+                if common >= MIN_SHARED_BLOCKS:
+                    groups.append((list(tables[rows[0]][:common]), rows))
+            self._buckets["shared"] = groups  # type: ignore[assignment]
+        return self._buckets["shared"]  # type: ignore[return-value]
+
+    def own_buckets(self) -> list["_Bucket"]:
+        """Decode rows by length bucket over their own tokens: those after the shared
+        prefix of their :meth:`shared` group, every token for the others."""
+        if "own" not in self._buckets:
+            tables, starts, _ = self._rows
+            firsts = [0] * len(tables)
+            for blocks, rows in self.shared():
+                for b in rows:
+                    firsts[b] = len(blocks) * self.storage.block_size
+            spans = [t - f for t, f in zip(self.totals, firsts)]
+            self._buckets["own"] = [_Bucket(idx, tables, starts, firsts, self.totals, self.width, self.storage.block_size)
+                                    for idx in _length_buckets(spans)]
+        return self._buckets["own"]
 
     def whole(self, window: Optional[int] = None) -> "_Bucket":
         """Every row in one bucket, in order (what a model attending itself is given)."""
@@ -216,17 +259,31 @@ class PagedLayerCache:
                                                    batch.lengths, storage.block_size, scale)
             if out is not None:
                 return out
+        cascade = batch.table is not None and self.window is None and sinks is None and batch.shared()
         outs = []
-        buckets = self.batch.buckets(self.window)
+        buckets = self.batch.own_buckets() if cascade else self.batch.buckets(self.window)
+        prefixes = [(self._prefix(blocks), rows) for blocks, rows in batch.shared()] if cascade else []
         for bucket in buckets:
             k, v = self.batch.storage.read(self.layer, bucket.slots)  # (b, S, kv_heads, D)
             q = queries if bucket.index is None else queries[bucket.index]
+            if cascade:
+                where = {b: i for i, b in enumerate(bucket.rows)}
+                groups = [(p, mx.array([where[b] for b in rows if b in where])) for p, rows in prefixes if any(b in where for b in rows)]
+                if groups:
+                    outs.append(cascade_attention(q, k.swapaxes(1, 2), v.swapaxes(1, 2), scale, bucket.mask, groups, exp=backend.exp))
+                    continue
             outs.append(_attend_tiled(backend, q, k.swapaxes(1, 2), v.swapaxes(1, 2), scale, bucket.mask, sinks))
         if len(outs) == 1:
             return outs[0]
         order = [b for bucket in buckets for b in bucket.rows]
         inverse = mx.array(sorted(range(len(order)), key=lambda i: order[i]), dtype=mx.int32)
         return mx.concatenate(outs, axis=0)[inverse]
+
+    def _prefix(self, blocks: list[int]) -> SharedPrefix:
+        """This layer's K and V of ``blocks`` (a shared prefix), ``(1, kv_heads, tokens, D)``."""
+        bs = self.batch.storage.block_size
+        k, v = self.batch.storage.read(self.layer, mx.array([b * bs + i for b in blocks for i in range(bs)], dtype=mx.int32))
+        return SharedPrefix(k.swapaxes(0, 1)[None], v.swapaxes(0, 1)[None], ())
 
     def is_trimmable(self) -> bool:
         return False
