@@ -125,7 +125,7 @@ def test_extension_reads_strided_lazy_inputs() -> None:
 
 def test_the_portable_path_computes_what_the_native_one_does(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Built without ``-march=native`` the kernel takes its portable path (GCC vector
-    extensions; on x86 the AVX2 path is native-only), which must give the same products."""
+    extensions; the AVX2 path needs AVX2, forced below), which must give the same products."""
     native = _ctypes_kernel()
     monkeypatch.setenv("MLX_PARALLM_HOME", str(tmp_path))
     monkeypatch.setattr(qmatmul, "native_flags", lambda compiler: [])
@@ -135,12 +135,17 @@ def test_the_portable_path_computes_what_the_native_one_does(tmp_path: Path, mon
     finally:
         qmatmul.reset()
     assert portable is not None and portable is not native
+    _assert_float32_products(native, portable)
+
+
+def _assert_float32_products(*libs) -> None:
+    """Each kernel library's products == the float32 weights' (4- and 8-bit, groups 32-128)."""
     for bits, group in [(4, 32), (4, 128), (8, 64)]:
         module = _quantized((50, 256), bits, group)
         packed = small_batch.PackedWeight.from_module(module)
         x = mx.random.normal((11, 256), key=mx.random.key(bits + group))
         expected = np.asarray(x @ small_batch._float32_weight(module).T)
-        for lib in (native, portable):
+        for lib in libs:
             assert np.allclose(np.asarray(packed.matmul(lib, x)), expected, rtol=1e-5, atol=1e-4)
 
 
@@ -163,12 +168,7 @@ def test_a_forced_avx2_build_computes_what_the_native_one_does(tmp_path: Path, m
     assert qmatmul.march_problem("cc", "x86-64-v3") is None
     avx2 = _build_with_march("x86-64-v3", tmp_path, monkeypatch)
     assert avx2 is not None and avx2 is not native
-    for bits, group in [(4, 32), (4, 128), (8, 64)]:
-        module = _quantized((50, 256), bits, group)
-        packed = small_batch.PackedWeight.from_module(module)
-        x = mx.random.normal((11, 256), key=mx.random.key(bits + group))
-        expected = np.asarray(x @ small_batch._float32_weight(module).T)
-        assert np.allclose(np.asarray(packed.matmul(avx2, x)), expected, rtol=1e-5, atol=1e-4)
+    _assert_float32_products(avx2)
 
 
 @pytest.mark.parametrize("march", ["x86-64-v3; rm -rf /", "no-such-isa-anywhere"])
