@@ -43,6 +43,14 @@ def notes(rows: Sequence[Mapping[str, Any]], skipped: Mapping[str, str], best_li
         if r["metrics"]["failures"]:
             kinds = ", ".join(f"{k} x{v}" for k, v in r["metrics"]["failures"].items())
             out.append(f"- {r['system']} ({r['setting_label']}, concurrency {r['concurrency']}) failures: {kinds}")
+    for r in rows:
+        for kind in ("speculation", "fast_forward"):
+            drafted = r["metrics"].get(f"{kind}_draft_tokens")
+            if drafted:
+                accepted = r["metrics"][f"{kind}_accepted_tokens"]
+                out.append(f"- {r['system']} ({r['setting_label']}, concurrency {r['concurrency']}) {kind.replace('_', ' ')}: "
+                           f"{accepted} of {drafted} draft tokens accepted ({accepted / drafted:.0%}), "
+                           f"{accepted / r['num_requests']:.1f} a request")
     out += [f"- {line}" for line in best_lines]
     out.append("- peak MB: MLX peak memory for in-process systems, the server's peak RSS for servers started here; "
                "max batch: largest decode batch from engine.stats() (llama-cpp: most sequences in one llama_decode)")

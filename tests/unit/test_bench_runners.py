@@ -190,3 +190,39 @@ def test_llama_server_sizes_a_server_per_run_for_its_concurrency_and_longest_req
     assert launched == [(2, 512, 3), (1, 256, 3)]  # 300 + 16 (+32) -> 512; 10 + 16 (+32) -> 256
     assert len(stopped) == 2 and runner.run_info() == {"peak_memory_mb": 123.0}
     assert sent and all(str(url).startswith("http://127.0.0.1:1") for url in sent)
+
+
+def test_the_report_prints_each_runs_draft_acceptance_from_its_timed_requests() -> None:
+    from mlx_parallm_provider.bench import report
+    from mlx_parallm_provider.bench.runners.inprocess import draft_counts
+
+    stats = {"speculation": {"draft_tokens": 120, "accepted_tokens": 66},
+             "fast_forward": {"forced_tokens": 30, "accepted_tokens": 30, "lookup_tokens": 10, "lookup_accepted_tokens": 4}}
+    assert draft_counts(stats) == {"speculation": (120, 66), "fast_forward": (40, 34)}
+    assert draft_counts({"speculation": None, "fast_forward": None}) == {}
+    row = {"system": "engine", "setting_label": "speculative=ngram", "concurrency": 1, "num_requests": 4,
+           "metrics": {"failures": {}, "speculation_draft_tokens": 120, "speculation_accepted_tokens": 66}}
+    text = report.notes([row], {}, [])
+    assert "- engine (speculative=ngram, concurrency 1) speculation: 66 of 120 draft tokens accepted (55%), 16.5 a request" in text
+
+
+def test_in_process_runs_count_the_drafts_of_their_timed_requests_only(tiny_model) -> None:
+    from mlx_parallm_provider.bench.runners.inprocess import EngineRunner
+
+    runner = EngineRunner("engine", "tiny", EngineConfig(speculative="ngram"), 0.0, True)
+
+    class Stats:
+        def __init__(self) -> None:
+            self.counts = [(10, 4), (25, 13)]
+
+        def stats(self) -> dict:
+            drafted, accepted = self.counts[0] if len(self.counts) > 1 else self.counts[-1]
+            if len(self.counts) > 1:
+                self.counts.pop(0)
+            return {"max_batch_size": 1, "speculation": {"draft_tokens": drafted, "accepted_tokens": accepted}, "fast_forward": None}
+
+    runner.engine = Stats()
+    asyncio.run(runner.timed([], [], 1, None))  # the warm-up's 10 / 4 are counted before
+    info = runner.run_info()
+    assert (info["speculation_draft_tokens"], info["speculation_accepted_tokens"]) == (15, 9)
+    assert "fast_forward_draft_tokens" not in info

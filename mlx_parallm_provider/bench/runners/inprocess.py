@@ -31,6 +31,18 @@ def mlx_peak_mb() -> float:
     return mx.get_peak_memory() / 2**20
 
 
+def draft_counts(stats: dict[str, Any]) -> dict[str, tuple[int, int]]:
+    """``{"speculation" | "fast_forward": (draft tokens, accepted tokens)}`` from
+    ``engine.stats()``, for what is on (n-gram drafts; grammar-forced and looked-up tokens)."""
+    out = {}
+    if stats.get("speculation"):
+        out["speculation"] = (stats["speculation"]["draft_tokens"], stats["speculation"]["accepted_tokens"])
+    if stats.get("fast_forward"):
+        ff = stats["fast_forward"]
+        out["fast_forward"] = (ff["forced_tokens"] + ff["lookup_tokens"], ff["accepted_tokens"] + ff["lookup_accepted_tokens"])
+    return out
+
+
 class _OnSharedEngine(Runner):
     def __init__(self, name: str, model: str, config: EngineConfig, temperature: float, ignore_eos: bool) -> None:
         super().__init__(name)
@@ -49,8 +61,20 @@ class _OnSharedEngine(Runner):
         self.engine = await asyncio.to_thread(self._fresh_engine)
         reset_mlx_peak()
 
+    async def timed(self, requests: Any, offsets: Any, max_concurrency: Optional[int], on_done: Any) -> Any:
+        self._drafts_before = draft_counts(self.engine.stats())  # the timed requests' drafts only, not the warm-up's
+        return await super().timed(requests, offsets, max_concurrency, on_done)
+
     def run_info(self) -> dict[str, Any]:
-        return {"max_decode_batch": self.engine.stats().get("max_batch_size"), "peak_memory_mb": mlx_peak_mb()}
+        stats = self.engine.stats()
+        info = {"max_decode_batch": stats.get("max_batch_size"), "peak_memory_mb": mlx_peak_mb()}
+        before = getattr(self, "_drafts_before", {})
+        for kind, (drafted, accepted) in draft_counts(stats).items():
+            drafted -= before.get(kind, (0, 0))[0]
+            accepted -= before.get(kind, (0, 0))[1]
+            if drafted:
+                info[f"{kind}_draft_tokens"], info[f"{kind}_accepted_tokens"] = drafted, accepted
+        return info
 
     async def stop(self) -> None:
         shutdown_engines()
