@@ -58,7 +58,8 @@ class EngineConfig:
             greedy without penalties, constraints or logprobs (paged layout only). None: off.
         num_speculative_tokens: most draft tokens per row and step.
         speculative_max_batch: speculate (and fast-forward) only while at most this many
-            rows decode.
+            rows decode (2: measured, fast-forward of tool calls paid at one and two rows and
+            lost from four on, where requests queued behind its steps waited longer).
         grammar_fast_forward: constrained rows verify the tokens their grammar forces in one
             forward pass with the token they decode, instead of one step each (paged layout;
             output unchanged, see :mod:`~mlx_parallm_provider.engine.fast_forward`).
@@ -84,7 +85,7 @@ class EngineConfig:
     shutdown_timeout_s: float = 5.0
     speculative: Optional[str] = None
     num_speculative_tokens: int = 4
-    speculative_max_batch: int = 8
+    speculative_max_batch: int = 2
     grammar_fast_forward: bool = True
 
     def __post_init__(self) -> None:

@@ -74,7 +74,7 @@ def without(tiny_model):
 
 
 def test_forced_tokens_are_fast_forwarded_and_output_is_unchanged(make_engine, without) -> None:
-    engine = make_engine()  # on by default
+    engine = make_engine(speculative_max_batch=8)  # on by default (8 rows: batched, as the requests run)
     got = _run(engine)
     _same(without, got)
     assert got[3].finish_reason == "stop" and '"unit' not in got[3].text and got[3].text.startswith('{"name": "get_weather"')
@@ -100,7 +100,7 @@ def test_a_draft_the_model_would_not_choose_is_rejected_for_the_row_s_own_choice
         return tokens[:-1] + [(tokens[-1] + 1) % 1000] if len(tokens) > 1 else tokens
 
     monkeypatch.setattr(RowMatcher, "forced", wrong_last)
-    engine = make_engine(enable_prefix_caching=False)
+    engine = make_engine(enable_prefix_caching=False, speculative_max_batch=8)
     _same(without, _run(engine))
     stats = engine.stats()["fast_forward"]
     assert 0.5 < stats["acceptance_rate"] < 1.0 and stats["accepted_tokens"] > 0, stats
@@ -116,7 +116,7 @@ def test_with_ngram_speculation_rows_nothing_forces_verify_looked_up_drafts(make
     answers = {}
     for (prompt, params), got in zip(zip(PROMPTS * 2, PARAMS), without[: len(PARAMS)]):
         answers[(prompt, params.seed, params.max_tokens)] = got.token_ids
-    engine = make_engine(speculative="ngram", num_speculative_tokens=4)
+    engine = make_engine(speculative="ngram", num_speculative_tokens=4, speculative_max_batch=8)
 
     def oracle(self, request, k: int) -> list[int]:
         prompt = next(p for p in PROMPTS if engine.encode(p) == request.prompt_ids[-len(engine.encode(p)):])

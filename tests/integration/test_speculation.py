@@ -53,7 +53,7 @@ def _speculating(monkeypatch, tiny_model, plain):
     monkeypatch.setattr(speculation.NgramSpeculator, "draft", oracle)
     monkeypatch.setattr(speculation.NgramSpeculator, "plan", lambda self, rows: min(self.k, max((len(r.draft) for r in rows), default=0))
                         if len(rows) <= self.max_batch and all(speculation.can_speculate(r) for r in rows) else 0)
-    return lambda make_engine, **config: make_engine(speculative="ngram", num_speculative_tokens=4, **config)
+    return lambda make_engine, **config: make_engine(**{"speculative": "ngram", "num_speculative_tokens": 4, "speculative_max_batch": 8, **config})
 
 
 @pytest.mark.parametrize("caching", [True, False])
