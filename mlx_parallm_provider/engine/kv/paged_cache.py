@@ -14,9 +14,10 @@ rectangle (so a long row never makes short rows attend over its length), then at
 the backend's ``dense_attention``. Decoding rows whose tables start with the same cached
 blocks (an agent's system prompt mapped into every table) gather those blocks once: the
 shared prefix is attended as one matmul for all their queries and merged with each row's own
-tokens by log-sum-exp (cascade attention, :func:`..shared_kv.cascade_attention`). A layer with a sliding window (gemma3's local layers)
-gathers only the tokens its queries can see: the last ``window`` before each query, as
-mlx-lm's ``RotatingKVCache`` and its windowed mask give them. A model that computes
+tokens by log-sum-exp (cascade attention, :func:`..shared_kv.cascade_attention`). A layer
+with a sliding window (gemma3's local layers) gathers only the tokens its queries can see:
+the last ``window`` before each query, as mlx-lm's ``RotatingKVCache`` and its windowed mask
+give them. A model that computes
 attention itself (``gathered``: gemma2's softcapped scores) gets every row's keys and values
 from ``update_and_fetch``, gathered layer by layer into one transient rectangle, and their
 mask from ``make_mask``, as mlx-lm's batch cache gives them. Nothing outlives the pass but
@@ -77,6 +78,7 @@ class PagedBatch:
         self.write_slots = mx.array(writes, dtype=mx.int32)
         self._rows = (tables, starts, lengths)
         self._buckets: dict[Any, list[_Bucket]] = {}
+        self._shared: Optional[list[tuple[list[int], list[int]]]] = None
         longest = max((len(t) for t in tables), default=0)
         # For the paged decode kernel: block tables padded with the null block, and lengths.
         self.table = mx.array([list(t) + [NULL_BLOCK] * (longest - len(t)) for t in tables], dtype=mx.int32) if width == 1 else None
@@ -98,7 +100,7 @@ class PagedBatch:
         """For a decode pass: ``(blocks, rows)`` of each set of two rows or more whose
         tables start with the same :data:`MIN_SHARED_BLOCKS` blocks or more (whole blocks
         before every such row's query)."""
-        if "shared" not in self._buckets:
+        if self._shared is None:
             tables, starts, _ = self._rows
             by_first: dict[int, list[int]] = {}
             for b, table in enumerate(tables):
@@ -114,8 +116,8 @@ class PagedBatch:
                     common += 1
                 if common >= MIN_SHARED_BLOCKS:
                     groups.append((list(tables[rows[0]][:common]), rows))
-            self._buckets["shared"] = groups  # type: ignore[assignment]
-        return self._buckets["shared"]  # type: ignore[return-value]
+            self._shared = groups
+        return self._shared
 
     def own_buckets(self) -> list["_Bucket"]:
         """Decode rows by length bucket over their own tokens: those after the shared

@@ -3,7 +3,8 @@ decode steps; and naming computed blocks for the prefix cache.
 
 :class:`PagedRunner` runs what the worker asks on the rows' blocks and returns logits; it
 only reads requests: it never decides who runs nor records how far a prompt is prefilled
-(the scheduler does both) and never touches a request's results (the worker does). The blocks each row uses are the :class:`~.manager.KVCacheManager`'s.
+(the scheduler does both) and never touches a request's results (the worker does). The
+blocks each row uses are the :class:`~.manager.KVCacheManager`'s.
 """
 
 from __future__ import annotations
@@ -39,9 +40,9 @@ class PagedRunner:
     """
 
     def __init__(self, model: Any, kv: KVCacheManager, storage: PagedKVStorage, pad_id: int, caching: bool = True,
-                 max_kv_size: Optional[int] = None) -> None:
+                 windows: Optional[list[Optional[int]]] = None) -> None:
         self.model, self.kv, self.storage, self.pad_id, self.caching = model, kv, storage, pad_id, caching
-        self.windows = with_max_kv_size(layer_windows(model) or [None] * storage.num_layers, max_kv_size)
+        self.windows = windows or layer_windows(model) or [None] * storage.num_layers
         self.gathered = not backends.routes_attention(model)  # it attends itself over gathered K/V
 
     @classmethod
@@ -71,7 +72,7 @@ class PagedRunner:
         window = None if None in windows else max(windows)  # type: ignore[type-var]
         kv = KVCacheManager(blocks, block_size, None if max_cached_tokens is None else max(1, max_cached_tokens // block_size), window)
         storage = PagedKVStorage(len(model.layers), blocks, block_size, preallocate=budget_bytes is not None)
-        return cls(model, kv, storage, pad_id, max_kv_size=max_kv_size)
+        return cls(model, kv, storage, pad_id, windows=windows)
 
     def prefix_options(self, config: EngineConfig) -> dict[str, Any]:
         """The scheduler's prefix-sharing arguments: prefixes are the pool's cached blocks."""
