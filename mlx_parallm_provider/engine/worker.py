@@ -269,18 +269,13 @@ class Worker:
 
     def _prefill_chunk(self, request: Request, n: int) -> None:
         """Prefill the next ``n`` prompt tokens of a long prompt into its own cache."""
-        state: RowState = request.state
-        if self.paged is not None:
-            if request.num_prefilled == request.num_cached and not request.num_preemptions:
-                self.metrics.request_admitted(request.request_id, request.prompt_len, cached_tokens=request.num_cached)
-            logits = self.paged.chunk(request, n)
-            self.scheduler.advanced(request, n)
-            if logits is not None:
-                self._join_decode_batch([request], logits)
-            return
-        if state.cache is None:
+        if request.num_prefilled == request.num_cached and not request.num_preemptions:  # its first chunk
             self.metrics.request_admitted(request.request_id, request.prompt_len, cached_tokens=request.num_cached)
-        done = prefill_chunk(self.model, request, n, self.share_kv, self.config.max_kv_size)
+        if self.paged is not None:
+            logits = self.paged.chunk(request, n)
+            done = None if logits is None else (logits,)
+        else:
+            done = prefill_chunk(self.model, request, n, self.share_kv, self.config.max_kv_size)
         self.scheduler.advanced(request, n)
         if done is not None:
             self._join_decode_batch([request], *done)
