@@ -52,6 +52,7 @@ class _OnSharedEngine(Runner):
         self.ignore_eos = ignore_eos
         self.eos = "ignored" if ignore_eos else "honoured"
         self.engine: Any = None
+        self._drafts_before: dict[str, tuple[int, int]] = {}  # draft counts when the timed requests began
 
     def _fresh_engine(self) -> Any:
         shutdown_engines()
@@ -62,16 +63,15 @@ class _OnSharedEngine(Runner):
         reset_mlx_peak()
 
     async def timed(self, requests: Any, offsets: Any, max_concurrency: Optional[int], on_done: Any) -> Any:
-        self._drafts_before = draft_counts(self.engine.stats())  # the timed requests' drafts only, not the warm-up's
+        self._drafts_before = draft_counts(self.engine.stats())  # so the warm-up's drafts are left out
         return await super().timed(requests, offsets, max_concurrency, on_done)
 
     def run_info(self) -> dict[str, Any]:
         stats = self.engine.stats()
         info = {"max_decode_batch": stats.get("max_batch_size"), "peak_memory_mb": mlx_peak_mb()}
-        before = getattr(self, "_drafts_before", {})
         for kind, (drafted, accepted) in draft_counts(stats).items():
-            drafted -= before.get(kind, (0, 0))[0]
-            accepted -= before.get(kind, (0, 0))[1]
+            drafted -= self._drafts_before.get(kind, (0, 0))[0]
+            accepted -= self._drafts_before.get(kind, (0, 0))[1]
             if drafted:
                 info[f"{kind}_draft_tokens"], info[f"{kind}_accepted_tokens"] = drafted, accepted
         return info

@@ -52,9 +52,7 @@ class MLXOps:
         """Plain attention: ``queries`` (B, heads, L, D) over ``keys`` / ``values`` (B,
         kv_heads, S, D), ``mask`` as mlx-lm passes it (None, ``"causal"`` or an array);
         ``sinks`` (heads,): gpt-oss's per-head logit that takes a share of the softmax."""
-        if sinks is not None:
-            return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
-        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
 
     def decode_attention(
         self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Optional[Any],
