@@ -210,9 +210,9 @@ def bookkeeping(model_name: str, batches: Sequence[int], max_tokens: int = 24) -
     spent = {"decode": 0.0, "after": 0.0, "steps": 0}
     original_decode, original_after = Worker._decode, Worker._after_sampling
 
-    def timed_decode(self: Worker) -> None:
+    def timed_decode(self: Worker, rows: Any) -> None:
         tic = time.perf_counter()
-        original_decode(self)
+        original_decode(self, rows)
         spent["decode"] += time.perf_counter() - tic
         spent["steps"] += 1
 

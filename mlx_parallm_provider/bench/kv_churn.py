@@ -35,10 +35,10 @@ def _measure(model: str, layout: str, requests: int, rows: int, rate: float, see
     last: list[set[int]] = [set()]
     decode = Worker._decode
 
-    def timed(self: Worker) -> None:
-        ids = {id(r) for r in self.rows}
+    def timed(self: Worker, rows: list[Any]) -> None:
+        ids = {id(r) for r in rows}
         tic = time.perf_counter()
-        decode(self)
+        decode(self, rows)
         steps.append((len(ids), time.perf_counter() - tic, ids != last[0]))
         last[0] = ids
 

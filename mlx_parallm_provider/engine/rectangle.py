@@ -64,34 +64,49 @@ def prefill_chunk(model: Any, request: Request, n: int, share: bool, max_kv_size
 
 class RectangleBatch:
     """The rectangle layout's decode batch: one left-padded batch cache whose row ``i`` is
-    ``rows[i]`` of the worker. Joining extends it (padding every row to the longest) and
-    leaving filters it, each copying the whole batch's KV."""
+    :attr:`rows` ``[i]``. Joining extends it (padding every row to the longest) and leaving
+    filters it, each copying the whole batch's KV. Which rows decode is the plan's; the
+    order of their KV is this batch's."""
 
     def __init__(self) -> None:
         self.cache: Optional[list[Any]] = None
+        self.rows: list[Request] = []
 
-    def join(self, cache: list[Any], rows: list[Request], joining: list[Request], store: Any, bytes_per_token: int) -> None:
-        """Append ``joining`` (prefilled into ``cache``) after ``rows``; their prompts go to the store."""
+    def join(self, cache: list[Any], joining: list[Request], store: Any, bytes_per_token: int) -> None:
+        """Append ``joining`` (prefilled into ``cache``) after the rows; their prompts go to the store."""
         store_rows(store, cache, [r.prompt_ids for r in joining], range(len(joining)), bytes_per_token)
         if self.cache is None:
             self.cache = cache
-            return
-        adopt_shared_prefixes(self.cache, [r.prompt_ids for r in rows], cache)
-        for mine, theirs in zip(self.cache, cache):
-            mine.extend(theirs)
+        else:
+            adopt_shared_prefixes(self.cache, [r.prompt_ids for r in self.rows], cache)
+            for mine, theirs in zip(self.cache, cache):
+                mine.extend(theirs)
+        self.rows.extend(joining)
 
     def decode(self, model: Any, rows: list[Request]) -> mx.array:
-        """One decode step of every row; logits ``(B, vocab)``."""
-        return model(mx.array([r.output_ids[-1] for r in rows])[:, None], cache=self.cache)[:, -1, :]
+        """One decode step of the batch; the logits of ``rows`` (each one of the batch's,
+        all of them: KeyError otherwise), in their order, ``(B, vocab)``."""
+        if len(rows) != len(self.rows):
+            raise ValueError(f"{len(rows)} rows asked to decode, the batch holds {len(self.rows)}")
+        logits = model(mx.array([r.output_ids[-1] for r in self.rows])[:, None], cache=self.cache)[:, -1, :]
+        position = {id(r): i for i, r in enumerate(self.rows)}
+        order = [position[id(r)] for r in rows]
+        return logits if order == list(range(len(order))) else logits[mx.array(order)]
 
-    def store(self, store: Any, row: int, request: Request, bytes_per_token: int) -> None:
+    def store(self, store: Any, request: Request, bytes_per_token: int) -> None:
         """Put a finished row's prompt + answer into the store (for a next turn)."""
-        store_rows(store, self.cache, [request.prompt_ids + request.output_ids], [row], bytes_per_token)
+        row = next((i for i, r in enumerate(self.rows) if r is request), None)
+        if row is not None:
+            store_rows(store, self.cache, [request.prompt_ids + request.output_ids], [row], bytes_per_token)
 
-    def keep(self, rows: list[int]) -> None:
-        """Keep only these rows (in this order)."""
-        if not rows:
+    def evict_finished(self) -> None:
+        """Drop the finished rows' KV (filtering every layer's cache when any has finished)."""
+        keep = [i for i, r in enumerate(self.rows) if not r.finished]
+        if len(keep) == len(self.rows):
+            return
+        self.rows = [self.rows[i] for i in keep]
+        if not keep:
             self.cache = None
         else:
             for c in self.cache or []:
-                c.filter(rows)
+                c.filter(keep)

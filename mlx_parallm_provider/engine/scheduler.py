@@ -52,15 +52,24 @@ PrefixMatch = Callable[[list[int]], int]
 class StepPlan:
     """What one engine step does."""
 
-    decode: list[Request] = field(default_factory=list)
+    decode: list[Request] = field(default_factory=list)  # running rows, each decoding a token
     prefill: list[Request] = field(default_factory=list)
     chunk: Optional[tuple[Request, int]] = None  # (request, tokens of its next chunk)
     embed: list[tuple[EmbedRequest, list[int]]] = field(default_factory=list)  # (request, its inputs this step)
+    join: list[Request] = field(default_factory=list)
+    """Requests whose prefill ends this step, in the order it runs (the chunk's last piece,
+    then the batch): they decode this step too, after :attr:`decode` (the KV of that token
+    was given at admission)."""
 
     @property
     def admitted(self) -> list[Request]:
         """The requests whose prompts this step prefills (or goes on chunk-prefilling)."""
         return [*self.prefill, *([self.chunk[0]] if self.chunk else [])]
+
+    def decoding(self) -> list[Request]:
+        """The rows this step decodes, in order: :attr:`decode`, then :attr:`join`, less those
+        finished meanwhile (cancelled, failed, or done at their first token)."""
+        return [r for r in [*self.decode, *self.join] if not r.finished]
 
     @property
     def empty(self) -> bool:
@@ -256,6 +265,9 @@ class Scheduler:
             kv_used += request.max_kv_tokens
         self.waiting.extendleft(reversed(deferred))
         self._plan_embeddings(plan, budget - len(plan.prefill) * longest)
+        if plan.chunk is not None and plan.chunk[0].num_prefilled + plan.chunk[1] >= plan.chunk[0].num_tokens:
+            plan.join.append(plan.chunk[0])
+        plan.join.extend(plan.prefill)
         return plan
 
     def _plan_embeddings(self, plan: StepPlan, budget: int, before: Optional[float] = None) -> int:

@@ -85,8 +85,7 @@ class Worker:
         self._stopping = False
         self._stop_deadline: Optional[float] = None
         self.dead: Optional[BaseException] = None
-        self.rows: list[Request] = []  # the decode batch's rows, in order
-        self.rectangle = RectangleBatch()  # their KV when not paged
+        self.rectangle = RectangleBatch()  # the decode rows' KV when not paged
         self._thread = threading.Thread(target=self._run, name="mlx-parallm-worker", daemon=True)
         register(self)
         self._thread.start()
@@ -172,9 +171,7 @@ class Worker:
         self._reap()
         plan = self.scheduler.schedule()
         if self.paged is not None:
-            self.paged.reserve()  # the blocks the plan hands out; preempted rows leave
-            decoding = {id(r) for r in plan.decode}
-            self.rows = [r for r in self.rows if id(r) in decoding]
+            self.paged.reserve()  # the blocks the plan hands out
         fetch_prefixes(self.prefix_cache, plan.admitted, lambda r, exc: self._fail(r, exc, "while fetching its cached prefix"))
         if plan.chunk is not None and not plan.chunk[0].finished:
             self._prefill_chunk(*plan.chunk)
@@ -189,8 +186,9 @@ class Worker:
         for request in done:
             self._retire(request)
             self._deliver(request, request.result())
-        if self.rows:
-            self._decode()
+        rows = plan.decoding()
+        if rows:
+            self._decode(rows)
         return True
 
     def _take_arrivals(self) -> bool:
@@ -287,15 +285,14 @@ class Worker:
             for r in requests:
                 self.paged.cache_blocks(r, r.computed_ids, r.num_prefilled)
         else:
-            self.rectangle.join(cache, self.rows, requests, self.prefix_cache, self.kv_bytes_per_token)
-        self.rows.extend(requests)
+            self.rectangle.join(cache, requests, self.prefix_cache, self.kv_bytes_per_token)
         self._after_sampling(requests, sampled)
 
     # -- decode -------------------------------------------------------------------------
 
-    def _decode(self) -> None:
+    def _decode(self, rows: list[Request]) -> None:
+        """One decode step (or draft verification) of exactly these rows (the plan's)."""
         tic = time.perf_counter()
-        rows = list(self.rows)
         drafted = self.drafts.decode(self.paged, rows) if self.drafts is not None else None
         if drafted is not None:  # accepted drafts + one sampled token a row
             sampled, k = drafted
@@ -308,7 +305,7 @@ class Worker:
             self.drafts.record(len(rows), k, seconds)
         self._after_sampling(rows, sampled)
         if self.drafts is not None:  # before the next plan, which makes room for the drafts
-            self.drafts.draft_all(self.rows)
+            self.drafts.draft_all([r for r in rows if not r.finished])
         logger.debug("decode step: batch=%d drafts=%d waiting=%d step_ms=%.1f", len(rows), k, self.scheduler.num_waiting, seconds * 1000)
 
     def _after_sampling(self, rows: list[Request], sampled: list[Any]) -> None:
@@ -326,12 +323,11 @@ class Worker:
             except Exception as exc:
                 self._fail(request, exc, "while processing its output")
                 continue
-            if finish is not None:
-                row = next((i for i, r in enumerate(self.rows) if r is request), None)
-                if row is not None and self.paged is not None:  # keep prompt + answer for a next turn
+            if finish is not None:  # keep prompt + answer for a next turn
+                if self.paged is not None:
                     self.paged.cache_blocks(request, request.prompt_ids + request.output_ids, request.num_tokens - 1)
-                elif row is not None:
-                    self.rectangle.store(self.prefix_cache, row, request, self.kv_bytes_per_token)
+                else:
+                    self.rectangle.store(self.prefix_cache, request, self.kv_bytes_per_token)
                 self._retire(request)  # first, so a caller woken by its result sees it finished
             if result is not None:
                 self._deliver(request, result)
@@ -340,12 +336,8 @@ class Worker:
     # -- leaving ------------------------------------------------------------------------
 
     def _evict_finished(self) -> None:
-        keep = [i for i, r in enumerate(self.rows) if not r.finished]
-        if len(keep) == len(self.rows):
-            return
-        self.rows = [self.rows[i] for i in keep]
         if self.paged is None:  # paged: the scheduler freed their blocks; nobody else's KV moves
-            self.rectangle.keep(keep)
+            self.rectangle.evict_finished()
 
     def _retire(self, request: Request) -> None:
         """Mark a request finished and take it out of the scheduler and the metrics.
@@ -388,10 +380,10 @@ class Worker:
             self._inbox.clear()
             self._stopping = True
         held = self.scheduler.all_requests() if from_outside else self.scheduler.clear()
-        for request in [*self.rows, *held, *pending]:
+        for request in [*held, *pending]:
             if not request.finished:
                 request.finished = True
                 self.metrics.request_finished(request.request_id)
                 self._deliver(request, exc)
         if not from_outside:
-            self.rows, self.rectangle = [], RectangleBatch()
+            self.rectangle = RectangleBatch()

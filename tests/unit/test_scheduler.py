@@ -65,6 +65,27 @@ def test_long_prompt_is_chunked_over_steps() -> None:
     assert s.chunking is None and names(s.schedule().decode) == ["short", "long"]
 
 
+def test_plan_lists_the_rows_that_join_and_decodes_them_after_the_running_ones() -> None:
+    s = Scheduler(max_num_seqs=4, max_num_batched_tokens=64, prefill_chunk_size=16)
+    long, short, later = req("long", 40), req("short", 5), req("later", 6)
+    s.add(long)
+    s.add(short)
+    plan = s.schedule()  # long's first chunk (16 of 40): it does not join yet
+    assert names(plan.join) == ["short"] and names(plan.decoding()) == ["short"]
+    s.advanced(long, 16)
+    s.started(plan.prefill)
+    s.add(later)
+    plan = s.schedule()
+    assert names(plan.decode) == ["short"] and names(plan.join) == ["later"]
+    s.advanced(long, 16)
+    s.started(plan.prefill)
+    plan = s.schedule()  # long's last 8 tokens: it joins, decoding after the running rows
+    assert plan.chunk == (long, 8) and names(plan.join) == ["long"]
+    assert names(plan.decoding()) == ["short", "later", "long"]
+    later.finished = True  # e.g. cancelled during the step: it is not decoded
+    assert names(plan.decoding()) == ["short", "long"]
+
+
 def test_kv_budget_blocks_in_arrival_order() -> None:
     s = Scheduler(max_num_seqs=10, max_num_batched_tokens=1000, prefill_chunk_size=100, kv_budget_tokens=100)
     s.add(req("big", 50, max_tokens=40))  # 90
