@@ -79,7 +79,8 @@ def march_problem(compiler: str, march: str) -> Optional[str]:
     if probe.returncode != 0:
         return f"{compiler} does not know it"
     macros = {line.split()[1] for line in probe.stdout.splitlines() if line.startswith("#define ")}
-    missing = sorted(flag for macro, flag in _FEATURE_FLAGS.items() if macro in macros and flag not in cpu_flags())
+    have = cpu_flags()
+    missing = sorted(flag for macro, flag in _FEATURE_FLAGS.items() if macro in macros and flag not in have)
     return f"this CPU lacks {', '.join(missing)}" if missing else None
 
 
