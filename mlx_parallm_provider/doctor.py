@@ -12,8 +12,9 @@ import os
 import platform
 import shutil
 import sys
-from pathlib import Path
 from typing import Any
+
+from .cpu_info import cpu_model_name
 
 #: Vector features that decide which kernels a CPU gets (x86 flags, ARM features).
 VECTOR_FEATURES = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
@@ -29,16 +30,6 @@ def cpu_features() -> list[str]:
 
     flags = cpu_flags()
     return [f for f in VECTOR_FEATURES if f in flags]
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return f"{line.split(':', 1)[1].strip()} ({platform.machine()})"
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _march(qmatmul: Any) -> str:
@@ -73,7 +64,7 @@ def report() -> dict[str, Any]:
         "dense layers": ("OpenBLAS bound privately (mlx was imported first)" if mlx_first and ext is not None
                          else "MLX's reference BLAS: import mlx_parallm_provider before mlx" if mlx_first
                          else "MLX's matmul, over the BLAS above"),
-        "cpu": _cpu_model(),
+        "cpu": cpu_model_name(with_machine=True),
         "cpu vector features": " ".join(cpu_features()) or "unknown",
         "kernel cache": str(qmatmul.cache_dir()),
         "kernels built with": _march(qmatmul),

@@ -26,9 +26,10 @@ from mlx_parallm_provider.chat import render_chat
 from mlx_parallm_provider.config import EngineConfig
 from mlx_lm.models.cache import BatchKVCache, KVCache
 from mlx_parallm_provider.engine import Engine, SamplingParams
+from mlx_parallm_provider.engine.cascade import SharedPrefix
 from mlx_parallm_provider.engine.prefill import new_batch_cache
 from mlx_parallm_provider.engine.prefix_match import common_prefix_len
-from mlx_parallm_provider.engine.shared_kv import SharedPrefix, SharedPrefixBatchCache
+from mlx_parallm_provider.engine.shared_kv import SharedPrefixBatchCache
 from mlx_parallm_provider.models import registry
 
 SYSTEM = (

@@ -28,8 +28,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from ..cpu_info import cpu_model_name
 from ..doctor import cpu_features
-from .kv_memory import _cpu
 
 TARGETS = {
     ("engine", "llama-server", 64): 1.5, ("litellm-proxy", "llama-server", 64): 1.2, ("engine", "llama-server", 1): 1.0,
@@ -145,7 +145,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="llama.cpp's threads (default: all CPUs, its fastest at high concurrency here)")
     args = parser.parse_args(argv)
     results, peaks = {}, {}
-    print(f"CPU: {_cpu()}; vector features: {' '.join(cpu_features()) or 'unknown'}; {os.cpu_count()} CPUs", flush=True)
+    print(f"CPU: {cpu_model_name()}; vector features: {' '.join(cpu_features()) or 'unknown'}; {os.cpu_count()} CPUs", flush=True)
     for system in args.systems:
         levels = [1] if system == "mlx-lm" else args.concurrency  # stream_generate serves one at a time
         results[system], peaks[system] = run_system(system, levels, args.max_tokens, args.output_dir, args.llama_cpp_threads)

@@ -86,9 +86,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.child:
         print(json.dumps(_measure(args.model, args.child, args.requests, args.rows, args.request_rate, args.seed)))
         return 0
-    from .kv_memory import _cpu, run_child
+    from ..cpu_info import cpu_model_name
+    from .kv_memory import run_child
 
-    print(f"CPU: {_cpu()}; {args.requests} requests (8-96 new tokens), {args.rows} rows")
+    print(f"CPU: {cpu_model_name()}; {args.requests} requests (8-96 new tokens), {args.rows} rows")
     for layout in args.layouts:
         r = run_child("mlx_parallm_provider.bench.kv_churn", layout, {k: v for k, v in vars(args).items() if k not in ("layouts", "child")})
         for name in ("poisson", "burst"):

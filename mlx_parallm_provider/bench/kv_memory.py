@@ -22,12 +22,13 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import time
 from typing import Any, Sequence
+
+from ..cpu_info import cpu_model_name
 
 TPOT_TARGET = 1.2
 MEMORY_TARGET = 1.25
@@ -121,16 +122,6 @@ def run_child(module: str, layout: str, options: dict[str, Any]) -> dict[str, An
     return json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1])
 
 
-def _cpu() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="default")
@@ -144,7 +135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.child:
         print(json.dumps(_measure(args.model, args.child, args.short, args.long_tokens, args.max_tokens, args.prefill_chunk_size)))
         return 0
-    print(f"CPU: {_cpu()}; {os.cpu_count()} CPUs; {args.short} short requests, one of {args.long_tokens} tokens, {args.max_tokens} new tokens each")
+    print(f"CPU: {cpu_model_name()}; {os.cpu_count()} CPUs; {args.short} short requests, one of {args.long_tokens} tokens, {args.max_tokens} new tokens each")
     for layout in args.layouts:
         r = run_child("mlx_parallm_provider.bench.kv_memory", layout, {k: v for k, v in vars(args).items() if k not in ("layouts", "child")})
         ratio = r["beside_tpot_ms"] / r["alone_tpot_ms"]

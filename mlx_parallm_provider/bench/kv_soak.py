@@ -33,7 +33,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from mlx_parallm_provider.config import EngineConfig
     from mlx_parallm_provider.engine import Engine, SamplingParams
-    from .kv_memory import _cpu
+    from ..cpu_info import cpu_model_name
 
     engine = Engine(args.model, EngineConfig(kv_cache_memory_gb=args.budget_gb, max_num_seqs=64))
     idle = mx.get_active_memory()
@@ -67,7 +67,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     stats = engine.stats()
     peak = (mx.get_peak_memory() - idle) / 1024**3
     kv = stats["kv_cache"]
-    print(f"CPU: {_cpu()}; budget {args.budget_gb} GiB; {args.requests} requests, {args.concurrency} in flight at most")
+    print(f"CPU: {cpu_model_name()}; budget {args.budget_gb} GiB; {args.requests} requests, {args.concurrency} in flight at most")
     print(f"answered {args.requests - len(failures)}, failed {len(failures)}; {tokens} tokens in {wall:.0f} s; "
           f"preemptions {kv.get('num_preemptions')}; pool {kv.get('kv_cache_bytes', 0) / 1024**3:.3f} GiB "
           f"({kv.get('kv_blocks_total')} blocks of {kv.get('kv_block_size')})")

@@ -14,12 +14,13 @@ from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, KVCache
 
 from ..config import EngineConfig
 from ..models import backends
+from .cascade import SharedPrefix
 from .output import RowState
 from .prefix_cache import LayerKV, PrefixCache, kv_range
 from .prefix_match import common_prefix_len
 from .request import Request
 from .rotating_prefix import max_reusable_tokens, rotating_batch_from_prefixes, store_rotating_rows
-from .shared_kv import SharedPrefix, SharedPrefixBatchCache
+from .shared_kv import SharedPrefixBatchCache
 
 logger = logging.getLogger(__name__)
 

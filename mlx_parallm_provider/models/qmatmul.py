@@ -33,6 +33,7 @@ from typing import Callable, Optional, TypeVar
 
 import numpy as np
 
+from ..cpu_info import cpuinfo_text
 from . import kernel_cache
 
 logger = logging.getLogger(__name__)
@@ -63,9 +64,8 @@ _FEATURE_FLAGS = {
 
 def cpu_flags() -> set[str]:
     """The vector features the CPU reports (``flags`` on x86, ``Features`` on arm64)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
+    text = cpuinfo_text()
+    if text is None:
         return set()
     return {f for ln in text.splitlines() if ln.startswith(("flags", "Features")) for f in ln.split(":", 1)[1].split()}
 
@@ -79,7 +79,8 @@ def march_problem(compiler: str, march: str) -> Optional[str]:
     if probe.returncode != 0:
         return f"{compiler} does not know it"
     macros = {line.split()[1] for line in probe.stdout.splitlines() if line.startswith("#define ")}
-    missing = sorted(flag for macro, flag in _FEATURE_FLAGS.items() if macro in macros and flag not in cpu_flags())
+    have = cpu_flags()
+    missing = sorted(flag for macro, flag in _FEATURE_FLAGS.items() if macro in macros and flag not in have)
     return f"this CPU lacks {', '.join(missing)}" if missing else None
 
 
@@ -115,12 +116,11 @@ def cache_dir() -> Path:
 
 def cpu_signature() -> str:
     """What a ``-march=native`` build depends on: the CPU's model and feature flags."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-        lines = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags", "Features"))]
-        return "\n".join(sorted(set(lines)))
-    except OSError:
+    text = cpuinfo_text()
+    if text is None:
         return platform.processor()
+    lines = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags", "Features"))]
+    return "\n".join(sorted(set(lines)))
 
 
 def build(compiler: Optional[str] = None) -> Optional[Path]:

@@ -243,11 +243,11 @@ def test_decoding_rows_sharing_cached_blocks_attend_them_as_one_cascade(tiny_mod
     """On the gather path (MLX's ops: Metal, CUDA, kernels off), decode rows whose tables start
     with the same cached blocks attend to them once, merged with each row's own tokens by
     log-sum-exp; the logits are the model's as one sequence, as without the cascade."""
-    from mlx_parallm_provider.engine import shared_kv
+    from mlx_parallm_provider.engine import cascade
 
     model = tiny_model.model
     calls = []
-    real = shared_kv.cascade_attention
+    real = cascade.cascade_attention
     monkeypatch.setattr(paged_cache, "cascade_attention", lambda *a, **k: calls.append(a[5]) or real(*a, **k))
     if not cascade:
         monkeypatch.setattr(paged_cache, "MIN_SHARED_BLOCKS", 10**6)

@@ -174,6 +174,7 @@ def test_dense_computes_what_nn_linear_does() -> None:
 
 def test_doctor_prints_the_backend_blas_features_kernels_cache_and_versions(capsys: pytest.CaptureFixture[str]) -> None:
     from mlx_parallm_provider import cli
+    from mlx_parallm_provider.cpu_info import cpu_model_name
 
     assert cli.main(["doctor"]) == 0
     out = capsys.readouterr().out
@@ -181,4 +182,5 @@ def test_doctor_prints_the_backend_blas_features_kernels_cache_and_versions(caps
     for key in ("device", "blas", "dense layers", "cpu vector features", "kernel cache", "model cache", "version mlx", "version mlx-lm"):
         assert key in lines, (key, out)
     assert lines["blas"] == backend.blas_in_use()
+    assert lines["cpu"] == cpu_model_name(with_machine=True)
     assert lines["version mlx"] == __import__("mlx.core").core.__version__

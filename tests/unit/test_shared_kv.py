@@ -7,7 +7,8 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import BatchKVCache
 
-from mlx_parallm_provider.engine.shared_kv import SharedPrefix, SharedPrefixBatchCache
+from mlx_parallm_provider.engine.cascade import SharedPrefix
+from mlx_parallm_provider.engine.shared_kv import SharedPrefixBatchCache
 
 H, KV, D = 4, 2, 16
 

@@ -192,6 +192,15 @@ def test_a_kernel_march_with_features_the_cpu_lacks_is_refused(monkeypatch: pyte
     assert "this CPU lacks" in qmatmul.march_problem("cc", probe)
 
 
+def test_march_problem_reads_the_cpus_flags_once_per_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    if qmatmul.march_problem("cc", "x86-64-v3") is not None:
+        pytest.skip("not an x86 CPU that runs x86-64-v3 with a compiler that targets it")
+    reads: list[int] = []
+    monkeypatch.setattr(qmatmul, "cpu_flags", lambda: reads.append(1) or {"avx", "avx2"})  # no fma, f16c, bmi2
+    assert qmatmul.march_problem("cc", "x86-64-v3") == "this CPU lacks bmi2, f16c, fma"
+    assert len(reads) == 1  # not once per feature macro x86-64-v3 defines
+
+
 def test_by_default_float32_copies_are_kept_while_they_take_a_quarter_of_memory_at_most(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _extension()
     monkeypatch.delenv(small_batch.FLOAT32_ENV, raising=False)

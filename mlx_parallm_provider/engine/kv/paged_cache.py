@@ -14,7 +14,7 @@ rectangle (so a long row never makes short rows attend over its length), then at
 the backend's ``dense_attention``. Decoding rows whose tables start with the same cached
 blocks (an agent's system prompt mapped into every table) gather those blocks once: the
 shared prefix is attended as one matmul for all their queries and merged with each row's own
-tokens by log-sum-exp (cascade attention, :func:`..shared_kv.cascade_attention`). A layer
+tokens by log-sum-exp (cascade attention, :func:`..cascade.cascade_attention`). A layer
 with a sliding window (gemma3's local layers) gathers only the tokens its queries can see:
 the last ``window`` before each query, as mlx-lm's ``RotatingKVCache`` and its windowed mask
 give them. A model that computes
@@ -31,7 +31,7 @@ from typing import Any, Optional, Sequence
 import mlx.core as mx
 
 from ...models.backends import MLXOps
-from ..shared_kv import SharedPrefix, cascade_attention
+from ..cascade import SharedPrefix, cascade_attention
 from .block_pool import NULL_BLOCK
 from .storage import PagedKVStorage
 
