@@ -263,7 +263,12 @@ def rss_mb(pid: int) -> float:
     return 0.0
 
 
-async def soak_proxy(base_url: str, key: str, n: int, connections: int, rng: random.Random, stats_file: Path) -> tuple[Tally, dict[str, float]]:
+KINDS = ["plain"] * 35 + ["stream"] * 15 + ["bad"] * 15 + ["hostile"] * 15 + ["hang_up"] * 10 + ["stream_drop"] * 10
+"""Phase 2's mix of requests; ``--control`` first runs it without the bad and hostile bodies."""
+
+
+async def soak_proxy(base_url: str, key: str, n: int, connections: int, rng: random.Random, stats_file: Path,
+                     kinds: list[str] = KINDS) -> tuple[Tally, dict[str, float]]:
     import httpx
 
     question = [{"role": "user", "content": "Name three rivers."}]
@@ -274,7 +279,6 @@ async def soak_proxy(base_url: str, key: str, n: int, connections: int, rng: ran
         {"model": "soak", "messages": question, "top_k": 10**6, "temperature": 1}, {"model": "soak", "messages": question, "tools": "abc"},
         {"model": "soak", "messages": question, "n": 10**4},
     ]
-    kinds = ["plain"] * 35 + ["stream"] * 15 + ["bad"] * 15 + ["hostile"] * 15 + ["hang_up"] * 10 + ["stream_drop"] * 10
     hostile = hostile_cases()
     gaps: list[float] = []
     tally = Tally()
@@ -415,6 +419,9 @@ def main() -> int:
     parser.add_argument("--http-requests", type=int, default=512, help="phase 2 requests (0 skips the proxy)")
     parser.add_argument("--connections", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--control", action="store_true",
+                        help="before phase 2, run its traffic without the bad and hostile bodies: the loop's pauses and stream gaps of the "
+                             "proxy's own load, to compare with the hostile run's")
     args = parser.parse_args()
     rng = random.Random(args.seed)
 
@@ -469,6 +476,10 @@ def main() -> int:
                                   json={"model": "soak", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
                 assert warm.status_code == 200, warm.text
                 time.sleep(0.2)
+                if args.control:
+                    innocent = [k for k in KINDS if k not in ("bad", "hostile")]
+                    control, figures = asyncio.run(soak_proxy(base_url, key, args.http_requests, args.connections, rng, stats_file, innocent))
+                    proxy_ok = report("LiteLLM proxy, control (the same traffic without bad or hostile bodies)", control, figures)
                 rss_before, mlx_before = rss_mb(process.pid), mlx_mb(stats_file)
                 tally, freed = asyncio.run(soak_proxy(base_url, key, args.http_requests, args.connections, rng, stats_file))
                 abandoned = asyncio.run(abandoned_rows(base_url, key, stats_file))
@@ -481,7 +492,7 @@ def main() -> int:
                     "crashes": crashes, **freed, "abandoned non-streaming requests": abandoned,
                     "proxy RSS before -> after (MiB)": f"{rss_before:.0f} -> {rss_after:.0f}",
                     "proxy MLX active memory before -> after, less the KV pool / prefix store (MiB)": f"{mlx_before:.1f} -> {mlx_after:.1f}",
-                }) and alive and mlx_after <= mlx_before * 1.05
+                }) and alive and mlx_after <= mlx_before * 1.05 and proxy_ok
             finally:
                 os.killpg(process.pid, 15)
                 process.wait(30)
