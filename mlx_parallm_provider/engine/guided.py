@@ -15,6 +15,7 @@ recurses on the calling thread's stack, see :mod:`.compiler`), and probed a few 
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 import weakref
@@ -57,12 +58,22 @@ def _llg_tokenizer(hf: Any, vocab_size: int, eos: list[int]) -> Any:
         except TypeError:  # not weakly referenceable: built for this caller alone
             per_tokenizer = {}
         if key not in per_tokenizer:
-            backend = copy(hf.backend_tokenizer)
-            backend.no_padding()
-            backend.no_truncation()
             llg = import_llguidance()
-            per_tokenizer[key] = llg.LLTokenizer(backend.to_str(), n_vocab=vocab_size or None, eos_token=eos or None)
+            per_tokenizer[key] = llg.LLTokenizer(_unpadded_spec(hf.backend_tokenizer), n_vocab=vocab_size or None, eos_token=eos or None)
         return per_tokenizer[key]
+
+
+def _unpadded_spec(backend: Any) -> str:
+    """The tokenizer's JSON without padding or truncation (llguidance tokenizes whole
+    texts). Read as it is where neither is set (the usual case): copying the tokenizer, or
+    parsing its JSON, holds the GIL for a long single call (126 ms / 84 ms for a 49k
+    vocabulary, stalling every stream of an event loop); ``to_str`` does not."""
+    spec = backend.to_str()
+    if backend.padding is None and backend.truncation is None:
+        return spec
+    edited = json.loads(spec)
+    edited["padding"] = edited["truncation"] = None  # what no_padding() / no_truncation() leave
+    return json.dumps(edited)
 
 
 class GrammarTokenizer:
