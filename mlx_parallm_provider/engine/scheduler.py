@@ -181,7 +181,7 @@ class Scheduler:
         """Whether the request could ever be admitted under the KV budget (the pool, or
         the rectangle layout's token budget)."""
         if self.kv is not None:
-            return self.kv.fits_alone(self.kv.peak_tokens(request.num_tokens, request.max_kv_tokens))
+            return self.kv.fits_request(request.num_tokens, request.max_kv_tokens)
         return self.kv_budget_tokens is None or request.max_kv_tokens <= self.kv_budget_tokens
 
     def kv_usage(self) -> float:

@@ -15,9 +15,14 @@ shares most of its next tokens; :meth:`grow` with that hit maps the whole blocks
 request's table (shared, no copy) and gives it a copy of the last one (copy on write: the
 request writes after the shared tokens), queued in :attr:`pending_copies` for the runner.
 
-Sliding windows: where every layer attends to at most the last ``window`` tokens
-(``max_kv_size``), :meth:`slide` releases a table's blocks that no later query can see; their
-entries become the null block, so positions keep their place in the table.
+Groups of layers (:mod:`.groups`): a model mixing global and sliding-window layers has one
+table per group for each request, all drawn from the one pool; every method here covers all of
+a request's tables. Sliding windows: a group whose layers attend to at most the last
+``window`` tokens (gemma3's local layers, ``max_kv_size``) has its blocks that no later query
+can see released by :meth:`slide`; their entries become the null block, so positions keep
+their place in the table. A prefix hit maps cached blocks into every group's table: a window
+group needs only the blocks of the window before the hit's end. (Partly shared last blocks,
+copied on write, are matched with a single group only.)
 """
 
 from __future__ import annotations
@@ -32,16 +37,23 @@ from .block_pool import NULL_BLOCK, BlockPool
 class PrefixHit:
     """What the cache holds of a prompt: whole ``blocks`` to share, then (``copy_from``) a
     cached block whose first ``copy_tokens`` tokens come next, to be copied into a block
-    of the request's own (it will write after them)."""
+    of the request's own (it will write after them). With groups of layers, ``groups``
+    holds each group's table entries for the whole blocks (a window group's first ones
+    null), ``blocks`` being the first group's."""
 
     blocks: list[int] = field(default_factory=list)
     copy_from: Optional[int] = None
     copy_tokens: int = 0
     block_size: int = 1
+    groups: Optional[list[list[int]]] = None
 
     @property
     def tokens(self) -> int:
         return len(self.blocks) * self.block_size + self.copy_tokens
+
+    def of(self, group: int) -> list[int]:
+        """Group ``group``'s table entries for the whole blocks."""
+        return self.blocks if self.groups is None else self.groups[group]
 
 
 def blocks_for(tokens: int, block_size: int) -> int:
@@ -56,17 +68,20 @@ class KVCacheManager:
         num_blocks: blocks in the pool, the null block included.
         block_size: tokens per block.
         max_cached_blocks: the most blocks the prefix cache names (None: no bound but the pool).
-        window: the most recent tokens any layer attends to, where every layer has a window
-            (None: some layer attends to every token, and no block is released early).
+        window: the most recent tokens every layer attends to (None: some layer attends to
+            every token, and no block is released early); one group of layers.
+        windows: instead of ``window``, each group's window (:class:`.groups.LayerGroups`):
+            a request has a table per group.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, max_cached_blocks: Optional[int] = None, window: Optional[int] = None) -> None:
+    def __init__(self, num_blocks: int, block_size: int, max_cached_blocks: Optional[int] = None, window: Optional[int] = None,
+                 windows: Optional[Sequence[Optional[int]]] = None) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
-        self.window = window
+        self.windows: list[Optional[int]] = list(windows) if windows is not None else [window]
         self.pool = BlockPool(num_blocks, max_cached_blocks)
-        self._tables: dict[Hashable, list[int]] = {}
+        self._tables: dict[Hashable, list[list[int]]] = {}  # owner -> a table per group
         self._limits: dict[Hashable, int] = {}  # owner -> the most entries its table may come to hold
         self.num_preemptions = 0
         self.pending_copies: list[tuple[int, int]] = []  # (source, destination) blocks, sources held
@@ -74,56 +89,91 @@ class KVCacheManager:
     # -- questions --------------------------------------------------------------------
 
     @property
-    def capacity_tokens(self) -> int:
-        """The most KV entries the pool can hold (all requests together)."""
-        return self.pool.num_usable * self.block_size
+    def window(self) -> Optional[int]:
+        """The window of the only group (None with several groups, or where it attends to all)."""
+        return self.windows[0] if len(self.windows) == 1 else None
 
-    def table(self, owner: Hashable) -> list[int]:
-        """``owner``'s blocks, in token order (empty if it holds none)."""
-        return self._tables.get(owner, [])
+    @property
+    def capacity_tokens(self) -> int:
+        """The most KV entries the pool can hold (all requests together), counting a token
+        once for all groups."""
+        return self.pool.num_usable * self.block_size // len(self.windows)
+
+    def table(self, owner: Hashable, group: int = 0) -> list[int]:
+        """``owner``'s blocks of ``group``, in token order (empty if it holds none)."""
+        tables = self._tables.get(owner)
+        return tables[group] if tables is not None else []
+
+    def _window_blocks(self, group: int) -> Optional[int]:
+        """The most blocks a table of ``group`` holds live (None: no window): a window's worth,
+        the block it straddles at its start, and the block being written."""
+        window = self.windows[group]
+        return None if window is None else blocks_for(window, self.block_size) + 2
 
     def blocks_to_grow(self, owner: Hashable, tokens: int) -> int:
-        """Blocks ``owner`` must add so that its table holds ``tokens`` entries."""
-        return max(0, blocks_for(tokens, self.block_size) - len(self.table(owner)))
+        """Blocks ``owner`` must add so that its tables hold ``tokens`` entries."""
+        need = blocks_for(tokens, self.block_size)
+        return sum(max(0, need - len(self.table(owner, g))) for g in range(len(self.windows)))
 
     def blocks_to_come(self) -> int:
         """Blocks the tables may still add before each reaches its limit (prompt +
         ``max_tokens``, given to :meth:`grow`): what the arrays may have to hold beyond the
-        blocks in use for the requests holding blocks now."""
-        return sum(max(0, blocks_for(limit, self.block_size) - len(self.table(o))) for o, limit in self._limits.items())
+        blocks in use for the requests holding blocks now. (A window group counts no more
+        than its window's blocks.)"""
+        total = 0
+        for owner, limit in self._limits.items():
+            need = blocks_for(limit, self.block_size)
+            for g in range(len(self.windows)):
+                table, most = self.table(owner, g), self._window_blocks(g)
+                more = max(0, need - len(table))
+                if most is not None:
+                    more = min(more, max(0, most - sum(b != NULL_BLOCK for b in table)))
+                total += more
+        return total
 
     def can_hold(self, wanted: dict[Hashable, int]) -> bool:
         """Whether every ``owner -> tokens`` in ``wanted`` can be held at once."""
         return sum(self.blocks_to_grow(o, n) for o, n in wanted.items()) <= self.pool.num_free
 
     def admission_cost(self, tokens: int, prefix: Optional[PrefixHit] = None) -> int:
-        """Free blocks a new table of ``tokens`` entries starting with ``prefix`` takes: its
-        own blocks, plus the cached blocks it shares (or holds to copy) that nobody holds
-        now (they count as free until then)."""
-        cost = blocks_for(tokens, self.block_size)
+        """Free blocks a new request's tables of ``tokens`` entries starting with ``prefix``
+        take: their own blocks, plus the cached blocks they share (or hold to copy) that
+        nobody holds now (they count as free until then)."""
+        cost = blocks_for(tokens, self.block_size) * len(self.windows)
         if prefix is not None and prefix.tokens:
-            cost -= len(prefix.blocks)
-            cost += sum(self.pool.refs(b) == 0 for b in prefix.blocks)
+            for g in range(len(self.windows)):
+                entries = prefix.of(g)
+                cost -= len(entries)
+                cost += sum(b != NULL_BLOCK and self.pool.refs(b) == 0 for b in entries)
             cost += prefix.copy_from is not None and self.pool.refs(prefix.copy_from) == 0
         return cost
 
     def fits_alone(self, tokens: int) -> bool:
-        """Whether one request of ``tokens`` entries fits in the whole pool."""
-        return blocks_for(tokens, self.block_size) <= self.pool.num_usable
+        """Whether one table per group of ``tokens`` entries fits in the whole pool."""
+        return blocks_for(tokens, self.block_size) * len(self.windows) <= self.pool.num_usable
 
-    def peak_tokens(self, prompt: int, total: int) -> int:
-        """The most entries a request of a ``prompt`` and ``total`` tokens in all holds at once:
-        ``total``, or with a window its prompt (given its blocks at admission) or a window's
-        worth and the blocks it straddles, whichever is more."""
-        if self.window is None:
-            return total
-        return min(total, max(prompt + 1, self.window + 2 * self.block_size))
+    def peak_blocks(self, prompt: int, total: int) -> int:
+        """The most blocks a request of a ``prompt`` and ``total`` tokens in all holds at
+        once: in each group its ``total`` tokens' blocks, or in a window group its prompt's
+        (given at admission) or a window's worth and the blocks it straddles, whichever is more."""
+        need = blocks_for(total, self.block_size)
+        peak = 0
+        for g in range(len(self.windows)):
+            most = self._window_blocks(g)
+            peak += need if most is None else min(need, max(blocks_for(prompt + 1, self.block_size), most))
+        return peak
+
+    def fits_request(self, prompt: int, total: int) -> bool:
+        """Whether a request of a ``prompt`` and ``total`` tokens in all fits the whole pool."""
+        return self.peak_blocks(prompt, total) <= self.pool.num_usable
 
     # -- prefix cache -----------------------------------------------------------------
 
-    def _keys(self, tokens: Sequence[int], blocks: int) -> list[tuple[Hashable, tuple[int, ...]]]:
-        """The names of the first ``blocks`` whole blocks of ``tokens``."""
-        bs, keys, parent = self.block_size, [], 0
+    def _keys(self, tokens: Sequence[int], blocks: int, group: int = 0) -> list[tuple[Hashable, tuple[int, ...]]]:
+        """The names of the first ``blocks`` whole blocks of ``tokens`` in ``group`` (each
+        group's blocks hold other layers: their names differ)."""
+        bs, keys = self.block_size, []
+        parent: Hashable = 0 if group == 0 else ("group", group)
         for i in range(blocks):
             keys.append((parent, tuple(tokens[i * bs : (i + 1) * bs])))
             parent = hash(keys[-1])
@@ -136,6 +186,8 @@ class KVCacheManager:
     def match(self, tokens: Sequence[int], limit: int) -> PrefixHit:
         """What the cache holds of the longest prefix of ``tokens``, at most ``limit``
         tokens of it (no side effects)."""
+        if len(self.windows) > 1:
+            return self._match_groups(tokens, limit)
         bs, found = self.block_size, []
         keys = self._keys(tokens, min(limit, len(tokens)) // bs)
         for key in keys:
@@ -158,70 +210,107 @@ class KVCacheManager:
                     best, best_len = block, n
         return PrefixHit(found, best, best_len, bs)
 
+    def _match_groups(self, tokens: Sequence[int], limit: int) -> PrefixHit:
+        """:meth:`match` of whole blocks in every group: the most whole blocks ``k`` such that
+        each group without a window holds blocks ``0..k`` and each window group the blocks
+        its window reaches back to from position ``k * block_size``."""
+        bs = self.block_size
+        n = min(limit, len(tokens)) // bs
+        found = [[self.pool.lookup(key) for key in self._keys(tokens, n, g)] for g in range(len(self.windows))]
+        k = n
+        for g, blocks in enumerate(found):
+            if self.windows[g] is None:
+                k = min(k, next((i for i, b in enumerate(blocks) if b is None), n))
+        while k > 0 and not all(self._reaches(found[g], g, k) for g in range(len(self.windows)) if self.windows[g] is not None):
+            k -= 1
+        groups = []
+        for g, blocks in enumerate(found):
+            first = self._first_seen(g, k)
+            groups.append([NULL_BLOCK] * first + [b for b in blocks[first:k]])  # type: ignore[misc]
+        return PrefixHit(groups[0], None, 0, bs, groups if len(groups) > 1 else None)
+
+    def _first_seen(self, group: int, blocks: int) -> int:
+        """The first block a query right after ``blocks`` whole blocks sees in ``group``."""
+        window = self.windows[group]
+        return 0 if window is None else max(0, (blocks * self.block_size - window) // self.block_size)
+
+    def _reaches(self, found: list[Optional[int]], group: int, k: int) -> bool:
+        return all(b is not None for b in found[self._first_seen(group, k) : k])
+
     def register(self, owner: Hashable, tokens: Sequence[int], computed: int) -> int:
         """Name ``owner``'s blocks holding its first ``computed`` tokens (``tokens[:computed]``),
-        the last partly filled one too, so later prompts can share them; returns how many
-        were named now."""
-        table, bs = self.table(owner), self.block_size
-        computed = min(computed, len(tokens), len(table) * bs)
-        keys = self._keys(tokens, computed // bs)
-        named = sum(self.pool.set_key(block, key) for block, key in zip(table, keys) if block != NULL_BLOCK)
-        if computed % bs and table[len(keys)] != NULL_BLOCK:
-            last = (self._parent(keys), tuple(tokens[len(keys) * bs : computed]))
-            named += self.pool.set_key(table[len(keys)], last)
+        the last partly filled one too (one group only), so later prompts can share them;
+        returns how many were named now."""
+        bs, named = self.block_size, 0
+        for g in range(len(self.windows)):
+            table = self.table(owner, g)
+            upto = min(computed, len(tokens), len(table) * bs)
+            keys = self._keys(tokens, upto // bs, g)
+            named += sum(self.pool.set_key(block, key) for block, key in zip(table, keys) if block != NULL_BLOCK)
+            if len(self.windows) == 1 and upto % bs and table[len(keys)] != NULL_BLOCK:
+                last = (self._parent(keys), tuple(tokens[len(keys) * bs : upto]))
+                named += self.pool.set_key(table[len(keys)], last)
         return named
 
     # -- changes ----------------------------------------------------------------------
 
     def grow(self, owner: Hashable, tokens: int, prefix: Optional[PrefixHit] = None, limit: Optional[int] = None) -> None:
-        """Make ``owner``'s table hold ``tokens`` entries (ValueError if blocks run out),
-        starting a new table with a cached ``prefix``: its whole blocks shared, its last
+        """Make ``owner``'s tables hold ``tokens`` entries (ValueError if blocks run out),
+        starting new tables with a cached ``prefix``: its whole blocks shared, its last
         block copied into one of the owner's own (queued in :attr:`pending_copies`).
         ``limit``: the most entries the owner will ever hold (see :meth:`blocks_to_come`)."""
         if limit is not None:
             self._limits[owner] = limit
-        if prefix is not None and prefix.tokens and owner not in self._tables:
-            self.pool.share(prefix.blocks)
-            self.pool.touch(prefix.blocks)
-            table = self._tables[owner] = list(prefix.blocks)
-            if prefix.copy_from is not None:
-                self.pool.share([prefix.copy_from])  # held until copied
-                table.extend(self.pool.allocate(1))
-                self.pending_copies.append((prefix.copy_from, table[-1]))
-        n = self.blocks_to_grow(owner, tokens)
-        if n:
-            self._tables.setdefault(owner, []).extend(self.pool.allocate(n))
+        if owner not in self._tables:
+            tables = self._tables[owner] = [[] for _ in self.windows]
+            if prefix is not None and prefix.tokens:
+                for g, table in enumerate(tables):
+                    entries = prefix.of(g)
+                    held = [b for b in entries if b != NULL_BLOCK]
+                    self.pool.share(held)
+                    self.pool.touch(held)
+                    table.extend(entries)
+                if prefix.copy_from is not None:
+                    self.pool.share([prefix.copy_from])  # held until copied
+                    tables[0].extend(self.pool.allocate(1))
+                    self.pending_copies.append((prefix.copy_from, tables[0][-1]))
+        need = blocks_for(tokens, self.block_size)
+        for table in self._tables[owner]:
+            if need > len(table):
+                table.extend(self.pool.allocate(need - len(table)))
 
     def fit(self, owner: Hashable, tokens: int) -> None:
-        """Make ``owner``'s table hold exactly the blocks ``tokens`` entries need: grown, or
-        its blocks past them released (rejected speculative tokens' KV, never cached)."""
-        table = self._tables.get(owner, [])
+        """Make ``owner``'s tables hold exactly the blocks ``tokens`` entries need: grown, or
+        their blocks past them released (rejected speculative tokens' KV, never cached)."""
         keep = blocks_for(tokens, self.block_size)
-        if len(table) > keep:
-            self.pool.release(reversed(table[keep:]))
-            del table[keep:]
-        else:
-            self.grow(owner, tokens)
+        for table in self._tables.get(owner, []):
+            if len(table) > keep:
+                self.pool.release(b for b in reversed(table[keep:]) if b != NULL_BLOCK)
+                del table[keep:]
+        self.grow(owner, tokens)
 
     def free(self, owner: Hashable) -> int:
         """Release every block ``owner`` holds (cached ones stay cached); returns how many."""
-        blocks = [b for b in self._tables.pop(owner, []) if b != NULL_BLOCK]
+        blocks = [b for table in self._tables.pop(owner, []) for b in table if b != NULL_BLOCK]
         self._limits.pop(owner, None)
         self.pool.release(reversed(blocks))  # the prompt's first blocks are evicted last
         return len(blocks)
 
     def slide(self, owner: Hashable, position: int) -> int:
-        """With a :attr:`window`: release ``owner``'s blocks that hold only tokens before the
-        window of a query at ``position`` (no query at or after it can see them); returns how
-        many were released now."""
-        if self.window is None:
-            return 0
-        table = self._tables.get(owner, [])
-        gone = [i for i in range(min(len(table), max(0, position - self.window + 1) // self.block_size)) if table[i] != NULL_BLOCK]
-        self.pool.release(table[i] for i in gone)
-        for i in gone:
-            table[i] = NULL_BLOCK
-        return len(gone)
+        """In each window group, release ``owner``'s blocks that hold only tokens before the
+        window of a query at ``position`` (no query at or after it can see them); returns
+        how many were released now."""
+        released = 0
+        for g, window in enumerate(self.windows):
+            if window is None:
+                continue
+            table = self.table(owner, g)
+            gone = [i for i in range(min(len(table), max(0, position - window + 1) // self.block_size)) if table[i] != NULL_BLOCK]
+            self.pool.release(table[i] for i in gone)
+            for i in gone:
+                table[i] = NULL_BLOCK
+            released += len(gone)
+        return released
 
     def copied(self) -> list[tuple[int, int]]:
         """The queued block copies, for the runner to make now; their sources are let go."""

@@ -33,6 +33,7 @@ import mlx.core as mx
 from ...models.backends import MLXOps
 from ..cascade import SharedPrefix, cascade_attention
 from .block_pool import NULL_BLOCK
+from .groups import LayerGroups
 from .storage import PagedKVStorage
 
 _MLX_OPS = MLXOps()
@@ -54,22 +55,42 @@ class PagedBatch:
 
     Args:
         storage: the layers' K/V arrays.
-        tables: each row's block table (enough blocks for ``starts[b] + lengths[b]`` tokens).
+        tables: each row's block table (enough blocks for ``starts[b] + lengths[b]`` tokens);
+            with ``groups``, one such list per group of layers.
         starts: tokens each row already holds (its first new token's position).
         lengths: new tokens of each row in this pass (at most ``width``; the rest is padding).
         width: the tokens axis of the pass's input.
-        windows: each layer's sliding window (None: all tokens); all None when not given.
+        windows: each layer's sliding window (None: all tokens); without it, each layer's
+            group's window (all None without groups).
         gathered: the model attends itself over what ``update_and_fetch`` returns (its
             attention is not routed through :meth:`PagedLayerCache.attend`).
+        groups: which group's tables and which storage slot each layer uses
+            (:class:`.groups.LayerGroups`); None: one group, a slot per layer.
     """
 
-    def __init__(self, storage: PagedKVStorage, tables: Sequence[Sequence[int]], starts: Sequence[int], lengths: Sequence[int], width: int,
-                 windows: Optional[Sequence[Optional[int]]] = None, gathered: bool = False) -> None:
-        bs = storage.block_size
+    def __init__(self, storage: PagedKVStorage, tables: Sequence[Any], starts: Sequence[int], lengths: Sequence[int], width: int,
+                 windows: Optional[Sequence[Optional[int]]] = None, gathered: bool = False, groups: Optional[LayerGroups] = None) -> None:
         self.storage, self.width, self.gathered = storage, width, gathered
-        self.windows = list(windows) if windows is not None else [None] * storage.num_layers
+        self.groups = groups if groups is not None else LayerGroups.single(storage.num_layers)
+        self.windows = list(windows) if windows is not None else [self.groups.windows[g] for g, _ in self.groups.places]
         self.totals = [s + n for s, n in zip(starts, lengths)]
         self.offset = mx.array(list(starts), dtype=mx.int32)
+        self.lengths = mx.array(self.totals, dtype=mx.int32)
+        self.passes = [GroupPass(self, t, starts, lengths) for t in ([tables] if groups is None else tables)]
+
+    def layers(self) -> list["PagedLayerCache"]:
+        """One cache object per layer, for ``model(tokens, cache=...)``."""
+        return [PagedLayerCache(self.passes[g], slot, self.windows[layer]) for layer, (g, slot) in enumerate(self.groups.places)]
+
+
+class GroupPass:
+    """A pass's rows in one group of layers: their tables, where the new tokens are written,
+    and (built on first use) how attention reads them."""
+
+    def __init__(self, batch: PagedBatch, tables: Sequence[Sequence[int]], starts: Sequence[int], lengths: Sequence[int]) -> None:
+        storage, width = batch.storage, batch.width
+        bs = storage.block_size
+        self.batch, self.storage, self.width, self.totals = batch, storage, width, batch.totals
         writes = []
         for table, start, n in zip(tables, starts, lengths):
             row = [table[(start + i) // bs] * bs + (start + i) % bs for i in range(n)]
@@ -82,7 +103,7 @@ class PagedBatch:
         longest = max((len(t) for t in tables), default=0)
         # For the paged decode kernel: block tables padded with the null block, and lengths.
         self.table = mx.array([list(t) + [NULL_BLOCK] * (longest - len(t)) for t in tables], dtype=mx.int32) if width == 1 else None
-        self.lengths = mx.array(self.totals, dtype=mx.int32)
+        self.lengths = batch.lengths
 
     def buckets(self, window: Optional[int] = None) -> list["_Bucket"]:
         """Rows grouped by the length they attend over, each with its slots and mask, for
@@ -141,11 +162,6 @@ class PagedBatch:
             firsts = [0 if window is None else max(0, s - window + 1) for s in starts]
             self._buckets[key] = [_Bucket(list(range(len(tables))), tables, starts, firsts, self.totals, self.width, self.storage.block_size, window)]
         return self._buckets[key][0]
-
-    def layers(self) -> list["PagedLayerCache"]:
-        """One cache object per layer, for ``model(tokens, cache=...)``."""
-        return [PagedLayerCache(self, layer, self.windows[layer]) for layer in range(self.storage.num_layers)]
-
 
 class _Bucket:
     """Rows attended together: the slots of the tokens ``firsts[b]:totals[b]`` of each
@@ -214,16 +230,17 @@ def _attend_tiled(backend: MLXOps, queries: mx.array, keys: mx.array, values: mx
 
 
 class PagedLayerCache:
-    """One layer's view of a :class:`PagedBatch` (mlx-lm's cache interface)."""
+    """One layer's view of a :class:`PagedBatch` (mlx-lm's cache interface): its group's
+    rows and tables, its storage slot."""
 
     attends_sinks = True  # gpt-oss's attention sinks reach attend() (the gathered path)
 
-    def __init__(self, batch: PagedBatch, layer: int, window: Optional[int] = None) -> None:
-        self.batch, self.layer, self.window = batch, layer, window
+    def __init__(self, batch: GroupPass, layer: int, window: Optional[int] = None) -> None:
+        self.batch, self.layer, self.window = batch, layer, window  # layer: the storage slot
 
     @property
     def offset(self) -> mx.array:
-        return self.batch.offset
+        return self.batch.batch.offset
 
     @property
     def state(self) -> tuple[Any, ...]:
@@ -233,7 +250,7 @@ class PagedLayerCache:
     def make_mask(self, N: int, return_array: bool = False, **kwargs: Any) -> Optional[mx.array]:
         """None: attend() builds each bucket's mask from the block tables; for a model that
         attends itself, the mask of every row's gathered tokens, ``(B, 1, N, S)``."""
-        return self.batch.whole(self.window).mask if self.batch.gathered else None
+        return self.batch.whole(self.window).mask if self.batch.batch.gathered else None
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Write the pass's new K/V (``(B, kv_heads, L, D)``) into the rows' blocks; return
@@ -243,7 +260,7 @@ class PagedLayerCache:
         flat_k = keys.swapaxes(1, 2).reshape(B * L, H, D)
         flat_v = values.swapaxes(1, 2).reshape(B * L, H, values.shape[-1])
         self.batch.storage.write(self.layer, self.batch.write_slots, flat_k, flat_v)
-        if not self.batch.gathered:
+        if not self.batch.batch.gathered:
             return keys, values
         k, v = self.batch.storage.read(self.layer, self.batch.whole(self.window).slots)  # (B, S, kv_heads, D)
         return k.swapaxes(1, 2), v.swapaxes(1, 2)

@@ -19,6 +19,7 @@ from ...models import backends
 from ..request import Request
 from .budget import pool_blocks
 from .manager import KVCacheManager
+from .groups import LayerGroups
 from .paged_cache import PagedBatch
 from .storage import PagedKVStorage
 from .support import layer_windows, unsupported_reason, with_max_kv_size
@@ -40,9 +41,10 @@ class PagedRunner:
     """
 
     def __init__(self, model: Any, kv: KVCacheManager, storage: PagedKVStorage, pad_id: int, caching: bool = True,
-                 windows: Optional[list[Optional[int]]] = None) -> None:
+                 windows: Optional[list[Optional[int]]] = None, groups: Optional[LayerGroups] = None) -> None:
         self.model, self.kv, self.storage, self.pad_id, self.caching = model, kv, storage, pad_id, caching
-        self.windows = windows or layer_windows(model) or [None] * storage.num_layers
+        self.windows = windows or layer_windows(model) or [None] * len(model.layers)
+        self.groups = groups  # None: one group, a storage slot per layer
         self.gathered = not backends.routes_attention(model)  # it attends itself over gathered K/V
 
     @classmethod
@@ -66,13 +68,18 @@ class PagedRunner:
         """A runner with its own pool: ``budget_bytes`` of blocks (all allocated at once),
         or, without a budget, room for ``max_tokens`` within the free memory, grown on use;
         at most ``max_cached_tokens`` of it named by the prefix cache. ``max_kv_size``: every
-        layer attends to at most that many recent tokens, and older blocks are released."""
-        blocks = pool_blocks(budget_bytes, bytes_per_token, block_size, max_tokens)
-        windows = with_max_kv_size(layer_windows(model) or [None] * len(model.layers), max_kv_size)
-        window = None if None in windows else max(windows)  # type: ignore[type-var]
-        kv = KVCacheManager(blocks, block_size, None if max_cached_tokens is None else max(1, max_cached_tokens // block_size), window)
-        storage = PagedKVStorage(len(model.layers), blocks, block_size, preallocate=budget_bytes is not None)
-        return cls(model, kv, storage, pad_id, windows=windows)
+        layer attends to at most that many recent tokens, and older blocks are released.
+        Layers of different windows (gemma3's local and global) get a group each
+        (:mod:`.groups`): a local group's blocks past its window are released too."""
+        layers = len(model.layers)
+        windows = with_max_kv_size(layer_windows(model) or [None] * layers, max_kv_size)
+        groups = LayerGroups.of(windows)
+        # A block holds `groups.size` layers' K/V: a token costs that share of all layers' bytes in each group.
+        blocks = pool_blocks(budget_bytes, bytes_per_token * groups.size // layers, block_size, max_tokens * groups.count)
+        cached = None if max_cached_tokens is None else max(1, max_cached_tokens * groups.count // block_size)
+        kv = KVCacheManager(blocks, block_size, cached, windows=groups.windows)
+        storage = PagedKVStorage(groups.size, blocks, block_size, preallocate=budget_bytes is not None)
+        return cls(model, kv, storage, pad_id, windows=windows, groups=groups if groups.count > 1 else None)
 
     def prefix_options(self, config: EngineConfig) -> dict[str, Any]:
         """The scheduler's prefix-sharing arguments: prefixes are the pool's cached blocks."""
@@ -95,11 +102,11 @@ class PagedRunner:
         if not self.caching:
             return None
         pool, bs = self.kv.pool, self.kv.block_size
-        cached = pool.num_cached * bs
-        bound = (pool.max_cached or pool.num_usable) * bs
-        return {"cached_bytes": cached * bytes_per_token, "cached_tokens_stored": cached, "evictions": pool.evictions,
-                "evicted_tokens": pool.evictions * bs, "max_bytes": bound * bytes_per_token, "nbytes": cached * bytes_per_token,
-                "cached_blocks": pool.num_cached}
+        count = len(self.kv.windows)  # with groups, a block holds one group's layers: a token takes a block slot in each
+        block_bytes = bs * bytes_per_token * self.storage.num_layers // len(self.model.layers)
+        cached, bound = pool.num_cached * block_bytes, (pool.max_cached or pool.num_usable) * block_bytes
+        return {"cached_bytes": cached, "cached_tokens_stored": pool.num_cached * bs // count, "evictions": pool.evictions,
+                "evicted_tokens": pool.evictions * bs // count, "max_bytes": bound, "nbytes": cached, "cached_blocks": pool.num_cached}
 
     def reserve(self) -> None:
         """After the scheduler planned: make the arrays hold every block the tables use, and
@@ -118,8 +125,9 @@ class PagedRunner:
         model, over the rows' blocks; the logits, ``(B, width, vocab)``."""
         width = max(len(p) for p in pieces)
         self.reserve()
-        batch = PagedBatch(self.storage, [self.kv.table(id(r)) for r in rows], starts, [len(p) for p in pieces], width, self.windows,
-                           self.gathered)
+        tables: list[Any] = [[self.kv.table(id(r), g) for r in rows] for g in range(len(self.kv.windows))]
+        batch = PagedBatch(self.storage, tables[0] if self.groups is None else tables, starts, [len(p) for p in pieces], width,
+                           self.windows, self.gathered, self.groups)
         tokens = mx.array([p + [self.pad_id] * (width - len(p)) for p in pieces])
         return self.model(tokens, cache=batch.layers())
 
