@@ -231,10 +231,13 @@ class Scheduler:
                 # Its prompt and the token it decodes the step its prefill ends, with a block of
                 # headroom while others hold blocks; alone, its own blocks always fit (fits_alone).
                 busy = self.num_running > 0
-                if self.kv.admission_cost(request.num_tokens + 1, prefix) + busy > self.kv.pool.num_free:
+                # Sliding-window layers get blocks only up to its first chunk (the whole prompt if short).
+                window_end = cached + min(self.prefill_chunk_size, request.num_tokens - cached) + 1
+                if self.kv.admission_cost(request.num_tokens + 1, prefix, window_end) + busy > self.kv.pool.num_free:
                     if busy:
                         break
                     prefix, cached = None, 0
+                    window_end = min(self.prefill_chunk_size, request.num_tokens) + 1
             else:
                 cached = self._cached_len(request)
                 if self.kv_budget_tokens is not None and kv_used + request.max_kv_tokens > self.kv_budget_tokens:
@@ -257,7 +260,7 @@ class Scheduler:
                 break
             request.num_cached = request.num_prefilled = cached
             if self.kv is not None:
-                self.kv.grow(id(request), request.num_tokens + 1, prefix, limit=request.max_kv_tokens)
+                self.kv.grow(id(request), request.num_tokens + 1, prefix, limit=request.max_kv_tokens, window_end=window_end)
                 self.kv.slide(id(request), request.num_cached)  # (a long cached prefix: only its window is held)
             self.waiting.popleft()
             sharers.append(request)
@@ -306,9 +309,17 @@ class Scheduler:
             for r in [*self.running, *([self.chunking] if self.chunking is not None else [])]:
                 self.kv.slide(id(r), r.num_prefilled if r is self.chunking else r.num_tokens - 1)  # its next query's window
             wanted = {id(r): r.num_tokens + len(r.draft) for r in self.running}
-            if self.kv.can_hold(wanted):
+            ends = {}
+            if self.chunking is not None:  # its next chunk's blocks in sliding-window layers
+                c = self.chunking
+                wanted[id(c)] = c.num_tokens + 1
+                ends[id(c)] = c.num_prefilled + min(self.prefill_chunk_size, c.num_tokens - c.num_prefilled) + 1
+            if self.kv.can_hold(wanted, ends):
                 for owner, tokens in wanted.items():
-                    self.kv.fit(owner, tokens)
+                    if owner in ends:
+                        self.kv.grow(owner, tokens, window_end=ends[owner])
+                    else:
+                        self.kv.fit(owner, tokens)
                 return
             if any(r.draft for r in self.running):
                 for r in self.running:

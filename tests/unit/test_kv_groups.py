@@ -57,3 +57,27 @@ def test_a_prefix_hit_maps_every_groups_blocks_and_needs_only_the_window_of_a_wi
     kv.pool._forget(hit.of(0)[7])
     shorter = kv.match(tokens + [1, 2], 33)
     assert shorter.tokens < 32 and all(b != NULL_BLOCK for b in shorter.of(1))
+
+
+def test_a_chunked_prompt_gets_window_blocks_chunk_by_chunk_and_full_ones_at_admission() -> None:
+    from mlx_parallm_provider.engine.request import Request, ResultSink, SamplingParams
+    from mlx_parallm_provider.engine.scheduler import Scheduler
+
+    kv = KVCacheManager(num_blocks=200, block_size=4, windows=[8, None])
+    s = Scheduler(max_num_seqs=4, max_num_batched_tokens=64, prefill_chunk_size=16, kv=kv)
+    long = Request("long", list(range(100)), SamplingParams(max_tokens=4), ResultSink())
+    s.add(long)
+    live = lambda: sum(b != NULL_BLOCK for b in kv.table(id(long), 0))  # noqa: E731
+    plan = s.schedule()
+    assert plan.chunk == (long, 16)
+    assert len(kv.table(id(long), 1)) == 26 and live() == 5  # global: the whole prompt (+1); window: its first chunk (+1)
+    most = 0
+    while s.chunking is not None:
+        s.advanced(long, plan.chunk[1])
+        if long.num_prefilled >= long.num_tokens:
+            s.started([long])
+            break
+        plan = s.schedule()
+        most = max(most, live())
+    # Each chunk: the window before it and the chunk itself, never the prompt so far.
+    assert most <= (8 + 16) // 4 + 2 and kv.stats()["kv_blocks_used"] <= 26 + most

@@ -110,10 +110,16 @@ class KVCacheManager:
         window = self.windows[group]
         return None if window is None else blocks_for(window, self.block_size) + 2
 
-    def blocks_to_grow(self, owner: Hashable, tokens: int) -> int:
-        """Blocks ``owner`` must add so that its tables hold ``tokens`` entries."""
-        need = blocks_for(tokens, self.block_size)
-        return sum(max(0, need - len(self.table(owner, g))) for g in range(len(self.windows)))
+    def _targets(self, tokens: int, window_end: Optional[int]) -> list[int]:
+        """Each group's entries for ``tokens``: window groups only to ``window_end`` when given."""
+        end = tokens if window_end is None else min(tokens, window_end)
+        return [blocks_for(tokens if w is None else end, self.block_size) for w in self.windows]
+
+    def blocks_to_grow(self, owner: Hashable, tokens: int, window_end: Optional[int] = None) -> int:
+        """Blocks ``owner`` must add so that its tables hold ``tokens`` entries (its window
+        groups' only ``window_end``, when given: a prompt prefilled in chunks needs a window
+        group's blocks only up to the chunk being computed)."""
+        return sum(max(0, need - len(self.table(owner, g))) for g, need in enumerate(self._targets(tokens, window_end)))
 
     def blocks_to_come(self) -> int:
         """Blocks the tables may still add before each reaches its limit (prompt +
@@ -131,19 +137,23 @@ class KVCacheManager:
                 total += more
         return total
 
-    def can_hold(self, wanted: dict[Hashable, int]) -> bool:
-        """Whether every ``owner -> tokens`` in ``wanted`` can be held at once."""
-        return sum(self.blocks_to_grow(o, n) for o, n in wanted.items()) <= self.pool.num_free
+    def can_hold(self, wanted: dict[Hashable, int], window_ends: Optional[dict[Hashable, int]] = None) -> bool:
+        """Whether every ``owner -> tokens`` in ``wanted`` can be held at once (window groups
+        to ``window_ends[owner]`` where given)."""
+        ends = window_ends or {}
+        return sum(self.blocks_to_grow(o, n, ends.get(o)) for o, n in wanted.items()) <= self.pool.num_free
 
-    def admission_cost(self, tokens: int, prefix: Optional[PrefixHit] = None) -> int:
-        """Free blocks a new request's tables of ``tokens`` entries starting with ``prefix``
-        take: their own blocks, plus the cached blocks they share (or hold to copy) that
-        nobody holds now (they count as free until then)."""
-        cost = blocks_for(tokens, self.block_size) * len(self.windows)
+    def admission_cost(self, tokens: int, prefix: Optional[PrefixHit] = None, window_end: Optional[int] = None) -> int:
+        """Free blocks a new request's tables of ``tokens`` entries (window groups'
+        ``window_end``, when given) starting with ``prefix`` take: their own blocks, plus the
+        cached blocks they share (or hold to copy) that nobody holds now (they count as free
+        until then)."""
+        targets = self._targets(tokens, window_end)
+        cost = sum(targets)
         if prefix is not None and prefix.tokens:
             for g in range(len(self.windows)):
                 entries = prefix.of(g)
-                cost -= len(entries)
+                cost -= min(len(entries), targets[g])
                 cost += sum(b != NULL_BLOCK and self.pool.refs(b) == 0 for b in entries)
             cost += prefix.copy_from is not None and self.pool.refs(prefix.copy_from) == 0
         return cost
@@ -254,11 +264,13 @@ class KVCacheManager:
 
     # -- changes ----------------------------------------------------------------------
 
-    def grow(self, owner: Hashable, tokens: int, prefix: Optional[PrefixHit] = None, limit: Optional[int] = None) -> None:
-        """Make ``owner``'s tables hold ``tokens`` entries (ValueError if blocks run out),
-        starting new tables with a cached ``prefix``: its whole blocks shared, its last
-        block copied into one of the owner's own (queued in :attr:`pending_copies`).
-        ``limit``: the most entries the owner will ever hold (see :meth:`blocks_to_come`)."""
+    def grow(self, owner: Hashable, tokens: int, prefix: Optional[PrefixHit] = None, limit: Optional[int] = None,
+             window_end: Optional[int] = None) -> None:
+        """Make ``owner``'s tables hold ``tokens`` entries, its window groups' ``window_end``
+        when given (ValueError if blocks run out), starting new tables with a cached
+        ``prefix``: its whole blocks shared, its last block copied into one of the owner's
+        own (queued in :attr:`pending_copies`). ``limit``: the most entries the owner will
+        ever hold (see :meth:`blocks_to_come`)."""
         if limit is not None:
             self._limits[owner] = limit
         if owner not in self._tables:
@@ -274,8 +286,7 @@ class KVCacheManager:
                     self.pool.share([prefix.copy_from])  # held until copied
                     tables[0].extend(self.pool.allocate(1))
                     self.pending_copies.append((prefix.copy_from, tables[0][-1]))
-        need = blocks_for(tokens, self.block_size)
-        for table in self._tables[owner]:
+        for table, need in zip(self._tables[owner], self._targets(tokens, window_end)):
             if need > len(table):
                 table.extend(self.pool.allocate(need - len(table)))
 
