@@ -74,3 +74,61 @@ def test_local_groups_release_their_blocks_and_tokens_match_the_rectangle(gemma3
     finally:
         for e in engines:
             e.shutdown()
+
+
+@pytest.mark.parametrize("config", [
+    {"max_kv_size": 16},  # every layer windowed, two window sizes: groups of windows 8, 8 and 16
+    {"speculative": "ngram", "speculative_max_batch": 8},  # rejected drafts' blocks given back in every group
+])
+def test_grouped_tables_answer_as_the_rectangle_with_windows_everywhere_or_speculation(gemma3, config, monkeypatch) -> None:
+    from mlx_parallm_provider.engine import speculation
+
+    prompts = _prompts(3)
+    engines = [Engine("gemma3", EngineConfig(kv_block_size=4, kv_layout=layout, **config), loaded=gemma3)
+               for layout in ("rectangle", "paged")]
+    try:
+        rectangle, paged = engines
+        expected = [rectangle.generate_sync(p, LONG).token_ids for p in prompts]
+        if "speculative" in config:
+            # The random model never repeats itself: draft its true next tokens, the third one
+            # wrong, so every step accepts two, rejects one and gives its blocks back.
+            truth = {tuple(p): t for p, t in zip(prompts, expected)}
+
+            def oracle(self, request) -> None:
+                known, n = truth[tuple(request.prompt_ids)], len(request.output_ids)
+                draft = list(known[n : n + min(3, request.params.max_tokens - n - 1)])
+                if len(draft) == 3:
+                    draft[2] = (draft[2] + 1) % 1000
+                request.draft = draft
+
+            monkeypatch.setattr(speculation.NgramSpeculator, "draft", oracle)
+            monkeypatch.setattr(speculation.NgramSpeculator, "plan", lambda self, rows: max((len(r.draft) for r in rows), default=0))
+
+        async def together() -> list[list[int]]:
+            return [c.token_ids for c in await asyncio.gather(*(paged.generate(p, LONG) for p in prompts))]
+
+        assert asyncio.run(together()) == expected
+        assert [paged.generate_sync(p, LONG).token_ids for p in prompts] == expected
+        assert len(paged._worker.kv.windows) == 3
+        if "speculative" in config:
+            stats = paged.stats()["speculation"]
+            assert stats["draft_tokens"] > 100 and 0.5 < stats["acceptance_rate"] < 1.0, stats
+    finally:
+        for e in engines:
+            e.shutdown()
+
+
+def test_prefix_caching_on_a_grouped_model_changes_no_tokens(gemma3) -> None:
+    shared = [1] + [100 + j % 250 for j in range(60)]  # longer than the window: local groups hold its end only
+    prompts = [shared + [7 + i, 9, 11] for i in range(4)]
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    off = Engine("gemma3", EngineConfig(kv_block_size=4, enable_prefix_caching=False), loaded=gemma3)
+    on = Engine("gemma3", EngineConfig(kv_block_size=4), loaded=gemma3)
+    try:
+        expected = [off.generate_sync(p, params).token_ids for p in prompts]
+        got = [on.generate_sync(p, params) for p in prompts]
+        assert [c.token_ids for c in got] == expected
+        assert all(c.usage.cached_tokens >= 56 for c in got[1:])  # whole shared blocks, from every group
+    finally:
+        off.shutdown()
+        on.shutdown()
