@@ -56,7 +56,7 @@ def test_growing_past_the_pool_raises_and_changes_nothing():
     with pytest.raises(ValueError):
         kv.grow("b", 1)
     assert kv.table("b") == [] and kv.stats()["kv_blocks_free"] == 0
-    assert kv.fits_alone(4) and not kv.fits_alone(5)
+    assert kv.fits_request(3, 4) and not kv.fits_request(3, 5)
 
 
 def test_a_prompt_shares_the_cached_blocks_of_the_longest_prefix_in_whole_blocks():

@@ -3,6 +3,8 @@ window go back to the pool while the global group keeps every token's."""
 
 from __future__ import annotations
 
+import pytest
+
 from mlx_parallm_provider.engine.kv import KVCacheManager
 from mlx_parallm_provider.engine.kv.block_pool import NULL_BLOCK
 from mlx_parallm_provider.engine.kv.groups import MAX_GROUPS, LayerGroups
@@ -81,3 +83,29 @@ def test_a_chunked_prompt_gets_window_blocks_chunk_by_chunk_and_full_ones_at_adm
         most = max(most, live())
     # Each chunk: the window before it and the chunk itself, never the prompt so far.
     assert most <= (8 + 16) // 4 + 2 and kv.stats()["kv_blocks_used"] <= 26 + most
+
+
+def test_running_out_of_blocks_in_a_later_group_gives_back_what_the_earlier_ones_took() -> None:
+    kv = KVCacheManager(num_blocks=10, block_size=4, windows=[8, None])  # 9 usable blocks
+    kv.grow("a", 16)  # 4 + 4
+    with pytest.raises(ValueError):
+        kv.grow("b", 8)  # 2 + 2 wanted, 1 free: the first group's block must go back
+    assert kv.stats()["kv_blocks_free"] == 1 and kv.table("b", 0) == kv.table("b", 1) == []
+    with pytest.raises(ValueError):
+        kv.grow("a", 24)  # an existing owner: its tables keep what they had
+    assert len(kv.table("a", 0)) == len(kv.table("a", 1)) == 4 and kv.stats()["kv_blocks_free"] == 1
+
+
+def test_a_failed_admission_with_a_cached_prefix_undoes_its_shares_and_its_copy() -> None:
+    kv = KVCacheManager(num_blocks=12, block_size=4)  # one group: the partly shared block is copied
+    tokens = list(range(50, 60))
+    kv.grow("a", 10)
+    kv.register("a", tokens, 10)
+    kv.free("a")  # 3 blocks cached, idle
+    hit = kv.match(tokens[:9] + [1, 2], 10)
+    assert hit.copy_from is not None and len(hit.blocks) == 2
+    before = kv.stats()
+    with pytest.raises(ValueError):
+        kv.grow("b", 60, hit)  # 15 blocks: more than the pool
+    assert kv.pending_copies == [] and kv.stats() == before and kv.table("b") == []
+    assert kv.match(tokens[:9] + [1, 2], 10) == hit  # the cached blocks are still there, idle

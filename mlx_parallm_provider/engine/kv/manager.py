@@ -158,10 +158,6 @@ class KVCacheManager:
             cost += prefix.copy_from is not None and self.pool.refs(prefix.copy_from) == 0
         return cost
 
-    def fits_alone(self, tokens: int) -> bool:
-        """Whether one table per group of ``tokens`` entries fits in the whole pool."""
-        return blocks_for(tokens, self.block_size) * len(self.windows) <= self.pool.num_usable
-
     def peak_blocks(self, prompt: int, total: int) -> int:
         """The most blocks a request of a ``prompt`` and ``total`` tokens in all holds at
         once: in each group its ``total`` tokens' blocks, or in a window group its prompt's
@@ -273,7 +269,8 @@ class KVCacheManager:
         ever hold (see :meth:`blocks_to_come`)."""
         if limit is not None:
             self._limits[owner] = limit
-        if owner not in self._tables:
+        created = owner not in self._tables
+        if created:
             tables = self._tables[owner] = [[] for _ in self.windows]
             if prefix is not None and prefix.tokens:
                 for g, table in enumerate(tables):
@@ -282,13 +279,28 @@ class KVCacheManager:
                     self.pool.share(held)
                     self.pool.touch(held)
                     table.extend(entries)
-                if prefix.copy_from is not None:
-                    self.pool.share([prefix.copy_from])  # held until copied
-                    tables[0].extend(self.pool.allocate(1))
-                    self.pending_copies.append((prefix.copy_from, tables[0][-1]))
-        for table, need in zip(self._tables[owner], self._targets(tokens, window_end)):
-            if need > len(table):
-                table.extend(self.pool.allocate(need - len(table)))
+        tables = self._tables[owner]
+        lengths = [len(t) for t in tables]
+        copy = None
+        try:
+            if created and prefix is not None and prefix.copy_from is not None and prefix.tokens:
+                tables[0].extend(self.pool.allocate(1))
+                self.pool.share([prefix.copy_from])  # held until copied
+                copy = (prefix.copy_from, tables[0][-1])
+                self.pending_copies.append(copy)
+            for table, need in zip(tables, self._targets(tokens, window_end)):
+                if need > len(table):
+                    table.extend(self.pool.allocate(need - len(table)))
+        except ValueError:  # out of blocks in a later group: give back what this call took
+            if copy is not None:
+                self.pending_copies.remove(copy)
+                self.pool.release([copy[0]])
+            for table, n in zip(tables, lengths):
+                self.pool.release(b for b in reversed(table[n:]) if b != NULL_BLOCK)
+                del table[n:]
+            if created:
+                self.free(owner)
+            raise
 
     def fit(self, owner: Hashable, tokens: int) -> None:
         """Make ``owner``'s tables hold exactly the blocks ``tokens`` entries need: grown, or
