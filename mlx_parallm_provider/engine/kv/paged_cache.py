@@ -21,7 +21,9 @@ give them. A model that computes
 attention itself (``gathered``: gemma2's softcapped scores) gets every row's keys and values
 from ``update_and_fetch``, gathered layer by layer into one transient rectangle, and their
 mask from ``make_mask``, as mlx-lm's batch cache gives them. Nothing outlives the pass but
-the blocks.
+the blocks. With groups of layers (:mod:`.groups`: gemma3's local and global layers), each
+group's rows and tables are a :class:`GroupPass`, and a layer writes and reads its group's
+blocks in its storage slot.
 """
 
 from __future__ import annotations
