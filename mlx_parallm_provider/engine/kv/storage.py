@@ -1,4 +1,6 @@
-"""The K and V arrays behind a block pool: one pair per layer, slot-major.
+"""The K and V arrays behind a block pool: one pair per layer, slot-major. (With groups of
+layers, :mod:`.groups`, one pair per storage slot: a block of a group holds that group's
+layers, its ``s``-th layer in slot ``s``.)
 
 Layer ``l``'s keys are ``keys[l]`` of shape ``(blocks * block_size, kv_heads, head_dim)``:
 token ``t`` of a row whose block table is ``table`` lives at slot
