@@ -89,11 +89,6 @@ class KVCacheManager:
     # -- questions --------------------------------------------------------------------
 
     @property
-    def window(self) -> Optional[int]:
-        """The window of the only group (None with several groups, or where it attends to all)."""
-        return self.windows[0] if len(self.windows) == 1 else None
-
-    @property
     def capacity_tokens(self) -> int:
         """The most KV entries the pool can hold (all requests together), counting a token
         once for all groups."""
@@ -133,7 +128,7 @@ class KVCacheManager:
                 table, most = self.table(owner, g), self._window_blocks(g)
                 more = max(0, need - len(table))
                 if most is not None:
-                    more = min(more, max(0, most - sum(b != NULL_BLOCK for b in table)))
+                    more = min(more, max(0, most - _live(table)))
                 total += more
         return total
 
@@ -328,7 +323,7 @@ class KVCacheManager:
             if window is None:
                 continue
             table = self.table(owner, g)
-            gone = [i for i in range(min(len(table), max(0, position - window + 1) // self.block_size)) if table[i] != NULL_BLOCK]
+            gone = range(len(table) - _live(table), min(len(table), max(0, position - window + 1) // self.block_size))
             self.pool.release(table[i] for i in gone)
             for i in gone:
                 table[i] = NULL_BLOCK
@@ -362,3 +357,16 @@ class KVCacheManager:
             "kv_blocks_cached": self.pool.num_cached,
             "prefix_evictions": self.pool.evictions,
         }
+
+
+def _live(table: list[int]) -> int:
+    """How many entries at the end of ``table`` hold blocks. The null entries of a table are
+    one leading run (:meth:`KVCacheManager.slide` releases from the front; a prefix hit maps a
+    window group's blocks after null ones; nothing else writes the null block), so this reads
+    only the live ones, a window's worth, not the whole table every step."""
+    n = 0
+    for block in reversed(table):
+        if block == NULL_BLOCK:
+            break
+        n += 1
+    return n
