@@ -232,12 +232,12 @@ class Scheduler:
                 # headroom while others hold blocks; alone, its own blocks always fit (fits_alone).
                 busy = self.num_running > 0
                 # Sliding-window layers get blocks only up to its first chunk (the whole prompt if short).
-                window_end = cached + min(self.prefill_chunk_size, request.num_tokens - cached) + 1
+                window_end = self._chunk_end(request, cached)
                 if self.kv.admission_cost(request.num_tokens + 1, prefix, window_end) + busy > self.kv.pool.num_free:
                     if busy:
                         break
                     prefix, cached = None, 0
-                    window_end = min(self.prefill_chunk_size, request.num_tokens) + 1
+                    window_end = self._chunk_end(request, 0)
             else:
                 cached = self._cached_len(request)
                 if self.kv_budget_tokens is not None and kv_used + request.max_kv_tokens > self.kv_budget_tokens:
@@ -313,7 +313,7 @@ class Scheduler:
             if self.chunking is not None:  # its next chunk's blocks in sliding-window layers
                 c = self.chunking
                 wanted[id(c)] = c.num_tokens + 1
-                ends[id(c)] = c.num_prefilled + min(self.prefill_chunk_size, c.num_tokens - c.num_prefilled) + 1
+                ends[id(c)] = self._chunk_end(c, c.num_prefilled)
             if self.kv.can_hold(wanted, ends):
                 for owner, tokens in wanted.items():
                     if owner in ends:
@@ -340,6 +340,11 @@ class Scheduler:
             victim.num_prefilled = victim.num_cached = 0
             victim.draft = []
             self.waiting.appendleft(victim)
+
+    def _chunk_end(self, request: Request, start: int) -> int:
+        """The entries ``request``'s sliding-window layers need when its prefill goes on from
+        ``start``: up to the end of that chunk at most, and the token it then decodes."""
+        return start + min(self.prefill_chunk_size, request.num_tokens - start) + 1
 
     def _cached_len(self, request: Request) -> int:
         """Prompt tokens the rectangle layout's store already holds (at least one token is
