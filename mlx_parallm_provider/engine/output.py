@@ -1,6 +1,6 @@
-"""Turning one request's sampled tokens into its results: finish detection (EOS, stop
-tokens, stop strings, ``max_tokens``), streamed :class:`Delta` pieces and the final
-:class:`Completion`. Worker-side, per request; no MLX here."""
+"""Turning one request's sampled tokens into its results: text, stop strings and a finished
+grammar (the scheduler has already judged EOS, stop token ids and ``max_tokens``), streamed
+:class:`Delta` pieces and the final :class:`Completion`. Worker-side, per request; no MLX here."""
 
 from __future__ import annotations
 
@@ -32,33 +32,30 @@ def eos_token_ids(tokenizer: Any) -> set[int]:
     return ids
 
 
-def add_token(request: Request, row: SampledRow, eos_ids: set[int], tokenizer: Any) -> tuple[Optional[str], Optional[object]]:
-    """Append a sampled token to ``request``.
+def emit(request: Request, row: SampledRow, ending: Optional[str], tokenizer: Any) -> tuple[Optional[str], Optional[object]]:
+    """Turn the token the scheduler just appended to ``request`` into its results.
 
-    Returns ``(finish_reason, result)``: the finish reason if the request is now done
-    (else None), and what its caller gets now (a :class:`Delta` when streaming, the
-    :class:`Completion` when a whole answer is done, else None).
+    ``ending`` is the scheduler's verdict on that token (:meth:`.Scheduler.postprocess`):
+    ``"stop"`` for a stop token (its text is not part of the answer), ``"length"``, or None;
+    a stop string or a finished grammar ends the request here too (``"stop"``). Returns
+    ``(finish_reason, result)``: the finish reason if the request is now done (else None),
+    and what its caller gets now (a :class:`Delta` when streaming, the :class:`Completion`
+    when a whole answer is done, else None).
     """
     state: RowState = request.state
-    params = request.params
     token = row.token
-    request.output_ids.append(token)
-    finish: Optional[str] = None
+    finish = ending
     piece = ""
-    is_stop_token = (token in eos_ids and not params.ignore_eos) or token in params.stop_token_ids
+    is_stop_token = ending == "stop"
     matcher = state.sampler.matcher
-    if matcher is not None and not is_stop_token:
-        matcher.consume(token)  # raises if the grammar refused it: the request fails alone
-    if is_stop_token:
-        finish = "stop"
-    else:
+    if not is_stop_token:
+        if matcher is not None:
+            matcher.consume(token)  # raises if the grammar refused it: the request fails alone
         if state.logprobs is not None:
             state.logprobs.append(token_logprob(tokenizer, row))
         piece, stopped = state.text.add_token(token)
         if stopped or (matcher is not None and matcher.done):
             finish = "stop"
-        elif len(request.output_ids) >= params.max_tokens:
-            finish = "length"
     if finish is not None and not state.text.stopped:
         piece += state.text.finish()
     if request.stream and (piece or finish):

@@ -21,6 +21,10 @@ Embedding calls (:class:`~.embedding.EmbedRequest`) take a step's token budget a
 does, in arrival order with the prompts, but hold no slot and no KV: the step embeds as many
 of their inputs as fit, and a call ends the step its last input is embedded.
 
+Progress (nano-vllm's ``schedule -> run -> postprocess``): the worker runs the plan;
+:meth:`Scheduler.postprocess` appends each sampled token and judges EOS, stop ids and
+``max_tokens``; :meth:`Scheduler.finish` frees a request's blocks (caching an answer's).
+
 Admission is first-come first-served: a request that does not fit blocks the ones behind it,
 so a large request is never starved by a stream of small ones.
 
@@ -91,6 +95,7 @@ class Scheduler:
         prefix_max_tokens: Optional[int] = None,
         min_shared_tokens: int = 64,
         kv: Optional[KVCacheManager] = None,
+        eos_ids: Iterable[int] = (),
     ) -> None:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -101,6 +106,7 @@ class Scheduler:
         self.prefix_max_tokens = prefix_max_tokens  # the most leading tokens a row may reuse
         self.min_shared_tokens = min_shared_tokens
         self.kv = kv
+        self.eos_ids = frozenset(eos_ids)
         self.waiting: deque[Request] = deque()
         self.prefilling: list[Request] = []  # admitted this step, prefilled as one batch
         self.chunking: Optional[Request] = None
@@ -119,7 +125,7 @@ class Scheduler:
 
     def started(self, requests: Iterable[Request]) -> None:
         """Prefill finished for these requests (every token they hold is computed): they
-        decode from the next step on."""
+        decode from the next step on, and their computed blocks go into the prefix store."""
         for request in requests:
             request.num_prefilled = request.num_tokens
             if request is self.chunking:
@@ -127,10 +133,34 @@ class Scheduler:
             elif request in self.prefilling:
                 self.prefilling.remove(request)
             self.running.append(request)
+            self._cache_blocks(request, request.computed_ids, request.num_prefilled)
+
+    def postprocess(self, request: Request, token: int) -> Optional[str]:
+        """Append a token sampled for ``request``; returns why it ends there, if it does:
+        ``"stop"`` (EOS unless ``ignore_eos``, or a stop token id: not part of the answer),
+        ``"length"`` (``max_tokens`` reached). The caller may still end it at this token (a
+        stop string, a finished grammar), and calls :meth:`finish` either way."""
+        request.output_ids.append(token)
+        params = request.params
+        if (token in self.eos_ids and not params.ignore_eos) or token in params.stop_token_ids:
+            return "stop"
+        return "length" if len(request.output_ids) >= params.max_tokens else None
+
+    def finish(self, request: Request | EmbedRequest, answered: bool = False) -> None:
+        """Take a request out for good (answered, cancelled, timed out or failed) and free
+        its KV blocks. ``answered``: its prompt + answer are named in the prefix store first
+        (every token but the last, whose KV was never computed), for a next turn."""
+        request.finished = True
+        if answered and isinstance(request, Request):
+            self._cache_blocks(request, request.prompt_ids + request.output_ids, request.num_tokens - 1)
+        self.remove(request)
+
+    def _cache_blocks(self, request: Request, tokens: list[int], computed: int) -> None:  # for later prompts to share
+        if self.kv is not None and self.prefix_match is not None:
+            self.kv.register(id(request), tokens, computed)
 
     def remove(self, request: Request | EmbedRequest) -> None:
-        """Drop a request wherever it is (finished, cancelled, timed out or failed); its KV
-        blocks are freed."""
+        """Drop a request wherever it is and free its KV blocks (see :meth:`finish`)."""
         if isinstance(request, EmbedRequest):
             if request in self.embedding:
                 self.embedding.remove(request)
@@ -333,8 +363,7 @@ class Scheduler:
                 held = victim.num_tokens - 1  # its last sampled token has no KV yet
             else:  # pragma: no cover - fits_alone() holds every request to the whole pool
                 raise RuntimeError("one request needs more KV blocks than the pool has")
-            if self.prefix_match is not None:  # its KV stays findable until the blocks are needed
-                self.kv.register(id(victim), victim.computed_ids, held)
+            self._cache_blocks(victim, victim.computed_ids, held)  # findable until the blocks are needed
             self.kv.preempted(id(victim))
             victim.num_preemptions += 1
             victim.num_prefilled = victim.num_cached = 0

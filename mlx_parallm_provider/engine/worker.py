@@ -37,7 +37,7 @@ from .exit_guard import register, wait_for_native_exit
 from .guided import GrammarTokenizer
 from .kv.runner import PagedRunner
 from .metrics import EngineMetrics
-from .output import RowState, add_token, eos_token_ids
+from .output import RowState, emit, eos_token_ids
 from .prefix_kv import can_share_kv, fetch_prefixes, make_prefix_cache, scheduler_prefix_options
 from .rectangle import RectangleBatch, prefill_batch, prefill_chunk
 from .request import Request
@@ -77,7 +77,8 @@ class Worker:
         budget = config.kv_cache_memory_bytes
         prefix = scheduler_prefix_options(self.prefix_cache, config, self.kv_bytes_per_token) if self.paged is None else self.paged.prefix_options(config)
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, config.prefill_chunk_size,
-                                   None if budget is None else max(1, budget // self.kv_bytes_per_token), **prefix, kv=self.kv)
+                                   None if budget is None else max(1, budget // self.kv_bytes_per_token), **prefix, kv=self.kv,
+                                   eos_ids=self.eos_ids)
         self.grammar = GrammarTokenizer(tokenizer, vocab_size, self.eos_ids)
         self.drafts = Drafts.for_engine(config, self.paged)  # None: one token a row a step
         self._inbox: deque[Request] = deque()
@@ -280,11 +281,8 @@ class Worker:
 
     def _join_decode_batch(self, requests: list[Request], logits: mx.array, cache: Optional[list[Any]] = None) -> None:
         sampled = sample_requests(logits, requests)
-        self.scheduler.started(requests)
-        if self.paged is not None:  # their prompts (+ output, if recomputed) are cached
-            for r in requests:
-                self.paged.cache_blocks(r, r.computed_ids, r.num_prefilled)
-        else:
+        self.scheduler.started(requests)  # (paged: their prompts, + output if recomputed, are cached)
+        if self.paged is None:
             self.rectangle.join(cache, requests, self.prefix_cache, self.kv_bytes_per_token)
         self._after_sampling(requests, sampled)
 
@@ -319,16 +317,14 @@ class Worker:
                 self._fail(request, row.error, "while sampling its next token")
                 continue
             try:
-                finish, result = add_token(request, row, self.eos_ids, self.tokenizer)
+                finish, result = emit(request, row, self.scheduler.postprocess(request, row.token), self.tokenizer)
             except Exception as exc:
                 self._fail(request, exc, "while processing its output")
                 continue
-            if finish is not None:  # keep prompt + answer for a next turn
-                if self.paged is not None:
-                    self.paged.cache_blocks(request, request.prompt_ids + request.output_ids, request.num_tokens - 1)
-                else:
+            if finish is not None:  # first, so a caller woken by its result sees it finished
+                if self.paged is None:  # (paged: the scheduler caches prompt + answer for a next turn)
                     self.rectangle.store(self.prefix_cache, request, self.kv_bytes_per_token)
-                self._retire(request)  # first, so a caller woken by its result sees it finished
+                self._retire(request, answered=True)
             if result is not None:
                 self._deliver(request, result)
         self._evict_finished()
@@ -339,11 +335,11 @@ class Worker:
         if self.paged is None:  # paged: the scheduler freed their blocks; nobody else's KV moves
             self.rectangle.evict_finished()
 
-    def _retire(self, request: Request) -> None:
-        """Mark a request finished and take it out of the scheduler and the metrics.
-        Its decode row, if any, goes at the next :meth:`_evict_finished`."""
-        request.finished = True
-        self.scheduler.remove(request)
+    def _retire(self, request: Request | EmbedRequest, answered: bool = False) -> None:
+        """Finish a request in the scheduler (``answered``: its KV is kept for a next turn)
+        and take it out of the metrics. Its decode row, if any, goes at the next
+        :meth:`_evict_finished`."""
+        self.scheduler.finish(request, answered)
         self.metrics.request_finished(request.request_id)
         if self.drafts is not None:
             self.drafts.forget(request)

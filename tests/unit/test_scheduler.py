@@ -193,3 +193,42 @@ def test_an_embedding_input_over_the_step_budget_runs_alone() -> None:
     assert [ix for _, ix in second.embed] == [[1]] and big.num_planned == 2
     assert s.schedule().embed == []  # every input planned; it stays held until retired
     assert big in s.all_requests()
+
+
+def test_postprocess_appends_the_token_and_judges_eos_stop_ids_and_length() -> None:
+    s = Scheduler(4, 4096, 512, eos_ids=[2])
+    r = Request("r", [5, 6], SamplingParams(max_tokens=3, stop_token_ids=[9]), ResultSink())
+    assert s.postprocess(r, 7) is None and r.output_ids == [7]
+    assert s.postprocess(r, 2) == "stop" and r.output_ids == [7, 2]  # EOS
+    assert s.postprocess(Request("s", [5], SamplingParams(stop_token_ids=[9]), ResultSink()), 9) == "stop"
+    ignoring = Request("i", [5], SamplingParams(max_tokens=2, ignore_eos=True), ResultSink())
+    assert s.postprocess(ignoring, 2) is None and s.postprocess(ignoring, 2) == "length"
+    last = Request("l", [5], SamplingParams(max_tokens=1), ResultSink())
+    assert s.postprocess(last, 2) == "stop"  # a stop token at max_tokens is a stop, not part of the answer
+
+
+def test_the_scheduler_caches_prompts_when_they_start_and_answers_when_they_finish() -> None:
+    """Paged KV with prefix caching: the scheduler names a request's blocks in the prefix
+    store when its prefill ends (prompt) and when it finishes answered (prompt + answer, but
+    the last token, whose KV was never computed); a cancelled one adds nothing more."""
+    from mlx_parallm_provider.engine.kv import KVCacheManager
+
+    kv = KVCacheManager(num_blocks=32, block_size=4)
+    s = Scheduler(4, 4096, 512, prefix_match=lambda t: kv.match(t, len(t) - 1).tokens, kv=kv, eos_ids=[0])
+    prompt = list(range(100, 108))  # two whole blocks
+    answered, cancelled = (Request(n, prompt, SamplingParams(max_tokens=20), ResultSink()) for n in ("a", "c"))
+    s.add(answered)
+    s.started(s.schedule().prefill)
+    assert kv.match(prompt + [1], 8).tokens == 8  # its prompt, while it runs
+    for token in range(200, 206):
+        assert s.postprocess(answered, token) is None
+    s.finish(answered, answered=True)
+    assert answered.finished and answered not in s.all_requests() and kv.table(id(answered)) == []
+    assert kv.match(prompt + list(range(200, 206)) + [1], 20).tokens == 12  # 13 computed: three whole blocks
+    s.add(cancelled)
+    plan = s.schedule()
+    s.started(plan.prefill)
+    for token in range(300, 306):
+        s.postprocess(cancelled, token)
+    s.finish(cancelled)
+    assert cancelled.finished and kv.match(prompt + list(range(300, 306)) + [1], 20).tokens == 8

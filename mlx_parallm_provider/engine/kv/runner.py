@@ -91,12 +91,6 @@ class PagedRunner:
             "prefix_max_tokens": None,
         }
 
-    def cache_blocks(self, request: Request, tokens: list[int], computed: int) -> None:
-        """Name the request's full blocks among its first ``computed`` tokens (of ``tokens``)
-        so later prompts share them (when prefix caching is on)."""
-        if self.caching:
-            self.kv.register(id(request), tokens, computed)
-
     def prefix_stats(self, bytes_per_token: int) -> Optional[dict[str, Any]]:
         """The prefix cache's counts, as the rectangle's store reports them (None when off)."""
         if not self.caching:
