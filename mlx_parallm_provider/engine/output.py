@@ -22,6 +22,7 @@ class RowState:
     prefix: Optional[list[Any]] = None  # fetched KV of the cached prompt prefix, until used
     logprobs: Optional[list] = None
     streamed: int = 0  # output tokens whose ids (and logprobs) a Delta has carried
+    unsent: str = ""  # text held for the next Delta (stream_interval > 1)
 
 
 def eos_token_ids(tokenizer: Any) -> set[int]:
@@ -32,7 +33,8 @@ def eos_token_ids(tokenizer: Any) -> set[int]:
     return ids
 
 
-def emit(request: Request, row: SampledRow, ending: Optional[str], tokenizer: Any) -> tuple[Optional[str], Optional[object]]:
+def emit(request: Request, row: SampledRow, ending: Optional[str], tokenizer: Any,
+         stream_interval: int = 1) -> tuple[Optional[str], Optional[object]]:
     """Turn the token the scheduler just appended to ``request`` into its results.
 
     ``ending`` is the scheduler's verdict on that token (:meth:`.Scheduler.postprocess`):
@@ -40,7 +42,8 @@ def emit(request: Request, row: SampledRow, ending: Optional[str], tokenizer: An
     a stop string or a finished grammar ends the request here too (``"stop"``). Returns
     ``(finish_reason, result)``: the finish reason if the request is now done (else None),
     and what its caller gets now (a :class:`Delta` when streaming, the :class:`Completion`
-    when a whole answer is done, else None).
+    when a whole answer is done, else None). A stream's deltas come every
+    ``stream_interval`` tokens (the first with text, and the last, at once).
     """
     state: RowState = request.state
     token = row.token
@@ -58,8 +61,13 @@ def emit(request: Request, row: SampledRow, ending: Optional[str], tokenizer: An
             finish = "stop"
     if finish is not None and not state.text.stopped:
         piece += state.text.finish()
-    if request.stream and (piece or finish):
-        return finish, _delta(request, piece, finish, len(request.output_ids) - int(is_stop_token))
+    if request.stream:
+        state.unsent += piece
+        end = len(request.output_ids) - int(is_stop_token)
+        if finish or (state.unsent and (not state.streamed or end - state.streamed >= stream_interval)):
+            text, state.unsent = state.unsent, ""
+            return finish, _delta(request, text, finish, end)
+        return None, None
     if finish is not None:
         return finish, Completion(
             request_id=request.request_id,

@@ -317,7 +317,8 @@ class Worker:
                 self._fail(request, row.error, "while sampling its next token")
                 continue
             try:
-                finish, result = emit(request, row, self.scheduler.postprocess(request, row.token), self.tokenizer)
+                ending = self.scheduler.postprocess(request, row.token)
+                finish, result = emit(request, row, ending, self.tokenizer, self.config.stream_interval)
             except Exception as exc:
                 self._fail(request, exc, "while processing its output")
                 continue

@@ -359,6 +359,26 @@ def test_stream_carries_every_token_id_and_logprob(make_engine, tiny_model, case
     assert all(d.text for d in deltas[:-1]) and deltas[-1].finish_reason == whole.finish_reason
 
 
+@pytest.mark.parametrize("case", ["bpe split", "byte tokens", "max_tokens", "eos", "stop string"])
+def test_stream_interval_sends_a_delta_every_n_tokens_and_loses_nothing(make_engine, tiny_model, case) -> None:
+    """``stream_interval=3``: the first token with text at once, then a delta once three
+    more tokens are due (held-back text rides along), the last at once; text, ids and
+    logprobs over the stream are the Completion's."""
+    script, params = _held_back_case(tiny_model.tokenizer, case)
+    engine = make_engine(ScriptedModel(tiny_model.model, script, vocab_size=49152), stream_interval=3)
+
+    async def main():
+        return [d async for d in engine.stream(list(script), params)], await engine.generate(list(script), params)
+
+    deltas, whole = run(main())
+    assert [t for d in deltas for t in d.token_ids] == whole.token_ids
+    assert [lp.token_id for d in deltas for lp in d.logprobs or []] == (whole.token_ids if params.logprobs else [])
+    assert "".join(d.text for d in deltas) == whole.text
+    assert all(d.text for d in deltas[:-1]) and deltas[-1].finish_reason == whole.finish_reason
+    assert all(len(d.token_ids) >= 3 for d in deltas[1:-1])  # (the first comes at once)
+    assert len(deltas) <= 2 + len(whole.token_ids) // 3
+
+
 def test_stop_strings_never_leak(make_engine, tiny_model) -> None:
     tokenizer = tiny_model.tokenizer
     target = "Hello there. STOP HERE and more text"

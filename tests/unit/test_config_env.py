@@ -23,6 +23,7 @@ def test_json_fields_override_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     ("[1, 2]", "JSON object"),
     ('{"max_num_seq": 8}', "unknown EngineConfig fields ['max_num_seq']"),
     ('{"max_num_seqs": 0}', "max_num_seqs"),
+    ('{"stream_interval": 0}', "stream_interval"),
 ])
 def test_bad_values_are_named(monkeypatch: pytest.MonkeyPatch, raw: str, field: str) -> None:
     monkeypatch.setenv("MLX_PARALLM_ENGINE_CONFIG", raw)
