@@ -63,6 +63,10 @@ class EngineConfig:
         grammar_fast_forward: constrained rows verify the tokens their grammar forces in one
             forward pass with the token they decode, instead of one step each (paged layout;
             output unchanged, see :mod:`~mlx_parallm_provider.engine.fast_forward`).
+        async_scheduling: while a decode step computes, build and queue the next one on its
+            still-lazy tokens (vLLM's ``async_scheduling``), where the tokens cannot differ:
+            every row greedy without penalties, bias, grammar or logprobs, paged KV, no n-gram
+            speculation, nothing waiting (:mod:`~mlx_parallm_provider.engine.decode_ahead`).
         stream_interval: a streaming request gets a delta every this many tokens (its first
             token, and its last, at once), as vLLM's ``--stream-interval``: fewer, larger
             deltas cost the caller's event loop (LiteLLM's proxy handles each chunk) less CPU
@@ -91,6 +95,7 @@ class EngineConfig:
     num_speculative_tokens: int = 4
     speculative_max_batch: int = 2
     grammar_fast_forward: bool = True
+    async_scheduling: bool = True
     stream_interval: int = 1
 
     def __post_init__(self) -> None:
@@ -126,6 +131,8 @@ class EngineConfig:
         _check_int("speculative_max_batch", self.speculative_max_batch, minimum=1)
         if not isinstance(self.grammar_fast_forward, bool):
             raise InvalidParameterError("grammar_fast_forward", "must be a bool")
+        if not isinstance(self.async_scheduling, bool):
+            raise InvalidParameterError("async_scheduling", "must be a bool")
         _check_int("stream_interval", self.stream_interval, minimum=1, maximum=4096)
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise InvalidParameterError(

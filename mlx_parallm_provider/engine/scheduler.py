@@ -1,40 +1,32 @@
 """Scheduling policy: who is prefilled, who decodes, who waits. Pure bookkeeping, no MLX.
 
-Each step (vLLM v1's shape, in miniature):
+Each step (vLLM v1's shape, in miniature): every running request decodes one token; a long
+prompt being prefilled in chunks gets its next chunk; waiting requests are admitted first
+come, first served (one that does not fit blocks those behind it, so it is never starved)
+while there is a free slot (``max_num_seqs``), KV room and step token budget
+(``max_num_batched_tokens``, padding counted): short prompts together as one prefill batch,
+a prompt longer than ``prefill_chunk_size`` (or the budget left) as a chunked prefill.
 
-1. every running request decodes one token;
-2. a long prompt already being prefilled in chunks gets its next chunk;
-3. waiting requests are admitted in arrival order while there is a free slot
-   (``max_num_seqs``), KV budget, and step token budget (``max_num_batched_tokens``,
-   counting padding): short prompts together as one left-padded prefill batch, a prompt
-   longer than ``prefill_chunk_size`` (or than the budget left) as a chunked prefill.
+KV blocks (given a :class:`~.kv.KVCacheManager`): a request is admitted only when the pool
+has free blocks for its prompt, given at once (a cached prefix as the cached blocks
+themselves, shared); before each step every running row gets room for the token it
+decodes, and when the pool runs out the newest running request is preempted (its blocks
+freed, itself queued first to be recomputed from its prompt and output so far), as vLLM v1
+does. The flat ``kv_budget_tokens`` (prompt + max_tokens) is the rectangle layout's budget.
 
-KV blocks (when given a :class:`~.kv.KVCacheManager`): a request is admitted only when
-the pool has free blocks for its prompt, which it is given at once (its cached prefix as
-the cached blocks themselves, shared, when ``prefix_match`` is the manager's); before each step every
-running row gets room for the token it decodes, and when the pool runs out the newest
-running request is preempted (its blocks freed, itself queued first to be recomputed from
-its prompt and output so far), as vLLM v1 does. The flat ``kv_budget_tokens`` count (prompt
-+ max_tokens) is the budget of the rectangle layout only.
-
-Embedding calls (:class:`~.embedding.EmbedRequest`) take a step's token budget as a prefill
-does, in arrival order with the prompts, but hold no slot and no KV: the step embeds as many
-of their inputs as fit, and a call ends the step its last input is embedded.
+Embedding calls (:class:`~.embedding.EmbedRequest`) take step token budget as prefills do, in
+arrival order, but hold no slot and no KV; a call ends the step its last input is embedded.
 
 Progress (nano-vllm's ``schedule -> run -> postprocess``): the worker runs the plan;
 :meth:`Scheduler.postprocess` appends each sampled token and judges EOS, stop ids and
 ``max_tokens``; :meth:`Scheduler.finish` frees a request's blocks (caching an answer's).
 
-Admission is first-come first-served: a request that does not fit blocks the ones behind it,
-so a large request is never starved by a stream of small ones.
-
-Prefix sharing (when given a ``prefix_match`` lookup into the prefix store): a request is
-admitted with the longest stored prefix of its prompt as ``num_cached``, and only its
-uncached tokens count against ``max_num_batched_tokens``. A waiting request that shares at
-least ``min_shared_tokens`` more tokens (or its whole prompt, for ``n > 1`` copies of one
-prompt) with a request being prefilled waits for that prefill to end, so the shared prefix
-is computed once and read from the store by everyone else the next step; requests behind
-it that share nothing are admitted meanwhile.
+Prefix sharing (given a ``prefix_match`` lookup into the prefix store): a request is
+admitted with the longest stored prefix of its prompt as ``num_cached``; only the rest
+counts against the step budget. A waiting request that shares at least
+``min_shared_tokens`` more tokens (or its whole prompt, for ``n > 1`` copies) with one being
+prefilled waits for that prefill to end, so the prefix is computed once; requests behind it
+that share nothing are admitted meanwhile.
 """
 
 from __future__ import annotations
@@ -155,29 +147,36 @@ class Scheduler:
             self._cache_blocks(request, request.prompt_ids + request.output_ids, request.num_tokens - 1)
         self.remove(request)
 
+    def reserve_ahead(self, rows: list[Request]) -> bool:
+        """Give ``rows`` room for one more token before this step's tokens are known, so
+        the worker may decode them once more ahead (:mod:`.decode_ahead`); False (nothing
+        given) while anything else waits to be planned, or the pool is short."""
+        if self.kv is None or self.waiting or self.prefilling or self.chunking is not None or self.embedding:
+            return False
+        for r in rows:
+            self.kv.slide(id(r), r.num_tokens)  # the window of its query ahead
+        wanted = {id(r): r.num_tokens + 1 for r in rows}
+        if not self.kv.can_hold(wanted):
+            return False
+        for owner, tokens in wanted.items():
+            self.kv.fit(owner, tokens)
+        return True
+
     def _cache_blocks(self, request: Request, tokens: list[int], computed: int) -> None:  # for later prompts to share
         if self.kv is not None and self.prefix_match is not None:
             self.kv.register(id(request), tokens, computed)
 
     def remove(self, request: Request | EmbedRequest) -> None:
         """Drop a request wherever it is and free its KV blocks (see :meth:`finish`)."""
-        if isinstance(request, EmbedRequest):
-            if request in self.embedding:
-                self.embedding.remove(request)
-            return
-        if self.kv is not None:
+        if self.kv is not None and not isinstance(request, EmbedRequest):
             self.kv.free(id(request))
         if request is self.chunking:
             self.chunking = None
-        elif request in self.running:
-            self.running.remove(request)
-        elif request in self.prefilling:
-            self.prefilling.remove(request)
         else:
-            try:
-                self.waiting.remove(request)
-            except ValueError:
-                pass
+            for queue in (self.running, self.prefilling, self.waiting, self.embedding):
+                if request in queue:
+                    queue.remove(request)  # type: ignore[arg-type]
+                    break
 
     def all_requests(self) -> list[Request | EmbedRequest]:
         """Every request the scheduler holds."""

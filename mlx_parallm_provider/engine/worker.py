@@ -29,6 +29,7 @@ import mlx.core as mx
 
 from ..config import EngineConfig
 from ..errors import EngineDeadError, MLXParallmError, as_request_error
+from .decode_ahead import DecodeAhead
 from .detokenize import TextStream
 from .drafts import Drafts
 from .embed_forward import embed_step
@@ -81,6 +82,8 @@ class Worker:
                                    eos_ids=self.eos_ids)
         self.grammar = GrammarTokenizer(tokenizer, vocab_size, self.eos_ids)
         self.drafts = Drafts.for_engine(config, self.paged)  # None: one token a row a step
+        ahead = self.paged is not None and config.async_scheduling and config.speculative is None
+        self.ahead = DecodeAhead(self.paged, self.scheduler) if ahead else None
         self._inbox: deque[Request] = deque()
         self._cond = threading.Condition()
         self._stopping = False
@@ -291,8 +294,11 @@ class Worker:
     def _decode(self, rows: list[Request]) -> None:
         """One decode step (or draft verification) of exactly these rows (the plan's)."""
         tic = time.perf_counter()
-        drafted = self.drafts.decode(self.paged, rows) if self.drafts is not None else None
-        if drafted is not None:  # accepted drafts + one sampled token a row
+        ahead = self.ahead.step(rows) if self.ahead is not None else None  # (plain rows: see .decode_ahead)
+        drafted = self.drafts.decode(self.paged, rows) if self.drafts is not None and ahead is None else None
+        if ahead is not None:
+            (rows, sampled), k = ahead, 0
+        elif drafted is not None:  # accepted drafts + one sampled token a row
             sampled, k = drafted
         else:
             logits = self.paged.decode(rows) if self.paged is not None else self.rectangle.decode(self.model, rows)

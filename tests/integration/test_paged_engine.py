@@ -90,9 +90,9 @@ def test_preempted_requests_recompute_from_their_own_cached_blocks(make_engine, 
     computed = []
     forward = PagedRunner.forward
 
-    def counting(self, rows, pieces, starts):
+    def counting(self, rows, pieces, starts, tokens=None):
         computed.append(sum(len(p) for p in pieces))
-        return forward(self, rows, pieces, starts)
+        return forward(self, rows, pieces, starts, tokens)
 
     monkeypatch.setattr(PagedRunner, "forward", counting)
     params = SamplingParams(max_tokens=24, ignore_eos=True)
@@ -123,9 +123,9 @@ def test_a_chunked_prompt_computes_logits_for_its_last_token_only(make_engine, m
     widths: list[int] = []
     forward = PagedRunner.forward
 
-    def recording(self, rows, pieces, starts):
+    def recording(self, rows, pieces, starts, tokens=None):
         widths.append(max(len(p) for p in pieces))
-        return forward(self, rows, pieces, starts)
+        return forward(self, rows, pieces, starts, tokens)
 
     params = SamplingParams(max_tokens=6)
     long = [100 + j % 250 for j in range(300)]

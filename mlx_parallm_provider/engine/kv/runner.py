@@ -1,5 +1,5 @@
 """Forward passes over paged KV: prefill in right-padded pieces, chunks of a long prompt,
-decode steps; and naming computed blocks for the prefix cache.
+decode steps.
 
 :class:`PagedRunner` runs what the worker asks on the rows' blocks and returns logits; it
 only reads requests: it never decides who runs nor records how far a prompt is prefilled
@@ -114,20 +114,27 @@ class PagedRunner:
     def stats(self) -> dict[str, Any]:
         return {"layout": "paged", **self.kv.stats(), "kv_cache_bytes": self.storage.nbytes}
 
-    def forward(self, rows: list[Request], pieces: list[list[int]], starts: list[int]) -> mx.array:
+    def forward(self, rows: list[Request], pieces: list[list[int]], starts: list[int], tokens: Optional[mx.array] = None) -> mx.array:
         """``pieces[b]`` (tokens from position ``starts[b]`` on) of each row through the
-        model, over the rows' blocks; the logits, ``(B, width, vocab)``."""
+        model, over the rows' blocks (``tokens``: the pieces as an array, ``(B, width)``, given
+        instead); the logits, ``(B, width, vocab)``."""
         width = max(len(p) for p in pieces)
         self.reserve()
         tables: list[Any] = [[self.kv.table(id(r), g) for r in rows] for g in range(len(self.kv.windows))]
         batch = PagedBatch(self.storage, tables[0] if self.groups is None else tables, starts, [len(p) for p in pieces], width,
                            self.windows, self.gathered, self.groups)
-        tokens = mx.array([p + [self.pad_id] * (width - len(p)) for p in pieces])
+        if tokens is None:
+            tokens = mx.array([p + [self.pad_id] * (width - len(p)) for p in pieces])
         return self.model(tokens, cache=batch.layers())
 
     def decode(self, rows: list[Request]) -> mx.array:
         """One decode step: each row's last sampled token; logits ``(B, vocab)``."""
         return self.forward(rows, [[r.output_ids[-1]] for r in rows], [r.num_tokens - 1 for r in rows])[:, -1, :]
+
+    def decode_ahead(self, rows: list[Request], tokens: mx.array) -> mx.array:
+        """The decode step after the one that samples ``tokens`` (``(B,)``, not yet on the
+        host: each row's next token, at position ``num_tokens``); logits ``(B, vocab)``."""
+        return self.forward(rows, [[0]] * len(rows), [r.num_tokens for r in rows], tokens[:, None])[:, -1, :]
 
     def prefill(self, requests: list[Request], piece: int, wanted: Wanted) -> Optional[tuple[list[Request], mx.array]]:
         """Prefill the requests' uncached tokens in right-padded pieces of ``piece``

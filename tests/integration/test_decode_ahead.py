@@ -1,0 +1,106 @@
+"""Async scheduling (engine/decode_ahead.py): step t+1 is built on step t's lazy tokens and
+queued while step t computes; the tokens must be those of plain steps, whatever ends, joins
+or leaves meanwhile."""
+
+from __future__ import annotations
+
+import asyncio
+
+from mlx_parallm_provider.engine import SamplingParams
+
+
+def _prompts(n: int) -> list[list[int]]:
+    return [[100 + (7 * i + j) % 300 for j in range(5 + 9 * i)] for i in range(n)]
+
+
+def _both(make_engine, model=None, **config):
+    """An engine decoding ahead and one that does not, otherwise alike."""
+    on = make_engine(model, async_scheduling=True, **config)
+    off = make_engine(model, async_scheduling=False, **config)
+    return on, off
+
+
+def _steps_ahead(engine) -> int:
+    """Steps whose tokens were computed ahead (the worker starts with the first request)."""
+    return engine._worker.ahead.steps
+
+
+def _together(engine, prompts, params):
+    async def main():
+        return await asyncio.gather(*(engine.generate(p, q) for p, q in zip(prompts, params)))
+    return [(c.token_ids, c.text, c.finish_reason) for c in asyncio.run(main())]
+
+
+def test_batched_greedy_rows_get_the_tokens_of_plain_steps(make_engine) -> None:
+    prompts = _prompts(6)
+    params = [SamplingParams(max_tokens=3 + 5 * i, ignore_eos=True) for i in range(6)]  # rows leave one by one
+    on, off = _both(make_engine)
+    assert _together(on, prompts, params) == _together(off, prompts, params)
+    assert off._worker.ahead is None and _steps_ahead(on) > 20  # (steps whose tokens were computed ahead)
+    alone = [on.generate_sync(p, q).token_ids for p, q in zip(prompts, params)]
+    assert alone == [t for t, _, _ in _together(off, prompts, params)]
+    kv = on.stats()["kv_cache"]
+    assert kv["kv_blocks_free"] == kv["kv_blocks_total"]
+
+
+def test_rows_ending_by_a_stop_token_or_string_while_the_next_step_runs_ahead(make_engine) -> None:
+    """The step computed ahead of a row that ended (a stop token, as EOS; a stop string) is
+    wasted: its KV write must reach no one, so the same prompts again (from their cached
+    blocks) answer alike."""
+    prompts = _prompts(3)
+    on, off = _both(make_engine)
+    free = _together(off, prompts, [SamplingParams(max_tokens=30, ignore_eos=True)] * 3)
+    text = free[1][1]
+    params = [SamplingParams(max_tokens=30, ignore_eos=True, stop_token_ids=[free[0][0][9]]),
+              SamplingParams(max_tokens=30, ignore_eos=True, stop=[text[len(text) // 2 : len(text) // 2 + 3]]),
+              SamplingParams(max_tokens=30, ignore_eos=True)]
+    first = _together(on, prompts, params)
+    assert first == _together(off, prompts, params)
+    assert [reason for _, _, reason in first] == ["stop", "stop", "length"]
+    assert len(first[0][0]) <= 9 and len(first[1][0]) < 30
+    assert _together(on, prompts, params) == first  # from the cached blocks
+    assert _steps_ahead(on) > 0
+
+
+def test_rows_that_need_more_than_the_argmax_decode_plainly(make_engine) -> None:
+    prompts = _prompts(3)
+    logprobs = [SamplingParams(max_tokens=12, ignore_eos=True, logprobs=True)] * 3
+    on, off = _both(make_engine)
+    assert _together(on, prompts, logprobs) == _together(off, prompts, logprobs)
+    assert _steps_ahead(on) == 0
+    mixed = [SamplingParams(max_tokens=12, ignore_eos=True), SamplingParams(max_tokens=12, temperature=0.8, seed=7),
+             SamplingParams(max_tokens=12, ignore_eos=True, repetition_penalty=1.3)]
+    assert _together(on, prompts, mixed) == _together(off, prompts, mixed)
+    assert _steps_ahead(on) == 0
+
+
+def test_requests_joining_and_leaving_mid_stream(make_engine) -> None:
+    """A request that arrives while others decode ahead, and a stream cancelled meanwhile,
+    leave the others' tokens as plain steps give them."""
+    long, late, dropped = _prompts(3)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+
+    async def main(engine):
+        async def first():
+            got = []
+            async for delta in engine.stream(long, params):
+                got += delta.token_ids
+                if len(got) == 10:
+                    tasks.append(asyncio.ensure_future(engine.generate(late, params)))
+            return got
+
+        async def cancelled():
+            n = 0
+            async for delta in engine.stream(dropped, params):
+                n += len(delta.token_ids)
+                if n >= 7:
+                    break  # leaves the batch while the next step may be computed ahead
+            return n
+
+        tasks: list = []
+        got, n = await asyncio.gather(first(), cancelled())
+        return got, (await tasks[0]).token_ids, n
+
+    on, off = _both(make_engine)
+    assert asyncio.run(main(on))[:2] == asyncio.run(main(off))[:2]
+    assert _steps_ahead(on) > 10
