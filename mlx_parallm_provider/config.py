@@ -65,8 +65,8 @@ class EngineConfig:
             output unchanged, see :mod:`~mlx_parallm_provider.engine.fast_forward`).
         async_scheduling: while a decode step computes, build and queue the next one on its
             still-lazy tokens (vLLM's ``async_scheduling``), where the tokens cannot differ:
-            every row greedy without penalties, bias, grammar or logprobs, paged KV, no n-gram
-            speculation, nothing waiting (:mod:`~mlx_parallm_provider.engine.decode_ahead`).
+            rows without penalties, bias, grammar or logprobs (greedy or seeded alike), paged
+            KV, no n-gram speculation, nothing waiting (:mod:`~mlx_parallm_provider.engine.decode_ahead`).
         stream_interval: a streaming request gets a delta every this many tokens (its first
             token, and its last, at once), as vLLM's ``--stream-interval``: fewer, larger
             deltas cost the caller's event loop (LiteLLM's proxy handles each chunk) less CPU

@@ -127,9 +127,8 @@ def _sample_rows(
         grammar = next(s.grammar for s in samplers if s.matcher is not None)
         logits = mask_logits(logits, [s.matcher for s in samplers], grammar)
     wants = [i for i, s in enumerate(samplers) if s.params.logprobs]
-    if all(s.greedy for s in samplers) and not wants:
-        # The common all-greedy step: argmax of the logits, no normalisation pass.
-        tokens = mx.argmax(logits, axis=-1)
+    if not wants:
+        tokens = draw_tokens(logits, samplers)
         mx.eval(tokens)
         return [SampledRow(token=t) for t in tokens.tolist()]
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
@@ -161,6 +160,17 @@ def _sample_rows(
             pairs = sorted(zip(top_ids.tolist(), top_lp.tolist()), key=lambda p: -p[1])
             out[i].top = pairs
     return out
+
+
+def draw_tokens(logits: mx.array, samplers: Sequence[RowSampler]) -> mx.array:
+    """Each row's next token as a lazy ``(B,)`` array, for rows with no logits processors,
+    grammar or logprobs: the arg-max for greedy rows (of the logits themselves when every row
+    is greedy: no normalisation pass), a draw with the row's next key for the others."""
+    if all(s.greedy for s in samplers):
+        return mx.argmax(logits, axis=-1)
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    greedy = mx.argmax(logprobs, axis=-1)
+    return mx.concatenate([greedy[i : i + 1] if s.greedy else s.draw(logprobs[i : i + 1]) for i, s in enumerate(samplers)])
 
 
 def token_logprob(tokenizer: Any, row: SampledRow) -> TokenLogprob:

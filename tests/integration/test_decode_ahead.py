@@ -74,6 +74,32 @@ def test_rows_that_need_more_than_the_argmax_decode_plainly(make_engine) -> None
     assert _steps_ahead(on) == 0
 
 
+def test_seeded_rows_draw_the_same_tokens_ahead_and_when_a_step_ahead_is_dropped(make_engine) -> None:
+    """Sampled rows are computed ahead too, each drawing with its own key; when a row that
+    cannot be (logprobs) joins, the step computed ahead is dropped and the keys put back, so
+    seeded rows draw what they draw without async scheduling, alone or batched."""
+    prompts = _prompts(4)
+    seeded = [SamplingParams(max_tokens=64, temperature=0.9, top_p=0.95, seed=11 + i, ignore_eos=True) for i in range(3)]
+    on, off = _both(make_engine)
+    expected = _together(off, prompts[:3], seeded)
+    assert _together(on, prompts[:3], seeded) == expected and _steps_ahead(on) > 10
+    assert [on.generate_sync(p, q).token_ids for p, q in zip(prompts, seeded)] == [t for t, _, _ in expected]
+    late = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=True)
+
+    async def joined(engine):
+        async def seeded_row(p, q):
+            return [t async for d in engine.stream(p, q) for t in d.token_ids]
+
+        async def late_row():
+            await asyncio.sleep(0.05)  # arrives while the seeded rows decode ahead
+            return (await engine.generate(prompts[3], late)).token_ids
+
+        return await asyncio.gather(*(seeded_row(p, q) for p, q in zip(prompts, seeded)), late_row())
+
+    got = asyncio.run(joined(on))
+    assert got[:3] == [t for t, _, _ in expected] and got == asyncio.run(joined(off))
+
+
 def test_requests_joining_and_leaving_mid_stream(make_engine) -> None:
     """A request that arrives while others decode ahead, and a stream cancelled meanwhile,
     leave the others' tokens as plain steps give them."""
