@@ -66,8 +66,8 @@ class EngineConfig:
         async_scheduling: while a decode step computes, build and queue the next one on its
             still-lazy tokens (vLLM's ``async_scheduling``), where the tokens cannot differ:
             rows without penalties, bias, grammar or logprobs (greedy or seeded alike), paged
-            KV, nothing waiting, and with n-gram speculation on only steps wider than
-            ``speculative_max_batch`` (:mod:`~mlx_parallm_provider.engine.decode_ahead`).
+            KV, nothing waiting, no n-gram drafts to verify at that step
+            (:mod:`~mlx_parallm_provider.engine.decode_ahead`).
         stream_interval: a streaming request gets a delta every this many tokens (its first
             token, and its last, at once), as vLLM's ``--stream-interval``: fewer, larger
             deltas cost the caller's event loop (LiteLLM's proxy handles each chunk) less CPU

@@ -7,9 +7,10 @@ following it. One stream of the default model on 2 CPU cores spends ~3 ms of a ~
 building its graph.
 
 Only where the result cannot differ from plain steps: every row's token is the arg-max or a
-draw with its own key (no penalties, bias, grammar or logprobs), KV is paged, the step is
-wider than n-gram speculation's ``speculative_max_batch`` (when it is on: narrower steps may
-verify drafts, which depend on the last token), and the scheduler has nothing else to plan
+draw with its own key (no penalties, bias, grammar or logprobs), KV is paged, n-gram
+speculation (when on) would not verify drafts at that step (drafts depend on the last
+token: rows with an n-gram match in view decode plainly, then verify), and the scheduler has
+nothing else to plan
 (:meth:`.Scheduler.reserve_ahead` gives each row room for one more token); a row whose step-t
 token is its last by ``max_tokens`` is left out. A step computed ahead and not used (a row
 that cannot be decoded so joined; a draw failed) puts the rows' PRNG keys back, so a seeded
@@ -20,7 +21,7 @@ string, cancelled) waste their share of step t+1: its KV lands past every entry 
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import mlx.core as mx
 
@@ -43,18 +44,18 @@ def plain(request: Request) -> bool:
 class DecodeAhead:
     """The step computed ahead, taken by the next decode."""
 
-    def __init__(self, runner: Any, scheduler: Scheduler, min_rows: int = 0) -> None:
+    def __init__(self, runner: Any, scheduler: Scheduler, drafting: Callable[[list[Request]], bool] = lambda rows: False) -> None:
         self.runner = runner
         self.scheduler = scheduler
-        self.min_rows = min_rows  # steps of at most this many rows are not computed ahead
+        self.drafting = drafting  # whether n-gram speculation would verify drafts of these rows now
         self.pending: Optional[Pending] = None
         self.steps = 0  # steps whose tokens were computed ahead (for tests and stats)
 
     def step(self, rows: list[Request]) -> Optional[tuple[list[Request], list[SampledRow]]]:
         """Decode ``rows`` (with what was computed ahead for those it covers) and queue the
         next step ahead where allowed. Returns the rows, reordered (those computed ahead
-        first), and their tokens; None when some row is not :func:`plain`, the step is not
-        wider than ``min_rows`` or a draw failed:
+        first), and their tokens; None when some row is not :func:`plain`, none was computed
+        ahead and their drafts are to be verified, or a draw failed:
         then decode them plainly (what was computed ahead is dropped, its keys put back; its
         KV is what a plain step writes again)."""
         pending, self.pending = self.pending, None
@@ -62,7 +63,8 @@ class DecodeAhead:
         if pending is not None:
             keys.update((id(r), key) for r, key in zip(pending[0], pending[2]))
         got = None
-        if len(rows) > self.min_rows and all(plain(r) for r in rows):
+        ahead = pending is not None and any(id(r) in {id(p) for p in pending[0]} for r in rows)
+        if all(plain(r) for r in rows) and (ahead or not self.drafting(rows)):
             try:
                 got = self._step(rows, pending)
             except Exception:  # a draw failed: the plain step fails that row alone
@@ -91,7 +93,7 @@ class DecodeAhead:
         mx.async_eval(tokens)
         on = [i for i, r in enumerate(rows) if len(r.output_ids) + 1 < r.params.max_tokens]  # the rest end now
         going = [rows[i] for i in on]
-        if len(going) > self.min_rows and self.scheduler.reserve_ahead(going):
+        if going and not self.drafting(going) and self.scheduler.reserve_ahead(going):
             keys = [r.state.sampler.key for r in going]
             last = tokens if len(going) == len(rows) else tokens[mx.array(on)]
             ahead = draw_tokens(self.runner.decode_ahead(going, last), [r.state.sampler for r in going])

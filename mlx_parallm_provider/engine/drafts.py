@@ -42,6 +42,10 @@ class Drafts:
         k = self.forward.plan(rows) if self.forward is not None else 0
         return (self.forward.verify(runner, rows, k), k) if k else None
 
+    def would_verify(self, rows: Sequence[Any]) -> bool:
+        """Whether n-gram drafts of ``rows`` would be verified now (their drafts as they stand)."""
+        return self.ngram is not None and self.ngram.plan(rows) > 0
+
     def record(self, rows: int, k: int, seconds: float) -> None:
         """The time of the step just run (``k`` drafts a row, 0: plain)."""
         self.times.record(rows, k, seconds)

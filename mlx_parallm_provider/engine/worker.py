@@ -82,8 +82,8 @@ class Worker:
                                    eos_ids=self.eos_ids)
         self.grammar = GrammarTokenizer(tokenizer, vocab_size, self.eos_ids)
         self.drafts = Drafts.for_engine(config, self.paged)  # None: one token a row a step
-        ngram_rows = config.speculative_max_batch if config.speculative else 0  # (n-gram drafts' steps: not ahead)
-        self.ahead = DecodeAhead(self.paged, self.scheduler, ngram_rows) if self.paged is not None and config.async_scheduling else None
+        drafting = self.drafts.would_verify if self.drafts is not None else (lambda rows: False)
+        self.ahead = DecodeAhead(self.paged, self.scheduler, drafting) if self.paged is not None and config.async_scheduling else None
         self._inbox: deque[Request] = deque()
         self._cond = threading.Condition()
         self._stopping = False

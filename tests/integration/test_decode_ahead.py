@@ -131,16 +131,3 @@ def test_requests_joining_and_leaving_mid_stream(make_engine) -> None:
     assert asyncio.run(main(on))[:2] == asyncio.run(main(off))[:2]
     assert _steps_ahead(on) > 10
 
-
-def test_with_ngram_speculation_only_steps_wider_than_its_batch_run_ahead(make_engine) -> None:
-    """N-gram drafts depend on the last token, so steps that may verify drafts (at most
-    ``speculative_max_batch`` rows) are never computed ahead; wider ones are."""
-    prompts = _prompts(3)
-    params = [SamplingParams(max_tokens=20 + 10 * i, ignore_eos=True) for i in range(3)]
-    on, off = _both(make_engine, speculative="ngram", speculative_max_batch=1)
-    expected = _together(off, prompts, params)
-    assert _together(on, prompts, params) == expected
-    assert 0 < _steps_ahead(on) < 40  # while two or three rows decode, not the last one's alone
-    alone = make_engine(async_scheduling=True, speculative="ngram", speculative_max_batch=1)
-    assert alone.generate_sync(prompts[2], params[2]).token_ids == expected[2][0]
-    assert _steps_ahead(alone) == 0

@@ -80,6 +80,23 @@ def test_greedy_output_is_the_same_alone_batched_and_streamed(make_engine, plain
     assert scraped["vllm:spec_decode_num_accepted_tokens_total"] == stats["accepted_tokens"]
 
 
+def test_steps_too_wide_to_speculate_run_ahead_and_narrower_ones_verify_drafts(make_engine, plain, _speculating) -> None:
+    """Async scheduling beside n-gram drafts (engine/decode_ahead.py): drafts depend on the
+    last token, so a step that would verify them is not computed ahead; steps wider than
+    ``speculative_max_batch`` are. Tokens as without either."""
+    engine = _speculating(make_engine, speculative_max_batch=1, async_scheduling=True)
+
+    async def batched():
+        return await asyncio.gather(*(engine.generate(p, PARAMS) for p in PROMPTS))
+
+    assert [r.token_ids for r in asyncio.run(batched())] == [r.token_ids for r in plain]
+    assert engine._worker.ahead.steps > 0 and engine.stats()["speculation"]["speculative_steps"] == 0
+    ahead = engine._worker.ahead.steps
+    assert engine.generate_sync(PROMPTS[0], PARAMS).token_ids == plain[0].token_ids
+    # (its first decode step has no drafts yet: the second may be computed ahead, no later one)
+    assert engine.stats()["speculation"]["speculative_steps"] > 0 and engine._worker.ahead.steps <= ahead + 1
+
+
 def test_a_stop_string_inside_accepted_drafts_ends_the_row_there(make_engine, plain, _speculating) -> None:
     engine = _speculating(make_engine)
     whole = plain[0].text
