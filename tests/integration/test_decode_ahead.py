@@ -87,11 +87,18 @@ def test_seeded_rows_draw_the_same_tokens_ahead_and_when_a_step_ahead_is_dropped
     late = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=True)
 
     async def joined(engine):
+        arrived = asyncio.Event()
+
         async def seeded_row(p, q):
-            return [t async for d in engine.stream(p, q) for t in d.token_ids]
+            got = []
+            async for d in engine.stream(p, q):
+                got += d.token_ids
+                if len(got) >= 10:
+                    arrived.set()
+            return got
 
         async def late_row():
-            await asyncio.sleep(0.05)  # arrives while the seeded rows decode ahead
+            await arrived.wait()  # arrives while the seeded rows decode ahead
             return (await engine.generate(prompts[3], late)).token_ids
 
         return await asyncio.gather(*(seeded_row(p, q) for p, q in zip(prompts, seeded)), late_row())
