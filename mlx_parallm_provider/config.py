@@ -66,7 +66,7 @@ class EngineConfig:
         async_scheduling: while a decode step computes, build and queue the next one on its
             still-lazy tokens (vLLM's ``async_scheduling``), where the tokens cannot differ:
             rows without penalties, bias, grammar or logprobs (greedy or seeded alike), paged
-            KV, nothing waiting, no n-gram drafts to verify at that step
+            KV, no prompt that could be admitted, no n-gram drafts to verify at that step
             (:mod:`~mlx_parallm_provider.engine.decode_ahead`).
         stream_interval: a streaming request gets a delta every this many tokens (its first
             token, and its last, at once), as vLLM's ``--stream-interval``: fewer, larger

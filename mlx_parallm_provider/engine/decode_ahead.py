@@ -10,8 +10,9 @@ Only where the result cannot differ from plain steps: every row's token is the a
 draw with its own key (no penalties, bias, grammar or logprobs), KV is paged, n-gram
 speculation (when on) would not verify drafts at that step (drafts depend on the last
 token: rows with an n-gram match in view decode plainly, then verify), and the scheduler has
-nothing else to plan
-(:meth:`.Scheduler.reserve_ahead` gives each row room for one more token); a row whose step-t
+nothing else it could plan: no prompt with a free slot, chunk or embedding; a queue behind a
+full batch does not stop it (:meth:`.Scheduler.reserve_ahead` gives each row room for one
+more token); a row whose step-t
 token is its last by ``max_tokens`` is left out. A step computed ahead and not used (a row
 that cannot be decoded so joined; a draw failed) puts the rows' PRNG keys back, so a seeded
 row draws the same tokens either way. Rows that end otherwise at step t (EOS, a stop

@@ -139,9 +139,8 @@ class Scheduler:
         return "length" if len(request.output_ids) >= params.max_tokens else None
 
     def finish(self, request: Request | EmbedRequest, answered: bool = False) -> None:
-        """Take a request out for good (answered, cancelled, timed out or failed) and free
-        its KV blocks. ``answered``: its prompt + answer are named in the prefix store first
-        (every token but the last, whose KV was never computed), for a next turn."""
+        """Take a request out for good and free its KV blocks; ``answered``: its prompt + answer
+        (but the last token, never computed) are named in the prefix store first."""
         request.finished = True
         if answered and isinstance(request, Request):
             self._cache_blocks(request, request.prompt_ids + request.output_ids, request.num_tokens - 1)
@@ -150,8 +149,10 @@ class Scheduler:
     def reserve_ahead(self, rows: list[Request]) -> bool:
         """Give ``rows`` room for one more token before this step's tokens are known, so
         the worker may decode them once more ahead (:mod:`.decode_ahead`); False (nothing
-        given) while anything else waits to be planned, or the pool is short."""
-        if self.kv is None or self.waiting or self.prefilling or self.chunking is not None or self.embedding:
+        given) while anything else could be planned (a prompt with a free slot, a chunk, an
+        embedding), or the pool is short."""
+        admissible = self.waiting and self.num_running < self.max_num_seqs
+        if self.kv is None or admissible or self.prefilling or self.chunking is not None or self.embedding:
             return False
         for r in rows:
             self.kv.slide(id(r), r.num_tokens)  # the window of its query ahead

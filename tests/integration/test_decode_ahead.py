@@ -138,3 +138,13 @@ def test_requests_joining_and_leaving_mid_stream(make_engine) -> None:
     assert asyncio.run(main(on))[:2] == asyncio.run(main(off))[:2]
     assert _steps_ahead(on) > 10
 
+
+
+def test_a_full_batch_with_requests_queued_behind_it_still_runs_ahead(make_engine) -> None:
+    """With every slot taken, a waiting prompt cannot be admitted next step anyway (unless a
+    row ends: then it joins, and the rows computed ahead keep their tokens)."""
+    prompts = _prompts(4)
+    params = [SamplingParams(max_tokens=12, ignore_eos=True)] * 4
+    on, off = _both(make_engine, max_num_seqs=1)
+    assert _together(on, prompts, params) == _together(off, prompts, params)
+    assert _steps_ahead(on) > 30  # (~10 a request, not only the last one's)
