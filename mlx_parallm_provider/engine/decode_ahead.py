@@ -64,10 +64,11 @@ class DecodeAhead:
         if pending is not None:
             keys.update((id(r), key) for r, key in zip(pending[0], pending[2]))
         got = None
-        ahead = pending is not None and any(id(r) in {id(p) for p in pending[0]} for r in rows)
+        index = {id(r): i for i, r in enumerate(pending[0])} if pending is not None else {}  # row -> its place ahead
+        ahead = any(id(r) in index for r in rows)
         if all(plain(r) for r in rows) and (ahead or not self.drafting(rows)):
             try:
-                got = self._step(rows, pending)
+                got = self._step(rows, pending, index)
             except Exception:  # a draw failed: the plain step fails that row alone
                 logger.debug("decoding ahead failed; decoding plainly", exc_info=True)
                 self.pending = None
@@ -77,10 +78,9 @@ class DecodeAhead:
                 r.state.sampler.key = keys[id(r)]
         return got
 
-    def _step(self, rows: list[Request], pending: Optional[Pending]) -> tuple[list[Request], list[SampledRow]]:
+    def _step(self, rows: list[Request], pending: Optional[Pending], index: dict[int, int]) -> tuple[list[Request], list[SampledRow]]:
         parts: list[tuple[list[Request], mx.array]] = []
         if pending is not None:
-            index = {id(r): i for i, r in enumerate(pending[0])}
             covered = [r for r in rows if id(r) in index]
             if covered:
                 same = len(covered) == len(pending[0])
