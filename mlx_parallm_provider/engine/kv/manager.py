@@ -291,8 +291,7 @@ class KVCacheManager:
                 self.pending_copies.remove(copy)
                 self.pool.release([copy[0]])
             for table, n in zip(tables, lengths):
-                self.pool.release(b for b in reversed(table[n:]) if b != NULL_BLOCK)
-                del table[n:]
+                self._cut(table, n)
             if created:
                 self.free(owner)
             raise
@@ -302,10 +301,14 @@ class KVCacheManager:
         their blocks past them released (rejected speculative tokens' KV, never cached)."""
         keep = blocks_for(tokens, self.block_size)
         for table in self._tables.get(owner, []):
-            if len(table) > keep:
-                self.pool.release(b for b in reversed(table[keep:]) if b != NULL_BLOCK)
-                del table[keep:]
+            self._cut(table, keep)
         self.grow(owner, tokens)
+
+    def _cut(self, table: list[int], keep: int) -> None:
+        """Release ``table``'s blocks past its first ``keep`` entries (last first) and drop them."""
+        if len(table) > keep:
+            self.pool.release(b for b in reversed(table[keep:]) if b != NULL_BLOCK)
+            del table[keep:]
 
     def free(self, owner: Hashable) -> int:
         """Release every block ``owner`` holds (cached ones stay cached); returns how many."""
