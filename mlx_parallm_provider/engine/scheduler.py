@@ -156,12 +156,7 @@ class Scheduler:
             return False
         for r in rows:
             self.kv.slide(id(r), r.num_tokens)  # the window of its query ahead
-        wanted = {id(r): r.num_tokens + 1 for r in rows}
-        if not self.kv.can_hold(wanted):
-            return False
-        for owner, tokens in wanted.items():
-            self.kv.fit(owner, tokens)
-        return True
+        return self.kv.hold({id(r): r.num_tokens + 1 for r in rows})
 
     def _cache_blocks(self, request: Request, tokens: list[int], computed: int) -> None:  # for later prompts to share
         if self.kv is not None and self.prefix_match is not None:
@@ -344,12 +339,7 @@ class Scheduler:
                 c = self.chunking
                 wanted[id(c)] = c.num_tokens + 1
                 ends[id(c)] = self._chunk_end(c, c.num_prefilled)
-            if self.kv.can_hold(wanted, ends):
-                for owner, tokens in wanted.items():
-                    if owner in ends:
-                        self.kv.grow(owner, tokens, window_end=ends[owner])
-                    else:
-                        self.kv.fit(owner, tokens)
+            if self.kv.hold(wanted, ends):
                 return
             if any(r.draft for r in self.running):
                 for r in self.running:

@@ -179,3 +179,13 @@ def test_slide_releases_the_blocks_no_later_query_can_see_and_keeps_positions():
     assert KVCacheManager(num_blocks=20, block_size=4).slide("x", 100) == 0  # no window: nothing
     # at most: a window and the blocks it straddles, or the prompt, or everything when shorter
     assert kv.peak_blocks(10, 500) == 4 and kv.peak_blocks(40, 500) == 11 and kv.peak_blocks(3, 9) == 3
+
+
+def test_hold_gives_every_owner_its_entries_or_changes_nothing():
+    kv = KVCacheManager(num_blocks=6, block_size=4)  # 5 usable blocks
+    kv.grow("a", 4)
+    kv.grow("b", 8)
+    assert kv.hold({"a": 8, "b": 5})  # a grows to 2 blocks, b is cut to 2 (fit)
+    assert (len(kv.table("a")), len(kv.table("b")), kv.pool.num_free) == (2, 2, 1)
+    assert not kv.hold({"a": 12, "b": 12})  # 2 more wanted, 1 free
+    assert (len(kv.table("a")), len(kv.table("b")), kv.pool.num_free) == (2, 2, 1)

@@ -296,6 +296,20 @@ class KVCacheManager:
                 self.free(owner)
             raise
 
+    def hold(self, wanted: dict[Hashable, int], window_ends: Optional[dict[Hashable, int]] = None) -> bool:
+        """Make each ``owner -> tokens`` of ``wanted`` hold that many entries (its window groups
+        up to ``window_ends[owner]`` where given; the others exactly, see :meth:`fit`) if the
+        pool can hold them all (:meth:`can_hold`); False, nothing changed, if it cannot."""
+        ends = window_ends or {}
+        if not self.can_hold(wanted, ends):
+            return False
+        for owner, tokens in wanted.items():
+            if owner in ends:
+                self.grow(owner, tokens, window_end=ends[owner])
+            else:
+                self.fit(owner, tokens)
+        return True
+
     def fit(self, owner: Hashable, tokens: int) -> None:
         """Make ``owner``'s tables hold exactly the blocks ``tokens`` entries need: grown, or
         their blocks past them released (rejected speculative tokens' KV, never cached)."""
