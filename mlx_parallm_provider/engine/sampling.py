@@ -132,14 +132,7 @@ def _sample_rows(
         mx.eval(tokens)
         return [SampledRow(token=t) for t in tokens.tolist()]
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-
-    if all(s.greedy for s in samplers):
-        tokens = mx.argmax(logprobs, axis=-1)
-    else:
-        greedy = mx.argmax(logprobs, axis=-1)
-        tokens = mx.concatenate(
-            [greedy[i : i + 1] if s.greedy else s.draw(logprobs[i : i + 1]) for i, s in enumerate(samplers)]
-        )
+    tokens = _pick(logprobs, samplers)
 
     extras: dict[int, Any] = {}
     for i in wants:
@@ -168,8 +161,14 @@ def draw_tokens(logits: mx.array, samplers: Sequence[RowSampler]) -> mx.array:
     is greedy: no normalisation pass), a draw with the row's next key for the others."""
     if all(s.greedy for s in samplers):
         return mx.argmax(logits, axis=-1)
-    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    return _pick(logits - mx.logsumexp(logits, axis=-1, keepdims=True), samplers)
+
+
+def _pick(logprobs: mx.array, samplers: Sequence[RowSampler]) -> mx.array:
+    """Each row's token from its normalised logprobs: the arg-max, or a draw with its next key."""
     greedy = mx.argmax(logprobs, axis=-1)
+    if all(s.greedy for s in samplers):
+        return greedy
     return mx.concatenate([greedy[i : i + 1] if s.greedy else s.draw(logprobs[i : i + 1]) for i, s in enumerate(samplers)])
 
 
