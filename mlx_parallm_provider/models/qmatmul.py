@@ -40,6 +40,13 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 SOURCE = Path(__file__).with_name("kernels") / "qmatmul.c"
+INT8_HEADER = SOURCE.with_name("qmatmul_int8.h")  # included by SOURCE: its int8 path
+
+
+def source_text() -> str:
+    """The kernel's source, its included header too (what a cached build is keyed by)."""
+    return SOURCE.read_text() + "\0" + INT8_HEADER.read_text()
+
 MAX_ROWS = 64
 """Rows of ``x`` one call takes (the C kernel's ``MAX_CALL_ROWS``)."""
 SUPPORTED_BITS = (4, 8)
@@ -136,7 +143,7 @@ def build(compiler: Optional[str] = None) -> Optional[Path]:
     except OSError as exc:
         logger.info("C compiler %s unusable (%s): small-batch matmuls keep MLX's ops", compiler, exc)
         return None
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(flags), version, platform.machine(), cpu_signature()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256("\0".join([source_text(), " ".join(flags), version, platform.machine(), cpu_signature()]).encode()).hexdigest()[:16]
     target = cache_dir() / f"qmatmul-{key}.so"
     if kernel_cache.verified(target):
         return target
@@ -144,7 +151,7 @@ def build(compiler: Optional[str] = None) -> Optional[Path]:
         return None
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
-        result = subprocess.run([compiler, *flags, "-o", str(built), str(SOURCE)], capture_output=True, text=True)
+        result = subprocess.run([compiler, *flags, "-o", str(built), str(SOURCE), "-lm"], capture_output=True, text=True)
         if result.returncode != 0:
             logger.warning("could not compile %s (small-batch matmuls keep MLX's ops):\n%s", SOURCE.name, result.stderr[-2000:])
             return None
@@ -185,8 +192,9 @@ def _load_library() -> Optional[ctypes.CDLL]:
     if lib is None:
         return None
     p, i = ctypes.c_void_p, ctypes.c_int
-    lib.qmatmul.argtypes = [p, i, i, p, p, p, i, i, i, p, i]
-    lib.qmatmul.restype = i
+    for function in (lib.qmatmul, lib.qmatmul_int8):
+        function.argtypes = [p, i, i, p, p, p, i, i, i, p, i]
+        function.restype = i
     return lib
 
 
@@ -203,15 +211,18 @@ def reset() -> None:
     _library.reset()
 
 
-def qmatmul(lib: ctypes.CDLL, x: np.ndarray, packed: np.ndarray, scales: np.ndarray, biases: np.ndarray, bits: int, group_size: int, threads: int = 1) -> np.ndarray:
+def qmatmul(lib: ctypes.CDLL, x: np.ndarray, packed: np.ndarray, scales: np.ndarray, biases: np.ndarray, bits: int, group_size: int,
+            threads: int = 1, int8: bool = False) -> np.ndarray:
     """``x @ W.T`` for ``x`` (M, K) float32 with M <= :data:`MAX_ROWS` and ``W`` (N, K) given
     as MLX's ``quantize`` packs it: ``packed`` (N, K * bits / 8) uint8, ``scales`` and
-    ``biases`` (N, K / group_size) float32. Returns (M, N) float32."""
+    ``biases`` (N, K / group_size) float32. Returns (M, N) float32. With ``int8``, any M:
+    ``x`` quantized to int8 in blocks of 32 and multiplied by integer dot products."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     rows, k = x.shape
     n = packed.shape[0]
     out = np.empty((rows, n), dtype=np.float32)
-    status = lib.qmatmul(x.ctypes.data, rows, k, packed.ctypes.data, scales.ctypes.data, biases.ctypes.data, n, bits, group_size, out.ctypes.data, threads)
+    function = lib.qmatmul_int8 if int8 else lib.qmatmul
+    status = function(x.ctypes.data, rows, k, packed.ctypes.data, scales.ctypes.data, biases.ctypes.data, n, bits, group_size, out.ctypes.data, threads)
     if status != 0:
         raise ValueError(f"qmatmul: unsupported shape or format (rows={rows}, K={k}, bits={bits}, group_size={group_size})")
     return out

@@ -87,7 +87,7 @@ def build(compiler: Optional[str] = None) -> Optional[Path]:
             return None
         import nanobind
 
-        parts = [*(s.read_text() for s in (*SOURCES, *HEADERS)), qmatmul.SOURCE.read_text(), *_CXX_FLAGS, *c_command[1:-4], *versions,
+        parts = [*(s.read_text() for s in (*SOURCES, *HEADERS)), qmatmul.source_text(), *_CXX_FLAGS, *c_command[1:-4], *versions,
                  mx.__version__, str(_mlx_dir()), nanobind.__version__, platform.machine(), qmatmul.cpu_signature()]
         key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
         target = qmatmul.cache_dir() / f"qmatmul_ext-{key}{sysconfig.get_config_var('EXT_SUFFIX') or '.so'}"

@@ -11,7 +11,11 @@ extension (:mod:`.qmatmul_ext`, ops in the step's lazy graph):
   dequantized a cache-sized tile at a time and each tile multiplied through OpenBLAS, so no
   float32 copy of the weights is kept and the model holds about its checkpoint's size.
 
-Both paths multiply by the same float32 weights (``q * scale + bias``, with scale and bias
+With the backend's ``int8_matmul`` (``MLX_PARALLM_INT8_MATMUL=1``) every row count goes to the
+kernel's int8 path instead (activations quantized to int8 in blocks of 32, integer dot
+products): no float32 copy is kept, and a row's result does not depend on the rows beside it.
+
+Otherwise both paths multiply by the same float32 weights (``q * scale + bias``, with scale and bias
 cast up first), so they differ only in the order of float additions. Where the extension
 does not build (no C++ compiler or nanobind) or no BLAS can be bound, each layer keeps a
 float32 copy for large inputs and small ones go to the C kernel through ctypes (each call
@@ -119,15 +123,16 @@ class PackedWeight:
         mx.eval(arrays)
         return replace(self, packed=arrays[0], scales=arrays[1], biases=arrays[2])
 
-    def matmul(self, kernel: Kernel, x: mx.array, threads: int = 1, gemm: bool = False) -> mx.array:
+    def matmul(self, kernel: Kernel, x: mx.array, threads: int = 1, gemm: bool = False, int8: bool = False) -> mx.array:
         """``x @ W.T`` through the kernel on ``threads`` threads; ``x`` (..., K) with at most
         :data:`.qmatmul.MAX_ROWS` rows, or any number with ``gemm`` (the extension, once
-        :func:`.private_blas.bind_for_gemm` succeeded: tiles of W dequantized for OpenBLAS)."""
+        :func:`.private_blas.bind_for_gemm` succeeded: tiles of W dequantized for OpenBLAS) or
+        with ``int8`` (``x`` quantized to int8 in blocks of 32, integer dot products)."""
         if not isinstance(kernel, ctypes.CDLL):  # the extension: lazy, in the step's graph
             w = self.for_kernel(kernel)
-            return kernel.qmatmul(x, w.packed, w.scales, w.biases, self.bits, self.group_size, threads, gemm)
+            return kernel.qmatmul(x, w.packed, w.scales, w.biases, self.bits, self.group_size, threads, gemm, int8)
         rows = np.asarray(x.astype(mx.float32)).reshape(-1, x.shape[-1])
-        out = qmatmul.qmatmul(kernel, rows, self.packed, self.scales, self.biases, self.bits, self.group_size, threads)
+        out = qmatmul.qmatmul(kernel, rows, self.packed, self.scales, self.biases, self.bits, self.group_size, threads, int8)
         return mx.array(out).reshape(*x.shape[:-1], out.shape[-1])
 
 
@@ -151,11 +156,11 @@ class SharedInput:
         self.packed, self.kernel = packed.for_kernel(kernel), kernel
         self._last = threading.local()
 
-    def output(self, x: mx.array, threads: int = 1, gemm: bool = False) -> mx.array:
+    def output(self, x: mx.array, threads: int = 1, gemm: bool = False, int8: bool = False) -> mx.array:
         last = self._last
-        if getattr(last, "input", None) is not x or last.gemm != gemm:
-            last.output = self.packed.matmul(self.kernel, x, threads, gemm)
-            last.input, last.gemm = x, gemm  # the input kept alive, so identity cannot be reused by a new array
+        if getattr(last, "input", None) is not x or last.how != (gemm, int8):
+            last.output = self.packed.matmul(self.kernel, x, threads, gemm, int8)
+            last.input, last.how = x, (gemm, int8)  # the input kept alive, so identity cannot be reused by a new array
         return last.output
 
     def mlx_matmul(self, x: mx.array) -> mx.array:
@@ -222,13 +227,16 @@ def _hold(layer: nn.Module, weight: Optional[mx.array]) -> None:
 
 def _multiply(x: mx.array, source: SharedInput, columns: tuple[int, int], weight: Optional[mx.array], backend: MLXOps) -> mx.array:
     """``x @ W.T`` for a layer's ``columns`` of ``source`` by the path for ``x``'s rows: the
-    packed kernel for at most ``backend.packed_rows``, else the layer's float32 ``weight``
-    where one is kept, MLX's ``quantized_matmul`` on a backend without kernels, or the tiled
-    GEMM."""
-    small = _rows(x) <= backend.packed_rows
-    if not small and weight is not None:
-        return private_blas.dense(x, weight)  # the layer's own columns already
-    y = source.mlx_matmul(x) if not small and not backend.kernels else source.output(x, backend.qmatmul_threads, gemm=not small)
+    int8 kernel for every row count where ``backend.int8_matmul``; else the packed kernel for
+    at most ``backend.packed_rows``, else the layer's float32 ``weight`` where one is kept,
+    MLX's ``quantized_matmul`` on a backend without kernels, or the tiled GEMM."""
+    if backend.int8_matmul:
+        y = source.output(x, backend.qmatmul_threads, int8=True)
+    else:
+        small = _rows(x) <= backend.packed_rows
+        if not small and weight is not None:
+            return private_blas.dense(x, weight)  # the layer's own columns already
+        y = source.mlx_matmul(x) if not small and not backend.kernels else source.output(x, backend.qmatmul_threads, gemm=not small)
     start, stop = columns
     return y if (start, stop) == (0, y.shape[-1]) else y[..., start:stop]
 
@@ -286,7 +294,9 @@ def dequantize(model: nn.Module, backend: MLXOps) -> int:
     modules = {name: m for name, m in model.named_modules() if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))}
     packed = {name: p for name, m in modules.items() if (p := PackedWeight.from_module(m)) is not None}
     # A BLAS for the tiles first: the copies are only dropped (and said so) where it is bound.
-    float32_copy = isinstance(kernel, ctypes.CDLL) or not private_blas.bind_for_gemm() or _keep_float32_copies(packed)
+    # The int8 kernel takes every row count: no copies.
+    float32_copy = not backend.int8_matmul and (
+        isinstance(kernel, ctypes.CDLL) or not private_blas.bind_for_gemm() or _keep_float32_copies(packed))
     sources = _sources({n: p for n, p in packed.items() if isinstance(modules[n], nn.QuantizedLinear)}, kernel)
     replaced = []
     for name, weights in packed.items():
@@ -300,7 +310,10 @@ def dequantize(model: nn.Module, backend: MLXOps) -> int:
     if replaced:
         model.update_modules(tree_unflatten(replaced))
         how = "ctypes" if isinstance(kernel, ctypes.CDLL) else "MLX extension"
-        large = "float32 copies" if float32_copy else "tiles of the packed weights dequantized for OpenBLAS (no float32 copy)"
-        logger.info("%d quantized layers: steps of <= %d rows through the packed-weight kernel (%s), larger ones through %s",
-                    len(replaced), backend.packed_rows, how, large)
+        if backend.int8_matmul:
+            logger.info("%d quantized layers: every step through the int8 kernel (%s; no float32 copy)", len(replaced), how)
+        else:
+            large = "float32 copies" if float32_copy else "tiles of the packed weights dequantized for OpenBLAS (no float32 copy)"
+            logger.info("%d quantized layers: steps of <= %d rows through the packed-weight kernel (%s), larger ones through %s",
+                        len(replaced), backend.packed_rows, how, large)
     return len(replaced)

@@ -8,7 +8,9 @@ the CPU device for attention, SwiGLU, RMSNorm, RoPE and small-batch matmuls.
 * RMSNorm and RoPE (float32): the extension's fused ops, in the modules
   :mod:`..fused_ops` installs;
 * linear layers of a quantized checkpoint: steps of at most :attr:`CPUKernels.packed_rows`
-  rows multiply by the packed weights (:mod:`..small_batch`), larger ones by float32 copies.
+  rows multiply by the packed weights (:mod:`..small_batch`), larger ones by float32 copies;
+  with :attr:`CPUKernels.int8_matmul`, every row count by the packed weights with int8
+  activations.
 
 Without a compiler (no extension) every method falls back to :class:`.MLXOps`.
 """
@@ -22,12 +24,14 @@ from typing import Any, Optional, Sequence, Union
 
 import mlx.core as mx
 
-from ..._validation import env_int
+from ..._validation import env_choice, env_int
 from .. import attention, cpu_ops, qmatmul
 from .mlx_ops import MLXOps
 
 ROWS_ENV = "MLX_PARALLM_SMALL_BATCH_ROWS"
 QMATMUL_THREADS_ENV = "MLX_PARALLM_QMATMUL_THREADS"
+INT8_MATMUL_ENV = "MLX_PARALLM_INT8_MATMUL"
+DEFAULT_INT8_MATMUL = False
 DEFAULT_PACKED_ROWS = 8
 MAX_QMATMUL_THREADS = 16  # the kernel's pool: 15 helpers and the caller
 
@@ -50,6 +54,11 @@ def _qmatmul_threads() -> int:
     return env_int(QMATMUL_THREADS_ENV, default_qmatmul_threads(), 1, MAX_QMATMUL_THREADS)
 
 
+def _int8_matmul() -> bool:
+    choice = env_choice(INT8_MATMUL_ENV)
+    return DEFAULT_INT8_MATMUL if choice is None else choice
+
+
 @dataclass(eq=False)
 class CPUKernels(MLXOps):
     """This package's CPU kernels. Settings default to the environment, read once, when the
@@ -58,12 +67,14 @@ class CPUKernels(MLXOps):
     8, at most :data:`.qmatmul.MAX_ROWS`; 0 turns the packed-weight kernel off) and
     ``MLX_PARALLM_QMATMUL_THREADS`` (the packed-weight kernel, default
     :func:`default_qmatmul_threads`, at most 16; its helper threads take shares of a call's
-    rows as they come free, so a busy core slows a call no more than one thread would). They
+    rows as they come free, so a busy core slows a call no more than one thread would) and
+    ``MLX_PARALLM_INT8_MATMUL`` (default off: int8 activations at every row count). They
     may be changed on a model's backend afterwards (tests, profiles)."""
 
     attention_threads: int = field(default_factory=_attention_threads)
     packed_rows: int = field(default_factory=_packed_rows)  # type: ignore[assignment]
     qmatmul_threads: int = field(default_factory=_qmatmul_threads)  # type: ignore[assignment]
+    int8_matmul: bool = field(default_factory=_int8_matmul)  # type: ignore[assignment]
 
     name = "cpu"
     kernels = True

@@ -27,6 +27,8 @@ class MLXOps:
     packed_rows = 0
     """Inputs of at most this many rows multiply by packed weights (:mod:`..small_batch`); 0: never."""
     qmatmul_threads = 1
+    int8_matmul = False
+    """Quantized layers multiply every row count with activations quantized to int8 (:mod:`..small_batch`)."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

@@ -29,6 +29,8 @@
 #define QM_AVX2 1
 #endif
 
+#include "qmatmul_int8.h"
+
 #define MAX_ROWS 8        /* rows of x one weight row is multiplied with at a time (registers) */
 #define MAX_CALL_ROWS 64  /* rows of x one call takes; larger inputs belong to a GEMM */
 
@@ -156,11 +158,14 @@ static void dequantize_rows(const uint8_t *w, const float *scales, const float *
                             int bits, int group, float *out);
 
 /* One call's work, shared out by chunks of rows_per_chunk weight rows: y = x @ W.T over rows
- * [0, N) (MULTIPLY), or rows [first, first + N) of W dequantized into y, N x K (DEQUANTIZE). */
-enum { MULTIPLY, DEQUANTIZE };
+ * [0, N) (MULTIPLY; MULTIPLY_INT8 from x quantized), or rows [first, first + N) of W
+ * dequantized into y, N x K (DEQUANTIZE). */
+enum { MULTIPLY, MULTIPLY_INT8, DEQUANTIZE };
 typedef struct {
     int kind;
     const float *xd;
+    const int8_t *xq;           /* MULTIPLY_INT8: x quantized (quantize_rows) */
+    const float *xscale, *xsum;
     const uint8_t *w;
     const float *scales, *biases;
     float *y;
@@ -189,9 +194,42 @@ static void run_rows(const Job *j, int n0, int n1) {
     }
 }
 
+/* Weight rows [n0, n1) times every row of x, Q8_ROWS rows of x at a time; the tile of x stays
+ * in the first-level cache while the chunk's weight rows pass over it. */
+static void run_rows_int8(const Job *j, int n0, int n1) {
+    int B = j->K / QBLOCK, G = j->K / j->group;
+    size_t row_bytes = (size_t)j->K * j->bits / 8;
+    for (int m0 = 0; m0 < j->M; m0 += Q8_ROWS) {
+        int rows = j->M - m0 < Q8_ROWS ? j->M - m0 : Q8_ROWS;
+        const int8_t *xq = j->xq + (size_t)m0 * j->K;
+        const float *xd = j->xscale + (size_t)m0 * B * 8, *xs = j->xsum + (size_t)m0 * G;
+        for (int n = n0; n < n1; n++) {
+            const uint8_t *wr = j->w + (size_t)n * row_bytes;
+            const float *sr = j->scales + (size_t)n * G, *br = j->biases + (size_t)n * G;
+            float *out = j->y + (size_t)m0 * j->N + n;
+            /* A constant row count lets the compiler keep the accumulators in registers. */
+            switch ((j->bits == 4 ? 0 : 100) + rows) {
+#define ROWS(r) \
+            case r: dot_row_q8(wr, sr, br, xq, xd, xs, r, j->K, 4, j->group, out, j->N); break; \
+            case 100 + r: dot_row_q8(wr, sr, br, xq, xd, xs, r, j->K, 8, j->group, out, j->N); break;
+            ROWS(1) ROWS(2) ROWS(3) ROWS(4)
+#if Q8_ROWS >= 8
+            ROWS(5) ROWS(6) ROWS(7) ROWS(8)
+#endif
+#if Q8_ROWS == 16
+            ROWS(9) ROWS(10) ROWS(11) ROWS(12) ROWS(13) ROWS(14) ROWS(15) ROWS(16)
+#endif
+#undef ROWS
+            }
+        }
+    }
+}
+
 static void run_chunk(const Job *j, int n0, int n1) {
     if (j->kind == MULTIPLY)
         run_rows(j, n0, n1);
+    else if (j->kind == MULTIPLY_INT8)
+        run_rows_int8(j, n0, n1);
     else
         dequantize_rows(j->w, j->scales, j->biases, j->first + n0, n1 - n0, j->K, j->bits, j->group, j->y + (size_t)n0 * j->K);
 }
@@ -339,9 +377,33 @@ int qmatmul(const float *x, int M, int K, const uint8_t *w, const float *scales,
     size_t chunk_bytes = (size_t)65536 / (M < MAX_ROWS ? M : MAX_ROWS);
     int rows_per_chunk = (int)(chunk_bytes / ((size_t)K * bits / 8));
     rows_per_chunk = rows_per_chunk < 8 ? 8 : rows_per_chunk;
-    Job job = {MULTIPLY, xd, w, scales, biases, y, M, K, N, bits, group, rows_per_chunk, (N + rows_per_chunk - 1) / rows_per_chunk, 0};
+    Job job = {MULTIPLY, xd, NULL, NULL, NULL, w, scales, biases, y, M, K, N, bits, group, rows_per_chunk, (N + rows_per_chunk - 1) / rows_per_chunk, 0};
     run_job(&job, threads);
     free(xd);
+    return 0;
+}
+
+/* y = x @ W.T for any number of rows of x, quantized to int8 (qmatmul_int8.h): no float32
+ * weights at all. Returns 0, or -1 for arguments it does not handle or without memory. */
+int qmatmul_int8(const float *x, int M, int K, const uint8_t *w, const float *scales,
+                 const float *biases, int N, int bits, int group, float *y, int threads) {
+    if (!readable(M, K, bits, group))
+        return -1;
+    int8_t *xq = malloc((size_t)M * K);
+    float *xscale = malloc(sizeof(float) * (size_t)M * (K / QBLOCK) * 8), *xsum = malloc(sizeof(float) * (size_t)M * (K / group));
+    if (!xq || !xscale || !xsum) {
+        free(xq), free(xscale), free(xsum);
+        return -1;
+    }
+    quantize_rows(x, M, K, bits, group, xq, xscale, xsum);
+    /* Chunks of ~64 KB of weights, fewer rows of them for more rows of x (as qmatmul's). */
+    size_t chunk_bytes = (size_t)65536 / (M < Q8_ROWS ? M : Q8_ROWS);
+    int rows_per_chunk = (int)(chunk_bytes / ((size_t)K * bits / 8));
+    rows_per_chunk = rows_per_chunk < 8 ? 8 : rows_per_chunk;
+    Job job = {MULTIPLY_INT8, NULL, xq, xscale, xsum, w, scales, biases, y, M, K, N, bits, group, rows_per_chunk,
+               (N + rows_per_chunk - 1) / rows_per_chunk, 0};
+    run_job(&job, threads);
+    free(xq), free(xscale), free(xsum);
     return 0;
 }
 
@@ -401,7 +463,7 @@ int qgemm(const float *x, int M, int K, const uint8_t *w, const float *scales, c
     for (int n0 = 0; n0 < N; n0 += tile) {
         int rows = N - n0 < tile ? N - n0 : tile;
         int per_chunk = (int)((size_t)65536 / ((size_t)K * bits / 8)) + 1;  /* ~64 KB of packed weights */
-        Job job = {DEQUANTIZE, NULL, w, scales, biases, buffer, 0, K, rows, bits, group, per_chunk, (rows + per_chunk - 1) / per_chunk, n0};
+        Job job = {DEQUANTIZE, NULL, NULL, NULL, NULL, w, scales, biases, buffer, 0, K, rows, bits, group, per_chunk, (rows + per_chunk - 1) / per_chunk, n0};
         run_job(&job, threads);
         gemm(101, 111, 112, M, rows, K, 1.0f, x, K, buffer, K, 0.0f, y + n0, N);  /* row-major, x @ tile.T */
     }

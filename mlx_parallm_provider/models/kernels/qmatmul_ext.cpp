@@ -20,6 +20,8 @@
 
 extern "C" int qmatmul(const float* x, int M, int K, const uint8_t* w, const float* scales,
                        const float* biases, int N, int bits, int group, float* y, int threads);
+extern "C" int qmatmul_int8(const float* x, int M, int K, const uint8_t* w, const float* scales,
+                            const float* biases, int N, int bits, int group, float* y, int threads);
 extern "C" int qgemm(const float* x, int M, int K, const uint8_t* w, const float* scales, const float* biases, int N,
                      int bits, int group, float* y, void* sgemm, int tile, int threads);
 
@@ -50,9 +52,9 @@ constexpr int kMaxRows = 64;  // qmatmul.c's MAX_CALL_ROWS
 class QMatmul : public mx::Primitive {
  public:
   // gemm: any number of rows, through qgemm (tiles of W dequantized for the BLAS set by set_sgemm);
-  // else qmatmul's kernel.
-  QMatmul(mx::Stream stream, int bits, int group, int threads, bool gemm = false)
-      : mx::Primitive(stream), bits_(bits), group_(group), threads_(threads), gemm_(gemm) {}
+  // int8: any number of rows, x quantized to int8 (qmatmul_int8); else qmatmul's kernel.
+  QMatmul(mx::Stream stream, int bits, int group, int threads, bool gemm = false, bool int8 = false)
+      : mx::Primitive(stream), bits_(bits), group_(group), threads_(threads), gemm_(gemm), int8_(int8) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     auto& out = outputs[0];
@@ -60,7 +62,7 @@ class QMatmul : public mx::Primitive {
     encoder.dispatch([x = mx::array::unsafe_weak_copy(inputs[0]), w = mx::array::unsafe_weak_copy(inputs[1]),
                       s = mx::array::unsafe_weak_copy(inputs[2]), b = mx::array::unsafe_weak_copy(inputs[3]),
                       out = mx::array::unsafe_weak_copy(out), bits = bits_, group = group_, threads = threads_,
-                      gemm = gemm_]() mutable {
+                      gemm = gemm_, int8 = int8_]() mutable {
       using mlx_parallm::row_major;
       std::vector<char> xc, wc, sc, bc;
       int k = x.shape(-1), n = w.shape(0);
@@ -72,8 +74,9 @@ class QMatmul : public mx::Primitive {
       // Tiles of up to 8 MB of float32 weights: few BLAS calls (each wakes its threads), a
       // transient of 8 MB at most.
       int tile = std::max((1 << 21) / std::max(k, 1), 16);
-      int status = gemm ? qgemm(xp, m, k, wp, sp, bp, n, bits, group, out.data<float>(), mlx_parallm::sgemm_address(), tile, threads)
-                        : qmatmul(xp, m, k, wp, sp, bp, n, bits, group, out.data<float>(), threads);
+      int status = int8   ? qmatmul_int8(xp, m, k, wp, sp, bp, n, bits, group, out.data<float>(), threads)
+                   : gemm ? qgemm(xp, m, k, wp, sp, bp, n, bits, group, out.data<float>(), mlx_parallm::sgemm_address(), tile, threads)
+                          : qmatmul(xp, m, k, wp, sp, bp, n, bits, group, out.data<float>(), threads);
       if (status != 0) throw std::runtime_error("qmatmul: kernel failed (out of memory?)");
     });
   }
@@ -92,19 +95,19 @@ class QMatmul : public mx::Primitive {
 
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const QMatmul&>(other);
-    return bits_ == o.bits_ && group_ == o.group_ && threads_ == o.threads_ && gemm_ == o.gemm_;
+    return bits_ == o.bits_ && group_ == o.group_ && threads_ == o.threads_ && gemm_ == o.gemm_ && int8_ == o.int8_;
   }
 
  private:
   int bits_, group_, threads_;
-  bool gemm_;
+  bool gemm_, int8_;
 };
 
 // x (..., K) @ W.T with W (N, K) affine-quantized: w (N, K * bits / 8) bytes (any integer
 // dtype holding MLX's packing), scales and biases (N, K / group) float32. Returns (..., N)
 // float32.
 mx::array qmatmul_op(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
-                     int bits, int group, int threads, bool gemm) {
+                     int bits, int group, int threads, bool gemm, bool int8) {
   if (x.ndim() < 1 || w.ndim() != 2 || scales.ndim() != 2 || biases.ndim() != 2) {
     throw std::invalid_argument("qmatmul: x must be (..., K), w, scales and biases 2-D");
   }
@@ -112,7 +115,7 @@ mx::array qmatmul_op(const mx::array& x, const mx::array& w, const mx::array& sc
   size_t rows = k ? x.size() / k : 0;
   bool format_ok = (bits == 4 || bits == 8) && group > 0 && group % 32 == 0 && k % group == 0;
   if (gemm && !mlx_parallm::has_sgemm()) throw std::runtime_error("qmatmul: gemm=True needs set_sgemm first");
-  if (!format_ok || rows < 1 || (!gemm && rows > kMaxRows) || !mx::issubdtype(w.dtype(), mx::integer) ||
+  if (!format_ok || rows < 1 || (!gemm && !int8 && rows > kMaxRows) || !mx::issubdtype(w.dtype(), mx::integer) ||
       static_cast<size_t>(w.shape(1)) * w.itemsize() * 8 != static_cast<size_t>(k) * bits ||
       scales.shape() != mx::Shape{n, k / group} || biases.shape() != scales.shape()) {
     throw std::invalid_argument("qmatmul: unsupported shape or format (rows=" + std::to_string(rows) + ", K=" +
@@ -122,7 +125,7 @@ mx::array qmatmul_op(const mx::array& x, const mx::array& w, const mx::array& sc
   auto stream = mlx_parallm::cpu_stream();
   auto shape = x.shape();
   shape.back() = n;
-  return mx::array(shape, mx::float32, std::make_shared<QMatmul>(stream, bits, group, std::max(threads, 1), gemm),
+  return mx::array(shape, mx::float32, std::make_shared<QMatmul>(stream, bits, group, std::max(threads, 1), gemm, int8),
                    {mx::astype(x, mx::float32, stream), w, mx::astype(scales, mx::float32, stream),
                     mx::astype(biases, mx::float32, stream)});
 }
@@ -132,9 +135,10 @@ mx::array qmatmul_op(const mx::array& x, const mx::array& w, const mx::array& sc
 NB_MODULE(mlx_parallm_qmatmul_ext, m) {
   m.doc() = "qmatmul.c's kernel, RMSNorm, RoPE and decode attention as MLX primitives (CPU)";
   m.def("qmatmul", &qmatmul_op, "x"_a, "w"_a, "scales"_a, "biases"_a, "bits"_a, "group_size"_a, "threads"_a = 1,
-        "gemm"_a = false,
+        "gemm"_a = false, "int8"_a = false,
         "x (..., K) @ W.T for W affine-quantized as MLX packs it, float32 out: at most 64 rows of x through "
-        "qmatmul.c's kernel, or (gemm=True) any number through tiles of W dequantized for set_sgemm's BLAS.");
+        "qmatmul.c's kernel, (gemm=True) any number through tiles of W dequantized for set_sgemm's BLAS, or "
+        "(int8=True) any number with x quantized to int8 in blocks of 32 (integer dot products, no float weights).");
   m.def("rms_norm", &mlx_parallm::rms_norm_op, "x"_a, "weight"_a, "eps"_a,
         "mx.fast.rms_norm(x, weight, eps) for float32 x, as one CPU op.");
   m.def("rope", &mlx_parallm::rope_op, "x"_a, "dims"_a, "traditional"_a, "scale"_a, "offset"_a, "inv_freq"_a,

@@ -1,0 +1,203 @@
+/* The int8 path of qmatmul.c: y = x @ W.T with x quantized to int8, at any number of rows.
+ *
+ * Each row of x is quantized in blocks of 32 elements (a float scale per block, d = max|x| /
+ * 127, as llama.cpp's Q8 activations), and each block of 32 packed weights is multiplied by
+ * its block of x with integer dot products (VNNI `vpdpbusd`, AVX2 `vpmaddubsw`, plain integer
+ * code elsewhere), so a weight is never converted to float:
+ *
+ *     y[m, n] = sum_g scale[n, g] * sum_{b in g} d[m, b] * (q[n, b] . xq[m, b])
+ *             + sum_g bias[n, g] * (sum of x[m] over group g)
+ *
+ * The second line uses the float sums of x itself, so only the first is approximate. Every
+ * output is computed by the same operations in the same order whatever the number of rows in
+ * the call and wherever a row falls in its tile, so a row's result does not depend on the
+ * rows beside it (batched == alone, exactly).
+ */
+#ifndef QMATMUL_INT8_H
+#define QMATMUL_INT8_H
+
+#include <math.h>
+#include <stdint.h>
+
+#define QBLOCK 32  /* elements of x per int8 scale */
+
+/* Rows of x quantized: q (M x K int8; for 4-bit weights each 32-block deinterleaved as the
+ * packed nibbles are: evens, then odds), d (M x K/32 scales, each written 8 times: a vector
+ * load gives a block's scale in every lane), sx (M x K/group sums of x). */
+static void quantize_rows(const float *x, int M, int K, int bits, int group, int8_t *q, float *d, float *sx) {
+    int B = K / QBLOCK, G = K / group;
+    for (int m = 0; m < M; m++) {
+        const float *xr = x + (size_t)m * K;
+        for (int b = 0; b < B; b++) {
+            const float *xb = xr + b * QBLOCK;
+            float amax = 0.0f;
+            for (int i = 0; i < QBLOCK; i++) amax = fmaxf(amax, fabsf(xb[i]));
+            float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+            int8_t *qb = q + (size_t)m * K + b * QBLOCK;
+            for (int i = 0; i < QBLOCK; i++) {
+                int at = bits == 4 ? (i & 1) * 16 + i / 2 : i;
+                qb[at] = (int8_t)nearbyintf(xb[i] * inv);
+            }
+            for (int j = 0; j < 8; j++) d[((size_t)m * B + b) * 8 + j] = amax / 127.0f;
+        }
+        for (int g = 0; g < G; g++) {
+            float s = 0.0f;
+            for (int i = g * group; i < (g + 1) * group; i++) s += xr[i];
+            sx[(size_t)m * G + g] = s;
+        }
+    }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+#define Q8_ROWS 16  /* rows of x per weight row at a time: one 16-lane accumulator each, 32 registers */
+#elif defined(__AVX512F__)
+#define Q8_ROWS 8  /* two 8-lane accumulators each, 32 registers */
+#else
+#define Q8_ROWS 4  /* 16 registers */
+#endif
+
+static inline float q8_hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* 32 weights (0..15 or 0..255) times 32 int8 elements of x: eight int32 partial sums. */
+static inline __m256i dot32(__m256i w, __m256i x, int bits) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    (void)bits;
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x);
+#elif defined(__AVXVNNI__)
+    (void)bits;
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w, x);
+#else
+    if (bits == 4)  /* pairs of 15 * 127 cannot saturate vpmaddubsw's int16 */
+        return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
+    __m256i wl = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(w)), wh = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(w, 1));
+    __m256i xl = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(x)), xh = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(x, 1));
+    return _mm256_add_epi32(_mm256_madd_epi16(wl, xl), _mm256_madd_epi16(wh, xh));
+#endif
+}
+
+/* 32 packed weights from element c of a row, as dot32 takes them (4-bit: low nibbles, then high). */
+static inline __m256i load32(const uint8_t *w, int c, int bits) {
+    if (bits == 8) return _mm256_loadu_si256((const __m256i *)(w + c));
+    __m128i raw = _mm_loadu_si128((const __m128i *)(w + c / 2));
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0F));
+}
+
+/* Block blk of a weight row times block blk of M rows of x, into acc (8 lanes a row). */
+static inline __attribute__((always_inline)) void block_q8(const uint8_t *w, float scale, const int8_t *xq,
+        const float *xd, int M, int K, int B, int bits, int blk, __m256 *acc) {
+    __m256i wv = load32(w, blk * QBLOCK, bits);
+    __m256 s = _mm256_set1_ps(scale);
+    for (int m = 0; m < M; m++) {
+        __m256i isum = dot32(wv, _mm256_loadu_si256((const __m256i *)(xq + (size_t)m * K + blk * QBLOCK)), bits);
+        __m256 sd = _mm256_mul_ps(s, _mm256_loadu_ps(xd + ((size_t)m * B + blk) * 8));
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), sd, acc[m]);
+    }
+}
+
+/* Lanes whose sum is bias . xs over G groups (the rows' bias term), 8 groups at a time. */
+static inline __m256 bias_lanes8(const float *biases, const float *xs, int G) {
+    __m256 sum = _mm256_setzero_ps();
+    for (int g = 0; g < G; g += 8) {
+        if (G - g >= 8) {
+            sum = _mm256_fmadd_ps(_mm256_loadu_ps(biases + g), _mm256_loadu_ps(xs + g), sum);
+        } else {
+            __m256i k = _mm256_cmpgt_epi32(_mm256_set1_epi32(G - g), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+            sum = _mm256_fmadd_ps(_mm256_maskload_ps(biases + g, k), _mm256_maskload_ps(xs + g, k), sum);
+        }
+    }
+    return sum;
+}
+
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+/* 64 packed weights (blocks c/32 and c/32 + 1) in the order of their two blocks of x. */
+static inline __m512i load64(const uint8_t *w, int c, int bits) {
+    if (bits == 8) return _mm512_loadu_si512((const void *)(w + c));
+    __m256i raw = _mm256_loadu_si256((const __m256i *)(w + c / 2)), low = _mm256_set1_epi8(0x0F);
+    __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+    __m512i joined = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);  /* lo0 lo1 hi0 hi1 */
+    return _mm512_shuffle_i64x2(joined, joined, _MM_SHUFFLE(3, 1, 2, 0));    /* lo0 hi0 lo1 hi1 */
+}
+
+/* One weight row times M (<= Q8_ROWS) quantized rows of x; out[m * ldy]. Two blocks per
+ * instruction: lanes 0-7 hold the first block's sums, 8-15 the second's; an odd last block
+ * takes the 8-lane path. */
+static inline __attribute__((always_inline)) void dot_row_q8(const uint8_t *w, const float *scales, const float *biases,
+        const int8_t *xq, const float *xd, const float *xs, int M, int K, int bits, int group, float *out, size_t ldy) {
+    __m512 acc[Q8_ROWS];
+    __m256 tail[Q8_ROWS];
+    int B = K / QBLOCK, G = K / group, per_group = group / QBLOCK;
+    for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps(), tail[m] = _mm256_setzero_ps();
+    for (int blk = 0; blk + 1 < B; blk += 2) {
+        __m512i wv = load64(w, blk * QBLOCK, bits);
+        __m512 s = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_set1_ps(scales[blk / per_group])),
+                                                        _mm256_castps_pd(_mm256_set1_ps(scales[(blk + 1) / per_group])), 1));
+        for (int m = 0; m < M; m++) {
+            __m512i isum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, _mm512_loadu_si512((const void *)(xq + (size_t)m * K + blk * QBLOCK)));
+            __m512 sd = _mm512_mul_ps(s, _mm512_loadu_ps(xd + ((size_t)m * B + blk) * 8));
+            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), sd, acc[m]);
+        }
+    }
+    if (B % 2) block_q8(w, scales[(B - 1) / per_group], xq, xd, M, K, B, bits, B - 1, tail);
+    for (int m = 0; m < M; m++) {
+        __m512 bias = _mm512_setzero_ps();  /* the bias term, 16 groups at a time */
+        for (int g = 0; g < G; g += 16) {
+            __mmask16 k = G - g >= 16 ? 0xFFFF : (__mmask16)((1u << (G - g)) - 1);
+            bias = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, biases + g), _mm512_maskz_loadu_ps(k, xs + (size_t)m * G + g), bias);
+        }
+        out[(size_t)m * ldy] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m], bias)) + q8_hsum(tail[m]);
+    }
+}
+#else
+/* One weight row times M (<= Q8_ROWS) quantized rows of x; out[m * ldy]. Blocks go in pairs,
+ * the first of each pair into acc0, the second into acc1 (two chains per row: FMA latency,
+ * not throughput, bounds one row; fixed indices, so the accumulators stay in registers). */
+static inline __attribute__((always_inline)) void dot_row_q8(const uint8_t *w, const float *scales, const float *biases,
+        const int8_t *xq, const float *xd, const float *xs, int M, int K, int bits, int group, float *out, size_t ldy) {
+    __m256 acc0[Q8_ROWS], acc1[Q8_ROWS];
+    int B = K / QBLOCK, G = K / group, per_group = group / QBLOCK;
+    for (int m = 0; m < M; m++) acc0[m] = acc1[m] = _mm256_setzero_ps();
+    for (int blk = 0; blk < B; blk += 2) {
+        block_q8(w, scales[blk / per_group], xq, xd, M, K, B, bits, blk, acc0);
+        if (blk + 1 < B) block_q8(w, scales[(blk + 1) / per_group], xq, xd, M, K, B, bits, blk + 1, acc1);
+    }
+    for (int m = 0; m < M; m++)
+        out[(size_t)m * ldy] = q8_hsum(_mm256_add_ps(_mm256_add_ps(acc0[m], acc1[m]), bias_lanes8(biases, xs + (size_t)m * G, G)));
+}
+#endif
+#else
+#define Q8_ROWS 4
+
+/* Plain integer code (the compiler vectorizes it: NEON on arm64). */
+static inline __attribute__((always_inline)) void dot_row_q8(const uint8_t *w, const float *scales, const float *biases,
+        const int8_t *xq, const float *xd, const float *xs, int M, int K, int bits, int group, float *out, size_t ldy) {
+    float acc[Q8_ROWS][2], bias_sum[Q8_ROWS];
+    int B = K / QBLOCK, G = K / group;
+    for (int m = 0; m < M; m++) acc[m][0] = acc[m][1] = bias_sum[m] = 0.0f;
+    for (int g = 0; g < G; g++) {
+        float s = scales[g], b = biases[g];
+        for (int m = 0; m < M; m++) bias_sum[m] = fmaf(b, xs[(size_t)m * G + g], bias_sum[m]);  /* fused in every build */
+        for (int c = g * group; c < (g + 1) * group; c += QBLOCK) {
+            uint8_t wv[QBLOCK];
+            for (int i = 0; i < QBLOCK; i++)
+                wv[i] = bits == 4 ? (w[c / 2 + i % 16] >> (i < 16 ? 0 : 4)) & 15 : w[c + i];  /* low nibbles, then high */
+            int blk = c / QBLOCK;
+            for (int m = 0; m < M; m++) {
+                const int8_t *xb = xq + (size_t)m * K + c;
+                int32_t isum = 0;
+                for (int i = 0; i < QBLOCK; i++) isum += (int32_t)wv[i] * xb[i];
+                acc[m][blk & 1] = fmaf((float)isum, s * xd[((size_t)m * B + blk) * 8], acc[m][blk & 1]);
+            }
+        }
+    }
+    for (int m = 0; m < M; m++) out[(size_t)m * ldy] = acc[m][0] + acc[m][1] + bias_sum[m];
+}
+#endif
+
+#endif /* QMATMUL_INT8_H */
