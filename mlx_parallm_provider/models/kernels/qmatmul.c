@@ -53,13 +53,6 @@ static void prepare_x(const float *x, int M, int K, int bits, float *xd) {
 }
 
 #ifdef QM_AVX2
-static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
 static inline __m256 dequant8(__m128i bytes, __m256 scale, __m256 bias) {
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)), scale, bias);
 }
@@ -363,6 +356,14 @@ static void run_job(const Job *job, int threads) {
     pthread_mutex_unlock(&pool_caller);
 }
 
+/* Weight rows per chunk of a call whose weight rows meet `tile_rows` rows of x at a time: ~64 KB
+ * of weights per row of x, small enough to share out, large enough that claiming a chunk costs
+ * nothing beside computing it. */
+static int chunk_rows(int tile_rows, int K, int bits) {
+    int rows = (int)((size_t)65536 / tile_rows / ((size_t)K * bits / 8));
+    return rows < 8 ? 8 : rows;
+}
+
 /* Returns 0, or -1 for arguments this kernel does not handle (the caller falls back) or when
  * memory for x's copy cannot be had. */
 int qmatmul(const float *x, int M, int K, const uint8_t *w, const float *scales,
@@ -372,11 +373,7 @@ int qmatmul(const float *x, int M, int K, const uint8_t *w, const float *scales,
     float *xd = malloc(sizeof(float) * (size_t)M * K);
     if (!xd) return -1;
     prepare_x(x, M, K, bits, xd);
-    /* Chunks of ~64 KB of weights per row of x: small enough to share out, large enough that
-     * claiming one costs nothing beside computing it. */
-    size_t chunk_bytes = (size_t)65536 / (M < MAX_ROWS ? M : MAX_ROWS);
-    int rows_per_chunk = (int)(chunk_bytes / ((size_t)K * bits / 8));
-    rows_per_chunk = rows_per_chunk < 8 ? 8 : rows_per_chunk;
+    int rows_per_chunk = chunk_rows(M < MAX_ROWS ? M : MAX_ROWS, K, bits);
     Job job = {MULTIPLY, xd, NULL, NULL, NULL, w, scales, biases, y, M, K, N, bits, group, rows_per_chunk, (N + rows_per_chunk - 1) / rows_per_chunk, 0};
     run_job(&job, threads);
     free(xd);
@@ -396,10 +393,7 @@ int qmatmul_int8(const float *x, int M, int K, const uint8_t *w, const float *sc
         return -1;
     }
     quantize_rows(x, M, K, bits, group, xq, xscale, xsum);
-    /* Chunks of ~64 KB of weights, fewer rows of them for more rows of x (as qmatmul's). */
-    size_t chunk_bytes = (size_t)65536 / (M < Q8_ROWS ? M : Q8_ROWS);
-    int rows_per_chunk = (int)(chunk_bytes / ((size_t)K * bits / 8));
-    rows_per_chunk = rows_per_chunk < 8 ? 8 : rows_per_chunk;
+    int rows_per_chunk = chunk_rows(M < Q8_ROWS ? M : Q8_ROWS, K, bits);
     Job job = {MULTIPLY_INT8, NULL, xq, xscale, xsum, w, scales, biases, y, M, K, N, bits, group, rows_per_chunk,
                (N + rows_per_chunk - 1) / rows_per_chunk, 0};
     run_job(&job, threads);

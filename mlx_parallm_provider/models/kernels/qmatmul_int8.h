@@ -58,7 +58,7 @@ static void quantize_rows(const float *x, int M, int K, int bits, int group, int
 #define Q8_ROWS 4  /* 16 registers */
 #endif
 
-static inline float q8_hsum(__m256 v) {
+static inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
@@ -151,7 +151,7 @@ static inline __attribute__((always_inline)) void dot_row_q8(const uint8_t *w, c
             __mmask16 k = G - g >= 16 ? 0xFFFF : (__mmask16)((1u << (G - g)) - 1);
             bias = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, biases + g), _mm512_maskz_loadu_ps(k, xs + (size_t)m * G + g), bias);
         }
-        out[(size_t)m * ldy] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m], bias)) + q8_hsum(tail[m]);
+        out[(size_t)m * ldy] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m], bias)) + hsum8(tail[m]);
     }
 }
 #else
@@ -168,7 +168,7 @@ static inline __attribute__((always_inline)) void dot_row_q8(const uint8_t *w, c
         if (blk + 1 < B) block_q8(w, scales[(blk + 1) / per_group], xq, xd, M, K, B, bits, blk + 1, acc1);
     }
     for (int m = 0; m < M; m++)
-        out[(size_t)m * ldy] = q8_hsum(_mm256_add_ps(_mm256_add_ps(acc0[m], acc1[m]), bias_lanes8(biases, xs + (size_t)m * G, G)));
+        out[(size_t)m * ldy] = hsum8(_mm256_add_ps(_mm256_add_ps(acc0[m], acc1[m]), bias_lanes8(biases, xs + (size_t)m * G, G)));
 }
 #endif
 #else
