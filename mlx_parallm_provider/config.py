@@ -52,10 +52,11 @@ class EngineConfig:
             known to work over gathered blocks) keep the rectangle, logged. ``"rectangle"``: the
             left-padded batch cache (rows x longest row), kept while both exist.
         kv_block_size: tokens per KV block of the paged layout.
-        speculative: ``"ngram"``: greedy rows draft up to ``num_speculative_tokens`` tokens
-            a step from their own prompt + output (prompt lookup) and verify them in one
-            forward pass, while at most ``speculative_max_batch`` rows decode and all are
-            greedy without penalties, constraints or logprobs (paged layout only). None: off.
+        speculative: ``"ngram"``: rows draft up to ``num_speculative_tokens`` tokens a step
+            from their own prompt + output (prompt lookup) and verify them in one forward
+            pass, while at most ``speculative_max_batch`` rows decode and none has penalties,
+            a logit bias, a constraint or logprobs (paged layout only); greedy and sampled
+            rows alike give the tokens they give without. None: off.
         num_speculative_tokens: most draft tokens per row and step.
         speculative_max_batch: speculate (and fast-forward) only while at most this many
             rows decode (2: measured, fast-forward of tool calls paid at one and two rows and

@@ -1,17 +1,23 @@
-"""Prompt-lookup (n-gram) speculative decoding inside the batch, for greedy rows (issue 24).
+"""Prompt-lookup (n-gram) speculative decoding inside the batch (issue 24).
 
 Each speculating row proposes up to ``k`` draft tokens by finding the latest earlier place
 in its own prompt + output where its last ``n`` tokens occurred (``n`` from
 :data:`MAX_NGRAM` down to 1; vLLM's ``ngram`` method, llama.cpp's lookup decoding) and
 taking what followed there. One forward pass then runs every row's last token and its
 drafts over its KV blocks; a row keeps the drafts up to the first one that differs from its
-own greedy choice, plus that choice, so each step emits 1 to ``k + 1`` tokens, exactly those
-plain greedy decoding would (up to float rounding between a one-token and a several-token
-pass). Rejected drafts' KV needs no undo: the scheduler fits the row's blocks to its tokens
-at the next step, and their slots are written over.
+own choice at that position, plus that choice, so each step emits 1 to ``k + 1`` tokens,
+exactly those plain decoding would (up to float rounding between a one-token and a
+several-token pass). A greedy row's choice is the arg-max; a sampled row draws each position
+in order with the key plain decoding would use there (its key is split once per token kept,
+as a plain step splits it), so a sampled row keeps a draft with the probability its sampler
+gives that token (the standard acceptance rule for a draft proposed with certainty), draws
+exactly what it would draw without speculation, and a seeded request gives the same tokens
+with speculation on or off. Rejected drafts' KV needs no undo: the scheduler fits the row's
+blocks to its tokens at the next step, and their slots are written over.
 
-Only rows whose next token is the plain argmax speculate: greedy, no logits processors (bias,
-penalties), no constraint, no logprobs asked. The worker speculates in a step only when
+Only rows whose next token depends on its logits alone speculate: no logits processors (bias,
+penalties: they depend on the tokens before), no constraint (grammar fast-forward has those),
+no logprobs asked. The worker speculates in a step only when
 every running row does and the batch is small (a large batch is compute-bound, and drafts
 would only add work), and only as many drafts as pay: :meth:`NgramSpeculator.plan` picks
 the number ``k`` that maximises expected tokens per second, from the measured time of a
@@ -25,6 +31,8 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import mlx.core as mx
+
+from .sampling import draw_tokens
 
 MAX_NGRAM = 3
 """Longest n-gram matched."""
@@ -68,9 +76,10 @@ class NgramIndex:
 
 
 def can_speculate(request: Any) -> bool:
-    """Whether ``request``'s next token is the plain argmax of its logits."""
+    """Whether ``request``'s next token depends on its logits alone (greedy or sampled, no
+    processors, constraint or logprobs)."""
     sampler = request.state.sampler if request.state is not None else None
-    return (sampler is not None and sampler.greedy and not sampler.processors and sampler.matcher is None
+    return (sampler is not None and not sampler.processors and sampler.matcher is None
             and not request.params.logprobs and not request.params.top_logprobs)
 
 
@@ -163,8 +172,8 @@ class NgramSpeculator:
         request.draft = []
 
     def plan(self, rows: Sequence[Any]) -> int:
-        """How many drafts a row verifies this step (0: decode plainly): few rows, all
-        greedy-plain, one with a draft, and the ``k`` expected to give most tokens a second."""
+        """How many drafts a row verifies this step (0: decode plainly): few rows, all able to
+        speculate, one with a draft, and the ``k`` expected to give most tokens a second."""
         if not (0 < len(rows) <= self.max_batch and any(r.draft for r in rows) and all(can_speculate(r) for r in rows)):
             return 0
         n, a = len(rows), min(self._acceptance, 0.999)
@@ -181,17 +190,25 @@ class NgramSpeculator:
 
     def verify(self, runner: Any, rows: Sequence[Any], k: int) -> list[list[int]]:
         """One forward over each row's last token and its first ``k`` drafts; the tokens each
-        row emits (its greedy choice at every position up to the first rejected draft)."""
+        row emits (its choice at every position up to the first rejected draft)."""
         drafts = [list(r.draft[:k]) for r in rows]
         logits = runner.forward(list(rows), [[r.output_ids[-1], *d] for r, d in zip(rows, drafts)],
                                 [r.num_tokens - 1 for r in rows])
-        choices = mx.argmax(logits, axis=-1).tolist()
+        greedy = mx.argmax(logits, axis=-1)
+        draws = {i: _draws(r.state.sampler, logits[i, : len(drafts[i]) + 1]) for i, r in enumerate(rows)
+                 if not r.state.sampler.greedy}
+        mx.eval(greedy, [tokens for tokens, _ in draws.values()])
+        choices = greedy.tolist()
+        for i, (tokens, _) in draws.items():
+            choices[i] = tokens.tolist()
         emitted: list[list[int]] = []
-        for draft, chosen in zip(drafts, choices):
+        for i, (draft, chosen) in enumerate(zip(drafts, choices)):
             n = 0
             while n < len(draft) and draft[n] == chosen[n]:
                 n += 1
             emitted.append(chosen[: n + 1])
+            if i in draws:  # the key as n + 1 plain draws leave it
+                rows[i].state.sampler.key = draws[i][1][n]
             self.stats.drafted += len(draft)
             self.stats.accepted += n
             self.stats.emitted += n + 1
@@ -199,6 +216,17 @@ class NgramSpeculator:
                 self._acceptance += SMOOTHING * (n / min(len(draft), n + 1) - self._acceptance)
         self.stats.steps += 1
         return emitted
+
+
+def _draws(sampler: Any, logits: mx.array) -> tuple[mx.array, list[mx.array]]:
+    """A sampled row's draw at each position of ``logits`` (``(width, vocab)``), each with
+    the next key of the row's chain, lazily; and the key after each draw (the row's key is
+    put back to the one after the last kept token)."""
+    tokens, keys = [], []
+    for j in range(logits.shape[0]):
+        tokens.append(draw_tokens(logits[j : j + 1], [sampler]))
+        keys.append(sampler.key)
+    return mx.concatenate(tokens), keys
 
 
 def speculator_for(config: Any, paged: Optional[Any], times: Optional[StepTimes] = None) -> Optional[NgramSpeculator]:

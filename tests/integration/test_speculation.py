@@ -1,5 +1,6 @@
-"""Prompt-lookup speculative decoding in the engine (issue 24): greedy output token for token
-what it is without speculation, alone and batched, streamed, with stop strings and budgets.
+"""Prompt-lookup speculative decoding in the engine (issue 24): greedy and seeded sampled
+output token for token what it is without speculation, alone and batched, streamed, with stop
+strings and budgets.
 
 The tiny random model never repeats itself, so prompt lookup would find nothing to draft:
 the tests draft with an oracle instead (the plain run's next tokens, the third one wrong),
@@ -36,7 +37,8 @@ def plain(tiny_model):
 
 @pytest.fixture
 def _speculating(monkeypatch, tiny_model, plain):
-    """A factory of speculating engines whose drafts come from the plain run."""
+    """A factory of speculating engines whose drafts come from the plain run (``.truth``:
+    each prompt's tokens the oracle drafts from, by its last 4 prompt tokens)."""
     truth = {tuple(tiny_model.tokenizer.encode(p)[-4:]): r.token_ids for p, r in zip(PROMPTS, plain)}
 
     def oracle(self, request) -> None:
@@ -53,7 +55,12 @@ def _speculating(monkeypatch, tiny_model, plain):
     monkeypatch.setattr(speculation.NgramSpeculator, "draft", oracle)
     monkeypatch.setattr(speculation.NgramSpeculator, "plan", lambda self, rows: min(self.k, max((len(r.draft) for r in rows), default=0))
                         if len(rows) <= self.max_batch and all(speculation.can_speculate(r) for r in rows) else 0)
-    return lambda make_engine, **config: make_engine(**{"speculative": "ngram", "num_speculative_tokens": 4, "speculative_max_batch": 8, **config})
+
+    def factory(make_engine, **config):
+        return make_engine(**{"speculative": "ngram", "num_speculative_tokens": 4, "speculative_max_batch": 8, **config})
+
+    factory.truth = truth
+    return factory
 
 
 @pytest.mark.parametrize("caching", [True, False])
@@ -106,9 +113,29 @@ def test_a_stop_string_inside_accepted_drafts_ends_the_row_there(make_engine, pl
     assert got.finish_reason == "stop" and got.text == expected
 
 
+def test_seeded_sampled_rows_speculate_and_draw_what_they_draw_without(make_engine, tiny_model, _speculating) -> None:
+    """A sampled row keeps a draft where its own draw at that position (with the key plain
+    decoding uses there) is the draft: the same tokens as without speculation, and its key
+    left as the kept tokens' draws leave it (a later step draws on from there)."""
+    sampled = [SamplingParams(max_tokens=24, temperature=0.8, top_p=0.95, seed=11 + i, ignore_eos=True) for i in range(len(PROMPTS))]
+    off = make_engine()
+    expected = [off.generate_sync(p, s).token_ids for p, s in zip(PROMPTS, sampled)]
+    _speculating.truth.update({tuple(tiny_model.tokenizer.encode(p)[-4:]): e for p, e in zip(PROMPTS, expected)})
+    engine = _speculating(make_engine)
+    alone = [engine.generate_sync(p, s).token_ids for p, s in zip(PROMPTS, sampled)]
+
+    async def batched():
+        return await asyncio.gather(*(engine.generate(p, s) for p, s in zip(PROMPTS, sampled)))
+
+    assert alone == expected
+    assert [r.token_ids for r in asyncio.run(batched())] == expected
+    stats = engine.stats()["speculation"]
+    assert stats["speculative_steps"] > 0 and stats["acceptance_rate"] == pytest.approx(2 / 3, abs=0.1), stats
+
+
 def test_rows_that_cannot_speculate_decode_as_before_beside_those_that_can(make_engine, plain, _speculating) -> None:
     engine = _speculating(make_engine)
-    sampled = SamplingParams(max_tokens=24, temperature=0.8, seed=7, ignore_eos=True)
+    sampled = SamplingParams(max_tokens=24, temperature=0.8, seed=7, ignore_eos=True, repetition_penalty=1.1)  # penalties: no drafts
     sampled_alone = engine.generate_sync(PROMPTS[1], sampled).token_ids
 
     async def mixed():
