@@ -31,7 +31,10 @@ static void quantize_rows(const float *x, int M, int K, int bits, int group, int
         for (int b = 0; b < B; b++) {
             const float *xb = xr + b * QBLOCK;
             float amax = 0.0f;
-            for (int i = 0; i < QBLOCK; i++) amax = fmaxf(amax, fabsf(xb[i]));
+            for (int i = 0; i < QBLOCK; i++) {  /* (not fmaxf: a libm call per element, for its NaN rules) */
+                float a = fabsf(xb[i]);
+                amax = a > amax ? a : amax;
+            }
             float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
             int8_t *qb = q + (size_t)m * K + b * QBLOCK;
             for (int i = 0; i < QBLOCK; i++) {
