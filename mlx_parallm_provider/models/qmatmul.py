@@ -51,7 +51,9 @@ MAX_ROWS = 64
 """Rows of ``x`` one call takes (the C kernel's ``MAX_CALL_ROWS``)."""
 SUPPORTED_BITS = (4, 8)
 
-_FLAGS = ["-O3", "-shared", "-fPIC", "-pthread", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
+_FLAGS = ["-O3", "-shared", "-fPIC", "-pthread", "-fno-signed-zeros", "-fno-trapping-math"]
+# (no -fassociative-math: it let GCC sum the int8 path's lanes in a different order in a whole
+# tile of rows than in a partial one, so a row's result depended on the rows beside it)
 
 
 MARCH_ENV = "MLX_PARALLM_KERNEL_MARCH"

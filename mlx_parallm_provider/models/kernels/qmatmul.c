@@ -387,7 +387,7 @@ int qmatmul_int8(const float *x, int M, int K, const uint8_t *w, const float *sc
     if (!readable(M, K, bits, group))
         return -1;
     int8_t *xq = malloc((size_t)M * K);
-    float *xscale = malloc(sizeof(float) * (size_t)M * (K / QBLOCK) * 8), *xsum = malloc(sizeof(float) * (size_t)M * (K / group));
+    float *xscale = malloc(sizeof(float) * (size_t)M * (K / QBLOCK) * 8), *xsum = malloc(sizeof(float) * (size_t)((M + XS_TILE - 1) / XS_TILE * XS_TILE) * (K / group));
     if (!xq || !xscale || !xsum) {
         free(xq), free(xscale), free(xsum);
         return -1;

@@ -21,9 +21,28 @@
 
 #define QBLOCK 32  /* elements of x per int8 scale */
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && defined(__AVX512F__) && defined(__AVX512VNNI__)
+#define Q8_ROWS 16  /* rows of x per weight row at a time: one 16-lane accumulator each, 32 registers */
+#define XS_TILE 16  /* sums of x stored per tile of rows, group-major: a vector holds a group's 16 rows */
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__AVX512F__)
+#define Q8_ROWS 8   /* two 8-lane accumulators each, 32 registers */
+#elif defined(__AVX2__) && defined(__FMA__)
+#define Q8_ROWS 4   /* 16 registers */
+#else
+#define Q8_ROWS 4
+#endif
+#ifndef XS_TILE
+#define XS_TILE 1   /* row-major */
+#endif
+
 /* Rows of x quantized: q (M x K int8; for 4-bit weights each 32-block deinterleaved as the
  * packed nibbles are: evens, then odds), d (M x K/32 scales, each written 8 times: a vector
- * load gives a block's scale in every lane), sx (M x K/group sums of x). */
+ * load gives a block's scale in every lane), sx (M x K/group sums of x; for XS_TILE > 1 the
+ * sums of each tile of XS_TILE rows stored group by group, row m's of group g at
+ * ((m / XS_TILE) * G + g) * XS_TILE + m % XS_TILE). */
 static void quantize_rows(const float *x, int M, int K, int bits, int group, int8_t *q, float *d, float *sx) {
     int B = K / QBLOCK, G = K / group;
     for (int m = 0; m < M; m++) {
@@ -46,20 +65,12 @@ static void quantize_rows(const float *x, int M, int K, int bits, int group, int
         for (int g = 0; g < G; g++) {
             float s = 0.0f;
             for (int i = g * group; i < (g + 1) * group; i++) s += xr[i];
-            sx[(size_t)m * G + g] = s;
+            sx[((size_t)(m / XS_TILE) * G + g) * XS_TILE + m % XS_TILE] = s;
         }
     }
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#if defined(__AVX512F__) && defined(__AVX512VNNI__)
-#define Q8_ROWS 16  /* rows of x per weight row at a time: one 16-lane accumulator each, 32 registers */
-#elif defined(__AVX512F__)
-#define Q8_ROWS 8  /* two 8-lane accumulators each, 32 registers */
-#else
-#define Q8_ROWS 4  /* 16 registers */
-#endif
 
 static inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -128,6 +139,35 @@ static inline __m512i load64(const uint8_t *w, int c, int bits) {
     return _mm512_shuffle_i64x2(joined, joined, _MM_SHUFFLE(3, 1, 2, 0));    /* lo0 hi0 lo1 hi1 */
 }
 
+/* Lanes j of a and b, for j in `lo`, beside lanes j of a and b for j in `hi` (indices into a
+ * then b: 0-15 a, 16-31 b), added. */
+static inline __m512 fold(__m512 a, __m512 b, __m512i lo, __m512i hi) {
+    return _mm512_add_ps(_mm512_permutex2var_ps(a, lo, b), _mm512_permutex2var_ps(a, hi, b));
+}
+
+/* The 16 lane sums of v[0..15], in order, by the tree of reduce1. */
+static inline __m512 reduce16(const __m512 *v) {
+    const __m512i lo1 = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+    const __m512i lo2 = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+    const __m512i lo3 = _mm512_setr_epi32(0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29);
+    const __m512i lo4 = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i hi1 = _mm512_add_epi32(lo1, _mm512_set1_epi32(8)), hi2 = _mm512_add_epi32(lo2, _mm512_set1_epi32(4));
+    const __m512i hi3 = _mm512_add_epi32(lo3, _mm512_set1_epi32(2)), hi4 = _mm512_add_epi32(lo4, _mm512_set1_epi32(1));
+    __m512 r1[8], r2[4], r3[2];
+    for (int i = 0; i < 8; i++) r1[i] = fold(v[2 * i], v[2 * i + 1], lo1, hi1);   /* 8 partials of 2 rows */
+    for (int i = 0; i < 4; i++) r2[i] = fold(r1[2 * i], r1[2 * i + 1], lo2, hi2);  /* 4 partials of 4 rows */
+    for (int i = 0; i < 2; i++) r3[i] = fold(r2[2 * i], r2[2 * i + 1], lo3, hi3);  /* 2 partials of 8 rows */
+    return fold(r3[0], r3[1], lo4, hi4);
+}
+
+/* The sum of v's 16 lanes: lane j + j+8, then j + j+4, j + j+2, j + j+1. */
+static inline float reduce1(__m512 v) {
+    __m256 v8 = _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+    __m128 v4 = _mm_add_ps(_mm256_castps256_ps128(v8), _mm256_extractf128_ps(v8, 1));
+    __m128 v2 = _mm_add_ps(v4, _mm_movehl_ps(v4, v4));
+    return _mm_cvtss_f32(_mm_add_ss(v2, _mm_movehdup_ps(v2)));
+}
+
 /* One weight row times M (<= Q8_ROWS) quantized rows of x; out[m * ldy]. Two blocks per
  * instruction: lanes 0-7 hold the first block's sums, 8-15 the second's; an odd last block
  * takes the 8-lane path. */
@@ -147,14 +187,26 @@ static inline __attribute__((always_inline)) void dot_row_q8(const uint8_t *w, c
             acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), sd, acc[m]);
         }
     }
-    if (B % 2) block_q8(w, scales[(B - 1) / per_group], xq, xd, M, K, B, bits, B - 1, tail);
-    for (int m = 0; m < M; m++) {
-        __m512 bias = _mm512_setzero_ps();  /* the bias term, 16 groups at a time */
-        for (int g = 0; g < G; g += 16) {
-            __mmask16 k = G - g >= 16 ? 0xFFFF : (__mmask16)((1u << (G - g)) - 1);
-            bias = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, biases + g), _mm512_maskz_loadu_ps(k, xs + (size_t)m * G + g), bias);
+    if (B % 2) {
+        block_q8(w, scales[(B - 1) / per_group], xq, xd, M, K, B, bits, B - 1, tail);
+        for (int m = 0; m < M; m++)
+            acc[m] = _mm512_add_ps(acc[m], _mm512_castpd_ps(_mm512_insertf64x4(_mm512_setzero_pd(), _mm256_castps_pd(tail[m]), 0)));
+    }
+    /* Each output: its 16 lanes summed by one tree (lane j + j+8, then j + j+4, j + j+2, j + j+1)
+     * plus the bias term (a fused multiply-add per group, in group order); a whole tile sums
+     * its 16 rows' lanes together (reduce16), a partial one row by row (reduce1), the same sums. */
+    if (M == Q8_ROWS) {
+        __m512 bias = _mm512_setzero_ps();
+        for (int g = 0; g < G; g++) bias = _mm512_fmadd_ps(_mm512_set1_ps(biases[g]), _mm512_loadu_ps(xs + (size_t)g * XS_TILE), bias);
+        float sums[Q8_ROWS];
+        _mm512_storeu_ps(sums, _mm512_add_ps(reduce16(acc), bias));
+        for (int m = 0; m < M; m++) out[(size_t)m * ldy] = sums[m];
+    } else {
+        for (int m = 0; m < M; m++) {
+            float bias = 0.0f;
+            for (int g = 0; g < G; g++) bias = fmaf(biases[g], xs[(size_t)g * XS_TILE + m], bias);
+            out[(size_t)m * ldy] = reduce1(acc[m]) + bias;
         }
-        out[(size_t)m * ldy] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m], bias)) + hsum8(tail[m]);
     }
 }
 #else
@@ -175,8 +227,6 @@ static inline __attribute__((always_inline)) void dot_row_q8(const uint8_t *w, c
 }
 #endif
 #else
-#define Q8_ROWS 4
-
 /* Plain integer code (the compiler vectorizes it: NEON on arm64). */
 static inline __attribute__((always_inline)) void dot_row_q8(const uint8_t *w, const float *scales, const float *biases,
         const int8_t *xq, const float *xd, const float *xs, int M, int K, int bits, int group, float *out, size_t ldy) {
