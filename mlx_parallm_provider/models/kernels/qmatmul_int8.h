@@ -115,20 +115,6 @@ static inline __attribute__((always_inline)) void block_q8(const uint8_t *w, flo
     }
 }
 
-/* Lanes whose sum is bias . xs over G groups (the rows' bias term), 8 groups at a time. */
-static inline __m256 bias_lanes8(const float *biases, const float *xs, int G) {
-    __m256 sum = _mm256_setzero_ps();
-    for (int g = 0; g < G; g += 8) {
-        if (G - g >= 8) {
-            sum = _mm256_fmadd_ps(_mm256_loadu_ps(biases + g), _mm256_loadu_ps(xs + g), sum);
-        } else {
-            __m256i k = _mm256_cmpgt_epi32(_mm256_set1_epi32(G - g), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-            sum = _mm256_fmadd_ps(_mm256_maskload_ps(biases + g, k), _mm256_maskload_ps(xs + g, k), sum);
-        }
-    }
-    return sum;
-}
-
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
 /* 64 packed weights (blocks c/32 and c/32 + 1) in the order of their two blocks of x. */
 static inline __m512i load64(const uint8_t *w, int c, int bits) {
@@ -210,6 +196,20 @@ static inline __attribute__((always_inline)) void dot_row_q8(const uint8_t *w, c
     }
 }
 #else
+/* Lanes whose sum is bias . xs over G groups (the rows' bias term), 8 groups at a time. */
+static inline __m256 bias_lanes8(const float *biases, const float *xs, int G) {
+    __m256 sum = _mm256_setzero_ps();
+    for (int g = 0; g < G; g += 8) {
+        if (G - g >= 8) {
+            sum = _mm256_fmadd_ps(_mm256_loadu_ps(biases + g), _mm256_loadu_ps(xs + g), sum);
+        } else {
+            __m256i k = _mm256_cmpgt_epi32(_mm256_set1_epi32(G - g), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+            sum = _mm256_fmadd_ps(_mm256_maskload_ps(biases + g, k), _mm256_maskload_ps(xs + g, k), sum);
+        }
+    }
+    return sum;
+}
+
 /* One weight row times M (<= Q8_ROWS) quantized rows of x; out[m * ldy]. Blocks go in pairs,
  * the first of each pair into acc0, the second into acc1 (two chains per row: FMA latency,
  * not throughput, bounds one row; fixed indices, so the accumulators stay in registers). */
