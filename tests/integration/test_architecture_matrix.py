@@ -61,6 +61,15 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "gemma3_text": {**_COMMON, "model_type": "gemma3_text", "head_dim": HEAD_DIM, "rms_norm_eps": 1e-6,
                     "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0, "query_pre_attn_scalar": HEAD_DIM,
                     "sliding_window": SLIDING_WINDOW, "sliding_window_pattern": 2, "max_position_embeddings": 32768},
+    # Gemma 3's mlx-community checkpoints (4B and up) are its multimodal wrapper, "gemma3", whose
+    # text model's layers live in gemma3_text: routed through their own module.
+    "gemma3": {"model_type": "gemma3", "vocab_size": _COMMON["vocab_size"],
+               "text_config": {**_COMMON, "model_type": "gemma3_text", "head_dim": HEAD_DIM, "rms_norm_eps": 1e-6,
+                               "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0, "query_pre_attn_scalar": HEAD_DIM,
+                               "sliding_window": SLIDING_WINDOW, "sliding_window_pattern": 2,
+                               "max_position_embeddings": 32768}},
+    # SmolLM3: llama's layers (defined in mlx_lm.models.llama), no RoPE in every 2nd layer here.
+    "smollm3": {**TINY_CONFIG, "model_type": "smollm3", "no_rope_layer_interval": 2},
     "phi3": {**_COMMON, "model_type": "phi3", "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
              "max_position_embeddings": 4096, "original_max_position_embeddings": 4096, "tie_word_embeddings": False},
     "starcoder2": {**_COMMON, "model_type": "starcoder2", "norm_epsilon": 1e-5, "rope_theta": 100000.0,
@@ -104,7 +113,8 @@ ARCHITECTURES = sorted([*CONFIGS, *QUANTIZED, *BFLOAT16])
 # The KV layout each architecture runs on with the default kv_layout="paged", in ONE place.
 # gemma3's and gpt_oss's sliding-window layers run on blocks (each query gathers its window;
 # gpt_oss's sinks reach the gathered attention); gemma2, which computes its softcapped
-# attention itself, gets every row's blocks gathered per layer (kv.support.GATHERED_MODULES).
+# attention itself, gets every row's blocks gathered per layer (kv.support.GATHERED_MODULES);
+# gemma3 (the wrapper) and smollm3 are routed through the module their layers come from.
 # A module that does neither falls back to the rectangle, logged ("KV cache: the rectangle
 # layout (...)"); none of the matrix's does.
 EXPECTED_LAYOUT = {name: "paged" for name in ARCHITECTURES}

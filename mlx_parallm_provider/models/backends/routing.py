@@ -3,8 +3,9 @@
 mlx-lm's model files call ``scaled_dot_product_attention`` and ``swiglu``, names each model
 module imports from ``mlx_lm.models.base`` / ``.activations`` and looks up in its own globals
 at every call. :func:`route` gives the model's layers, per instance, a subclass of their own
-class whose methods are the same code objects run over a copy of the module's globals in
-which those two names are the backend's methods. The module itself, its classes, and every
+class whose methods calling those names are the same code objects run over a copy of their
+defining module's globals in which the names are the backend's methods (the defining module:
+the layer's class's or a base class's, whatever module the model's top class comes from). The module itself, its classes, and every
 other model loaded from it (the benchmark's mlx-lm peers, a user's own model) are untouched.
 """
 
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import sys
 import types
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from ..attention import mlx_lm_attention, mlx_lm_swiglu
 
@@ -21,14 +22,13 @@ _BACKEND = "_parallm_backend"  # on a routed subclass: the backend its methods c
 _MADE = "_routed_classes"  # on the backend: its subclasses, made once (a model switched back gets the same)
 
 
+_REPLACED = {"scaled_dot_product_attention": (mlx_lm_attention, "attend"), "swiglu": (mlx_lm_swiglu, "swiglu")}
+"""The global names a backend replaces: the mlx-lm function each must still be, the backend's method."""
+
+
 def _overrides(module: types.ModuleType, backend: Any) -> dict[str, Callable[..., Any]]:
     """The module's globals that ``backend`` replaces (only where they are still mlx-lm's)."""
-    names: dict[str, Callable[..., Any]] = {}
-    if getattr(module, "scaled_dot_product_attention", None) is mlx_lm_attention:
-        names["scaled_dot_product_attention"] = backend.attend
-    if getattr(module, "swiglu", None) is mlx_lm_swiglu:
-        names["swiglu"] = backend.swiglu
-    return names
+    return {name: getattr(backend, method) for name, (fn, method) in _REPLACED.items() if getattr(module, name, None) is fn}
 
 
 def _rebound(fn: types.FunctionType, namespace: dict[str, Any]) -> types.FunctionType:
@@ -49,45 +49,52 @@ def _names(code: types.CodeType) -> set[str]:
     return names
 
 
-def _subclass(cls: type, module: types.ModuleType, namespace: dict[str, Any], replaced: set[str], backend: Any) -> tuple[type, set[str]]:
-    """``cls`` with every method defined in ``module`` (its own or inherited) rebound over
-    ``namespace``, and which of the ``replaced`` names those methods call; ``cls`` itself
-    where they call none."""
-    methods: dict[str, types.FunctionType] = {}
+def _subclass(cls: type, backend: Any, namespaces: dict[str, Optional[dict[str, Any]]]) -> tuple[type, set[str]]:
+    """``cls`` with each method that calls a name ``backend`` replaces in the module defining
+    that method (``cls``'s own module or a base class's: SmolLM3's layers are llama's, Gemma 3's
+    text model sits inside its multimodal wrapper) rebound over that module's globals with the
+    names replaced, and which names those methods call; ``cls`` itself where none does.
+    ``namespaces`` caches each module's replaced globals (None: the module replaces none)."""
+    winners: dict[str, tuple[type, Any]] = {}
     for klass in reversed(cls.__mro__):  # later (more derived) definitions win
-        if klass.__module__ == module.__name__:
-            methods.update((n, v) for n, v in vars(klass).items() if isinstance(v, types.FunctionType))
-    calls = set().union(*(_names(fn.__code__) for fn in methods.values())) & replaced
-    if not calls:
+        winners.update((n, (klass, v)) for n, v in vars(klass).items())
+    body: dict[str, Any] = {}
+    calls: set[str] = set()
+    for name, (klass, fn) in winners.items():
+        if not isinstance(fn, types.FunctionType):
+            continue
+        if klass.__module__ not in namespaces:
+            module = sys.modules.get(klass.__module__)
+            overrides = _overrides(module, backend) if module is not None else {}
+            namespaces[klass.__module__] = {**vars(module), **overrides} if overrides else None
+        namespace = namespaces[klass.__module__]
+        called = _names(fn.__code__) & set(_REPLACED) if namespace is not None else set()
+        if called:
+            body[name] = _rebound(fn, namespace)
+            calls |= called
+    if not body:
         return cls, calls
-    body: dict[str, Any] = {name: _rebound(fn, namespace) for name, fn in methods.items()}
     body.update({_ORIGINAL: cls, _BACKEND: backend, "__module__": cls.__module__, "__qualname__": cls.__qualname__})
     return type(cls.__name__, (cls,), body), calls
 
 
 def route(model: Any, backend: Any) -> bool:
-    """Make ``model``'s layers call ``backend.attend`` and ``backend.swiglu`` where its mlx-lm
-    module calls mlx-lm's functions by those names (replacing an earlier backend's routing).
-    Returns whether its attention now goes through ``backend.attend`` (if not, caches'
-    ``attend`` methods are never used, which is correct, only slower)."""
-    module = sys.modules.get(getattr(type(model), _ORIGINAL, type(model)).__module__)
-    if module is None:
+    """Make ``model``'s layers call ``backend.attend`` and ``backend.swiglu`` where the mlx-lm
+    module defining their code calls mlx-lm's functions by those names (replacing an earlier
+    backend's routing). Returns whether its attention now goes through ``backend.attend`` (if
+    not, caches' ``attend`` methods are never used)."""
+    if not hasattr(model, "named_modules"):  # not an mlx.nn.Module: nothing to route
         return False
-    overrides = _overrides(module, backend)
-    if not overrides:
-        return False
-    namespace = {**vars(module), **overrides}
     made: dict[type, tuple[type, set[str]]] = vars(backend).setdefault(_MADE, {})
-    seen: set[type] = set()
+    namespaces: dict[str, Optional[dict[str, Any]]] = {}
+    attends = False
     for _, layer in model.named_modules():
         original = getattr(type(layer), _ORIGINAL, type(layer))
-        if original.__module__ != module.__name__:
-            continue
-        seen.add(original)
         if original not in made:
-            made[original] = _subclass(original, module, namespace, set(overrides), backend)
+            made[original] = _subclass(original, backend, namespaces)
         layer.__class__ = made[original][0]
-    return any("scaled_dot_product_attention" in made[c][1] for c in seen)
+        attends |= "scaled_dot_product_attention" in made[original][1]
+    return attends
 
 
 def unroute(model: Any) -> None:
