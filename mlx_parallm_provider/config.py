@@ -26,14 +26,15 @@ class EngineConfig:
             others so that a burst is prefilled together (0 disables the wait).
         max_queue: most requests waiting for a slot; beyond it submissions fail at once
             with :class:`~mlx_parallm_provider.errors.EngineOverloadedError`.
-        kv_cache_memory_gb: budget for the KV cache of admitted requests, each counted at
-            its full size (prompt + max_tokens); None means no budget beyond max_num_seqs.
+        kv_cache_memory_gb: the KV block pool's size, allocated at once, prefix store
+            included; requests are admitted by free blocks and the newest is preempted
+            (recomputed later) when decoding rows run out. None: room for every slot at its
+            full context, at most half the memory free at start, grown as blocks are used.
         max_kv_size: if set, each row attends to at most this many recent KV entries (as
             mlx-lm's ``--max-kv-size``): lower memory, longer generations, approximate
             attention past the window (batched rows keep none of the first tokens, unlike
-            mlx-lm's single-sequence cache, which keeps 4). On paged KV every layer gets that
-            window and a row's blocks that left it go back to the pool as it decodes; on
-            the rectangle layout it is a rotating cache.
+            mlx-lm's single-sequence cache, which keeps 4). Every layer gets that
+            window and a row's blocks that left it go back to the pool as it decodes.
         request_timeout_s: default per-request timeout (None: no timeout); a request's
             own ``SamplingParams.timeout`` takes precedence.
         dequantize: dequantize weights at load (None: on the CPU device only).
@@ -41,33 +42,25 @@ class EngineConfig:
             name): a prefix shared by requests arriving together is prefilled once, and
             the KV of finished prompts and answers is kept for later requests (the next
             wave of an agent, turn 2 of a conversation). False: every prompt is prefilled
-            in full. With ``max_kv_size`` each row copies its prefix, of at most
-            ``max_kv_size - 1`` tokens (beyond that the window has moved).
-        prefix_cache_memory_gb: most memory the prefix store keeps (least recently used
-            prefixes are evicted past it); counted apart from ``kv_cache_memory_gb``.
-        kv_layout: ``"paged"``: KV in blocks of ``kv_block_size`` tokens from one pool
-            (``kv_cache_memory_gb`` of blocks, or up to half the free memory when unset),
-            admission by free blocks and preemption when they run out; models it cannot
-            serve (state-space layers, attention computed outside the cache by a module not
-            known to work over gathered blocks) keep the rectangle, logged. ``"rectangle"``: the
-            left-padded batch cache (rows x longest row), kept while both exist.
-        kv_block_size: tokens per KV block of the paged layout.
+            in full.
+        prefix_cache_memory_gb: most KV memory the prefix store's blocks may hold (least
+            recently used blocks are evicted past it), within the pool (``kv_cache_memory_gb``).
+        kv_block_size: tokens per KV block (the KV cache is a pool of blocks: see the README's
+            "KV memory").
         speculative: ``"ngram"``: rows draft up to ``num_speculative_tokens`` tokens a step
             from their own prompt + output (prompt lookup) and verify them in one forward
             pass, while at most ``speculative_max_batch`` rows decode and none has penalties,
-            a logit bias, a constraint or logprobs (paged layout only); greedy and sampled
+            a logit bias, a constraint or logprobs; greedy and sampled
             rows alike give the tokens they give without. None: off.
         num_speculative_tokens: most draft tokens per row and step.
         speculative_max_batch: speculate (and fast-forward) only while at most this many
             rows decode (2: measured, fast-forward of tool calls paid at one and two rows and
             lost from four on, where requests queued behind its steps waited longer).
         grammar_fast_forward: constrained rows verify the tokens their grammar forces in one
-            forward pass with the token they decode, instead of one step each (paged layout;
-            output unchanged, see :mod:`~mlx_parallm_provider.engine.fast_forward`).
+            forward pass with the token they decode, instead of one step each (output unchanged, see :mod:`~mlx_parallm_provider.engine.fast_forward`).
         async_scheduling: while a decode step computes, build and queue the next one on its
             still-lazy tokens (vLLM's ``async_scheduling``), where the tokens cannot differ:
-            rows without penalties, bias, grammar or logprobs (greedy or seeded alike), paged
-            KV, no prompt that could be admitted, no n-gram drafts to verify at that step
+            rows without penalties, bias, grammar or logprobs (greedy or seeded alike), no prompt that could be admitted, no n-gram drafts to verify at that step
             (:mod:`~mlx_parallm_provider.engine.decode_ahead`).
         stream_interval: a streaming request gets a delta every this many tokens (its first
             token, and its last, at once), as vLLM's ``--stream-interval``: fewer, larger
@@ -90,7 +83,6 @@ class EngineConfig:
     dequantize: Optional[bool] = None
     enable_prefix_caching: bool = True
     prefix_cache_memory_gb: float = 1.0
-    kv_layout: str = "paged"
     kv_block_size: int = 16
     shutdown_timeout_s: float = 5.0
     speculative: Optional[str] = None
@@ -124,8 +116,6 @@ class EngineConfig:
         _check_number("prefix_cache_memory_gb", self.prefix_cache_memory_gb, minimum=0.0)
         if self.prefix_cache_memory_gb == 0:
             raise InvalidParameterError("prefix_cache_memory_gb", "must be > 0 (enable_prefix_caching=False turns the store off)")
-        if self.kv_layout not in ("paged", "rectangle"):
-            raise InvalidParameterError("kv_layout", f"must be 'paged' or 'rectangle', got {self.kv_layout!r}")
         _check_int("kv_block_size", self.kv_block_size, minimum=1, maximum=4096)
         if self.speculative not in (None, "ngram"):
             raise InvalidParameterError("speculative", f"must be 'ngram' or None, got {self.speculative!r}")

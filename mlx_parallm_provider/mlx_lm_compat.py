@@ -1,46 +1,19 @@
-"""Every use of mlx-lm's private state, in one place (issue 20).
+"""Every use of mlx-lm's private or unstable surface, in one place (issue 20).
 
-mlx-lm's batch caches keep their write position and row lengths in private fields
-(``_idx``, ``_lengths``) that the rectangle layout's prefix reuse has to set, and its tool
-parser inference is a private function. Each access is a function here, so a change in
-mlx-lm breaks one module and one test (``tests/unit/test_mlx_lm_compat.py``, pinned to the
-range ``pyproject.toml`` supports), not the engine at run time. So is the one fix of an
-mlx-lm model's batch behaviour (:func:`fit_grouped_query_masks`).
-"""
+Its tool parser inference is a private function, and one mlx-lm model's batch behaviour
+needs a fix (:func:`fit_grouped_query_masks`). Each is a function here, so a change in mlx-lm
+breaks one module and one test (``tests/unit/test_mlx_lm_compat.py``, pinned to the range
+``pyproject.toml`` supports), not the engine at run time. (Since the rectangle KV layout
+went, no mlx-lm cache's private fields are written anywhere.)"""
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import mlx.core as mx
 
 SUPPORTED = ((0, 32, 2), (0, 33, 0))
 """mlx-lm versions this module is written for: at least the first, below the second."""
-
-
-def write_index(cache: Any) -> int:
-    """Where a (batch or rotating) KV cache writes its next token along the tokens axis."""
-    return cache._idx
-
-
-def set_prefilled(cache: Any, n: int) -> None:
-    """Make a fresh single-row ``RotatingKVCache`` whose keys / values were just assigned
-    look as if it had prefilled those ``n`` tokens itself."""
-    cache.offset = cache._idx = n
-
-
-def drop_leading_columns(cache: Any, cut: int) -> None:
-    """Move a ``BatchKVCache``'s write position back after its first ``cut`` columns (all
-    padding) were sliced off its keys and values."""
-    cache._idx -= cut
-
-
-def filter_rotating_lengths(cache: Any, keep: Sequence[int]) -> None:
-    """``BatchRotatingKVCache.filter`` leaves the rows' prompt lengths (used by its
-    prefill mask) unfiltered; keep those of the rows ``keep``."""
-    lengths: Optional[mx.array] = getattr(cache, "_lengths", None)
-    if lengths is not None:
-        cache._lengths = lengths[mx.array(list(keep))]
 
 
 GROUPED_SCORE_MODULES = frozenset({"mlx_lm.models.gemma2"})

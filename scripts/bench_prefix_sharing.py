@@ -4,9 +4,7 @@
 the model's chat template, ~600 tokens) and differ only by a short user question; greedy,
 ``max_tokens=48``. For each mode it prints TTFT p50/p99, wall time, prompt tokens actually
 prefilled, the median decode step and MLX peak memory; with caching on it then runs a
-second wave (new questions, same prefix) to show reuse across time. Last, the model's decode
-step alone at batch 32, interleaved: rows with 50 tokens of context, the agent prompts with
-the shared prefix held once (cascade attention), and the same with a copy in every row.
+second wave (new questions, same prefix) to show reuse across time.
 
     .venv/bin/python scripts/bench_prefix_sharing.py [--model default] [--requests 32] [--json out.json]
 """
@@ -24,12 +22,7 @@ import mlx_parallm_provider  # noqa: F401  (preloads BLAS before mlx)
 import mlx.core as mx
 from mlx_parallm_provider.chat import render_chat
 from mlx_parallm_provider.config import EngineConfig
-from mlx_lm.models.cache import BatchKVCache, KVCache
 from mlx_parallm_provider.engine import Engine, SamplingParams
-from mlx_parallm_provider.engine.cascade import SharedPrefix
-from mlx_parallm_provider.engine.prefill import new_batch_cache
-from mlx_parallm_provider.engine.prefix_match import common_prefix_len
-from mlx_parallm_provider.engine.shared_kv import SharedPrefixBatchCache
 from mlx_parallm_provider.models import registry
 
 SYSTEM = (
@@ -126,58 +119,6 @@ def run_mode(loaded: Any, prompts: list[list[int]], second: list[list[int]], max
     return result
 
 
-def _left_padded(rows: list[list[int]]) -> tuple[mx.array, list[int]]:
-    width = max(len(r) for r in rows)
-    return mx.array([[0] * (width - len(r)) + r for r in rows]), [width - len(r) for r in rows]
-
-
-def decode_steps(loaded: Any, prompts: list[list[int]], steps: int = 15) -> dict:
-    """Median time (ms) of one model decode step at batch ``len(prompts)``, and the KV bytes
-    held, for three caches built directly, the steps interleaved: ``ctx50`` (each row's last
-    50 prompt tokens), ``shared`` (the common prefix held once + each row's own tokens) and
-    ``copies`` (the same tokens, the prefix copied into every row, as with sharing off)."""
-    model = loaded.model
-    layers = len(model.layers)
-    shared = min(common_prefix_len(prompts[0], p) for p in prompts[1:])
-    caches: dict[str, list[Any]] = {}
-
-    tokens, pads = _left_padded([p[-50:] for p in prompts])
-    caches["ctx50"] = new_batch_cache(layers, pads)
-    model(tokens, cache=caches["ctx50"])
-
-    head = [KVCache() for _ in range(layers)]
-    model(mx.array([prompts[0][:shared]]), cache=head)
-    tokens, pads = _left_padded([p[shared:] for p in prompts])
-    suffix = [SharedPrefixBatchCache(BatchKVCache(pads), [SharedPrefix(c.keys[..., :shared, :], c.values[..., :shared, :], b"p")] * len(prompts)) for c in head]
-    model(tokens, cache=suffix)
-    caches["shared"] = suffix
-    del head
-    copies = []
-    for c in suffix:
-        rows = []
-        for i, pad in enumerate(pads):
-            row = KVCache()
-            row.keys = mx.concatenate([c.prefixes[i].keys, c.suffix.keys[i : i + 1, :, pad : c.suffix.size()]], axis=2)
-            row.values = mx.concatenate([c.prefixes[i].values, c.suffix.values[i : i + 1, :, pad : c.suffix.size()]], axis=2)
-            row.offset = row.keys.shape[2]
-            rows.append(row)
-        copies.append(BatchKVCache.merge(rows))
-    caches["copies"] = copies
-    for cache in caches.values():
-        mx.eval([c.state for c in cache])
-    times: dict[str, list[float]] = {name: [] for name in caches}
-    token = mx.array([[prompts[0][-1]]] * len(prompts))
-    for _ in range(steps + 2):  # the first two are warm-up
-        for name, cache in caches.items():
-            tic = time.perf_counter()
-            mx.eval(model(token, cache=cache))
-            times[name].append(time.perf_counter() - tic)
-    out = {name: 1000 * sorted(t[2:])[len(t[2:]) // 2] for name, t in times.items()}
-    out["kv_mb"] = {name: sum(c.nbytes for c in cache) / 1e6 for name, cache in caches.items()}
-    out["shared_tokens"] = shared
-    return out
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="default")
@@ -217,13 +158,9 @@ def main() -> None:
           f"({w2['prefilled_prompt_tokens'] / on['prompt_tokens']:.1%} of the first wave's {on['prompt_tokens']}), "
           f"TTFT p50 {w2['ttft_p50_s']:.2f} s, wall {w2['wall_s']:.2f} s")
     print(f"prefix cache: {json.dumps(on['prefix_cache'])}")
-    steps = decode_steps(loaded, prompts)
-    print(f"model decode step at batch {args.requests} (median ms; KV held MB), {steps['shared_tokens']}-token shared prefix:")
-    for name, label in (("ctx50", "50 tokens of context"), ("shared", "prefix held once (cascade)"), ("copies", "prefix copied per row")):
-        print(f"  {label:30}{steps[name]:8.1f} ms {steps[name] / steps['ctx50']:6.2f}x   KV {steps['kv_mb'][name]:7.1f} MB")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"off": off, "on": on, "decode_steps": steps}, f, indent=2)
+            json.dump({"off": off, "on": on}, f, indent=2)
 
 
 if __name__ == "__main__":

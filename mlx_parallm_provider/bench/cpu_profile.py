@@ -58,9 +58,9 @@ def _filled_cache(model: Any, batch: int, context: int) -> list[Any]:
     """A batch cache holding ``context`` tokens for ``batch`` rows (one prefill, repeated)."""
     import mlx.core as mx
 
-    from ..engine.prefill import new_batch_cache
+    from mlx_lm.models.cache import BatchKVCache
 
-    cache = new_batch_cache(len(model.layers), [0])
+    cache = [BatchKVCache([0]) for _ in model.layers]
     model(mx.random.randint(0, 1000, (1, context), key=mx.random.key(0)), cache=cache)
     for c in cache:
         c.keys, c.values = mx.repeat(c.keys, batch, axis=0), mx.repeat(c.values, batch, axis=0)
@@ -179,7 +179,8 @@ def prefill(model_name: str, prompt_len: int, repeats: int) -> dict[bool, float]
     """Prefill tok/s of one ``prompt_len``-token prompt into a fresh cache, CPU work off / on."""
     import mlx.core as mx
 
-    from ..engine.prefill import new_batch_cache
+    from mlx_lm.models.cache import BatchKVCache
+
     from ..models import backends, registry
 
     model = registry.load(model_name).model
@@ -187,7 +188,7 @@ def prefill(model_name: str, prompt_len: int, repeats: int) -> dict[bool, float]
     tokens = mx.random.randint(0, 1000, (1, prompt_len), key=mx.random.key(7))
 
     def run() -> Any:
-        cache = new_batch_cache(len(model.layers), [0])
+        cache = [BatchKVCache([0]) for _ in model.layers]
         return model(tokens, cache=cache)[:, -1, :]
 
     best = {}

@@ -1,9 +1,9 @@
-"""What rows joining and leaving cost the decode steps, per KV layout, in one run.
+"""What rows joining and leaving cost the decode steps, in one run.
 
     python -m mlx_parallm_provider.bench.kv_churn [--model default] [--requests 192]
-        [--rows 64] [--request-rate 8] [--layouts paged rectangle]
+        [--rows 64] [--request-rate 8]
 
-For each layout, in a child process: ``--requests`` chat requests with random output lengths
+In a child process: ``--requests`` chat requests with random output lengths
 (8 to 96 tokens) into an engine of ``--rows`` rows, first as Poisson arrivals at
 ``--request-rate`` per second, then all at once (a burst). Every decode step is timed; a
 step is a *churn* step when the batch's rows differ from the step before (a row joined or
@@ -24,7 +24,7 @@ from typing import Any, Sequence
 CHURN_TARGET = 1.10
 
 
-def _measure(model: str, layout: str, requests: int, rows: int, rate: float, seed: int) -> dict[str, Any]:
+def _measure(model: str, requests: int, rows: int, rate: float, seed: int) -> dict[str, Any]:
     import mlx_parallm_provider  # noqa: F401  (BLAS before mlx)
 
     from mlx_parallm_provider.config import EngineConfig
@@ -43,7 +43,7 @@ def _measure(model: str, layout: str, requests: int, rows: int, rate: float, see
         last[0] = ids
 
     Worker._decode = timed  # type: ignore[method-assign]
-    engine = Engine(model, EngineConfig(kv_layout=layout, max_num_seqs=rows))
+    engine = Engine(model, EngineConfig(max_num_seqs=rows))
     engine.generate_sync("warm up", SamplingParams(max_tokens=4))
     rng = random.Random(seed)
     prompts = [f"Request {i}: tell me about the number {rng.randrange(1000)}." for i in range(requests)]
@@ -60,7 +60,7 @@ def _measure(model: str, layout: str, requests: int, rows: int, rate: float, see
         done = await asyncio.gather(*(one(i, d) for i, d in enumerate(delays)))
         return sum(done) / (time.perf_counter() - tic)
 
-    out: dict[str, Any] = {"layout": engine.stats()["kv_cache"]["layout"]}
+    out: dict[str, Any] = {}
     for name, gaps in (("poisson", [rng.expovariate(rate) for _ in range(requests)]), ("burst", [0.0] * requests)):
         steps.clear()
         out[f"{name}_tok_s"] = asyncio.run(run(gaps))
@@ -80,25 +80,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--rows", type=int, default=64)
     ap.add_argument("--request-rate", type=float, default=8.0)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--layouts", nargs="+", default=["paged", "rectangle"])
-    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
-        print(json.dumps(_measure(args.model, args.child, args.requests, args.rows, args.request_rate, args.seed)))
+        print(json.dumps(_measure(args.model, args.requests, args.rows, args.request_rate, args.seed)))
         return 0
     from ..cpu_info import cpu_model_name
     from .kv_memory import run_child
 
     print(f"CPU: {cpu_model_name()}; {args.requests} requests (8-96 new tokens), {args.rows} rows")
-    for layout in args.layouts:
-        r = run_child("mlx_parallm_provider.bench.kv_churn", layout, {k: v for k, v in vars(args).items() if k not in ("layouts", "child")})
-        for name in ("poisson", "burst"):
-            s = r[f"{name}_steps"]
-            ratio = s["churn_ms"] / s["quiet_ms"] if s["churn_ms"] and s["quiet_ms"] else float("nan")
-            verdict = "met" if ratio <= CHURN_TARGET else "missed"
-            print(f"[{r['layout']}] {name}: {r[f'{name}_tok_s']:.1f} output tok/s; decode step at >= 3/4 batch: "
-                  f"{s['quiet_ms'] or 0:.1f} ms quiet ({s['quiet']} steps), {s['churn_ms'] or 0:.1f} ms with a join or leave "
-                  f"({s['churn']} steps): {ratio:.2f}x (target <= {CHURN_TARGET}x: {verdict})")
+    r = run_child("mlx_parallm_provider.bench.kv_churn", {k: v for k, v in vars(args).items() if k != "child"})
+    for name in ("poisson", "burst"):
+        s = r[f"{name}_steps"]
+        ratio = s["churn_ms"] / s["quiet_ms"] if s["churn_ms"] and s["quiet_ms"] else float("nan")
+        verdict = "met" if ratio <= CHURN_TARGET else "missed"
+        print(f"{name}: {r[f'{name}_tok_s']:.1f} output tok/s; decode step at >= 3/4 batch: "
+              f"{s['quiet_ms'] or 0:.1f} ms quiet ({s['quiet']} steps), {s['churn_ms'] or 0:.1f} ms with a join or leave "
+              f"({s['churn']} steps): {ratio:.2f}x (target <= {CHURN_TARGET}x: {verdict})")
     return 0
 
 

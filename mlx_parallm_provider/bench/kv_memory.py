@@ -1,9 +1,9 @@
-"""What one long request costs the short ones, per KV layout, measured in one run.
+"""What one long request costs the short ones, measured in one run.
 
     python -m mlx_parallm_provider.bench.kv_memory [--model default] [--short 32]
-        [--long-tokens 2000] [--max-tokens 48] [--layouts paged rectangle]
+        [--long-tokens 2000] [--max-tokens 48]
 
-For each layout, in a child process of its own (so MLX's peak memory is that layout's):
+In a child process of its own (so MLX's peak memory is the engine's alone):
 
 1. ``--short`` short chat requests decode alone: their TPOT p50 and MLX's peak memory over idle;
 2. the same beside one long request that was started first (its prefill done before they
@@ -46,14 +46,14 @@ def _tpot(times: list[float]) -> float:
     return (times[-1] - times[0]) / max(1, len(times) - 1)
 
 
-def _measure(model: str, layout: str, short: int, long_tokens: int, max_tokens: int, chunk: int) -> dict[str, Any]:
+def _measure(model: str, short: int, long_tokens: int, max_tokens: int, chunk: int) -> dict[str, Any]:
     import mlx_parallm_provider  # noqa: F401  (BLAS before mlx)
     import mlx.core as mx
 
     from mlx_parallm_provider.config import EngineConfig
     from mlx_parallm_provider.engine import Engine, SamplingParams
 
-    engine = Engine(model, EngineConfig(kv_layout=layout, prefill_chunk_size=chunk, max_num_seqs=max(64, short + 1)))
+    engine = Engine(model, EngineConfig(prefill_chunk_size=chunk, max_num_seqs=max(64, short + 1)))
     tok = engine.tokenizer
     prompts = [f"Question {i}: name one fact about the number {i}." for i in range(short)]
     long_prompt = tok.encode(" ".join(f"item {i} is a piece of the long document." for i in range(long_tokens)))[:long_tokens]
@@ -72,7 +72,7 @@ def _measure(model: str, layout: str, short: int, long_tokens: int, max_tokens: 
     idle = mx.get_active_memory()
     mx.reset_peak_memory()
     alone = asyncio.run(shorts())
-    out: dict[str, Any] = {"layout": engine.stats()["kv_cache"]["layout"], "alone_tpot_ms": 1000 * statistics.median(map(_tpot, alone)),
+    out: dict[str, Any] = {"alone_tpot_ms": 1000 * statistics.median(map(_tpot, alone)),
                            "alone_peak_mb": peak_over(idle)}
 
     async def beside() -> tuple[list[list[float]], list[float]]:
@@ -115,10 +115,10 @@ def _measure(model: str, layout: str, short: int, long_tokens: int, max_tokens: 
     return out
 
 
-def run_child(module: str, layout: str, options: dict[str, Any]) -> dict[str, Any]:
-    """Run ``python -m module --child layout --option value ...`` (one layout in a process of
-    its own, so MLX's peak memory is that layout's); the JSON it prints last."""
-    cmd = [sys.executable, "-m", module, "--child", layout, *(x for k, v in options.items() for x in (f"--{k.replace('_', '-')}", str(v)))]
+def run_child(module: str, options: dict[str, Any]) -> dict[str, Any]:
+    """Run ``python -m module --child --option value ...`` (in a process of its own, so MLX's
+    peak memory is that run's); the JSON it prints last."""
+    cmd = [sys.executable, "-m", module, "--child", *(x for k, v in options.items() for x in (f"--{k.replace('_', '-')}", str(v)))]
     return json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1])
 
 
@@ -129,25 +129,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--long-tokens", type=int, default=2000)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--prefill-chunk-size", type=int, default=512)
-    ap.add_argument("--layouts", nargs="+", default=["paged", "rectangle"])
-    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
-        print(json.dumps(_measure(args.model, args.child, args.short, args.long_tokens, args.max_tokens, args.prefill_chunk_size)))
+        print(json.dumps(_measure(args.model, args.short, args.long_tokens, args.max_tokens, args.prefill_chunk_size)))
         return 0
     print(f"CPU: {cpu_model_name()}; {os.cpu_count()} CPUs; {args.short} short requests, one of {args.long_tokens} tokens, {args.max_tokens} new tokens each")
-    for layout in args.layouts:
-        r = run_child("mlx_parallm_provider.bench.kv_memory", layout, {k: v for k, v in vars(args).items() if k not in ("layouts", "child")})
-        ratio = r["beside_tpot_ms"] / r["alone_tpot_ms"]
-        extra = r["beside_peak_mb"] - r["alone_peak_mb"]
-        print(f"[{r['layout']}] short TPOT p50 alone {r['alone_tpot_ms']:.1f} ms, beside the long row {r['beside_tpot_ms']:.1f} ms "
-              f"({ratio:.2f}x; target <= {TPOT_TARGET}x: {'met' if ratio <= TPOT_TARGET else 'missed'})")
-        print(f"[{r['layout']}] MLX peak over idle: alone {r['alone_peak_mb']:.0f} MB, beside {r['beside_peak_mb']:.0f} MB; extra "
-              f"{extra:.0f} MB vs the long row's own KV {r['long_row_kv_mb']:.0f} MB ({extra / r['long_row_kv_mb']:.2f}x; "
-              f"target <= {MEMORY_TARGET}x: {'met' if extra <= MEMORY_TARGET * r['long_row_kv_mb'] else 'missed'})")
-        print(f"[{r['layout']}] while the long prompt is prefilled (prefill_chunk_size={r['prefill_chunk_size']}), the short rows' "
-              f"longest gap between tokens: {r['max_gap_during_long_prefill_ms']:.0f} ms")
-        print(f"[{r['layout']}] kv_cache: {r['kv_cache']}")
+    r = run_child("mlx_parallm_provider.bench.kv_memory", {k: v for k, v in vars(args).items() if k != "child"})
+    ratio = r["beside_tpot_ms"] / r["alone_tpot_ms"]
+    extra = r["beside_peak_mb"] - r["alone_peak_mb"]
+    print(f"short TPOT p50 alone {r['alone_tpot_ms']:.1f} ms, beside the long row {r['beside_tpot_ms']:.1f} ms "
+          f"({ratio:.2f}x; target <= {TPOT_TARGET}x: {'met' if ratio <= TPOT_TARGET else 'missed'})")
+    print(f"MLX peak over idle: alone {r['alone_peak_mb']:.0f} MB, beside {r['beside_peak_mb']:.0f} MB; extra "
+          f"{extra:.0f} MB vs the long row's own KV {r['long_row_kv_mb']:.0f} MB ({extra / r['long_row_kv_mb']:.2f}x; "
+          f"target <= {MEMORY_TARGET}x: {'met' if extra <= MEMORY_TARGET * r['long_row_kv_mb'] else 'missed'})")
+    print(f"while the long prompt is prefilled (prefill_chunk_size={r['prefill_chunk_size']}), the short rows' "
+          f"longest gap between tokens: {r['max_gap_during_long_prefill_ms']:.0f} ms")
+    print(f"kv_cache: {r['kv_cache']}")
     return 0
 
 

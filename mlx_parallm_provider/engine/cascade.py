@@ -1,10 +1,8 @@
 """Cascade attention (Hydragen; FlashInfer's cascade): rows that share a prefix attend to it
 as one matmul for all their queries, merged with each row's own tokens by log-sum-exp.
 
-Both KV layouts use it: the rectangle layout's :class:`.shared_kv.SharedPrefixBatchCache`
-(a prefix held once per layer) and the paged layout's
-:class:`.kv.paged_cache.PagedLayerCache` (decode rows whose tables start with the same
-cached blocks).
+:class:`.kv.paged_cache.PagedLayerCache` uses it for decode rows whose block tables start
+with the same cached blocks.
 """
 
 from __future__ import annotations

@@ -30,8 +30,8 @@ from .embed_api import EmbedMethods
 from .exit_guard import shut_down_at_exit
 from .fanout import POLL_S, FanOut, TaggedSink, expand
 from .grammar_probe import build_off_loop
-from .metrics import EngineMetrics
-from .prefix_kv import prefix_stats
+from .kv.support import ensure_servable
+from .metrics import EngineMetrics, prefix_stats
 from .prompt_size import PromptEncoder
 from .request import Completion, Delta, Prompt, Request, ResultSink, SamplingParams
 from .sinks import LoopSink as _LoopSink
@@ -60,6 +60,7 @@ class Engine(EmbedMethods):
         self.config = config or EngineConfig.from_env()
         self._loaded = loaded or registry.load(model, dequantize=self.config.dequantize)
         backends.ensure(self._loaded.model)  # a model passed in unprepared gets one too
+        ensure_servable(self._loaded.model, model)
         mlx_lm_compat.fit_grouped_query_masks(self._loaded.model)
         self.model_name = model
         self.tokenizer = self._loaded.tokenizer
@@ -223,16 +224,16 @@ class Engine(EmbedMethods):
         """A plain, JSON-serialisable dict: requests running / waiting / finished, token
         counts, the largest decode batch seen, tokens/s over the last minute, p50/p99
         of TTFT, TPOT, ITL and queue time (seconds), ``prefix_cache`` (hit rate,
-        cached tokens and bytes, evictions) and ``kv_cache`` (the layout; for paged KV
-        blocks total / free / used, ``kv_cache_usage_perc``, preemptions), ``speculation``
+        cached tokens and bytes, evictions) and ``kv_cache`` (blocks total / free / used,
+        ``kv_cache_usage_perc``, preemptions), ``speculation``
         (n-gram drafts) and ``fast_forward`` (grammar-forced tokens): None when off."""
         worker = self._worker
         running = worker.num_running if worker is not None and worker.alive else 0
         waiting = worker.num_waiting if worker is not None and worker.alive else 0
         snap = self.metrics.snapshot(running=running, waiting=waiting)
         snap["model"] = self.model_name
-        snap["prefix_cache"] = prefix_stats(self.config, worker.prefix_store_stats() if worker is not None else None, snap)
-        snap["kv_cache"] = worker.kv_stats() if worker is not None else {"layout": self.config.kv_layout}
+        snap["prefix_cache"] = prefix_stats(self.config.enable_prefix_caching, worker.prefix_store_stats() if worker is not None else None, snap)
+        snap["kv_cache"] = worker.kv_stats() if worker is not None else {"layout": "paged"}
         snap.update(worker.drafts.stats() if worker is not None and worker.drafts else {"speculation": None, "fast_forward": None})
         return snap
 
@@ -325,12 +326,11 @@ class Engine(EmbedMethods):
                 worker.grammar.check(params.constraint.grammar())
             if not worker.scheduler.fits_alone(request):
                 budget = self.config.kv_cache_memory_gb
-                held = worker.kv.capacity_tokens if worker.kv is not None else worker.scheduler.kv_budget_tokens
                 raise InvalidParameterError(
                     "max_tokens",
                     f"prompt ({len(ids)}) + max_tokens ({params.max_tokens}) needs {request.max_kv_tokens} tokens "
                     f"({request.max_kv_tokens * self._kv_bytes_per_token / 1024**2:.3g} MiB) of KV cache, more than "
-                    f"the engine's whole KV pool holds ({held} tokens; kv_cache_memory_gb={budget})",
+                    f"the engine's whole KV pool holds ({worker.kv.capacity_tokens} tokens; kv_cache_memory_gb={budget})",
                 )
             if worker.num_waiting >= self.config.max_queue:
                 raise EngineOverloadedError(

@@ -7,7 +7,7 @@ following it. One stream of the default model on 2 CPU cores spends ~3 ms of a ~
 building its graph.
 
 Only where the result cannot differ from plain steps: every row's token is the arg-max or a
-draw with its own key (no penalties, bias, grammar or logprobs), KV is paged, n-gram
+draw with its own key (no penalties, bias, grammar or logprobs), n-gram
 speculation (when on) would not verify drafts at that step (drafts depend on the last
 token: rows with an n-gram match in view decode plainly, then verify), and the scheduler has
 nothing else it could plan: no prompt with a free slot, chunk or embedding; a queue behind a

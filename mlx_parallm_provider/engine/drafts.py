@@ -25,11 +25,11 @@ class Drafts:
         self.ngram, self.forward, self.times = ngram, forward, times
 
     @classmethod
-    def for_engine(cls, config: Any, paged: Optional[Any]) -> Optional["Drafts"]:
-        """The drafts ``config`` asks for, or None when neither kind is on (or KV is not paged)."""
+    def for_engine(cls, config: Any) -> Optional["Drafts"]:
+        """The drafts ``config`` asks for, or None when neither kind is on."""
         times = StepTimes()
-        ngram = speculator_for(config, paged, times)
-        forward = fast_forward_for(config, paged, times, ngram.lookup if ngram is not None else None)
+        ngram = speculator_for(config, times)
+        forward = fast_forward_for(config, times, ngram.lookup if ngram is not None else None)
         return None if ngram is None and forward is None else cls(ngram, forward, times)
 
     def decode(self, runner: Any, rows: Sequence[Any]) -> Optional[tuple[list[list[SampledRow]], int]]:

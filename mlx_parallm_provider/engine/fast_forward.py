@@ -188,9 +188,9 @@ class FastForward:
         return out
 
 
-def fast_forward_for(config: Any, paged: Any, times: StepTimes, lookup: Optional[Callable[[Any, int], list[int]]] = None) -> "FastForward | None":
-    """The engine's fast-forward, or None (off, or the rectangle layout: it needs KV blocks);
-    ``lookup``: the n-gram speculator's, for constrained rows nothing forces."""
-    if not getattr(config, "grammar_fast_forward", False) or paged is None:
+def fast_forward_for(config: Any, times: StepTimes, lookup: Optional[Callable[[Any, int], list[int]]] = None) -> "FastForward | None":
+    """The engine's fast-forward, or None when off; ``lookup``: the n-gram speculator's,
+    for constrained rows nothing forces."""
+    if not getattr(config, "grammar_fast_forward", False):
         return None
     return FastForward(config.speculative_max_batch, times, lookup=lookup, lookup_limit=config.num_speculative_tokens)

@@ -298,3 +298,16 @@ class EngineMetrics:
         for name, value in events:
             for listener in self._listeners:
                 listener(name, value)
+
+
+def prefix_stats(enabled: bool, store: Optional[dict[str, Any]], snapshot: dict[str, Any]) -> dict[str, Any]:
+    """``stats()["prefix_cache"]``: whether caching is on, the hit rate (cached / all
+    prompt tokens) and cached prompt tokens from the metrics ``snapshot``, and the
+    store's own counts (bytes, stored tokens, evictions, bound) when there is one."""
+    counts = {k: v for k, v in (store or {}).items() if k != "nbytes"}
+    return {
+        "enabled": enabled,
+        "hit_rate": snapshot["prefix_cache_hit_rate"],
+        "cached_tokens": snapshot["cached_prompt_tokens"],
+        **counts,
+    }

@@ -18,8 +18,6 @@ class RowState:
 
     sampler: RowSampler
     text: TextStream
-    cache: Optional[list[Any]] = None  # own KV cache while a long prompt is chunk-prefilled
-    prefix: Optional[list[Any]] = None  # fetched KV of the cached prompt prefix, until used
     logprobs: Optional[list] = None
     streamed: int = 0  # output tokens whose ids (and logprobs) a Delta has carried
     unsent: str = ""  # text held for the next Delta (stream_interval > 1)

@@ -7,8 +7,7 @@ with this package's prefix (``mlx_parallm:`` unless told otherwise; ``"vllm:"`` 
 dashboards and routers written for vLLM read it unchanged):
 
 - gauges ``num_requests_running``, ``num_requests_waiting``, ``kv_cache_usage_perc``
-  (0..1: used / total KV blocks; for the rectangle layout the budget reserved by admitted
-  requests, or batch slots used when there is no budget), ``kv_cache_blocks_total`` /
+  (0..1: used / total KV blocks), ``kv_cache_blocks_total`` /
   ``kv_cache_blocks_free`` and ``prefix_cache_usage_perc`` (0..1 of the prefix store's memory);
 - counter ``num_preemptions`` (requests whose KV blocks were taken back, to be recomputed);
 - counters ``prompt_tokens``, ``generation_tokens``, ``prefix_cache_queries`` (prompt
@@ -64,8 +63,7 @@ def draft_counts(engine: Any) -> dict[tuple[str, str], float]:
 
 
 def engine_gauges(engine: Any) -> dict[str, float]:
-    """``running``, ``waiting``, ``kv_usage`` (used / total KV blocks; for the rectangle
-    layout the admitted requests' share of the budget), ``prefix_usage`` and the KV blocks
+    """``running``, ``waiting``, ``kv_usage`` (used / total KV blocks), ``prefix_usage`` and the KV blocks
     total / free of an engine, read
     without blocking its worker (a racy but consistent-enough snapshot)."""
     worker = engine._worker

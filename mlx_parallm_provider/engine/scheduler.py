@@ -12,7 +12,7 @@ has free blocks for its prompt, given at once (a cached prefix as the cached blo
 themselves, shared); before each step every running row gets room for the token it
 decodes, and when the pool runs out the newest running request is preempted (its blocks
 freed, itself queued first to be recomputed from its prompt and output so far), as vLLM v1
-does. The flat ``kv_budget_tokens`` (prompt + max_tokens) is the rectangle layout's budget.
+does.
 
 Embedding calls (:class:`~.embedding.EmbedRequest`) take step token budget as prefills do, in
 arrival order, but hold no slot and no KV; a call ends the step its last input is embedded.
@@ -21,9 +21,9 @@ Progress (nano-vllm's ``schedule -> run -> postprocess``): the worker runs the p
 :meth:`Scheduler.postprocess` appends each sampled token and judges EOS, stop ids and
 ``max_tokens``; :meth:`Scheduler.finish` frees a request's blocks (caching an answer's).
 
-Prefix sharing (given a ``prefix_match`` lookup into the prefix store): a request is
-admitted with the longest stored prefix of its prompt as ``num_cached``; only the rest
-counts against the step budget. A waiting request that shares at least
+Prefix sharing (``prefix_caching``): a request is admitted with the longest prefix of its
+prompt the pool's cached blocks hold as ``num_cached`` (those blocks mapped into its table);
+only the rest counts against the step budget. A waiting request that shares at least
 ``min_shared_tokens`` more tokens (or its whole prompt, for ``n > 1`` copies) with one being
 prefilled waits for that prefill to end, so the prefix is computed once; requests behind it
 that share nothing are admitted meanwhile.
@@ -33,16 +33,12 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Optional
+from typing import Iterable, Optional
 
 from .embedding import EmbedRequest
 from .kv import KVCacheManager
 from .prefix_match import common_prefix_len
 from .request import Request
-
-PrefixMatch = Callable[[list[int]], int]
-"""``match(prompt_ids)``: how many leading tokens of a prompt the prefix store holds."""
-
 
 @dataclass
 class StepPlan:
@@ -80,22 +76,18 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         prefill_chunk_size: int,
-        kv_budget_tokens: Optional[int] = None,
+        kv: KVCacheManager,
         *,
-        prefix_match: Optional[PrefixMatch] = None,
+        prefix_caching: bool = False,
         prefix_capacity_tokens: Optional[int] = None,
-        prefix_max_tokens: Optional[int] = None,
         min_shared_tokens: int = 64,
-        kv: Optional[KVCacheManager] = None,
         eos_ids: Iterable[int] = (),
     ) -> None:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.prefill_chunk_size = prefill_chunk_size
-        self.kv_budget_tokens = kv_budget_tokens
-        self.prefix_match = prefix_match
+        self.prefix_caching = prefix_caching
         self.prefix_capacity_tokens = prefix_capacity_tokens
-        self.prefix_max_tokens = prefix_max_tokens  # the most leading tokens a row may reuse
         self.min_shared_tokens = min_shared_tokens
         self.kv = kv
         self.eos_ids = frozenset(eos_ids)
@@ -152,19 +144,19 @@ class Scheduler:
         given) while anything else could be planned (a prompt with a free slot, a chunk, an
         embedding), or the pool is short."""
         admissible = self.waiting and self.num_running < self.max_num_seqs
-        if self.kv is None or admissible or self.prefilling or self.chunking is not None or self.embedding:
+        if admissible or self.prefilling or self.chunking is not None or self.embedding:
             return False
         for r in rows:
             self.kv.slide(id(r), r.num_tokens)  # the window of its query ahead
         return self.kv.hold({id(r): r.num_tokens + 1 for r in rows})
 
     def _cache_blocks(self, request: Request, tokens: list[int], computed: int) -> None:  # for later prompts to share
-        if self.kv is not None and self.prefix_match is not None:
+        if self.prefix_caching:
             self.kv.register(id(request), tokens, computed)
 
     def remove(self, request: Request | EmbedRequest) -> None:
         """Drop a request wherever it is and free its KV blocks (see :meth:`finish`)."""
-        if self.kv is not None and not isinstance(request, EmbedRequest):
+        if not isinstance(request, EmbedRequest):
             self.kv.free(id(request))
         if request is self.chunking:
             self.chunking = None
@@ -182,9 +174,8 @@ class Scheduler:
     def clear(self) -> list[Request | EmbedRequest]:
         """Forget every request (the worker is going away); returns them."""
         requests = self.all_requests()
-        if self.kv is not None:
-            for request in requests:
-                self.kv.free(id(request))
+        for request in requests:
+            self.kv.free(id(request))
         self.waiting.clear()
         self.embedding.clear()
         self.prefilling.clear()
@@ -203,28 +194,18 @@ class Scheduler:
         return len(self.waiting) + len(self.embedding)
 
     def fits_alone(self, request: Request) -> bool:
-        """Whether the request could ever be admitted under the KV budget (the pool, or
-        the rectangle layout's token budget)."""
-        if self.kv is not None:
-            return self.kv.fits_request(request.num_tokens, request.max_kv_tokens)
-        return self.kv_budget_tokens is None or request.max_kv_tokens <= self.kv_budget_tokens
+        """Whether the request could ever be admitted: its blocks fit the whole pool."""
+        return self.kv.fits_request(request.num_tokens, request.max_kv_tokens)
 
     def kv_usage(self) -> float:
-        """KV memory in use, 0..1: used / total blocks; for the rectangle layout the admitted
-        requests' prompt + max_tokens over the budget (or slots over ``max_num_seqs``)."""
-        if self.kv is not None:
-            return self.kv.stats()["kv_cache_usage_perc"]
-        if self.kv_budget_tokens:
-            held = [*self.running, *self.prefilling, *([self.chunking] if self.chunking else [])]
-            return sum(r.max_kv_tokens for r in held) / self.kv_budget_tokens
-        return self.num_running / self.max_num_seqs
+        """KV memory in use, 0..1: used / total blocks."""
+        return self.kv.stats()["kv_cache_usage_perc"]
 
     # -- policy -----------------------------------------------------------------------
 
     def schedule(self) -> StepPlan:
         """Plan the next step."""
-        if self.kv is not None:
-            self._make_room_to_decode()
+        self._make_room_to_decode()
         plan = StepPlan(decode=list(self.running))
         budget = self.max_num_batched_tokens - len(plan.decode)
         if self.chunking is not None and budget > 0:
@@ -237,36 +218,26 @@ class Scheduler:
         budget = self._plan_embeddings(plan, budget, self.waiting[0].arrival if self.waiting else None)
 
         slots = self.max_num_seqs - self.num_running
-        kv_used = sum(r.max_kv_tokens for r in [*self.running, *self.prefilling])
-        if self.chunking is not None:
-            kv_used += self.chunking.max_kv_tokens
         longest = 0  # longest uncached prompt part in plan.prefill
         # Requests whose prompt KV will be in the prefix store once their prefill ends.
         sharers = [*self.prefilling, *([self.chunking] if self.chunking is not None else [])]
         deferred: list[Request] = []
         while self.waiting and slots > 0 and budget > 0:
             request = self.waiting[0]
-            prefix = None
-            if self.kv is not None:
-                # Paged KV: the cache is the pool's blocks, looked up once (a preempted request
-                # by its prompt + output too); at least one token is computed, for the logits.
-                if self.prefix_match is not None:
-                    prefix = self.kv.match(request.computed_ids, request.num_tokens - 1)
-                cached = prefix.tokens if prefix is not None else 0
-                # Its prompt and the token it decodes the step its prefill ends, with a block of
-                # headroom while others hold blocks; alone, its own blocks always fit (fits_alone).
-                busy = self.num_running > 0
-                # Sliding-window layers get blocks only up to its first chunk (the whole prompt if short).
-                window_end = self._chunk_end(request, cached)
-                if self.kv.admission_cost(request.num_tokens + 1, prefix, window_end) + busy > self.kv.pool.num_free:
-                    if busy:
-                        break
-                    prefix, cached = None, 0
-                    window_end = self._chunk_end(request, 0)
-            else:
-                cached = self._cached_len(request)
-                if self.kv_budget_tokens is not None and kv_used + request.max_kv_tokens > self.kv_budget_tokens:
+            # The cache is the pool's blocks, looked up once (a preempted request by its
+            # prompt + output too); at least one token is computed, for the logits.
+            prefix = self.kv.match(request.computed_ids, request.num_tokens - 1) if self.prefix_caching else None
+            cached = prefix.tokens if prefix is not None else 0
+            # Its prompt and the token it decodes the step its prefill ends, with a block of
+            # headroom while others hold blocks; alone, its own blocks always fit (fits_alone).
+            busy = self.num_running > 0
+            # Sliding-window layers get blocks only up to its first chunk (the whole prompt if short).
+            window_end = self._chunk_end(request, cached)
+            if self.kv.admission_cost(request.num_tokens + 1, prefix, window_end) + busy > self.kv.pool.num_free:
+                if busy:
                     break
+                prefix, cached = None, 0
+                window_end = self._chunk_end(request, 0)
             if self._waits_for_sharer(request, cached, sharers):
                 deferred.append(self.waiting.popleft())
                 continue
@@ -284,13 +255,11 @@ class Scheduler:
             else:
                 break
             request.num_cached = request.num_prefilled = cached
-            if self.kv is not None:
-                self.kv.grow(id(request), request.num_tokens + 1, prefix, limit=request.max_kv_tokens, window_end=window_end)
-                self.kv.slide(id(request), request.num_cached)  # (a long cached prefix: only its window is held)
+            self.kv.grow(id(request), request.num_tokens + 1, prefix, limit=request.max_kv_tokens, window_end=window_end)
+            self.kv.slide(id(request), request.num_cached)  # (a long cached prefix: only its window is held)
             self.waiting.popleft()
             sharers.append(request)
             slots -= 1
-            kv_used += request.max_kv_tokens
         self.waiting.extendleft(reversed(deferred))
         self._plan_embeddings(plan, budget - len(plan.prefill) * longest)
         if plan.chunk is not None and plan.chunk[0].num_prefilled + plan.chunk[1] >= plan.chunk[0].num_tokens:
@@ -329,7 +298,6 @@ class Scheduler:
         """Give every running row a slot for the token it decodes this step (and for its
         speculative drafts), dropping drafts first, then preempting the newest requests
         (running, else the one being chunk-prefilled) while the pool has too few free blocks."""
-        assert self.kv is not None
         while True:
             for r in [*self.running, *([self.chunking] if self.chunking is not None else [])]:
                 self.kv.slide(id(r), r.num_prefilled if r is self.chunking else r.num_tokens - 1)  # its next query's window
@@ -365,25 +333,16 @@ class Scheduler:
         ``start``: up to the end of that chunk at most, and the token it then decodes."""
         return start + min(self.prefill_chunk_size, request.num_tokens - start) + 1
 
-    def _cached_len(self, request: Request) -> int:
-        """Prompt tokens the rectangle layout's store already holds (at least one token is
-        always computed, for the logits of the first output token)."""
-        if self.prefix_match is None or request.output_ids:
-            return 0  # (only paged KV preempts; it looks its cached blocks up itself)
-        return min(self.prefix_match(request.prompt_ids), request.prompt_len - 1)
-
     def _waits_for_sharer(self, request: Request, cached: int, sharers: list[Request]) -> bool:
         """Whether ``request`` should wait for an in-flight prefill of a prompt it shares
         a long prefix with, instead of computing that prefix again alongside it."""
-        if self.prefix_match is None:
+        if not self.prefix_caching:
             return False
         for sharer in sharers:
             new_tokens = sharer.prompt_len - sharer.num_cached
             if self.prefix_capacity_tokens is not None and new_tokens > self.prefix_capacity_tokens:
                 continue  # the store could not keep it
             shared = min(common_prefix_len(sharer.prompt_ids, request.prompt_ids), request.prompt_len - 1)
-            if self.prefix_max_tokens is not None:
-                shared = min(shared, self.prefix_max_tokens)
             gain = shared - cached
             if gain >= self.min_shared_tokens or (gain > 0 and shared == request.prompt_len - 1):
                 return True

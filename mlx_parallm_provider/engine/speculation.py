@@ -229,8 +229,8 @@ def _draws(sampler: Any, logits: mx.array) -> tuple[mx.array, list[mx.array]]:
     return mx.concatenate(tokens), keys
 
 
-def speculator_for(config: Any, paged: Optional[Any], times: Optional[StepTimes] = None) -> Optional[NgramSpeculator]:
-    """The engine's speculator, or None (off, or the rectangle layout: drafts need KV blocks)."""
-    if getattr(config, "speculative", None) != "ngram" or paged is None:
+def speculator_for(config: Any, times: Optional[StepTimes] = None) -> Optional[NgramSpeculator]:
+    """The engine's speculator, or None when off."""
+    if getattr(config, "speculative", None) != "ngram":
         return None
     return NgramSpeculator(config.num_speculative_tokens, config.speculative_max_batch, times)

@@ -11,10 +11,9 @@ until retired, so when the model step fails or a shutdown outlasts its window
 (:mod:`.exit_guard`), every waiter gets :class:`EngineDeadError`. Cancellations and
 deadlines are honoured between prefill pieces (one ``prefill_chunk_size``).
 
-KV: paged (:mod:`.kv.runner`: blocks the scheduler hands out, so rows join and leave
-without moving anyone's KV) or the rectangle (:mod:`.rectangle`, mlx-lm's ``BatchKVCache``).
-Prefix caching (:mod:`.prefix_kv`): a request admitted with cached prompt tokens gets their
-KV right after planning and computes only the rest; prompts (+ answers) go into the store.
+KV: blocks the scheduler hands out (:mod:`.kv.runner` runs the passes over them), so rows
+join and leave without moving anyone's KV; a request admitted with cached prompt blocks
+(prefix caching) computes only the rest.
 """
 
 from __future__ import annotations
@@ -39,8 +38,6 @@ from .guided import GrammarTokenizer
 from .kv.runner import PagedRunner
 from .metrics import EngineMetrics
 from .output import RowState, emit, eos_token_ids
-from .prefix_kv import can_share_kv, fetch_prefixes, make_prefix_cache, scheduler_prefix_options
-from .rectangle import RectangleBatch, prefill_batch, prefill_chunk
 from .request import Request
 from .sampling import RowSampler, sample_requests
 from .scheduler import Scheduler
@@ -72,36 +69,29 @@ class Worker:
         self.eos_ids = eos_token_ids(tokenizer)
         self.pad_id = next(iter(self.eos_ids), 0)
         self.paged = PagedRunner.for_model(model, config, self.kv_bytes_per_token, context_length, self.pad_id)
-        self.kv = None if self.paged is None else self.paged.kv
-        self.prefix_cache = make_prefix_cache(config) if self.paged is None else None  # paged KV caches blocks
-        self.share_kv = self.kv is None and can_share_kv(model, config)
-        budget = config.kv_cache_memory_bytes
-        prefix = scheduler_prefix_options(self.prefix_cache, config, self.kv_bytes_per_token) if self.paged is None else self.paged.prefix_options(config)
-        self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, config.prefill_chunk_size,
-                                   None if budget is None else max(1, budget // self.kv_bytes_per_token), **prefix, kv=self.kv,
-                                   eos_ids=self.eos_ids)
+        self.kv = self.paged.kv  # (the scheduler's block tables)
+        self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, config.prefill_chunk_size, self.kv,
+                                   **self.paged.prefix_options(config), eos_ids=self.eos_ids)
         self.grammar = GrammarTokenizer(tokenizer, vocab_size, self.eos_ids)
-        self.drafts = Drafts.for_engine(config, self.paged)  # None: one token a row a step
+        self.drafts = Drafts.for_engine(config)  # None: one token a row a step
         drafting = self.drafts.would_verify if self.drafts is not None else (lambda rows: False)
-        self.ahead = DecodeAhead(self.paged, self.scheduler, drafting) if self.paged is not None and config.async_scheduling else None
+        self.ahead = DecodeAhead(self.paged, self.scheduler, drafting) if config.async_scheduling else None
         self._inbox: deque[Request] = deque()
         self._cond = threading.Condition()
         self._stopping = False
         self._stop_deadline: Optional[float] = None
         self.dead: Optional[BaseException] = None
-        self.rectangle = RectangleBatch()  # the decode rows' KV when not paged
         self._thread = threading.Thread(target=self._run, name="mlx-parallm-worker", daemon=True)
         register(self)
         self._thread.start()
 
-    def kv_stats(self) -> dict[str, Any]:  # stats()["kv_cache"]: the layout; paged: blocks, usage, preemptions
-        return {"layout": "rectangle"} if self.paged is None else self.paged.stats()
+    def kv_stats(self) -> dict[str, Any]:
+        """``stats()["kv_cache"]``: blocks, usage, preemptions."""
+        return self.paged.stats()
 
     def prefix_store_stats(self) -> Optional[dict[str, Any]]:
         """The prefix store's counts (bytes, tokens, evictions, bound), or None without one."""
-        if self.paged is not None:
-            return self.paged.prefix_stats(self.kv_bytes_per_token)
-        return None if self.prefix_cache is None else {**self.prefix_cache.stats(), "nbytes": self.prefix_cache.nbytes}
+        return self.paged.prefix_stats(self.kv_bytes_per_token)
 
     # -- called from other threads ------------------------------------------------------
 
@@ -174,9 +164,7 @@ class Worker:
             return False
         self._reap()
         plan = self.scheduler.schedule()
-        if self.paged is not None:
-            self.paged.reserve()  # the blocks the plan hands out
-        fetch_prefixes(self.prefix_cache, plan.admitted, lambda r, exc: self._fail(r, exc, "while fetching its cached prefix"))
+        self.paged.reserve()  # the blocks the plan hands out
         if plan.chunk is not None and not plan.chunk[0].finished:
             self._prefill_chunk(*plan.chunk)
             self._reap()
@@ -262,31 +250,22 @@ class Worker:
             if not r.num_preemptions:
                 self.metrics.request_admitted(r.request_id, r.prompt_len, cached_tokens=r.num_cached)
         piece = max(1, self.config.prefill_chunk_size // len(requests))
-        if self.paged is not None:
-            ran = self.paged.prefill(requests, piece, lambda rows: self._wanted(rows)())
-        else:
-            ran = prefill_batch(self.model, requests, piece, self.pad_id, self.share_kv, self.config.max_kv_size, self._wanted)
+        ran = self.paged.prefill(requests, piece, lambda rows: self._wanted(rows)())
         if ran is not None:
             self._join_decode_batch(*ran)
 
     def _prefill_chunk(self, request: Request, n: int) -> None:
-        """Prefill the next ``n`` prompt tokens of a long prompt into its own cache."""
+        """Prefill the next ``n`` prompt tokens of a long prompt into its blocks."""
         if request.num_prefilled == request.num_cached and not request.num_preemptions:  # its first chunk
             self.metrics.request_admitted(request.request_id, request.prompt_len, cached_tokens=request.num_cached)
-        if self.paged is not None:
-            logits = self.paged.chunk(request, n)
-            done = None if logits is None else (logits,)
-        else:
-            done = prefill_chunk(self.model, request, n, self.share_kv, self.config.max_kv_size)
+        logits = self.paged.chunk(request, n)
         self.scheduler.advanced(request, n)
-        if done is not None:
-            self._join_decode_batch([request], *done)
+        if logits is not None:
+            self._join_decode_batch([request], logits)
 
-    def _join_decode_batch(self, requests: list[Request], logits: mx.array, cache: Optional[list[Any]] = None) -> None:
+    def _join_decode_batch(self, requests: list[Request], logits: mx.array) -> None:
         sampled = sample_requests(logits, requests)
-        self.scheduler.started(requests)  # (paged: their prompts, + output if recomputed, are cached)
-        if self.paged is None:
-            self.rectangle.join(cache, requests, self.prefix_cache, self.kv_bytes_per_token)
+        self.scheduler.started(requests)  # (their prompts, + output if recomputed, are cached)
         self._after_sampling(requests, sampled)
 
     # -- decode -------------------------------------------------------------------------
@@ -301,7 +280,7 @@ class Worker:
         elif drafted is not None:  # accepted drafts + one sampled token a row
             sampled, k = drafted
         else:
-            logits = self.paged.decode(rows) if self.paged is not None else self.rectangle.decode(self.model, rows)
+            logits = self.paged.decode(rows)
             sampled, k = sample_requests(logits, rows), 0
         seconds = time.perf_counter() - tic
         self.metrics.record_step(len(rows), seconds)
@@ -329,23 +308,15 @@ class Worker:
                 self._fail(request, exc, "while processing its output")
                 continue
             if finish is not None:  # first, so a caller woken by its result sees it finished
-                if self.paged is None:  # (paged: the scheduler caches prompt + answer for a next turn)
-                    self.rectangle.store(self.prefix_cache, request, self.kv_bytes_per_token)
-                self._retire(request, answered=True)
+                self._retire(request, answered=True)  # (the scheduler caches prompt + answer for a next turn)
             if result is not None:
                 self._deliver(request, result)
-        self._evict_finished()
 
     # -- leaving ------------------------------------------------------------------------
 
-    def _evict_finished(self) -> None:
-        if self.paged is None:  # paged: the scheduler freed their blocks; nobody else's KV moves
-            self.rectangle.evict_finished()
-
     def _retire(self, request: Request | EmbedRequest, answered: bool = False) -> None:
         """Finish a request in the scheduler (``answered``: its KV is kept for a next turn)
-        and take it out of the metrics. Its decode row, if any, goes at the next
-        :meth:`_evict_finished`."""
+        and take it out of the metrics (the scheduler frees its blocks: nobody else's KV moves)."""
         self.scheduler.finish(request, answered)
         self.metrics.request_finished(request.request_id)
         if self.drafts is not None:
@@ -353,7 +324,6 @@ class Worker:
 
     def _drop(self, request: Request) -> None:  # cancelled: its caller has gone, nothing is delivered
         self._retire(request)
-        self._evict_finished()
         request.state = None
 
     def _deliver(self, request: Request, item: object) -> None:
@@ -373,7 +343,6 @@ class Worker:
         exc = as_request_error(request.request_id, exc, during)
         self._retire(request)
         self._deliver(request, exc)
-        self._evict_finished()
 
     def _fail_all(self, exc: BaseException, from_outside: bool = False) -> None:
         """Fail every request held. ``from_outside``: by another thread during a step, so the
@@ -388,5 +357,3 @@ class Worker:
                 request.finished = True
                 self.metrics.request_finished(request.request_id)
                 self._deliver(request, exc)
-        if not from_outside:
-            self.rectangle = RectangleBatch()

@@ -1,5 +1,5 @@
 """The CPU attention kernels' Python face: one-token (decode) attention through the MLX
-extension's fused kernel (``kernels/decode_attention.cpp``), over rectangles or paged KV.
+extension's fused kernel (``kernels/decode_attention.cpp``), over mlx-lm's caches or paged KV.
 
 Each function returns None where the kernel does not apply (more than one query position,
 head sizes or masks it does not take, no extension), and the caller then uses MLX's ops.
@@ -80,7 +80,7 @@ def decode_attention(
 
     ``prefix_index`` (B,) int32 and ``prefixes`` (``(keys, values)`` of ``(1, kv_heads, P, D)``
     each): row ``b`` attends to ``prefixes[prefix_index[b]]`` (none where -1) before its own
-    ``keys`` (see :mod:`..engine.shared_kv`); ``mask`` applies to its own keys only."""
+    ``keys``; ``mask`` applies to its own keys only."""
     if not takes_heads(queries, keys.shape[1]):
         return None
     ok, row_mask = _row_mask(mask, queries.shape[0], keys.shape[2])

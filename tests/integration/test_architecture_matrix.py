@@ -13,8 +13,8 @@ them: architectures x checks):
 * this package's CPU kernels (the default backend on the CPU) == MLX's own ops;
 * a JSON schema through the constrained path: the output parses and validates;
 * prefix caching on == off for a request sharing a long prefix with an earlier one;
-* the paged KV layout (the default) == ``kv_layout="rectangle"``, and
-  ``stats()["kv_cache"]["layout"]`` says which one ran (:data:`EXPECTED_LAYOUT`).
+* the attention is routed through the paged KV's ``attend``, or every row's blocks are
+  gathered for a model computing it itself (:data:`GATHERED`).
 """
 
 from __future__ import annotations
@@ -110,14 +110,12 @@ QUANTIZED = {
 BFLOAT16 = {"llama3_rope_bf16": "llama3_rope"}  # Llama 3.2's mlx-community folders are bf16
 ARCHITECTURES = sorted([*CONFIGS, *QUANTIZED, *BFLOAT16])
 
-# The KV layout each architecture runs on with the default kv_layout="paged", in ONE place.
-# gemma3's and gpt_oss's sliding-window layers run on blocks (each query gathers its window;
-# gpt_oss's sinks reach the gathered attention); gemma2, which computes its softcapped
-# attention itself, gets every row's blocks gathered per layer (kv.support.GATHERED_MODULES);
-# gemma3 (the wrapper) and smollm3 are routed through the module their layers come from.
-# A module that does neither falls back to the rectangle, logged ("KV cache: the rectangle
-# layout (...)"); none of the matrix's does.
-EXPECTED_LAYOUT = {name: "paged" for name in ARCHITECTURES}
+# Every architecture runs on KV blocks. Its attention is routed through the blocks' attend()
+# (gemma3's and gpt_oss's sliding-window layers gather each query's window; gpt_oss's sinks
+# reach the gathered attention; gemma3 (the wrapper) and smollm3 are routed through the module
+# their layers come from), except where the model computes attention itself: gemma2's
+# softcapped scores, which get every row's blocks gathered per layer. In ONE place:
+GATHERED = {"gemma2"}
 
 # Architectures whose decode steps the CPU kernels' fused attention never runs (on == off holds
 # trivially there, so the check asserts that too): gemma2 computes its softcapped scores
@@ -387,10 +385,6 @@ def test_prefix_caching_on_equals_off(arch: Arch) -> None:
     assert on[1].usage.cached_tokens > 0 and off[1].usage.cached_tokens == 0  # the second really reused the prefix
 
 
-def test_the_layout_that_runs_is_the_expected_one(arch: Arch) -> None:
-    assert arch.engine().stats()["kv_cache"]["layout"] == EXPECTED_LAYOUT[arch.name]
-    assert arch.engine(kv_layout="rectangle").stats()["kv_cache"]["layout"] == "rectangle"
-
-
-def test_paged_equals_rectangle(arch: Arch) -> None:
-    assert arch.together(kv_layout="rectangle")[0] == arch.together()[0]
+def test_attention_is_routed_unless_the_model_computes_it(arch: Arch) -> None:
+    arch.alone()  # (the engine's worker exists once it has run)
+    assert arch.engine()._worker.paged.gathered == (arch.name in GATHERED)  # noqa: SLF001

@@ -108,14 +108,13 @@ def test_switching_and_removing_a_backend_on_one_model(tiny_model) -> None:
 
 
 @pytest.mark.parametrize("choice", ["cpu", "mlx"])
-@pytest.mark.parametrize("kv_layout", ["paged", "rectangle"])
-def test_greedy_batched_equals_one_at_a_time_on_each_backend(tiny_model, make_engine, choice: str, kv_layout: str) -> None:
+def test_greedy_batched_equals_one_at_a_time_on_each_backend(tiny_model, make_engine, choice: str) -> None:
     from mlx_parallm_provider.engine import SamplingParams
 
     prompts = [[1, 5 + i, 9, 30 + 3 * i, 7][: 3 + i % 3] for i in range(6)]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     with backends.using(tiny_model.model, choice) as chosen:
-        engine = make_engine(kv_layout=kv_layout)
+        engine = make_engine()
         together = engine.generate_many_sync(prompts, params)
         alone = [engine.generate_many_sync([p], params)[0] for p in prompts]
         assert backends.of(tiny_model.model) is chosen

@@ -487,15 +487,19 @@ class ReplyModel:
         self.eos_id = eos_id
         self.vocab_size = vocab_size
         self.reply: list[int] = []
-        self._prompt_end = 0
+        self._step = 0
+        self._emitted: tuple[int, int] = (-1, -1)  # (position, token) of the last token answered
 
     def __call__(self, inputs: mx.array, cache: Any = None) -> mx.array:
         logits = self.inner(inputs, cache=cache)
-        end = int(mx.max(mx.array(cache[0].offset)).item())
-        if inputs.shape[1] > 1:  # a prefill: a new prompt ends here
-            self._prompt_end = end
-        step = end - self._prompt_end
-        token = self.reply[step] if step < len(self.reply) else self.eos_id
+        end = int(mx.max(mx.array(cache[0].offset)).item())  # after the forward: the row's end
+        # A decode step runs the token answered last, at its position; anything else is a
+        # prompt or a piece of one (the engine prefills a prompt's last token on its own),
+        # after which the reply starts.
+        continuing = inputs.shape[1] == 1 and (end - 1, int(inputs[0, -1].item())) == self._emitted
+        self._step = self._step + 1 if continuing else 0
+        token = self.reply[self._step] if self._step < len(self.reply) else self.eos_id
+        self._emitted = (end, token)
         row = mx.where(mx.arange(self.vocab_size) == token, 100.0, -100.0).astype(logits.dtype)
         return mx.broadcast_to(row, (inputs.shape[0], 1, self.vocab_size))
 
@@ -505,7 +509,8 @@ def replying(tiny_model: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
     """``say(text)``: the adapters' model "replying" answers every prompt with ``text``."""
     model = ReplyModel(tiny_model.model, tiny_model.tokenizer.eos_token_id)
     loaded = LoadedModel(tiny_model.name, tiny_model.path, model, tiny_model.tokenizer, tiny_model.config)
-    engine = Engine("replying", EngineConfig(), loaded=loaded)
+    # (one token a forward: no grammar fast-forward, whose forwards verify several positions)
+    engine = Engine("replying", EngineConfig(grammar_fast_forward=False), loaded=loaded)
     real = lc_fields.get_engine
     monkeypatch.setattr(lc_fields, "get_engine", lambda name: engine if name == "replying" else real(name))
 

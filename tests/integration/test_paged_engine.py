@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 
+from engine_helpers import mlx_lm_greedy
 from mlx_parallm_provider.engine import SamplingParams
 from mlx_parallm_provider.errors import InvalidParameterError
 
@@ -68,20 +69,18 @@ def test_a_request_larger_than_the_whole_pool_is_refused_at_submit(make_engine) 
     assert engine.generate_sync(list(range(100, 110)), SamplingParams(max_tokens=8)).token_ids
 
 
-@pytest.mark.parametrize("layout", ["paged", "rectangle"])
-def test_one_long_prompt_among_short_ones_changes_no_ones_tokens(make_engine, layout) -> None:
+def test_one_long_prompt_among_short_ones_changes_no_ones_tokens(make_engine) -> None:
     params = SamplingParams(max_tokens=12)
     short = _prompts(6)
     long = [100 + j % 250 for j in range(400)]
-    alone = make_engine(max_num_seqs=1, kv_layout=layout)
+    alone = make_engine(max_num_seqs=1)
     expected = [alone.generate_sync(p, params).token_ids for p in [long, *short]]
-    engine = make_engine(prefill_chunk_size=64, kv_layout=layout)
+    engine = make_engine(prefill_chunk_size=64)
 
     async def together():
         return await asyncio.gather(*(engine.generate(p, params) for p in [long, *short]))
 
     assert [c.token_ids for c in asyncio.run(together())] == expected
-    assert engine.stats()["kv_cache"]["layout"] == layout
 
 
 def test_preempted_requests_recompute_from_their_own_cached_blocks(make_engine, monkeypatch) -> None:
@@ -157,8 +156,8 @@ def test_without_a_budget_a_long_request_grows_the_arrays_to_about_its_own_need(
     assert need < storage.physical_blocks <= max(before, need + 1) * 17 // 16 + 1
 
 
-def test_max_kv_size_on_blocks_answers_as_the_rotating_rectangle_and_releases_blocks_that_left_the_window(make_engine) -> None:
-    # Every layer attends to the last 32 tokens, as mlx-lm's batch rotating cache keeps them;
+def test_max_kv_size_on_blocks_answers_as_mlx_lm_rotating_caches_and_releases_blocks_that_left_the_window(tiny_model, make_engine) -> None:
+    # Every layer attends to the last 32 tokens, as mlx-lm's rotating cache keeps them (none of the first);
     # on blocks, those older than every query's window go back to the pool while the row decodes.
     params = SamplingParams(max_tokens=60, ignore_eos=True)
     prompts = [p for p in _prompts(8) if len(p) < 60]  # some inside the window, some past it
@@ -166,13 +165,11 @@ def test_max_kv_size_on_blocks_answers_as_the_rotating_rectangle_and_releases_bl
     async def together(engine):
         return [c.token_ids for c in await asyncio.gather(*(engine.generate(p, params) for p in prompts))]
 
-    rectangle = make_engine(max_kv_size=32, kv_layout="rectangle")
     paged = make_engine(max_kv_size=32, kv_block_size=8, enable_prefix_caching=False)
-    assert asyncio.run(together(paged)) == asyncio.run(together(rectangle))
-    assert paged.stats()["kv_cache"]["layout"] == "paged"
+    assert asyncio.run(together(paged)) == mlx_lm_greedy(tiny_model, prompts, params, max_kv_size=32)
     one = make_engine(max_kv_size=32, kv_block_size=8, enable_prefix_caching=False)
     long = SamplingParams(max_tokens=300, ignore_eos=True)
-    assert one.generate_sync(_prompts(2)[1], long).token_ids == rectangle.generate_sync(_prompts(2)[1], long).token_ids
+    assert one.generate_sync(_prompts(2)[1], long).token_ids == mlx_lm_greedy(tiny_model, _prompts(2)[1:2], long, max_kv_size=32)[0]
     # 14 + 300 tokens would take 40 blocks; a window of 32 straddles 5 at most, plus the
     # block being written (the pool hands the lowest free ids out first).
     assert one._worker.kv.pool.high_water() <= 8
@@ -224,3 +221,18 @@ def test_on_the_gather_path_rows_sharing_a_cached_prefix_answer_as_alone(make_en
 
 async def _gather(engine, prompts, params):
     return await asyncio.gather(*(engine.generate(p, params) for p in prompts))
+
+
+def test_a_state_space_model_is_refused_when_the_engine_is_built(smollm_tokenizer_dir, tmp_path) -> None:
+    # Mamba's layers keep a state (mlx-lm's ArraysCache), not attention KV: before, the first
+    # request killed the worker ('BatchKVCache' object is not subscriptable, EngineDeadError).
+    from conftest import TINY_CONFIG, write_tiny_model
+    from mlx_parallm_provider.engine import Engine
+    from mlx_parallm_provider.errors import UnsupportedModelError
+
+    mamba = {"model_type": "mamba", "vocab_size": TINY_CONFIG["vocab_size"], "hidden_size": 64, "intermediate_size": 128,
+             "state_size": 8, "num_hidden_layers": 2, "conv_kernel": 4, "use_bias": False, "use_conv_bias": True,
+             "time_step_rank": 8, "eos_token_id": TINY_CONFIG["eos_token_id"], "bos_token_id": TINY_CONFIG["bos_token_id"]}
+    folder = write_tiny_model(tmp_path / "mamba", smollm_tokenizer_dir, config=mamba)
+    with pytest.raises(UnsupportedModelError, match="mlx_lm.models.mamba has layers whose cache is not a KV cache"):
+        Engine(str(folder))

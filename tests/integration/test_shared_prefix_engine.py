@@ -1,19 +1,20 @@
-"""Shared prefixes held once in the decode batch (engine/shared_kv.py) on the tiny model:
-same tokens as with prefix caching off while rows share, join mid-decode and leave; a
-quantized model; the fallback to per-row copies."""
+"""Cached prefixes shared by decoding rows on the tiny model: the same tokens as with prefix
+caching off while rows share, join mid-decode and leave, with the shared blocks attended once
+(cascade attention, MLX's ops backend: the CPU kernels' paged decode reads every row's table
+itself); a quantized model; and a model that computes attention itself over gathered blocks."""
 
 from __future__ import annotations
 
 import asyncio
 import random
+from typing import Any, Optional
 
 import pytest
 
-from engine_helpers import TokenCostModel
 from mlx_parallm_provider.config import EngineConfig
 from mlx_parallm_provider.engine import SamplingParams
-from mlx_parallm_provider.engine import shared_kv
-from mlx_parallm_provider.engine.prefix_kv import can_share_kv
+from mlx_parallm_provider.engine.kv import paged_cache
+from mlx_parallm_provider.models import backends
 
 VOCAB = 49152
 
@@ -26,13 +27,13 @@ def ids(rng: random.Random, n: int) -> list[int]:
 def group_sizes(monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
     """Records, for every cascade attention call, how many rows each shared prefix had."""
     seen: list[list[int]] = []
-    real = shared_kv.cascade_attention
+    real = paged_cache.cascade_attention
 
     def spy(queries, keys, values, scale, mask, groups, **kwargs):
         seen.append([rows.shape[0] for _, rows in groups])
         return real(queries, keys, values, scale, mask, groups, **kwargs)
 
-    monkeypatch.setattr(shared_kv, "cascade_attention", spy)
+    monkeypatch.setattr(paged_cache, "cascade_attention", spy)
     return seen
 
 
@@ -60,17 +61,17 @@ def _run(engine, first, second, lengths) -> list[list[int]]:
     return [c.token_ids for c in asyncio.run(go())]
 
 
-def test_rows_sharing_joining_and_leaving_decode_the_same_tokens(make_engine, group_sizes) -> None:
+def test_rows_sharing_joining_and_leaving_decode_the_same_tokens(tiny_model, make_engine, group_sizes) -> None:
     first, second, lengths = _workload(0)
-    off = _run(make_engine(enable_prefix_caching=False), first, second, lengths)
-    paged = _run(make_engine(), first, second, lengths)  # paged KV: prefixes copied into blocks
-    assert not group_sizes and paged == off
-    on = _run(make_engine(kv_layout="rectangle"), first, second, lengths)
+    with backends.using(tiny_model.model, "mlx"):
+        off = _run(make_engine(enable_prefix_caching=False), first, second, lengths)
+        assert not group_sizes
+        on = _run(make_engine(), first, second, lengths)
     assert on == off
-    # Prefixes really were held once for several rows, and more than one group at a time
-    # (the rectangle layout's cascade; paged KV does not share blocks yet).
+    # Prefixes really were attended once for several rows, and more than one group at a time.
     assert max(max(g) for g in group_sizes) >= 4
     assert any(len(g) >= 2 for g in group_sizes)
+    assert _run(make_engine(), first, second, lengths) == off  # the CPU kernels' backend
 
 
 def test_quantized_model_same_tokens_with_sharing_on_and_off(tmp_path, tiny_model_dir, group_sizes) -> None:
@@ -98,32 +99,45 @@ def test_quantized_model_same_tokens_with_sharing_on_and_off(tmp_path, tiny_mode
 
     first, second, lengths = _workload(1)
     outs = []
-    for on in (False, True):
-        engine = Engine("q8", EngineConfig(enable_prefix_caching=on, kv_layout="rectangle"), loaded=LoadedModel("q8", folder, quantized.model, quantized.tokenizer, quantized.config))
-        try:
-            outs.append(_run(engine, first, second, lengths))
-        finally:
-            engine.shutdown()
+    loaded = LoadedModel("q8", folder, quantized.model, quantized.tokenizer, quantized.config)
+    with backends.using(quantized.model, "mlx"):  # (the cascade: see the module docstring)
+        for on in (False, True):
+            engine = Engine("q8", EngineConfig(enable_prefix_caching=on), loaded=loaded)
+            try:
+                outs.append(_run(engine, first, second, lengths))
+            finally:
+                engine.shutdown()
     assert outs[0] == outs[1] and max(max(g) for g in group_sizes) >= 4
-    engine = Engine("q8", EngineConfig(), loaded=LoadedModel("q8", folder, quantized.model, quantized.tokenizer, quantized.config))
-    try:
-        assert _run(engine, first, second, lengths) == outs[0]  # paged KV, prefix caching on
-    finally:
-        engine.shutdown()
 
 
-def test_sharing_needs_routed_attention_and_a_plain_kv_cache(tiny_model) -> None:
-    model = tiny_model.model
-    assert can_share_kv(model, EngineConfig())
-    assert not can_share_kv(model, EngineConfig(enable_prefix_caching=False))
-    assert not can_share_kv(model, EngineConfig(max_kv_size=64))
-    # A model whose module the attention hook is not in: each row gets its own copy.
-    assert not can_share_kv(TokenCostModel(model, 0.0), EngineConfig())
+class _SelfAttending:
+    """Makes a llama attention layer compute attention itself (MLX's fused attention over what
+    its cache returns, under the mask the model got from ``make_mask``), as a model file that
+    never calls mlx-lm's ``scaled_dot_product_attention`` does: the backend cannot route it."""
+
+    def __call__(self, x: Any, mask: Optional[Any] = None, cache: Optional[Any] = None) -> Any:
+        import mlx.core as mx
+
+        B, L, _ = x.shape
+        q = self.q_proj(x).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
+        k = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        q, k = self.rope(q, offset=cache.offset), self.rope(k, offset=cache.offset)
+        k, v = cache.update_and_fetch(k, v)
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
-def test_copying_fallback_gives_the_same_tokens(tiny_model, make_engine, group_sizes) -> None:
+def test_a_model_attending_itself_runs_on_gathered_blocks_with_the_same_tokens(tiny_model_dir, make_engine) -> None:
+    from mlx_lm.utils import load_model
+
+    model, _ = load_model(tiny_model_dir)  # a fresh copy, its layers changed below
+    for layer in model.layers:
+        attention = layer.self_attn
+        attention.__class__ = type("SelfAttending", (_SelfAttending, type(attention)), {})
     first, second, lengths = _workload(2)
-    wrapped = TokenCostModel(tiny_model.model, 0.0)
-    on = _run(make_engine(model=wrapped), first, second, lengths)
-    assert not group_sizes  # copies, no cascade
-    assert on == _run(make_engine(enable_prefix_caching=False), first, second, lengths)
+    engine = make_engine(model=model)
+    assert not backends.routes_attention(model) and engine._worker is None
+    got = _run(engine, first, second, lengths)
+    assert engine._worker.paged.gathered  # noqa: SLF001
+    assert got == _run(make_engine(), first, second, lengths)

@@ -1,5 +1,5 @@
-"""Paged KV and prefix caching on the real embedded default model: the same tokens as the
-rectangle layout, and with prefix sharing on and off. One test (it replaces
+"""Paged KV and prefix caching on the real embedded default model: the same tokens batched
+as one at a time, and with prefix sharing on and off. One test (it replaces
 test_prefix_caching_default.py), so the greedy burst on the default engine, which both
 comparisons need, runs once."""
 
@@ -42,12 +42,12 @@ def _prompts(engine: Engine) -> list[str]:
 
 
 @pytest.mark.slow
-def test_paged_kv_and_prefix_sharing_give_the_rectangles_tokens_on_default_model() -> None:
+def test_paged_kv_and_prefix_sharing_give_each_prompts_tokens_alone_on_default_model() -> None:
     loaded = registry.load("default")
     layouts = {
         "paged": EngineConfig(prefill_chunk_size=256),  # the default layout, prefix caching on
         "paged, no sharing": EngineConfig(enable_prefix_caching=False, prefill_chunk_size=256),
-        "rectangle": EngineConfig(kv_layout="rectangle", enable_prefix_caching=False, prefill_chunk_size=256),
+        "alone": EngineConfig(max_num_seqs=1, enable_prefix_caching=False, prefill_chunk_size=256),  # one at a time
         # A pool of ~1,400 tokens for ~5,000 wanted: requests wait for blocks at admission.
         "paged, small pool": EngineConfig(prefill_chunk_size=256, kv_cache_memory_gb=0.06),
     }
@@ -59,20 +59,20 @@ def test_paged_kv_and_prefix_sharing_give_the_rectangles_tokens_on_default_model
         async def burst(engine: Engine, params_for):
             return await asyncio.gather(*(engine.generate(p, params_for(i)) for i, p in enumerate(prompts)))
 
-        # Greedy on every engine: paged == rectangle, and sharing on == off.
+        # Greedy on every engine: batched == alone, and sharing on == off.
         greedy = {name: asyncio.run(burst(engine, lambda i: SamplingParams(max_tokens=16))) for name, engine in engines.items()}
         tokens = {name: [c.token_ids for c in completions] for name, completions in greedy.items()}
-        assert all(t == tokens["rectangle"] for t in tokens.values())
+        assert all(t == tokens["alone"] for t in tokens.values())
         assert sum(c.usage.cached_tokens > 0 for c in greedy["paged"]) >= 24  # the prompts really shared prefixes
         assert engines["paged"].stats()["prefix_cache"]["hit_rate"] > 0.5
 
         # Seeded draws over the whole 49k vocabulary pick tail tokens whose perturbed scores
         # nearly tie, so float noise between batch shapes (logprobs differ by ~1e-5) flipped
         # about 1 draw in 600; the top 20 keep the draws random without the tail's near-ties.
-        # Paged with sharing vs the rectangle without; the others greedy only, for CI time.
+        # Batched with sharing vs alone without; the others greedy only, for CI time.
         seeded = lambda i: SamplingParams(max_tokens=16, temperature=0.8, seed=i, top_k=20)  # noqa: E731
-        got = {name: [c.token_ids for c in asyncio.run(burst(engines[name], seeded))] for name in ("paged", "rectangle")}
-        assert got["paged"] == got["rectangle"]
+        got = {name: [c.token_ids for c in asyncio.run(burst(engines[name], seeded))] for name in ("paged", "alone")}
+        assert got["paged"] == got["alone"]
         assert engines["paged"].stats()["kv_cache"]["layout"] == "paged"
         small, whole = engines["paged, small pool"].stats(), engines["paged"].stats()
         assert small["kv_cache"]["kv_blocks_total"] < 100  # 0.06 GiB of 16-token blocks

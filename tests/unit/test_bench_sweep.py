@@ -36,15 +36,6 @@ def test_best_prefers_goodput_then_throughput() -> None:
     assert sweep.label({}) == "defaults" and sweep.label({"max_num_seqs": 8}) == "max_num_seqs=8"
 
 
-def test_kv_layout_is_swept_by_name_and_checked():
-    from mlx_parallm_provider.bench import sweep
-
-    settings, concurrency = sweep.parse(["kv_layout=paged,rectangle"])
-    assert settings == [{"kv_layout": "paged"}, {"kv_layout": "rectangle"}] and concurrency is None
-    with pytest.raises(ValueError, match="paged or rectangle"):
-        sweep.parse(["kv_layout=square"])
-
-
 def test_speculation_is_swept_off_and_on():
     settings, _ = sweep.parse(["speculative=off,ngram"])
     assert settings == [{"speculative": None}, {"speculative": "ngram"}]

@@ -105,7 +105,7 @@ def test_loaded_model_swiglu_is_routed(tiny_model):
 
 def test_model_output_and_greedy_tokens_unchanged_by_cpu_ops(tiny_model, monkeypatch):
     """Every attention and SwiGLU of a tiny model through cpu_ops: same logits, same tokens."""
-    from mlx_parallm_provider.engine.prefill import new_batch_cache
+    from mlx_lm.models.cache import BatchKVCache
 
     model = tiny_model.model
     own = backends.of(model)
@@ -114,7 +114,7 @@ def test_model_output_and_greedy_tokens_unchanged_by_cpu_ops(tiny_model, monkeyp
 
     def greedy(on):
         backends.install(model, own if on else backends.MLXOps())
-        cache = new_batch_cache(len(model.layers), [0, 3])
+        cache = [BatchKVCache([0, 3]) for _ in model.layers]
         logits = model(prompts, cache=cache)[:, -1, :]
         first = logits
         tokens = []

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import mlx_parallm_provider  # noqa: F401  (BLAS before mlx)
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, RotatingKVCache
+from mlx_lm.models.cache import BatchKVCache
 
 from mlx_parallm_provider import mlx_lm_compat
 
@@ -24,44 +24,6 @@ def test_the_supported_range_is_pyprojects_and_holds_the_installed_mlx_lm() -> N
     low, high = re.search(r'"mlx-lm>=([\d.]+),<([\d.]+)"', PYPROJECT.read_text()).groups()
     assert (_triple(low), _triple(high + ".0")[:3]) == mlx_lm_compat.SUPPORTED
     assert mlx_lm_compat.SUPPORTED[0] <= _triple(version("mlx-lm")) < mlx_lm_compat.SUPPORTED[1]
-
-
-def _kv(n: int, rows: int = 1) -> tuple[mx.array, mx.array]:
-    k = mx.arange(rows * 2 * n * 4, dtype=mx.float32).reshape(rows, 2, n, 4)
-    return k, k + 1
-
-
-def test_a_rotating_row_set_prefilled_continues_like_one_that_prefilled() -> None:
-    own = RotatingKVCache(max_size=8)
-    own.update_and_fetch(*_kv(5))
-    ours = RotatingKVCache(max_size=8)
-    ours.keys, ours.values = _kv(5)
-    mlx_lm_compat.set_prefilled(ours, 5)
-    assert mlx_lm_compat.write_index(ours) == mlx_lm_compat.write_index(own) == 5 == ours.offset
-    nxt = _kv(1)
-    a, b = own.update_and_fetch(*nxt), ours.update_and_fetch(*nxt)
-    assert all(mx.array_equal(x, y).item() for x, y in zip(a, b))
-
-
-def test_dropping_leading_columns_moves_the_batch_write_index() -> None:
-    cache = BatchKVCache(left_padding=[2, 3])
-    cache.update_and_fetch(*_kv(6, rows=2))
-    assert mlx_lm_compat.write_index(cache) == 6
-    cache.keys, cache.values = cache.keys[..., 2:, :], cache.values[..., 2:, :]
-    mlx_lm_compat.drop_leading_columns(cache, 2)
-    keys, _ = cache.update_and_fetch(*_kv(1, rows=2))
-    assert mlx_lm_compat.write_index(cache) == 5 and keys.shape[2] == 5
-
-
-def test_filtering_a_rotating_batch_keeps_the_kept_rows_lengths() -> None:
-    caches = [RotatingKVCache(max_size=16) for _ in range(3)]
-    for n, c in zip((3, 5, 7), caches):
-        c.update_and_fetch(*_kv(n))
-    batch = BatchRotatingKVCache.merge(caches)
-    batch._lengths = mx.array([3, 5, 7])  # noqa: SLF001  (as its prefill sets it)
-    batch.filter([0, 2])
-    mlx_lm_compat.filter_rotating_lengths(batch, [0, 2])
-    assert batch._lengths.tolist() == [3, 7]  # noqa: SLF001
 
 
 def test_tool_parser_inference_still_answers() -> None:

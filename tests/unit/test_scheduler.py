@@ -2,8 +2,17 @@
 
 from __future__ import annotations
 
+import pytest
+
+from mlx_parallm_provider.engine.kv import KVCacheManager
+from mlx_parallm_provider.engine.prefix_match import common_prefix_len
 from mlx_parallm_provider.engine.request import Request, ResultSink, SamplingParams
 from mlx_parallm_provider.engine.scheduler import Scheduler
+
+
+def roomy() -> KVCacheManager:
+    """A pool no test here fills (1,023 blocks of 16 tokens)."""
+    return KVCacheManager(num_blocks=1024, block_size=16)
 
 
 def req(name: str, prompt_len: int, max_tokens: int = 10) -> Request:
@@ -15,7 +24,7 @@ def names(requests) -> list[str]:
 
 
 def test_burst_is_prefilled_together_then_decodes() -> None:
-    s = Scheduler(max_num_seqs=8, max_num_batched_tokens=1000, prefill_chunk_size=100)
+    s = Scheduler(max_num_seqs=8, max_num_batched_tokens=1000, prefill_chunk_size=100, kv=roomy())
     for i in range(4):
         s.add(req(f"r{i}", 10 + i))
     plan = s.schedule()
@@ -26,7 +35,7 @@ def test_burst_is_prefilled_together_then_decodes() -> None:
 
 
 def test_max_num_seqs_caps_admission() -> None:
-    s = Scheduler(max_num_seqs=2, max_num_batched_tokens=1000, prefill_chunk_size=100)
+    s = Scheduler(max_num_seqs=2, max_num_batched_tokens=1000, prefill_chunk_size=100, kv=roomy())
     for i in range(3):
         s.add(req(f"r{i}", 5))
     plan = s.schedule()
@@ -38,7 +47,7 @@ def test_max_num_seqs_caps_admission() -> None:
 
 
 def test_token_budget_counts_padding_and_decode_rows() -> None:
-    s = Scheduler(max_num_seqs=10, max_num_batched_tokens=40, prefill_chunk_size=100)
+    s = Scheduler(max_num_seqs=10, max_num_batched_tokens=40, prefill_chunk_size=100, kv=roomy())
     running = [req(f"run{i}", 3) for i in range(4)]
     s.started(running)
     s.add(req("a", 10))
@@ -49,7 +58,7 @@ def test_token_budget_counts_padding_and_decode_rows() -> None:
 
 
 def test_long_prompt_is_chunked_over_steps() -> None:
-    s = Scheduler(max_num_seqs=4, max_num_batched_tokens=64, prefill_chunk_size=16)
+    s = Scheduler(max_num_seqs=4, max_num_batched_tokens=64, prefill_chunk_size=16, kv=roomy())
     long = req("long", 40)
     s.add(long)
     s.add(req("short", 5))
@@ -66,7 +75,7 @@ def test_long_prompt_is_chunked_over_steps() -> None:
 
 
 def test_plan_lists_the_rows_that_join_and_decodes_them_after_the_running_ones() -> None:
-    s = Scheduler(max_num_seqs=4, max_num_batched_tokens=64, prefill_chunk_size=16)
+    s = Scheduler(max_num_seqs=4, max_num_batched_tokens=64, prefill_chunk_size=16, kv=roomy())
     long, short, later = req("long", 40), req("short", 5), req("later", 6)
     s.add(long)
     s.add(short)
@@ -86,18 +95,19 @@ def test_plan_lists_the_rows_that_join_and_decodes_them_after_the_running_ones()
     assert names(plan.decoding()) == ["short", "long"]
 
 
-def test_kv_budget_blocks_in_arrival_order() -> None:
-    s = Scheduler(max_num_seqs=10, max_num_batched_tokens=1000, prefill_chunk_size=100, kv_budget_tokens=100)
-    s.add(req("big", 50, max_tokens=40))  # 90
-    s.add(req("small", 5, max_tokens=5))  # 10 -> 100: fits
-    s.add(req("next", 1, max_tokens=1))  # 2 -> over
+def test_kv_blocks_admit_in_arrival_order() -> None:
+    kv = KVCacheManager(num_blocks=11, block_size=4)  # 10 usable blocks
+    s = Scheduler(max_num_seqs=10, max_num_batched_tokens=1000, prefill_chunk_size=100, kv=kv)
+    s.add(req("big", 26, max_tokens=40))  # 27 tokens at admission: 7 blocks
+    s.add(req("small", 5, max_tokens=5))  # 2 blocks + 1 of headroom while others hold blocks: 10
+    s.add(req("next", 1, max_tokens=1))  # 1 + 1 more: over
     plan = s.schedule()
     assert names(plan.prefill) == ["big", "small"] and names(s.waiting) == ["next"]
-    assert not s.fits_alone(req("huge", 90, max_tokens=20)) and s.fits_alone(req("ok", 90, max_tokens=10))
+    assert not s.fits_alone(req("huge", 30, max_tokens=11)) and s.fits_alone(req("ok", 30, max_tokens=10))
 
 
 def test_remove_from_any_queue() -> None:
-    s = Scheduler(max_num_seqs=1, max_num_batched_tokens=100, prefill_chunk_size=4)
+    s = Scheduler(max_num_seqs=1, max_num_batched_tokens=100, prefill_chunk_size=4, kv=roomy())
     chunked, waiting = req("chunked", 10), req("waiting", 2)
     s.add(chunked)
     s.add(waiting)
@@ -119,7 +129,7 @@ def test_admission_counts_cached_blocks_nobody_holds_as_taken() -> None:
     kv.grow("earlier", 10)
     kv.register("earlier", head, 10)
     kv.free("earlier")  # three cached blocks, held by nobody
-    s = Scheduler(8, 4096, 512, prefix_match=lambda t: kv.match(t, len(t) - 1).tokens, kv=kv)
+    s = Scheduler(8, 4096, 512, kv=kv, prefix_caching=True)
     other = Request("other", list(range(500, 506)), SamplingParams(max_tokens=4), ResultSink())
     s.add(other)
     s.started(s.schedule().prefill)  # holds 2 blocks: 5 left, 3 of them the cached ones
@@ -151,7 +161,7 @@ def test_alone_a_prompt_skips_a_cached_prefix_it_cannot_afford() -> None:
     kv.grow("earlier", 6)
     kv.register("earlier", head, 6)
     kv.free("earlier")
-    s = Scheduler(4, 4096, 512, prefix_match=lambda t: kv.match(t, len(t) - 1).tokens, kv=kv)
+    s = Scheduler(4, 4096, 512, kv=kv, prefix_caching=True)
     big = Request("big", head + list(range(300, 309)), SamplingParams(max_tokens=1), ResultSink())  # 16 tokens
     s.add(big)
     plan = s.schedule()  # with the hit: 4 blocks + the copy's source = 5 of 4; without: 4
@@ -165,7 +175,7 @@ def emb(name: str, lengths: list[int], arrival: float) -> "EmbedRequest":
 
 
 def test_embedding_inputs_fill_the_step_budget_in_arrival_order_with_prompts() -> None:
-    s = Scheduler(max_num_seqs=8, max_num_batched_tokens=100, prefill_chunk_size=100)
+    s = Scheduler(max_num_seqs=8, max_num_batched_tokens=100, prefill_chunk_size=100, kv=roomy())
     early, prompt, late = emb("e0", [30, 10, 20], arrival=0.0), req("r0", 20), emb("e1", [5, 5], arrival=2.0)
     prompt.arrival = 1.0
     for r in (early, prompt, late):
@@ -184,7 +194,7 @@ def test_embedding_inputs_fill_the_step_budget_in_arrival_order_with_prompts() -
 
 
 def test_an_embedding_input_over_the_step_budget_runs_alone() -> None:
-    s = Scheduler(max_num_seqs=8, max_num_batched_tokens=50, prefill_chunk_size=50)
+    s = Scheduler(max_num_seqs=8, max_num_batched_tokens=50, prefill_chunk_size=50, kv=roomy())
     big = emb("e0", [10, 80], arrival=0.0)
     s.add(big)
     first = s.schedule()
@@ -196,7 +206,7 @@ def test_an_embedding_input_over_the_step_budget_runs_alone() -> None:
 
 
 def test_postprocess_appends_the_token_and_judges_eos_stop_ids_and_length() -> None:
-    s = Scheduler(4, 4096, 512, eos_ids=[2])
+    s = Scheduler(4, 4096, 512, eos_ids=[2], kv=roomy())
     r = Request("r", [5, 6], SamplingParams(max_tokens=3, stop_token_ids=[9]), ResultSink())
     assert s.postprocess(r, 7) is None and r.output_ids == [7]
     assert s.postprocess(r, 2) == "stop" and r.output_ids == [7, 2]  # EOS
@@ -214,7 +224,7 @@ def test_the_scheduler_caches_prompts_when_they_start_and_answers_when_they_fini
     from mlx_parallm_provider.engine.kv import KVCacheManager
 
     kv = KVCacheManager(num_blocks=32, block_size=4)
-    s = Scheduler(4, 4096, 512, prefix_match=lambda t: kv.match(t, len(t) - 1).tokens, kv=kv, eos_ids=[0])
+    s = Scheduler(4, 4096, 512, kv=kv, prefix_caching=True, eos_ids=[0])
     prompt = list(range(100, 108))  # two whole blocks
     answered, cancelled = (Request(n, prompt, SamplingParams(max_tokens=20), ResultSink()) for n in ("a", "c"))
     s.add(answered)
@@ -232,3 +242,63 @@ def test_the_scheduler_caches_prompts_when_they_start_and_answers_when_they_fini
         s.postprocess(cancelled, token)
     s.finish(cancelled)
     assert cancelled.finished and kv.match(prompt + list(range(300, 306)) + [1], 20).tokens == 8
+
+
+@pytest.mark.parametrize("a,b,n", [([], [1], 0), ([1, 2, 3], [1, 2, 3], 3), ([1, 2, 3], [1, 2], 2), ([1, 2, 3, 4], [1, 2, 9, 4], 2),
+                                   (list(range(100)), list(range(57)) + [0], 57)])
+def test_common_prefix_len(a, b, n) -> None:
+    assert common_prefix_len(a, b) == n == common_prefix_len(b, a)
+
+
+def _prompt(name: str, prompt: list[int], max_tokens: int = 4) -> Request:
+    return Request(name, prompt, SamplingParams(max_tokens=max_tokens), ResultSink())
+
+
+def test_only_uncached_tokens_count_against_the_step_budget() -> None:
+    kv = KVCacheManager(num_blocks=64, block_size=4)
+    kv.grow("earlier", 100)
+    kv.register("earlier", list(range(100)), 100)
+    kv.free("earlier")  # 25 cached blocks, held by nobody
+    s = Scheduler(8, 60, 200, kv=kv, prefix_caching=True)
+    a, b = _prompt("a", list(range(100)) + [500, 501]), _prompt("b", list(range(100)) + [600])
+    s.add(a)
+    s.add(b)
+    plan = s.schedule()
+    assert plan.prefill == [a, b] and a.num_cached == b.num_cached == 100 and a.num_prefilled == 100
+    # (2 rows x 2 uncached tokens fit a budget of 60 that 2 x 102 would not)
+
+
+def test_sharers_wait_until_the_prefix_is_cached() -> None:
+    s = Scheduler(8, 4096, 1000, kv=KVCacheManager(num_blocks=256, block_size=4), prefix_caching=True, min_shared_tokens=64)
+    prefix = list(range(1, 201))
+    group = [_prompt(f"g{i}", prefix + [1000 + i]) for i in range(4)]
+    other = _prompt("other", [7] * 50)
+    twins = [_prompt("t0", [9] * 20), _prompt("t1", [9] * 20)]  # one prompt, n=2: shared whole
+    for r in [*group, other, *twins]:
+        s.add(r)
+    plan = s.schedule()
+    assert names(plan.prefill) == ["g0", "other", "t0"]
+    assert names(s.waiting) == ["g1", "g2", "g3", "t1"]
+    s.started(plan.prefill)  # their prompts' blocks are cached
+    plan = s.schedule()
+    assert names(plan.prefill) == ["g1", "g2", "g3", "t1"]
+    assert [r.num_cached for r in plan.prefill] == [200, 200, 200, 19]
+
+
+def test_without_prefix_caching_nobody_waits_or_reuses() -> None:
+    kv = roomy()
+    s = Scheduler(8, 4096, 1000, kv=kv)
+    rs = [_prompt(f"r{i}", list(range(300)) + [i]) for i in range(3)]
+    for r in rs:
+        s.add(r)
+    assert s.schedule().prefill == rs and all(r.num_cached == 0 for r in rs)
+    s.started(rs)
+    assert kv.match(list(range(300)), 299).tokens == 0  # nothing was named for later prompts
+
+
+def test_a_prefix_larger_than_the_store_is_not_waited_for() -> None:
+    s = Scheduler(8, 4096, 1000, kv=roomy(), prefix_caching=True, prefix_capacity_tokens=100)
+    rs = [_prompt(f"r{i}", list(range(300)) + [i]) for i in range(3)]
+    for r in rs:
+        s.add(r)
+    assert s.schedule().prefill == rs

@@ -239,10 +239,13 @@ class PagedLayerCache:
 
     def __init__(self, batch: GroupPass, layer: int, window: Optional[int] = None) -> None:
         self.batch, self.layer, self.window = batch, layer, window  # layer: the storage slot
+        self.written = False
 
     @property
     def offset(self) -> mx.array:
-        return self.batch.batch.offset
+        """Each row's tokens held: before :meth:`update_and_fetch` its first new token's
+        position (what RoPE reads), after it the row's end, as mlx-lm's caches count."""
+        return self.batch.lengths if self.written else self.batch.batch.offset
 
     @property
     def state(self) -> tuple[Any, ...]:
@@ -259,6 +262,7 @@ class PagedLayerCache:
         them (attend() reads the blocks), or, for a model that attends itself, every row's
         keys and values gathered from its blocks, ``(B, kv_heads, S, D)`` (:meth:`make_mask`'s S)."""
         B, H, L, D = keys.shape
+        self.written = True
         flat_k = keys.swapaxes(1, 2).reshape(B * L, H, D)
         flat_v = values.swapaxes(1, 2).reshape(B * L, H, values.shape[-1])
         self.batch.storage.write(self.layer, self.batch.write_slots, flat_k, flat_v)

@@ -9,7 +9,6 @@ blocks each row uses are the :class:`~.manager.KVCacheManager`'s.
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Callable, Optional
 
 import mlx.core as mx
@@ -22,9 +21,7 @@ from .manager import KVCacheManager
 from .groups import LayerGroups
 from .paged_cache import PagedBatch
 from .storage import PagedKVStorage
-from .support import layer_windows, unsupported_reason, with_max_kv_size
-
-logger = logging.getLogger(__name__)
+from .support import layer_windows, with_max_kv_size
 
 Wanted = Callable[[list[Request]], list[bool]]
 """Called between prefill pieces: which of these requests are still wanted."""
@@ -48,14 +45,8 @@ class PagedRunner:
         self.gathered = not backends.routes_attention(model)  # it attends itself over gathered K/V
 
     @classmethod
-    def for_model(cls, model: Any, config: EngineConfig, bytes_per_token: int, context_length: int, pad_id: int) -> Optional["PagedRunner"]:
-        """The paged runner ``config`` asks for, or None where ``model`` keeps the rectangle
-        layout (logged, with the reason)."""
-        reason = unsupported_reason(model, config)
-        if reason is not None:
-            if config.kv_layout == "paged":
-                logger.info("KV cache: the rectangle layout (%s)", reason)
-            return None
+    def for_model(cls, model: Any, config: EngineConfig, bytes_per_token: int, context_length: int, pad_id: int) -> "PagedRunner":
+        """The paged runner ``config`` asks for (``model`` passed :func:`.support.unsupported_reason`)."""
         runner = cls.create(model, config.kv_cache_memory_bytes, bytes_per_token, config.kv_block_size,
                             config.max_num_seqs * max(context_length, 1), pad_id,
                             max_cached_tokens=config.prefix_cache_memory_bytes // max(1, bytes_per_token), max_kv_size=config.max_kv_size)
@@ -83,16 +74,10 @@ class PagedRunner:
 
     def prefix_options(self, config: EngineConfig) -> dict[str, Any]:
         """The scheduler's prefix-sharing arguments: prefixes are the pool's cached blocks."""
-        if not config.enable_prefix_caching:
-            return {"prefix_match": None}
-        return {
-            "prefix_match": lambda tokens: self.kv.match(tokens, len(tokens) - 1).tokens,
-            "prefix_capacity_tokens": self.kv.capacity_tokens,
-            "prefix_max_tokens": None,
-        }
+        return {"prefix_caching": config.enable_prefix_caching, "prefix_capacity_tokens": self.kv.capacity_tokens}
 
     def prefix_stats(self, bytes_per_token: int) -> Optional[dict[str, Any]]:
-        """The prefix cache's counts, as the rectangle's store reports them (None when off)."""
+        """The prefix cache's counts: bytes, tokens, evictions, bound (None when off)."""
         if not self.caching:
             return None
         pool, bs = self.kv.pool, self.kv.block_size

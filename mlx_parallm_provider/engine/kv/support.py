@@ -7,31 +7,28 @@ from typing import Any, Optional
 
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-from ...config import EngineConfig
-from ...models import backends
+from ...errors import UnsupportedModelError
 
 
-GATHERED_MODULES = frozenset({"mlx_lm.models.gemma2"})
-"""mlx-lm model modules that compute attention themselves (not through
-``scaled_dot_product_attention``) over what the cache's ``update_and_fetch`` returns, under the
-mask its ``make_mask`` gives, and nothing else: they run on paged KV with every row's blocks
-gathered per layer (:class:`.paged_cache.PagedBatch`'s ``gathered``). Each is checked by the
-architecture matrix; a module not listed keeps the rectangle layout."""
-
-
-def unsupported_reason(model: Any, config: EngineConfig) -> Optional[str]:
-    """Why ``model`` keeps the rectangle layout under ``config``, or None if it can be paged."""
-    if config.kv_layout != "paged":
-        return "kv_layout='rectangle'"
-    if not backends.routes_attention(model) and type(model).__module__ not in GATHERED_MODULES:
-        return f"{type(model).__module__} does not route attention through its cache"
-    if "paged" not in backends.of(model).kv_layouts:
-        return f"its backend ({type(backends.of(model)).__name__}) does not attend over paged KV"
+def unsupported_reason(model: Any) -> Optional[str]:
+    """Why ``model`` cannot run on paged KV (so cannot be served), or None if it can. A model
+    whose attention is not routed through its backend (a module computing it itself, such as
+    gemma2's softcapped scores) gets every row's blocks gathered per layer
+    (:class:`.paged_cache.PagedBatch`'s ``gathered``), as mlx-lm's batch cache gives them."""
     if not hasattr(model, "layers"):
         return "the model has no layers list"
     if layer_windows(model) is None:
-        return f"{type(model).__module__} has layers that are not plain or sliding-window KV caches (state, kept tokens)"
+        return (f"{type(model).__module__} has layers whose cache is not a KV cache (state-space or "
+                "linear-attention layers, kept first tokens): only attention KV caches are served")
     return None
+
+
+def ensure_servable(model: Any, name: str) -> None:
+    """Raise :class:`~mlx_parallm_provider.errors.UnsupportedModelError` (at load, not at the
+    first request) if ``model`` cannot be served, saying why."""
+    reason = unsupported_reason(model)
+    if reason is not None:
+        raise UnsupportedModelError(f"model {name!r} cannot be served: {reason}")
 
 
 def layer_windows(model: Any) -> Optional[list[Optional[int]]]:

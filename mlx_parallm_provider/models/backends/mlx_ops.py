@@ -21,7 +21,6 @@ class MLXOps:
     kernels = False
     """Whether it runs this package's CPU kernels (the packed-weight matmul, the fused
     decode attention, RMSNorm and RoPE)."""
-    kv_layouts: tuple[str, ...] = ("rectangle", "paged")
     head_sizes: Optional[tuple[int, int, int]] = None
     """``(multiple, largest, largest query heads per KV head)`` its decode kernels take; None: any."""
     packed_rows = 0
