@@ -10,7 +10,7 @@ Whether to try them at all is the model's backend's choice
 from __future__ import annotations
 
 import os
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import mlx.core as mx
 from mlx_lm.models import activations as _activations
@@ -71,23 +71,17 @@ def decode_attention(
     values: mx.array,
     scale: float,
     mask: Optional[Any],
-    prefix_index: Optional[mx.array] = None,
-    prefixes: Sequence[tuple[mx.array, mx.array]] = (),
     threads: int = 1,
 ) -> Optional[mx.array]:
     """Attention of one query position per row through the MLX extension's CPU kernel on
-    ``threads`` threads, or None where it does not apply (see the module docstring).
-
-    ``prefix_index`` (B,) int32 and ``prefixes`` (``(keys, values)`` of ``(1, kv_heads, P, D)``
-    each): row ``b`` attends to ``prefixes[prefix_index[b]]`` (none where -1) before its own
-    ``keys``; ``mask`` applies to its own keys only."""
+    ``threads`` threads, or None where it does not apply (see the module docstring)."""
     if not takes_heads(queries, keys.shape[1]):
         return None
     ok, row_mask = _row_mask(mask, queries.shape[0], keys.shape[2])
     ext = _extension() if ok else None
     if ext is None or not hasattr(ext, "decode_attention"):
         return None
-    out = ext.decode_attention(queries, keys, values, scale, row_mask, prefix_index, list(prefixes), threads)
+    out = ext.decode_attention(queries, keys, values, scale, row_mask, threads)
     return out.astype(queries.dtype)
 
 

@@ -1,6 +1,6 @@
 """One-token attention as the MLX extension's CPU kernel (models/kernels/decode_attention.cpp,
-models/attention.decode_attention): equal to mx.fast's attention for the masks, strides and
-shared prefixes the engine's caches produce, and routed only where it applies."""
+models/attention.decode_attention): equal to mx.fast's attention for the masks and strides
+the engine's caches produce, and routed only where it applies."""
 
 from __future__ import annotations
 
@@ -65,26 +65,6 @@ def test_reads_keys_through_their_strides() -> None:
     assert mx.allclose(ext.decode_attention(q, k, v, 32**-0.5), sdpa(q, k, v), atol=2e-6).item()
     kt = rand(4, 2, 32, 40, seed=11).swapaxes(-1, -2)  # last axis strided
     assert mx.allclose(ext.decode_attention(q, kt, v, 32**-0.5), sdpa(q, kt, v), atol=2e-6).item()
-
-
-def test_rows_attend_to_their_shared_prefix_first() -> None:
-    """Rows 0-1 share one prefix, rows 3-4 another, row 2 none: equal to plain attention over
-    each row's prefix copied in front of its own masked keys."""
-    ext = _extension()
-    B, S, heads, kv_heads, D = 5, 20, 6, 2, 32
-    q, k, v = rand(B, heads, 1, D, seed=12), rand(B, kv_heads, S, D, seed=13), rand(B, kv_heads, S, D, seed=14)
-    mask = _left_padding_mask(B, S, seed=15)
-    prefixes = [(rand(1, kv_heads, 7, D, seed=16), rand(1, kv_heads, 7, D, seed=17)),
-                (rand(1, kv_heads, 70, D, seed=18), rand(1, kv_heads, 70, D, seed=19))]
-    index = [0, 0, -1, 1, 1]
-    got = ext.decode_attention(q, k, v, D**-0.5, mask.reshape(B, S), mx.array(index, dtype=mx.int32), prefixes)
-    for b, p in enumerate(index):
-        row_k, row_v, row_mask = k[b : b + 1], v[b : b + 1], mask[b : b + 1]
-        if p >= 0:
-            pk, pv = prefixes[p]
-            row_k, row_v = mx.concatenate([pk, row_k], axis=2), mx.concatenate([pv, row_v], axis=2)
-            row_mask = mx.concatenate([mx.ones((1, 1, 1, pk.shape[2]), dtype=mx.bool_), row_mask], axis=-1)
-        assert mx.allclose(got[b : b + 1], sdpa(q[b : b + 1], row_k, row_v, row_mask), atol=2e-6).item(), b
 
 
 def test_threads_give_the_same_bits() -> None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Optional, Union
 
 import mlx.core as mx
 
@@ -91,11 +91,8 @@ class CPUKernels(MLXOps):
             return cpu_ops.attention(queries, keys, values, scale, mask)
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
 
-    def decode_attention(
-        self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Optional[Any],
-        prefix_index: Optional[mx.array] = None, prefixes: Sequence[tuple[mx.array, mx.array]] = (),
-    ) -> Optional[mx.array]:
-        return attention.decode_attention(queries, keys, values, scale, mask, prefix_index, prefixes, self.attention_threads)
+    def decode_attention(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Optional[Any]) -> Optional[mx.array]:
+        return attention.decode_attention(queries, keys, values, scale, mask, self.attention_threads)
 
     def paged_decode_attention(
         self, queries: mx.array, k_pool: mx.array, v_pool: mx.array, table: mx.array, lengths: mx.array, block_size: int, scale: float

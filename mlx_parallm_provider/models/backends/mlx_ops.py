@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Optional, Union
 
 import mlx.core as mx
 
@@ -55,12 +55,8 @@ class MLXOps:
         ``sinks`` (heads,): gpt-oss's per-head logit that takes a share of the softmax."""
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
 
-    def decode_attention(
-        self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Optional[Any],
-        prefix_index: Optional[mx.array] = None, prefixes: Sequence[tuple[mx.array, mx.array]] = (),
-    ) -> Optional[mx.array]:
-        """One query position per row through a fused kernel (``prefix_index`` / ``prefixes``:
-        shared prefixes, see :func:`..attention.decode_attention`), or None: use MLX's ops."""
+    def decode_attention(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Optional[Any]) -> Optional[mx.array]:
+        """One query position per row through a fused kernel, or None: use MLX's ops."""
         return None
 
     def paged_decode_attention(

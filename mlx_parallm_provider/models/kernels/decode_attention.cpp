@@ -1,15 +1,13 @@
-// One-token (decode) attention as an MLX primitive (CPU), with an optional shared prefix.
+// One-token (decode) attention as an MLX primitive (CPU).
 //
 // On the CPU a decode step's attention, written with MLX's ops, is a dozen ops per layer over
-// (B, heads, 1, S) scores (matmuls of one query row, max, exp, sum, a mask), and a prefix that
-// rows share adds the cascade's second pass and its log-sum-exp merge: at batch 64 that was
-// 40-120 ms of a ~230 ms step. Here each (row, KV head) reads its keys and values once for
+// (B, heads, 1, S) scores (matmuls of one query row, max, exp, sum, a mask): at batch 64 that
+// was 40-120 ms of a ~230 ms step. Here each (row, KV head) reads its keys and values once for
 // all the query heads of its group, with an online softmax (FlashAttention's running maximum
-// and sum) over the row's shared prefix, if any, then its own keys under its mask.
+// and sum) over its keys under its mask.
 //
 // Inputs: q (B, H, 1, D); k, v (B, KVH, S, D); then, by the flags, a mask (Bm, S) with Bm 1
-// or B (bool: true = attend, or additive float32); a prefix index (B,) int32 (-1: none) and
-// per prefix its keys and values (1, KVH, P, D). Strides are read from the arrays (keys and
+// or B (bool: true = attend, or additive float32). Strides are read from the arrays (keys and
 // values are usually views of a larger cache buffer); one whose last axis is not contiguous
 // is copied first. float32 throughout.
 //
@@ -189,7 +187,7 @@ struct Accumulator {
   }
 };
 
-enum Flags { kMaskBool = 1, kMaskAdditive = 2, kPrefix = 4 };
+enum Flags { kMaskBool = 1, kMaskAdditive = 2 };
 
 // task(0 .. items - 1), shared by this thread and up to `threads - 1` helpers.
 void run_items(int items, int threads, const std::function<void(int)>& task) {
@@ -270,12 +268,7 @@ class DecodeAttentionCPU : public CpuAttention<DecodeAttentionCPU> {
     View qv(in[0]), kv(in[1]), vv(in[2]);
     int B = q.shape(0), H = q.shape(1), D = q.shape(3), KVH = in[1].shape(1), S = in[1].shape(2);
     int group = H / KVH;
-    size_t next = 3;
-    const mx::array* mask = (flags & (kMaskBool | kMaskAdditive)) ? &in[next++] : nullptr;
-    const mx::array* index = (flags & kPrefix) ? &in[next++] : nullptr;
-    std::vector<View> prefix_views;
-    for (size_t i = next; i < in.size(); i++) prefix_views.emplace_back(in[i]);
-    int n_prefixes = static_cast<int>(prefix_views.size() / 2);
+    const mx::array* mask = (flags & (kMaskBool | kMaskAdditive)) ? &in[3] : nullptr;
     float* od = out.data<float>();
     auto task = [&](int item) {
       int b = item / KVH, g = item % KVH;
@@ -289,14 +282,6 @@ class DecodeAttentionCPU : public CpuAttention<DecodeAttentionCPU> {
         outputs[r] = od + (static_cast<int64_t>(b) * H + h) * D;
       }
       a.start(queries, scale);
-      if (index) {
-        int p = index->data<int32_t>()[b * index->strides(0)];
-        if (p >= 0 && p < n_prefixes) {
-          const View &pk = prefix_views[2 * p], &pv = prefix_views[2 * p + 1];
-          a.attend({pk.data + g * pk.strides[1], pv.data + g * pv.strides[1], pk.strides[2], pv.strides[2],
-                    static_cast<int>(in[next + 2 * p].shape(2)), nullptr, nullptr});
-        }
-      }
       Segment own{kv.data + b * kv.strides[0] + g * kv.strides[1], vv.data + b * vv.strides[0] + g * vv.strides[1],
                   kv.strides[2], vv.strides[2], S, nullptr, nullptr};
       if (mask) {
@@ -378,11 +363,9 @@ class PagedDecodeAttentionCPU : public CpuAttention<PagedDecodeAttentionCPU> {
 }  // namespace
 
 // Attention of one query position per row, see the file comment. `mask`: None, or an array
-// that reshapes to (1 or B, S), bool or floating (additive); `prefix_index` (B,) and
-// `prefixes` [(keys, values), ...] together or not at all.
+// that reshapes to (1 or B, S), bool or floating (additive).
 mx::array decode_attention_op(const mx::array& q, const mx::array& k, const mx::array& v, float scale,
-                              const std::optional<mx::array>& mask, const std::optional<mx::array>& prefix_index,
-                              const std::vector<std::pair<mx::array, mx::array>>& prefixes, int threads) {
+                              const std::optional<mx::array>& mask, int threads) {
   if (q.ndim() != 4 || k.ndim() != 4 || v.ndim() != 4 || q.shape(2) != 1) {
     throw std::invalid_argument("decode_attention: one query position: q must be (B, H, 1, D), k and v (B, KVH, S, D)");
   }
@@ -409,23 +392,6 @@ mx::array decode_attention_op(const mx::array& q, const mx::array& k, const mx::
     } else {
       flags |= kMaskAdditive;
       inputs.push_back(mx::contiguous(f32(mx::reshape(m, {rows, S}, stream)), false, stream));
-    }
-  }
-  if (prefix_index.has_value() != !prefixes.empty()) {
-    throw std::invalid_argument("decode_attention: prefix_index and prefixes go together");
-  }
-  if (prefix_index) {
-    if (prefix_index->ndim() != 1 || prefix_index->shape(0) != B) {
-      throw std::invalid_argument("decode_attention: prefix_index must be (B,)");
-    }
-    flags |= kPrefix;
-    inputs.push_back(mx::astype(*prefix_index, mx::int32, stream));
-    for (auto& [pk, pv] : prefixes) {
-      if (pk.ndim() != 4 || pk.shape(0) != 1 || pk.shape(1) != KVH || pk.shape(3) != D || pk.shape() != pv.shape()) {
-        throw std::invalid_argument("decode_attention: each prefix's keys and values must be (1, KVH, P, D)");
-      }
-      inputs.push_back(f32(pk));
-      inputs.push_back(f32(pv));
     }
   }
   return mx::array(q.shape(), mx::float32, std::make_shared<DecodeAttentionCPU>(stream, DecodeParams{scale, flags, std::max(threads, 1)}),

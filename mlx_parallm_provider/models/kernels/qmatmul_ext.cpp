@@ -33,8 +33,7 @@ mx::array rms_norm_op(const mx::array& x, const mx::array& w, float eps);
 mx::array rope_op(const mx::array& x, int dims, bool traditional, float scale, const mx::array& offset,
                   const mx::array& inv_freq);
 mx::array decode_attention_op(const mx::array& q, const mx::array& k, const mx::array& v, float scale,
-                              const std::optional<mx::array>& mask, const std::optional<mx::array>& prefix_index,
-                              const std::vector<std::pair<mx::array, mx::array>>& prefixes, int threads);
+                              const std::optional<mx::array>& mask, int threads);
 mx::array paged_decode_attention_op(const mx::array& q, const mx::array& k_pool, const mx::array& v_pool,
                                     const mx::array& table, const mx::array& lengths, int block_size, float scale,
                                     int threads);
@@ -145,9 +144,8 @@ NB_MODULE(mlx_parallm_qmatmul_ext, m) {
         "mx.fast.rope for float32 x (B, ..., T, D) as one CPU op; offset an int32 array of 1 or B elements, "
         "inv_freq (dims / 2,) float32 as the fallback computes it.");
   m.def("decode_attention", &mlx_parallm::decode_attention_op, "q"_a, "k"_a, "v"_a, "scale"_a, "mask"_a = nb::none(),
-        "prefix_index"_a = nb::none(), "prefixes"_a = std::vector<std::pair<mx::array, mx::array>>(), "threads"_a = 1,
+        "threads"_a = 1,
         "Attention of q (B, H, 1, D) over k, v (B, KVH, S, D) under mask (None, or (1 or B, S) bool / additive), "
-        "after each row's shared prefix (prefix_index (B,) into prefixes [(keys, values) (1, KVH, P, D)], -1: none), "
         "as one CPU op. float32 out.");
   m.def("set_sgemm", &mlx_parallm::set_sgemm, "address"_a,
         "Use the cblas_sgemm at this address (of a BLAS loaded privately) for blas_matmul.");
