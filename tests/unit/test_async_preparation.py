@@ -18,7 +18,7 @@ from mlx_parallm_provider.integrations.langchain import chat as langchain_chat
 from mlx_parallm_provider.langchain import ChatMLXParallm
 
 HI = [{"role": "user", "content": "Hi"}]
-DELAY = 0.6
+DELAY = 1.2  # a stall it causes is this long; LiteLLM's own per-call loop work took up to 0.31 s on a busy 2-core machine
 
 
 class SlowTemplate:
