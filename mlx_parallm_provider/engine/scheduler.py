@@ -40,6 +40,7 @@ from .kv import KVCacheManager
 from .prefix_match import common_prefix_len
 from .request import Request
 
+
 @dataclass
 class StepPlan:
     """What one engine step does."""
