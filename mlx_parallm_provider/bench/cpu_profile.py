@@ -1,5 +1,6 @@
 """Per-op profile of one decode step on the CPU: where the time of a step goes, by op family,
-at several batch sizes and context lengths, with the CPU work off ("before", MLX's own ops)
+at several batch sizes and context lengths (each row's context in KV blocks, as the engine
+holds it), with the CPU work off ("before", MLX's own ops)
 and on ("after": :mod:`~mlx_parallm_provider.models.cpu_ops`, the extension's decode attention
 and fused RMSNorm / RoPE and, for steps of a few rows,
 :mod:`~mlx_parallm_provider.models.small_batch`'s packed-weight kernel), interleaved in one
@@ -54,22 +55,38 @@ def _best(fn: Callable[[], Any], repeats: int) -> float:
     return best * 1000
 
 
-def _filled_cache(model: Any, batch: int, context: int) -> list[Any]:
-    """A batch cache holding ``context`` tokens for ``batch`` rows (one prefill, repeated)."""
-    import mlx.core as mx
-
-    from mlx_lm.models.cache import BatchKVCache
-
-    cache = [BatchKVCache([0]) for _ in model.layers]
-    model(mx.random.randint(0, 1000, (1, context), key=mx.random.key(0)), cache=cache)
-    for c in cache:
-        c.keys, c.values = mx.repeat(c.keys, batch, axis=0), mx.repeat(c.values, batch, axis=0)
-        c.offset, c.left_padding = mx.repeat(c.offset, batch), mx.repeat(c.left_padding, batch)
-    mx.eval([c.state for c in cache])
-    return cache
+BLOCK_SIZE = 16
 
 
-def _families(model: Any, cache: list[Any], batch: int) -> dict[str, Callable[[], Any]]:
+class _PagedRows:
+    """``batch`` rows of ``context`` tokens each in KV blocks, as the engine holds them (a
+    pool, a block table per row; the same prompt prefilled once, its blocks copied into every
+    row's own), and the cache objects of one decode pass over them at position ``context``
+    (each pass writes that slot again: no row grows)."""
+
+    def __init__(self, model: Any, batch: int, context: int) -> None:
+        import mlx.core as mx
+
+        from ..engine.kv.paged_cache import PagedBatch
+        from ..engine.kv.storage import PagedKVStorage
+
+        per_row = -(-(context + 1) // BLOCK_SIZE)
+        self.storage = PagedKVStorage(len(model.layers), batch * per_row + 1, BLOCK_SIZE, preallocate=True)
+        self.tables = [list(range(1 + b * per_row, 1 + (b + 1) * per_row)) for b in range(batch)]  # block 0: the null block
+        self.batch, self.context = batch, context
+        prompt = mx.random.randint(0, 1000, (1, context), key=mx.random.key(0))
+        model(prompt, cache=PagedBatch(self.storage, self.tables[:1], [0], [context], context).layers())
+        self.storage.copy_blocks([(self.tables[0][i], table[i]) for table in self.tables[1:] for i in range(per_row)])
+        mx.eval([a for a in (*self.storage.keys, *self.storage.values) if a is not None])
+
+    def step(self) -> list[Any]:
+        """The layers' caches of one decode pass (a new token at position ``context`` a row)."""
+        from ..engine.kv.paged_cache import PagedBatch
+
+        return PagedBatch(self.storage, self.tables, [self.context] * self.batch, [1] * self.batch, 1).layers()
+
+
+def _families(model: Any, rows: _PagedRows, batch: int) -> dict[str, Callable[[], Any]]:
     """One closure per op family, computing that family for every layer at the step's shapes."""
     import mlx.core as mx
 
@@ -85,22 +102,17 @@ def _families(model: Any, cache: list[Any], batch: int) -> dict[str, Callable[[]
     kv = mx.random.normal((batch, kv_heads, 1, head_dim), key=mx.random.key(3))
     inter = model.args.intermediate_size
     gate = mx.random.normal((batch, 1, inter), key=mx.random.key(4))
-    mask = cache[0].make_mask(1)
-    fetched = [c.update_and_fetch(kv, kv) for c in cache]  # the keys a step attends over
-    mx.eval(x, q, kv, gate, fetched)
-    for c in cache:
-        c.trim(1)
+    mx.eval(x, q, kv, gate)
+
+    def attention() -> Any:  # through the block tables, as the engine's decode step attends
+        return [c.attend(q, kv, kv, l.self_attn.scale, None, backend=ops) for c, l in zip(rows.step(), layers)]
 
     def kv_update() -> Any:
-        out = [c.update_and_fetch(kv, kv) for c in cache]
-        mx.eval(out)
-        for c in cache:
-            c.trim(1)
-        return out
+        return [c.update_and_fetch(kv, kv) for c in rows.step()]
 
     def elementwise() -> Any:
         out = []
-        for layer, c in zip(layers, cache):
+        for layer, c in zip(layers, rows.step()):
             a = layer.self_attn
             h = x + layer.input_layernorm(x)
             out += [a.rope(q, offset=c.offset), a.rope(kv, offset=c.offset)]
@@ -123,7 +135,7 @@ def _families(model: Any, cache: list[Any], batch: int) -> dict[str, Callable[[]
         return out
 
     return {
-        "attention": lambda: [ops.dense_attention(q, k, v, a.scale, mask) for (k, v), a in zip(fetched, (l.self_attn for l in layers))],
+        "attention": attention,
         "kv cache update": kv_update,
         "q/k/v/o matmuls": lambda: [p(xi) for xi in [fresh(x)] for l in layers for p in (l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj, l.self_attn.o_proj)],
         "MLP matmuls": lambda: [p(v) for xi, gi in [(fresh(x), fresh(gate))] for l in layers for p, v in ((l.mlp.gate_proj, xi), (l.mlp.up_proj, xi), (l.mlp.down_proj, gi))],
@@ -133,16 +145,14 @@ def _families(model: Any, cache: list[Any], batch: int) -> dict[str, Callable[[]
     }
 
 
-def _full_step(model: Any, cache: list[Any], batch: int) -> Callable[[], Any]:
+def _full_step(model: Any, rows: _PagedRows, batch: int) -> Callable[[], Any]:
     import mlx.core as mx
 
     tokens = mx.zeros((batch, 1), dtype=mx.int32)
 
     def step() -> Any:
-        token = mx.argmax(model(tokens, cache=cache)[:, -1, :], axis=-1)
+        token = mx.argmax(model(tokens, cache=rows.step())[:, -1, :], axis=-1)
         mx.eval(token)
-        for c in cache:
-            c.trim(1)
         return token
 
     return step
@@ -157,12 +167,12 @@ def profile(model_name: str, batches: Sequence[int], contexts: Sequence[int], re
     rows = []
     for batch in batches:
         for context in contexts:
-            cache = _filled_cache(model, batch, context)
+            rows_kv = _PagedRows(model, batch, context)
             timings: dict[str, dict[bool, float]] = {}
             for _ in range(2):  # two rounds, each off then on: noise hits both columns alike
                 for on in (False, True):
                     _optimised(model, on, own)
-                    named = {**_families(model, cache, batch), "full step": _full_step(model, cache, batch)}
+                    named = {**_families(model, rows_kv, batch), "full step": _full_step(model, rows_kv, batch)}
                     for name, fn in named.items():
                         t = _best(fn, repeats)
                         timings.setdefault(name, {})[on] = min(t, timings.get(name, {}).get(on, float("inf")))
