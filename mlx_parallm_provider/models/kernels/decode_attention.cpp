@@ -190,12 +190,13 @@ struct Accumulator {
 enum Flags { kMaskBool = 1, kMaskAdditive = 2 };
 
 // task(0 .. items - 1), shared by this thread and up to `threads - 1` helpers.
-void run_items(int items, int threads, const std::function<void(int)>& task) {
+void run_items(int items, int threads, const std::function<void(int)>& task, int pairs_per_item = 1) {
   std::atomic<int> counter{0};
   auto worker = [&]() {
     for (int item; (item = counter.fetch_add(1)) < items;) task(item);
   };
-  int helpers = std::min(threads, std::max(items / kItemsPerThread, 1)) - 1;  // a thread costs ~20 us to start
+  int pairs = items * pairs_per_item;  // (row, KV head) pairs in all
+  int helpers = std::min({threads, std::max(pairs / kItemsPerThread, 1), items}) - 1;  // a thread costs ~20 us to start
   std::vector<std::thread> pool;
   try {
     for (int t = 0; t < helpers; t++) pool.emplace_back(worker);
@@ -330,18 +331,20 @@ class PagedDecodeAttentionCPU : public CpuAttention<PagedDecodeAttentionCPU> {
     int group = H / KVH;
     int64_t slot_stride = static_cast<int64_t>(KVH) * D;
     float* od = out.data<float>();
-    run_items(B * KVH, prm.threads, [&](int item) {
-      int b = item / KVH, g = item % KVH;
-      static thread_local Accumulator a;
-      a.group = group, a.dim = D;
-      const float* queries[kMaxGroup];
-      float* outputs[kMaxGroup];
-      for (int r = 0; r < group; r++) {
-        int64_t h = g * group + r;
-        queries[r] = qd + (static_cast<int64_t>(b) * H + h) * D;
-        outputs[r] = od + (static_cast<int64_t>(b) * H + h) * D;
+    // One item per row, its KV heads side by side a tile of positions at a time: a slot holds
+    // every head's K (then V) in one run of memory, read once for all of them (an item per
+    // (row, head) read each slot once per head, a third of it each time here). Each head's
+    // sums are those it would have alone (the same tiles of kBlock positions, in order).
+    run_items(B, prm.threads, [&](int b) {
+      static thread_local std::vector<Accumulator> heads;
+      if (static_cast<int>(heads.size()) < KVH) heads.resize(KVH);
+      for (int g = 0; g < KVH; g++) {
+        Accumulator& a = heads[g];
+        a.group = group, a.dim = D;
+        const float* queries[kMaxGroup];
+        for (int r = 0; r < group; r++) queries[r] = qd + (static_cast<int64_t>(b) * H + g * group + r) * D;
+        a.start(queries, scale);
       }
-      a.start(queries, scale);
       const int32_t* row = table + static_cast<int64_t>(b) * M;
       int len = std::min(lengths[b], M * bs);
       // Every position's offset, so that the softmax tiles run across blocks (a row's blocks
@@ -354,9 +357,17 @@ class PagedDecodeAttentionCPU : public CpuAttention<PagedDecodeAttentionCPU> {
         if (row[n / bs] < 0 || slot >= slots) break;
         at[n] = slot * slot_stride;
       }
-      a.attend({kp + g * D, vp + g * D, slot_stride, slot_stride, n, nullptr, nullptr, at.data()});
-      a.finish(outputs);
-    });
+      for (int start = 0; start < n; start += kBlock) {
+        int tile = std::min(kBlock, n - start);
+        for (int g = 0; g < KVH; g++)
+          heads[g].attend({kp + g * D, vp + g * D, slot_stride, slot_stride, tile, nullptr, nullptr, at.data() + start});
+      }
+      for (int g = 0; g < KVH; g++) {
+        float* outputs[kMaxGroup];
+        for (int r = 0; r < group; r++) outputs[r] = od + (static_cast<int64_t>(b) * H + g * group + r) * D;
+        heads[g].finish(outputs);
+      }
+    }, KVH);
   }
 };
 
