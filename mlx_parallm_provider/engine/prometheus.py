@@ -7,8 +7,8 @@ with this package's prefix (``mlx_parallm:`` unless told otherwise; ``"vllm:"`` 
 dashboards and routers written for vLLM read it unchanged):
 
 - gauges ``num_requests_running``, ``num_requests_waiting``, ``kv_cache_usage_perc``
-  (0..1: used / total KV blocks), ``kv_cache_blocks_total`` /
-  ``kv_cache_blocks_free`` and ``prefix_cache_usage_perc`` (0..1 of the prefix store's memory);
+  (0..1: used / total KV blocks), ``kv_cache_blocks_total`` / ``kv_cache_blocks_free`` and
+  ``prefix_cache_usage_perc`` (0..1 of the prefix store's memory);
 - counter ``num_preemptions`` (requests whose KV blocks were taken back, to be recomputed);
 - counters ``prompt_tokens``, ``generation_tokens``, ``prefix_cache_queries`` (prompt
   tokens looked up) and ``prefix_cache_hits`` (prompt tokens found cached),
@@ -63,9 +63,9 @@ def draft_counts(engine: Any) -> dict[tuple[str, str], float]:
 
 
 def engine_gauges(engine: Any) -> dict[str, float]:
-    """``running``, ``waiting``, ``kv_usage`` (used / total KV blocks), ``prefix_usage`` and the KV blocks
-    total / free of an engine, read
-    without blocking its worker (a racy but consistent-enough snapshot)."""
+    """``running``, ``waiting``, ``kv_usage`` (used / total KV blocks), ``prefix_usage`` and the
+    KV blocks total / free of an engine, read without blocking its worker (a racy but
+    consistent-enough snapshot)."""
     worker = engine._worker
     if worker is None or not worker.alive:
         return {"running": 0.0, "waiting": 0.0, "kv_usage": 0.0, "prefix_usage": 0.0, "kv_blocks_total": 0.0, "kv_blocks_free": 0.0}

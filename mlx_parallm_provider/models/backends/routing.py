@@ -5,8 +5,9 @@ module imports from ``mlx_lm.models.base`` / ``.activations`` and looks up in it
 at every call. :func:`route` gives the model's layers, per instance, a subclass of their own
 class whose methods calling those names are the same code objects run over a copy of their
 defining module's globals in which the names are the backend's methods (the defining module:
-the layer's class's or a base class's, whatever module the model's top class comes from). The module itself, its classes, and every
-other model loaded from it (the benchmark's mlx-lm peers, a user's own model) are untouched.
+the layer's class's or a base class's, whatever module the model's top class comes from).
+The module itself, its classes, and every other model loaded from it (the benchmark's mlx-lm
+peers, a user's own model) are untouched.
 """
 
 from __future__ import annotations
