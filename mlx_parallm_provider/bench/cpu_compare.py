@@ -79,20 +79,15 @@ def run_system(name: str, levels: Sequence[int], max_tokens: int, out_dir: Path,
     return {r["concurrency"]: r["metrics"]["output_throughput"] for r in rows}, {r["concurrency"]: r["metrics"].get("peak_memory_mb") for r in rows}
 
 
-def step_ratio(repeats: int = 5) -> Optional[dict[str, float]]:
-    """Wall-clock decode step (forward + argmax) at batch 64 with 128 and 512 tokens of context,
-    interleaved, best of ``repeats``, in a child process."""
+def step_ratio(repeats: int = 5, model: str = "default", batch: int = 64) -> Optional[dict[str, float]]:
+    """Wall-clock decode step (forward + argmax) of ``model`` at ``batch`` rows with 128 and 512
+    tokens of context, interleaved, best of ``repeats``, in a child process."""
     code = (
-        "import mlx_parallm_provider, json, time\n"
-        "from mlx_parallm_provider.bench.cpu_profile import _filled_cache, _full_step\n"
+        "import mlx_parallm_provider, json\n"
+        "from mlx_parallm_provider.bench.cpu_profile import decode_step_ms\n"
         "from mlx_parallm_provider.models import registry\n"
-        "m = registry.load('default').model\n"
-        "steps = {c: _full_step(m, _filled_cache(m, 64, c), 64) for c in (128, 512)}\n"
-        "best = {c: float('inf') for c in steps}\n"
-        f"for _ in range({repeats}):\n"
-        "    for c, f in steps.items():\n"
-        "        t = time.perf_counter(); f(); best[c] = min(best[c], time.perf_counter() - t)\n"
-        "print('RESULT ' + json.dumps({str(c): v * 1000 for c, v in best.items()}))\n"
+        f"ms = decode_step_ms(registry.load({model!r}).model, {batch}, (128, 512), {repeats})\n"
+        "print('RESULT ' + json.dumps({str(c): v for c, v in ms.items()}))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]

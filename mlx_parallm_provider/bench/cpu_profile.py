@@ -158,6 +158,19 @@ def _full_step(model: Any, rows: _PagedRows, batch: int) -> Callable[[], Any]:
     return step
 
 
+def decode_step_ms(model: Any, batch: int, contexts: Sequence[int], repeats: int) -> dict[int, float]:
+    """Wall-clock milliseconds of one decode step (forward + argmax) of ``batch`` rows at each
+    context length, the contexts interleaved, best of ``repeats``."""
+    steps = {c: _full_step(model, _PagedRows(model, batch, c), batch) for c in contexts}
+    best = {c: float("inf") for c in contexts}
+    for _ in range(repeats):
+        for c, step in steps.items():
+            start = time.perf_counter()
+            step()
+            best[c] = min(best[c], time.perf_counter() - start)
+    return {c: v * 1000 for c, v in best.items()}
+
+
 def profile(model_name: str, batches: Sequence[int], contexts: Sequence[int], repeats: int) -> list[dict[str, Any]]:
     """Rows of ``{batch, context, op, before_ms, after_ms}``, the CPU work off and on interleaved."""
     from ..models import backends, registry

@@ -75,3 +75,10 @@ def test_compare_runs_each_level_in_its_own_process(tmp_path, monkeypatch):
     monkeypatch.setattr(cpu_compare.subprocess, "run", lambda cmd, **kw: env_calls.append(kw["env"]) or fake_run(cmd))
     cpu_compare.run_system("engine-before", [4], 64, tmp_path / "out2")
     assert env_calls[0]["MLX_PARALLM_CPU_OPS"] == "0" and env_calls[0]["MLX_PARALLM_SMALL_BATCH_ROWS"] == "0"
+
+
+def test_step_ratio_child_measures_both_contexts(tiny_model_dir):
+    # The child process imports cpu_profile's helpers by name: a rename there broke it once.
+    steps = cpu_compare.step_ratio(repeats=1, model=str(tiny_model_dir), batch=2)
+    assert steps is not None and set(steps) == {"128", "512"}
+    assert all(ms > 0 for ms in steps.values())
