@@ -4,7 +4,7 @@ Through ctypes every kernel call first evaluates its input: a synchronisation of
 stream (~60 us), made ~120 times a step by a 30-layer model. ``kernels/qmatmul_ext.cpp`` wraps
 the same C function in an ``mlx::core::Primitive`` (CPU only) that MLX schedules like its own
 ops. The same module holds RMSNorm and RoPE as single CPU ops (``kernels/norm_rope.cpp``,
-used by :mod:`.fused_ops`). It is a C++ extension bound with nanobind, compiled on first use with ``$CXX`` (else
+used by :mod:`.fused_ops`) and SwiGLU (``kernels/swiglu.cpp``, used by the CPU backend). It is a C++ extension bound with nanobind, compiled on first use with ``$CXX`` (else
 ``c++``) against the installed MLX and cached next to the C kernel, keyed by sources, flags,
 compiler, MLX version and CPU, and checked before loading (:mod:`.kernel_cache`);
 ``scripts/setup.sh`` builds it at install.
@@ -38,9 +38,9 @@ from . import kernel_cache, qmatmul
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kernels") / "qmatmul_ext.cpp"
-#: C++ sources of the module: the binding and matmul primitive, RMSNorm / RoPE (:mod:`.fused_ops`),
+#: C++ sources of the module: the binding and matmul primitive, RMSNorm / RoPE (:mod:`.fused_ops`), SwiGLU,
 #: decode attention (:mod:`.attention`) and the privately bound BLAS (:mod:`.private_blas`).
-SOURCES = (SOURCE, SOURCE.with_name("norm_rope.cpp"), SOURCE.with_name("decode_attention.cpp"), SOURCE.with_name("blas_matmul.cpp"))
+SOURCES = (SOURCE, SOURCE.with_name("norm_rope.cpp"), SOURCE.with_name("swiglu.cpp"), SOURCE.with_name("decode_attention.cpp"), SOURCE.with_name("blas_matmul.cpp"))
 HEADERS = (SOURCE.with_name("cpu_primitive.h"),)  # what the primitives share; part of the cache key
 MODULE = "mlx_parallm_qmatmul_ext"  # NB_MODULE's name in the source
 _CXX_FLAGS = ["-std=c++20", "-O3", "-shared", "-fPIC", "-fvisibility=hidden", "-fno-strict-aliasing", "-DNDEBUG", "-DNB_COMPACT_ASSERTIONS", "-DNB_DOMAIN=mlx"]

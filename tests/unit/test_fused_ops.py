@@ -178,3 +178,43 @@ def test_without_the_extension_nothing_changes(tiny_model_dir: Path, monkeypatch
     backend.prepare_model(model, dequantize=True, kernels="cpu")
     assert not any(isinstance(m, (fused_ops.FusedRMSNorm, fused_ops.FusedRoPE)) for _, m in model.named_modules())
     assert type(model.model.norm) is nn.RMSNorm and type(model.model.layers[0].self_attn.rope) is nn.RoPE
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 1536), (64, 1, 1536), (3, 7, 5), (1,)])
+def test_swiglu_equals_silu_gate_in_float64(shape: tuple[int, ...]) -> None:
+    ext = _extension()
+    gate = mx.random.normal(shape, key=mx.random.key(0)) * 6.0
+    x = mx.random.normal(shape, key=mx.random.key(1))
+    g, xv = np.asarray(gate, dtype=np.float64), np.asarray(x, dtype=np.float64)
+    expected = g / (1.0 + np.exp(-g)) * xv
+    got = ext.swiglu(gate, x)
+    assert got.shape == gate.shape and got.dtype == mx.float32
+    assert np.allclose(np.asarray(got), expected, rtol=1e-6, atol=1e-7)
+
+
+def test_swiglu_saturates_and_reads_strided_inputs() -> None:
+    ext = _extension()
+    gate = mx.array([[-1e4, -200.0, -88.0, 0.0, 88.0, 200.0, 1e4, float("inf")]])
+    x = mx.full(gate.shape, 2.0)
+    got = np.asarray(ext.swiglu(gate, x))[0]
+    assert np.allclose(got[:6], [0.0, 0.0, 0.0, 0.0, 176.0, 400.0], atol=1e-30)  # silu(-large) -> 0, silu(large) -> gate
+    assert got[6] == 2e4 and np.isnan(got[7]) or got[7] == float("inf")
+    wide = mx.random.normal((6, 4), key=mx.random.key(2))
+    gate_t, x_t = wide.T, (wide * 0.5).T  # transposed views: not row-contiguous
+    assert _close(ext.swiglu(gate_t, x_t), nn.silu(gate_t) * x_t)
+    with pytest.raises(ValueError, match="same shape"):
+        ext.swiglu(gate, mx.zeros((2, 8)))
+
+
+def test_cpu_kernels_route_swiglu_to_the_fused_op_at_every_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    # One op for one row and for 64, so a row batched computes its gate as it would alone.
+    ext = _extension()
+    calls = []
+    monkeypatch.setattr(backends.cpu_kernels, "_fused", lambda: SimpleNamespace(swiglu=lambda g, x: calls.append(g.shape) or ext.swiglu(g, x)))
+    ops = CPUKernels()
+    for rows in (1, 64):
+        gate = mx.random.normal((rows, 1, 1536), key=mx.random.key(rows))
+        assert _close(ops.swiglu(gate, gate), nn.silu(gate) * gate)
+    assert calls == [(1, 1, 1536), (64, 1, 1536)]
+    ops.swiglu(gate.astype(mx.float16), gate.astype(mx.float16))  # other dtypes keep MLX's ops
+    assert len(calls) == 2

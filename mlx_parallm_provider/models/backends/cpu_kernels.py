@@ -103,6 +103,9 @@ class CPUKernels(MLXOps):
         return cpu_ops.fast_exp(x)
 
     def swiglu(self, gate: mx.array, x: mx.array) -> mx.array:
+        ext = _fused()
+        if hasattr(ext, "swiglu") and gate.dtype == mx.float32 and x.dtype == mx.float32 and gate.shape == x.shape:
+            return ext.swiglu(gate, x)  # one op at every size: batched rows compute as a row alone does
         if gate.size >= cpu_ops.MIN_ELEMENTS:
             return cpu_ops.swiglu(gate, x)
         return super().swiglu(gate, x)
@@ -138,6 +141,6 @@ class CPUKernels(MLXOps):
 
 
 def _fused() -> Any:
-    """The extension where it builds with the fused norm and RoPE ops, else None."""
+    """The extension where it builds with the fused norm and RoPE ops (and SwiGLU), else None."""
     ext = attention._extension()
     return ext if ext is not None and hasattr(ext, "rope") else None

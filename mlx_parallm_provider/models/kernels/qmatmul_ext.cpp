@@ -32,6 +32,7 @@ namespace mlx_parallm {  // norm_rope.cpp
 mx::array rms_norm_op(const mx::array& x, const mx::array& w, float eps);
 mx::array rope_op(const mx::array& x, int dims, bool traditional, float scale, const mx::array& offset,
                   const mx::array& inv_freq);
+mx::array swiglu_op(const mx::array& gate, const mx::array& x);  // swiglu.cpp
 mx::array decode_attention_op(const mx::array& q, const mx::array& k, const mx::array& v, float scale,
                               const std::optional<mx::array>& mask, int threads);
 mx::array paged_decode_attention_op(const mx::array& q, const mx::array& k_pool, const mx::array& v_pool,
@@ -132,7 +133,7 @@ mx::array qmatmul_op(const mx::array& x, const mx::array& w, const mx::array& sc
 }  // namespace
 
 NB_MODULE(mlx_parallm_qmatmul_ext, m) {
-  m.doc() = "qmatmul.c's kernel, RMSNorm, RoPE and decode attention as MLX primitives (CPU)";
+  m.doc() = "qmatmul.c's kernel, RMSNorm, RoPE, SwiGLU and decode attention as MLX primitives (CPU)";
   m.def("qmatmul", &qmatmul_op, "x"_a, "w"_a, "scales"_a, "biases"_a, "bits"_a, "group_size"_a, "threads"_a = 1,
         "gemm"_a = false, "int8"_a = false,
         "x (..., K) @ W.T for W affine-quantized as MLX packs it, float32 out: at most 64 rows of x through "
@@ -143,6 +144,8 @@ NB_MODULE(mlx_parallm_qmatmul_ext, m) {
   m.def("rope", &mlx_parallm::rope_op, "x"_a, "dims"_a, "traditional"_a, "scale"_a, "offset"_a, "inv_freq"_a,
         "mx.fast.rope for float32 x (B, ..., T, D) as one CPU op; offset an int32 array of 1 or B elements, "
         "inv_freq (dims / 2,) float32 as the fallback computes it.");
+  m.def("swiglu", &mlx_parallm::swiglu_op, "gate"_a, "x"_a,
+        "silu(gate) * x for float32 gate and x of one shape, as one CPU op (exp from a polynomial, rel. error < 3e-7).");
   m.def("decode_attention", &mlx_parallm::decode_attention_op, "q"_a, "k"_a, "v"_a, "scale"_a, "mask"_a = nb::none(),
         "threads"_a = 1,
         "Attention of q (B, H, 1, D) over k, v (B, KVH, S, D) under mask (None, or (1 or B, S) bool / additive), "
