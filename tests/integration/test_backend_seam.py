@@ -9,6 +9,7 @@ import mlx_parallm_provider  # noqa: F401  (BLAS before mlx)
 import importlib
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import mlx.core as mx
 import pytest
@@ -29,6 +30,11 @@ def _kernel_counter(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         for name in names:
             real = getattr(owner, name)
             monkeypatch.setattr(owner, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+    fused = backends.cpu_kernels._fused()
+    if fused is not None:  # the extension's SwiGLU, which CPUKernels prefers to cpu_ops'
+        counting = SimpleNamespace(**{n: getattr(fused, n) for n in ("rms_norm", "rope")},
+                                   swiglu=lambda *a: calls.append("swiglu") or fused.swiglu(*a))
+        monkeypatch.setattr(backends.cpu_kernels, "_fused", lambda: counting)
     return calls
 
 
