@@ -41,11 +41,12 @@ T = TypeVar("T")
 
 SOURCE = Path(__file__).with_name("kernels") / "qmatmul.c"
 INT8_HEADER = SOURCE.with_name("qmatmul_int8.h")  # included by SOURCE: its int8 path
+GEMM_HEADER = SOURCE.with_name("qmatmul_gemm.h")  # included by SOURCE: its many-row path
 
 
 def source_text() -> str:
-    """The kernel's source, its included header too (what a cached build is keyed by)."""
-    return SOURCE.read_text() + "\0" + INT8_HEADER.read_text()
+    """The kernel's source, its included headers too (what a cached build is keyed by)."""
+    return "\0".join(path.read_text() for path in (SOURCE, INT8_HEADER, GEMM_HEADER))
 
 MAX_ROWS = 64
 """Rows of ``x`` one call takes (the C kernel's ``MAX_CALL_ROWS``)."""
@@ -194,7 +195,7 @@ def _load_library() -> Optional[ctypes.CDLL]:
     if lib is None:
         return None
     p, i = ctypes.c_void_p, ctypes.c_int
-    for function in (lib.qmatmul, lib.qmatmul_int8):
+    for function in (lib.qmatmul, lib.qmatmul_int8, lib.qgemm_panels):
         function.argtypes = [p, i, i, p, p, p, i, i, i, p, i]
         function.restype = i
     return lib

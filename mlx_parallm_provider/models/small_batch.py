@@ -7,9 +7,11 @@ extension (:mod:`.qmatmul_ext`, ops in the step's lazy graph):
 * inputs of at most the model's backend's ``packed_rows`` rows (a few streams decoding) go to
   :mod:`.qmatmul`'s C kernel, which reads the packed weights directly (a one-row step is bound
   by memory traffic, and 4-bit weights are an eighth of float32's bytes);
-* larger inputs (batched decode, prefill) go to the same op with ``gemm=True``: the weights are
-  dequantized a cache-sized tile at a time and each tile multiplied through OpenBLAS, so no
-  float32 copy of the weights is kept and the model holds about its checkpoint's size.
+* larger inputs (batched decode, prefill) go to the same op with ``gemm=True``: up to 128
+  rows, panels of 16 weight rows dequantized into the core's caches and multiplied there by
+  every row of ``x`` (``kernels/qmatmul_gemm.h``); more rows, tiles of the weights dequantized
+  for OpenBLAS's GEMM. No float32 copy of the weights is kept: the model holds about its
+  checkpoint's size.
 
 With the backend's ``int8_matmul`` (``MLX_PARALLM_INT8_MATMUL=1``) every row count goes to the
 kernel's int8 path instead (activations quantized to int8 in blocks of 32, integer dot

@@ -113,6 +113,38 @@ def test_threads_compute_exactly_what_one_thread_does_even_with_concurrent_calle
         assert np.allclose(one, np.asarray(x @ small_batch._float32_weight(_quantized((40000, 128), 4, 32, 7)).T), rtol=1e-4, atol=1e-3)
 
 
+@pytest.mark.parametrize("bits, group", [(4, 32), (4, 128), (8, 64)])
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 13, 64, 128, 129, 300])  # panels up to 128 rows, BLAS tiles above
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_gemm_path_equals_mlx_on_the_float32_dequantized_weight(bits: int, group: int, rows: int, threads: int) -> None:
+    from mlx_parallm_provider.models import private_blas
+
+    ext = _extension()
+    if rows > 128 and not private_blas.bind_for_gemm():
+        pytest.skip("no BLAS bound for the tiles of more than 128 rows")
+    module = _quantized((53, 256), bits, group, seed=rows)  # 53: panels of 16 and tiles of 4 weight rows, with remainders
+    packed = small_batch.PackedWeight.from_module(module).for_kernel(ext)
+    x = mx.random.normal((rows, 256), key=mx.random.key(rows))
+    expected = np.asarray(x @ small_batch._float32_weight(module).T)
+    got = np.asarray(packed.matmul(ext, x, threads, gemm=True))
+    assert got.shape == expected.shape and np.allclose(got, expected, rtol=1e-4, atol=1e-4)
+    if rows <= 128:  # a row's outputs do not depend on the rows beside it in the panels
+        alone = np.asarray(packed.matmul(ext, x[:1], threads, gemm=True))
+        assert np.array_equal(got[:1], alone)
+
+
+def test_the_ctypes_library_exports_the_panel_gemm() -> None:
+    lib = _ctypes_kernel()
+    module = _quantized((37, 128), 4, 32)
+    packed = small_batch.PackedWeight.from_module(module)
+    x = np.asarray(mx.random.normal((11, 128), key=mx.random.key(3)))
+    out = np.empty((11, 37), dtype=np.float32)
+    status = lib.qgemm_panels(x.ctypes.data, 11, 128, packed.packed.ctypes.data, packed.scales.ctypes.data, packed.biases.ctypes.data,
+                              37, 4, 32, out.ctypes.data, 2)
+    assert status == 0
+    assert np.allclose(out, np.asarray(mx.array(x) @ small_batch._float32_weight(module).T), rtol=1e-4, atol=1e-4)
+
+
 def test_extension_reads_strided_lazy_inputs() -> None:
     ext = _extension()
     module = _quantized((40, 128), 4, 32)
@@ -147,6 +179,11 @@ def _assert_float32_products(*libs) -> None:
         expected = np.asarray(x @ small_batch._float32_weight(module).T)
         for lib in libs:
             assert np.allclose(np.asarray(packed.matmul(lib, x)), expected, rtol=1e-5, atol=1e-4)
+            panels = np.empty(expected.shape, dtype=np.float32)  # the many-row path (qmatmul_gemm.h) too
+            rows = np.asarray(x)
+            assert lib.qgemm_panels(rows.ctypes.data, 11, 256, packed.packed.ctypes.data, packed.scales.ctypes.data,
+                                    packed.biases.ctypes.data, 50, bits, group, panels.ctypes.data, 2) == 0
+            assert np.allclose(panels, expected, rtol=1e-5, atol=1e-4)
 
 
 def _build_with_march(march: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):

@@ -30,6 +30,7 @@
 #endif
 
 #include "qmatmul_int8.h"
+#include "qmatmul_gemm.h"
 
 #define MAX_ROWS 8        /* rows of x one weight row is multiplied with at a time (registers) */
 #define MAX_CALL_ROWS 64  /* rows of x one call takes; larger inputs belong to a GEMM */
@@ -153,7 +154,7 @@ static void dequantize_rows(const uint8_t *w, const float *scales, const float *
 /* One call's work, shared out by chunks of rows_per_chunk weight rows: y = x @ W.T over rows
  * [0, N) (MULTIPLY; MULTIPLY_INT8 from x quantized), or rows [first, first + N) of W
  * dequantized into y, N x K (DEQUANTIZE). */
-enum { MULTIPLY, MULTIPLY_INT8, DEQUANTIZE };
+enum { MULTIPLY, MULTIPLY_INT8, DEQUANTIZE, MULTIPLY_PANELS };
 typedef struct {
     int kind;
     const float *xd;
@@ -233,11 +234,26 @@ static void run_rows_int8(const Job *j, int n0, int n1) {
     }
 }
 
+/* Weight rows [n0, n1) in panels (qmatmul_gemm.h), through this thread's panel buffer. */
+static void run_rows_panels(const Job *j, int n0, int n1) {
+    static __thread float *panel;
+    static __thread size_t capacity;
+    size_t need = (size_t)PANEL_ROWS * j->K;
+    if (need > capacity) {
+        float *grown = realloc(panel, sizeof(float) * need);
+        if (!grown) abort();  /* a few hundred KB at most (PANEL_ROWS rows of K floats) */
+        panel = grown, capacity = need;
+    }
+    gemm_rows(j->xd, j->M, j->K, j->w, j->scales, j->biases, j->N, j->bits, j->group, n0, n1, j->y, panel);
+}
+
 static void run_chunk(const Job *j, int n0, int n1) {
     if (j->kind == MULTIPLY)
         run_rows(j, n0, n1);
     else if (j->kind == MULTIPLY_INT8)
         run_rows_int8(j, n0, n1);
+    else if (j->kind == MULTIPLY_PANELS)
+        run_rows_panels(j, n0, n1);
     else
         dequantize_rows(j->w, j->scales, j->biases, j->first + n0, n1 - n0, j->K, j->bits, j->group, j->y + (size_t)n0 * j->K);
 }
@@ -413,6 +429,23 @@ int qmatmul_int8(const float *x, int M, int K, const uint8_t *w, const float *sc
                (N + rows_per_chunk - 1) / rows_per_chunk, 0};
     run_job(&job, threads);
     free(xq), free(xscale), free(xsum);
+    return 0;
+}
+
+/* y = x @ W.T for any number of rows of x, over the packed weights (qmatmul_gemm.h's panels,
+ * shared out to `threads` threads). Returns 0, or -1 for arguments it does not handle or
+ * without memory. */
+int qgemm_panels(const float *x, int M, int K, const uint8_t *w, const float *scales, const float *biases, int N,
+                 int bits, int group, float *y, int threads) {
+    if (!readable(M, K, bits, group))
+        return -1;
+    float *xd = malloc(sizeof(float) * (size_t)M * K);
+    if (!xd) return -1;
+    prepare_x(x, M, K, bits, xd);
+    int per_chunk = PANEL_ROWS * 4;
+    Job job = {MULTIPLY_PANELS, xd, NULL, NULL, NULL, w, scales, biases, y, M, K, N, bits, group, per_chunk, (N + per_chunk - 1) / per_chunk, 0};
+    run_job(&job, threads);
+    free(xd);
     return 0;
 }
 

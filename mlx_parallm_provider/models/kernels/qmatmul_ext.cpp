@@ -24,6 +24,8 @@ extern "C" int qmatmul_int8(const float* x, int M, int K, const uint8_t* w, cons
                             const float* biases, int N, int bits, int group, float* y, int threads);
 extern "C" int qgemm(const float* x, int M, int K, const uint8_t* w, const float* scales, const float* biases, int N,
                      int bits, int group, float* y, void* sgemm, int tile, int threads);
+extern "C" int qgemm_panels(const float* x, int M, int K, const uint8_t* w, const float* scales, const float* biases,
+                            int N, int bits, int group, float* y, int threads);
 
 namespace mx = mlx::core;
 namespace nb = nanobind;
@@ -48,10 +50,12 @@ using namespace nb::literals;
 namespace {
 
 constexpr int kMaxRows = 64;  // qmatmul.c's MAX_CALL_ROWS
+constexpr int kPanelRows = 128;  // gemm inputs of at most this many rows go to qgemm_panels
 
 class QMatmul : public mx::Primitive {
  public:
-  // gemm: any number of rows, through qgemm (tiles of W dequantized for the BLAS set by set_sgemm);
+  // gemm: any number of rows, through qgemm_panels (up to kPanelRows) or qgemm (tiles of W
+  // dequantized for the BLAS set by set_sgemm);
   // int8: any number of rows, x quantized to int8 (qmatmul_int8); else qmatmul's kernel.
   QMatmul(mx::Stream stream, int bits, int group, int threads, bool gemm = false, bool int8 = false)
       : mx::Primitive(stream), bits_(bits), group_(group), threads_(threads), gemm_(gemm), int8_(int8) {}
@@ -71,10 +75,12 @@ class QMatmul : public mx::Primitive {
       auto wp = reinterpret_cast<const uint8_t*>(row_major(w, wc));
       auto sp = reinterpret_cast<const float*>(row_major(s, sc));
       auto bp = reinterpret_cast<const float*>(row_major(b, bc));
-      // Tiles of up to 8 MB of float32 weights: few BLAS calls (each wakes its threads), a
-      // transient of 8 MB at most.
+      // Up to kPanelRows rows (decode steps): qmatmul.c's panels, dequantized in cache and used
+      // there; more (prefill): tiles of up to 8 MB of float32 weights for the BLAS, whose GEMM
+      // is faster at many rows and pays the dequantizing once for them all.
       int tile = std::max((1 << 21) / std::max(k, 1), 16);
-      int status = int8   ? qmatmul_int8(xp, m, k, wp, sp, bp, n, bits, group, out.data<float>(), threads)
+      int status = int8                    ? qmatmul_int8(xp, m, k, wp, sp, bp, n, bits, group, out.data<float>(), threads)
+                   : gemm && m <= kPanelRows ? qgemm_panels(xp, m, k, wp, sp, bp, n, bits, group, out.data<float>(), threads)
                    : gemm ? qgemm(xp, m, k, wp, sp, bp, n, bits, group, out.data<float>(), mlx_parallm::sgemm_address(), tile, threads)
                           : qmatmul(xp, m, k, wp, sp, bp, n, bits, group, out.data<float>(), threads);
       if (status != 0) throw std::runtime_error("qmatmul: kernel failed (out of memory?)");
@@ -114,7 +120,8 @@ mx::array qmatmul_op(const mx::array& x, const mx::array& w, const mx::array& sc
   int k = x.shape(-1), n = w.shape(0);
   size_t rows = k ? x.size() / k : 0;
   bool format_ok = (bits == 4 || bits == 8) && group > 0 && group % 32 == 0 && k % group == 0;
-  if (gemm && !mlx_parallm::has_sgemm()) throw std::runtime_error("qmatmul: gemm=True needs set_sgemm first");
+  if (gemm && rows > static_cast<size_t>(kPanelRows) && !mlx_parallm::has_sgemm())
+    throw std::runtime_error("qmatmul: gemm=True with more than 128 rows needs set_sgemm first");
   if (!format_ok || rows < 1 || (!gemm && !int8 && rows > kMaxRows) || !mx::issubdtype(w.dtype(), mx::integer) ||
       static_cast<size_t>(w.shape(1)) * w.itemsize() * 8 != static_cast<size_t>(k) * bits ||
       scales.shape() != mx::Shape{n, k / group} || biases.shape() != scales.shape()) {
@@ -137,7 +144,7 @@ NB_MODULE(mlx_parallm_qmatmul_ext, m) {
   m.def("qmatmul", &qmatmul_op, "x"_a, "w"_a, "scales"_a, "biases"_a, "bits"_a, "group_size"_a, "threads"_a = 1,
         "gemm"_a = false, "int8"_a = false,
         "x (..., K) @ W.T for W affine-quantized as MLX packs it, float32 out: at most 64 rows of x through "
-        "qmatmul.c's kernel, (gemm=True) any number through tiles of W dequantized for set_sgemm's BLAS, or "
+        "qmatmul.c's kernel, (gemm=True) any number: up to 128 through panels of W dequantized in cache (qmatmul_gemm.h), more through tiles of W dequantized for set_sgemm's BLAS, or "
         "(int8=True) any number with x quantized to int8 in blocks of 32 (integer dot products, no float weights).");
   m.def("rms_norm", &mlx_parallm::rms_norm_op, "x"_a, "weight"_a, "eps"_a,
         "mx.fast.rms_norm(x, weight, eps) for float32 x, as one CPU op.");

@@ -1,0 +1,129 @@
+/* The many-row path of qmatmul.c: y = x @ W.T over the packed weights, no float32 copy of W.
+ *
+ * A panel of PANEL_ROWS weight rows is dequantized (w = q * scale + bias, what a float32 copy
+ * holds) into a buffer that stays in the core's caches, and every row of x is multiplied by
+ * it there, a register tile of TILE_W weight rows x TILE_X rows of x at a time: each output
+ * keeps one vector of partial sums over K, reduced at the end. The dequantizing is paid once
+ * per panel for all rows of x, and W is read packed (4-bit: an eighth of float32's bytes).
+ * Panels are shared out to the pool's threads. x comes deinterleaved as qmatmul.c's
+ * prepare_x writes it, and the panel is stored in the same order.
+ */
+#ifndef QMATMUL_GEMM_H
+#define QMATMUL_GEMM_H
+
+#include <stdint.h>
+#include <stdlib.h>
+
+typedef float gv16f __attribute__((vector_size(64)));
+typedef float gv16f_u __attribute__((vector_size(64), aligned(4), may_alias));
+typedef uint8_t gv16u8 __attribute__((vector_size(16)));
+typedef uint8_t gv16u8_u __attribute__((vector_size(16), aligned(1), may_alias));
+typedef int32_t gv16i __attribute__((vector_size(64)));
+
+#define PANEL_ROWS 16
+#if defined(__AVX512F__)
+#define TILE_W 4   /* 4 x 6 accumulators + 4 weight vectors + 1 of x: 29 of 32 registers */
+#define TILE_X 6
+#else
+#define TILE_W 2   /* each 16-float vector is 2 (AVX2) or 4 (NEON) registers */
+#define TILE_X 3
+#endif
+
+static inline gv16f gemm_to_float(gv16u8 b) {
+#if defined(__AVX512F__)
+    return (gv16f)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32((__m128i)b));
+#else
+    return __builtin_convertvector(__builtin_convertvector(b, gv16i), gv16f);
+#endif
+}
+
+static inline float gemm_hsum(gv16f v) {
+#if defined(__AVX512F__)
+    return _mm512_reduce_add_ps((__m512)v);
+#else
+    float s = 0.0f;
+    for (int i = 0; i < 16; i++) s += v[i];
+    return s;
+#endif
+}
+
+/* Weight rows [n0, n0 + rows) dequantized into panel (rows x K), each 32-element chunk of a
+ * 4-bit row deinterleaved (its even elements, then its odd ones), as x is. */
+static void gemm_panel(const uint8_t *w, const float *scales, const float *biases, int n0, int rows, int K,
+                       int bits, int group, float *panel) {
+    int G = K / group;
+    size_t row_bytes = (size_t)K * bits / 8;
+    for (int r = 0; r < rows; r++) {
+        const uint8_t *wr = w + (size_t)(n0 + r) * row_bytes;
+        const float *sr = scales + (size_t)(n0 + r) * G, *br = biases + (size_t)(n0 + r) * G;
+        float *o = panel + (size_t)r * K;
+        for (int g = 0; g < G; g++) {
+            float s = sr[g], b = br[g];
+            for (int c = g * group; c < (g + 1) * group; c += bits == 4 ? 32 : 16) {
+                if (bits == 4) {
+                    gv16u8 raw = *(const gv16u8_u *)(wr + c / 2);
+                    *(gv16f_u *)(o + c) = gemm_to_float(raw & 15) * s + b;
+                    *(gv16f_u *)(o + c + 16) = gemm_to_float(raw >> 4) * s + b;
+                } else {
+                    *(gv16f_u *)(o + c) = gemm_to_float(*(const gv16u8_u *)(wr + c)) * s + b;
+                }
+            }
+        }
+    }
+}
+
+/* nw (<= TILE_W) panel rows times mx (<= TILE_X) rows of x: y[m * ldy + i]. */
+static inline __attribute__((always_inline)) void gemm_tile(const float *panel, const float *xd, int K, int nw, int mx,
+                                                             float *y, size_t ldy) {
+    gv16f acc[TILE_W][TILE_X];
+    for (int i = 0; i < nw; i++)
+        for (int m = 0; m < mx; m++) acc[i][m] = (gv16f){0};
+    for (int k = 0; k < K; k += 16) {
+        gv16f wv[TILE_W];
+        for (int i = 0; i < nw; i++) wv[i] = *(const gv16f_u *)(panel + (size_t)i * K + k);
+        for (int m = 0; m < mx; m++) {
+            gv16f xv = *(const gv16f_u *)(xd + (size_t)m * K + k);
+            for (int i = 0; i < nw; i++) acc[i][m] += wv[i] * xv;
+        }
+    }
+    for (int m = 0; m < mx; m++)
+        for (int i = 0; i < nw; i++) y[(size_t)m * ldy + i] = gemm_hsum(acc[i][m]);
+}
+
+/* Weight rows [n0, n1) times every row of x (M x K, deinterleaved): y (M x N). panel: a
+ * buffer of PANEL_ROWS x K floats. */
+static void gemm_rows(const float *xd, int M, int K, const uint8_t *w, const float *scales, const float *biases,
+                      int N, int bits, int group, int n0, int n1, float *y, float *panel) {
+    for (int p = n0; p < n1; p += PANEL_ROWS) {
+        int rows = n1 - p < PANEL_ROWS ? n1 - p : PANEL_ROWS;
+        gemm_panel(w, scales, biases, p, rows, K, bits, group, panel);
+        for (int m0 = 0; m0 < M; m0 += TILE_X) {
+            int mx = M - m0 < TILE_X ? M - m0 : TILE_X;
+            for (int i0 = 0; i0 < rows; i0 += TILE_W) {
+                int nw = rows - i0 < TILE_W ? rows - i0 : TILE_W;
+                const float *pw = panel + (size_t)i0 * K;
+                const float *xr = xd + (size_t)m0 * K;
+                float *out = y + (size_t)m0 * N + p + i0;
+                /* Constant tile sizes keep the accumulators in registers. */
+                if (nw == TILE_W && mx == TILE_X) gemm_tile(pw, xr, K, TILE_W, TILE_X, out, N);
+                else if (nw == TILE_W) {
+                    switch (mx) {
+                        case 1: gemm_tile(pw, xr, K, TILE_W, 1, out, N); break;
+                        case 2: gemm_tile(pw, xr, K, TILE_W, 2, out, N); break;
+#if TILE_X > 3
+                        case 3: gemm_tile(pw, xr, K, TILE_W, 3, out, N); break;
+                        case 4: gemm_tile(pw, xr, K, TILE_W, 4, out, N); break;
+                        case 5: gemm_tile(pw, xr, K, TILE_W, 5, out, N); break;
+#endif
+                        default: break;
+                    }
+                } else {
+                    for (int i = 0; i < nw; i++)
+                        for (int m = 0; m < mx; m++) gemm_tile(pw + (size_t)i * K, xr + (size_t)m * K, K, 1, 1, out + (size_t)m * N + i, N);
+                }
+            }
+        }
+    }
+}
+
+#endif
