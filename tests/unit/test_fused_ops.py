@@ -202,6 +202,9 @@ def test_swiglu_saturates_and_reads_strided_inputs() -> None:
     wide = mx.random.normal((6, 4), key=mx.random.key(2))
     gate_t, x_t = wide.T, (wide * 0.5).T  # transposed views: not row-contiguous
     assert _close(ext.swiglu(gate_t, x_t), nn.silu(gate_t) * x_t)
+    fused = mx.random.normal((5, 1, 64), key=mx.random.key(3))  # a fused gate/up output, sliced in two
+    gate_s, up_s = fused[..., :32], fused[..., 32:]
+    assert _close(ext.swiglu(gate_s, up_s), nn.silu(gate_s) * up_s)
     with pytest.raises(ValueError, match="same shape"):
         ext.swiglu(gate, mx.zeros((2, 8)))
 

@@ -14,36 +14,48 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-typedef float gv16f __attribute__((vector_size(64)));
-typedef float gv16f_u __attribute__((vector_size(64), aligned(4), may_alias));
-typedef uint8_t gv16u8 __attribute__((vector_size(16)));
-typedef uint8_t gv16u8_u __attribute__((vector_size(16), aligned(1), may_alias));
-typedef int32_t gv16i __attribute__((vector_size(64)));
-
 #define PANEL_ROWS 16
 #if defined(__AVX512F__)
+#define GV 16      /* floats a vector */
 #define TILE_W 4   /* 4 x 6 accumulators + 4 weight vectors + 1 of x: 29 of 32 registers */
 #define TILE_X 6
 #else
-#define TILE_W 2   /* each 16-float vector is 2 (AVX2) or 4 (NEON) registers */
-#define TILE_X 3
+#define GV 8       /* AVX2's 8 floats (NEON: two registers a vector) */
+#define TILE_W 2   /* 2 x 4 accumulators + 2 weight vectors + 1 of x: 11 of 16 registers */
+#define TILE_X 4
 #endif
+typedef float gvec __attribute__((vector_size(GV * 4)));
+typedef float gvec_u __attribute__((vector_size(GV * 4), aligned(4), may_alias));
 
-static inline gv16f gemm_to_float(gv16u8 b) {
-#if defined(__AVX512F__)
-    return (gv16f)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32((__m128i)b));
-#else
-    return __builtin_convertvector(__builtin_convertvector(b, gv16i), gv16f);
-#endif
-}
-
-static inline float gemm_hsum(gv16f v) {
+static inline float gemm_hsum(gvec v) {
 #if defined(__AVX512F__)
     return _mm512_reduce_add_ps((__m512)v);
 #else
     float s = 0.0f;
-    for (int i = 0; i < 16; i++) s += v[i];
+    for (int i = 0; i < GV; i++) s += v[i];
     return s;
+#endif
+}
+
+/* 16 values dequantized, out[i] = q[i] * s + b: from 16 packed bytes' low (nibble 0) or high
+ * (nibble 1) nibbles, or 16 bytes (nibble -1, 8-bit). */
+static inline void gemm_dequant16(const uint8_t *p, int nibble, float s, float b, float *out) {
+#if defined(__AVX512F__)
+    __m128i raw = _mm_loadu_si128((const __m128i *)p);
+    if (nibble >= 0) raw = _mm_and_si128(nibble ? _mm_srli_epi16(raw, 4) : raw, _mm_set1_epi8(0x0F));
+    __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(raw));
+    _mm512_storeu_ps(out, _mm512_fmadd_ps(q, _mm512_set1_ps(s), _mm512_set1_ps(b)));
+#elif defined(__AVX2__) && defined(__FMA__)
+    __m128i raw = _mm_loadu_si128((const __m128i *)p);
+    if (nibble >= 0) raw = _mm_and_si128(nibble ? _mm_srli_epi16(raw, 4) : raw, _mm_set1_epi8(0x0F));
+    __m256 sv = _mm256_set1_ps(s), bv = _mm256_set1_ps(b);
+    _mm256_storeu_ps(out, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(raw)), sv, bv));
+    _mm256_storeu_ps(out + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(raw, 8))), sv, bv));
+#else
+    for (int i = 0; i < 16; i++) {
+        int q = nibble < 0 ? p[i] : nibble ? p[i] >> 4 : p[i] & 15;
+        out[i] = (float)q * s + b;
+    }
 #endif
 }
 
@@ -60,12 +72,11 @@ static void gemm_panel(const uint8_t *w, const float *scales, const float *biase
         for (int g = 0; g < G; g++) {
             float s = sr[g], b = br[g];
             for (int c = g * group; c < (g + 1) * group; c += bits == 4 ? 32 : 16) {
-                if (bits == 4) {
-                    gv16u8 raw = *(const gv16u8_u *)(wr + c / 2);
-                    *(gv16f_u *)(o + c) = gemm_to_float(raw & 15) * s + b;
-                    *(gv16f_u *)(o + c + 16) = gemm_to_float(raw >> 4) * s + b;
+                if (bits == 4) {  /* even elements (low nibbles), then odd ones */
+                    gemm_dequant16(wr + c / 2, 0, s, b, o + c);
+                    gemm_dequant16(wr + c / 2, 1, s, b, o + c + 16);
                 } else {
-                    *(gv16f_u *)(o + c) = gemm_to_float(*(const gv16u8_u *)(wr + c)) * s + b;
+                    gemm_dequant16(wr + c, -1, s, b, o + c);
                 }
             }
         }
@@ -75,14 +86,14 @@ static void gemm_panel(const uint8_t *w, const float *scales, const float *biase
 /* nw (<= TILE_W) panel rows times mx (<= TILE_X) rows of x: y[m * ldy + i]. */
 static inline __attribute__((always_inline)) void gemm_tile(const float *panel, const float *xd, int K, int nw, int mx,
                                                              float *y, size_t ldy) {
-    gv16f acc[TILE_W][TILE_X];
+    gvec acc[TILE_W][TILE_X];
     for (int i = 0; i < nw; i++)
-        for (int m = 0; m < mx; m++) acc[i][m] = (gv16f){0};
-    for (int k = 0; k < K; k += 16) {
-        gv16f wv[TILE_W];
-        for (int i = 0; i < nw; i++) wv[i] = *(const gv16f_u *)(panel + (size_t)i * K + k);
+        for (int m = 0; m < mx; m++) acc[i][m] = (gvec){0};
+    for (int k = 0; k < K; k += GV) {
+        gvec wv[TILE_W];
+        for (int i = 0; i < nw; i++) wv[i] = *(const gvec_u *)(panel + (size_t)i * K + k);
         for (int m = 0; m < mx; m++) {
-            gv16f xv = *(const gv16f_u *)(xd + (size_t)m * K + k);
+            gvec xv = *(const gvec_u *)(xd + (size_t)m * K + k);
             for (int i = 0; i < nw; i++) acc[i][m] += wv[i] * xv;
         }
     }
@@ -110,8 +121,8 @@ static void gemm_rows(const float *xd, int M, int K, const uint8_t *w, const flo
                     switch (mx) {
                         case 1: gemm_tile(pw, xr, K, TILE_W, 1, out, N); break;
                         case 2: gemm_tile(pw, xr, K, TILE_W, 2, out, N); break;
-#if TILE_X > 3
                         case 3: gemm_tile(pw, xr, K, TILE_W, 3, out, N); break;
+#if TILE_X > 4
                         case 4: gemm_tile(pw, xr, K, TILE_W, 4, out, N); break;
                         case 5: gemm_tile(pw, xr, K, TILE_W, 5, out, N); break;
 #endif
