@@ -13,7 +13,8 @@
  * Two paths: AVX2 + FMA intrinsics (x86 without AVX-512: GCC's generic 64-byte vectors split
  * into scalar conversions there, ~3x slower), and GCC vector extensions for the rest, which
  * lower to AVX-512 on x86 and NEON on ARM. Rows of W are split across threads (see the pool
- * below).
+ * below). Many rows of x (batched decode) take qmatmul_gemm.h's panels instead (qgemm_panels);
+ * the int8 path is qmatmul_int8.h's.
  */
 #include <pthread.h>
 #include <sched.h>
@@ -152,7 +153,8 @@ static void dequantize_rows(const uint8_t *w, const float *scales, const float *
                             int bits, int group, float *out);
 
 /* One call's work, shared out by chunks of rows_per_chunk weight rows: y = x @ W.T over rows
- * [0, N) (MULTIPLY; MULTIPLY_INT8 from x quantized), or rows [first, first + N) of W
+ * [0, N) (MULTIPLY; MULTIPLY_INT8 from x quantized; MULTIPLY_PANELS for many rows of x,
+ * qmatmul_gemm.h), or rows [first, first + N) of W
  * dequantized into y, N x K (DEQUANTIZE). */
 enum { MULTIPLY, MULTIPLY_INT8, DEQUANTIZE, MULTIPLY_PANELS };
 typedef struct {
@@ -241,7 +243,10 @@ static void run_rows_panels(const Job *j, int n0, int n1) {
     size_t need = (size_t)PANEL_ROWS * j->K;
     if (need > capacity) {
         float *grown = realloc(panel, sizeof(float) * need);
-        if (!grown) abort();  /* a few hundred KB at most (PANEL_ROWS rows of K floats) */
+        if (!grown) {  /* no buffer: the same products, a weight row at a time */
+            run_rows(j, n0, n1);
+            return;
+        }
         panel = grown, capacity = need;
     }
     gemm_rows(j->xd, j->M, j->K, j->w, j->scales, j->biases, j->N, j->bits, j->group, n0, n1, j->y, panel);
