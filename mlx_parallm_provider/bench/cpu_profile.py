@@ -104,6 +104,13 @@ def _families(model: Any, rows: _PagedRows, batch: int) -> dict[str, Callable[[]
     gate = mx.random.normal((batch, 1, inter), key=mx.random.key(4))
     mx.eval(x, q, kv, gate)
 
+    def fresh(a: Any) -> Any:
+        # A new array each repeat: layers sharing an input (small_batch.SharedInput) cache their
+        # output by the input's identity, and would otherwise skip the work after the first.
+        out = a + 0
+        mx.eval(out)
+        return out
+
     def attention() -> Any:  # through the block tables, as the engine's decode step attends
         return [c.attend(q, kv, kv, l.self_attn.scale, None, backend=ops) for c, l in zip(rows.step(), layers)]
 
@@ -121,18 +128,11 @@ def _families(model: Any, rows: _PagedRows, batch: int) -> dict[str, Callable[[]
         return out
 
     def lm_head() -> Any:
-        h = model.model.norm(x)
+        h = model.model.norm(fresh(x))
         return model.model.embed_tokens.as_linear(h) if model.args.tie_word_embeddings else model.lm_head(h)
 
     logits = mx.random.normal((batch, model.args.vocab_size), key=mx.random.key(5))
     mx.eval(logits)
-
-    def fresh(a: Any) -> Any:
-        # A new array each repeat: layers sharing an input (small_batch.SharedInput) cache their
-        # output by the input's identity, and would otherwise skip the work after the first.
-        out = a + 0
-        mx.eval(out)
-        return out
 
     return {
         "attention": attention,

@@ -23,6 +23,18 @@ from .runners.base import SkipSystem
 START_LIMIT_S = 300.0
 
 
+def peak_rss_mb(pid: "int | str" = "self") -> Optional[float]:
+    """A process's peak resident memory in MiB (Linux ``VmHWM``; ``"self"``: this process),
+    or None where ``/proc`` does not tell."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
 @dataclass
 class Server:
     """A started server process: where it listens and the key it wants."""
@@ -34,13 +46,7 @@ class Server:
 
     def peak_rss_mb(self) -> Optional[float]:
         """The server process's peak resident memory (Linux ``VmHWM``), or None."""
-        try:
-            for line in Path(f"/proc/{self.process.pid}/status").read_text().splitlines():
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
-        except OSError:
-            pass
-        return None
+        return peak_rss_mb(self.process.pid)
 
     def stop(self) -> None:
         """SIGTERM the server's process group, then SIGKILL it if it lingers."""

@@ -17,7 +17,7 @@ from mlx_parallm_provider.cli import main
 METRICS = {
     "completed", "failed", "failures", "duration_s", "total_input_tokens", "total_output_tokens", "request_throughput",
     "request_goodput", "output_throughput", "total_token_throughput", "max_concurrent_requests", "ttft_ms", "tpot_ms",
-    "itl_ms", "e2el_ms", "max_decode_batch", "peak_memory_mb",
+    "itl_ms", "e2el_ms", "max_decode_batch", "peak_memory_mb", "peak_rss_mb",
 }
 STREAMED = ("engine", "litellm", "langchain", "mlx-lm")
 OURS = ("engine", "litellm", "langchain")
@@ -48,6 +48,8 @@ def test_every_system_setting_and_level_has_every_metric(quick: tuple[dict, str,
             assert set(m[name]) == {"mean", "p50", "p90", "p99"}
         assert m["completed"] == r["num_requests"] == r["concurrency"] and m["failed"] == 0
         assert m["total_output_tokens"] > 0 and m["peak_memory_mb"] > 0
+        if r["system"] == "engine" and sys.platform == "linux":
+            assert m["peak_rss_mb"] > 0  # the benchmark process's own, from /proc
         assert len(r["samples"]["e2el_ms"]) == r["num_requests"]
     for level in (1, 4):  # the same prompts everywhere: every system counts the same prompt tokens
         assert len({r["metrics"]["total_input_tokens"] for r in rows if r["concurrency"] == level}) == 1
@@ -119,7 +121,7 @@ def test_servers_started_on_loopback(tiny_model_dir: Path, tmp_path: Path, capsy
     for r in rows:
         assert r["metrics"]["completed"] == 2 and r["metrics"]["ttft_ms"]["p50"] > 0
         if sys.platform == "linux":
-            assert r["metrics"]["peak_memory_mb"] > 0  # the server's peak RSS, from /proc
+            assert r["metrics"]["peak_memory_mb"] == r["metrics"]["peak_rss_mb"] > 0  # the server's peak RSS, from /proc
 
 
 def test_counts_must_be_positive(capsys: pytest.CaptureFixture) -> None:

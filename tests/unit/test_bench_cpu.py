@@ -29,6 +29,21 @@ def test_compare_report_judges_issue_23s_targets_against_llama_server_with_peak_
     assert any(ln.startswith("engine vs llama-server at 1 ") and "0.40x" in ln and "missed" in ln for ln in lines)
 
 
+def test_compare_report_judges_the_memory_targets():
+    results = {"engine": {1: 40.0, 64: 300.0}, "litellm-proxy": {64: 170.0}, "llama-server": {1: 100.0, 64: 150.0}}
+    rss = {"engine": {1: 300.0, 64: 900.0}, "litellm-proxy": {64: 1400.0}, "llama-server": {1: 240.0, 64: 700.0}}
+    lines = cpu_compare.report(results, None, None, rss, {"mlx_mb": 141.0, "checkpoint_mb": 94.0}).splitlines()
+    assert "peak RSS at 1 concurrent: engine 300 MB vs llama-server 240 MB = 1.25x (target <= 1.5x: met)" in lines
+    assert "peak RSS at 64 concurrent: litellm-proxy 1400 MB vs llama-server 700 MB = 2.00x (target <= 1.5x: missed)" in lines
+    assert "MLX memory after loading: 141 MB for a 94 MB checkpoint = 1.50x (target <= 1.5x: met)" in lines
+    assert not any("RSS" in ln for ln in cpu_compare.report(results, None).splitlines())  # not measured: no verdict
+
+
+def test_load_memory_child_reports_the_loaded_model(tiny_model_dir):
+    load = cpu_compare.load_memory(str(tiny_model_dir))
+    assert load is not None and load["mlx_mb"] > 0 and load["checkpoint_mb"] == 0
+
+
 def test_compare_report_says_what_was_not_measured():
     text = cpu_compare.report({"engine": {64: 300.0}, "llama-cpp": {1: 90.0}}, None)
     assert "engine vs llama-cpp at 64: not measured" in text
@@ -65,7 +80,7 @@ def test_compare_runs_each_level_in_its_own_process(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(cpu_compare.subprocess, "run", fake_run)
     got = cpu_compare.run_system("llama-cpp", [1, 32], 64, tmp_path / "out", llama_cpp_threads=2)
-    assert got == ({1: 10.0, 32: 320.0}, {1: None, 32: None})
+    assert got == ({1: 10.0, 32: 320.0}, {1: None, 32: None}, {1: None, 32: None})
     assert [c[c.index("--num-prompts") + 1] for c in calls] == [str(cpu_compare.ONE_STREAM_PROMPTS), "32"]
     assert all(c[c.index("--llama-cpp-threads") + 1] == "2" for c in calls)
     calls.clear()

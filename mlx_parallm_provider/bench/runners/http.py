@@ -68,7 +68,10 @@ class OpenAIHTTP(Runner):
             await asyncio.to_thread(self.server.stop)
 
     def run_info(self) -> dict[str, Any]:
-        return {"peak_memory_mb": self.server.peak_rss_mb()} if self.server is not None else {}
+        if self.server is None:
+            return {}
+        peak = self.server.peak_rss_mb()
+        return {"peak_memory_mb": peak, "peak_rss_mb": peak}
 
     async def send(self, request: BenchRequest, record: RequestRecord) -> None:
         assert self.client is not None, "start() first"

@@ -67,8 +67,10 @@ class _OnSharedEngine(Runner):
         return await super().timed(requests, offsets, max_concurrency, on_done)
 
     def run_info(self) -> dict[str, Any]:
+        from ..servers import peak_rss_mb
+
         stats = self.engine.stats()
-        info = {"max_decode_batch": stats.get("max_batch_size"), "peak_memory_mb": mlx_peak_mb()}
+        info = {"max_decode_batch": stats.get("max_batch_size"), "peak_memory_mb": mlx_peak_mb(), "peak_rss_mb": peak_rss_mb()}
         for kind, (drafted, accepted) in draft_counts(stats).items():
             drafted -= self._drafts_before.get(kind, (0, 0))[0]
             accepted -= self._drafts_before.get(kind, (0, 0))[1]

@@ -59,4 +59,4 @@ class LlamaServer(OpenAIHTTP):
             self.server = self.client = None
 
     def run_info(self) -> dict[str, Any]:
-        return {"peak_memory_mb": self._peak_mb}
+        return {"peak_memory_mb": self._peak_mb, "peak_rss_mb": self._peak_mb}
