@@ -219,3 +219,17 @@ def _compute_in_float32(model: Any, chosen: Optional["MLXOps"]) -> None:
     if has_quantized or any(p.dtype in half for _, p in tree_flatten(model.parameters())):
         model.set_dtype(mx.float32)
         mx.eval(model.parameters())
+
+
+def release_load_transients() -> None:
+    """Give back what loading a model freed: MLX's buffer cache and, with glibc, the heap's
+    free pages (``malloc_trim``). Conversions at load (packing, upcasts) free ~100 MB the
+    process would otherwise keep resident for good (the default model: RSS 320 -> 223 MB)."""
+    import mlx.core as mx
+
+    mx.clear_cache()
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None).malloc_trim(0)
+        except (OSError, AttributeError):  # not glibc (musl has no malloc_trim)
+            pass

@@ -217,6 +217,7 @@ def _load_uncached(name: str, dequantize: Optional[bool], engine: bool = True) -
         raise ModelLoadError(f"{path}: could not load model ({exc})") from exc
     backend.prepare_model(model, dequantize, engine=engine)
     evaluate_module_arrays(model)
+    backend.release_load_transients()
     return LoadedModel(name=name, path=path, model=model, tokenizer=tokenizer, config=config)
 
 

@@ -72,8 +72,9 @@ def load_kernel() -> Optional[Kernel]:
 
 @dataclass(frozen=True)
 class PackedWeight:
-    """An affine-quantized (N, K) weight as the kernel reads it: numpy arrays for the ctypes
-    kernel, ``mx.array`` for the extension (:meth:`for_kernel`)."""
+    """An affine-quantized (N, K) weight as the kernel reads it: ``mx.array`` for the
+    extension (as made, sharing the module's packed bytes), numpy arrays for the ctypes
+    kernel (:meth:`for_kernel`)."""
 
     packed: Any  # (N, K * bits / 8) uint8
     scales: Any  # (N, K / group_size) float32
@@ -89,14 +90,11 @@ class PackedWeight:
             return None
         if module.group_size % 32 or "biases" not in module:
             return None
-        weight = np.asarray(module.weight)
-        return cls(
-            packed=np.ascontiguousarray(weight.view(np.uint8)),
-            scales=np.asarray(module.scales.astype(mx.float32)).copy(),
-            biases=np.asarray(module.biases.astype(mx.float32)).copy(),
-            bits=module.bits,
-            group_size=module.group_size,
-        )
+        # No copy of the packed bytes (a view of the module's own), none through numpy: the
+        # model's weights are held once while it is prepared, not three times.
+        arrays = [module.weight.view(mx.uint8), module.scales.astype(mx.float32), module.biases.astype(mx.float32)]
+        mx.eval(arrays)
+        return cls(packed=arrays[0], scales=arrays[1], biases=arrays[2], bits=module.bits, group_size=module.group_size)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -104,8 +102,13 @@ class PackedWeight:
         return self.packed.shape[0], self.packed.shape[1] * 8 // self.bits
 
     def for_kernel(self, kernel: Kernel) -> "PackedWeight":
-        """This weight with its arrays as ``kernel`` takes them (``mx.array`` for the extension)."""
-        if isinstance(kernel, ctypes.CDLL) or isinstance(self.packed, mx.array):
+        """This weight with its arrays as ``kernel`` takes them (numpy copies for the ctypes
+        kernel, ``mx.array`` for the extension)."""
+        if isinstance(kernel, ctypes.CDLL):
+            if isinstance(self.packed, np.ndarray):
+                return self
+            return replace(self, packed=np.array(self.packed), scales=np.array(self.scales), biases=np.array(self.biases))
+        if isinstance(self.packed, mx.array):
             return self
         arrays = [mx.array(a) for a in (self.packed, self.scales, self.biases)]
         mx.eval(arrays)
@@ -119,8 +122,9 @@ class PackedWeight:
         if not isinstance(kernel, ctypes.CDLL):  # the extension: lazy, in the step's graph
             w = self.for_kernel(kernel)
             return kernel.qmatmul(x, w.packed, w.scales, w.biases, self.bits, self.group_size, threads, gemm, int8)
+        w = self.for_kernel(kernel)
         rows = np.asarray(x.astype(mx.float32)).reshape(-1, x.shape[-1])
-        out = qmatmul.qmatmul(kernel, rows, self.packed, self.scales, self.biases, self.bits, self.group_size, threads, int8)
+        out = qmatmul.qmatmul(kernel, rows, w.packed, w.scales, w.biases, self.bits, self.group_size, threads, int8)
         return mx.array(out).reshape(*x.shape[:-1], out.shape[-1])
 
 
@@ -241,13 +245,9 @@ def _concatenated(parts: list[PackedWeight]) -> Optional[PackedWeight]:
     first = parts[0]
     if any((p.bits, p.group_size, p.packed.shape[1]) != (first.bits, first.group_size, first.packed.shape[1]) for p in parts):
         return None
-    return PackedWeight(
-        packed=np.concatenate([p.packed for p in parts]),
-        scales=np.concatenate([p.scales for p in parts]),
-        biases=np.concatenate([p.biases for p in parts]),
-        bits=first.bits,
-        group_size=first.group_size,
-    )
+    arrays = [mx.concatenate([getattr(p, name) for p in parts]) for name in ("packed", "scales", "biases")]
+    mx.eval(arrays)
+    return PackedWeight(packed=arrays[0], scales=arrays[1], biases=arrays[2], bits=first.bits, group_size=first.group_size)
 
 
 def _sources(packed: dict[str, PackedWeight], kernel: Kernel) -> dict[str, tuple[SharedInput, tuple[int, int]]]:

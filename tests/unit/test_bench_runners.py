@@ -188,7 +188,7 @@ def test_llama_server_sizes_a_server_per_run_for_its_concurrency_and_longest_req
 
     asyncio.run(two_runs())
     assert launched == [(2, 512, 3), (1, 256, 3)]  # 300 + 16 (+32) -> 512; 10 + 16 (+32) -> 256
-    assert len(stopped) == 2 and runner.run_info() == {"peak_memory_mb": 123.0}
+    assert len(stopped) == 2 and runner.run_info() == {"peak_memory_mb": 123.0, "peak_rss_mb": 123.0}
     assert sent and all(str(url).startswith("http://127.0.0.1:1") for url in sent)
 
 

@@ -38,6 +38,16 @@ def test_folder_loads_once_across_threads(tiny_model_dir: Path, monkeypatch: pyt
     assert results[0].context_length == 512
 
 
+def test_loading_gives_back_what_its_conversions_freed(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import mlx.core as mx
+
+    monkeypatch.setattr(registry, "_models", {})
+    mx.eval(mx.zeros((1 << 20,)) + 1)  # freed buffers in MLX's cache, as a load's conversions leave them
+    assert mx.get_cache_memory() > 0
+    loaded = registry.load(str(tiny_model_dir), dequantize=True)
+    assert loaded.model is not None and mx.get_cache_memory() == 0
+
+
 def test_gguf_path_is_converted_once_into_cache(default_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MLX_PARALLM_HOME", str(tmp_path))
     first = registry.converted_gguf_folder(default_gguf)

@@ -136,7 +136,7 @@ def test_the_gemm_path_equals_mlx_on_the_float32_dequantized_weight(bits: int, g
 def test_the_ctypes_library_exports_the_panel_gemm() -> None:
     lib = _ctypes_kernel()
     module = _quantized((37, 128), 4, 32)
-    packed = small_batch.PackedWeight.from_module(module)
+    packed = small_batch.PackedWeight.from_module(module).for_kernel(lib)  # numpy arrays
     x = np.asarray(mx.random.normal((11, 128), key=mx.random.key(3)))
     out = np.empty((11, 37), dtype=np.float32)
     status = lib.qgemm_panels(x.ctypes.data, 11, 128, packed.packed.ctypes.data, packed.scales.ctypes.data, packed.biases.ctypes.data,
@@ -174,7 +174,7 @@ def _assert_float32_products(*libs) -> None:
     """Each kernel library's products == the float32 weights' (4- and 8-bit, groups 32-128)."""
     for bits, group in [(4, 32), (4, 128), (8, 64)]:
         module = _quantized((50, 256), bits, group)
-        packed = small_batch.PackedWeight.from_module(module)
+        packed = small_batch.PackedWeight.from_module(module).for_kernel(libs[0])  # numpy arrays
         x = mx.random.normal((11, 256), key=mx.random.key(bits + group))
         expected = np.asarray(x @ small_batch._float32_weight(module).T)
         for lib in libs:
@@ -252,6 +252,16 @@ def test_by_default_no_float32_copy_is_kept_and_1_keeps_them(tiny_model_dir: Pat
     copies = _quantized_tiny(tiny_model_dir)
     backend.prepare_model(copies, dequantize=True)
     assert _float32_copies(copies)
+
+
+def test_packing_a_layer_copies_none_of_its_packed_bytes(kernel) -> None:
+    module = _quantized((2048, 1024), 4, 32)
+    mx.eval(module.parameters())
+    before = mx.get_active_memory()
+    packed = small_batch.PackedWeight.from_module(module).for_kernel(small_batch.qmatmul_ext)
+    grown = mx.get_active_memory() - before
+    assert packed.packed.nbytes == module.weight.nbytes == 2048 * 512
+    assert grown <= packed.scales.nbytes + packed.biases.nbytes  # their float32 upcasts only: the packed bytes are the module's
 
 
 def test_kernel_rejects_what_it_cannot_read(kernel) -> None:
