@@ -300,6 +300,22 @@ def test_prepare_model_keeps_packed_weights_and_small_steps_use_them(kernel, tin
     assert np.allclose(np.asarray(small), np.asarray(large), rtol=1e-4, atol=1e-4)
 
 
+def test_sibling_layers_share_one_call_and_hold_no_output_past_their_last_member(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ext = _extension()
+    calls: list[int] = []
+    model = _quantized_tiny(tiny_model_dir)
+    _counting(ext, calls, monkeypatch)
+    backend.prepare_model(model, dequantize=True)
+    layers = len(model.model.layers)
+    mx.eval(model(mx.array([[5], [6]])))  # 2 rows: the packed kernel
+    assert len(calls) == layers * 4 + 1  # q/k/v in one call, o, gate/up in one, down; the head
+    sources = {id(m._source): m._source for _, m in model.named_modules() if isinstance(m, small_batch.SmallBatchLinear)}
+    shared = [s for s in sources.values() if s.members > 1]
+    assert len(shared) == 2 * layers
+    # Kept to the next step, a prefill's q/k/v and gate/up outputs (every prompt token) held memory for nothing.
+    assert all(getattr(s._last, "output", None) is None and getattr(s._last, "input", None) is None for s in shared)
+
+
 def _float32_copies(model) -> list[str]:
     return [name for name, m in model.named_modules() if isinstance(m, (small_batch.SmallBatchLinear, small_batch.SmallBatchEmbedding)) and "weight" in m]
 
