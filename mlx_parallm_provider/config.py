@@ -12,6 +12,10 @@ from ._validation import check_number as _check_number
 from .errors import InvalidParameterError
 
 
+KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "float32")
+"""``EngineConfig.kv_cache_dtype``'s values ("auto": the model's own K/V dtype)."""
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Settings of one engine (one loaded model).
@@ -47,6 +51,11 @@ class EngineConfig:
             recently used blocks are evicted past it), within the pool (``kv_cache_memory_gb``).
         kv_block_size: tokens per KV block (the KV cache is a pool of blocks: see the README's
             "KV memory").
+        kv_cache_dtype: the KV blocks' dtype (vLLM's name): ``"auto"``, that of the model's
+            own K and V (float32 on the CPU, where models compute in float32); ``"float16"``
+            halves the KV memory of a CPU engine (as llama.cpp's default f16 cache), the
+            CPU's decode kernel widening each value as it reads it; ``"bfloat16"``,
+            ``"float32"``. Attention computes in the model's dtype either way.
         speculative: ``"ngram"``: rows draft up to ``num_speculative_tokens`` tokens a step
             from their own prompt + output (prompt lookup) and verify them in one forward
             pass, while at most ``speculative_max_batch`` rows decode and none has penalties,
@@ -84,6 +93,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     prefix_cache_memory_gb: float = 1.0
     kv_block_size: int = 16
+    kv_cache_dtype: str = "auto"
     shutdown_timeout_s: float = 5.0
     speculative: Optional[str] = None
     num_speculative_tokens: int = 4
@@ -117,6 +127,8 @@ class EngineConfig:
         if self.prefix_cache_memory_gb == 0:
             raise InvalidParameterError("prefix_cache_memory_gb", "must be > 0 (enable_prefix_caching=False turns the store off)")
         _check_int("kv_block_size", self.kv_block_size, minimum=1, maximum=4096)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise InvalidParameterError("kv_cache_dtype", f"must be one of {', '.join(map(repr, KV_CACHE_DTYPES))}, got {self.kv_cache_dtype!r}")
         if self.speculative not in (None, "ngram"):
             raise InvalidParameterError("speculative", f"must be 'ngram' or None, got {self.speculative!r}")
         _check_int("num_speculative_tokens", self.num_speculative_tokens, minimum=1, maximum=64)

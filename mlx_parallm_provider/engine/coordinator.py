@@ -68,7 +68,7 @@ class Engine(EmbedMethods):
         self.vocab_size = int(self._loaded.config.get("vocab_size", 0)) or None
         self._prompts = PromptEncoder(self.encode, self.tokenizer, self.context_length)
         self.metrics = EngineMetrics()
-        self._kv_bytes_per_token = kv_bytes_per_token(self._loaded.model, self._loaded.config)
+        self._kv_bytes_per_token = kv_bytes_per_token(self._loaded.model, self._loaded.config, self.config.kv_cache_dtype)
         self._worker_lock = threading.Lock()
         self._worker: Optional[Worker] = None
         self._ids = itertools.count()

@@ -91,17 +91,20 @@ def paged_decode_attention(
 ) -> Optional[mx.array]:
     """Attention of one query position per row over paged KV through the MLX extension's
     CPU kernel on ``threads`` threads, or None where it does not apply (as
-    :func:`decode_attention`, and float32 pools only): the caller then gathers the rows'
+    :func:`decode_attention`, float32 or float16 pools only): the caller then gathers the rows'
     blocks and uses MLX's ops.
 
     ``k_pool`` / ``v_pool`` ``(slots, kv_heads, D)``; ``table`` ``(B, M)`` int32 block ids;
-    ``lengths`` ``(B,)`` int32, each row's tokens (see :mod:`..engine.kv.storage`)."""
+    ``lengths`` ``(B,)`` int32, each row's tokens (see :mod:`..engine.kv.storage`); the pools
+    float32, or float16 (widened as the kernel reads them)."""
     if not takes_heads(queries, k_pool.shape[1]):
         return None
-    if k_pool.dtype != mx.float32 or v_pool.dtype != mx.float32 or k_pool.shape != v_pool.shape:
+    if k_pool.dtype != v_pool.dtype or k_pool.dtype not in (mx.float32, mx.float16) or k_pool.shape != v_pool.shape:
         return None
     ext = _extension()
     if ext is None or not hasattr(ext, "paged_decode_attention"):
+        return None
+    if k_pool.dtype == mx.float16 and not getattr(ext, "paged_float16_pools", False):
         return None
     out = ext.paged_decode_attention(queries, k_pool, v_pool, table, lengths, block_size, scale, threads)
     return out.astype(queries.dtype)

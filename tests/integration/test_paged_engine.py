@@ -236,3 +236,28 @@ def test_a_state_space_model_is_refused_when_the_engine_is_built(smollm_tokenize
     folder = write_tiny_model(tmp_path / "mamba", smollm_tokenizer_dir, config=mamba)
     with pytest.raises(UnsupportedModelError, match="mlx_lm.models.mamba has layers whose cache is not a KV cache"):
         Engine(str(folder))
+
+
+def test_float16_kv_blocks_hold_half_the_bytes_and_batched_rows_answer_as_alone(make_engine) -> None:
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    prompts = [*_prompts(5), [100 + j % 250 for j in range(150)]]
+    alone = make_engine(max_num_seqs=1, kv_cache_dtype="float16")
+    expected = [alone.generate_sync(p, params).token_ids for p in prompts]
+    engine = make_engine(kv_cache_dtype="float16", prefill_chunk_size=64)
+    wide = make_engine()  # "auto": the tiny model's float32
+
+    async def together(e):
+        return await asyncio.gather(*(e.generate(p, params) for p in prompts))
+
+    assert [c.token_ids for c in asyncio.run(together(engine))] == expected
+    asyncio.run(together(wide))
+    half, full = engine.stats()["kv_cache"], wide.stats()["kv_cache"]
+    assert half["kv_cache_bytes"] * 2 == full["kv_cache_bytes"] > 0
+    assert alone._kv_bytes_per_token * 2 == BYTES_PER_TOKEN  # noqa: SLF001 (what the pool is sized by)
+
+
+def test_kv_cache_dtype_is_checked() -> None:
+    from mlx_parallm_provider import EngineConfig
+
+    with pytest.raises(InvalidParameterError, match="kv_cache_dtype"):
+        EngineConfig(kv_cache_dtype="fp8")

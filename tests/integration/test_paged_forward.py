@@ -102,6 +102,17 @@ def test_storage_grows_on_demand_and_keeps_what_it_held(tiny_model):
     assert mx.array_equal(keys, k).item() and mx.array_equal(values, k + 1).item()
 
 
+def test_float16_storage_holds_halves_and_reads_back_in_the_models_dtype(tiny_model):
+    storage = PagedKVStorage(1, num_blocks=8, block_size=2, preallocate=True, dtype=mx.float16)
+    k = mx.random.normal((3, 4, 8), key=mx.random.key(0))
+    storage.write(0, mx.array([5, 1, 2]), k, -k)
+    keys, values = storage.read(0, mx.array([5, 1, 2]))
+    assert storage.keys[0].dtype == storage.values[0].dtype == mx.float16
+    assert storage.nbytes == 2 * 16 * 4 * 8 * 2  # K and V, 16 slots of 4 x 8 halves
+    assert keys.dtype == values.dtype == mx.float32
+    assert mx.array_equal(keys, k.astype(mx.float16).astype(mx.float32)).item() and mx.array_equal(values, -keys).item()
+
+
 def test_storage_grows_ahead_no_further_than_the_cap_but_a_sixteenth_at_least(tiny_model):
     storage = PagedKVStorage(1, num_blocks=1000, block_size=2)
     storage.reserve(160)

@@ -144,3 +144,63 @@ def test_paged_kernel_matches_attention_over_each_rows_gathered_blocks():
         k, v = k_pool[slots].swapaxes(0, 1)[None], v_pool[slots].swapaxes(0, 1)[None]
         expected = mx.fast.scaled_dot_product_attention(q[b : b + 1], k, v, scale=0.125)
         assert mx.allclose(out[b : b + 1], expected, atol=1e-5).item(), b
+
+
+def _float16_pools_case():
+    """Pools of float16 values (a subnormal, -0 and a large value among them), a block table
+    and the float32 pools of the same values."""
+    mx.random.seed(1)
+    bs, kv_heads, heads, D = 16, 3, 9, 64
+    k = (mx.random.normal((50 * bs, kv_heads, D)) * 3).astype(mx.float16)
+    v = (mx.random.normal((50 * bs, kv_heads, D)) * 3).astype(mx.float16)
+    specials = mx.array([[[6e-8] * D] * kv_heads, [[-0.0] * D] * kv_heads, [[60000.0 / 1000] * D] * kv_heads], dtype=mx.float16)
+    k = mx.concatenate([specials, k[3:]])
+    table, lengths = mx.array([[3, 7, 9, 1], [0, 2, 4, 6]], dtype=mx.int32), mx.array([60, 33], dtype=mx.int32)
+    return mx.random.normal((2, heads, 1, D)), k, v, table, lengths, bs
+
+
+def test_paged_kernel_reads_float16_pools_as_the_float32_values_they_hold():
+    _extension()
+    q, k, v, table, lengths, bs = _float16_pools_case()
+    half = CPUKernels(attention_threads=2).paged_decode_attention(q, k, v, table, lengths, bs, 0.125)
+    assert half is not None and half.dtype == mx.float32  # the kernel, not the gathered fallback
+    wide = attention.paged_decode_attention(q, k.astype(mx.float32), v.astype(mx.float32), table, lengths, bs, 0.125)
+    assert mx.array_equal(half, wide).item()  # widening is exact: the same sums
+
+
+_FORCED_BUILD = """
+import os, sys
+import mlx_parallm_provider
+import mlx.core as mx
+from mlx_parallm_provider.models import qmatmul, qmatmul_ext
+if sys.argv[1] == "portable":
+    qmatmul.native_flags = lambda compiler: []
+else:
+    os.environ[qmatmul.MARCH_ENV] = sys.argv[1]
+sys.path.insert(0, sys.argv[2])
+from test_decode_attention import _float16_pools_case
+ext = qmatmul_ext.load()
+q, k, v, table, lengths, bs = _float16_pools_case()
+half = ext.paged_decode_attention(q, k, v, table, lengths, bs, 0.125, 1)
+wide = ext.paged_decode_attention(q, k.astype(mx.float32), v.astype(mx.float32), table, lengths, bs, 0.125, 1)
+print("EQUAL" if mx.array_equal(half, wide).item() else "DIFFERENT")
+"""
+
+
+@pytest.mark.parametrize("march", ["x86-64-v3", "portable"])
+def test_forced_builds_widen_float16_pools_alike(march: str, tmp_path) -> None:
+    """The F16C path (``x86-64-v3``, which an AVX-512 build never runs) and the portable one
+    (no ``-march``: a scalar conversion), each built in a child process of its own."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from mlx_parallm_provider.models import qmatmul
+
+    _extension()
+    if march != "portable" and not ({"avx2", "fma", "f16c"} <= qmatmul.cpu_flags() and qmatmul.march_problem("cc", march) is None):
+        pytest.skip("not an x86 CPU with AVX2, FMA and F16C")
+    env = dict(os.environ, MLX_PARALLM_HOME=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", _FORCED_BUILD, march, str(Path(__file__).parent)], capture_output=True, text=True, env=env)
+    assert out.stdout.strip().splitlines()[-1:] == ["EQUAL"], out.stderr[-2000:]

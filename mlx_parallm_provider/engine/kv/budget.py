@@ -7,6 +7,8 @@ import logging
 import os
 from typing import Any, Optional
 
+import mlx.core as mx
+
 logger = logging.getLogger(__name__)
 
 FREE_MEMORY_FRACTION = 0.5
@@ -49,9 +51,10 @@ def pool_blocks(budget_bytes: Optional[int], bytes_per_token: int, block_size: i
     return max(2, wanted)
 
 
-def kv_bytes_per_token(model: Any, config: dict[str, Any]) -> int:
+def kv_bytes_per_token(model: Any, config: dict[str, Any], kv_cache_dtype: str = "auto") -> int:
     """Bytes of K and V one token takes across all layers (from the model's config; the
-    KV's dtype is that of its embeddings, float32 for packed ones, at least 2 bytes)."""
+    KV's dtype is ``kv_cache_dtype``, or with ``"auto"`` that of the model's embeddings,
+    float32 for packed ones, at least 2 bytes)."""
     heads = config.get("num_attention_heads", 1)
     kv_heads = config.get("num_key_value_heads", heads)
     head_dim = config.get("head_dim") or config.get("hidden_size", heads) // heads
@@ -59,4 +62,6 @@ def kv_bytes_per_token(model: Any, config: dict[str, Any]) -> int:
     weight = getattr(getattr(model, "model", None), "embed_tokens", None)
     weight = getattr(weight, "weight", None)  # packed-weight embeddings hold none: they compute in float32
     dtype_bytes = weight.dtype.size if weight is not None else 4
+    if kv_cache_dtype != "auto":
+        dtype_bytes = getattr(mx, kv_cache_dtype).size
     return 2 * layers * kv_heads * head_dim * max(2, dtype_bytes)

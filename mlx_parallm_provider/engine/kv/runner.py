@@ -49,19 +49,22 @@ class PagedRunner:
         """The paged runner ``config`` asks for (``model`` passed :func:`.support.unsupported_reason`)."""
         runner = cls.create(model, config.kv_cache_memory_bytes, bytes_per_token, config.kv_block_size,
                             config.max_num_seqs * max(context_length, 1), pad_id,
-                            max_cached_tokens=config.prefix_cache_memory_bytes // max(1, bytes_per_token), max_kv_size=config.max_kv_size)
+                            max_cached_tokens=config.prefix_cache_memory_bytes // max(1, bytes_per_token), max_kv_size=config.max_kv_size,
+                            kv_dtype=None if config.kv_cache_dtype == "auto" else getattr(mx, config.kv_cache_dtype))
         runner.caching = config.enable_prefix_caching
         return runner
 
     @classmethod
     def create(cls, model: Any, budget_bytes: Optional[int], bytes_per_token: int, block_size: int, max_tokens: int, pad_id: int,
-               max_cached_tokens: Optional[int] = None, max_kv_size: Optional[int] = None) -> "PagedRunner":
+               max_cached_tokens: Optional[int] = None, max_kv_size: Optional[int] = None,
+               kv_dtype: Optional[mx.Dtype] = None) -> "PagedRunner":
         """A runner with its own pool: ``budget_bytes`` of blocks (all allocated at once),
         or, without a budget, room for ``max_tokens`` within the free memory, grown on use;
         at most ``max_cached_tokens`` of it named by the prefix cache. ``max_kv_size``: every
         layer attends to at most that many recent tokens, and older blocks are released.
         Layers of different windows (gemma3's local and global) get a group each
-        (:mod:`.groups`): a local group's blocks past its window are released too."""
+        (:mod:`.groups`): a local group's blocks past its window are released too.
+        ``kv_dtype``: the blocks' dtype (None: the model's K/V dtype)."""
         layers = len(model.layers)
         windows = with_max_kv_size(layer_windows(model) or [None] * layers, max_kv_size)
         groups = LayerGroups.of(windows)
@@ -69,7 +72,7 @@ class PagedRunner:
         blocks = pool_blocks(budget_bytes, bytes_per_token * groups.size // layers, block_size, max_tokens * groups.count)
         cached = None if max_cached_tokens is None else max(1, max_cached_tokens * groups.count // block_size)
         kv = KVCacheManager(blocks, block_size, cached, windows=groups.windows)
-        storage = PagedKVStorage(groups.size, blocks, block_size, preallocate=budget_bytes is not None)
+        storage = PagedKVStorage(groups.size, blocks, block_size, preallocate=budget_bytes is not None, dtype=kv_dtype)
         return cls(model, kv, storage, pad_id, windows=windows, groups=groups if groups.count > 1 else None)
 
     def prefix_options(self, config: EngineConfig) -> dict[str, Any]:

@@ -7,7 +7,8 @@ token ``t`` of a row whose block table is ``table`` lives at slot
 ``table[t // block_size] * block_size + t % block_size``. Writes are in-place scatters (MLX
 donates the buffer), so a step's cost is its own tokens, never the batch's.
 
-The arrays are created at the first write (shapes and dtype from the model's own K/V) and
+The arrays are created at the first write (shapes from the model's own K/V, dtype the
+engine's ``kv_cache_dtype`` or else theirs; reads give the model's dtype back) and
 hold as many blocks as :meth:`reserve` last asked for, up to the pool's size: with an
 explicit budget that is the whole pool at once; otherwise they grow as the highest block in
 use rises (the pool hands out cached blocks again before it grows them), so a small workload
@@ -38,8 +39,11 @@ times per doubling, not once per request."""
 class PagedKVStorage:
     """Per-layer K/V pools for ``num_blocks`` blocks of ``block_size`` tokens."""
 
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, preallocate: bool = False) -> None:
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, preallocate: bool = False,
+                 dtype: Optional[mx.Dtype] = None) -> None:
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
+        self.dtype = dtype  # of the arrays; None: the model's K/V dtype
+        self.compute_dtype: Optional[mx.Dtype] = None  # the model's K/V dtype, known at the first write
         self.keys: list[Optional[mx.array]] = [None] * num_layers
         self.values: list[Optional[mx.array]] = [None] * num_layers
         self._blocks = num_blocks if preallocate else 0  # blocks the arrays hold (or will, once created)
@@ -82,8 +86,9 @@ class PagedKVStorage:
         """Put ``keys`` / ``values`` (``(n, kv_heads, head_dim)``) at ``slots`` (``(n,)``)."""
         if self.keys[layer] is None:
             size = self._blocks * self.block_size
-            self.keys[layer] = mx.zeros((size, *keys.shape[1:]), keys.dtype)
-            self.values[layer] = mx.zeros((size, *values.shape[1:]), values.dtype)
+            self.compute_dtype = keys.dtype
+            self.keys[layer] = mx.zeros((size, *keys.shape[1:]), self.dtype or keys.dtype)
+            self.values[layer] = mx.zeros((size, *values.shape[1:]), self.dtype or values.dtype)
         self.keys[layer][slots] = keys.astype(self.keys[layer].dtype)  # type: ignore[index]
         self.values[layer][slots] = values.astype(self.values[layer].dtype)  # type: ignore[index]
 
@@ -101,5 +106,9 @@ class PagedKVStorage:
                     a[dst] = a[src]
 
     def read(self, layer: int, slots: mx.array) -> tuple[mx.array, mx.array]:
-        """K and V at ``slots`` (any shape ``s``): arrays of shape ``(*s, kv_heads, head_dim)``."""
-        return self.keys[layer][slots], self.values[layer][slots]  # type: ignore[index]
+        """K and V at ``slots`` (any shape ``s``): arrays of shape ``(*s, kv_heads, head_dim)``,
+        in the model's dtype."""
+        k, v = self.keys[layer][slots], self.values[layer][slots]  # type: ignore[index]
+        if self.compute_dtype is not None and k.dtype != self.compute_dtype:
+            k, v = k.astype(self.compute_dtype), v.astype(self.compute_dtype)
+        return k, v

@@ -14,7 +14,9 @@
 // Paged variant (paged_decode_attention_op): keys and values live in per-layer pools of
 // slots (N, KVH, D), block_size slots a block; row b's tokens are the first lengths[b] slots
 // of the blocks table[b][0], table[b][1], ... read through per-position offsets, so the
-// softmax tiles span blocks. No mask: one query sees every token its row holds.
+// softmax tiles span blocks. No mask: one query sees every token its row holds. The pools are
+// float32 or float16 (EngineConfig.kv_cache_dtype): halves are widened to float32 as they are
+// read, 16 at a time (F16C / AVX-512 where the build has them), and every sum stays float32.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -30,7 +32,7 @@
 #include <thread>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -54,6 +56,43 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 inline v16f load(const float* p) { return *reinterpret_cast<const v16f_u*>(p); }
 inline void store(float* p, v16f v) { *reinterpret_cast<v16f_u*>(p) = v; }
 
+// IEEE half (its bits) -> float, subnormals, infinities and NaNs included.
+inline float half_to_float(uint16_t h) {
+  uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu, bits;
+  if (exp == 0 && mant == 0) {
+    bits = sign;
+  } else if (exp == 0) {  // subnormal: mant * 2^-24, normalized
+    int shift = 0;
+    while (!(mant & 0x400u)) mant <<= 1, shift++;
+    bits = sign | static_cast<uint32_t>(127 - 14 - shift) << 23 | (mant & 0x3ffu) << 13;
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000u | mant << 13;
+  } else {
+    bits = sign | (exp + 112) << 23 | mant << 13;
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// 16 float16 values (their bits) widened to float32.
+inline v16f load(const uint16_t* p) {
+#if defined(__AVX512F__)
+  __m512 v = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return reinterpret_cast<v16f&>(v);
+#elif defined(__F16C__)
+  __m256 halves[2] = {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+                      _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
+  v16f out;
+  std::memcpy(&out, halves, sizeof out);
+  return out;
+#else
+  v16f out;
+  for (int i = 0; i < 16; i++) out[i] = half_to_float(p[i]);
+  return out;
+#endif
+}
+
 inline float hsum(v16f v) {
 #if defined(__AVX512F__)
   return _mm512_reduce_add_ps(reinterpret_cast<__m512&>(v));
@@ -63,19 +102,22 @@ inline float hsum(v16f v) {
   return s;
 }
 
-// Keys and values of one (row, KV head) segment: `len` positions `stride` floats apart.
-struct Segment {
-  const float* k;
-  const float* v;
+// Keys and values of one (row, KV head) segment: `len` positions `stride` elements apart;
+// T: float, or uint16_t for float16 bits.
+template <class T>
+struct SegmentOf {
+  const T* k;
+  const T* v;
   int64_t k_stride, v_stride;
   int len;
   const uint8_t* keep;  // per position, or null (all kept)
   const float* add;     // additive mask per position, or null
   const int64_t* at = nullptr;  // per position, its offset from k and v (paged KV), or null (pos * stride)
 
-  const float* key(int pos) const { return k + (at ? at[pos] : pos * k_stride); }
-  const float* value(int pos) const { return v + (at ? at[pos] : pos * v_stride); }
+  const T* key(int pos) const { return k + (at ? at[pos] : pos * k_stride); }
+  const T* value(int pos) const { return v + (at ? at[pos] : pos * v_stride); }
 };
+using Segment = SegmentOf<float>;
 
 // Running softmax state of the `group` query heads of one (row, KV head).
 struct Accumulator {
@@ -93,7 +135,8 @@ struct Accumulator {
     }
   }
 
-  void attend(const Segment& s) {
+  template <class T>
+  void attend(const SegmentOf<T>& s) {
     switch (group) {  // the group size as a constant keeps the per-head sums in registers
       case 1: return attend_as<1>(s);
       case 2: return attend_as<2>(s);
@@ -106,8 +149,8 @@ struct Accumulator {
   }
 
   // G query heads (0: `group`, not known at compile time).
-  template <int G>
-  void attend_as(const Segment& s) {
+  template <int G, class T>
+  void attend_as(const SegmentOf<T>& s) {
     const int heads = G ? G : group;
     for (int start = 0; start < s.len; start += kBlock) {
       int n = std::min(kBlock, s.len - start);
@@ -119,7 +162,7 @@ struct Accumulator {
           continue;
         }
         any = true;
-        const float* key = s.key(pos);
+        const T* key = s.key(pos);
         v16f dot[G ? G : kMaxGroup] = {};
         for (int d = 0; d < dim; d += 16) {
           v16f kd = load(key + d);
@@ -295,15 +338,22 @@ class PagedDecodeAttentionCPU : public CpuAttention<PagedDecodeAttentionCPU> {
   PagedParams params;
 
   static void run(const std::vector<mx::array>& in, mx::array& out, const PagedParams& prm) {
+    if (!in[1].flags().row_contiguous || !in[2].flags().row_contiguous) {
+      throw std::runtime_error("paged_decode_attention: the pools must be row-contiguous");
+    }
+    if (in[1].dtype() == mx::float16) {
+      run_as(in[1].data<uint16_t>(), in[2].data<uint16_t>(), in, out, prm);
+    } else {
+      run_as(in[1].data<float>(), in[2].data<float>(), in, out, prm);
+    }
+  }
+
+  template <class T>
+  static void run_as(const T* kp, const T* vp, const std::vector<mx::array>& in, mx::array& out, const PagedParams& prm) {
     const float scale = prm.scale;
     const int bs = prm.block_size;
     const auto& q = in[0];
     const float* qd = q.data<float>();
-    if (!in[1].flags().row_contiguous || !in[2].flags().row_contiguous) {
-      throw std::runtime_error("paged_decode_attention: the pools must be row-contiguous");
-    }
-    const float* kp = in[1].data<float>();
-    const float* vp = in[2].data<float>();
     const int32_t* table = in[3].data<int32_t>();
     const int32_t* lengths = in[4].data<int32_t>();
     int B = q.shape(0), H = q.shape(1), D = q.shape(3), KVH = in[1].shape(1), M = in[3].shape(1);
@@ -337,7 +387,7 @@ class PagedDecodeAttentionCPU : public CpuAttention<PagedDecodeAttentionCPU> {
         if (row[n / bs] < 0 || slot >= slots) break;
         at[n] = slot * slot_stride;
       }
-      const int64_t slot_bytes = slot_stride * static_cast<int64_t>(sizeof(float));
+      const int64_t slot_bytes = slot_stride * static_cast<int64_t>(sizeof(T));
       for (int start = 0; start < n; start += kBlock) {
         int tile = std::min(kBlock, n - start);
         // Ask for the next tile's slots (every head's K and V) while this one is computed:
@@ -352,7 +402,7 @@ class PagedDecodeAttentionCPU : public CpuAttention<PagedDecodeAttentionCPU> {
           }
         }
         for (int g = 0; g < KVH; g++)
-          heads[g].attend({kp + g * D, vp + g * D, slot_stride, slot_stride, tile, nullptr, nullptr, at.data() + start});
+          heads[g].attend(SegmentOf<T>{kp + g * D, vp + g * D, slot_stride, slot_stride, tile, nullptr, nullptr, at.data() + start});
       }
       for (int g = 0; g < KVH; g++) {
         float* outputs[kMaxGroup];
@@ -418,8 +468,9 @@ mx::array paged_decode_attention_op(const mx::array& q, const mx::array& k_pool,
   auto stream = cpu_stream();
   auto f32 = [&](const mx::array& a) { return mx::contiguous(mx::astype(a, mx::float32, stream), false, stream); };
   auto i32 = [&](const mx::array& a) { return mx::contiguous(mx::astype(a, mx::int32, stream), false, stream); };
-  if (k_pool.dtype() != mx::float32 || v_pool.dtype() != mx::float32) {
-    throw std::invalid_argument("paged_decode_attention: the pools must be float32 (a cast would copy them every call)");
+  if (k_pool.dtype() != v_pool.dtype() || (k_pool.dtype() != mx::float32 && k_pool.dtype() != mx::float16)) {
+    throw std::invalid_argument("paged_decode_attention: the pools must be both float32 or both float16 (a cast would copy "
+                                "them every call)");
   }
   std::vector<mx::array> inputs = {f32(q), k_pool, v_pool, i32(table), i32(lengths)};
   return mx::array(q.shape(), mx::float32,

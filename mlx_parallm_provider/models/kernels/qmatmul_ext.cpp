@@ -165,5 +165,6 @@ NB_MODULE(mlx_parallm_qmatmul_ext, m) {
   m.def("paged_decode_attention", &mlx_parallm::paged_decode_attention_op, "q"_a, "k_pool"_a, "v_pool"_a, "table"_a,
         "lengths"_a, "block_size"_a, "scale"_a, "threads"_a = 1,
         "Attention of q (B, H, 1, D) over each row's first lengths[b] slots of its blocks table[b] in the pools "
-        "(N, KVH, D), block_size slots a block, as one CPU op. float32 out.");
+        "(N, KVH, D), block_size slots a block, as one CPU op. Pools float32 or float16; float32 out.");
+  m.attr("paged_float16_pools") = nb::bool_(true);  // what attention.py asks before handing it float16 pools
 }
