@@ -261,3 +261,34 @@ def test_kv_cache_dtype_is_checked() -> None:
 
     with pytest.raises(InvalidParameterError, match="kv_cache_dtype"):
         EngineConfig(kv_cache_dtype="fp8")
+
+
+def test_float16_kv_blocks_under_shared_prefixes_and_speculation_answer_as_alone(make_engine, monkeypatch) -> None:
+    # Rows sharing cached prefix blocks decode through the cascade (blocks read back as float32);
+    # n-gram drafts are verified by a multi-token forward over the gathered blocks.
+    from mlx_parallm_provider.engine import speculation
+
+    def draft(self, request) -> None:  # three tokens a step (mostly rejected: their KV rolled back)
+        left = request.params.max_tokens - len(request.output_ids) - 1
+        request.draft = [] if request.finished else list(request.prompt_ids[-3:])[: max(0, left)]
+
+    monkeypatch.setattr(speculation.NgramSpeculator, "draft", draft)
+    monkeypatch.setattr(speculation.NgramSpeculator, "plan", lambda self, rows: 3 if len(rows) <= self.max_batch and any(
+        r.draft for r in rows) else 0)  # verify whatever the step costs
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    prefix = [100 + j % 50 for j in range(40)]
+    prompts = [prefix + [300 + i, 301 + i, 302 + i] * (1 + i % 3) for i in range(6)]
+    alone = make_engine(max_num_seqs=1, kv_cache_dtype="float16", enable_prefix_caching=False)
+    expected = [alone.generate_sync(p, params).token_ids for p in prompts]
+    for config in ({}, {"speculative": "ngram", "speculative_max_batch": 8}):
+        engine = make_engine(kv_cache_dtype="float16", **config)
+        engine.generate_sync(prefix + [7], SamplingParams(max_tokens=2))  # the prefix cached first
+
+        async def together():
+            return await asyncio.gather(*(engine.generate(p, params) for p in prompts))
+
+        assert [c.token_ids for c in asyncio.run(together())] == expected, config
+        stats = engine.stats()
+        assert stats["cached_prompt_tokens"] >= 6 * 32  # the prefix's whole blocks, read from the cache
+        if config:
+            assert stats["speculation"]["draft_tokens"] > 0, stats["speculation"]
