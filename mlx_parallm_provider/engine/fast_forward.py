@@ -126,7 +126,7 @@ class FastForward:
         best, best_rate = 0, n / plain
         for k in sorted({length for length, _ in drafting}):
             gained = sum(a * (1 - a ** min(length, k)) / (1 - a) for length, a in drafting)  # expected kept tokens
-            rate = (n + gained) / (self.times.get(n, k) or plain)  # untried: as cheap as a plain step, so tried once
+            rate = (n + gained) / (self.times.estimate(n, k) or plain)  # nothing known: as cheap as a plain step, so tried once
             if rate > best_rate:
                 best, best_rate = k, rate
         return best
