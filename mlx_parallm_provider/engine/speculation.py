@@ -115,23 +115,21 @@ class StepTimes:
     def estimate(self, rows: int, k: int) -> Optional[float]:
         """The time a step of ``rows`` rows verifying ``k`` tokens a row should take: measured,
         else from the widths measured at this row count (the nearest wider one bounds it; past
-        the widest, its extra cost over a plain step grows in proportion to ``k``), else from
-        the nearest row count that measured ``k`` (its cost relative to its plain step); None
-        where nothing says (the planners then try the width once). Each untried width was
-        tried once before, and a verify step over long contexts gathers every row's KV (~0.3-0.9
-        s for 8 rows at 1,250 tokens on 2 cores): eight rows of constrained tool calls through
-        LiteLLM spent more time trying widths than fast-forward saved (0.67x)."""
+        the widest, the widest's own: a verify step's cost is mostly fixed, so a wider one is
+        tried once and then known), else from the nearest row count that measured ``k`` (its
+        cost relative to its plain step); None where nothing says (the planners then try the
+        width once). Each untried width was tried once before, and a verify step over long
+        contexts gathers every row's KV (~0.3-0.9 s for 8 rows at 1,250 tokens on 2 cores):
+        eight rows of constrained tool calls through LiteLLM spent more time trying widths than
+        fast-forward saved (0.67x)."""
         exact = self._seconds.get((rows, k))
         plain = self._seconds.get((rows, 0))
         if exact is not None or k == 0 or plain is None:
             return exact
         widths = sorted(w for n, w in self._seconds if n == rows and w > 0)
         wider = [w for w in widths if w > k]
-        if wider:
-            return self._seconds[(rows, wider[0])]
-        if widths:
-            w = widths[-1]
-            return plain + max(0.0, self._seconds[(rows, w)] - plain) * k / w
+        if wider or widths:
+            return self._seconds[(rows, wider[0] if wider else widths[-1])]
         others = [n for n, w in self._seconds if w == k and n != rows and (n, 0) in self._seconds]
         if others:
             n = min(others, key=lambda n: abs(n - rows))

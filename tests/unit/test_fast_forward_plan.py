@@ -52,20 +52,23 @@ def test_no_fast_forward_without_constrained_drafts_or_in_a_large_batch() -> Non
 
 def test_widths_and_row_counts_not_yet_measured_are_estimated_from_those_that_were() -> None:
     # Eight rows of tool calls over a long cached prompt: a verify step gathers every row's KV
-    # and costs ~12 plain steps. Each untried width (and each row count, as rows finish) was
+    # and costs several plain steps. Each untried width (and each row count, as rows finished) was
     # tried once before, and those trials cost more than fast-forward saved (0.67x).
     times = StepTimes()
     times.record(8, 0, 0.065)
-    times.record(8, 3, 0.800)
-    assert times.estimate(8, 2) == 0.800  # a wider width's cost bounds a narrower one
-    assert abs(times.estimate(8, 12) - (0.065 + 0.735 * 4)) < 1e-9  # past the widest: in proportion
-    times.record(7, 0, 0.060)
-    assert abs(times.estimate(7, 3) - 0.060 * 0.800 / 0.065) < 1e-9  # the nearest row count's ratio
-    assert times.estimate(7, 5) is None and times.estimate(6, 3) is None  # nothing says: tried once
+    times.record(8, 3, 0.300)
+    assert times.estimate(8, 2) == 0.300  # a wider width's cost bounds a narrower one
+    assert times.estimate(8, 12) == 0.300  # past the widest: its cost (mostly fixed), so tried once
     ff = FastForward(max_batch=8, times=times)
-    assert ff.plan([_row(list(range(12)))] * 8) == 0
+    assert ff.plan([_row(list(range(3)))] * 8) == 0
+    assert ff.plan([_row(list(range(12)))] * 8) == 12  # ~60 tokens for 0.3 s might pay: tried once
+    times.record(8, 12, 1.000)
+    assert ff.plan([_row(list(range(12)))] * 8) == 0 and ff.plan([_row(list(range(7)))] * 8) == 0  # 7: bounded by 12's cost
+    times.record(7, 0, 0.060)
+    assert abs(times.estimate(7, 3) - 0.060 * 0.300 / 0.065) < 1e-9  # the nearest row count's ratio
     assert ff.plan([_row(list(range(3)))] * 7) == 0
-    cheap = StepTimes()  # one row, memory-bound: a measured width says the wider ones pay too
-    cheap.record(1, 0, 0.025)
-    cheap.record(1, 2, 0.027)
-    assert FastForward(max_batch=8, times=cheap).plan([_row(list(range(10)))]) == 10
+    assert times.estimate(7, 5) is None and times.estimate(6, 3) is None  # nothing says: tried once
+    cheap = StepTimes()  # two rows: a verify step costs little more than a plain one
+    cheap.record(2, 0, 0.030)
+    cheap.record(2, 2, 0.060)
+    assert FastForward(max_batch=8, times=cheap).plan([_row(list(range(10)))] * 2) == 10
