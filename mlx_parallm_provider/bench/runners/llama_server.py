@@ -5,7 +5,6 @@ per concurrent request and room for the run's longest request in each, as
 
 from __future__ import annotations
 
-import asyncio
 import importlib.util
 from pathlib import Path
 from typing import Any, Optional, Sequence
