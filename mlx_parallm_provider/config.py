@@ -54,8 +54,9 @@ class EngineConfig:
         kv_cache_dtype: the KV blocks' dtype (vLLM's name): ``"auto"``, that of the model's
             own K and V (float32 on the CPU, where models compute in float32); ``"float16"``
             halves the KV memory of a CPU engine (as llama.cpp's default f16 cache), the
-            CPU's decode kernel widening each value as it reads it; ``"bfloat16"``,
-            ``"float32"``. Attention computes in the model's dtype either way.
+            CPU's decode kernel widening each value as it reads it; ``"bfloat16"`` (on the
+            CPU its blocks are gathered for MLX's ops every step: slower), ``"float32"``.
+            Attention computes in the model's dtype either way.
         speculative: ``"ngram"``: rows draft up to ``num_speculative_tokens`` tokens a step
             from their own prompt + output (prompt lookup) and verify them in one forward
             pass, while at most ``speculative_max_batch`` rows decode and none has penalties,
