@@ -89,15 +89,19 @@ def paged_decode_attention(
     queries: mx.array, k_pool: mx.array, v_pool: mx.array, table: mx.array, lengths: mx.array, block_size: int, scale: float,
     threads: int = 1,
 ) -> Optional[mx.array]:
-    """Attention of one query position per row over paged KV through the MLX extension's
-    CPU kernel on ``threads`` threads, or None where it does not apply (as
-    :func:`decode_attention`, float32 or float16 pools only): the caller then gathers the rows'
-    blocks and uses MLX's ops.
+    """Attention over paged KV through the MLX extension's CPU kernel on ``threads`` threads,
+    or None where it does not apply (as :func:`decode_attention`, float32 or float16 pools
+    only): the caller then gathers the rows' blocks and uses MLX's ops.
 
-    ``k_pool`` / ``v_pool`` ``(slots, kv_heads, D)``; ``table`` ``(B, M)`` int32 block ids;
-    ``lengths`` ``(B,)`` int32, each row's tokens (see :mod:`..engine.kv.storage`); the pools
-    float32, or float16 (widened as the kernel reads them)."""
-    if not takes_heads(queries, k_pool.shape[1]):
+    ``queries`` ``(B, heads, L, D)``; ``k_pool`` / ``v_pool`` ``(slots, kv_heads, D)``;
+    ``table`` ``(B, M)`` int32 block ids; ``lengths`` ``(B,)`` int32, each row's tokens (L =
+    1; see :mod:`..engine.kv.storage`), or ``(B, L)``: the tokens each query position sees
+    (a verify step's positions, each computed as it would be alone, a row's blocks read once
+    for all of them); the pools float32, or float16 (widened as the kernel reads them)."""
+    one = queries[:, :, :1] if queries.shape[2] > 1 else queries
+    if not takes_heads(one, k_pool.shape[1]):
+        return None
+    if queries.shape[2] > 1 and (lengths.ndim != 2 or not getattr(_extension(), "paged_positions", False)):
         return None
     if k_pool.dtype != v_pool.dtype or k_pool.dtype not in (mx.float32, mx.float16) or k_pool.shape != v_pool.shape:
         return None

@@ -204,3 +204,30 @@ def test_forced_builds_widen_float16_pools_alike(march: str, tmp_path) -> None:
     env = dict(os.environ, MLX_PARALLM_HOME=str(tmp_path))
     out = subprocess.run([sys.executable, "-c", _FORCED_BUILD, march, str(Path(__file__).parent)], capture_output=True, text=True, env=env)
     assert out.stdout.strip().splitlines()[-1:] == ["EQUAL"], out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("kv_heads, heads, L", [(3, 9, 5), (2, 6, 4), (1, 16, 3), (4, 4, 13)])  # 15, 12, 48 or 13 query rows a head
+def test_paged_kernel_attends_several_positions_a_row_each_as_alone(kv_heads: int, heads: int, L: int):
+    """A verify step's positions: position j sees limits[b][j] tokens, and computes what a
+    one-position call with that length computes (a row's blocks read once for all of them)."""
+    _extension()
+    mx.random.seed(5)
+    bs, D = 4, 32
+    k_pool, v_pool = mx.random.normal((60 * bs, kv_heads, D)), mx.random.normal((60 * bs, kv_heads, D))
+    tables = [[5, 6, 7, 2, 40, 41, 42, 43], [9, 10, 11, 12, 13], [3, 4, 30, 31, 32, 33, 34, 35]]
+    starts, news = [15, 2, 18], [L, 1, L - 1]  # the second row verifies nothing: padding past its token
+    width = max(map(len, tables))
+    table = mx.array([t + [0] * (width - len(t)) for t in tables], dtype=mx.int32)
+    limits = mx.array([[s + min(j, n - 1) + 1 for j in range(L)] for s, n in zip(starts, news)], dtype=mx.int32)
+    q = mx.random.normal((3, heads, L, D))
+    out = attention.paged_decode_attention(q, k_pool, v_pool, table, limits, bs, 0.125)
+    assert out is not None and out.shape == q.shape
+    for b, (s, n) in enumerate(zip(starts, news)):
+        for j in range(n):
+            one = attention.paged_decode_attention(q[b : b + 1, :, j : j + 1], k_pool, v_pool, table[b : b + 1],
+                                                   mx.array([s + j + 1], dtype=mx.int32), bs, 0.125)
+            assert mx.array_equal(out[b : b + 1, :, j : j + 1], one).item(), (b, j)
+            slots = mx.array([tables[b][i // bs] * bs + i % bs for i in range(s + j + 1)])
+            k, v = k_pool[slots].swapaxes(0, 1)[None], v_pool[slots].swapaxes(0, 1)[None]
+            expected = mx.fast.scaled_dot_product_attention(q[b : b + 1, :, j : j + 1], k, v, scale=0.125)
+            assert mx.allclose(out[b : b + 1, :, j : j + 1], expected, atol=1e-5).item(), (b, j)

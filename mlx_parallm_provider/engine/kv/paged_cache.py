@@ -8,7 +8,9 @@ the row's blocks) and ``attend`` (attention through the block tables; the model'
 routes its attention there, passing itself: :meth:`~mlx_parallm_provider.models.backends.MLXOps.attend`).
 
 Attention reads each row's blocks. Decoding on the CPU kernels backend, one kernel call
-reads them through the block tables (the backend's ``paged_decode_attention``). Elsewhere
+reads them through the block tables (the backend's ``paged_decode_attention``), for a step
+verifying a few drafts or forced tokens a row too (:data:`MAX_PAGED_WIDTH`; each position
+sees the tokens before it and computes what a decode step there would). Elsewhere
 (prefill, Metal, CUDA, kernels off) rows are gathered, per length bucket, into a transient
 rectangle (so a long row never makes short rows attend over its length), then attended by
 the backend's ``dense_attention``. Decoding rows whose tables start with the same cached
@@ -40,6 +42,10 @@ from .storage import PagedKVStorage
 
 _MLX_OPS = MLXOps()
 MIN_SHARED_BLOCKS = 4
+MAX_PAGED_WIDTH = 16
+"""Verify steps of at most this many tokens a row attend through the block tables where the
+backend has a paged kernel (gathering every row's KV for them cost 0.3-0.9 s a step with 8
+rows over 1,250 cached tokens); wider ones, and prefill, gather."""
 """Decoding rows that share at least this many leading blocks attend to them as one cascade."""
 BUCKET_RATIO = 2
 """Rows attend in buckets whose longest row is at most this many times their shortest."""
@@ -68,11 +74,15 @@ class PagedBatch:
             attention is not routed through :meth:`PagedLayerCache.attend`).
         groups: which group's tables and which storage slot each layer uses
             (:class:`.groups.LayerGroups`); None: one group, a slot per layer.
+        verify: a step verifying drafts (at most :data:`MAX_PAGED_WIDTH` tokens a row):
+            its positions attend through the block tables, each as a decode step at that
+            position would (prefill passes gather: their rows' widths depend on the batch).
     """
 
     def __init__(self, storage: PagedKVStorage, tables: Sequence[Any], starts: Sequence[int], lengths: Sequence[int], width: int,
-                 windows: Optional[Sequence[Optional[int]]] = None, gathered: bool = False, groups: Optional[LayerGroups] = None) -> None:
-        self.storage, self.width, self.gathered = storage, width, gathered
+                 windows: Optional[Sequence[Optional[int]]] = None, gathered: bool = False, groups: Optional[LayerGroups] = None,
+                 verify: bool = False) -> None:
+        self.storage, self.width, self.gathered, self.verify = storage, width, gathered, verify
         self.groups = groups if groups is not None else LayerGroups.single(storage.num_layers)
         self.windows = list(windows) if windows is not None else [self.groups.windows[g] for g, _ in self.groups.places]
         self.totals = [s + n for s, n in zip(starts, lengths)]
@@ -103,9 +113,13 @@ class GroupPass:
         self._buckets: dict[Any, list[_Bucket]] = {}
         self._shared: Optional[list[tuple[list[int], list[int]]]] = None
         longest = max((len(t) for t in tables), default=0)
-        # For the paged decode kernel: block tables padded with the null block, and lengths.
-        self.table = mx.array([list(t) + [NULL_BLOCK] * (longest - len(t)) for t in tables], dtype=mx.int32) if width == 1 else None
+        # For the paged decode kernel: block tables padded with the null block, and lengths
+        # (several positions a row: the tokens each sees, padding positions its last one's).
+        paged = width == 1 or (batch.verify and width <= MAX_PAGED_WIDTH)
+        self.table = mx.array([list(t) + [NULL_BLOCK] * (longest - len(t)) for t in tables], dtype=mx.int32) if paged else None
         self.lengths = batch.lengths
+        self.limits = batch.lengths if width == 1 or not paged else mx.array(
+            [[s + min(j, max(n, 1) - 1) + 1 for j in range(width)] for s, n in zip(starts, lengths)], dtype=mx.int32)
 
     def buckets(self, window: Optional[int] = None) -> list["_Bucket"]:
         """Rows grouped by the length they attend over, each with its slots and mask, for
@@ -281,10 +295,10 @@ class PagedLayerCache:
         batch, storage = self.batch, self.batch.storage
         if batch.table is not None and self.window is None and sinks is None:
             out = backend.paged_decode_attention(queries, storage.keys[self.layer], storage.values[self.layer], batch.table,
-                                                   batch.lengths, storage.block_size, scale)
+                                                   batch.limits, storage.block_size, scale)
             if out is not None:
                 return out
-        cascade = batch.table is not None and self.window is None and sinks is None and batch.shared()
+        cascade = batch.width == 1 and batch.table is not None and self.window is None and sinks is None and batch.shared()
         outs = []
         buckets = self.batch.own_buckets() if cascade else self.batch.buckets(self.window)
         prefixes = [(self._prefix(blocks), rows) for blocks, rows in batch.shared()] if cascade else []

@@ -14,7 +14,10 @@
 // Paged variant (paged_decode_attention_op): keys and values live in per-layer pools of
 // slots (N, KVH, D), block_size slots a block; row b's tokens are the first lengths[b] slots
 // of the blocks table[b][0], table[b][1], ... read through per-position offsets, so the
-// softmax tiles span blocks. No mask: one query sees every token its row holds. The pools are
+// softmax tiles span blocks. No mask: one query sees every token its row holds; with several
+// query positions a row (a verify step's drafts), position j sees the first limits[b][j]
+// tokens, and each position's sums are those it would have alone (a row's KV is read once for
+// all its positions, up to kMaxGroup query rows a KV head at a time). The pools are
 // float32 or float16 (EngineConfig.kv_cache_dtype): halves are widened to float32 as they are
 // read, 16 at a time (F16C / AVX-512 where the build has them), and every sum stays float32.
 #include <algorithm>
@@ -113,6 +116,7 @@ struct SegmentOf {
   const uint8_t* keep;  // per position, or null (all kept)
   const float* add;     // additive mask per position, or null
   const int64_t* at = nullptr;  // per position, its offset from k and v (paged KV), or null (pos * stride)
+  const int* limit = nullptr;   // per query row, how many positions it sees (its later ones score -inf), or null
 
   const T* key(int pos) const { return k + (at ? at[pos] : pos * k_stride); }
   const T* value(int pos) const { return v + (at ? at[pos] : pos * v_stride); }
@@ -169,7 +173,7 @@ struct Accumulator {
           for (int r = 0; r < heads; r++) dot[r] += load(q[r] + d) * kd;
         }
         float bias = s.add ? s.add[pos] : 0.0f;
-        for (int r = 0; r < heads; r++) score[r][j] = hsum(dot[r]) + bias;
+        for (int r = 0; r < heads; r++) score[r][j] = s.limit && pos >= s.limit[r] ? kNegInf : hsum(dot[r]) + bias;
       }
       if (!any) continue;
       for (int r = 0; r < heads; r++) {
@@ -355,10 +359,11 @@ class PagedDecodeAttentionCPU : public CpuAttention<PagedDecodeAttentionCPU> {
     const auto& q = in[0];
     const float* qd = q.data<float>();
     const int32_t* table = in[3].data<int32_t>();
-    const int32_t* lengths = in[4].data<int32_t>();
-    int B = q.shape(0), H = q.shape(1), D = q.shape(3), KVH = in[1].shape(1), M = in[3].shape(1);
+    const int32_t* limits = in[4].data<int32_t>();  // (B, L): tokens each query position sees
+    int B = q.shape(0), H = q.shape(1), L = q.shape(2), D = q.shape(3), KVH = in[1].shape(1), M = in[3].shape(1);
     int64_t slots = in[1].shape(0);
     int group = H / KVH;
+    int per_pass = std::max(1, kMaxGroup / group);  // query positions an accumulator holds
     int64_t slot_stride = static_cast<int64_t>(KVH) * D;
     float* od = out.data<float>();
     // One item per row, its KV heads side by side a tile of positions at a time: a slot holds
@@ -368,48 +373,68 @@ class PagedDecodeAttentionCPU : public CpuAttention<PagedDecodeAttentionCPU> {
     run_items(B, prm.threads, [&](int b) {
       static thread_local std::vector<Accumulator> heads;
       if (static_cast<int>(heads.size()) < KVH) heads.resize(KVH);
-      for (int g = 0; g < KVH; g++) {
-        Accumulator& a = heads[g];
-        a.group = group, a.dim = D;
-        const float* queries[kMaxGroup];
-        for (int r = 0; r < group; r++) queries[r] = qd + (static_cast<int64_t>(b) * H + g * group + r) * D;
-        a.start(queries, scale);
-      }
       const int32_t* row = table + static_cast<int64_t>(b) * M;
-      int len = std::min(lengths[b], M * bs);
-      // Every position's offset, so that the softmax tiles run across blocks (a row's blocks
-      // are seldom consecutive once it decodes); a block outside the pools ends the row.
-      static thread_local std::vector<int64_t> at;
-      at.resize(len);
-      int n = 0;
-      for (; n < len; n++) {
-        int64_t slot = static_cast<int64_t>(row[n / bs]) * bs + n % bs;
-        if (row[n / bs] < 0 || slot >= slots) break;
-        at[n] = slot * slot_stride;
-      }
-      const int64_t slot_bytes = slot_stride * static_cast<int64_t>(sizeof(T));
-      for (int start = 0; start < n; start += kBlock) {
-        int tile = std::min(kBlock, n - start);
-        // Ask for the next tile's slots (every head's K and V) while this one is computed:
-        // its blocks lie anywhere in the pools, so the hardware's stream prefetch cannot
-        // follow. ~1.3x a row at 1,024 tokens of context on a 2-core Xeon; bit-identical.
-        for (int p = start + kBlock; p < std::min(start + 2 * kBlock, n); p++) {
-          const char* key = reinterpret_cast<const char*>(kp + at[p]);
-          const char* value = reinterpret_cast<const char*>(vp + at[p]);
-          for (int64_t o = 0; o < slot_bytes; o += 64) {
-            __builtin_prefetch(key + o);
-            __builtin_prefetch(value + o);
+      for (int j0 = 0; j0 < L; j0 += per_pass) {
+        int j1 = std::min(L, j0 + per_pass), rows = (j1 - j0) * group;
+        int limit[kMaxGroup], len = 0;
+        for (int j = j0; j < j1; j++)
+          for (int r = 0; r < group; r++) {
+            limit[(j - j0) * group + r] = std::min(limits[static_cast<int64_t>(b) * L + j], M * bs);
+            len = std::max(len, limit[(j - j0) * group + r]);
+          }
+        for (int g = 0; g < KVH; g++) {
+          Accumulator& a = heads[g];
+          a.group = rows, a.dim = D;
+          const float* queries[kMaxGroup];
+          for (int j = j0; j < j1; j++)
+            for (int r = 0; r < group; r++)
+              queries[(j - j0) * group + r] = qd + ((static_cast<int64_t>(b) * H + g * group + r) * L + j) * D;
+          a.start(queries, scale);
+        }
+        // Every position's offset, so that the softmax tiles run across blocks (a row's blocks
+        // are seldom consecutive once it decodes); a block outside the pools ends the row.
+        static thread_local std::vector<int64_t> at;
+        at.resize(len);
+        int n = 0;
+        for (; n < len; n++) {
+          int64_t slot = static_cast<int64_t>(row[n / bs]) * bs + n % bs;
+          if (row[n / bs] < 0 || slot >= slots) break;
+          at[n] = slot * slot_stride;
+        }
+        const int* limit_of = L > 1 ? limit : nullptr;  // (one position: it sees the row's n tokens)
+        const int64_t slot_bytes = slot_stride * static_cast<int64_t>(sizeof(T));
+        for (int start = 0; start < n; start += kBlock) {
+          int tile = std::min(kBlock, n - start);
+          // Ask for the next tile's slots (every head's K and V) while this one is computed:
+          // its blocks lie anywhere in the pools, so the hardware's stream prefetch cannot
+          // follow. ~1.3x a row at 1,024 tokens of context on a 2-core Xeon; bit-identical.
+          for (int p = start + kBlock; p < std::min(start + 2 * kBlock, n); p++) {
+            const char* key = reinterpret_cast<const char*>(kp + at[p]);
+            const char* value = reinterpret_cast<const char*>(vp + at[p]);
+            for (int64_t o = 0; o < slot_bytes; o += 64) {
+              __builtin_prefetch(key + o);
+              __builtin_prefetch(value + o);
+            }
+          }
+          for (int g = 0; g < KVH; g++) {
+            SegmentOf<T> seg{kp + g * D, vp + g * D, slot_stride, slot_stride, tile, nullptr, nullptr, at.data() + start};
+            int shifted[kMaxGroup];  // the limits counted from this tile's first position
+            if (limit_of) {
+              for (int r = 0; r < rows; r++) shifted[r] = limit_of[r] - start;
+              seg.limit = shifted;
+            }
+            heads[g].attend(seg);
           }
         }
-        for (int g = 0; g < KVH; g++)
-          heads[g].attend(SegmentOf<T>{kp + g * D, vp + g * D, slot_stride, slot_stride, tile, nullptr, nullptr, at.data() + start});
+        for (int g = 0; g < KVH; g++) {
+          float* outputs[kMaxGroup];
+          for (int j = j0; j < j1; j++)
+            for (int r = 0; r < group; r++)
+              outputs[(j - j0) * group + r] = od + ((static_cast<int64_t>(b) * H + g * group + r) * L + j) * D;
+          heads[g].finish(outputs);
+        }
       }
-      for (int g = 0; g < KVH; g++) {
-        float* outputs[kMaxGroup];
-        for (int r = 0; r < group; r++) outputs[r] = od + (static_cast<int64_t>(b) * H + g * group + r) * D;
-        heads[g].finish(outputs);
-      }
-    }, KVH);
+    }, KVH * L);
   }
 };
 
@@ -451,14 +476,18 @@ mx::array decode_attention_op(const mx::array& q, const mx::array& k, const mx::
                    std::move(inputs));
 }
 
-// Paged decode attention, see the file comment: q (B, H, 1, D); k_pool, v_pool (N, KVH, D);
-// table (B, M) int32 block ids; lengths (B,) int32 tokens per row.
+// Paged decode attention, see the file comment: q (B, H, L, D); k_pool, v_pool (N, KVH, D);
+// table (B, M) int32 block ids; lengths (B,) int32 tokens per row (L = 1), or (B, L): the
+// tokens each query position sees.
 mx::array paged_decode_attention_op(const mx::array& q, const mx::array& k_pool, const mx::array& v_pool,
                                     const mx::array& table, const mx::array& lengths, int block_size, float scale,
                                     int threads) {
-  if (q.ndim() != 4 || q.shape(2) != 1 || k_pool.ndim() != 3 || k_pool.shape() != v_pool.shape() || table.ndim() != 2 ||
-      lengths.ndim() != 1 || table.shape(0) != q.shape(0) || lengths.shape(0) != q.shape(0) || block_size < 1) {
-    throw std::invalid_argument("paged_decode_attention: q (B, H, 1, D), pools (N, KVH, D), table (B, M), lengths (B,)");
+  bool per_position = q.ndim() == 4 && lengths.ndim() == 2 && lengths.shape(1) == q.shape(2);
+  if (q.ndim() != 4 || k_pool.ndim() != 3 || k_pool.shape() != v_pool.shape() || table.ndim() != 2 ||
+      !(per_position || (lengths.ndim() == 1 && q.shape(2) == 1)) || table.shape(0) != q.shape(0) ||
+      lengths.shape(0) != q.shape(0) || block_size < 1) {
+    throw std::invalid_argument("paged_decode_attention: q (B, H, L, D), pools (N, KVH, D), table (B, M), lengths (B,) "
+                                "for L = 1 or (B, L)");
   }
   int H = q.shape(1), D = q.shape(3), KVH = k_pool.shape(1);
   if (k_pool.shape(2) != D || KVH < 1 || H % KVH || H / KVH > kMaxGroup || D % 16 || D > kMaxHeadDim) {

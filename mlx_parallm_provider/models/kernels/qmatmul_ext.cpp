@@ -164,7 +164,8 @@ NB_MODULE(mlx_parallm_qmatmul_ext, m) {
         "x (..., K) @ w.T for float32 x and w (N, K), through the sgemm of set_sgemm, as one CPU op.");
   m.def("paged_decode_attention", &mlx_parallm::paged_decode_attention_op, "q"_a, "k_pool"_a, "v_pool"_a, "table"_a,
         "lengths"_a, "block_size"_a, "scale"_a, "threads"_a = 1,
-        "Attention of q (B, H, 1, D) over each row's first lengths[b] slots of its blocks table[b] in the pools "
+        "Attention of q (B, H, L, D) over each row's first lengths[b] (L = 1) or lengths[b][j] slots of its blocks table[b] in the pools "
         "(N, KVH, D), block_size slots a block, as one CPU op. Pools float32 or float16; float32 out.");
   m.attr("paged_float16_pools") = nb::bool_(true);  // what attention.py asks before handing it float16 pools
+  m.attr("paged_positions") = nb::bool_(true);      // ... several query positions a row, lengths (B, L)
 }
