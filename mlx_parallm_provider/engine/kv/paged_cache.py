@@ -42,11 +42,11 @@ from .storage import PagedKVStorage
 
 _MLX_OPS = MLXOps()
 MIN_SHARED_BLOCKS = 4
+"""Decoding rows that share at least this many leading blocks attend to them as one cascade."""
 MAX_PAGED_WIDTH = 16
 """Verify steps of at most this many tokens a row attend through the block tables where the
 backend has a paged kernel (gathering every row's KV for them cost 0.3-0.9 s a step with 8
 rows over 1,250 cached tokens); wider ones, and prefill, gather."""
-"""Decoding rows that share at least this many leading blocks attend to them as one cascade."""
 BUCKET_RATIO = 2
 """Rows attend in buckets whose longest row is at most this many times their shortest."""
 
