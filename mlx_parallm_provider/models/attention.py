@@ -45,10 +45,15 @@ def _extension() -> Any:
 
 def takes_heads(queries: mx.array, kv_heads: int) -> bool:
     """Whether the kernels take ``queries`` (B, heads, L, D) over ``kv_heads`` KV heads:
-    one position, D a multiple of 16 up to :data:`MAX_HEAD_DIM`, at most :data:`MAX_GROUP`
-    query heads per KV head."""
+    one position, and heads and D as :func:`_fits_heads` says."""
     _, heads, L, D = queries.shape
-    return L == 1 and not D % 16 and D <= MAX_HEAD_DIM and not heads % kv_heads and heads // kv_heads <= MAX_GROUP
+    return L == 1 and _fits_heads(heads, D, kv_heads)
+
+
+def _fits_heads(heads: int, D: int, kv_heads: int) -> bool:
+    """D a multiple of 16 up to :data:`MAX_HEAD_DIM`, at most :data:`MAX_GROUP` query heads
+    per KV head."""
+    return not D % 16 and D <= MAX_HEAD_DIM and not heads % kv_heads and heads // kv_heads <= MAX_GROUP
 
 
 def _row_mask(mask: Optional[Any], batch: int, keys: int) -> tuple[bool, Optional[mx.array]]:
@@ -98,17 +103,15 @@ def paged_decode_attention(
     1; see :mod:`..engine.kv.storage`), or ``(B, L)``: the tokens each query position sees
     (a verify step's positions, each computed as it would be alone, a row's blocks read once
     for all of them); the pools float32, or float16 (widened as the kernel reads them)."""
-    one = queries[:, :, :1] if queries.shape[2] > 1 else queries
-    if not takes_heads(one, k_pool.shape[1]):
-        return None
-    if queries.shape[2] > 1 and (lengths.ndim != 2 or not getattr(_extension(), "paged_positions", False)):
+    _, heads, L, D = queries.shape
+    if not _fits_heads(heads, D, k_pool.shape[1]) or (L > 1 and lengths.ndim != 2):
         return None
     if k_pool.dtype != v_pool.dtype or k_pool.dtype not in (mx.float32, mx.float16) or k_pool.shape != v_pool.shape:
         return None
     ext = _extension()
     if ext is None or not hasattr(ext, "paged_decode_attention"):
         return None
-    if k_pool.dtype == mx.float16 and not getattr(ext, "paged_float16_pools", False):
+    if (L > 1 and not getattr(ext, "paged_positions", False)) or (k_pool.dtype == mx.float16 and not getattr(ext, "paged_float16_pools", False)):
         return None
     out = ext.paged_decode_attention(queries, k_pool, v_pool, table, lengths, block_size, scale, threads)
     return out.astype(queries.dtype)
