@@ -98,12 +98,7 @@ def step_ratio(repeats: int = 5, model: str = "default", batch: int = 64) -> Opt
         f"ms = decode_step_ms(registry.load({model!r}).model, {batch}, (128, 512), {repeats})\n"
         "print('RESULT ' + json.dumps({str(c): v for c, v in ms.items()}))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
-    if out.returncode != 0 or not lines:
-        print(f"decode-step child failed:\n{out.stderr[-2000:]}", file=sys.stderr)
-        return None
-    return json.loads(lines[-1][len("RESULT "):])
+    return _child_result(code, "decode-step")
 
 
 def load_memory(model: str = "default") -> Optional[dict[str, float]]:
@@ -118,10 +113,16 @@ def load_memory(model: str = "default") -> Optional[dict[str, float]]:
         f"size = registry.default_gguf_path().stat().st_size if {model == 'default'} else 0\n"
         "print('RESULT ' + json.dumps({'mlx_mb': mx.get_active_memory() / 2**20, 'checkpoint_mb': size / 2**20}))\n"
     )
+    return _child_result(code, "load-memory")
+
+
+def _child_result(code: str, what: str) -> Optional[dict[str, float]]:
+    """Run ``code`` in a child Python; the JSON it printed after ``RESULT `` (its last such
+    line), or None (said on stderr, with the child's) when it failed or printed none."""
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ, LITELLM_LOCAL_MODEL_COST_MAP="True"))
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
     if out.returncode != 0 or not lines:
-        print(f"load-memory child failed:\n{out.stderr[-2000:]}", file=sys.stderr)
+        print(f"{what} child failed:\n{out.stderr[-2000:]}", file=sys.stderr)
         return None
     return json.loads(lines[-1][len("RESULT "):])
 
