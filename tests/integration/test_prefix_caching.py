@@ -114,6 +114,20 @@ def test_turn_two_reuses_turn_one(make_engine) -> None:
     assert second.token_ids == again.token_ids
 
 
+def test_two_prompts_taking_turns_each_find_their_own_prefix(make_engine) -> None:
+    # Two agents (or two conversations) alternating: the arrays behind the pool grow for the
+    # second prompt instead of handing out the first one's cached blocks (the store is far
+    # below its budget), so each turn finds its own prompt again. Before, the second prompt
+    # evicted the first and every turn prefilled in full.
+    rng = random.Random(5)
+    engine = make_engine(prefill_chunk_size=128)
+    prompts = [[1] + ids(rng, 400), [1] + ids(rng, 400)]
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    cached = [engine.generate_sync(prompts[turn % 2] + [7 + turn], params).usage.cached_tokens for turn in range(6)]
+    assert cached[:2] == [0, 1] and all(c >= 400 for c in cached[2:]), cached  # (both share token 1)
+    assert engine.stats()["prefix_cache"]["evictions"] == 0
+
+
 def test_a_thousand_requests_with_random_prefixes_under_a_small_cap(make_engine) -> None:
     import mlx.core as mx
 

@@ -116,16 +116,33 @@ def test_a_partly_filled_block_is_renamed_when_it_fills_up():
     assert kv.match(tokens + [1, 1], 7).tokens == 6 and kv.stats()["kv_blocks_cached"] == 2
 
 
-def test_cached_blocks_are_reused_before_the_arrays_grow():
-    kv = KVCacheManager(num_blocks=20, block_size=2)
+def test_cached_blocks_are_reused_before_the_arrays_grow_once_the_store_is_full():
+    kv = KVCacheManager(num_blocks=20, block_size=2, max_cached_blocks=3)
     kv.pool.physical = 4  # the arrays hold blocks 0..3
     kv.grow("a", 6)  # blocks 1, 2, 3
-    kv.register("a", [1, 2, 3, 4, 5, 6], 6)
+    kv.register("a", [1, 2, 3, 4, 5, 6], 6)  # the store is full: 3 blocks named
     kv.free("a")
-    kv.grow("b", 4)  # two cached blocks again (least recently used first), not blocks 4 and 5
-    assert sorted(kv.table("b")) == [2, 3] and kv.pool.high_water() == 4
-    kv.grow("c", 4)  # one cached block left, then the arrays must grow
-    assert kv.table("c") == [1, 4] and kv.pool.evictions == 3
+    idle = list(kv.pool._idle)  # least recently used first
+    kv.grow("b", 4)  # the least recently used cached block first; then the store has room again
+    assert kv.table("b") == [idle[0], 4] and kv.pool.evictions == 1 and kv.pool.high_water() == 5
+    kv.grow("c", 4)  # the arrays grow: the store keeps its other two blocks
+    assert kv.table("c") == [5, 6] and kv.pool.evictions == 1 and kv.pool.num_cached == 2
+
+
+def test_the_arrays_grow_for_new_kv_while_the_store_has_room():
+    # A store below its budget keeps its prefixes: new KV goes past the arrays (they grow),
+    # so two prompts taking turns each find their own prefix again.
+    kv = KVCacheManager(num_blocks=20, block_size=2, max_cached_blocks=8)
+    kv.pool.physical = 4
+    first, second = [1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12]
+    kv.grow("a", 6)
+    kv.register("a", first, 6)
+    kv.free("a")
+    kv.grow("b", 6)
+    assert kv.table("b") == [4, 5, 6] and kv.pool.evictions == 0 and kv.pool.high_water() == 7
+    kv.register("b", second, 6)
+    kv.free("b")
+    assert kv.match(first + [0], 7).tokens == 6 and kv.match(second + [0], 7).tokens == 6
 
 
 def test_admission_counts_the_idle_cached_blocks_it_takes_and_the_copy_source():

@@ -13,7 +13,10 @@ prompt can find the block after its last whole match that shares most of its nex
 not free but *cached*: it waits in a least-recently-used queue, a later request with the
 same prefix takes it back (:meth:`share`), and it is reused for other KV only when no free
 block is left (or past ``max_cached``), so the prefix store and the running rows share one
-budget.
+budget. While the arrays behind the pool are smaller than the pool (:attr:`BlockPool.physical`),
+the arrays grow for new KV as long as the store names fewer than ``max_cached`` blocks, and
+once it names that many its least recently used blocks are reused first: the arrays hold the
+running rows' KV plus at most the store's budget of cached prefixes.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ class BlockPool:
         self._children: dict[Hashable, set[int]] = {}  # parent -> keyed blocks after it
         self._idle: OrderedDict[int, None] = OrderedDict()  # keyed, held by nobody: least recently used first
         self._highest = 0  # the highest block id ever handed out
-        self.physical = num_blocks  # blocks the arrays hold now: past them, cached blocks are reused first
+        self.physical = num_blocks  # blocks the arrays hold now: past them, cached blocks are reused first once the store is full
         self.evictions = 0
 
     @property
@@ -68,15 +71,21 @@ class BlockPool:
         """Keyed blocks (held or not)."""
         return len(self._key_of)
 
+    @property
+    def store_full(self) -> bool:
+        """The prefix store names ``max_cached`` blocks (never with no bound)."""
+        return self.max_cached is not None and len(self._key_of) >= self.max_cached
+
     def allocate(self, n: int) -> list[int]:
         """``n`` blocks, each with one holder: free ones within the arrays' present size
-        (:attr:`physical`) first, then the least recently used cached ones (their keys
-        forgotten), then free ones past it (the arrays grow); ValueError if fewer are left."""
+        (:attr:`physical`) first; then, while the prefix store has room (:attr:`store_full`),
+        free ones past it (the arrays grow), else the least recently used cached ones (their
+        keys forgotten) before those; ValueError if fewer are left."""
         if n > self.num_free:
             raise ValueError(f"{n} KV blocks wanted, {self.num_free} free")
         blocks = []
         for _ in range(n):
-            if self._free and (self._free[0] < self.physical or not self._idle):
+            if self._free and (self._free[0] < self.physical or not self._idle or not self.store_full):
                 b = heapq.heappop(self._free)
             else:
                 b, _ = self._idle.popitem(last=False)
