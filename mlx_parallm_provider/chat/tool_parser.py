@@ -102,8 +102,10 @@ class ToolCallStreamParser:
         events = self._drain()
         if self._state is _State.IN_CALL:
             events += self._call_events(self._buffer, terminated=False)
-        else:
+        elif not (self._text.saw_call and _marker_prefix_len(self._buffer.strip(), self._fmt.start) == len(self._buffer.strip())):
             events += self._text.add(self._buffer, before_call=False)
+        # (else the output ends in the cut start of one more call, "<tool" when the token
+        # budget ran out: not content, as vLLM's parsers give none after a call either)
         self._buffer, self._state = "", _State.DONE
         return events + self._text.flush()
 
@@ -205,6 +207,11 @@ class _ContentJoiner:
 
     def call_seen(self) -> None:
         self._saw_call = self._after_call = True
+
+    @property
+    def saw_call(self) -> bool:
+        """A call (valid or not) has been parsed."""
+        return self._saw_call
 
     def add(self, text: str, *, before_call: bool) -> list[StreamEvent]:
         if self._after_call:

@@ -239,6 +239,23 @@ def test_a_cut_off_call_is_invalid_and_says_so() -> None:
     assert bad.raw == '<tool_call>\n{"name": "get_weather", "argu'
 
 
+@pytest.mark.parametrize("tail", ["<", "<tool", "\n<tool_call", " <tool_ca"])
+def test_the_cut_start_of_one_more_call_is_not_content(tail: str) -> None:
+    # The token budget ran out as the model began another call: the output ends in part of
+    # the start marker, which is neither content nor a call (it was '<tool' as content).
+    text = '<tool_call>\n{"name": "get_time", "arguments": {"city": "Oslo"}}\n</tool_call>' + tail
+    parsed = parse_tool_calls(text, TOOLS)
+    assert [c.name for c in parsed.tool_calls] == ["get_time"] and parsed.content == ""
+    stream = ToolCallStreamParser(TOOLS)
+    events = [e for piece in re.findall(".{1,3}", text, re.S) for e in stream.feed(piece)] + stream.finish()
+    assert [e for e in events if isinstance(e, str)] == [] and len([e for e in events if isinstance(e, ToolCall)]) == 1
+
+
+def test_text_ending_like_a_marker_without_a_call_stays_content() -> None:
+    assert parse_tool_calls("Compare a <tool", TOOLS).content == "Compare a <tool"
+    assert parse_tool_calls("x <", TOOLS).content == "x <"
+
+
 def test_a_bare_json_call_counts_when_it_names_a_tool() -> None:
     parsed = parse_tool_calls('```json\n{"name": "get_weather", "arguments": {"city": "Lima"}}\n```', TOOLS)
     assert [(c.name, c.args) for c in parsed.tool_calls] == [("get_weather", {"city": "Lima"})]
