@@ -155,8 +155,9 @@ static void dequantize_rows(const uint8_t *w, const float *scales, const float *
 /* One call's work, shared out by chunks of rows_per_chunk weight rows: y = x @ W.T over rows
  * [0, N) (MULTIPLY; MULTIPLY_INT8 from x quantized; MULTIPLY_PANELS for many rows of x,
  * qmatmul_gemm.h), or rows [first, first + N) of W
- * dequantized into y, N x K (DEQUANTIZE). */
-enum { MULTIPLY, MULTIPLY_INT8, DEQUANTIZE, MULTIPLY_PANELS };
+ * dequantized into y, N x K (DEQUANTIZE); or call(ctx, n0, n1) over items [0, N) (CALL: the
+ * attention kernels' rows, qm_parallel_for). */
+enum { MULTIPLY, MULTIPLY_INT8, DEQUANTIZE, MULTIPLY_PANELS, CALL };
 typedef struct {
     int kind;
     const float *xd;
@@ -166,6 +167,8 @@ typedef struct {
     const float *scales, *biases;
     float *y;
     int M, K, N, bits, group, rows_per_chunk, chunks, first;
+    void (*call)(void *ctx, int n0, int n1);  /* CALL */
+    void *ctx;
 } Job;
 
 /* Ask for weight row n + PREFETCH_ROWS (its packed bytes, scales and biases) while row n is
@@ -259,6 +262,8 @@ static void run_chunk(const Job *j, int n0, int n1) {
         run_rows_int8(j, n0, n1);
     else if (j->kind == MULTIPLY_PANELS)
         run_rows_panels(j, n0, n1);
+    else if (j->kind == CALL)
+        j->call(j->ctx, n0, n1);
     else
         dequantize_rows(j->w, j->scales, j->biases, j->first + n0, n1 - n0, j->K, j->bits, j->group, j->y + (size_t)n0 * j->K);
 }
@@ -390,6 +395,18 @@ static void run_job(const Job *job, int threads) {
      * finished would otherwise claim a chunk of fields being rewritten for the next one. */
     atomic_store(&pool_claims, (uint64_t)number << 32 | CLOSED);
     pthread_mutex_unlock(&pool_caller);
+}
+
+/* fn(ctx, i, i + 1) for every item i in [0, items), on this thread and up to threads - 1 of the
+ * pool's helpers (which stay warm between the step's matmuls): the decode attention kernels'
+ * rows. Starting a thread for each call cost them ~0.1 ms on a 2-core VM, more than the
+ * attention of 8 short rows. fn must not throw. */
+void qm_parallel_for(int items, int threads, void (*fn)(void *, int, int), void *ctx) {
+    Job job = {CALL};
+    job.N = job.chunks = items;
+    job.rows_per_chunk = 1;
+    job.call = fn, job.ctx = ctx;
+    run_job(&job, threads < items ? threads : items);
 }
 
 /* Weight rows per chunk of a call whose weight rows meet `tile_rows` rows of x at a time: ~64 KB
