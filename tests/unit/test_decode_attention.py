@@ -231,3 +231,24 @@ def test_paged_kernel_attends_several_positions_a_row_each_as_alone(kv_heads: in
             k, v = k_pool[slots].swapaxes(0, 1)[None], v_pool[slots].swapaxes(0, 1)[None]
             expected = mx.fast.scaled_dot_product_attention(q[b : b + 1, :, j : j + 1], k, v, scale=0.125)
             assert mx.allclose(out[b : b + 1, :, j : j + 1], expected, atol=1e-5).item(), (b, j)
+
+
+@pytest.mark.parametrize("rows, context, L", [(8, 300, 1), (3, 700, 4), (40, 40, 1)])
+def test_paged_kernel_on_several_threads_computes_what_one_does(rows: int, context: int, L: int):
+    """Rows shared out to the packed-weight kernel's pool (as many key positions as these
+    take two threads) give the same sums, bit for bit, as one thread, call after call."""
+    _extension()
+    mx.random.seed(9)
+    bs, kv_heads, heads, D = 16, 3, 9, 64
+    blocks = -(-context // bs)
+    k_pool = mx.random.normal(((rows * blocks + 1) * bs, kv_heads, D))
+    v_pool = mx.random.normal(((rows * blocks + 1) * bs, kv_heads, D))
+    table = mx.array([[1 + b * blocks + i for i in range(blocks)] for b in range(rows)], dtype=mx.int32)
+    limits = mx.array([[context - b % 5 - (L - 1) + j for j in range(L)] for b in range(rows)], dtype=mx.int32)
+    q = mx.random.normal((rows, heads, L, D))
+    if L == 1:
+        limits = limits[:, 0]
+    one = CPUKernels(attention_threads=1).paged_decode_attention(q, k_pool, v_pool, table, limits, bs, 0.125)
+    for _ in range(3):
+        two = CPUKernels(attention_threads=2).paged_decode_attention(q, k_pool, v_pool, table, limits, bs, 0.125)
+        assert mx.array_equal(one, two).item()
