@@ -153,13 +153,14 @@ struct Accumulator {
 
   template <class T>
   void attend(const SegmentOf<T>& s) {
-    switch (group) {  // the group size as a constant keeps the per-head sums in registers
-      case 1: return attend_as<1>(s);
-      case 2: return attend_as<2>(s);
-      case 3: return attend_as<3>(s);
-      case 4: return attend_as<4>(s);
-      case 6: return attend_as<6>(s);
-      case 8: return attend_as<8>(s);
+    // The query rows as a constant keep their sums in registers: a KV head's query heads
+    // (decode), or those times a verify step's positions (up to kMaxGroup rows; 15 with 3
+    // heads a KV head ran ~2x slower through the general case).
+    switch (group) {
+#define ATTEND_CASE(n) case n: return attend_as<n>(s);
+      ATTEND_CASE(1) ATTEND_CASE(2) ATTEND_CASE(3) ATTEND_CASE(4) ATTEND_CASE(5) ATTEND_CASE(6) ATTEND_CASE(7)
+      ATTEND_CASE(8) ATTEND_CASE(9) ATTEND_CASE(10) ATTEND_CASE(12) ATTEND_CASE(14) ATTEND_CASE(15) ATTEND_CASE(16)
+#undef ATTEND_CASE
       default: return attend_as<0>(s);
     }
   }
