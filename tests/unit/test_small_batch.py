@@ -261,7 +261,9 @@ def test_packing_a_layer_copies_none_of_its_packed_bytes(kernel) -> None:
     packed = small_batch.PackedWeight.from_module(module).for_kernel(small_batch.qmatmul_ext)
     grown = mx.get_active_memory() - before
     assert packed.packed.nbytes == module.weight.nbytes == 2048 * 512
-    assert grown <= packed.scales.nbytes + packed.biases.nbytes  # their float32 upcasts only: the packed bytes are the module's
+    # Their float32 upcasts only (the packed bytes, 1 MiB, are the module's), and a little slack:
+    # after other tests MLX made ~13 KB of its own small arrays here.
+    assert grown <= packed.scales.nbytes + packed.biases.nbytes + 64 * 1024
 
 
 def test_kernel_rejects_what_it_cannot_read(kernel) -> None:
