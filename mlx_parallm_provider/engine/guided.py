@@ -127,6 +127,14 @@ class GrammarTokenizer:
                 self._closing = cached
         return cached
 
+    def eos_bits(self, words: int) -> np.ndarray:
+        """A bitmask (``words`` int32) of the end-of-sequence tokens alone."""
+        bits = np.zeros(words * 32, dtype=np.uint8)
+        for token in self._eos:
+            if token < words * 32:
+                bits[token] = 1
+        return np.packbits(bits, bitorder="little").view(np.int32)
+
     def matcher(self, grammar: str) -> Any:
         """A fresh llguidance matcher of ``grammar``: a copy of the one built and probed (on
         a compiler thread, :func:`~.grammar_probe.build_checked`) the first time this grammar
@@ -216,6 +224,15 @@ class RowMatcher:
         return left is not None and nesting is not None and nesting.open > 0 and left <= nesting.open + CLOSING_MARGIN
 
     @property
+    def must_end(self) -> bool:
+        """Between JSON values (tool calls) with too few tokens left for another as long as
+        the last (with its markers): ending here beats a value the budget would cut short and
+        close with made-up contents (an empty argument, a call an agent would then run)."""
+        left, nesting = self.tokens_left, self.json
+        return (left is not None and nesting is not None and nesting.open == 0 and nesting.value_tokens > 0
+                and left <= nesting.value_tokens + CLOSING_MARGIN)
+
+    @property
     def done(self) -> bool:
         """The grammar is complete: nothing but EOS may follow."""
         return self.matcher.is_stopped()
@@ -235,7 +252,9 @@ def mask_logits(logits: mx.array, matchers: Sequence[Optional[RowMatcher]], toke
     all constrained rows are computed together by llguidance's parallel executor; a row
     whose matcher failed raises (:meth:`RowMatcher.check`). A row whose budget is about to
     run out with JSON still open (:attr:`RowMatcher.must_close`) is narrowed to the tokens
-    that close it, where the grammar allows any, so the answer ends valid rather than cut.
+    that close it, where the grammar allows any, so the answer ends valid rather than cut;
+    one between JSON values (tool calls) with too few tokens left for another
+    (:attr:`RowMatcher.must_end`) is narrowed to EOS, where the grammar allows it.
     """
     rows = [(m.matcher, i) for i, m in enumerate(matchers) if m is not None]
     if not rows:
@@ -249,6 +268,13 @@ def mask_logits(logits: mx.array, matchers: Sequence[Optional[RowMatcher]], toke
     for matcher in matchers:  # a failed row fails alone (sample_batch retries row by row)
         if matcher is not None:
             matcher.check()
+    ending = [i for i, m in enumerate(matchers) if m is not None and m.must_end]
+    if ending:
+        eos = tokenizer.eos_bits(words)
+        for i in ending:
+            narrowed = bitmask[i] & eos
+            if narrowed.any():  # else the grammar wants more first (a second value it requires)
+                bitmask[i] = narrowed
     closing = [(i, m) for i, m in enumerate(matchers) if m is not None and m.must_close]
     if closing:
         nesting, string, values = tokenizer.closing_bits(words)
@@ -264,18 +290,30 @@ def mask_logits(logits: mx.array, matchers: Sequence[Optional[RowMatcher]], toke
 
 
 class JsonNesting:
-    """How many JSON strings, arrays and objects the bytes fed so far leave open."""
+    """How many JSON strings, arrays and objects the bytes fed so far leave open, and how
+    many tokens the last whole top-level value took with what came before it since the value
+    before (a tool call's markers; ``value_tokens``, 0 before one closed)."""
 
     def __init__(self) -> None:
         self.depth = 0
         self.in_string = False
         self._escaped = False
+        self.value_tokens = 0
+        self._run = 0  # tokens since the last value closed
 
     @property
     def open(self) -> int:
         return self.depth + self.in_string
 
     def feed(self, data: bytes) -> None:
+        """Take one token's bytes."""
+        before = self.open
+        self._scan(data)
+        self._run += 1
+        if before and not self.open:  # a top-level value closed
+            self.value_tokens, self._run = self._run, 0
+
+    def _scan(self, data: bytes) -> None:
         for byte in data:
             if self.in_string:
                 if self._escaped:

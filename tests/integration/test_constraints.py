@@ -153,6 +153,34 @@ def test_json_running_out_of_tokens_is_closed_and_parses(make_engine, constraint
             assert isinstance(value["name"], str) and all(isinstance(x, int) for x in value["scores"])
 
 
+CALLS_GRAMMAR = (
+    'start: call ("\\n" call){0,3}\n'
+    'call: "<c>" %json {"x-guidance": {"whitespace_flexible": false}, "type": "object", '
+    '"properties": {"city": {"type": "string"}}, "required": ["city"], "additionalProperties": false} "</c>"\n'
+)
+
+
+def test_values_in_a_row_end_rather_than_begin_one_the_budget_would_cut(make_engine) -> None:
+    """Forced tool calls are JSON values in a row (compact, as the tool-call grammar writes
+    them). With fewer tokens left than the last call
+    took, the row ends (EOS) instead of beginning another that the budget would cut and
+    close with made-up contents (an agent would run that call): every answer is whole calls
+    and ends by EOS. Before, answers ended inside a cut call or with an empty closed one."""
+    engine = make_engine()
+    constraint = Constraint.lark(CALLS_GRAMMAR, json_output=True)
+
+    async def answers():
+        return await asyncio.gather(*(engine.generate(p, SamplingParams(max_tokens=m, temperature=1.0, seed=m, constraint=constraint))
+                                      for p in PROMPTS for m in (16, 24, 40)))
+
+    for r in asyncio.run(answers()):
+        calls = r.text.split("\n")
+        assert r.finish_reason == "stop", (r.finish_reason, r.text)
+        for call in calls:
+            assert call.startswith("<c>") and call.endswith("</c>"), r.text
+            assert isinstance(json.loads(call[3:-4])["city"], str)
+
+
 def test_free_text_constraints_are_never_steered(make_engine) -> None:
     engine = make_engine()
     pattern = r'[a-z "\[\]{}]+'
