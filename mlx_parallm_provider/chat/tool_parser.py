@@ -102,10 +102,10 @@ class ToolCallStreamParser:
         events = self._drain()
         if self._state is _State.IN_CALL:
             events += self._call_events(self._buffer, terminated=False)
-        elif not (self._text.saw_call and _marker_prefix_len(self._buffer.strip(), self._fmt.start) == len(self._buffer.strip())):
+        elif not self._text.saw_call:
             events += self._text.add(self._buffer, before_call=False)
-        # (else the output ends in the cut start of one more call, "<tool" when the token
-        # budget ran out: not content, as vLLM's parsers give none after a call either)
+        # (else what _drain held back is the cut start of one more call, "<tool" when the
+        # token budget ran out: not content, as vLLM's parsers give none after a call either)
         self._buffer, self._state = "", _State.DONE
         return events + self._text.flush()
 
