@@ -290,9 +290,11 @@ def mask_logits(logits: mx.array, matchers: Sequence[Optional[RowMatcher]], toke
 
 
 class JsonNesting:
-    """How many JSON strings, arrays and objects the bytes fed so far leave open, and how
-    many tokens the last whole top-level value took with what came before it since the value
-    before (a tool call's markers; ``value_tokens``, 0 before one closed)."""
+    """How many JSON strings, arrays and objects the bytes fed so far leave open.
+
+    ``value_tokens``: the tokens from the end of the top-level value before the last one (or
+    the start) to the end of the last one, so a tool call's markers count with its JSON; 0
+    until a value has closed."""
 
     def __init__(self) -> None:
         self.depth = 0
