@@ -115,3 +115,27 @@ def paged_decode_attention(
         return None
     out = ext.paged_decode_attention(queries, k_pool, v_pool, table, lengths, block_size, scale, threads)
     return out.astype(queries.dtype)
+
+
+def has_attention_step() -> bool:
+    """Whether the extension has the fused attention step (:func:`paged_attention_step`)."""
+    ext = _extension()
+    return ext is not None and hasattr(ext, "paged_attention_step")
+
+
+def fits_step(heads: int, k_pool: mx.array) -> bool:
+    """Whether :func:`paged_attention_step` takes ``heads`` query heads over ``k_pool``
+    ``(slots, kv_heads, D)`` (float32 or float16)."""
+    return k_pool.dtype in (mx.float32, mx.float16) and _fits_heads(heads, k_pool.shape[2], k_pool.shape[1])
+
+
+def paged_attention_step(
+    queries: mx.array, keys: mx.array, values: mx.array, k_pool: mx.array, v_pool: mx.array, slots: mx.array, table: mx.array,
+    limits: mx.array, offset: mx.array, heads: int, rope: Any, block_size: int, scale: float, threads: int = 1,
+) -> mx.array:
+    """The extension's fused step (see :meth:`.backends.MLXOps.paged_attention_step`):
+    ``rope`` a :class:`..fused_ops.FusedRoPE` (its ``dims``, ``traditional``, ``scale`` and
+    ``inv_freq``). The pools are written in place: the caller orders their later readers
+    after the result."""
+    return _extension().paged_attention_step(queries, keys, values, k_pool, v_pool, slots, table, limits, offset, rope.inv_freq,
+                                             heads, rope.dims, rope.traditional, rope.scale, block_size, scale, threads)

@@ -59,6 +59,11 @@ class FusedRoPE(nn.RoPE):
         self._freq = _inv_freq(source.dims, source.base)
         mx.eval(self._freq)
 
+    @property
+    def inv_freq(self) -> mx.array:
+        """The inverse frequencies ``(dims / 2,)`` float32, as ``mx.fast.rope``'s fallback computes them."""
+        return self._freq
+
     def __call__(self, x: mx.array, offset: Union[int, mx.array] = 0) -> mx.array:
         return self.backend.rope(x, self.dims, self.traditional, self.base, self.scale, offset, self._freq)
 

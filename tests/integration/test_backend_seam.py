@@ -77,7 +77,8 @@ def test_two_models_of_one_architecture_one_prepared_the_other_mlx_lm_alone(tiny
     assert mx.array_equal(peer_logits, fresh_logits).item() and peer_tokens == fresh_tokens
 
     served_logits, served_tokens = _greedy(served.model, prompt, 4)
-    routed = type(served.model.layers[0].self_attn).__call__.__globals__["scaled_dot_product_attention"]
+    call = type(served.model.layers[0].self_attn).__call__
+    routed = getattr(call, "__wrapped__", call).__globals__["scaled_dot_product_attention"]  # (behind the fused step)
     assert routed.__self__ is backends.of(served.model)  # its attention calls its backend
     if isinstance(backends.of(served.model), CPUKernels):
         assert {"attention", "swiglu", "decode_attention"} <= set(calls)

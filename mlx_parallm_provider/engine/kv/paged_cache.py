@@ -34,6 +34,7 @@ from typing import Any, Optional, Sequence
 
 import mlx.core as mx
 
+from ...models.attention import fits_step
 from ...models.backends import MLXOps
 from ..cascade import SharedPrefix, cascade_attention
 from .block_pool import NULL_BLOCK
@@ -284,6 +285,27 @@ class PagedLayerCache:
             return keys, values
         k, v = self.batch.storage.read(self.layer, self.batch.whole(self.window).slots)  # (B, S, kv_heads, D)
         return k.swapaxes(1, 2), v.swapaxes(1, 2)
+
+    def can_attend_step(self, heads: int, width: int) -> bool:
+        """Whether :meth:`attend_step` takes this layer's step of ``heads`` query heads and
+        ``width`` positions a row: rows attended through the block tables (a decode or
+        verify step, no sliding window), pools the kernel reads."""
+        batch, pool = self.batch, self.batch.storage.keys[self.layer]
+        return (batch.table is not None and self.window is None and width == batch.width and pool is not None
+                and not batch.batch.gathered and fits_step(heads, pool))
+
+    def attend_step(self, queries: mx.array, keys: mx.array, values: mx.array, heads: int, rope: Any, scale: float,
+                    backend: MLXOps) -> mx.array:
+        """The step's RoPE, K/V writes and attention by ``backend`` as one op (where
+        :meth:`can_attend_step`): the projections ``(B, L, heads * D)`` / ``(B, L, kv_heads * D)``
+        in, the attention ``(B, L, heads * D)`` out."""
+        batch, storage = self.batch, self.batch.storage
+        self.written = True
+        out = backend.paged_attention_step(queries, keys, values, storage.keys[self.layer], storage.values[self.layer],
+                                           batch.write_slots, batch.table, batch.limits, batch.batch.offset, heads, rope,
+                                           storage.block_size, scale)
+        storage.written_in_place(self.layer, out)
+        return out
 
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Optional[Any],
                backend: Optional[MLXOps] = None, sinks: Optional[mx.array] = None) -> mx.array:

@@ -92,6 +92,11 @@ class PagedKVStorage:
         self.keys[layer][slots] = keys.astype(self.keys[layer].dtype)  # type: ignore[index]
         self.values[layer][slots] = values.astype(self.values[layer].dtype)  # type: ignore[index]
 
+    def written_in_place(self, layer: int, by: mx.array) -> None:
+        """``layer``'s arrays were written in place by the op computing ``by`` (the fused
+        attention step): later readers of them wait for it."""
+        self.keys[layer], self.values[layer] = mx.depends([self.keys[layer], self.values[layer]], [by])
+
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole blocks ``source -> destination`` in every layer (copy on write)."""
         if not pairs or self.keys[0] is None:

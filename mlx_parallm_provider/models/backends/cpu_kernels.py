@@ -99,6 +99,15 @@ class CPUKernels(MLXOps):
     ) -> Optional[mx.array]:
         return attention.paged_decode_attention(queries, k_pool, v_pool, table, lengths, block_size, scale, self.attention_threads)
 
+    def steps_attention(self, rope: Any) -> bool:
+        return getattr(rope, "inv_freq", None) is not None and attention.has_attention_step()
+
+    def paged_attention_step(self, queries: mx.array, keys: mx.array, values: mx.array, k_pool: mx.array, v_pool: mx.array,
+                             slots: mx.array, table: mx.array, limits: mx.array, offset: mx.array, heads: int, rope: Any,
+                             block_size: int, scale: float) -> mx.array:
+        return attention.paged_attention_step(queries, keys, values, k_pool, v_pool, slots, table, limits, offset, heads, rope,
+                                              block_size, scale, self.attention_threads)
+
     def exp(self, x: mx.array) -> mx.array:
         return cpu_ops.fast_exp(x)
 

@@ -66,6 +66,20 @@ class MLXOps:
         caller gathers the rows' blocks (see :func:`..attention.paged_decode_attention`)."""
         return None
 
+    def steps_attention(self, rope: Any) -> bool:
+        """Whether :meth:`paged_attention_step` takes a step of an attention whose RoPE is ``rope``."""
+        return False
+
+    def paged_attention_step(self, queries: mx.array, keys: mx.array, values: mx.array, k_pool: mx.array, v_pool: mx.array,
+                             slots: mx.array, table: mx.array, limits: mx.array, offset: mx.array, heads: int, rope: Any,
+                             block_size: int, scale: float) -> mx.array:
+        """A decode or verify step's attention block as one op (see
+        :mod:`.attention_step`): ``queries`` (B, L, heads * D) and ``keys`` rotated by
+        ``rope`` at positions ``offset[b] + j``, the new keys and values written in place into
+        the pools at ``slots``, then attention over the block ``table`` up to ``limits`` (as
+        :meth:`paged_decode_attention`); (B, L, heads * D). Only where :meth:`steps_attention`."""
+        raise NotImplementedError(f"{type(self).__name__} has no fused attention step")
+
     # -- elementwise ----------------------------------------------------------------------
 
     def exp(self, x: mx.array) -> mx.array:

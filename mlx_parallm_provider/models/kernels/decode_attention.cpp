@@ -38,6 +38,7 @@
 
 #include "cpu_primitive.h"
 #include "fast_exp.h"
+#include "rope.h"
 #include "mlx/backend/common/utils.h"
 #include "mlx/ops.h"
 
@@ -356,6 +357,96 @@ class DecodeAttentionCPU : public CpuAttention<DecodeAttentionCPU> {
 };
 
 
+// Where a paged call's queries are read and its outputs written: row b, head h, position j
+// at b * row + h * head + j * position floats (each D contiguous floats).
+struct QueryLayout {
+  const float* q;
+  float* out;
+  int64_t row, head, position;
+};
+
+// Attention of B rows' L query positions (H heads of D) over their blocks `table` (B, M) in
+// the pools (slots, KVH, D); position j of row b sees the first limits[b * L + j] tokens.
+template <class T>
+void paged_attend(const T* kp, const T* vp, int64_t slots, int KVH, const int32_t* table, int M, const int32_t* limits,
+                  const QueryLayout& io, int B, int H, int L, int D, float scale, int bs, int threads) {
+  int group = H / KVH;
+  int per_pass = std::max(1, kMaxGroup / group);  // query positions an accumulator holds
+  int64_t slot_stride = static_cast<int64_t>(KVH) * D;
+  int64_t work = 0;  // (key position, KV head) pairs, a position's keys counted once per query position
+  for (int64_t i = 0; i < static_cast<int64_t>(B) * L; i++) work += std::min<int64_t>(limits[i], static_cast<int64_t>(M) * bs) * KVH;
+  auto at_of = [&](int b, int h, int j) { return b * io.row + h * io.head + j * io.position; };
+  // One item per row, its KV heads side by side a tile of positions at a time: a slot holds
+  // every head's K (then V) in one run of memory, read once for all of them (an item per
+  // (row, head) read each slot once per head, a third of it each time here). Each head's
+  // sums are those it would have alone (the same tiles of kBlock positions, in order).
+  // (Splitting one long row's heads between threads was tried: no faster, as one row's
+  // reads already take what memory gives on a 2-core Xeon.)
+  run_items(B, threads, [&](int b) {
+    static thread_local std::vector<Accumulator> heads;
+    if (static_cast<int>(heads.size()) < KVH) heads.resize(KVH);
+    const int32_t* row = table + static_cast<int64_t>(b) * M;
+    for (int j0 = 0; j0 < L; j0 += per_pass) {
+      int j1 = std::min(L, j0 + per_pass), rows = (j1 - j0) * group;
+      int limit[kMaxGroup], len = 0;
+      for (int j = j0; j < j1; j++)
+        for (int r = 0; r < group; r++) {
+          limit[(j - j0) * group + r] = std::min(limits[static_cast<int64_t>(b) * L + j], M * bs);
+          len = std::max(len, limit[(j - j0) * group + r]);
+        }
+      for (int g = 0; g < KVH; g++) {
+        Accumulator& a = heads[g];
+        a.group = rows, a.dim = D;
+        const float* queries[kMaxGroup];
+        for (int j = j0; j < j1; j++)
+          for (int r = 0; r < group; r++) queries[(j - j0) * group + r] = io.q + at_of(b, g * group + r, j);
+        a.start(queries, scale);
+      }
+      // Every position's offset, so that the softmax tiles run across blocks (a row's blocks
+      // are seldom consecutive once it decodes); a block outside the pools ends the row.
+      static thread_local std::vector<int64_t> at;
+      at.resize(len);
+      int n = 0;
+      for (; n < len; n++) {
+        int64_t slot = static_cast<int64_t>(row[n / bs]) * bs + n % bs;
+        if (row[n / bs] < 0 || slot >= slots) break;
+        at[n] = slot * slot_stride;
+      }
+      const int* limit_of = L > 1 ? limit : nullptr;  // (one position: it sees the row's n tokens)
+      const int64_t slot_bytes = slot_stride * static_cast<int64_t>(sizeof(T));
+      for (int start = 0; start < n; start += kBlock) {
+        int tile = std::min(kBlock, n - start);
+        // Ask for the next tile's slots (every head's K and V) while this one is computed:
+        // its blocks lie anywhere in the pools, so the hardware's stream prefetch cannot
+        // follow. ~1.3x a row at 1,024 tokens of context on a 2-core Xeon; bit-identical.
+        for (int p = start + kBlock; p < std::min(start + 2 * kBlock, n); p++) {
+          const char* key = reinterpret_cast<const char*>(kp + at[p]);
+          const char* value = reinterpret_cast<const char*>(vp + at[p]);
+          for (int64_t o = 0; o < slot_bytes; o += 64) {
+            __builtin_prefetch(key + o);
+            __builtin_prefetch(value + o);
+          }
+        }
+        for (int g = 0; g < KVH; g++) {
+          SegmentOf<T> seg{kp + g * D, vp + g * D, slot_stride, slot_stride, tile, nullptr, nullptr, at.data() + start};
+          int shifted[kMaxGroup];  // the limits counted from this tile's first position
+          if (limit_of) {
+            for (int r = 0; r < rows; r++) shifted[r] = limit_of[r] - start;
+            seg.limit = shifted;
+          }
+          heads[g].attend(seg);
+        }
+      }
+      for (int g = 0; g < KVH; g++) {
+        float* outputs[kMaxGroup];
+        for (int j = j0; j < j1; j++)
+          for (int r = 0; r < group; r++) outputs[(j - j0) * group + r] = io.out + at_of(b, g * group + r, j);
+        heads[g].finish(outputs);
+      }
+    }
+  }, work);
+}
+
 struct PagedParams {
   float scale;
   int block_size, threads;
@@ -376,104 +467,143 @@ class PagedDecodeAttentionCPU : public CpuAttention<PagedDecodeAttentionCPU> {
     if (!in[1].flags().row_contiguous || !in[2].flags().row_contiguous) {
       throw std::runtime_error("paged_decode_attention: the pools must be row-contiguous");
     }
-    if (in[1].dtype() == mx::float16) {
-      run_as(in[1].data<uint16_t>(), in[2].data<uint16_t>(), in, out, prm);
+    const auto& q = in[0];
+    int B = q.shape(0), H = q.shape(1), L = q.shape(2), D = q.shape(3);
+    QueryLayout io{q.data<float>(), out.data<float>(), static_cast<int64_t>(H) * L * D, static_cast<int64_t>(L) * D, D};
+    auto go = [&](auto* kp, auto* vp) {
+      paged_attend(kp, vp, in[1].shape(0), in[1].shape(1), in[3].data<int32_t>(), in[3].shape(1), in[4].data<int32_t>(), io,
+                   B, H, L, D, prm.scale, prm.block_size, prm.threads);
+    };
+    if (in[1].dtype() == mx::float16) go(in[1].data<uint16_t>(), in[2].data<uint16_t>());
+    else go(in[1].data<float>(), in[2].data<float>());
+  }
+};
+
+// float -> IEEE half bits, rounded to nearest even (as MLX's astype to float16); NaN stays NaN.
+inline uint16_t float_to_half(float value) {
+  uint32_t f;
+  std::memcpy(&f, &value, sizeof f);
+  uint32_t sign = f & 0x80000000u;
+  f ^= sign;
+  uint16_t out;
+  if (f >= (127u + 16u) << 23) {  // too large for a half, infinity or NaN
+    out = f > 255u << 23 ? 0x7e00 : 0x7c00;
+  } else if (f < 113u << 23) {  // a half subnormal (or zero): let float addition round it
+    const uint32_t magic_bits = ((127u - 15u) + (23u - 10u) + 1u) << 23;
+    float x, magic;
+    std::memcpy(&x, &f, sizeof x);
+    std::memcpy(&magic, &magic_bits, sizeof magic);
+    x += magic;
+    uint32_t bits;
+    std::memcpy(&bits, &x, sizeof bits);
+    out = static_cast<uint16_t>(bits - magic_bits);
+  } else {
+    uint32_t odd = (f >> 13) & 1u;
+    f += (static_cast<uint32_t>(15 - 127) << 23) + 0xfffu + odd;
+    out = static_cast<uint16_t>(f >> 13);
+  }
+  return static_cast<uint16_t>(out | (sign >> 16));
+}
+
+inline void store_as(float* dst, const float* src, int n) { std::memcpy(dst, src, n * sizeof(float)); }
+inline void store_as(uint16_t* dst, const float* src, int n) {
+  for (int i = 0; i < n; i++) dst[i] = float_to_half(src[i]);
+}
+
+struct StepParams {
+  float scale, rope_scale;
+  int block_size, threads, heads, rope_dims;
+  bool traditional;
+  bool operator==(const StepParams& o) const {
+    return scale == o.scale && rope_scale == o.rope_scale && block_size == o.block_size && threads == o.threads &&
+           heads == o.heads && rope_dims == o.rope_dims && traditional == o.traditional;
+  }
+};
+
+// A decode (or verify) step's attention with what precedes it, as one op: RoPE on the
+// queries and new keys, the new keys and values written into the pools at their slots (in
+// place: the caller orders later readers after this op), then PagedDecodeAttentionCPU's
+// attention, read and written in the projections' layout (B, L, heads * D), so no transposes
+// or copies surround it. Each part computes what the separate ops compute, bit for bit.
+class PagedAttentionStepCPU : public CpuAttention<PagedAttentionStepCPU> {
+ public:
+  PagedAttentionStepCPU(mx::Stream stream, StepParams p) : CpuAttention(stream), params(p) {}
+
+  const char* name() const override { return "PagedAttentionStepCPU"; }
+
+  StepParams params;
+
+  // Row r (of `width` floats, the last axis contiguous) of a 3-D array.
+  struct Rows {
+    const float* data;
+    std::vector<char> copy;
+    const mx::array* a;
+    int width;
+    explicit Rows(const mx::array& x) : data(x.data<float>()), a(&x), width(x.shape(2)) {
+      if (x.shape(2) > 1 && x.strides().back() != 1) {
+        data = reinterpret_cast<const float*>(row_major(x, copy));
+        a = nullptr;
+      }
+    }
+    const float* row(int64_t r) const {
+      return a ? data + mx::elem_to_loc(r * width, a->shape(), a->strides()) : data + r * width;
+    }
+  };
+
+  static void run(const std::vector<mx::array>& in, mx::array& out, const StepParams& prm) {
+    const auto &k_pool = in[3], &v_pool = in[4];
+    if (!k_pool.flags().row_contiguous || !v_pool.flags().row_contiguous || k_pool.data_size() != k_pool.size() ||
+        v_pool.data_size() != v_pool.size()) {
+      throw std::runtime_error("paged_attention_step: the pools must be whole row-contiguous arrays");
+    }
+    if (k_pool.dtype() == mx::float16) {
+      run_as(const_cast<uint16_t*>(k_pool.data<uint16_t>()), const_cast<uint16_t*>(v_pool.data<uint16_t>()), in, out, prm);
     } else {
-      run_as(in[1].data<float>(), in[2].data<float>(), in, out, prm);
+      run_as(const_cast<float*>(k_pool.data<float>()), const_cast<float*>(v_pool.data<float>()), in, out, prm);
     }
   }
 
   template <class T>
-  static void run_as(const T* kp, const T* vp, const std::vector<mx::array>& in, mx::array& out, const PagedParams& prm) {
-    const float scale = prm.scale;
-    const int bs = prm.block_size;
-    const auto& q = in[0];
-    const float* qd = q.data<float>();
-    const int32_t* table = in[3].data<int32_t>();
-    const int32_t* limits = in[4].data<int32_t>();  // (B, L): tokens each query position sees
-    int B = q.shape(0), H = q.shape(1), L = q.shape(2), D = q.shape(3), KVH = in[1].shape(1), M = in[3].shape(1);
-    int64_t slots = in[1].shape(0);
-    int group = H / KVH;
-    int per_pass = std::max(1, kMaxGroup / group);  // query positions an accumulator holds
-    int64_t slot_stride = static_cast<int64_t>(KVH) * D;
-    float* od = out.data<float>();
-    int64_t work = 0;  // (key position, KV head) pairs, a position's keys counted once per query position
-    for (int64_t i = 0; i < static_cast<int64_t>(B) * L; i++) work += std::min<int64_t>(limits[i], static_cast<int64_t>(M) * bs) * KVH;
-    // One item per row, its KV heads side by side a tile of positions at a time: a slot holds
-    // every head's K (then V) in one run of memory, read once for all of them (an item per
-    // (row, head) read each slot once per head, a third of it each time here). Each head's
-    // sums are those it would have alone (the same tiles of kBlock positions, in order).
-    // (Splitting one long row's heads between threads was tried: no faster, as one row's
-    // reads already take what memory gives on a 2-core Xeon.)
-    run_items(B, prm.threads, [&](int b) {
-      static thread_local std::vector<Accumulator> heads;
-      if (static_cast<int>(heads.size()) < KVH) heads.resize(KVH);
-      const int32_t* row = table + static_cast<int64_t>(b) * M;
-      for (int j0 = 0; j0 < L; j0 += per_pass) {
-        int j1 = std::min(L, j0 + per_pass), rows = (j1 - j0) * group;
-        int limit[kMaxGroup], len = 0;
-        for (int j = j0; j < j1; j++)
-          for (int r = 0; r < group; r++) {
-            limit[(j - j0) * group + r] = std::min(limits[static_cast<int64_t>(b) * L + j], M * bs);
-            len = std::max(len, limit[(j - j0) * group + r]);
-          }
+  static void run_as(T* kp, T* vp, const std::vector<mx::array>& in, mx::array& out, const StepParams& prm) {
+    Rows q(in[0]), k(in[1]), v(in[2]);
+    int B = in[0].shape(0), L = in[0].shape(1), H = prm.heads, D = in[0].shape(2) / H, KVH = in[3].shape(1);
+    int64_t slots = in[3].shape(0), slot_stride = static_cast<int64_t>(KVH) * D;
+    const int32_t* where = in[5].data<int32_t>();
+    const int32_t* offset = in[8].data<int32_t>();
+    const float* freq = in[9].data<float>();
+    int64_t fs = in[9].strides().back();
+    int half = prm.rope_dims / 2;
+    std::vector<float> rotated(static_cast<size_t>(B) * L * H * D), key(D), cs(half), sn(half);
+    for (int b = 0; b < B; b++) {
+      for (int j = 0; j < L; j++) {
+        int64_t r = static_cast<int64_t>(b) * L + j;
+        rope_angles((static_cast<float>(j) + static_cast<float>(offset[b])) * prm.rope_scale, half, freq, fs, cs.data(), sn.data());
+        for (int h = 0; h < H; h++)
+          rope_rotate(q.row(r) + h * D, 1, rotated.data() + (r * H + h) * D, D, prm.rope_dims, prm.traditional, cs.data(), sn.data());
+        int64_t slot = where[r];
+        if (slot < 0 || slot >= slots) throw std::runtime_error("paged_attention_step: a write slot lies outside the pools");
         for (int g = 0; g < KVH; g++) {
-          Accumulator& a = heads[g];
-          a.group = rows, a.dim = D;
-          const float* queries[kMaxGroup];
-          for (int j = j0; j < j1; j++)
-            for (int r = 0; r < group; r++)
-              queries[(j - j0) * group + r] = qd + ((static_cast<int64_t>(b) * H + g * group + r) * L + j) * D;
-          a.start(queries, scale);
-        }
-        // Every position's offset, so that the softmax tiles run across blocks (a row's blocks
-        // are seldom consecutive once it decodes); a block outside the pools ends the row.
-        static thread_local std::vector<int64_t> at;
-        at.resize(len);
-        int n = 0;
-        for (; n < len; n++) {
-          int64_t slot = static_cast<int64_t>(row[n / bs]) * bs + n % bs;
-          if (row[n / bs] < 0 || slot >= slots) break;
-          at[n] = slot * slot_stride;
-        }
-        const int* limit_of = L > 1 ? limit : nullptr;  // (one position: it sees the row's n tokens)
-        const int64_t slot_bytes = slot_stride * static_cast<int64_t>(sizeof(T));
-        for (int start = 0; start < n; start += kBlock) {
-          int tile = std::min(kBlock, n - start);
-          // Ask for the next tile's slots (every head's K and V) while this one is computed:
-          // its blocks lie anywhere in the pools, so the hardware's stream prefetch cannot
-          // follow. ~1.3x a row at 1,024 tokens of context on a 2-core Xeon; bit-identical.
-          for (int p = start + kBlock; p < std::min(start + 2 * kBlock, n); p++) {
-            const char* key = reinterpret_cast<const char*>(kp + at[p]);
-            const char* value = reinterpret_cast<const char*>(vp + at[p]);
-            for (int64_t o = 0; o < slot_bytes; o += 64) {
-              __builtin_prefetch(key + o);
-              __builtin_prefetch(value + o);
-            }
-          }
-          for (int g = 0; g < KVH; g++) {
-            SegmentOf<T> seg{kp + g * D, vp + g * D, slot_stride, slot_stride, tile, nullptr, nullptr, at.data() + start};
-            int shifted[kMaxGroup];  // the limits counted from this tile's first position
-            if (limit_of) {
-              for (int r = 0; r < rows; r++) shifted[r] = limit_of[r] - start;
-              seg.limit = shifted;
-            }
-            heads[g].attend(seg);
-          }
-        }
-        for (int g = 0; g < KVH; g++) {
-          float* outputs[kMaxGroup];
-          for (int j = j0; j < j1; j++)
-            for (int r = 0; r < group; r++)
-              outputs[(j - j0) * group + r] = od + ((static_cast<int64_t>(b) * H + g * group + r) * L + j) * D;
-          heads[g].finish(outputs);
+          rope_rotate(k.row(r) + g * D, 1, key.data(), D, prm.rope_dims, prm.traditional, cs.data(), sn.data());
+          store_as(kp + slot * slot_stride + g * D, key.data(), D);
+          store_as(vp + slot * slot_stride + g * D, v.row(r) + g * D, D);
         }
       }
-    }, work);
+    }
+    int64_t hd = static_cast<int64_t>(H) * D;
+    QueryLayout io{rotated.data(), out.data<float>(), L * hd, D, hd};
+    paged_attend<T>(kp, vp, slots, KVH, in[6].data<int32_t>(), in[6].shape(1), in[7].data<int32_t>(), io, B, H, L, D,
+                    prm.scale, prm.block_size, prm.threads);
   }
 };
 
 }  // namespace
+
+// An int32 array as the kernels read it: itself when already computed, int32 and
+// row-contiguous (block tables and lengths are made so once a step: no op per layer).
+static mx::array int32_rows(const mx::array& a, const mx::Stream& stream) {
+  if (a.dtype() == mx::int32 && a.status() != mx::array::Status::unscheduled && a.flags().row_contiguous) return a;
+  return mx::contiguous(mx::astype(a, mx::int32, stream), false, stream);
+}
 
 // Attention of one query position per row, see the file comment. `mask`: None, or an array
 // that reshapes to (1 or B, S), bool or floating (additive).
@@ -531,14 +661,52 @@ mx::array paged_decode_attention_op(const mx::array& q, const mx::array& k_pool,
   }
   auto stream = cpu_stream();
   auto f32 = [&](const mx::array& a) { return mx::contiguous(mx::astype(a, mx::float32, stream), false, stream); };
-  auto i32 = [&](const mx::array& a) { return mx::contiguous(mx::astype(a, mx::int32, stream), false, stream); };
   if (k_pool.dtype() != v_pool.dtype() || (k_pool.dtype() != mx::float32 && k_pool.dtype() != mx::float16)) {
     throw std::invalid_argument("paged_decode_attention: the pools must be both float32 or both float16 (a cast would copy "
                                 "them every call)");
   }
-  std::vector<mx::array> inputs = {f32(q), k_pool, v_pool, i32(table), i32(lengths)};
+  std::vector<mx::array> inputs = {f32(q), k_pool, v_pool, int32_rows(table, stream), int32_rows(lengths, stream)};
   return mx::array(q.shape(), mx::float32,
                    std::make_shared<PagedDecodeAttentionCPU>(stream, PagedParams{scale, block_size, std::max(threads, 1)}),
+                   std::move(inputs));
+}
+
+
+// The fused attention step, see PagedAttentionStepCPU: q (B, L, heads * D), k and v (B, L,
+// KVH * D) float32; pools (N, KVH, D) float32 or float16, written at slots (B * L,); table
+// (B, M); limits (B,) for L = 1 or (B, L); offset (B,) each row's first new position (RoPE);
+// inv_freq (rope_dims / 2,) float32. Returns (B, L, heads * D) float32.
+mx::array paged_attention_step_op(const mx::array& q, const mx::array& k, const mx::array& v, const mx::array& k_pool,
+                                  const mx::array& v_pool, const mx::array& slots, const mx::array& table,
+                                  const mx::array& limits, const mx::array& offset, const mx::array& inv_freq, int heads,
+                                  int rope_dims, bool traditional, float rope_scale, int block_size, float scale, int threads) {
+  if (q.ndim() != 3 || k.ndim() != 3 || v.ndim() != 3 || k_pool.ndim() != 3 || k_pool.shape() != v_pool.shape() ||
+      heads < 1 || q.shape(2) % heads || table.ndim() != 2 || block_size < 1) {
+    throw std::invalid_argument("paged_attention_step: q (B, L, heads * D), k and v (B, L, KVH * D), pools (N, KVH, D), "
+                                "table (B, M)");
+  }
+  int B = q.shape(0), L = q.shape(1), D = q.shape(2) / heads, KVH = k_pool.shape(1);
+  mx::Shape kv_shape{B, L, KVH * D};
+  if (k.shape() != kv_shape || v.shape() != kv_shape || k_pool.shape(2) != D || heads % KVH || heads / KVH > kMaxGroup ||
+      D % 16 || D > kMaxHeadDim || table.shape(0) != B || slots.size() != static_cast<size_t>(B) * L ||
+      offset.size() != static_cast<size_t>(B) || !(limits.shape() == mx::Shape{B, L} || (L == 1 && limits.shape() == mx::Shape{B}))) {
+    throw std::invalid_argument("paged_attention_step: unsupported shapes (head dim a multiple of 16 up to 256, at most 16 "
+                                "query heads per KV head; slots B * L, offset B, limits (B,) or (B, L))");
+  }
+  if (rope_dims <= 0 || rope_dims % 2 || rope_dims > D || inv_freq.ndim() != 1 || inv_freq.shape(0) != rope_dims / 2 ||
+      inv_freq.dtype() != mx::float32) {
+    throw std::invalid_argument("paged_attention_step: rope_dims even and at most D, inv_freq (rope_dims / 2,) float32");
+  }
+  if (k_pool.dtype() != v_pool.dtype() || (k_pool.dtype() != mx::float32 && k_pool.dtype() != mx::float16)) {
+    throw std::invalid_argument("paged_attention_step: the pools must be both float32 or both float16");
+  }
+  auto stream = cpu_stream();
+  auto f32 = [&](const mx::array& a) { return mx::astype(a, mx::float32, stream); };
+  std::vector<mx::array> inputs = {f32(q), f32(k), f32(v), k_pool, v_pool, int32_rows(slots, stream), int32_rows(table, stream),
+                                   int32_rows(limits, stream), int32_rows(offset, stream), inv_freq};
+  return mx::array(q.shape(), mx::float32,
+                   std::make_shared<PagedAttentionStepCPU>(stream, StepParams{scale, rope_scale, block_size, std::max(threads, 1),
+                                                                              heads, rope_dims, traditional}),
                    std::move(inputs));
 }
 

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "cpu_primitive.h"
+#include "rope.h"
 #include "mlx/backend/common/utils.h"
 #include "mlx/ops.h"
 
@@ -94,33 +95,18 @@ class RoPECPU : public mx::Primitive {
       for (size_t b = 0; b < n_offsets; b++) {
         float start = static_cast<float>(off[mx::elem_to_loc(static_cast<int64_t>(b), offset.shape(), offset.strides())]);
         for (int t = 0; t < t_len; t++) {
-          float position = (static_cast<float>(t) + start) * scale;
-          for (int i = 0; i < half; i++) {
-            float theta = position * freq[i * fs];
-            cs[(b * t_len + t) * half + i] = std::cos(theta);
-            sn[(b * t_len + t) * half + i] = std::sin(theta);
-          }
+          size_t at = (b * t_len + t) * half;
+          rope_angles((static_cast<float>(t) + start) * scale, half, freq, fs, cs.data() + at, sn.data() + at);
         }
       }
       int64_t xs = x.strides().back();
       const float* xd = x.data<float>();
       float* o = out.data<float>();
-      int step = traditional ? 2 : 1, other = traditional ? 1 : half;  // x1 at i * step, x2 at i * step + other
       for (size_t r = 0; r < rows; r++) {
         size_t b = n_offsets == 1 ? 0 : r / rows_per_batch;
         int t = static_cast<int>(r % t_len);
-        const float* c = cs.data() + (b * t_len + t) * half;
-        const float* s = sn.data() + (b * t_len + t) * half;
-        const float* src = xd + row_loc(x, r, d);
-        float* dst = o + r * d;
-        for (int i = 0; i < half; i++) {
-          int j1 = i * step, j2 = i * step + other;
-          float x1 = src[j1 * xs], x2 = src[j2 * xs];
-          float a = x1 * c[i], bb = x2 * s[i], e = x1 * s[i], f = x2 * c[i];
-          dst[j1] = a - bb;
-          dst[j2] = e + f;
-        }
-        for (int j = dims; j < d; j++) dst[j] = src[j * xs];
+        size_t at = (b * t_len + t) * half;
+        rope_rotate(xd + row_loc(x, r, d), xs, o + r * d, d, dims, traditional, cs.data() + at, sn.data() + at);
       }
     });
   }

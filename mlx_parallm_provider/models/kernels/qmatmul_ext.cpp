@@ -40,6 +40,10 @@ mx::array decode_attention_op(const mx::array& q, const mx::array& k, const mx::
 mx::array paged_decode_attention_op(const mx::array& q, const mx::array& k_pool, const mx::array& v_pool,
                                     const mx::array& table, const mx::array& lengths, int block_size, float scale,
                                     int threads);
+mx::array paged_attention_step_op(const mx::array& q, const mx::array& k, const mx::array& v, const mx::array& k_pool,
+                                  const mx::array& v_pool, const mx::array& slots, const mx::array& table,
+                                  const mx::array& limits, const mx::array& offset, const mx::array& inv_freq, int heads,
+                                  int rope_dims, bool traditional, float rope_scale, int block_size, float scale, int threads);
 void set_sgemm(std::uintptr_t address);  // blas_matmul.cpp
 bool has_sgemm();
 void* sgemm_address();
@@ -166,6 +170,13 @@ NB_MODULE(mlx_parallm_qmatmul_ext, m) {
         "lengths"_a, "block_size"_a, "scale"_a, "threads"_a = 1,
         "Attention of q (B, H, L, D) over each row's first lengths[b] (L = 1) or lengths[b][j] slots of its blocks table[b] in the pools "
         "(N, KVH, D), block_size slots a block, as one CPU op. Pools float32 or float16; float32 out.");
+  m.def("paged_attention_step", &mlx_parallm::paged_attention_step_op, "q"_a, "k"_a, "v"_a, "k_pool"_a, "v_pool"_a,
+        "slots"_a, "table"_a, "limits"_a, "offset"_a, "inv_freq"_a, "heads"_a, "rope_dims"_a, "traditional"_a,
+        "rope_scale"_a, "block_size"_a, "scale"_a, "threads"_a = 1,
+        "A decode or verify step's attention as one CPU op: RoPE of q (B, L, heads * D) and k (B, L, KVH * D) at "
+        "positions offset[b] + j, k and v written IN PLACE into the pools (N, KVH, D) at slots (B * L,) (order later "
+        "readers of the pools after the result, e.g. with mx.depends), then paged_decode_attention over table and "
+        "limits. float32 out, (B, L, heads * D).");
   m.attr("paged_float16_pools") = nb::bool_(true);  // what attention.py asks before handing it float16 pools
   m.attr("paged_positions") = nb::bool_(true);      // ... several query positions a row, lengths (B, L)
 }

@@ -1,0 +1,121 @@
+"""The fused attention step (RoPE, K/V writes and paged attention as one CPU op) computes what
+the separate ops compute, bit for bit: logits and the KV it writes, decode and verify steps,
+float32 and float16 pools, and an engine's greedy tokens."""
+
+from __future__ import annotations
+
+import mlx_parallm_provider  # noqa: F401  (BLAS before mlx)
+
+import asyncio
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_parallm_provider.engine import SamplingParams
+from mlx_parallm_provider.engine.kv import KVCacheManager
+from mlx_parallm_provider.engine.kv.paged_cache import PagedBatch
+from mlx_parallm_provider.engine.kv.storage import PagedKVStorage
+from mlx_parallm_provider.models import attention, backends, fused_ops, registry
+
+
+@pytest.fixture(scope="module")
+def rope_model(tiny_model_dir):
+    """A fresh tiny llama with the fused RMSNorm / RoPE modules a quantized checkpoint gets at
+    load on the CPU (the fused step needs the RoPE's inverse frequencies)."""
+    loaded = registry._load_uncached(str(tiny_model_dir), None)
+    backend = backends.of(loaded.model)
+    if not backend.kernels or not attention.has_attention_step():
+        pytest.skip("no CPU kernels extension (no compiler): the fused step does not exist")
+    assert fused_ops.install(loaded.model, backend) > 0
+    return loaded
+
+
+@pytest.fixture
+def steps(monkeypatch):
+    """Counts the fused step's calls."""
+    calls: list[int] = []
+    fused = attention.paged_attention_step
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return fused(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "paged_attention_step", counted)
+    return calls
+
+
+def _fused_off(monkeypatch) -> None:
+    monkeypatch.setattr(attention, "has_attention_step", lambda: False)
+
+
+def _copy(storage: PagedKVStorage) -> PagedKVStorage:
+    """A storage with its own copies of ``storage``'s arrays (the fused step writes in place)."""
+    twin = PagedKVStorage(storage.num_layers, storage.num_blocks, storage.block_size, dtype=storage.dtype)
+    twin._blocks, twin.compute_dtype = storage.physical_blocks, storage.compute_dtype
+    twin.keys = [mx.array(np.array(a)) for a in storage.keys]
+    twin.values = [mx.array(np.array(a)) for a in storage.values]
+    return twin
+
+
+def _prefilled(model, prompts, block_size, dtype):
+    kv = KVCacheManager(num_blocks=64, block_size=block_size)
+    storage = PagedKVStorage(len(model.layers), kv.pool.num_blocks, block_size, dtype=dtype)
+    for b, prompt in enumerate(prompts):
+        kv.grow(b, len(prompt) + 4)
+    storage.reserve(kv.pool.high_water())
+    batch = PagedBatch(storage, [kv.table(b) for b in range(len(prompts))], [0] * len(prompts), [len(p) for p in prompts],
+                       max(map(len, prompts)))
+    width = max(map(len, prompts))
+    mx.eval(model(mx.array([p + [0] * (width - len(p)) for p in prompts]), cache=batch.layers()))
+    mx.eval(storage.keys, storage.values)
+    return kv, storage
+
+
+@pytest.mark.parametrize("dtype", [None, mx.float16], ids=["float32-pools", "float16-pools"])
+@pytest.mark.parametrize("width", [1, 3], ids=["decode", "verify"])
+def test_a_fused_step_gives_the_logits_and_kv_of_the_separate_ops(rope_model, steps, monkeypatch, dtype, width):
+    model = rope_model.model
+    prompts = [list(range(7, 7 + n)) for n in (3, 17, 40)]
+    kv, storage = _prefilled(model, prompts, 4, dtype)
+    new = [[11, 12, 13][: max(1, width - b)] for b in range(len(prompts))]  # rows of 3, 2 and 1 tokens (verify)
+    tokens = mx.array([row + [0] * (width - len(row)) for row in new])
+
+    def step(store: PagedKVStorage) -> mx.array:
+        batch = PagedBatch(store, [kv.table(b) for b in range(len(prompts))], [len(p) for p in prompts],
+                           [len(row) for row in new], width, verify=width > 1)
+        logits = model(tokens, cache=batch.layers())
+        mx.eval(logits, store.keys, store.values)
+        return logits
+
+    apart = _copy(storage)
+    fused = step(storage)
+    assert len(steps) == len(model.layers)
+    _fused_off(monkeypatch)
+    separate = step(apart)
+    assert len(steps) == len(model.layers)  # (the separate ops ran)
+    for b, row in enumerate(new):
+        assert mx.array_equal(fused[b, : len(row)], separate[b, : len(row)]).item(), b
+    for mine, theirs in zip([*storage.keys, *storage.values], [*apart.keys, *apart.values]):
+        assert mine.dtype == theirs.dtype and mx.array_equal(mine, theirs).item()
+
+
+def test_prefill_and_other_passes_keep_the_separate_ops(rope_model, steps):
+    model = rope_model.model
+    _prefilled(model, [[1, 2, 3, 4, 5], [6, 7]], 4, None)
+    assert steps == []  # several tokens a row, not a verify step: gathered, as before
+
+
+def test_an_engine_decodes_the_same_tokens_with_the_fused_step_and_without(rope_model, make_engine, steps, monkeypatch):
+    prompts = [[1, 5, 9, 14, 2, 5, 9, 14, 2, 5][: 4 + i] for i in range(5)]  # repeats: n-gram drafts get verified
+
+    def tokens(**config) -> list[list[int]]:
+        engine = make_engine(rope_model.model, **config)
+        return [c.token_ids for c in asyncio.run(engine.generate_many(prompts, SamplingParams(max_tokens=12, ignore_eos=True)))]
+
+    fused = tokens(speculative="ngram")
+    assert steps  # decode and verify steps ran fused
+    ran = len(steps)
+    _fused_off(monkeypatch)
+    assert tokens(speculative="ngram") == fused
+    assert len(steps) == ran
