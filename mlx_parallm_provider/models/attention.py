@@ -139,3 +139,15 @@ def paged_attention_step(
     after the result."""
     return _extension().paged_attention_step(queries, keys, values, k_pool, v_pool, slots, table, limits, offset, rope.inv_freq,
                                              heads, rope.dims, rope.traditional, rope.scale, block_size, scale, threads)
+
+
+def decoder_layer(x: mx.array, plan: Any, step: tuple[Any, ...], heads: int, rope: Any, scale: float, attention_threads: int,
+                  matmul_threads: int, int8: bool) -> mx.array:
+    """The extension's decoder-layer op (``kernels/decoder_layer.cpp``) over ``plan`` (a
+    :class:`.backends.layer_step.LayerPlan`) and ``step`` (a paged cache's ``step_inputs()``):
+    the pools are written in place, the caller orders their later readers after the result."""
+    k_pool, v_pool, slots, table, limits, offset, block_size = step
+    return _extension().decoder_layer(x, plan.w_in, plan.eps_in, plan.w_post, plan.eps_post, list(plan.weights), list(plan.bits),
+                                      list(plan.groups), k_pool, v_pool, slots, table, limits, offset, rope.inv_freq, heads,
+                                      rope.dims, rope.traditional, rope.scale, block_size, scale, attention_threads,
+                                      matmul_threads, int8)

@@ -1,6 +1,7 @@
-"""The fused attention step (RoPE, K/V writes and paged attention as one CPU op) computes what
-the separate ops compute, bit for bit: logits and the KV it writes, decode and verify steps,
-float32 and float16 pools, and an engine's greedy tokens."""
+"""The fused attention step (RoPE, K/V writes and paged attention as one CPU op) and the
+decoder-layer op (a llama layer's whole step of a few rows) compute what the separate ops
+compute, bit for bit: logits and the KV they write, decode and verify steps, float32 and
+float16 pools, and an engine's greedy tokens."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import mlx_parallm_provider  # noqa: F401  (BLAS before mlx)
 import asyncio
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 
@@ -16,7 +18,8 @@ from mlx_parallm_provider.engine import SamplingParams
 from mlx_parallm_provider.engine.kv import KVCacheManager
 from mlx_parallm_provider.engine.kv.paged_cache import PagedBatch
 from mlx_parallm_provider.engine.kv.storage import PagedKVStorage
-from mlx_parallm_provider.models import attention, backends, fused_ops, registry
+from mlx_parallm_provider.models import attention, backend, backends, fused_ops, registry
+from mlx_parallm_provider.models.backends import layer_step
 
 
 @pytest.fixture(scope="module")
@@ -119,3 +122,90 @@ def test_an_engine_decodes_the_same_tokens_with_the_fused_step_and_without(rope_
     _fused_off(monkeypatch)
     assert tokens(speculative="ngram") == fused
     assert len(steps) == ran
+
+
+@pytest.fixture(scope="module")
+def packed_model(tiny_model_dir):
+    """The tiny llama quantized to 4 bits and prepared as a served checkpoint is (packed
+    weights, fused norms and RoPE): every layer a plain llama layer the one-op step takes."""
+    import mlx_lm
+
+    model, _ = mlx_lm.load(str(tiny_model_dir))
+    nn.quantize(model, group_size=32, bits=4)
+    mx.eval(model.parameters())
+    backend.prepare_model(model, dequantize=True)
+    if not backends.of(model).kernels or not attention.has_attention_step():
+        pytest.skip("no CPU kernels extension (no compiler): the fused ops do not exist")
+    assert all(layer_step.plan_of(layer) is not None for layer in model.layers)
+    return model
+
+
+@pytest.fixture
+def layers(monkeypatch):
+    """Counts the decoder-layer op's calls."""
+    calls: list[int] = []
+    fused = attention.decoder_layer
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return fused(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "decoder_layer", counted)
+    return calls
+
+
+def _layers_off(model, monkeypatch) -> None:
+    monkeypatch.setattr(layer_step, "plan_of", lambda block: None)
+    monkeypatch.setattr(backends.of(model), "_plans", {})  # (the plans made so far come back after the test)
+
+
+@pytest.mark.parametrize("dtype", [None, mx.float16], ids=["float32-pools", "float16-pools"])
+@pytest.mark.parametrize("width", [1, 2], ids=["decode", "verify"])  # (3 rows x 2: within the packed kernel's 8)
+def test_a_layer_as_one_op_gives_the_logits_and_kv_of_its_ops(packed_model, layers, steps, monkeypatch, dtype, width):
+    model = packed_model
+    prompts = [list(range(7, 7 + n)) for n in (3, 17, 40)]
+    kv, storage = _prefilled(model, prompts, 4, dtype)
+    new = [[11, 12, 13][: max(1, width - b)] for b in range(len(prompts))]
+    tokens = mx.array([row + [0] * (width - len(row)) for row in new])
+
+    def step(store: PagedKVStorage) -> mx.array:
+        batch = PagedBatch(store, [kv.table(b) for b in range(len(prompts))], [len(p) for p in prompts],
+                           [len(row) for row in new], width, verify=width > 1)
+        logits = model(tokens, cache=batch.layers())
+        mx.eval(logits, store.keys, store.values)
+        return logits
+
+    apart = _copy(storage)
+    fused = step(storage)
+    assert len(layers) == len(model.layers) and steps == []  # whole layers, no separate attention step
+    _layers_off(model, monkeypatch)
+    separate = step(apart)
+    assert len(layers) == len(model.layers) and len(steps) == len(model.layers)  # (each layer's own ops ran)
+    for b, row in enumerate(new):
+        assert mx.array_equal(fused[b, : len(row)], separate[b, : len(row)]).item(), b
+    for mine, theirs in zip([*storage.keys, *storage.values], [*apart.keys, *apart.values]):
+        assert mx.array_equal(mine, theirs).item()
+
+
+def test_steps_of_more_rows_than_the_packed_kernel_takes_keep_the_layers_ops(packed_model, layers, monkeypatch):
+    model = packed_model
+    kv, storage = _prefilled(model, [[1, 2, 3], [4, 5, 6, 7]], 4, None)
+    monkeypatch.setattr(backends.of(model), "packed_rows", 1)
+    batch = PagedBatch(storage, [kv.table(0), kv.table(1)], [3, 4], [1, 1], 1)
+    mx.eval(model(mx.array([[8], [9]]), cache=batch.layers()))
+    assert layers == []
+
+
+def test_an_engine_decodes_the_same_tokens_with_layers_as_one_op_and_without(packed_model, make_engine, layers, monkeypatch):
+    prompts = [[1, 5, 9, 14, 2, 5, 9, 14, 2, 5][: 4 + i] for i in range(5)]
+
+    def tokens(**config) -> list[list[int]]:
+        engine = make_engine(packed_model, **config)
+        return [c.token_ids for c in asyncio.run(engine.generate_many(prompts, SamplingParams(max_tokens=12, ignore_eos=True)))]
+
+    fused = tokens(speculative="ngram")
+    assert layers
+    ran = len(layers)
+    _layers_off(packed_model, monkeypatch)
+    assert tokens(speculative="ngram") == fused
+    assert len(layers) == ran

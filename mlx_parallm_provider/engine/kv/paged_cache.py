@@ -294,17 +294,29 @@ class PagedLayerCache:
         return (batch.table is not None and self.window is None and width == batch.width and pool is not None
                 and not batch.batch.gathered and fits_step(heads, pool))
 
+    def step_inputs(self) -> tuple[Any, ...]:
+        """What a fused step reads and writes (where :meth:`can_attend_step`): ``(k_pool,
+        v_pool, write_slots, table, limits, offset, block_size)``; the op that takes them
+        writes the pools in place and is handed to :meth:`wrote`."""
+        batch, storage = self.batch, self.batch.storage
+        return (storage.keys[self.layer], storage.values[self.layer], batch.write_slots, batch.table, batch.limits,
+                batch.batch.offset, storage.block_size)
+
+    def wrote(self, out: mx.array) -> None:
+        """The op computing ``out`` wrote this layer's new K/V in place: later readers of the
+        pools wait for it."""
+        self.written = True
+        self.batch.storage.written_in_place(self.layer, out)
+
     def attend_step(self, queries: mx.array, keys: mx.array, values: mx.array, heads: int, rope: Any, scale: float,
                     backend: MLXOps) -> mx.array:
         """The step's RoPE, K/V writes and attention by ``backend`` as one op (where
         :meth:`can_attend_step`): the projections ``(B, L, heads * D)`` / ``(B, L, kv_heads * D)``
         in, the attention ``(B, L, heads * D)`` out."""
-        batch, storage = self.batch, self.batch.storage
-        self.written = True
-        out = backend.paged_attention_step(queries, keys, values, storage.keys[self.layer], storage.values[self.layer],
-                                           batch.write_slots, batch.table, batch.limits, batch.batch.offset, heads, rope,
-                                           storage.block_size, scale)
-        storage.written_in_place(self.layer, out)
+        k_pool, v_pool, slots, table, limits, offset, block_size = self.step_inputs()
+        out = backend.paged_attention_step(queries, keys, values, k_pool, v_pool, slots, table, limits, offset, heads, rope,
+                                           block_size, scale)
+        self.wrote(out)
         return out
 
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Optional[Any],

@@ -21,25 +21,26 @@ _PLAIN_ATTENTION = (("mlx_lm.models.llama", "Attention"), ("mlx_lm.models.qwen2"
 ``cache.offset``, ``cache.update_and_fetch``, ``scaled_dot_product_attention(scale=self.scale)``
 and ``o_proj`` (no q/k norms, no softcap, no sinks), with ``n_heads`` and ``rope`` attributes."""
 
-_codes: Optional[set[Any]] = None
+_codes: dict[tuple[tuple[str, str], ...], set[Any]] = {}
 
 
-def _plain_codes() -> set[Any]:
-    global _codes
-    if _codes is None:
-        _codes = set()
-        for module, name in _PLAIN_ATTENTION:
+def plain_code(cls: type, names: tuple[tuple[str, str], ...], method: str = "__call__") -> bool:
+    """Whether ``cls``'s ``method`` runs the code of one of the mlx-lm classes ``names``
+    (``(module, class)`` pairs; a routed subclass's rebound method keeps its code)."""
+    if names not in _codes:
+        found = set()
+        for module, name in names:
             try:
-                _codes.add(getattr(importlib.import_module(module), name).__call__.__code__)
+                found.add(getattr(getattr(importlib.import_module(module), name), method).__code__)
             except (ImportError, AttributeError):
                 continue
-    return _codes
+        _codes[names] = found
+    return getattr(getattr(cls, method, None), "__code__", None) in _codes[names]
 
 
 def fusable(cls: type) -> bool:
     """Whether ``cls``'s ``__call__`` is one of :data:`_PLAIN_ATTENTION`'s."""
-    call = getattr(cls, "__call__", None)
-    return getattr(call, "__code__", None) in _plain_codes()
+    return plain_code(cls, _PLAIN_ATTENTION)
 
 
 def stepping(original: Callable[..., Any], backend: Any) -> Callable[..., Any]:

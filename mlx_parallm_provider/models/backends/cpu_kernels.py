@@ -26,6 +26,7 @@ import mlx.core as mx
 
 from ..._validation import env_choice, env_int
 from .. import attention, cpu_ops, qmatmul
+from . import layer_step
 from .mlx_ops import MLXOps
 
 ROWS_ENV = "MLX_PARALLM_SMALL_BATCH_ROWS"
@@ -75,6 +76,7 @@ class CPUKernels(MLXOps):
     packed_rows: int = field(default_factory=_packed_rows)  # type: ignore[assignment]
     qmatmul_threads: int = field(default_factory=_qmatmul_threads)  # type: ignore[assignment]
     int8_matmul: bool = field(default_factory=_int8_matmul)  # type: ignore[assignment]
+    _plans: dict[int, Optional[layer_step.LayerPlan]] = field(default_factory=dict, repr=False, compare=False)
 
     name = "cpu"
     kernels = True
@@ -107,6 +109,23 @@ class CPUKernels(MLXOps):
                              block_size: int, scale: float) -> mx.array:
         return attention.paged_attention_step(queries, keys, values, k_pool, v_pool, slots, table, limits, offset, heads, rope,
                                               block_size, scale, self.attention_threads)
+
+    def layer_step(self, block: Any, x: mx.array, cache: Any) -> Optional[mx.array]:
+        rows = x.shape[0] * x.shape[1] if x.ndim == 3 else 0
+        if not 0 < rows <= min(qmatmul.MAX_ROWS, self.packed_rows if not self.int8_matmul else qmatmul.MAX_ROWS):
+            return None
+        can = getattr(cache, "can_attend_step", None)
+        if can is None or x.dtype != mx.float32:
+            return None
+        if id(block) not in self._plans:  # (the backend belongs to one model: its blocks live as long)
+            self._plans[id(block)] = layer_step.plan_of(block)
+        plan, attn = self._plans[id(block)], block.self_attn
+        if plan is None or not self.steps_attention(attn.rope) or not can(attn.n_heads, x.shape[1]):
+            return None
+        out = attention.decoder_layer(x, plan, cache.step_inputs(), attn.n_heads, attn.rope, attn.scale, self.attention_threads,
+                                      self.qmatmul_threads, self.int8_matmul)
+        cache.wrote(out)
+        return out
 
     def exp(self, x: mx.array) -> mx.array:
         return cpu_ops.fast_exp(x)

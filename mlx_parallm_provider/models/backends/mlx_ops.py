@@ -80,6 +80,11 @@ class MLXOps:
         :meth:`paged_decode_attention`); (B, L, heads * D). Only where :meth:`steps_attention`."""
         raise NotImplementedError(f"{type(self).__name__} has no fused attention step")
 
+    def layer_step(self, block: Any, x: mx.array, cache: Any) -> Optional[mx.array]:
+        """A decoder layer's whole step as one op (see :mod:`.layer_step`), or None: run the
+        block's own code."""
+        return None
+
     # -- elementwise ----------------------------------------------------------------------
 
     def exp(self, x: mx.array) -> mx.array:

@@ -18,6 +18,7 @@ from typing import Any, Callable, Optional
 
 from ..attention import mlx_lm_attention, mlx_lm_swiglu
 from .attention_step import fusable, stepping
+from .layer_step import fusable_block, stepping_block
 
 _ORIGINAL = "_parallm_original_class"  # on a routed subclass: the mlx-lm class it derives from
 _BACKEND = "_parallm_backend"  # on a routed subclass: the backend its methods call
@@ -76,6 +77,8 @@ def _subclass(cls: type, backend: Any, namespaces: dict[str, Optional[dict[str, 
             calls |= called
     if fusable(cls) and "scaled_dot_product_attention" in calls and hasattr(backend, "steps_attention"):
         body["__call__"] = stepping(body["__call__"], backend)  # (a decode step's attention as one op, where it can)
+    elif fusable_block(cls) and hasattr(backend, "layer_step"):
+        body["__call__"] = stepping_block(body.get("__call__", cls.__call__), backend)  # (a whole layer's step, where it can)
     if not body:
         return cls, calls
     body.update({_ORIGINAL: cls, _BACKEND: backend, "__module__": cls.__module__, "__qualname__": cls.__qualname__})

@@ -3,6 +3,8 @@
 
 #include <cstdint>
 #include <cstring>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "mlx/allocator.h"
@@ -47,5 +49,35 @@ inline const char* row_major(const mlx::core::array& a, std::vector<char>& copy)
   }
   return copy.data();
 }
+
+// A CPU-only primitive with one output shaped as its first input, whose eval hands weak
+// copies of the inputs and a copy of Self's `params` to Self::run(inputs, out, params) on
+// the stream (the attention primitives, the decoder-layer op).
+template <class Self>
+class CpuPrimitive : public mlx::core::Primitive {
+ public:
+  using mlx::core::Primitive::Primitive;
+
+  void eval_cpu(const std::vector<mlx::core::array>& inputs, std::vector<mlx::core::array>& outputs) override {
+    auto& out = outputs[0];
+    auto& encoder = cpu_encoder(stream(), inputs, out);
+    std::vector<mlx::core::array> in;
+    for (auto& a : inputs) in.push_back(mlx::core::array::unsafe_weak_copy(a));
+    encoder.dispatch([in = std::move(in), out = mlx::core::array::unsafe_weak_copy(out),
+                      p = static_cast<const Self*>(this)->params]() mutable { Self::run(in, out, p); });
+  }
+
+  void eval_gpu(const std::vector<mlx::core::array>&, std::vector<mlx::core::array>&) override {
+    throw std::runtime_error(std::string(name()) + " has no GPU implementation (CPU only)");
+  }
+
+  std::vector<mlx::core::Shape> output_shapes(const std::vector<mlx::core::array>& inputs) override {
+    return {inputs[0].shape()};
+  }
+
+  bool is_equivalent(const mlx::core::Primitive& other) const override {
+    return static_cast<const Self*>(this)->params == static_cast<const Self&>(other).params;
+  }
+};
 
 }  // namespace mlx_parallm

@@ -48,6 +48,12 @@ extern "C" void qm_parallel_for(int items, int threads, void (*fn)(void*, int, i
 
 namespace mlx_parallm {
 
+void attention_step_rows(const float* const* q_rows, const float* const* k_rows, const float* const* v_rows, void* k_pool,
+                         void* v_pool, bool half_pools, int64_t slots, int KVH, const int32_t* where, const int32_t* table,
+                         int M, const int32_t* limits, const int32_t* offset, const float* inv_freq, int64_t freq_stride,
+                         int B, int L, int H, int D, int rope_dims, bool traditional, float rope_scale, float scale,
+                         int block_size, int threads, float* out);
+
 namespace {
 
 constexpr int kMaxHeadDim = 256;
@@ -265,42 +271,15 @@ void run_items(int items, int threads, const std::function<void(int)>& task, int
   qm_parallel_for(items, use, call, const_cast<void*>(static_cast<const void*>(&task)));
 }
 
-// What both attention primitives share: CPU only, one output shaped as the queries, and an
-// eval that hands weak copies of the arrays and a copy of Self's params to Self::run.
-template <class Self>
-class CpuAttention : public mx::Primitive {
- public:
-  using mx::Primitive::Primitive;
-
-  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    auto& out = outputs[0];
-    auto& encoder = cpu_encoder(stream(), inputs, out);
-    std::vector<mx::array> in;
-    for (auto& a : inputs) in.push_back(mx::array::unsafe_weak_copy(a));
-    encoder.dispatch([in = std::move(in), out = mx::array::unsafe_weak_copy(out),
-                      p = static_cast<const Self*>(this)->params]() mutable { Self::run(in, out, p); });
-  }
-
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error(std::string(name()) + " has no GPU implementation (CPU only)");
-  }
-
-  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {inputs[0].shape()}; }
-
-  bool is_equivalent(const mx::Primitive& other) const override {
-    return static_cast<const Self*>(this)->params == static_cast<const Self&>(other).params;
-  }
-};
-
 struct DecodeParams {
   float scale;
   int flags, threads;
   bool operator==(const DecodeParams& o) const { return scale == o.scale && flags == o.flags && threads == o.threads; }
 };
 
-class DecodeAttentionCPU : public CpuAttention<DecodeAttentionCPU> {
+class DecodeAttentionCPU : public CpuPrimitive<DecodeAttentionCPU> {
  public:
-  DecodeAttentionCPU(mx::Stream stream, DecodeParams p) : CpuAttention(stream), params(p) {}
+  DecodeAttentionCPU(mx::Stream stream, DecodeParams p) : CpuPrimitive(stream), params(p) {}
 
   const char* name() const override { return "DecodeAttentionCPU"; }
 
@@ -455,9 +434,9 @@ struct PagedParams {
   }
 };
 
-class PagedDecodeAttentionCPU : public CpuAttention<PagedDecodeAttentionCPU> {
+class PagedDecodeAttentionCPU : public CpuPrimitive<PagedDecodeAttentionCPU> {
  public:
-  PagedDecodeAttentionCPU(mx::Stream stream, PagedParams p) : CpuAttention(stream), params(p) {}
+  PagedDecodeAttentionCPU(mx::Stream stream, PagedParams p) : CpuPrimitive(stream), params(p) {}
 
   const char* name() const override { return "PagedDecodeAttentionCPU"; }
 
@@ -520,14 +499,42 @@ struct StepParams {
   }
 };
 
+template <class T>
+void step_rows_as(const float* const* q_rows, const float* const* k_rows, const float* const* v_rows, T* kp, T* vp,
+                  int64_t slots, int KVH, const int32_t* where, const int32_t* table, int M, const int32_t* limits,
+                  const int32_t* offset, const float* freq, int64_t fs, int B, int L, int H, int D, int rope_dims,
+                  bool traditional, float rope_scale, float scale, int bs, int threads, float* out) {
+  int64_t slot_stride = static_cast<int64_t>(KVH) * D;
+  int half = rope_dims / 2;
+  std::vector<float> rotated(static_cast<size_t>(B) * L * H * D), key(D), cs(half), sn(half);
+  for (int b = 0; b < B; b++) {
+    for (int j = 0; j < L; j++) {
+      int64_t r = static_cast<int64_t>(b) * L + j;
+      rope_angles((static_cast<float>(j) + static_cast<float>(offset[b])) * rope_scale, half, freq, fs, cs.data(), sn.data());
+      for (int h = 0; h < H; h++)
+        rope_rotate(q_rows[r] + h * D, 1, rotated.data() + (r * H + h) * D, D, rope_dims, traditional, cs.data(), sn.data());
+      int64_t slot = where[r];
+      if (slot < 0 || slot >= slots) throw std::runtime_error("paged_attention_step: a write slot lies outside the pools");
+      for (int g = 0; g < KVH; g++) {
+        rope_rotate(k_rows[r] + g * D, 1, key.data(), D, rope_dims, traditional, cs.data(), sn.data());
+        store_as(kp + slot * slot_stride + g * D, key.data(), D);
+        store_as(vp + slot * slot_stride + g * D, v_rows[r] + g * D, D);
+      }
+    }
+  }
+  int64_t hd = static_cast<int64_t>(H) * D;
+  QueryLayout io{rotated.data(), out, L * hd, D, hd};
+  paged_attend<T>(kp, vp, slots, KVH, table, M, limits, io, B, H, L, D, scale, bs, threads);
+}
+
 // A decode (or verify) step's attention with what precedes it, as one op: RoPE on the
 // queries and new keys, the new keys and values written into the pools at their slots (in
 // place: the caller orders later readers after this op), then PagedDecodeAttentionCPU's
 // attention, read and written in the projections' layout (B, L, heads * D), so no transposes
 // or copies surround it. Each part computes what the separate ops compute, bit for bit.
-class PagedAttentionStepCPU : public CpuAttention<PagedAttentionStepCPU> {
+class PagedAttentionStepCPU : public CpuPrimitive<PagedAttentionStepCPU> {
  public:
-  PagedAttentionStepCPU(mx::Stream stream, StepParams p) : CpuAttention(stream), params(p) {}
+  PagedAttentionStepCPU(mx::Stream stream, StepParams p) : CpuPrimitive(stream), params(p) {}
 
   const char* name() const override { return "PagedAttentionStepCPU"; }
 
@@ -556,51 +563,46 @@ class PagedAttentionStepCPU : public CpuAttention<PagedAttentionStepCPU> {
         v_pool.data_size() != v_pool.size()) {
       throw std::runtime_error("paged_attention_step: the pools must be whole row-contiguous arrays");
     }
-    if (k_pool.dtype() == mx::float16) {
-      run_as(const_cast<uint16_t*>(k_pool.data<uint16_t>()), const_cast<uint16_t*>(v_pool.data<uint16_t>()), in, out, prm);
-    } else {
-      run_as(const_cast<float*>(k_pool.data<float>()), const_cast<float*>(v_pool.data<float>()), in, out, prm);
-    }
-  }
-
-  template <class T>
-  static void run_as(T* kp, T* vp, const std::vector<mx::array>& in, mx::array& out, const StepParams& prm) {
     Rows q(in[0]), k(in[1]), v(in[2]);
-    int B = in[0].shape(0), L = in[0].shape(1), H = prm.heads, D = in[0].shape(2) / H, KVH = in[3].shape(1);
-    int64_t slots = in[3].shape(0), slot_stride = static_cast<int64_t>(KVH) * D;
-    const int32_t* where = in[5].data<int32_t>();
-    const int32_t* offset = in[8].data<int32_t>();
-    const float* freq = in[9].data<float>();
-    int64_t fs = in[9].strides().back();
-    int half = prm.rope_dims / 2;
-    std::vector<float> rotated(static_cast<size_t>(B) * L * H * D), key(D), cs(half), sn(half);
-    for (int b = 0; b < B; b++) {
-      for (int j = 0; j < L; j++) {
-        int64_t r = static_cast<int64_t>(b) * L + j;
-        rope_angles((static_cast<float>(j) + static_cast<float>(offset[b])) * prm.rope_scale, half, freq, fs, cs.data(), sn.data());
-        for (int h = 0; h < H; h++)
-          rope_rotate(q.row(r) + h * D, 1, rotated.data() + (r * H + h) * D, D, prm.rope_dims, prm.traditional, cs.data(), sn.data());
-        int64_t slot = where[r];
-        if (slot < 0 || slot >= slots) throw std::runtime_error("paged_attention_step: a write slot lies outside the pools");
-        for (int g = 0; g < KVH; g++) {
-          rope_rotate(k.row(r) + g * D, 1, key.data(), D, prm.rope_dims, prm.traditional, cs.data(), sn.data());
-          store_as(kp + slot * slot_stride + g * D, key.data(), D);
-          store_as(vp + slot * slot_stride + g * D, v.row(r) + g * D, D);
-        }
-      }
+    int B = in[0].shape(0), L = in[0].shape(1), H = prm.heads, D = in[0].shape(2) / H;
+    std::vector<const float*> rows(3 * static_cast<size_t>(B) * L);
+    for (int64_t r = 0; r < static_cast<int64_t>(B) * L; r++) {
+      rows[r] = q.row(r);
+      rows[B * L + r] = k.row(r);
+      rows[2 * B * L + r] = v.row(r);
     }
-    int64_t hd = static_cast<int64_t>(H) * D;
-    QueryLayout io{rotated.data(), out.data<float>(), L * hd, D, hd};
-    paged_attend<T>(kp, vp, slots, KVH, in[6].data<int32_t>(), in[6].shape(1), in[7].data<int32_t>(), io, B, H, L, D,
-                    prm.scale, prm.block_size, prm.threads);
+    attention_step_rows(rows.data(), rows.data() + B * L, rows.data() + 2 * B * L, const_cast<void*>(k_pool.data<void>()),
+                        const_cast<void*>(v_pool.data<void>()), k_pool.dtype() == mx::float16, k_pool.shape(0), k_pool.shape(1),
+                        in[5].data<int32_t>(), in[6].data<int32_t>(), in[6].shape(1), in[7].data<int32_t>(),
+                        in[8].data<int32_t>(), in[9].data<float>(), in[9].strides().back(), B, L, H, D, prm.rope_dims,
+                        prm.traditional, prm.rope_scale, prm.scale, prm.block_size, prm.threads, out.data<float>());
   }
 };
 
 }  // namespace
 
+// The fused attention step over raw rows (see PagedAttentionStepCPU; decoder_layer.cpp's op
+// calls it too): row r = b * L + j of q (heads * D floats), k and v (KVH * D) at q_rows[r],
+// k_rows[r], v_rows[r]; the pools float32, or float16 (`half_pools`); out (B, L, H * D).
+void attention_step_rows(const float* const* q_rows, const float* const* k_rows, const float* const* v_rows, void* k_pool,
+                         void* v_pool, bool half_pools, int64_t slots, int KVH, const int32_t* where, const int32_t* table,
+                         int M, const int32_t* limits, const int32_t* offset, const float* inv_freq, int64_t freq_stride,
+                         int B, int L, int H, int D, int rope_dims, bool traditional, float rope_scale, float scale,
+                         int block_size, int threads, float* out) {
+  if (half_pools) {
+    step_rows_as(q_rows, k_rows, v_rows, static_cast<uint16_t*>(k_pool), static_cast<uint16_t*>(v_pool), slots, KVH, where,
+                 table, M, limits, offset, inv_freq, freq_stride, B, L, H, D, rope_dims, traditional, rope_scale, scale,
+                 block_size, threads, out);
+  } else {
+    step_rows_as(q_rows, k_rows, v_rows, static_cast<float*>(k_pool), static_cast<float*>(v_pool), slots, KVH, where, table,
+                 M, limits, offset, inv_freq, freq_stride, B, L, H, D, rope_dims, traditional, rope_scale, scale, block_size,
+                 threads, out);
+  }
+}
+
 // An int32 array as the kernels read it: itself when already computed, int32 and
 // row-contiguous (block tables and lengths are made so once a step: no op per layer).
-static mx::array int32_rows(const mx::array& a, const mx::Stream& stream) {
+mx::array int32_rows(const mx::array& a, const mx::Stream& stream) {
   if (a.dtype() == mx::int32 && a.status() != mx::array::Status::unscheduled && a.flags().row_contiguous) return a;
   return mx::contiguous(mx::astype(a, mx::int32, stream), false, stream);
 }

@@ -22,6 +22,14 @@ namespace mx = mlx::core;
 
 namespace mlx_parallm {
 
+// One row of RMSNorm: dst = src * rsqrt(mean(src^2) + eps) * w (strides in elements).
+void rms_norm_row(const float* src, int64_t xs, const float* w, int64_t ws, int d, float eps, float* dst) {
+  float sum = 0.0f;
+  for (int i = 0; i < d; i++) sum += src[i * xs] * src[i * xs];
+  float inv = 1.0f / std::sqrt(sum / static_cast<float>(d) + eps);
+  for (int i = 0; i < d; i++) dst[i] = (src[i * xs] * inv) * w[i * ws];
+}
+
 namespace {
 
 // Offset of row `row` (of `width` elements along the last axis) in `a`, in elements.
@@ -44,14 +52,7 @@ class RMSNormCPU : public mx::Primitive {
       const float* xd = x.data<float>();
       const float* wd = w.data<float>();
       float* o = out.data<float>();
-      for (size_t r = 0; r < rows; r++) {
-        const float* src = xd + row_loc(x, r, d);
-        float* dst = o + r * d;
-        float sum = 0.0f;
-        for (int i = 0; i < d; i++) sum += src[i * xs] * src[i * xs];
-        float inv = 1.0f / std::sqrt(sum / static_cast<float>(d) + eps);
-        for (int i = 0; i < d; i++) dst[i] = (src[i * xs] * inv) * wd[i * ws];
-      }
+      for (size_t r = 0; r < rows; r++) rms_norm_row(xd + row_loc(x, r, d), xs, wd, ws, d, eps, o + r * d);
     });
   }
 

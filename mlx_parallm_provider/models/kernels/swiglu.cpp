@@ -17,9 +17,8 @@ namespace mx = mlx::core;
 
 namespace mlx_parallm {
 
-namespace {
-
-// n contiguous elements, 16 at a time through exp16 (the tail through a padded vector).
+// silu(g) * x over n contiguous elements, 16 at a time through exp16 (the tail through a
+// padded vector); also the decoder-layer op's (decoder_layer.cpp).
 void swiglu_rows(const float* g, const float* x, float* out, size_t n) {
   size_t i = 0;
   for (; i + 16 <= n; i += 16) {
@@ -33,6 +32,8 @@ void swiglu_rows(const float* g, const float* x, float* out, size_t n) {
     for (size_t j = i; j < n; j++) out[j] = o[j - i];
   }
 }
+
+namespace {
 
 class SwiGLUCPU : public mx::Primitive {
  public:

@@ -1,0 +1,97 @@
+"""A llama decoder layer's decode step of a few rows as one op: the routed ``__call__`` of
+mlx-lm's llama ``TransformerBlock``.
+
+Each MLX op on the CPU costs ~15 us beside its work (its task goes to the stream's thread,
+which sleeps between small ops): a one-row step of the default model was ~320 such ops after
+the fused attention step (:mod:`.attention_step`), ~5 ms of its ~15. Where the layer is the
+plain llama shape this package's kernels compute (fused RMSNorms, q/k/v and gate/up as packed
+sibling weights, o and down packed, no biases, a plain RoPE), the step has few enough rows
+for the packed-weight kernel, and the cache takes a fused step, the block is one op
+(``kernels/decoder_layer.cpp``) that calls the same kernels in the same order: the same
+numbers, bit for bit. Everywhere else mlx-lm's block runs as routed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import mlx.core as mx
+
+from .attention_step import fusable, plain_code
+
+_PLAIN_BLOCKS = (("mlx_lm.models.llama", "TransformerBlock"),)
+"""mlx-lm blocks whose ``__call__`` is ``h = x + attn(norm(x)); out = h + mlp(norm(h))``."""
+_PLAIN_MLPS = (("mlx_lm.models.llama", "MLP"),)
+"""mlx-lm MLPs whose ``__call__`` is ``down(swiglu(gate(x), up(x)))``."""
+
+
+def fusable_block(cls: type) -> bool:
+    """Whether ``cls``'s ``__call__`` is one of :data:`_PLAIN_BLOCKS`'."""
+    return plain_code(cls, _PLAIN_BLOCKS)
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """What the decoder-layer op takes of one block: its norms and four packed weights
+    (q/k/v, o, gate/up, down: bytes, scales and biases each, with their bits and groups)."""
+
+    w_in: mx.array
+    eps_in: float
+    w_post: mx.array
+    eps_post: float
+    weights: tuple[mx.array, ...]
+    bits: tuple[int, ...]
+    groups: tuple[int, ...]
+
+
+def _packed(layers: list[Any], ext: Any) -> Optional[Any]:
+    """The packed weight that ``layers`` (SmallBatchLinear, no bias) take whole, in order,
+    or None."""
+    from ..small_batch import SmallBatchLinear
+
+    if not all(type(layer) is SmallBatchLinear and "bias" not in layer for layer in layers):
+        return None
+    source = layers[0]._source
+    if any(layer._source is not source for layer in layers) or source.kernel is not ext:
+        return None
+    edges = [0] + [layer._columns[1] for layer in layers]
+    if [layer._columns[0] for layer in layers] != edges[:-1] or edges[-1] != source.packed.shape[0]:
+        return None
+    return source.packed
+
+
+def plan_of(block: Any) -> Optional[LayerPlan]:
+    """``block``'s :class:`LayerPlan`, or None where it is not the plain llama layer the op computes."""
+    from .. import qmatmul_ext
+    from ..fused_ops import FusedRMSNorm, FusedRoPE
+
+    ext = qmatmul_ext.load()
+    attn, mlp = getattr(block, "self_attn", None), getattr(block, "mlp", None)
+    norms = (getattr(block, "input_layernorm", None), getattr(block, "post_attention_layernorm", None))
+    if ext is None or not hasattr(ext, "decoder_layer") or attn is None or mlp is None:
+        return None
+    if not all(type(n) is FusedRMSNorm for n in norms) or not isinstance(getattr(attn, "rope", None), FusedRoPE):
+        return None
+    if not fusable(getattr(type(attn), "_parallm_original_class", type(attn))) or not plain_code(type(mlp), _PLAIN_MLPS):
+        return None
+    parts = [_packed([attn.q_proj, attn.k_proj, attn.v_proj], ext), _packed([attn.o_proj], ext),
+             _packed([mlp.gate_proj, mlp.up_proj], ext), _packed([mlp.down_proj], ext)]
+    if any(p is None for p in parts):
+        return None
+    return LayerPlan(norms[0].weight, float(norms[0].eps), norms[1].weight, float(norms[1].eps),
+                     tuple(a for p in parts for a in (p.packed, p.scales, p.biases)), tuple(p.bits for p in parts),
+                     tuple(p.group_size for p in parts))
+
+
+def stepping_block(original: Callable[..., Any], backend: Any) -> Callable[..., Any]:
+    """``original`` (a block's ``__call__``) with the one-op layer step in front."""
+
+    def __call__(self: Any, x: Any, mask: Optional[Any] = None, cache: Optional[Any] = None) -> Any:
+        out = backend.layer_step(self, x, cache)
+        return out if out is not None else original(self, x, mask, cache)
+
+    __call__.__qualname__ = getattr(original, "__qualname__", "__call__")
+    __call__.__doc__ = original.__doc__
+    __call__.__wrapped__ = original  # type: ignore[attr-defined]
+    return __call__

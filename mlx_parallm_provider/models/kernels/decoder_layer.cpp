@@ -1,0 +1,165 @@
+// A llama decoder layer's decode (or verify) step of a few rows as one MLX op (CPU).
+//
+// On the CPU every MLX op costs ~15 us beside its work (its task is handed to the stream's
+// thread, which sleeps between small ops): a one-row step of the default model is ~320 such
+// ops, a third of its time. This op runs the layer's parts in order on the caller's arrays,
+// each through the very function its own op calls, so the result is the same bit for bit:
+//   h = x + o_proj(attention_step(qkv_proj(rms_norm(x, w_in))))
+//   out = h + down_proj(swiglu(gate_up_proj(rms_norm(h, w_post))))
+// qkv_proj and gate_up_proj are the concatenated packed weights of the sibling layers
+// (small_batch.SharedInput), multiplied by qmatmul.c's kernel (or its int8 path); the
+// attention step writes the new K/V into the pools in place (decode_attention.cpp).
+//
+// Inputs: x (B, L, Dm) float32; w_in, w_post (Dm,) float32; four packed weights as
+// (bytes, scales, biases): qkv (heads * D + 2 * KVH * D rows), o (Dm rows), gate_up (2 * I
+// rows: gate, then up), down (Dm rows); k_pool, v_pool (N, KVH, D); slots (B * L,); table
+// (B, M); limits (B,) or (B, L); offset (B,); inv_freq (rope_dims / 2,). Output (B, L, Dm).
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "cpu_primitive.h"
+#include "mlx/ops.h"
+
+namespace mx = mlx::core;
+
+extern "C" int qmatmul(const float* x, int M, int K, const uint8_t* w, const float* scales, const float* biases, int N,
+                       int bits, int group, float* y, int threads);
+extern "C" int qmatmul_int8(const float* x, int M, int K, const uint8_t* w, const float* scales, const float* biases,
+                            int N, int bits, int group, float* y, int threads);
+
+namespace mlx_parallm {
+
+void rms_norm_row(const float* src, int64_t xs, const float* w, int64_t ws, int d, float eps, float* dst);  // norm_rope.cpp
+void swiglu_rows(const float* g, const float* x, float* out, size_t n);                                   // swiglu.cpp
+void attention_step_rows(const float* const* q_rows, const float* const* k_rows, const float* const* v_rows, void* k_pool,
+                         void* v_pool, bool half_pools, int64_t slots, int KVH, const int32_t* where, const int32_t* table,
+                         int M, const int32_t* limits, const int32_t* offset, const float* inv_freq, int64_t freq_stride,
+                         int B, int L, int H, int D, int rope_dims, bool traditional, float rope_scale, float scale,
+                         int block_size, int threads, float* out);  // decode_attention.cpp
+mx::array int32_rows(const mx::array& a, const mx::Stream& stream);  // decode_attention.cpp
+
+namespace {
+
+struct LayerParams {
+  float eps_in, eps_post, rope_scale, scale;
+  int heads, rope_dims, block_size, attention_threads, matmul_threads;
+  bool traditional, int8;
+  std::vector<int> bits, groups;  // of qkv, o, gate_up, down
+  bool operator==(const LayerParams& o) const {
+    return eps_in == o.eps_in && eps_post == o.eps_post && rope_scale == o.rope_scale && scale == o.scale &&
+           heads == o.heads && rope_dims == o.rope_dims && block_size == o.block_size &&
+           attention_threads == o.attention_threads && matmul_threads == o.matmul_threads && traditional == o.traditional &&
+           int8 == o.int8 && bits == o.bits && groups == o.groups;
+  }
+};
+
+class DecoderLayerCPU : public CpuPrimitive<DecoderLayerCPU> {
+ public:
+  DecoderLayerCPU(mx::Stream stream, LayerParams p) : CpuPrimitive(stream), params(std::move(p)) {}
+
+  const char* name() const override { return "DecoderLayerCPU"; }
+
+  LayerParams params;
+
+  static void run(const std::vector<mx::array>& in, mx::array& out, const LayerParams& prm) {
+    const auto &k_pool = in[15], &v_pool = in[16];
+    if (!k_pool.flags().row_contiguous || !v_pool.flags().row_contiguous || k_pool.data_size() != k_pool.size() ||
+        v_pool.data_size() != v_pool.size()) {
+      throw std::runtime_error("decoder_layer: the pools must be whole row-contiguous arrays");
+    }
+    std::vector<char> xc;
+    const float* x = reinterpret_cast<const float*>(row_major(in[0], xc));
+    int B = in[0].shape(0), L = in[0].shape(1), dm = in[0].shape(2), rows = B * L;
+    int H = prm.heads, KVH = k_pool.shape(1), D = k_pool.shape(2), hd = H * D;
+    int n_qkv = in[3].shape(0), inter = in[9].shape(0) / 2;
+    // The weights' (bytes, scales, biases) at in[3 + 3 * i], each multiplied as QMatmul does.
+    auto matmul = [&](int i, const float* a, int k, float* y) {
+      const auto &w = in[3 + 3 * i], &s = in[4 + 3 * i], &b = in[5 + 3 * i];
+      auto kernel = prm.int8 ? qmatmul_int8 : qmatmul;
+      if (kernel(a, rows, k, w.data<uint8_t>(), s.data<float>(), b.data<float>(), w.shape(0), prm.bits[i], prm.groups[i], y,
+                 prm.matmul_threads) != 0)
+        throw std::runtime_error("decoder_layer: kernel failed (out of memory?)");
+    };
+    const float* w_in = in[1].data<float>();
+    const float* w_post = in[2].data<float>();
+    std::vector<float> normed(static_cast<size_t>(rows) * dm), qkv(static_cast<size_t>(rows) * n_qkv),
+        attended(static_cast<size_t>(rows) * hd), h(static_cast<size_t>(rows) * dm), gate_up(static_cast<size_t>(rows) * 2 * inter),
+        gated(static_cast<size_t>(rows) * inter);
+    float* o = out.data<float>();  // o_proj's, then down_proj's output before the residual
+    for (int r = 0; r < rows; r++) rms_norm_row(x + static_cast<size_t>(r) * dm, 1, w_in, 1, dm, prm.eps_in, normed.data() + static_cast<size_t>(r) * dm);
+    matmul(0, normed.data(), dm, qkv.data());
+    std::vector<const float*> parts(3 * static_cast<size_t>(rows));
+    for (int r = 0; r < rows; r++) {
+      const float* row = qkv.data() + static_cast<size_t>(r) * n_qkv;
+      parts[r] = row, parts[rows + r] = row + hd, parts[2 * rows + r] = row + hd + KVH * D;
+    }
+    attention_step_rows(parts.data(), parts.data() + rows, parts.data() + 2 * rows, const_cast<void*>(k_pool.data<void>()),
+                        const_cast<void*>(v_pool.data<void>()), k_pool.dtype() == mx::float16, k_pool.shape(0), KVH,
+                        in[17].data<int32_t>(), in[18].data<int32_t>(), in[18].shape(1), in[19].data<int32_t>(),
+                        in[20].data<int32_t>(), in[21].data<float>(), in[21].strides().back(), B, L, H, D, prm.rope_dims,
+                        prm.traditional, prm.rope_scale, prm.scale, prm.block_size, prm.attention_threads, attended.data());
+    matmul(1, attended.data(), hd, o);
+    for (size_t i = 0; i < h.size(); i++) h[i] = x[i] + o[i];
+    for (int r = 0; r < rows; r++) rms_norm_row(h.data() + static_cast<size_t>(r) * dm, 1, w_post, 1, dm, prm.eps_post, normed.data() + static_cast<size_t>(r) * dm);
+    matmul(2, normed.data(), dm, gate_up.data());
+    for (int r = 0; r < rows; r++) {
+      const float* row = gate_up.data() + static_cast<size_t>(r) * 2 * inter;
+      swiglu_rows(row, row + inter, gated.data() + static_cast<size_t>(r) * inter, inter);
+    }
+    matmul(3, gated.data(), inter, o);
+    for (size_t i = 0; i < h.size(); i++) o[i] = h[i] + o[i];
+  }
+};
+
+}  // namespace
+
+// See the file comment. weights: the 12 arrays of qkv, o, gate_up and down (bytes, scales,
+// biases each); bits and groups: theirs.
+mx::array decoder_layer_op(const mx::array& x, const mx::array& w_in, float eps_in, const mx::array& w_post, float eps_post,
+                           const std::vector<mx::array>& weights, const std::vector<int>& bits, const std::vector<int>& groups,
+                           const mx::array& k_pool, const mx::array& v_pool, const mx::array& slots, const mx::array& table,
+                           const mx::array& limits, const mx::array& offset, const mx::array& inv_freq, int heads,
+                           int rope_dims, bool traditional, float rope_scale, int block_size, float scale,
+                           int attention_threads, int matmul_threads, bool int8) {
+  if (x.ndim() != 3 || weights.size() != 12 || bits.size() != 4 || groups.size() != 4 || k_pool.ndim() != 3 ||
+      k_pool.shape() != v_pool.shape() || table.ndim() != 2 || heads < 1) {
+    throw std::invalid_argument("decoder_layer: x (B, L, Dm), 12 weight arrays with 4 bits and groups, pools (N, KVH, D)");
+  }
+  int B = x.shape(0), L = x.shape(1), dm = x.shape(2), KVH = k_pool.shape(1), D = k_pool.shape(2);
+  int n_qkv = heads * D + 2 * KVH * D;
+  // Each weight's (rows, input width): qkv, o, gate_up, down.
+  int inter = weights[6].shape(0) / 2;
+  int rows_of[4] = {n_qkv, dm, 2 * inter, dm}, widths[4] = {dm, heads * D, dm, inter};
+  for (int i = 0; i < 4; i++) {
+    const auto &w = weights[3 * i], &s = weights[3 * i + 1], &b = weights[3 * i + 2];
+    if ((bits[i] != 4 && bits[i] != 8) || groups[i] <= 0 || groups[i] % 32 || widths[i] % groups[i] || w.dtype() != mx::uint8 ||
+        w.shape() != mx::Shape{rows_of[i], widths[i] * bits[i] / 8} || s.dtype() != mx::float32 || b.dtype() != mx::float32 ||
+        s.shape() != mx::Shape{rows_of[i], widths[i] / groups[i]} || b.shape() != s.shape()) {
+      throw std::invalid_argument("decoder_layer: weight " + std::to_string(i) + " is not a packed (bytes, scales, biases) of " +
+                                  std::to_string(rows_of[i]) + " x " + std::to_string(widths[i]));
+    }
+  }
+  if (w_in.size() != static_cast<size_t>(dm) || w_post.size() != static_cast<size_t>(dm) || heads % KVH || heads / KVH > 16 ||
+      D % 16 || D > 256 || slots.size() != static_cast<size_t>(B) * L || offset.size() != static_cast<size_t>(B) ||
+      table.shape(0) != B || !(limits.shape() == mx::Shape{B, L} || (L == 1 && limits.shape() == mx::Shape{B})) ||
+      rope_dims <= 0 || rope_dims % 2 || rope_dims > D || inv_freq.shape() != mx::Shape{rope_dims / 2} ||
+      inv_freq.dtype() != mx::float32 || (k_pool.dtype() != mx::float32 && k_pool.dtype() != mx::float16) ||
+      k_pool.dtype() != v_pool.dtype() || B * L > 64) {
+    throw std::invalid_argument("decoder_layer: unsupported shapes (norm weights (Dm,), head dim a multiple of 16 up to 256, "
+                                "at most 16 query heads per KV head, at most 64 rows, float32 or float16 pools)");
+  }
+  auto stream = cpu_stream();
+  auto f32 = [&](const mx::array& a) { return mx::astype(a, mx::float32, stream); };
+  std::vector<mx::array> inputs = {f32(x), f32(w_in), f32(w_post)};
+  inputs.insert(inputs.end(), weights.begin(), weights.end());
+  for (const auto& a : {k_pool, v_pool}) inputs.push_back(a);
+  for (const auto& a : {slots, table, limits, offset}) inputs.push_back(int32_rows(a, stream));
+  inputs.push_back(inv_freq);
+  LayerParams p{eps_in, eps_post, rope_scale, scale, heads, rope_dims, block_size, std::max(attention_threads, 1),
+                std::max(matmul_threads, 1), traditional, int8, bits, groups};
+  return mx::array(x.shape(), mx::float32, std::make_shared<DecoderLayerCPU>(stream, std::move(p)), std::move(inputs));
+}
+
+}  // namespace mlx_parallm
