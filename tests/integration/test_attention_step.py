@@ -159,10 +159,12 @@ def _layers_off(model, monkeypatch) -> None:
     monkeypatch.setattr(backends.of(model), "_plans", {})  # (the plans made so far come back after the test)
 
 
+@pytest.mark.parametrize("packed_rows", [8, 1], ids=["packed-kernel", "panels"])  # (the matmul each row count takes)
 @pytest.mark.parametrize("dtype", [None, mx.float16], ids=["float32-pools", "float16-pools"])
-@pytest.mark.parametrize("width", [1, 2], ids=["decode", "verify"])  # (3 rows x 2: within the packed kernel's 8)
-def test_a_layer_as_one_op_gives_the_logits_and_kv_of_its_ops(packed_model, layers, steps, monkeypatch, dtype, width):
+@pytest.mark.parametrize("width", [1, 2], ids=["decode", "verify"])
+def test_a_layer_as_one_op_gives_the_logits_and_kv_of_its_ops(packed_model, layers, steps, monkeypatch, dtype, width, packed_rows):
     model = packed_model
+    monkeypatch.setattr(backends.of(model), "packed_rows", packed_rows)
     prompts = [list(range(7, 7 + n)) for n in (3, 17, 40)]
     kv, storage = _prefilled(model, prompts, 4, dtype)
     new = [[11, 12, 13][: max(1, width - b)] for b in range(len(prompts))]
@@ -187,13 +189,16 @@ def test_a_layer_as_one_op_gives_the_logits_and_kv_of_its_ops(packed_model, laye
         assert mx.array_equal(mine, theirs).item()
 
 
-def test_steps_of_more_rows_than_the_packed_kernel_takes_keep_the_layers_ops(packed_model, layers, monkeypatch):
+def test_steps_of_more_rows_than_the_panels_take_keep_the_layers_ops(packed_model, layers, steps):
     model = packed_model
-    kv, storage = _prefilled(model, [[1, 2, 3], [4, 5, 6, 7]], 4, None)
-    monkeypatch.setattr(backends.of(model), "packed_rows", 1)
-    batch = PagedBatch(storage, [kv.table(0), kv.table(1)], [3, 4], [1, 1], 1)
-    mx.eval(model(mx.array([[8], [9]]), cache=batch.layers()))
-    assert layers == []
+    prompts = [[1 + b, 2, 3] for b in range(9)]
+    kv, storage = _prefilled(model, prompts, 4, None)
+    for b in range(9):
+        kv.grow(b, 3 + 15)
+    storage.reserve(kv.pool.high_water())
+    batch = PagedBatch(storage, [kv.table(b) for b in range(9)], [3] * 9, [15] * 9, 15, verify=True)  # 135 rows
+    mx.eval(model(mx.array([[4] * 15] * 9), cache=batch.layers()))
+    assert layers == [] and len(steps) == len(model.layers)  # (the attention step still fused)
 
 
 def test_an_engine_decodes_the_same_tokens_with_layers_as_one_op_and_without(packed_model, make_engine, layers, monkeypatch):

@@ -33,7 +33,7 @@ ROWS_ENV = "MLX_PARALLM_SMALL_BATCH_ROWS"
 QMATMUL_THREADS_ENV = "MLX_PARALLM_QMATMUL_THREADS"
 INT8_MATMUL_ENV = "MLX_PARALLM_INT8_MATMUL"
 DEFAULT_INT8_MATMUL = False
-DEFAULT_PACKED_ROWS = 8
+DEFAULT_PACKED_ROWS = 4
 MAX_QMATMUL_THREADS = 16  # the kernel's pool: 15 helpers and the caller
 
 
@@ -65,7 +65,8 @@ class CPUKernels(MLXOps):
     """This package's CPU kernels. Settings default to the environment, read once, when the
     backend is made (each bounded with a warning): ``MLX_PARALLM_ATTENTION_THREADS`` (the
     decode kernel, default the CPU count up to 8), ``MLX_PARALLM_SMALL_BATCH_ROWS`` (default
-    8, at most :data:`.qmatmul.MAX_ROWS`; 0 turns the packed-weight kernel off) and
+    4: wider steps multiply faster through the kernel's panels; at most :data:`.qmatmul.MAX_ROWS`;
+    0 turns the packed-weight kernel off) and
     ``MLX_PARALLM_QMATMUL_THREADS`` (the packed-weight kernel, default
     :func:`default_qmatmul_threads`, at most 16; its helper threads take shares of a call's
     rows as they come free, so a busy core slows a call no more than one thread would) and
@@ -112,7 +113,7 @@ class CPUKernels(MLXOps):
 
     def layer_step(self, block: Any, x: mx.array, cache: Any) -> Optional[mx.array]:
         rows = x.shape[0] * x.shape[1] if x.ndim == 3 else 0
-        if not 0 < rows <= min(qmatmul.MAX_ROWS, self.packed_rows if not self.int8_matmul else qmatmul.MAX_ROWS):
+        if not 0 < rows <= layer_step.MAX_ROWS or not 0 < self.packed_rows <= qmatmul.MAX_ROWS:
             return None
         can = getattr(cache, "can_attend_step", None)
         if can is None or x.dtype != mx.float32:
@@ -122,8 +123,10 @@ class CPUKernels(MLXOps):
         plan, attn = self._plans[id(block)], block.self_attn
         if plan is None or not self.steps_attention(attn.rope) or not can(attn.n_heads, x.shape[1]):
             return None
+        if plan.copies and rows > self.packed_rows and not self.int8_matmul:
+            return None  # (those rows multiply by the float32 copies, through OpenBLAS)
         out = attention.decoder_layer(x, plan, cache.step_inputs(), attn.n_heads, attn.rope, attn.scale, self.attention_threads,
-                                      self.qmatmul_threads, self.int8_matmul)
+                                      self.qmatmul_threads, self.packed_rows, self.int8_matmul)
         cache.wrote(out)
         return out
 

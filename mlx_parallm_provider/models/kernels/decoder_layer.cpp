@@ -1,4 +1,4 @@
-// A llama decoder layer's decode (or verify) step of a few rows as one MLX op (CPU).
+// A llama decoder layer's decode (or verify) step of up to 128 rows as one MLX op (CPU).
 //
 // On the CPU every MLX op costs ~15 us beside its work (its task is handed to the stream's
 // thread, which sleeps between small ops): a one-row step of the default model is ~320 such
@@ -7,7 +7,8 @@
 //   h = x + o_proj(attention_step(qkv_proj(rms_norm(x, w_in))))
 //   out = h + down_proj(swiglu(gate_up_proj(rms_norm(h, w_post))))
 // qkv_proj and gate_up_proj are the concatenated packed weights of the sibling layers
-// (small_batch.SharedInput), multiplied by qmatmul.c's kernel (or its int8 path); the
+// (small_batch.SharedInput), multiplied as QMatmul multiplies them (qmatmul.c's kernel up to
+// packed_rows rows, its panels above, or its int8 path at every row count); the
 // attention step writes the new K/V into the pools in place (decode_attention.cpp).
 //
 // Inputs: x (B, L, Dm) float32; w_in, w_post (Dm,) float32; four packed weights as
@@ -28,6 +29,8 @@ extern "C" int qmatmul(const float* x, int M, int K, const uint8_t* w, const flo
                        int bits, int group, float* y, int threads);
 extern "C" int qmatmul_int8(const float* x, int M, int K, const uint8_t* w, const float* scales, const float* biases,
                             int N, int bits, int group, float* y, int threads);
+extern "C" int qgemm_panels(const float* x, int M, int K, const uint8_t* w, const float* scales, const float* biases,
+                            int N, int bits, int group, float* y, int threads);
 
 namespace mlx_parallm {
 
@@ -44,13 +47,14 @@ namespace {
 
 struct LayerParams {
   float eps_in, eps_post, rope_scale, scale;
-  int heads, rope_dims, block_size, attention_threads, matmul_threads;
+  int heads, rope_dims, block_size, attention_threads, matmul_threads, packed_rows;
   bool traditional, int8;
   std::vector<int> bits, groups;  // of qkv, o, gate_up, down
   bool operator==(const LayerParams& o) const {
     return eps_in == o.eps_in && eps_post == o.eps_post && rope_scale == o.rope_scale && scale == o.scale &&
            heads == o.heads && rope_dims == o.rope_dims && block_size == o.block_size &&
-           attention_threads == o.attention_threads && matmul_threads == o.matmul_threads && traditional == o.traditional &&
+           attention_threads == o.attention_threads && matmul_threads == o.matmul_threads && packed_rows == o.packed_rows &&
+           traditional == o.traditional &&
            int8 == o.int8 && bits == o.bits && groups == o.groups;
   }
 };
@@ -77,7 +81,7 @@ class DecoderLayerCPU : public CpuPrimitive<DecoderLayerCPU> {
     // The weights' (bytes, scales, biases) at in[3 + 3 * i], each multiplied as QMatmul does.
     auto matmul = [&](int i, const float* a, int k, float* y) {
       const auto &w = in[3 + 3 * i], &s = in[4 + 3 * i], &b = in[5 + 3 * i];
-      auto kernel = prm.int8 ? qmatmul_int8 : qmatmul;
+      auto kernel = prm.int8 ? qmatmul_int8 : rows <= prm.packed_rows ? qmatmul : qgemm_panels;  // (as QMatmul picks)
       if (kernel(a, rows, k, w.data<uint8_t>(), s.data<float>(), b.data<float>(), w.shape(0), prm.bits[i], prm.groups[i], y,
                  prm.matmul_threads) != 0)
         throw std::runtime_error("decoder_layer: kernel failed (out of memory?)");
@@ -122,7 +126,7 @@ mx::array decoder_layer_op(const mx::array& x, const mx::array& w_in, float eps_
                            const mx::array& k_pool, const mx::array& v_pool, const mx::array& slots, const mx::array& table,
                            const mx::array& limits, const mx::array& offset, const mx::array& inv_freq, int heads,
                            int rope_dims, bool traditional, float rope_scale, int block_size, float scale,
-                           int attention_threads, int matmul_threads, bool int8) {
+                           int attention_threads, int matmul_threads, int packed_rows, bool int8) {
   if (x.ndim() != 3 || weights.size() != 12 || bits.size() != 4 || groups.size() != 4 || k_pool.ndim() != 3 ||
       k_pool.shape() != v_pool.shape() || table.ndim() != 2 || heads < 1) {
     throw std::invalid_argument("decoder_layer: x (B, L, Dm), 12 weight arrays with 4 bits and groups, pools (N, KVH, D)");
@@ -146,9 +150,9 @@ mx::array decoder_layer_op(const mx::array& x, const mx::array& w_in, float eps_
       table.shape(0) != B || !(limits.shape() == mx::Shape{B, L} || (L == 1 && limits.shape() == mx::Shape{B})) ||
       rope_dims <= 0 || rope_dims % 2 || rope_dims > D || inv_freq.shape() != mx::Shape{rope_dims / 2} ||
       inv_freq.dtype() != mx::float32 || (k_pool.dtype() != mx::float32 && k_pool.dtype() != mx::float16) ||
-      k_pool.dtype() != v_pool.dtype() || B * L > 64) {
+      k_pool.dtype() != v_pool.dtype() || B * L > 128 || packed_rows > 64) {
     throw std::invalid_argument("decoder_layer: unsupported shapes (norm weights (Dm,), head dim a multiple of 16 up to 256, "
-                                "at most 16 query heads per KV head, at most 64 rows, float32 or float16 pools)");
+                                "at most 16 query heads per KV head, at most 128 rows, float32 or float16 pools)");
   }
   auto stream = cpu_stream();
   auto f32 = [&](const mx::array& a) { return mx::astype(a, mx::float32, stream); };
@@ -158,7 +162,7 @@ mx::array decoder_layer_op(const mx::array& x, const mx::array& w_in, float eps_
   for (const auto& a : {slots, table, limits, offset}) inputs.push_back(int32_rows(a, stream));
   inputs.push_back(inv_freq);
   LayerParams p{eps_in, eps_post, rope_scale, scale, heads, rope_dims, block_size, std::max(attention_threads, 1),
-                std::max(matmul_threads, 1), traditional, int8, bits, groups};
+                std::max(matmul_threads, 1), packed_rows, traditional, int8, bits, groups};
   return mx::array(x.shape(), mx::float32, std::make_shared<DecoderLayerCPU>(stream, std::move(p)), std::move(inputs));
 }
 
