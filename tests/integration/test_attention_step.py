@@ -34,18 +34,23 @@ def rope_model(tiny_model_dir):
     return loaded
 
 
-@pytest.fixture
-def steps(monkeypatch):
-    """Counts the fused step's calls."""
+def _counted(monkeypatch, name: str) -> list[int]:
+    """A list that grows by one at each call of ``attention.<name>``."""
     calls: list[int] = []
-    fused = attention.paged_attention_step
+    fused = getattr(attention, name)
 
     def counted(*args, **kwargs):
         calls.append(1)
         return fused(*args, **kwargs)
 
-    monkeypatch.setattr(attention, "paged_attention_step", counted)
+    monkeypatch.setattr(attention, name, counted)
     return calls
+
+
+@pytest.fixture
+def steps(monkeypatch):
+    """Counts the fused attention step's calls."""
+    return _counted(monkeypatch, "paged_attention_step")
 
 
 def _fused_off(monkeypatch) -> None:
@@ -75,13 +80,13 @@ def _prefilled(model, prompts, block_size, dtype):
     return kv, storage
 
 
-@pytest.mark.parametrize("dtype", [None, mx.float16], ids=["float32-pools", "float16-pools"])
-@pytest.mark.parametrize("width", [1, 3], ids=["decode", "verify"])
-def test_a_fused_step_gives_the_logits_and_kv_of_the_separate_ops(rope_model, steps, monkeypatch, dtype, width):
-    model = rope_model.model
+def _fused_then_apart(model, dtype, width: int, turn_off) -> None:
+    """A step of three rows (3 + 17 + 40 tokens held; ``width`` new ones a row at most) with
+    the fused ops, then, ``turn_off()`` called, the same step over a copy of the KV: the same
+    logits and the same KV written, bit for bit."""
     prompts = [list(range(7, 7 + n)) for n in (3, 17, 40)]
     kv, storage = _prefilled(model, prompts, 4, dtype)
-    new = [[11, 12, 13][: max(1, width - b)] for b in range(len(prompts))]  # rows of 3, 2 and 1 tokens (verify)
+    new = [[11, 12, 13][: max(1, width - b)] for b in range(len(prompts))]  # (verify: rows of up to `width` tokens)
     tokens = mx.array([row + [0] * (width - len(row)) for row in new])
 
     def step(store: PagedKVStorage) -> mx.array:
@@ -93,14 +98,25 @@ def test_a_fused_step_gives_the_logits_and_kv_of_the_separate_ops(rope_model, st
 
     apart = _copy(storage)
     fused = step(storage)
-    assert len(steps) == len(model.layers)
-    _fused_off(monkeypatch)
+    turn_off()
     separate = step(apart)
-    assert len(steps) == len(model.layers)  # (the separate ops ran)
     for b, row in enumerate(new):
         assert mx.array_equal(fused[b, : len(row)], separate[b, : len(row)]).item(), b
     for mine, theirs in zip([*storage.keys, *storage.values], [*apart.keys, *apart.values]):
         assert mine.dtype == theirs.dtype and mx.array_equal(mine, theirs).item()
+
+
+@pytest.mark.parametrize("dtype", [None, mx.float16], ids=["float32-pools", "float16-pools"])
+@pytest.mark.parametrize("width", [1, 3], ids=["decode", "verify"])
+def test_a_fused_step_gives_the_logits_and_kv_of_the_separate_ops(rope_model, steps, monkeypatch, dtype, width):
+    layers = len(rope_model.model.layers)
+
+    def turn_off() -> None:
+        assert len(steps) == layers
+        _fused_off(monkeypatch)
+
+    _fused_then_apart(rope_model.model, dtype, width, turn_off)
+    assert len(steps) == layers  # (the separate ops ran)
 
 
 def test_prefill_and_other_passes_keep_the_separate_ops(rope_model, steps):
@@ -143,15 +159,7 @@ def packed_model(tiny_model_dir):
 @pytest.fixture
 def layers(monkeypatch):
     """Counts the decoder-layer op's calls."""
-    calls: list[int] = []
-    fused = attention.decoder_layer
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return fused(*args, **kwargs)
-
-    monkeypatch.setattr(attention, "decoder_layer", counted)
-    return calls
+    return _counted(monkeypatch, "decoder_layer")
 
 
 def _layers_off(model, monkeypatch) -> None:
@@ -163,30 +171,15 @@ def _layers_off(model, monkeypatch) -> None:
 @pytest.mark.parametrize("dtype", [None, mx.float16], ids=["float32-pools", "float16-pools"])
 @pytest.mark.parametrize("width", [1, 2], ids=["decode", "verify"])
 def test_a_layer_as_one_op_gives_the_logits_and_kv_of_its_ops(packed_model, layers, steps, monkeypatch, dtype, width, packed_rows):
-    model = packed_model
-    monkeypatch.setattr(backends.of(model), "packed_rows", packed_rows)
-    prompts = [list(range(7, 7 + n)) for n in (3, 17, 40)]
-    kv, storage = _prefilled(model, prompts, 4, dtype)
-    new = [[11, 12, 13][: max(1, width - b)] for b in range(len(prompts))]
-    tokens = mx.array([row + [0] * (width - len(row)) for row in new])
+    monkeypatch.setattr(backends.of(packed_model), "packed_rows", packed_rows)
+    count = len(packed_model.layers)
 
-    def step(store: PagedKVStorage) -> mx.array:
-        batch = PagedBatch(store, [kv.table(b) for b in range(len(prompts))], [len(p) for p in prompts],
-                           [len(row) for row in new], width, verify=width > 1)
-        logits = model(tokens, cache=batch.layers())
-        mx.eval(logits, store.keys, store.values)
-        return logits
+    def turn_off() -> None:
+        assert len(layers) == count and steps == []  # whole layers, no separate attention step
+        _layers_off(packed_model, monkeypatch)
 
-    apart = _copy(storage)
-    fused = step(storage)
-    assert len(layers) == len(model.layers) and steps == []  # whole layers, no separate attention step
-    _layers_off(model, monkeypatch)
-    separate = step(apart)
-    assert len(layers) == len(model.layers) and len(steps) == len(model.layers)  # (each layer's own ops ran)
-    for b, row in enumerate(new):
-        assert mx.array_equal(fused[b, : len(row)], separate[b, : len(row)]).item(), b
-    for mine, theirs in zip([*storage.keys, *storage.values], [*apart.keys, *apart.values]):
-        assert mx.array_equal(mine, theirs).item()
+    _fused_then_apart(packed_model, dtype, width, turn_off)
+    assert len(layers) == count and len(steps) == count  # (each layer's own ops ran)
 
 
 def test_steps_of_more_rows_than_the_panels_take_keep_the_layers_ops(packed_model, layers, steps):
