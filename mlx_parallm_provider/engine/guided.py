@@ -118,11 +118,8 @@ class GrammarTokenizer:
                     masks[0, token] = 1
                 elif SHORT_VALUE.fullmatch(text):
                     masks[2, token] = 1
-            for token in self._eos:
-                if token < words * 32:
-                    masks[0, token] = 1
             packed = np.packbits(masks, axis=1, bitorder="little").view(np.int32)
-            cached = (packed[0], packed[1], packed[2])
+            cached = (packed[0] | self.eos_bits(words), packed[1], packed[2])
             with self._lock:
                 self._closing = cached
         return cached

@@ -13,6 +13,7 @@ mlx-lm's code as routed. Both compute the same numbers, bit for bit.
 
 from __future__ import annotations
 
+import functools
 import importlib
 from typing import Any, Callable, Optional
 
@@ -53,7 +54,4 @@ def stepping(original: Callable[..., Any], backend: Any) -> Callable[..., Any]:
             return self.o_proj(out)
         return original(self, x, mask, cache)
 
-    __call__.__qualname__ = getattr(original, "__qualname__", "__call__")
-    __call__.__doc__ = original.__doc__
-    __call__.__wrapped__ = original  # type: ignore[attr-defined]  (what runs where the step does not apply)
-    return __call__
+    return functools.wraps(original)(__call__)  # (__wrapped__: what runs where the step does not apply)

@@ -13,6 +13,7 @@ numbers, bit for bit. Everywhere else mlx-lm's block runs as routed.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -97,7 +98,4 @@ def stepping_block(original: Callable[..., Any], backend: Any) -> Callable[..., 
         out = backend.layer_step(self, x, cache)
         return out if out is not None else original(self, x, mask, cache)
 
-    __call__.__qualname__ = getattr(original, "__qualname__", "__call__")
-    __call__.__doc__ = original.__doc__
-    __call__.__wrapped__ = original  # type: ignore[attr-defined]
-    return __call__
+    return functools.wraps(original)(__call__)

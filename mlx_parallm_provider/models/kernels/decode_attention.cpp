@@ -36,6 +36,7 @@
 #include <immintrin.h>
 #endif
 
+#include "attention_step.h"
 #include "cpu_primitive.h"
 #include "fast_exp.h"
 #include "rope.h"
@@ -47,12 +48,6 @@ namespace mx = mlx::core;
 extern "C" void qm_parallel_for(int items, int threads, void (*fn)(void*, int, int), void* ctx);  // qmatmul.c
 
 namespace mlx_parallm {
-
-void attention_step_rows(const float* const* q_rows, const float* const* k_rows, const float* const* v_rows, void* k_pool,
-                         void* v_pool, bool half_pools, int64_t slots, int KVH, const int32_t* where, const int32_t* table,
-                         int M, const int32_t* limits, const int32_t* offset, const float* inv_freq, int64_t freq_stride,
-                         int B, int L, int H, int D, int rope_dims, bool traditional, float rope_scale, float scale,
-                         int block_size, int threads, float* out);
 
 namespace {
 
@@ -489,16 +484,6 @@ inline void store_as(uint16_t* dst, const float* src, int n) {
   for (int i = 0; i < n; i++) dst[i] = float_to_half(src[i]);
 }
 
-struct StepParams {
-  float scale, rope_scale;
-  int block_size, threads, heads, rope_dims;
-  bool traditional;
-  bool operator==(const StepParams& o) const {
-    return scale == o.scale && rope_scale == o.rope_scale && block_size == o.block_size && threads == o.threads &&
-           heads == o.heads && rope_dims == o.rope_dims && traditional == o.traditional;
-  }
-};
-
 template <class T>
 void step_rows_as(const float* const* q_rows, const float* const* k_rows, const float* const* v_rows, T* kp, T* vp,
                   int64_t slots, int KVH, const int32_t* where, const int32_t* table, int M, const int32_t* limits,
@@ -558,46 +543,37 @@ class PagedAttentionStepCPU : public CpuPrimitive<PagedAttentionStepCPU> {
   };
 
   static void run(const std::vector<mx::array>& in, mx::array& out, const StepParams& prm) {
-    const auto &k_pool = in[3], &v_pool = in[4];
-    if (!k_pool.flags().row_contiguous || !v_pool.flags().row_contiguous || k_pool.data_size() != k_pool.size() ||
-        v_pool.data_size() != v_pool.size()) {
-      throw std::runtime_error("paged_attention_step: the pools must be whole row-contiguous arrays");
-    }
     Rows q(in[0]), k(in[1]), v(in[2]);
-    int B = in[0].shape(0), L = in[0].shape(1), H = prm.heads, D = in[0].shape(2) / H;
+    int B = in[0].shape(0), L = in[0].shape(1);
     std::vector<const float*> rows(3 * static_cast<size_t>(B) * L);
     for (int64_t r = 0; r < static_cast<int64_t>(B) * L; r++) {
       rows[r] = q.row(r);
       rows[B * L + r] = k.row(r);
       rows[2 * B * L + r] = v.row(r);
     }
-    attention_step_rows(rows.data(), rows.data() + B * L, rows.data() + 2 * B * L, const_cast<void*>(k_pool.data<void>()),
-                        const_cast<void*>(v_pool.data<void>()), k_pool.dtype() == mx::float16, k_pool.shape(0), k_pool.shape(1),
-                        in[5].data<int32_t>(), in[6].data<int32_t>(), in[6].shape(1), in[7].data<int32_t>(),
-                        in[8].data<int32_t>(), in[9].data<float>(), in[9].strides().back(), B, L, H, D, prm.rope_dims,
-                        prm.traditional, prm.rope_scale, prm.scale, prm.block_size, prm.threads, out.data<float>());
+    attention_step_rows(rows.data(), rows.data() + B * L, rows.data() + 2 * B * L, &in[3], B, L, prm, out.data<float>());
   }
 };
 
 }  // namespace
 
-// The fused attention step over raw rows (see PagedAttentionStepCPU; decoder_layer.cpp's op
-// calls it too): row r = b * L + j of q (heads * D floats), k and v (KVH * D) at q_rows[r],
-// k_rows[r], v_rows[r]; the pools float32, or float16 (`half_pools`); out (B, L, H * D).
-void attention_step_rows(const float* const* q_rows, const float* const* k_rows, const float* const* v_rows, void* k_pool,
-                         void* v_pool, bool half_pools, int64_t slots, int KVH, const int32_t* where, const int32_t* table,
-                         int M, const int32_t* limits, const int32_t* offset, const float* inv_freq, int64_t freq_stride,
-                         int B, int L, int H, int D, int rope_dims, bool traditional, float rope_scale, float scale,
-                         int block_size, int threads, float* out) {
-  if (half_pools) {
-    step_rows_as(q_rows, k_rows, v_rows, static_cast<uint16_t*>(k_pool), static_cast<uint16_t*>(v_pool), slots, KVH, where,
-                 table, M, limits, offset, inv_freq, freq_stride, B, L, H, D, rope_dims, traditional, rope_scale, scale,
-                 block_size, threads, out);
-  } else {
-    step_rows_as(q_rows, k_rows, v_rows, static_cast<float*>(k_pool), static_cast<float*>(v_pool), slots, KVH, where, table,
-                 M, limits, offset, inv_freq, freq_stride, B, L, H, D, rope_dims, traditional, rope_scale, scale, block_size,
-                 threads, out);
+// See attention_step.h.
+void attention_step_rows(const float* const* q_rows, const float* const* k_rows, const float* const* v_rows,
+                         const mx::array* step, int B, int L, const StepParams& p, float* out) {
+  const auto &k_pool = step[0], &v_pool = step[1];
+  if (!k_pool.flags().row_contiguous || !v_pool.flags().row_contiguous || k_pool.data_size() != k_pool.size() ||
+      v_pool.data_size() != v_pool.size()) {
+    throw std::runtime_error("paged_attention_step: the pools must be whole row-contiguous arrays");
   }
+  auto go = [&](auto* kp, auto* vp) {
+    step_rows_as(q_rows, k_rows, v_rows, kp, vp, k_pool.shape(0), k_pool.shape(1), step[2].data<int32_t>(),
+                 step[3].data<int32_t>(), step[3].shape(1), step[4].data<int32_t>(), step[5].data<int32_t>(),
+                 step[6].data<float>(), step[6].strides().back(), B, L, p.heads, k_pool.shape(2), p.rope_dims, p.traditional,
+                 p.rope_scale, p.scale, p.block_size, p.threads, out);
+  };
+  // (The pools are written in place: the op's callers order the pools' later readers after it.)
+  if (k_pool.dtype() == mx::float16) go(const_cast<uint16_t*>(k_pool.data<uint16_t>()), const_cast<uint16_t*>(v_pool.data<uint16_t>()));
+  else go(const_cast<float*>(k_pool.data<float>()), const_cast<float*>(v_pool.data<float>()));
 }
 
 // An int32 array as the kernels read it: itself when already computed, int32 and
@@ -674,6 +650,33 @@ mx::array paged_decode_attention_op(const mx::array& q, const mx::array& k_pool,
 }
 
 
+// See attention_step.h.
+std::vector<mx::array> step_inputs(const char* op, int B, int L, const StepParams& p, const mx::array& k_pool,
+                                   const mx::array& v_pool, const mx::array& slots, const mx::array& table,
+                                   const mx::array& limits, const mx::array& offset, const mx::array& inv_freq,
+                                   const mx::Stream& stream) {
+  auto fail = [&](const std::string& what) { throw std::invalid_argument(std::string(op) + ": " + what); };
+  if (k_pool.ndim() != 3 || k_pool.shape() != v_pool.shape() || table.ndim() != 2 || p.heads < 1 || p.block_size < 1) {
+    fail("pools (N, KVH, D) of one shape, table (B, M), heads and block_size at least 1");
+  }
+  int KVH = k_pool.shape(1), D = k_pool.shape(2);
+  if (KVH < 1 || p.heads % KVH || p.heads / KVH > kMaxGroup || D % 16 || D > kMaxHeadDim || table.shape(0) != B ||
+      slots.size() != static_cast<size_t>(B) * L || offset.size() != static_cast<size_t>(B) ||
+      !(limits.shape() == mx::Shape{B, L} || (L == 1 && limits.shape() == mx::Shape{B}))) {
+    fail("unsupported shapes (head dim a multiple of 16 up to 256, at most 16 query heads per KV head; slots B * L, "
+         "offset B, limits (B,) or (B, L))");
+  }
+  if (p.rope_dims <= 0 || p.rope_dims % 2 || p.rope_dims > D || inv_freq.ndim() != 1 || inv_freq.shape(0) != p.rope_dims / 2 ||
+      inv_freq.dtype() != mx::float32) {
+    fail("rope_dims even and at most D, inv_freq (rope_dims / 2,) float32");
+  }
+  if (k_pool.dtype() != v_pool.dtype() || (k_pool.dtype() != mx::float32 && k_pool.dtype() != mx::float16)) {
+    fail("the pools must be both float32 or both float16");
+  }
+  return {k_pool, v_pool, int32_rows(slots, stream), int32_rows(table, stream), int32_rows(limits, stream),
+          int32_rows(offset, stream), inv_freq};
+}
+
 // The fused attention step, see PagedAttentionStepCPU: q (B, L, heads * D), k and v (B, L,
 // KVH * D) float32; pools (N, KVH, D) float32 or float16, written at slots (B * L,); table
 // (B, M); limits (B,) for L = 1 or (B, L); offset (B,) each row's first new position (RoPE);
@@ -682,34 +685,21 @@ mx::array paged_attention_step_op(const mx::array& q, const mx::array& k, const 
                                   const mx::array& v_pool, const mx::array& slots, const mx::array& table,
                                   const mx::array& limits, const mx::array& offset, const mx::array& inv_freq, int heads,
                                   int rope_dims, bool traditional, float rope_scale, int block_size, float scale, int threads) {
-  if (q.ndim() != 3 || k.ndim() != 3 || v.ndim() != 3 || k_pool.ndim() != 3 || k_pool.shape() != v_pool.shape() ||
-      heads < 1 || q.shape(2) % heads || table.ndim() != 2 || block_size < 1) {
-    throw std::invalid_argument("paged_attention_step: q (B, L, heads * D), k and v (B, L, KVH * D), pools (N, KVH, D), "
-                                "table (B, M)");
+  if (q.ndim() != 3 || k.ndim() != 3 || v.ndim() != 3 || k_pool.ndim() != 3 || heads < 1 || q.shape(2) % heads) {
+    throw std::invalid_argument("paged_attention_step: q (B, L, heads * D), k and v (B, L, KVH * D), pools (N, KVH, D)");
   }
-  int B = q.shape(0), L = q.shape(1), D = q.shape(2) / heads, KVH = k_pool.shape(1);
-  mx::Shape kv_shape{B, L, KVH * D};
-  if (k.shape() != kv_shape || v.shape() != kv_shape || k_pool.shape(2) != D || heads % KVH || heads / KVH > kMaxGroup ||
-      D % 16 || D > kMaxHeadDim || table.shape(0) != B || slots.size() != static_cast<size_t>(B) * L ||
-      offset.size() != static_cast<size_t>(B) || !(limits.shape() == mx::Shape{B, L} || (L == 1 && limits.shape() == mx::Shape{B}))) {
-    throw std::invalid_argument("paged_attention_step: unsupported shapes (head dim a multiple of 16 up to 256, at most 16 "
-                                "query heads per KV head; slots B * L, offset B, limits (B,) or (B, L))");
-  }
-  if (rope_dims <= 0 || rope_dims % 2 || rope_dims > D || inv_freq.ndim() != 1 || inv_freq.shape(0) != rope_dims / 2 ||
-      inv_freq.dtype() != mx::float32) {
-    throw std::invalid_argument("paged_attention_step: rope_dims even and at most D, inv_freq (rope_dims / 2,) float32");
-  }
-  if (k_pool.dtype() != v_pool.dtype() || (k_pool.dtype() != mx::float32 && k_pool.dtype() != mx::float16)) {
-    throw std::invalid_argument("paged_attention_step: the pools must be both float32 or both float16");
+  int B = q.shape(0), L = q.shape(1), D = q.shape(2) / heads;
+  mx::Shape kv_shape{B, L, k_pool.shape(1) * D};
+  if (k.shape() != kv_shape || v.shape() != kv_shape || k_pool.shape(2) != D) {
+    throw std::invalid_argument("paged_attention_step: k and v (B, L, KVH * D), the pools' D q's width / heads");
   }
   auto stream = cpu_stream();
+  StepParams p{scale, rope_scale, block_size, std::max(threads, 1), heads, rope_dims, traditional};
   auto f32 = [&](const mx::array& a) { return mx::astype(a, mx::float32, stream); };
-  std::vector<mx::array> inputs = {f32(q), f32(k), f32(v), k_pool, v_pool, int32_rows(slots, stream), int32_rows(table, stream),
-                                   int32_rows(limits, stream), int32_rows(offset, stream), inv_freq};
-  return mx::array(q.shape(), mx::float32,
-                   std::make_shared<PagedAttentionStepCPU>(stream, StepParams{scale, rope_scale, block_size, std::max(threads, 1),
-                                                                              heads, rope_dims, traditional}),
-                   std::move(inputs));
+  std::vector<mx::array> inputs = {f32(q), f32(k), f32(v)};
+  for (auto& a : step_inputs("paged_attention_step", B, L, p, k_pool, v_pool, slots, table, limits, offset, inv_freq, stream))
+    inputs.push_back(std::move(a));
+  return mx::array(q.shape(), mx::float32, std::make_shared<PagedAttentionStepCPU>(stream, p), std::move(inputs));
 }
 
 }  // namespace mlx_parallm

@@ -20,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "attention_step.h"
 #include "cpu_primitive.h"
 #include "mlx/ops.h"
 
@@ -36,26 +37,18 @@ namespace mlx_parallm {
 
 void rms_norm_row(const float* src, int64_t xs, const float* w, int64_t ws, int d, float eps, float* dst);  // norm_rope.cpp
 void swiglu_rows(const float* g, const float* x, float* out, size_t n);                                   // swiglu.cpp
-void attention_step_rows(const float* const* q_rows, const float* const* k_rows, const float* const* v_rows, void* k_pool,
-                         void* v_pool, bool half_pools, int64_t slots, int KVH, const int32_t* where, const int32_t* table,
-                         int M, const int32_t* limits, const int32_t* offset, const float* inv_freq, int64_t freq_stride,
-                         int B, int L, int H, int D, int rope_dims, bool traditional, float rope_scale, float scale,
-                         int block_size, int threads, float* out);  // decode_attention.cpp
-mx::array int32_rows(const mx::array& a, const mx::Stream& stream);  // decode_attention.cpp
 
 namespace {
 
 struct LayerParams {
-  float eps_in, eps_post, rope_scale, scale;
-  int heads, rope_dims, block_size, attention_threads, matmul_threads, packed_rows;
-  bool traditional, int8;
+  StepParams step;  // the attention step's (its threads: the attention's)
+  float eps_in, eps_post;
+  int matmul_threads, packed_rows;
+  bool int8;
   std::vector<int> bits, groups;  // of qkv, o, gate_up, down
   bool operator==(const LayerParams& o) const {
-    return eps_in == o.eps_in && eps_post == o.eps_post && rope_scale == o.rope_scale && scale == o.scale &&
-           heads == o.heads && rope_dims == o.rope_dims && block_size == o.block_size &&
-           attention_threads == o.attention_threads && matmul_threads == o.matmul_threads && packed_rows == o.packed_rows &&
-           traditional == o.traditional &&
-           int8 == o.int8 && bits == o.bits && groups == o.groups;
+    return step == o.step && eps_in == o.eps_in && eps_post == o.eps_post && matmul_threads == o.matmul_threads &&
+           packed_rows == o.packed_rows && int8 == o.int8 && bits == o.bits && groups == o.groups;
   }
 };
 
@@ -68,15 +61,10 @@ class DecoderLayerCPU : public CpuPrimitive<DecoderLayerCPU> {
   LayerParams params;
 
   static void run(const std::vector<mx::array>& in, mx::array& out, const LayerParams& prm) {
-    const auto &k_pool = in[15], &v_pool = in[16];
-    if (!k_pool.flags().row_contiguous || !v_pool.flags().row_contiguous || k_pool.data_size() != k_pool.size() ||
-        v_pool.data_size() != v_pool.size()) {
-      throw std::runtime_error("decoder_layer: the pools must be whole row-contiguous arrays");
-    }
     std::vector<char> xc;
     const float* x = reinterpret_cast<const float*>(row_major(in[0], xc));
     int B = in[0].shape(0), L = in[0].shape(1), dm = in[0].shape(2), rows = B * L;
-    int H = prm.heads, KVH = k_pool.shape(1), D = k_pool.shape(2), hd = H * D;
+    int KVH = in[15].shape(1), D = in[15].shape(2), hd = prm.step.heads * D;  // (the K pool's (N, KVH, D))
     int n_qkv = in[3].shape(0), inter = in[9].shape(0) / 2;
     // The weights' (bytes, scales, biases) at in[3 + 3 * i], each multiplied as QMatmul does.
     auto matmul = [&](int i, const float* a, int k, float* y) {
@@ -99,11 +87,7 @@ class DecoderLayerCPU : public CpuPrimitive<DecoderLayerCPU> {
       const float* row = qkv.data() + static_cast<size_t>(r) * n_qkv;
       parts[r] = row, parts[rows + r] = row + hd, parts[2 * rows + r] = row + hd + KVH * D;
     }
-    attention_step_rows(parts.data(), parts.data() + rows, parts.data() + 2 * rows, const_cast<void*>(k_pool.data<void>()),
-                        const_cast<void*>(v_pool.data<void>()), k_pool.dtype() == mx::float16, k_pool.shape(0), KVH,
-                        in[17].data<int32_t>(), in[18].data<int32_t>(), in[18].shape(1), in[19].data<int32_t>(),
-                        in[20].data<int32_t>(), in[21].data<float>(), in[21].strides().back(), B, L, H, D, prm.rope_dims,
-                        prm.traditional, prm.rope_scale, prm.scale, prm.block_size, prm.attention_threads, attended.data());
+    attention_step_rows(parts.data(), parts.data() + rows, parts.data() + 2 * rows, &in[15], B, L, prm.step, attended.data());
     matmul(1, attended.data(), hd, o);
     for (size_t i = 0; i < h.size(); i++) h[i] = x[i] + o[i];
     for (int r = 0; r < rows; r++) rms_norm_row(h.data() + static_cast<size_t>(r) * dm, 1, w_post, 1, dm, prm.eps_post, normed.data() + static_cast<size_t>(r) * dm);
@@ -127,11 +111,14 @@ mx::array decoder_layer_op(const mx::array& x, const mx::array& w_in, float eps_
                            const mx::array& limits, const mx::array& offset, const mx::array& inv_freq, int heads,
                            int rope_dims, bool traditional, float rope_scale, int block_size, float scale,
                            int attention_threads, int matmul_threads, int packed_rows, bool int8) {
-  if (x.ndim() != 3 || weights.size() != 12 || bits.size() != 4 || groups.size() != 4 || k_pool.ndim() != 3 ||
-      k_pool.shape() != v_pool.shape() || table.ndim() != 2 || heads < 1) {
+  if (x.ndim() != 3 || weights.size() != 12 || bits.size() != 4 || groups.size() != 4 || k_pool.ndim() != 3 || heads < 1) {
     throw std::invalid_argument("decoder_layer: x (B, L, Dm), 12 weight arrays with 4 bits and groups, pools (N, KVH, D)");
   }
   int B = x.shape(0), L = x.shape(1), dm = x.shape(2), KVH = k_pool.shape(1), D = k_pool.shape(2);
+  auto stream = cpu_stream();
+  StepParams step{scale, rope_scale, block_size, std::max(attention_threads, 1), heads, rope_dims, traditional};
+  std::vector<mx::array> attention =
+      step_inputs("decoder_layer", B, L, step, k_pool, v_pool, slots, table, limits, offset, inv_freq, stream);
   int n_qkv = heads * D + 2 * KVH * D;
   // Each weight's (rows, input width): qkv, o, gate_up, down.
   int inter = weights[6].shape(0) / 2;
@@ -145,24 +132,14 @@ mx::array decoder_layer_op(const mx::array& x, const mx::array& w_in, float eps_
                                   std::to_string(rows_of[i]) + " x " + std::to_string(widths[i]));
     }
   }
-  if (w_in.size() != static_cast<size_t>(dm) || w_post.size() != static_cast<size_t>(dm) || heads % KVH || heads / KVH > 16 ||
-      D % 16 || D > 256 || slots.size() != static_cast<size_t>(B) * L || offset.size() != static_cast<size_t>(B) ||
-      table.shape(0) != B || !(limits.shape() == mx::Shape{B, L} || (L == 1 && limits.shape() == mx::Shape{B})) ||
-      rope_dims <= 0 || rope_dims % 2 || rope_dims > D || inv_freq.shape() != mx::Shape{rope_dims / 2} ||
-      inv_freq.dtype() != mx::float32 || (k_pool.dtype() != mx::float32 && k_pool.dtype() != mx::float16) ||
-      k_pool.dtype() != v_pool.dtype() || B * L > 128 || packed_rows > 64) {
-    throw std::invalid_argument("decoder_layer: unsupported shapes (norm weights (Dm,), head dim a multiple of 16 up to 256, "
-                                "at most 16 query heads per KV head, at most 128 rows, float32 or float16 pools)");
+  if (w_in.size() != static_cast<size_t>(dm) || w_post.size() != static_cast<size_t>(dm) || B * L > 128 || packed_rows > 64) {
+    throw std::invalid_argument("decoder_layer: norm weights (Dm,), at most 128 rows, packed_rows at most 64");
   }
-  auto stream = cpu_stream();
   auto f32 = [&](const mx::array& a) { return mx::astype(a, mx::float32, stream); };
   std::vector<mx::array> inputs = {f32(x), f32(w_in), f32(w_post)};
   inputs.insert(inputs.end(), weights.begin(), weights.end());
-  for (const auto& a : {k_pool, v_pool}) inputs.push_back(a);
-  for (const auto& a : {slots, table, limits, offset}) inputs.push_back(int32_rows(a, stream));
-  inputs.push_back(inv_freq);
-  LayerParams p{eps_in, eps_post, rope_scale, scale, heads, rope_dims, block_size, std::max(attention_threads, 1),
-                std::max(matmul_threads, 1), packed_rows, traditional, int8, bits, groups};
+  inputs.insert(inputs.end(), attention.begin(), attention.end());
+  LayerParams p{step, eps_in, eps_post, std::max(matmul_threads, 1), packed_rows, int8, bits, groups};
   return mx::array(x.shape(), mx::float32, std::make_shared<DecoderLayerCPU>(stream, std::move(p)), std::move(inputs));
 }
 
