@@ -217,7 +217,7 @@ class NgramSpeculator:
         row emits (its choice at every position up to the first rejected draft)."""
         drafts = [list(r.draft[:k]) for r in rows]
         logits = runner.forward(list(rows), [[r.output_ids[-1], *d] for r, d in zip(rows, drafts)],
-                                [r.num_tokens - 1 for r in rows], verify=True)
+                                [r.num_tokens - 1 for r in rows])
         greedy = mx.argmax(logits, axis=-1)
         draws = {i: _draws(r.state.sampler, logits[i, : len(drafts[i]) + 1]) for i, r in enumerate(rows)
                  if not r.state.sampler.greedy}

@@ -91,7 +91,7 @@ def _fused_then_apart(model, dtype, width: int, turn_off) -> None:
 
     def step(store: PagedKVStorage) -> mx.array:
         batch = PagedBatch(store, [kv.table(b) for b in range(len(prompts))], [len(p) for p in prompts],
-                           [len(row) for row in new], width, verify=width > 1)
+                           [len(row) for row in new], width)
         logits = model(tokens, cache=batch.layers())
         mx.eval(logits, store.keys, store.values)
         return logits
@@ -189,7 +189,7 @@ def test_steps_of_more_rows_than_the_panels_take_keep_the_layers_ops(packed_mode
     for b in range(9):
         kv.grow(b, 3 + 15)
     storage.reserve(kv.pool.high_water())
-    batch = PagedBatch(storage, [kv.table(b) for b in range(9)], [3] * 9, [15] * 9, 15, verify=True)  # 135 rows
+    batch = PagedBatch(storage, [kv.table(b) for b in range(9)], [3] * 9, [15] * 9, 15)  # 135 rows
     mx.eval(model(mx.array([[4] * 15] * 9), cache=batch.layers()))
     assert layers == [] and len(steps) == len(model.layers)  # (the attention step still fused)
 

@@ -64,8 +64,9 @@ def test_paged_prefill_chunks_and_decode_match_mlx_lm(tiny_model, block_size, cp
             got[b].append(logits[i, : len(piece)])
             done[b] += len(piece)
 
-    run([0, 1, 2], 7)  # right-padded prefill, row 0 ends inside it
+    run([0, 1, 2], 7)  # right-padded prefill, row 0 ends inside it (narrow: through the block tables)
     run([1, 2], 5)  # chunks continue where each row stands
+    run([2], paged_cache.MAX_PAGED_WIDTH + 4)  # a wide piece: gathered
     while any(done[b] < len(prompts[b]) for b in range(3)):
         run([b for b in range(3) if done[b] < len(prompts[b])], 1)  # one token a row, like decode
     for b, prompt in enumerate(prompts):

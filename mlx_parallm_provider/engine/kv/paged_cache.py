@@ -9,11 +9,12 @@ routes its attention there, passing itself: :meth:`~mlx_parallm_provider.models.
 
 Attention reads each row's blocks. Decoding on the CPU kernels backend, one kernel call
 reads them through the block tables (the backend's ``paged_decode_attention``), for a step
-verifying a few drafts or forced tokens a row too (:data:`MAX_PAGED_WIDTH`; each position
-sees the tokens before it and computes what a decode step there would). Elsewhere
-(prefill, Metal, CUDA, kernels off) rows are gathered, per length bucket, into a transient
-rectangle (so a long row never makes short rows attend over its length), then attended by
-the backend's ``dense_attention``. Decoding rows whose tables start with the same cached
+verifying a few drafts or forced tokens a row, or prefilling a few tokens, too
+(:data:`MAX_PAGED_WIDTH`; each position sees the tokens before it and computes what a
+decode step there would). Elsewhere (longer prefill pieces, Metal, CUDA, kernels off) rows
+are gathered, per length bucket, into a transient rectangle (so a long row never makes
+short rows attend over its length), then attended by the backend's ``dense_attention``.
+Decoding rows whose tables start with the same cached
 blocks (an agent's system prompt mapped into every table) gather those blocks once: the
 shared prefix is attended as one matmul for all their queries and merged with each row's own
 tokens by log-sum-exp (cascade attention, :func:`..cascade.cascade_attention`). A layer
@@ -45,9 +46,11 @@ _MLX_OPS = MLXOps()
 MIN_SHARED_BLOCKS = 4
 """Decoding rows that share at least this many leading blocks attend to them as one cascade."""
 MAX_PAGED_WIDTH = 16
-"""Verify steps of at most this many tokens a row attend through the block tables where the
-backend has a paged kernel (gathering every row's KV for them cost 0.3-0.9 s a step with 8
-rows over 1,250 cached tokens); wider ones, and prefill, gather."""
+"""Passes of at most this many tokens a row (verify steps, short prefill pieces) attend
+through the block tables where the backend has a paged kernel: gathering every row's KV for
+them cost 0.3-0.9 s a step with 8 rows over 1,250 cached tokens, and a 12-token prefill
+piece after a 1,243-token cached prefix 153 ms against 68 through the kernel; wider passes
+gather."""
 BUCKET_RATIO = 2
 """Rows attend in buckets whose longest row is at most this many times their shortest."""
 
@@ -75,15 +78,16 @@ class PagedBatch:
             attention is not routed through :meth:`PagedLayerCache.attend`).
         groups: which group's tables and which storage slot each layer uses
             (:class:`.groups.LayerGroups`); None: one group, a slot per layer.
-        verify: a step verifying drafts (at most :data:`MAX_PAGED_WIDTH` tokens a row):
-            its positions attend through the block tables, each as a decode step at that
-            position would (prefill passes gather: their rows' widths depend on the batch).
+
+    A pass of at most :data:`MAX_PAGED_WIDTH` tokens a row (a decode step, a step verifying
+    drafts, a short prefill piece after a cached prefix) attends through the block tables
+    where the backend has a paged kernel, each position as a decode step at that position
+    would; a wider one gathers.
     """
 
     def __init__(self, storage: PagedKVStorage, tables: Sequence[Any], starts: Sequence[int], lengths: Sequence[int], width: int,
-                 windows: Optional[Sequence[Optional[int]]] = None, gathered: bool = False, groups: Optional[LayerGroups] = None,
-                 verify: bool = False) -> None:
-        self.storage, self.width, self.gathered, self.verify = storage, width, gathered, verify
+                 windows: Optional[Sequence[Optional[int]]] = None, gathered: bool = False, groups: Optional[LayerGroups] = None) -> None:
+        self.storage, self.width, self.gathered = storage, width, gathered
         self.groups = groups if groups is not None else LayerGroups.single(storage.num_layers)
         self.windows = list(windows) if windows is not None else [self.groups.windows[g] for g, _ in self.groups.places]
         self.totals = [s + n for s, n in zip(starts, lengths)]
@@ -116,7 +120,7 @@ class GroupPass:
         longest = max((len(t) for t in tables), default=0)
         # For the paged decode kernel: block tables padded with the null block, and lengths
         # (several positions a row: the tokens each sees, padding positions its last one's).
-        paged = width == 1 or (batch.verify and width <= MAX_PAGED_WIDTH)
+        paged = width <= MAX_PAGED_WIDTH
         self.table = mx.array([list(t) + [NULL_BLOCK] * (longest - len(t)) for t in tables], dtype=mx.int32) if paged else None
         self.lengths = batch.lengths
         self.limits = batch.lengths if width == 1 or not paged else mx.array(

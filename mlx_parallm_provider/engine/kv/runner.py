@@ -102,18 +102,16 @@ class PagedRunner:
     def stats(self) -> dict[str, Any]:
         return {"layout": "paged", **self.kv.stats(), "kv_cache_bytes": self.storage.nbytes}
 
-    def forward(self, rows: list[Request], pieces: list[list[int]], starts: list[int], tokens: Optional[mx.array] = None,
-                verify: bool = False) -> mx.array:
+    def forward(self, rows: list[Request], pieces: list[list[int]], starts: list[int], tokens: Optional[mx.array] = None) -> mx.array:
         """``pieces[b]`` (tokens from position ``starts[b]`` on) of each row through the
         model, over the rows' blocks (``tokens``: the pieces as an array, ``(B, width)``, given
-        instead); the logits, ``(B, width, vocab)``. ``verify``: a step verifying drafts,
-        whose positions attend through the block tables as decode steps do (see
-        :class:`.PagedBatch`)."""
+        instead); the logits, ``(B, width, vocab)``. Narrow passes (decode, verify steps,
+        short prefill pieces) attend through the block tables (see :class:`.PagedBatch`)."""
         width = max(len(p) for p in pieces)
         self.reserve()
         tables: list[Any] = [[self.kv.table(id(r), g) for r in rows] for g in range(len(self.kv.windows))]
         batch = PagedBatch(self.storage, tables[0] if self.groups is None else tables, starts, [len(p) for p in pieces], width,
-                           self.windows, self.gathered, self.groups, verify=verify)
+                           self.windows, self.gathered, self.groups)
         if tokens is None:
             tokens = mx.array([p + [self.pad_id] * (width - len(p)) for p in pieces])
         return self.model(tokens, cache=batch.layers())
