@@ -42,11 +42,12 @@ T = TypeVar("T")
 SOURCE = Path(__file__).with_name("kernels") / "qmatmul.c"
 INT8_HEADER = SOURCE.with_name("qmatmul_int8.h")  # included by SOURCE: its int8 path
 GEMM_HEADER = SOURCE.with_name("qmatmul_gemm.h")  # included by SOURCE: its many-row path
+LANE_SUMS_HEADER = SOURCE.with_name("lane_sums.h")  # included by INT8_HEADER (and the extension's attention)
 
 
 def source_text() -> str:
     """The kernel's source, its included headers too (what a cached build is keyed by)."""
-    return "\0".join(path.read_text() for path in (SOURCE, INT8_HEADER, GEMM_HEADER))
+    return "\0".join(path.read_text() for path in (SOURCE, INT8_HEADER, GEMM_HEADER, LANE_SUMS_HEADER))
 
 MAX_ROWS = 64
 """Rows of ``x`` one call takes (the C kernel's ``MAX_CALL_ROWS``)."""

@@ -43,7 +43,8 @@ SOURCE = Path(__file__).with_name("kernels") / "qmatmul_ext.cpp"
 #: (:mod:`.private_blas`) and the decoder-layer op (:mod:`.backends.layer_step`).
 SOURCES = (SOURCE, SOURCE.with_name("norm_rope.cpp"), SOURCE.with_name("swiglu.cpp"), SOURCE.with_name("decode_attention.cpp"), SOURCE.with_name("blas_matmul.cpp"),
            SOURCE.with_name("decoder_layer.cpp"))
-HEADERS = (SOURCE.with_name("cpu_primitive.h"), SOURCE.with_name("fast_exp.h"), SOURCE.with_name("rope.h"), SOURCE.with_name("attention_step.h"))  # what the primitives share; part of the cache key
+HEADERS = tuple(SOURCE.with_name(name) for name in ("cpu_primitive.h", "fast_exp.h", "rope.h", "attention_step.h", "lane_sums.h"))
+"""What the primitives share; part of the cache key."""
 MODULE = "mlx_parallm_qmatmul_ext"  # NB_MODULE's name in the source
 _CXX_FLAGS = ["-std=c++20", "-O3", "-shared", "-fPIC", "-fvisibility=hidden", "-fno-strict-aliasing", "-DNDEBUG", "-DNB_COMPACT_ASSERTIONS", "-DNB_DOMAIN=mlx"]
 

@@ -233,10 +233,12 @@ def test_paged_kernel_attends_several_positions_a_row_each_as_alone(kv_heads: in
             assert mx.allclose(out[b : b + 1, :, j : j + 1], expected, atol=1e-5).item(), (b, j)
 
 
-@pytest.mark.parametrize("rows, context, L", [(8, 300, 1), (3, 700, 4), (40, 40, 1)])
+@pytest.mark.parametrize("rows, context, L", [(8, 300, 1), (3, 700, 4), (40, 40, 1), (1, 1256, 12), (1, 300, 2), (1, 500, 7), (1, 1256, 1)])
 def test_paged_kernel_on_several_threads_computes_what_one_does(rows: int, context: int, L: int):
     """Rows shared out to the packed-weight kernel's pool (as many key positions as these
-    take two threads) give the same sums, bit for bit, as one thread, call after call."""
+    take two threads) give the same sums, bit for bit, as one thread, call after call; so do
+    one row's positions, which two threads take in other passes than one thread does, and
+    one row's one position, whose KV heads two threads share out."""
     _extension()
     mx.random.seed(9)
     bs, kv_heads, heads, D = 16, 3, 9, 64

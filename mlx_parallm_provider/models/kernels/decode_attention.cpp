@@ -39,6 +39,7 @@
 #include "attention_step.h"
 #include "cpu_primitive.h"
 #include "fast_exp.h"
+#include "lane_sums.h"
 #include "rope.h"
 #include "mlx/backend/common/utils.h"
 #include "mlx/ops.h"
@@ -174,6 +175,12 @@ struct Accumulator {
     for (int start = 0; start < s.len; start += kBlock) {
       int n = std::min(kBlock, s.len - start);
       bool any = false;
+#if defined(__AVX512F__)
+      if (!s.keep && !s.add) {  // (paged KV: no mask) every row's scores 16 positions at a time
+        score_tiles<G>(s, start, n, heads);
+        any = true;
+      } else
+#endif
       for (int j = 0; j < kBlock; j++) {
         int pos = start + j;
         if (j >= n || (s.keep && !s.keep[pos])) {
@@ -220,6 +227,48 @@ struct Accumulator {
       for (; d0 < dim; d0 += 16) add_values<G, 1>(s, start, n, heads, d0);
     }
   }
+
+#if defined(__AVX512F__)
+  // score[r][0 .. kBlock) of the tile's n positions from `start` (none masked): for each query
+  // row, 16 positions' products as 16 vectors, then their 16 lane sums together
+  // (lane_sums16: the tree of _mm512_reduce_add_ps, so each score is the one-position loop's
+  // bit for bit) instead of one reduction a position, which was most of a score's work.
+  template <int G, class T>
+  void score_tiles(const SegmentOf<T>& s, int start, int n, int heads) {
+    static const T zeros[kMaxHeadDim] = {};  // the "key" of a position past n (its score is masked)
+    const __m512 neg_inf = _mm512_set1_ps(kNegInf);
+    for (int j0 = 0; j0 < kBlock; j0 += 16) {
+      int count = std::min(16, n - j0);
+      if (count <= 0) {
+        for (int r = 0; r < heads; r++) _mm512_storeu_ps(score[r] + j0, neg_inf);
+        continue;
+      }
+      const T* keys[16];
+      for (int jj = 0; jj < 16; jj++) keys[jj] = jj < count ? s.key(start + j0 + jj) : zeros;
+      __mmask16 valid = static_cast<__mmask16>((1u << count) - 1);
+      for (int r = 0; r < heads; r++) {
+        __m512 dots[16];
+        for (int jj = 0; jj < 16; jj++) dots[jj] = _mm512_setzero_ps();
+        for (int d = 0; d < dim; d += 16) {
+          v16f qd = load(q[r] + d);
+          __m512 qv = reinterpret_cast<__m512&>(qd);
+          for (int jj = 0; jj < 16; jj++) {
+            v16f kd = load(keys[jj] + d);
+            dots[jj] = _mm512_fmadd_ps(qv, reinterpret_cast<__m512&>(kd), dots[jj]);
+          }
+        }
+        __mmask16 seen = valid;
+        if (s.limit) {  // positions at or past the row's limit score -inf
+          int last = s.limit[r] - (start + j0);
+          seen &= last <= 0 ? 0 : last >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << last) - 1);
+        }
+        // (+ 0.0f as the one-position loop adds its absent mask's bias: -0.0 becomes +0.0)
+        __m512 sums = _mm512_add_ps(lane_sums16(dots), _mm512_setzero_ps());
+        _mm512_storeu_ps(score[r] + j0, _mm512_mask_blend_ps(seen, neg_inf, sums));
+      }
+    }
+  }
+#endif
 
   // acc[r][d0 .. d0 + 16 * SPAN) += the tile's values weighted by score[r] (G query heads, 0:
   // `heads`), each dimension summed over the positions in order.
@@ -345,78 +394,92 @@ template <class T>
 void paged_attend(const T* kp, const T* vp, int64_t slots, int KVH, const int32_t* table, int M, const int32_t* limits,
                   const QueryLayout& io, int B, int H, int L, int D, float scale, int bs, int threads) {
   int group = H / KVH;
-  int per_pass = std::max(1, kMaxGroup / group);  // query positions an accumulator holds
   int64_t slot_stride = static_cast<int64_t>(KVH) * D;
   int64_t work = 0;  // (key position, KV head) pairs, a position's keys counted once per query position
   for (int64_t i = 0; i < static_cast<int64_t>(B) * L; i++) work += std::min<int64_t>(limits[i], static_cast<int64_t>(M) * bs) * KVH;
   auto at_of = [&](int b, int h, int j) { return b * io.row + h * io.head + j * io.position; };
-  // One item per row, its KV heads side by side a tile of positions at a time: a slot holds
-  // every head's K (then V) in one run of memory, read once for all of them (an item per
-  // (row, head) read each slot once per head, a third of it each time here). Each head's
-  // sums are those it would have alone (the same tiles of kBlock positions, in order).
+  // One item per pass of a row's query positions (at most kMaxGroup query rows a KV head), its
+  // KV heads side by side a tile of positions at a time: a slot holds every head's K (then V)
+  // in one run of memory, read once for all of them (an item per (row, head) read each slot
+  // once per head, a third of it each time here). Each head's sums are those it would have
+  // alone (the same tiles of kBlock positions, in order), whatever rows share its pass.
   // (Splitting one long row's heads between threads was tried: no faster, as one row's
-  // reads already take what memory gives on a 2-core Xeon.)
-  run_items(B, threads, [&](int b) {
+  // reads already take what memory gives on a 2-core Xeon.) Fewer rows than threads split
+  // their positions into passes for every thread (a verify step or a short prefill piece of
+  // one row is compute-bound: 12 positions at 1,256 tokens, 21.5 -> 11.4 ms for 30 layers on
+  // 2 threads); each pass reads the row's KV.
+  int most = std::max(1, kMaxGroup / group);  // query positions an accumulator holds
+  int passes = (L + most - 1) / most;
+  if (B < threads && work >= 2 * kWorkPerThread) {  // a multiple of the threads each row's passes take
+    int share = (threads + B - 1) / B;
+    passes = std::min(L, (passes + share - 1) / share * share);
+  }
+  int per_pass = (L + passes - 1) / passes;
+  passes = (L + per_pass - 1) / per_pass;
+  int parts = 1;  // KV heads split between items (still fewer items than threads)
+  if (B * passes < threads && KVH > 1 && work >= 2 * kWorkPerThread) parts = std::min(KVH, (threads + B * passes - 1) / (B * passes));
+  run_items(B * passes * parts, threads, [&](int item) {
     static thread_local std::vector<Accumulator> heads;
     if (static_cast<int>(heads.size()) < KVH) heads.resize(KVH);
+    int part = item % parts, b = item / parts / passes;
+    int g0 = part * KVH / parts, g1 = (part + 1) * KVH / parts;
     const int32_t* row = table + static_cast<int64_t>(b) * M;
-    for (int j0 = 0; j0 < L; j0 += per_pass) {
-      int j1 = std::min(L, j0 + per_pass), rows = (j1 - j0) * group;
-      int limit[kMaxGroup], len = 0;
+    int j0 = item / parts % passes * per_pass;
+    int j1 = std::min(L, j0 + per_pass), rows = (j1 - j0) * group;
+    int limit[kMaxGroup], len = 0;
+    for (int j = j0; j < j1; j++)
+      for (int r = 0; r < group; r++) {
+        limit[(j - j0) * group + r] = std::min(limits[static_cast<int64_t>(b) * L + j], M * bs);
+        len = std::max(len, limit[(j - j0) * group + r]);
+      }
+    for (int g = g0; g < g1; g++) {
+      Accumulator& a = heads[g];
+      a.group = rows, a.dim = D;
+      const float* queries[kMaxGroup];
       for (int j = j0; j < j1; j++)
-        for (int r = 0; r < group; r++) {
-          limit[(j - j0) * group + r] = std::min(limits[static_cast<int64_t>(b) * L + j], M * bs);
-          len = std::max(len, limit[(j - j0) * group + r]);
-        }
-      for (int g = 0; g < KVH; g++) {
-        Accumulator& a = heads[g];
-        a.group = rows, a.dim = D;
-        const float* queries[kMaxGroup];
-        for (int j = j0; j < j1; j++)
-          for (int r = 0; r < group; r++) queries[(j - j0) * group + r] = io.q + at_of(b, g * group + r, j);
-        a.start(queries, scale);
-      }
-      // Every position's offset, so that the softmax tiles run across blocks (a row's blocks
-      // are seldom consecutive once it decodes); a block outside the pools ends the row.
-      static thread_local std::vector<int64_t> at;
-      at.resize(len);
-      int n = 0;
-      for (; n < len; n++) {
-        int64_t slot = static_cast<int64_t>(row[n / bs]) * bs + n % bs;
-        if (row[n / bs] < 0 || slot >= slots) break;
-        at[n] = slot * slot_stride;
-      }
-      const int* limit_of = L > 1 ? limit : nullptr;  // (one position: it sees the row's n tokens)
-      const int64_t slot_bytes = slot_stride * static_cast<int64_t>(sizeof(T));
-      for (int start = 0; start < n; start += kBlock) {
-        int tile = std::min(kBlock, n - start);
-        // Ask for the next tile's slots (every head's K and V) while this one is computed:
-        // its blocks lie anywhere in the pools, so the hardware's stream prefetch cannot
-        // follow. ~1.3x a row at 1,024 tokens of context on a 2-core Xeon; bit-identical.
-        for (int p = start + kBlock; p < std::min(start + 2 * kBlock, n); p++) {
-          const char* key = reinterpret_cast<const char*>(kp + at[p]);
-          const char* value = reinterpret_cast<const char*>(vp + at[p]);
-          for (int64_t o = 0; o < slot_bytes; o += 64) {
-            __builtin_prefetch(key + o);
-            __builtin_prefetch(value + o);
-          }
-        }
-        for (int g = 0; g < KVH; g++) {
-          SegmentOf<T> seg{kp + g * D, vp + g * D, slot_stride, slot_stride, tile, nullptr, nullptr, at.data() + start};
-          int shifted[kMaxGroup];  // the limits counted from this tile's first position
-          if (limit_of) {
-            for (int r = 0; r < rows; r++) shifted[r] = limit_of[r] - start;
-            seg.limit = shifted;
-          }
-          heads[g].attend(seg);
+        for (int r = 0; r < group; r++) queries[(j - j0) * group + r] = io.q + at_of(b, g * group + r, j);
+      a.start(queries, scale);
+    }
+    // Every position's offset, so that the softmax tiles run across blocks (a row's blocks
+    // are seldom consecutive once it decodes); a block outside the pools ends the row.
+    static thread_local std::vector<int64_t> at;
+    at.resize(len);
+    int n = 0;
+    for (; n < len; n++) {
+      int64_t slot = static_cast<int64_t>(row[n / bs]) * bs + n % bs;
+      if (row[n / bs] < 0 || slot >= slots) break;
+      at[n] = slot * slot_stride;
+    }
+    const int* limit_of = L > 1 ? limit : nullptr;  // (one position: it sees the row's n tokens)
+    const int64_t slot_bytes = static_cast<int64_t>(g1 - g0) * D * static_cast<int64_t>(sizeof(T));  // this item's heads of a slot
+    for (int start = 0; start < n; start += kBlock) {
+      int tile = std::min(kBlock, n - start);
+      // Ask for the next tile's slots (every head's K and V) while this one is computed:
+      // its blocks lie anywhere in the pools, so the hardware's stream prefetch cannot
+      // follow. ~1.3x a row at 1,024 tokens of context on a 2-core Xeon; bit-identical.
+      for (int p = start + kBlock; p < std::min(start + 2 * kBlock, n); p++) {
+        const char* key = reinterpret_cast<const char*>(kp + at[p] + g0 * D);
+        const char* value = reinterpret_cast<const char*>(vp + at[p] + g0 * D);
+        for (int64_t o = 0; o < slot_bytes; o += 64) {
+          __builtin_prefetch(key + o);
+          __builtin_prefetch(value + o);
         }
       }
-      for (int g = 0; g < KVH; g++) {
-        float* outputs[kMaxGroup];
-        for (int j = j0; j < j1; j++)
-          for (int r = 0; r < group; r++) outputs[(j - j0) * group + r] = io.out + at_of(b, g * group + r, j);
-        heads[g].finish(outputs);
+      for (int g = g0; g < g1; g++) {
+        SegmentOf<T> seg{kp + g * D, vp + g * D, slot_stride, slot_stride, tile, nullptr, nullptr, at.data() + start};
+        int shifted[kMaxGroup];  // the limits counted from this tile's first position
+        if (limit_of) {
+          for (int r = 0; r < rows; r++) shifted[r] = limit_of[r] - start;
+          seg.limit = shifted;
+        }
+        heads[g].attend(seg);
       }
+    }
+    for (int g = g0; g < g1; g++) {
+      float* outputs[kMaxGroup];
+      for (int j = j0; j < j1; j++)
+        for (int r = 0; r < group; r++) outputs[(j - j0) * group + r] = io.out + at_of(b, g * group + r, j);
+      heads[g].finish(outputs);
     }
   }, work);
 }

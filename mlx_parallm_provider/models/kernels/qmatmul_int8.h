@@ -19,6 +19,8 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "lane_sums.h"
+
 #define QBLOCK 32  /* elements of x per int8 scale */
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -125,27 +127,6 @@ static inline __m512i load64(const uint8_t *w, int c, int bits) {
     return _mm512_shuffle_i64x2(joined, joined, _MM_SHUFFLE(3, 1, 2, 0));    /* lo0 hi0 lo1 hi1 */
 }
 
-/* Lanes j of a and b, for j in `lo`, beside lanes j of a and b for j in `hi` (indices into a
- * then b: 0-15 a, 16-31 b), added. */
-static inline __m512 fold(__m512 a, __m512 b, __m512i lo, __m512i hi) {
-    return _mm512_add_ps(_mm512_permutex2var_ps(a, lo, b), _mm512_permutex2var_ps(a, hi, b));
-}
-
-/* The 16 lane sums of v[0..15], in order, by the tree of reduce1. */
-static inline __m512 reduce16(const __m512 *v) {
-    const __m512i lo1 = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
-    const __m512i lo2 = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
-    const __m512i lo3 = _mm512_setr_epi32(0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29);
-    const __m512i lo4 = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-    const __m512i hi1 = _mm512_add_epi32(lo1, _mm512_set1_epi32(8)), hi2 = _mm512_add_epi32(lo2, _mm512_set1_epi32(4));
-    const __m512i hi3 = _mm512_add_epi32(lo3, _mm512_set1_epi32(2)), hi4 = _mm512_add_epi32(lo4, _mm512_set1_epi32(1));
-    __m512 r1[8], r2[4], r3[2];
-    for (int i = 0; i < 8; i++) r1[i] = fold(v[2 * i], v[2 * i + 1], lo1, hi1);   /* 8 partials of 2 rows */
-    for (int i = 0; i < 4; i++) r2[i] = fold(r1[2 * i], r1[2 * i + 1], lo2, hi2);  /* 4 partials of 4 rows */
-    for (int i = 0; i < 2; i++) r3[i] = fold(r2[2 * i], r2[2 * i + 1], lo3, hi3);  /* 2 partials of 8 rows */
-    return fold(r3[0], r3[1], lo4, hi4);
-}
-
 /* The sum of v's 16 lanes: lane j + j+8, then j + j+4, j + j+2, j + j+1. */
 static inline float reduce1(__m512 v) {
     __m256 v8 = _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
@@ -182,7 +163,7 @@ static inline __attribute__((always_inline)) void dot_row_q8(const uint8_t *w, c
     /* Each output: its 16 lanes summed by one tree (lane j + j+8, then j + j+4, j + j+2, j + j+1)
      * plus the bias term (fused multiply-adds in two chains, even groups and odd groups, each
      * in group order, then added: one chain of G dependent FMAs cost ~15% of a 64-row call);
-     * a whole tile sums its 16 rows' lanes together (reduce16), a partial one row by row
+     * a whole tile sums its 16 rows' lanes together (lane_sums16), a partial one row by row
      * (reduce1), the same sums. */
     if (M == Q8_ROWS) {
         __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();
@@ -191,7 +172,7 @@ static inline __attribute__((always_inline)) void dot_row_q8(const uint8_t *w, c
             if (g + 1 < G) odd = _mm512_fmadd_ps(_mm512_set1_ps(biases[g + 1]), _mm512_loadu_ps(xs + (size_t)(g + 1) * XS_TILE), odd);
         }
         float sums[Q8_ROWS];
-        _mm512_storeu_ps(sums, _mm512_add_ps(reduce16(acc), _mm512_add_ps(even, odd)));
+        _mm512_storeu_ps(sums, _mm512_add_ps(lane_sums16(acc), _mm512_add_ps(even, odd)));
         for (int m = 0; m < M; m++) out[(size_t)m * ldy] = sums[m];
     } else {
         for (int m = 0; m < M; m++) {
