@@ -27,15 +27,26 @@
 typedef float gvec __attribute__((vector_size(GV * 4)));
 typedef float gvec_u __attribute__((vector_size(GV * 4), aligned(4), may_alias));
 
-static inline float gemm_hsum(gvec v) {
 #if defined(__AVX512F__)
+static inline float gemm_hsum(gvec v) {
     return _mm512_reduce_add_ps((__m512)v);
+}
+#elif defined(__AVX2__)
+/* The 8 lane sums of v[0..7], in order, by a tree of hadds: 9 instructions for 8 outputs
+ * (one at a time, 8 dependent scalar adds each: a 64-row step's matmuls 165.9 -> 154.4 ms). */
+static inline __m256 gemm_sums8(const gvec *v) {
+    __m256 t0 = _mm256_hadd_ps((__m256)v[0], (__m256)v[1]), t1 = _mm256_hadd_ps((__m256)v[2], (__m256)v[3]);
+    __m256 t2 = _mm256_hadd_ps((__m256)v[4], (__m256)v[5]), t3 = _mm256_hadd_ps((__m256)v[6], (__m256)v[7]);
+    __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);  /* each 128-bit half: 4 outputs' partial sums */
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
 #else
+static inline float gemm_hsum(gvec v) {
     float s = 0.0f;
     for (int i = 0; i < GV; i++) s += v[i];
     return s;
-#endif
 }
+#endif
 
 /* 16 values dequantized, out[i] = q[i] * s + b: from 16 packed bytes' low (nibble 0) or high
  * (nibble 1) nibbles, or 16 bytes (nibble -1, 8-bit). */
@@ -97,8 +108,24 @@ static inline __attribute__((always_inline)) void gemm_tile(const float *panel, 
             for (int i = 0; i < nw; i++) acc[i][m] += wv[i] * xv;
         }
     }
+#if defined(__AVX2__) && !defined(__AVX512F__)
+    gvec flat[TILE_W * TILE_X];
+    float sums[TILE_W * TILE_X];
+    for (int m = 0; m < mx; m++)
+        for (int i = 0; i < nw; i++) flat[m * nw + i] = acc[i][m];
+    for (int j0 = 0; j0 < nw * mx; j0 += 8) {
+        gvec part[8];
+        for (int j = 0; j < 8; j++) part[j] = j0 + j < nw * mx ? flat[j0 + j] : (gvec){0};
+        float all[8];
+        _mm256_storeu_ps(all, gemm_sums8(part));
+        for (int j = 0; j < 8 && j0 + j < nw * mx; j++) sums[j0 + j] = all[j];
+    }
+    for (int m = 0; m < mx; m++)
+        for (int i = 0; i < nw; i++) y[(size_t)m * ldy + i] = sums[m * nw + i];
+#else
     for (int m = 0; m < mx; m++)
         for (int i = 0; i < nw; i++) y[(size_t)m * ldy + i] = gemm_hsum(acc[i][m]);
+#endif
 }
 
 /* Weight rows [n0, n1) times every row of x (M x K, deinterleaved): y (M x N). panel: a
