@@ -150,4 +150,4 @@ def decoder_layer(x: mx.array, plan: Any, step: tuple[Any, ...], heads: int, rop
     return _extension().decoder_layer(x, plan.w_in, plan.eps_in, plan.w_post, plan.eps_post, list(plan.weights), list(plan.bits),
                                       list(plan.groups), k_pool, v_pool, slots, table, limits, offset, rope.inv_freq, heads,
                                       rope.dims, rope.traditional, rope.scale, block_size, scale, attention_threads,
-                                      matmul_threads, packed_rows, int8)
+                                      matmul_threads, packed_rows, int8, plan.qkv_bias)

@@ -13,9 +13,10 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from conftest import TINY_CONFIG, write_tiny_model
 
 from mlx_parallm_provider.engine import SamplingParams
-from mlx_parallm_provider.engine.kv import KVCacheManager
+from mlx_parallm_provider.engine.kv import KVCacheManager, paged_cache
 from mlx_parallm_provider.engine.kv.paged_cache import PagedBatch
 from mlx_parallm_provider.engine.kv.storage import PagedKVStorage
 from mlx_parallm_provider.models import attention, backend, backends, fused_ops, registry
@@ -119,10 +120,26 @@ def test_a_fused_step_gives_the_logits_and_kv_of_the_separate_ops(rope_model, st
     assert len(steps) == layers  # (the separate ops ran)
 
 
-def test_prefill_and_other_passes_keep_the_separate_ops(rope_model, steps):
+def test_wide_prefill_pieces_keep_the_separate_ops_and_narrow_ones_fuse(rope_model, steps):
     model = rope_model.model
-    _prefilled(model, [[1, 2, 3, 4, 5], [6, 7]], 4, None)
-    assert steps == []  # several tokens a row, not a verify step: gathered, as before
+    kv, storage = _prefilled(model, [[1, 2, 3, 4, 5], [6, 7]], 4, None)
+    assert steps == []  # (the pools did not exist before this first pass)
+
+    def piece(width: int) -> None:
+        starts = list(done)
+        for b in range(2):
+            kv.grow(b, done[b] + width)
+        storage.reserve(kv.pool.high_water())
+        batch = PagedBatch(storage, [kv.table(b) for b in range(2)], starts, [width, width], width)
+        mx.eval(model(mx.array([[9] * width] * 2), cache=batch.layers()))
+        for b in range(2):
+            done[b] += width
+
+    done = [5, 2]
+    piece(paged_cache.MAX_PAGED_WIDTH + 1)
+    assert steps == []  # wider than the block tables are read for: gathered
+    piece(5)
+    assert len(steps) == len(model.layers)  # a short piece after held tokens: the fused step
 
 
 def test_an_engine_decodes_the_same_tokens_with_the_fused_step_and_without(rope_model, make_engine, steps, monkeypatch):
@@ -140,19 +157,26 @@ def test_an_engine_decodes_the_same_tokens_with_the_fused_step_and_without(rope_
     assert len(steps) == ran
 
 
-@pytest.fixture(scope="module")
-def packed_model(tiny_model_dir):
-    """The tiny llama quantized to 4 bits and prepared as a served checkpoint is (packed
-    weights, fused norms and RoPE): every layer a plain llama layer the one-op step takes."""
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def packed_model(request, tiny_model_dir, smollm_tokenizer_dir, tmp_path_factory):
+    """A tiny llama, or qwen2 (q/k/v with biases), quantized to 4 bits and prepared as a
+    served checkpoint is (packed weights, fused norms and RoPE): every layer one the one-op
+    step takes."""
     import mlx_lm
 
-    model, _ = mlx_lm.load(str(tiny_model_dir))
+
+    folder = tiny_model_dir
+    if request.param == "qwen2":
+        folder = write_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), smollm_tokenizer_dir,
+                                  config={**TINY_CONFIG, "model_type": "qwen2", "tie_word_embeddings": True})
+    model, _ = mlx_lm.load(str(folder))
     nn.quantize(model, group_size=32, bits=4)
     mx.eval(model.parameters())
     backend.prepare_model(model, dequantize=True)
     if not backends.of(model).kernels or not attention.has_attention_step():
         pytest.skip("no CPU kernels extension (no compiler): the fused ops do not exist")
-    assert all(layer_step.plan_of(layer) is not None for layer in model.layers)
+    plans = [layer_step.plan_of(layer) for layer in model.layers]
+    assert all(plan is not None and (plan.qkv_bias is not None) == (request.param == "qwen2") for plan in plans)
     return model
 
 

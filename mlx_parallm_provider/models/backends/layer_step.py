@@ -1,11 +1,11 @@
-"""A llama decoder layer's decode step of up to 128 rows as one op: the routed ``__call__`` of
-mlx-lm's llama ``TransformerBlock``.
+"""A llama (or qwen2) decoder layer's decode step of up to 128 rows as one op: the routed
+``__call__`` of mlx-lm's llama and qwen2 ``TransformerBlock``.
 
 Each MLX op on the CPU costs ~15 us beside its work (its task goes to the stream's thread,
 which sleeps between small ops): a one-row step of the default model was ~320 such ops after
 the fused attention step (:mod:`.attention_step`), ~5 ms of its ~15. Where the layer is the
 plain llama shape this package's kernels compute (fused RMSNorms, q/k/v and gate/up as packed
-sibling weights, o and down packed, no biases, a plain RoPE), the step has at most
+sibling weights, o and down packed, no biases but q/k/v's (qwen2's), a plain RoPE), the step has at most
 :data:`MAX_ROWS` rows, and the cache takes a fused step, the block is one op
 (``kernels/decoder_layer.cpp``) that calls the same kernels in the same order: the same
 numbers, bit for bit. Everywhere else mlx-lm's block runs as routed.
@@ -21,12 +21,12 @@ import mlx.core as mx
 
 from .attention_step import fusable, plain_code
 
-_PLAIN_BLOCKS = (("mlx_lm.models.llama", "TransformerBlock"),)
+_PLAIN_BLOCKS = (("mlx_lm.models.llama", "TransformerBlock"), ("mlx_lm.models.qwen2", "TransformerBlock"))
 """mlx-lm blocks whose ``__call__`` is ``h = x + attn(norm(x)); out = h + mlp(norm(h))``."""
-_PLAIN_MLPS = (("mlx_lm.models.llama", "MLP"),)
+_PLAIN_MLPS = (("mlx_lm.models.llama", "MLP"), ("mlx_lm.models.qwen2", "MLP"))
+"""mlx-lm MLPs whose ``__call__`` is ``down(swiglu(gate(x), up(x)))``."""
 MAX_ROWS = 128
 """Most rows (rows x positions) a step takes through the op: the packed kernel's panels' bound."""
-"""mlx-lm MLPs whose ``__call__`` is ``down(swiglu(gate(x), up(x)))``."""
 
 
 def fusable_block(cls: type) -> bool:
@@ -49,14 +49,16 @@ class LayerPlan:
     copies: bool
     """Whether a layer keeps a float32 copy of its weight (steps wider than the packed kernel's
     rows then multiply by it through OpenBLAS, which the op does not)."""
+    qkv_bias: Optional[mx.array] = None
+    """q, k and v's biases, concatenated (qwen2), or None."""
 
 
-def _packed(layers: list[Any], ext: Any) -> Optional[Any]:
-    """The packed weight that ``layers`` (SmallBatchLinear, no bias) take whole, in order,
-    or None."""
+def _packed(layers: list[Any], ext: Any, biased: bool = False) -> Optional[Any]:
+    """The packed weight that ``layers`` (SmallBatchLinear; with a bias each where ``biased``,
+    else none) take whole, in order, or None."""
     from ..small_batch import SmallBatchLinear
 
-    if not all(type(layer) is SmallBatchLinear and "bias" not in layer for layer in layers):
+    if not all(type(layer) is SmallBatchLinear and ("bias" in layer) == biased for layer in layers):
         return None
     source = layers[0]._source
     if any(layer._source is not source for layer in layers) or source.kernel is not ext:
@@ -82,13 +84,16 @@ def plan_of(block: Any) -> Optional[LayerPlan]:
     if not fusable(getattr(type(attn), "_parallm_original_class", type(attn))) or not plain_code(type(mlp), _PLAIN_MLPS):
         return None
     linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
-    parts = [_packed([attn.q_proj, attn.k_proj, attn.v_proj], ext), _packed([attn.o_proj], ext),
-             _packed([mlp.gate_proj, mlp.up_proj], ext), _packed([mlp.down_proj], ext)]
+    qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
+    biased = "bias" in attn.q_proj
+    parts = [_packed(qkv, ext, biased), _packed([attn.o_proj], ext), _packed([mlp.gate_proj, mlp.up_proj], ext),
+             _packed([mlp.down_proj], ext)]
     if any(p is None for p in parts):
         return None
+    qkv_bias = mx.concatenate([layer.bias.astype(mx.float32) for layer in qkv]) if biased else None
     return LayerPlan(norms[0].weight, float(norms[0].eps), norms[1].weight, float(norms[1].eps),
                      tuple(a for p in parts for a in (p.packed, p.scales, p.biases)), tuple(p.bits for p in parts),
-                     tuple(p.group_size for p in parts), any("weight" in layer for layer in linears))
+                     tuple(p.group_size for p in parts), any("weight" in layer for layer in linears), qkv_bias)
 
 
 def stepping_block(original: Callable[..., Any], backend: Any) -> Callable[..., Any]:

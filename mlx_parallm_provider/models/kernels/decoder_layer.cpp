@@ -14,8 +14,11 @@
 // Inputs: x (B, L, Dm) float32; w_in, w_post (Dm,) float32; four packed weights as
 // (bytes, scales, biases): qkv (heads * D + 2 * KVH * D rows), o (Dm rows), gate_up (2 * I
 // rows: gate, then up), down (Dm rows); k_pool, v_pool (N, KVH, D); slots (B * L,); table
-// (B, M); limits (B,) or (B, L); offset (B,); inv_freq (rope_dims / 2,). Output (B, L, Dm).
+// (B, M); limits (B,) or (B, L); offset (B,); inv_freq (rope_dims / 2,); then, for a qwen2 layer,
+// the q, k and v biases concatenated (heads * D + 2 * KVH * D,), added to qkv_proj's output as
+// each projection's own op adds its bias. Output (B, L, Dm).
 #include <cstdint>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -44,11 +47,11 @@ struct LayerParams {
   StepParams step;  // the attention step's (its threads: the attention's)
   float eps_in, eps_post;
   int matmul_threads, packed_rows;
-  bool int8;
+  bool int8, qkv_bias;  // qkv_bias: the last input holds q/k/v's biases
   std::vector<int> bits, groups;  // of qkv, o, gate_up, down
   bool operator==(const LayerParams& o) const {
     return step == o.step && eps_in == o.eps_in && eps_post == o.eps_post && matmul_threads == o.matmul_threads &&
-           packed_rows == o.packed_rows && int8 == o.int8 && bits == o.bits && groups == o.groups;
+           packed_rows == o.packed_rows && int8 == o.int8 && qkv_bias == o.qkv_bias && bits == o.bits && groups == o.groups;
   }
 };
 
@@ -82,6 +85,11 @@ class DecoderLayerCPU : public CpuPrimitive<DecoderLayerCPU> {
     float* o = out.data<float>();  // o_proj's, then down_proj's output before the residual
     for (int r = 0; r < rows; r++) rms_norm_row(x + static_cast<size_t>(r) * dm, 1, w_in, 1, dm, prm.eps_in, normed.data() + static_cast<size_t>(r) * dm);
     matmul(0, normed.data(), dm, qkv.data());
+    if (prm.qkv_bias) {
+      const float* bias = in.back().data<float>();
+      for (int r = 0; r < rows; r++)
+        for (int j = 0; j < n_qkv; j++) qkv[static_cast<size_t>(r) * n_qkv + j] += bias[j];
+    }
     std::vector<const float*> parts(3 * static_cast<size_t>(rows));
     for (int r = 0; r < rows; r++) {
       const float* row = qkv.data() + static_cast<size_t>(r) * n_qkv;
@@ -110,7 +118,8 @@ mx::array decoder_layer_op(const mx::array& x, const mx::array& w_in, float eps_
                            const mx::array& k_pool, const mx::array& v_pool, const mx::array& slots, const mx::array& table,
                            const mx::array& limits, const mx::array& offset, const mx::array& inv_freq, int heads,
                            int rope_dims, bool traditional, float rope_scale, int block_size, float scale,
-                           int attention_threads, int matmul_threads, int packed_rows, bool int8) {
+                           int attention_threads, int matmul_threads, int packed_rows, bool int8,
+                           const std::optional<mx::array>& qkv_bias) {
   if (x.ndim() != 3 || weights.size() != 12 || bits.size() != 4 || groups.size() != 4 || k_pool.ndim() != 3 || heads < 1) {
     throw std::invalid_argument("decoder_layer: x (B, L, Dm), 12 weight arrays with 4 bits and groups, pools (N, KVH, D)");
   }
@@ -135,11 +144,15 @@ mx::array decoder_layer_op(const mx::array& x, const mx::array& w_in, float eps_
   if (w_in.size() != static_cast<size_t>(dm) || w_post.size() != static_cast<size_t>(dm) || B * L > 128 || packed_rows > 64) {
     throw std::invalid_argument("decoder_layer: norm weights (Dm,), at most 128 rows, packed_rows at most 64");
   }
+  if (qkv_bias && (qkv_bias->ndim() != 1 || qkv_bias->size() != static_cast<size_t>(n_qkv))) {
+    throw std::invalid_argument("decoder_layer: qkv_bias (" + std::to_string(n_qkv) + ",)");
+  }
   auto f32 = [&](const mx::array& a) { return mx::astype(a, mx::float32, stream); };
   std::vector<mx::array> inputs = {f32(x), f32(w_in), f32(w_post)};
   inputs.insert(inputs.end(), weights.begin(), weights.end());
   inputs.insert(inputs.end(), attention.begin(), attention.end());
-  LayerParams p{step, eps_in, eps_post, std::max(matmul_threads, 1), packed_rows, int8, bits, groups};
+  if (qkv_bias) inputs.push_back(f32(*qkv_bias));  // (its data read as is: the caller's concatenation, contiguous)
+  LayerParams p{step, eps_in, eps_post, std::max(matmul_threads, 1), packed_rows, int8, qkv_bias.has_value(), bits, groups};
   return mx::array(x.shape(), mx::float32, std::make_shared<DecoderLayerCPU>(stream, std::move(p)), std::move(inputs));
 }
 

@@ -6,6 +6,7 @@
 // nanobind domain, so mx.array arguments convert.
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -49,7 +50,8 @@ mx::array decoder_layer_op(const mx::array& x, const mx::array& w_in, float eps_
                            const mx::array& k_pool, const mx::array& v_pool, const mx::array& slots, const mx::array& table,
                            const mx::array& limits, const mx::array& offset, const mx::array& inv_freq, int heads,
                            int rope_dims, bool traditional, float rope_scale, int block_size, float scale,
-                           int attention_threads, int matmul_threads, int packed_rows, bool int8);  // decoder_layer.cpp
+                           int attention_threads, int matmul_threads, int packed_rows, bool int8,
+                           const std::optional<mx::array>& qkv_bias);  // decoder_layer.cpp
 void set_sgemm(std::uintptr_t address);  // blas_matmul.cpp
 bool has_sgemm();
 void* sgemm_address();
@@ -186,8 +188,8 @@ NB_MODULE(mlx_parallm_qmatmul_ext, m) {
   m.def("decoder_layer", &mlx_parallm::decoder_layer_op, "x"_a, "w_in"_a, "eps_in"_a, "w_post"_a, "eps_post"_a, "weights"_a,
         "bits"_a, "groups"_a, "k_pool"_a, "v_pool"_a, "slots"_a, "table"_a, "limits"_a, "offset"_a, "inv_freq"_a, "heads"_a,
         "rope_dims"_a, "traditional"_a, "rope_scale"_a, "block_size"_a, "scale"_a, "attention_threads"_a = 1,
-        "matmul_threads"_a = 1, "packed_rows"_a = 64, "int8"_a = false,
-        "A llama decoder layer's step of at most 128 rows as one CPU op: RMSNorm, the packed q/k/v, o, gate/up and down "
+        "matmul_threads"_a = 1, "packed_rows"_a = 64, "int8"_a = false, "qkv_bias"_a = nb::none(),
+        "A llama (or qwen2: qkv_bias, the q, k and v biases concatenated) decoder layer's step of at most 128 rows as one CPU op: RMSNorm, the packed q/k/v, o, gate/up and down "
         "matmuls (qmatmul.c's kernel up to packed_rows rows, its panels above, or int8), the fused attention step (K/V written IN PLACE into the pools: order later readers after the result) "
         "and SwiGLU, each as its own op computes it. float32 out, x's shape.");
   m.attr("paged_float16_pools") = nb::bool_(true);  // what attention.py asks before handing it float16 pools
