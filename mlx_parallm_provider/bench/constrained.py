@@ -36,26 +36,44 @@ SCHEMA = {
 
 
 class MaskTimer:
-    """Wraps the sampler's mask step. When ``timing``, it evaluates the step's logits first
-    and then adds up the wall time of filling and applying the masks, so that time is the
-    masks' alone (but no longer overlaps the model's compute): throughput passes run with
-    ``timing`` off, and separate passes measure the mask time."""
+    """Wraps the sampler's mask steps (filling the masks: ``grammar_bitmask``; applying them:
+    ``apply_bitmask``, which a step whose rows each allow one token skips). When ``timing``,
+    it evaluates the step's logits first and then adds up the wall time of filling and
+    applying the masks, so that time is the masks' alone (but no longer overlaps the model's
+    compute): throughput passes run with ``timing`` off, and separate passes measure the mask
+    time. :meth:`install` puts it in, :meth:`remove` takes it out."""
 
     def __init__(self) -> None:
         self.seconds, self.calls, self.timing = 0.0, 0, False
-        self.real = sampling_module.mask_logits
+        self.real_fill, self.real_apply = sampling_module.grammar_bitmask, sampling_module.apply_bitmask
 
-    def __call__(self, logits: Any, matchers: Any, tokenizer: Any) -> Any:
+    def install(self) -> None:
+        sampling_module.grammar_bitmask, sampling_module.apply_bitmask = self.fill, self.apply
+
+    def remove(self) -> None:
+        sampling_module.grammar_bitmask, sampling_module.apply_bitmask = self.real_fill, self.real_apply
+
+    def fill(self, logits: Any, matchers: Any, tokenizer: Any) -> Any:
         if not self.timing:
-            return self.real(logits, matchers, tokenizer)
+            return self.real_fill(logits, matchers, tokenizer)
         import mlx.core as mx
 
         mx.eval(logits)  # the model's part of the step, outside the timer
         tic = time.perf_counter()
-        out = self.real(logits, matchers, tokenizer)
-        mx.eval(out)
+        out = self.real_fill(logits, matchers, tokenizer)
         self.seconds += time.perf_counter() - tic
         self.calls += 1
+        return out
+
+    def apply(self, logits: Any, bitmask: Any) -> Any:
+        if not self.timing:
+            return self.real_apply(logits, bitmask)
+        import mlx.core as mx
+
+        tic = time.perf_counter()
+        out = self.real_apply(logits, bitmask)
+        mx.eval(out)
+        self.seconds += time.perf_counter() - tic
         return out
 
 
@@ -87,7 +105,7 @@ class Pass:
 def measure(engine: Engine, prompts: list[str], max_tokens: int, repeats: int) -> dict[str, Pass]:
     """Run the passes (see the module docstring) ``repeats`` times, interleaved."""
     timer = MaskTimer()
-    sampling_module.mask_logits = timer
+    timer.install()
     try:
         n = len(prompts)
         free = [SamplingParams(max_tokens=max_tokens, ignore_eos=True)] * n
@@ -110,7 +128,7 @@ def measure(engine: Engine, prompts: list[str], max_tokens: int, repeats: int) -
             passes[name].mask_ms.append(1000 * timer.seconds / timer.calls)
         return passes
     finally:
-        sampling_module.mask_logits = timer.real
+        timer.remove()
 
 
 def main(argv: Optional[list[str]] = None) -> None:

@@ -101,7 +101,7 @@ class GrammarTokenizer:
         return self.get().decode_bytes([token])
 
     def closing_bits(self, words: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Bitmasks (``words`` int32 each) of the tokens that close JSON, for :func:`mask_logits`
+        """Bitmasks (``words`` int32 each) of the tokens that close JSON, for :func:`grammar_bitmask`
         to narrow a row to when its budget runs out: (``]``, ``}`` and spaces alone, and EOS;
         a string's closing quote, then only those; a whole short value, such as ``[]``, ``0``
         or ``null``, then only those). Built once."""
@@ -242,8 +242,10 @@ class RowMatcher:
             raise grammar_error(self.matcher.get_error(), self.consumed)
 
 
-def mask_logits(logits: mx.array, matchers: Sequence[Optional[RowMatcher]], tokenizer: GrammarTokenizer) -> mx.array:
-    """Set the logits of tokens each constrained row's grammar forbids to -inf.
+def grammar_bitmask(logits: mx.array, matchers: Sequence[Optional[RowMatcher]], tokenizer: GrammarTokenizer) -> Optional[np.ndarray]:
+    """The tokens each row of ``logits`` may take, as a bitmask ``(batch, words)`` int32 (bit
+    ``t % 32`` of word ``t // 32``: token t allowed; every bit set for a row left free); None
+    when no row is constrained.
 
     ``matchers[i]`` is row i's matcher or None (that row is left as it is). The masks of
     all constrained rows are computed together by llguidance's parallel executor; a row
@@ -255,7 +257,7 @@ def mask_logits(logits: mx.array, matchers: Sequence[Optional[RowMatcher]], toke
     """
     rows = [(m.matcher, i) for i, m in enumerate(matchers) if m is not None]
     if not rows:
-        return logits
+        return None
     mx.async_eval(logits)  # the model computes while the masks are filled
     batch, vocab = logits.shape
     words = (vocab + 31) // 32
@@ -281,9 +283,29 @@ def mask_logits(logits: mx.array, matchers: Sequence[Optional[RowMatcher]], toke
                 if narrowed.any():  # else the grammar wants something else first (":", a key): left free
                     bitmask[i] = narrowed
                     break
+    return bitmask
+
+
+def apply_bitmask(logits: mx.array, bitmask: np.ndarray) -> mx.array:
+    """``logits`` with the tokens ``bitmask`` (:func:`grammar_bitmask`) forbids at -inf."""
+    batch, vocab = logits.shape
     bits = (mx.array(bitmask)[:, :, None] >> mx.arange(32, dtype=mx.int32)) & 1
-    allowed = bits.reshape(batch, words * 32)[:, :vocab].astype(mx.bool_)
+    allowed = bits.reshape(batch, bitmask.shape[1] * 32)[:, :vocab].astype(mx.bool_)
     return mx.where(allowed, logits, mx.array(-float("inf"), dtype=logits.dtype))
+
+
+def only_tokens(bitmask: np.ndarray, vocab: int) -> Optional[list[int]]:
+    """The one token each row of ``bitmask`` allows, where every row allows exactly one
+    below ``vocab`` (a token the grammar forces); else None."""
+    nonzero = bitmask != 0
+    if not (nonzero.sum(axis=1) == 1).all():
+        return None
+    at = nonzero.argmax(axis=1)
+    words = bitmask[np.arange(bitmask.shape[0]), at].view(np.uint32).astype(np.int64)
+    if (words & (words - 1)).any():
+        return None
+    tokens = [int(w) * 32 + int(word).bit_length() - 1 for w, word in zip(at, words)]
+    return tokens if max(tokens) < vocab else None
 
 
 class JsonNesting:

@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional, Sequence
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
-from .guided import GrammarTokenizer, RowMatcher, mask_logits
+from .guided import GrammarTokenizer, RowMatcher, apply_bitmask, grammar_bitmask, only_tokens
 from .request import SamplingParams, TokenLogprob
 
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
@@ -123,10 +123,20 @@ def _sample_rows(
                     row = processor(history, row)
             rows.append(row)
         logits = mx.concatenate(rows, axis=0)
+    wants = [i for i, s in enumerate(samplers) if s.params.logprobs]
     if any(s.matcher is not None for s in samplers):
         grammar = next(s.grammar for s in samplers if s.matcher is not None)
-        logits = mask_logits(logits, [s.matcher for s in samplers], grammar)
-    wants = [i for i, s in enumerate(samplers) if s.params.logprobs]
+        matchers = [s.matcher for s in samplers]
+        bitmask = grammar_bitmask(logits, matchers, grammar)
+        plain = not wants and all(m is not None for m in matchers) and not any(s.processors for s in samplers)
+        forced = only_tokens(bitmask, logits.shape[-1]) if plain else None
+        if forced is not None:  # each row's one allowed token: what its draw gives, without the draw's ops
+            mx.eval(logits)  # (the step's forward still runs to its end here, as a drawn token waits for it)
+            for sampler in samplers:
+                if not sampler.greedy:
+                    sampler.key = mx.random.split(sampler.key)[0]  # as RowSampler.draw splits it
+            return [SampledRow(token=t) for t in forced]
+        logits = apply_bitmask(logits, bitmask)
     if not wants:
         tokens = draw_tokens(logits, samplers)
         mx.eval(tokens)

@@ -197,3 +197,32 @@ def test_a_stop_string_inside_constrained_json_ends_it_there(make_engine) -> Non
     assert _valid(whole.text) and "," in whole.text
     cut = engine.generate_sync("the weather in", SamplingParams(max_tokens=40, stop=[","], constraint=Constraint.json_schema(SCHEMA)))
     assert cut.finish_reason == "stop" and cut.text == whole.text[: whole.text.index(",")]
+
+
+def test_steps_whose_rows_each_allow_one_token_give_what_masking_and_drawing_give(make_engine, monkeypatch) -> None:
+    """Where every row's grammar allows one token (a schema's keys, its punctuation), the row
+    takes it without the mask's and the draw's ops; greedy and seeded rows, alone and batched,
+    emit the same tokens as with every step masked and drawn (the draws' keys split alike)."""
+    from mlx_parallm_provider.engine import sampling
+
+    engine = make_engine(grammar_fast_forward=False)  # (every forced token is then a step of its own)
+    params = [SamplingParams(max_tokens=40, constraint=Constraint.json_schema(SCHEMA)),
+              *(SamplingParams(max_tokens=40, temperature=1.0, seed=s, constraint=Constraint.json_schema(SCHEMA)) for s in range(3))]
+    shortcuts = []
+    only = sampling.only_tokens
+
+    def counted(bitmask, vocab):
+        shortcuts.append(only(bitmask, vocab))
+        return shortcuts[-1]
+
+    monkeypatch.setattr(sampling, "only_tokens", counted)
+
+    async def batched():
+        return [r.token_ids for r in await asyncio.gather(*(engine.generate(p, q) for p, q in zip(PROMPTS, params)))]
+
+    alone = [engine.generate_sync(p, q).token_ids for p, q in zip(PROMPTS, params)]
+    together = asyncio.run(batched())
+    assert any(t is not None for t in shortcuts)  # some steps took the shortcut
+    monkeypatch.setattr(sampling, "only_tokens", lambda bitmask, vocab: None)
+    assert [engine.generate_sync(p, q).token_ids for p, q in zip(PROMPTS, params)] == alone
+    assert asyncio.run(batched()) == together
