@@ -221,7 +221,11 @@ struct Accumulator {
       // Over the block's values, kSpan * 16 dimensions at a time: with few query heads, one
       // span of 16 left each head's sum a chain of dependent additions (latency-bound); each
       // dimension's additions stay in the same order, so the sums are the same.
+#if defined(__AVX512F__)
       constexpr int kSpan = G == 0 ? 1 : G <= 4 ? 4 : G <= 8 ? 2 : 1;
+#else  // (16 vector registers of half the width: a wider span spilled its sums to the stack)
+      constexpr int kSpan = G == 0 ? 1 : G <= 2 ? 2 : 1;
+#endif
       int d0 = 0;
       for (; d0 + 16 * kSpan <= dim; d0 += 16 * kSpan) add_values<G, kSpan>(s, start, n, heads, d0);
       for (; d0 < dim; d0 += 16) add_values<G, 1>(s, start, n, heads, d0);
