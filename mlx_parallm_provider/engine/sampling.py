@@ -55,10 +55,14 @@ class RowSampler:
         if bias and max(bias) >= vocab:
             raise ValueError(f"logit_bias token id {max(bias)} is outside the model's {vocab} logits")
 
+    def next_key(self) -> mx.array:
+        """The key of this row's next draw (its chain split once, as every draw splits it)."""
+        self.key, key = mx.random.split(self.key)
+        return key
+
     def draw(self, logprobs: mx.array) -> mx.array:
         """Sample one token from one row's (filtered) logprobs with this row's next key."""
-        self.key, key = mx.random.split(self.key)
-        return mx.random.categorical(self.filter(logprobs) * (1.0 / self.params.temperature), key=key)
+        return mx.random.categorical(self.filter(logprobs) * (1.0 / self.params.temperature), key=self.next_key())
 
 
 @dataclass
@@ -134,7 +138,7 @@ def _sample_rows(
             mx.eval(logits)  # (the step's forward still runs to its end here, as a drawn token waits for it)
             for sampler in samplers:
                 if not sampler.greedy:
-                    sampler.key = mx.random.split(sampler.key)[0]  # as RowSampler.draw splits it
+                    sampler.next_key()  # (the draw it skips would have taken it)
             return [SampledRow(token=t) for t in forced]
         logits = apply_bitmask(logits, bitmask)
     if not wants:

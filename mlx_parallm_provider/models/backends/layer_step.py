@@ -5,8 +5,8 @@ Each MLX op on the CPU costs ~15 us beside its work (its task goes to the stream
 which sleeps between small ops): a one-row step of the default model was ~320 such ops after
 the fused attention step (:mod:`.attention_step`), ~5 ms of its ~15. Where the layer is the
 plain llama shape this package's kernels compute (fused RMSNorms, q/k/v and gate/up as packed
-sibling weights, o and down packed, no biases but q/k/v's (qwen2's), a plain RoPE), the step has at most
-:data:`MAX_ROWS` rows, and the cache takes a fused step, the block is one op
+sibling weights, o and down packed, no biases but q/k/v's (qwen2's), a plain RoPE), the step
+has at most :data:`MAX_ROWS` rows, and the cache takes a fused step, the block is one op
 (``kernels/decoder_layer.cpp``) that calls the same kernels in the same order: the same
 numbers, bit for bit. Everywhere else mlx-lm's block runs as routed.
 """
@@ -83,8 +83,8 @@ def plan_of(block: Any) -> Optional[LayerPlan]:
         return None
     if not fusable(getattr(type(attn), "_parallm_original_class", type(attn))) or not plain_code(type(mlp), _PLAIN_MLPS):
         return None
-    linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
     qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
+    linears = [*qkv, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
     biased = "bias" in attn.q_proj
     parts = [_packed(qkv, ext, biased), _packed([attn.o_proj], ext), _packed([mlp.gate_proj, mlp.up_proj], ext),
              _packed([mlp.down_proj], ext)]

@@ -407,21 +407,22 @@ void paged_attend(const T* kp, const T* vp, int64_t slots, int KVH, const int32_
   // in one run of memory, read once for all of them (an item per (row, head) read each slot
   // once per head, a third of it each time here). Each head's sums are those it would have
   // alone (the same tiles of kBlock positions, in order), whatever rows share its pass.
-  // (Splitting one long row's heads between threads was tried: no faster, as one row's
-  // reads already take what memory gives on a 2-core Xeon.) Fewer rows than threads split
-  // their positions into passes for every thread (a verify step or a short prefill piece of
-  // one row is compute-bound: 12 positions at 1,256 tokens, 21.5 -> 11.4 ms for 30 layers on
-  // 2 threads); each pass reads the row's KV.
+  // Fewer rows than threads (with work enough for two) are spread over the threads: a row's
+  // positions in passes for every thread (a verify step or a short prefill piece of one row
+  // is compute-bound: 12 positions at 1,256 tokens, 21.5 -> 11.4 ms for 30 layers on 2
+  // threads; each pass reads the row's KV), then, still fewer items than threads, its KV
+  // heads shared out (one row decoding at 1,256 tokens: 16.5 -> 9.8 ms on 2 threads).
+  bool spread = B < threads && work >= 2 * kWorkPerThread;
   int most = std::max(1, kMaxGroup / group);  // query positions an accumulator holds
   int passes = (L + most - 1) / most;
-  if (B < threads && work >= 2 * kWorkPerThread) {  // a multiple of the threads each row's passes take
+  if (spread) {  // a multiple of the threads each row's passes take
     int share = (threads + B - 1) / B;
     passes = std::min(L, (passes + share - 1) / share * share);
   }
   int per_pass = (L + passes - 1) / passes;
   passes = (L + per_pass - 1) / per_pass;
-  int parts = 1;  // KV heads split between items (still fewer items than threads)
-  if (B * passes < threads && KVH > 1 && work >= 2 * kWorkPerThread) parts = std::min(KVH, (threads + B * passes - 1) / (B * passes));
+  int parts = 1;  // KV heads split between a pass's items
+  if (spread && B * passes < threads) parts = std::min(KVH, (threads + B * passes - 1) / (B * passes));
   run_items(B * passes * parts, threads, [&](int item) {
     static thread_local std::vector<Accumulator> heads;
     if (static_cast<int>(heads.size()) < KVH) heads.resize(KVH);

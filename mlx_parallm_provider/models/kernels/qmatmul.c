@@ -113,7 +113,8 @@ static inline v16f to_float(v16u8 b) {
 }
 
 /* The sum of v's 16 lanes by halving (lane j + j+8, then j + j+4, ...): a tree of 4 dependent
- * adds, where a lane-by-lane sum was 16, a third of a 576-wide output's time at 8 rows. */
+ * adds, where a lane-by-lane sum was 16 (the default model's matmuls at 8 rows 32.0 -> 29.1 ms
+ * with the two chains of dot_row). */
 static inline float hsum(v16f v) {
     typedef float v8f __attribute__((vector_size(32)));
     typedef float v4f __attribute__((vector_size(16)));
