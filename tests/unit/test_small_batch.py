@@ -171,7 +171,9 @@ def test_the_portable_path_computes_what_the_native_one_does(tmp_path: Path, mon
 
 
 def _assert_float32_products(*libs) -> None:
-    """Each kernel library's products == the float32 weights' (4- and 8-bit, groups 32-128)."""
+    """Each kernel library's products == the float32 weights' (4- and 8-bit, groups 32-128),
+    through the few-row kernel and the panels (50 weight rows: 3 full panels and a partial one;
+    11 rows of x), where a row's outputs do not depend on the rows beside it."""
     for bits, group in [(4, 32), (4, 128), (8, 64)]:
         module = _quantized((50, 256), bits, group)
         packed = small_batch.PackedWeight.from_module(module).for_kernel(libs[0])  # numpy arrays
@@ -184,6 +186,11 @@ def _assert_float32_products(*libs) -> None:
             assert lib.qgemm_panels(rows.ctypes.data, 11, 256, packed.packed.ctypes.data, packed.scales.ctypes.data,
                                     packed.biases.ctypes.data, 50, bits, group, panels.ctypes.data, 2) == 0
             assert np.allclose(panels, expected, rtol=1e-5, atol=1e-4)
+            for r in (0, 6, 10):  # a row alone (and each tile of x's rows) gives what it gave among 11
+                alone = np.empty((1, 50), dtype=np.float32)
+                assert lib.qgemm_panels(rows[r:].ctypes.data, 1, 256, packed.packed.ctypes.data, packed.scales.ctypes.data,
+                                        packed.biases.ctypes.data, 50, bits, group, alone.ctypes.data, 2) == 0
+                assert np.array_equal(alone[0], panels[r])
 
 
 def _build_with_march(march: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):

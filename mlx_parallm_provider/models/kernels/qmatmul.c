@@ -249,7 +249,7 @@ static void run_rows_int8(const Job *j, int n0, int n1) {
 static void run_rows_panels(const Job *j, int n0, int n1) {
     static __thread float *panel;
     static __thread size_t capacity;
-    size_t need = (size_t)PANEL_ROWS * j->K;
+    size_t need = (size_t)PANEL_FLOATS * j->K;
     if (need > capacity) {
         float *grown = realloc(panel, sizeof(float) * need);
         if (!grown) {  /* no buffer: the same products, a weight row at a time */

@@ -2,11 +2,18 @@
  *
  * A panel of PANEL_ROWS weight rows is dequantized (w = q * scale + bias, what a float32 copy
  * holds) into a buffer that stays in the core's caches, and every row of x is multiplied by
- * it there, a register tile of TILE_W weight rows x TILE_X rows of x at a time: each output
- * keeps one vector of partial sums over K, reduced at the end. The dequantizing is paid once
- * per panel for all rows of x, and W is read packed (4-bit: an eighth of float32's bytes).
- * Panels are shared out to the pool's threads. x comes deinterleaved as qmatmul.c's
- * prepare_x writes it, and the panel is stored in the same order.
+ * it there. The dequantizing is paid once per panel for all rows of x, and W is read packed
+ * (4-bit: an eighth of float32's bytes). Panels are shared out to the pool's threads. x comes
+ * deinterleaved as qmatmul.c's prepare_x writes it, and the panel is stored in the same order.
+ *
+ * With AVX2 (no AVX-512) the panel is stored transposed and multiplied by outer products, as
+ * BLAS kernels do: a tile of the panel's 16 weight rows x OTILE_X rows of x
+ * keeps accumulators whose lanes are outputs; per k, the panel's 16 weights are loaded once
+ * and each row of x's value broadcast, so there are no horizontal sums and enough independent
+ * chains to keep both of AVX2's FMA ports busy. Each output is one chain of FMAs over k, the
+ * same whatever the other rows of x: a row's outputs do not depend on the rows beside it.
+ * Elsewhere (AVX-512, NEON, portable builds) a register tile of TILE_W weight rows x TILE_X rows of x
+ * keeps one vector of partial sums over K an output, reduced at the end.
  */
 #ifndef QMATMUL_GEMM_H
 #define QMATMUL_GEMM_H
@@ -15,37 +22,8 @@
 #include <stdlib.h>
 
 #define PANEL_ROWS 16
-#if defined(__AVX512F__)
-#define GV 16      /* floats a vector */
-#define TILE_W 4   /* 4 x 6 accumulators + 4 weight vectors + 1 of x: 29 of 32 registers */
-#define TILE_X 6
-#else
-#define GV 8       /* AVX2's 8 floats (NEON: two registers a vector) */
-#define TILE_W 2   /* 2 x 4 accumulators + 2 weight vectors + 1 of x: 11 of 16 registers */
-#define TILE_X 4
-#endif
-typedef float gvec __attribute__((vector_size(GV * 4)));
-typedef float gvec_u __attribute__((vector_size(GV * 4), aligned(4), may_alias));
-
-#if defined(__AVX512F__)
-static inline float gemm_hsum(gvec v) {
-    return _mm512_reduce_add_ps((__m512)v);
-}
-#elif defined(__AVX2__)
-/* The 8 lane sums of v[0..7], in order, by a tree of hadds: 9 instructions for 8 outputs
- * (one at a time, 8 dependent scalar adds each: a 64-row step's matmuls 165.9 -> 154.4 ms). */
-static inline __m256 gemm_sums8(const gvec *v) {
-    __m256 t0 = _mm256_hadd_ps((__m256)v[0], (__m256)v[1]), t1 = _mm256_hadd_ps((__m256)v[2], (__m256)v[3]);
-    __m256 t2 = _mm256_hadd_ps((__m256)v[4], (__m256)v[5]), t3 = _mm256_hadd_ps((__m256)v[6], (__m256)v[7]);
-    __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);  /* each 128-bit half: 4 outputs' partial sums */
-    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-}
-#else
-static inline float gemm_hsum(gvec v) {
-    float s = 0.0f;
-    for (int i = 0; i < GV; i++) s += v[i];
-    return s;
-}
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#define GEMM_OUTER 1
 #endif
 
 /* 16 values dequantized, out[i] = q[i] * s + b: from 16 packed bytes' low (nibble 0) or high
@@ -94,6 +72,185 @@ static void gemm_panel(const uint8_t *w, const float *scales, const float *biase
     }
 }
 
+#ifdef GEMM_OUTER
+#define PANEL_FLOATS (2 * PANEL_ROWS)  /* a panel buffer: gemm_panel's rows, then the transposed panel */
+
+/* 8 bytes (the low ones of `bytes`) as floats, q * scale + bias. */
+static inline __m256 gemm_dequant8(__m128i bytes, __m256 scale, __m256 bias) {
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)), scale, bias);
+}
+
+/* The 8 x 8 block at src (rows src_ld apart) written transposed at dst (rows dst_ld apart). */
+static inline void gemm_transpose8(const float *src, size_t src_ld, float *dst, size_t dst_ld) {
+    __m256 r[8], t[8];
+    for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(src + i * src_ld);
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        r[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+        r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+        r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+    }
+    /* r[i] (i < 4): column i of rows 0-3 | column i + 4 of rows 0-3; r[i + 4]: the same of rows 4-7 */
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm256_permute2f128_ps(r[i], r[i + 4], 0x20);
+        t[i + 4] = _mm256_permute2f128_ps(r[i], r[i + 4], 0x31);
+    }
+    for (int i = 0; i < 8; i++) _mm256_storeu_ps(dst + i * dst_ld, t[i]);
+}
+
+/* panel (rows x K, as gemm_panel writes it, rows up to PANEL_ROWS) transposed into panel_t
+ * (K x PANEL_ROWS), missing rows zero: 8-bit weights and a call's last, partial panel. */
+static void gemm_panel_t(const float *panel, int rows, int K, float *panel_t) {
+    for (int h = 0; h < PANEL_ROWS; h += 8) {
+        if (h + 8 <= rows) {
+            for (int k = 0; k < K; k += 8)
+                gemm_transpose8(panel + (size_t)h * K + k, K, panel_t + (size_t)k * PANEL_ROWS + h, PANEL_ROWS);
+        } else {
+            for (int k = 0; k < K; k++)
+                for (int i = h; i < h + 8; i++) panel_t[(size_t)k * PANEL_ROWS + i] = i < rows ? panel[(size_t)i * K + k] : 0.0f;
+        }
+    }
+}
+
+/* The 16 bytes at `rows` of 8 rows (row_bytes apart) transposed: a[j] holds byte 2j of the
+ * 8 rows in its low 8 bytes and byte 2j + 1 in its high 8. */
+static inline void gemm_bytes8(const uint8_t *rows, size_t row_bytes, __m128i a[8]) {
+    __m128i r[8];
+    for (int i = 0; i < 8; i++) r[i] = _mm_loadu_si128((const __m128i *)(rows + i * row_bytes));
+    for (int i = 0; i < 8; i += 2) {  /* a[i]: bytes 0-7 of rows i, i + 1 interleaved; a[i + 1]: bytes 8-15 */
+        a[i] = _mm_unpacklo_epi8(r[i], r[i + 1]);
+        a[i + 1] = _mm_unpackhi_epi8(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {  /* rows i..i+3, 4 bytes each: bytes 0-3, 4-7, 8-11, 12-15 */
+        r[i] = _mm_unpacklo_epi16(a[i], a[i + 2]);
+        r[i + 1] = _mm_unpackhi_epi16(a[i], a[i + 2]);
+        r[i + 2] = _mm_unpacklo_epi16(a[i + 1], a[i + 3]);
+        r[i + 3] = _mm_unpackhi_epi16(a[i + 1], a[i + 3]);
+    }
+    for (int j = 0; j < 4; j++) {  /* bytes 4j, 4j + 1 of the 8 rows; then 4j + 2, 4j + 3 */
+        a[2 * j] = _mm_unpacklo_epi32(r[j], r[j + 4]);
+        a[2 * j + 1] = _mm_unpackhi_epi32(r[j], r[j + 4]);
+    }
+}
+
+/* A full panel of 4-bit weight rows [n0, n0 + PANEL_ROWS) dequantized straight into panel_t
+ * (K x PANEL_ROWS): each 32-element chunk's bytes transposed first, so every vector
+ * dequantized is one k's weights (the same q * scale + bias as gemm_panel's; fewer
+ * instructions than dequantizing rows and transposing floats). In a chunk, byte i's low
+ * nibble is k = c + i and its high nibble k = c + 16 + i (x's deinterleaved order). */
+static void gemm_panel_t4(const uint8_t *w, const float *scales, const float *biases, int n0, int K, int group,
+                          float *panel_t) {
+    int G = K / group;
+    size_t row_bytes = (size_t)K / 2;
+    const __m128i low = _mm_set1_epi8(0x0F);
+    for (int h = 0; h < PANEL_ROWS; h += 8) {
+        for (int g = 0; g < G; g++) {
+            float sg[8], bg[8];
+            for (int r = 0; r < 8; r++) sg[r] = scales[(size_t)(n0 + h + r) * G + g], bg[r] = biases[(size_t)(n0 + h + r) * G + g];
+            __m256 sv = _mm256_loadu_ps(sg), bv = _mm256_loadu_ps(bg);
+            for (int c = g * group; c < (g + 1) * group; c += 32) {
+                __m128i a[8];
+                gemm_bytes8(w + (size_t)(n0 + h) * row_bytes + c / 2, row_bytes, a);
+                for (int j = 0; j < 8; j++) {  /* bytes 2j, 2j + 1: low nibbles at k = c + 2j (+1), high at c + 16 + 2j (+1) */
+                    __m128i lo = _mm_and_si128(a[j], low), hi = _mm_and_si128(_mm_srli_epi16(a[j], 4), low);
+                    float *o = panel_t + (size_t)(c + 2 * j) * PANEL_ROWS + h;
+                    _mm256_storeu_ps(o, gemm_dequant8(lo, sv, bv));
+                    _mm256_storeu_ps(o + PANEL_ROWS, gemm_dequant8(_mm_srli_si128(lo, 8), sv, bv));
+                    _mm256_storeu_ps(o + 16 * PANEL_ROWS, gemm_dequant8(hi, sv, bv));
+                    _mm256_storeu_ps(o + 17 * PANEL_ROWS, gemm_dequant8(_mm_srli_si128(hi, 8), sv, bv));
+                }
+            }
+        }
+    }
+}
+
+/* The panel's rows (panel_t, K x PANEL_ROWS) times mx (<= OTILE_X) rows of x: the first
+ * `rows` outputs of y[m * ldy ...]. Named accumulators: in an array GCC stored every one to
+ * the stack at each k. */
+#define OTILE_X 6  /* 2 x 6 accumulators (8 outputs each) + 2 weight vectors + 1 of x: 15 of 16 registers */
+static inline __attribute__((always_inline)) void gemm_otile(const float *panel_t, const float *xd, int K, int mx,
+                                                              int rows, float *y, size_t ldy) {
+    __m256 a0 = _mm256_setzero_ps(), b0 = a0, a1 = a0, b1 = a0, a2 = a0, b2 = a0, a3 = a0, b3 = a0, a4 = a0, b4 = a0,
+           a5 = a0, b5 = a0;
+    const float *x0 = xd, *x1 = x0 + K, *x2 = x1 + K, *x3 = x2 + K, *x4 = x3 + K, *x5 = x4 + K;
+    for (int k = 0; k < K; k++) {
+        __m256 w0 = _mm256_loadu_ps(panel_t + (size_t)k * PANEL_ROWS), w1 = _mm256_loadu_ps(panel_t + (size_t)k * PANEL_ROWS + 8);
+#define OTILE_ROW(i) if (mx > i) { \
+            __m256 xv = _mm256_broadcast_ss(x##i + k); \
+            a##i = _mm256_fmadd_ps(w0, xv, a##i); \
+            b##i = _mm256_fmadd_ps(w1, xv, b##i); \
+        }
+        OTILE_ROW(0) OTILE_ROW(1) OTILE_ROW(2) OTILE_ROW(3) OTILE_ROW(4) OTILE_ROW(5)
+#undef OTILE_ROW
+    }
+    __m256 sums[OTILE_X][2] = {{a0, b0}, {a1, b1}, {a2, b2}, {a3, b3}, {a4, b4}, {a5, b5}};
+    for (int m = 0; m < mx; m++) {
+        if (rows == PANEL_ROWS) {
+            _mm256_storeu_ps(y + (size_t)m * ldy, sums[m][0]);
+            _mm256_storeu_ps(y + (size_t)m * ldy + 8, sums[m][1]);
+        } else {
+            float out[PANEL_ROWS];
+            _mm256_storeu_ps(out, sums[m][0]);
+            _mm256_storeu_ps(out + 8, sums[m][1]);
+            for (int i = 0; i < rows; i++) y[(size_t)m * ldy + i] = out[i];
+        }
+    }
+}
+
+/* Weight rows [n0, n1) times every row of x (M x K, deinterleaved): y (M x N). panel: a
+ * buffer of PANEL_FLOATS x K floats. */
+static void gemm_rows(const float *xd, int M, int K, const uint8_t *w, const float *scales, const float *biases,
+                      int N, int bits, int group, int n0, int n1, float *y, float *panel) {
+    float *panel_t = panel + (size_t)PANEL_ROWS * K;
+    for (int p = n0; p < n1; p += PANEL_ROWS) {
+        int rows = n1 - p < PANEL_ROWS ? n1 - p : PANEL_ROWS;
+        if (bits == 4 && rows == PANEL_ROWS) {
+            gemm_panel_t4(w, scales, biases, p, K, group, panel_t);
+        } else {
+            gemm_panel(w, scales, biases, p, rows, K, bits, group, panel);
+            gemm_panel_t(panel, rows, K, panel_t);
+        }
+        for (int m0 = 0; m0 < M; m0 += OTILE_X) {
+            const float *xr = xd + (size_t)m0 * K;
+            float *out = y + (size_t)m0 * N + p;
+            /* A constant row count keeps the accumulators in registers. */
+            switch (M - m0 < OTILE_X ? M - m0 : OTILE_X) {
+#define OTILE_CASE(r) case r: gemm_otile(panel_t, xr, K, r, rows, out, N); break;
+                OTILE_CASE(1) OTILE_CASE(2) OTILE_CASE(3) OTILE_CASE(4) OTILE_CASE(5)
+#undef OTILE_CASE
+                default: gemm_otile(panel_t, xr, K, OTILE_X, rows, out, N); break;
+            }
+        }
+    }
+}
+#else
+#define PANEL_FLOATS PANEL_ROWS  /* a panel buffer holds PANEL_ROWS x K floats */
+#if defined(__AVX512F__)
+#define GV 16      /* floats a vector */
+#define TILE_W 4   /* 4 x 6 accumulators + 4 weight vectors + 1 of x: 29 of 32 registers */
+#define TILE_X 6
+#else
+#define GV 8       /* floats a vector (NEON: two registers) */
+#define TILE_W 2   /* 2 x 4 accumulators + 2 weight vectors + 1 of x: 11 of 16 registers */
+#define TILE_X 4
+#endif
+typedef float gvec __attribute__((vector_size(GV * 4)));
+typedef float gvec_u __attribute__((vector_size(GV * 4), aligned(4), may_alias));
+
+static inline float gemm_hsum(gvec v) {
+#if defined(__AVX512F__)
+    return _mm512_reduce_add_ps((__m512)v);
+#else
+    float s = 0.0f;
+    for (int i = 0; i < GV; i++) s += v[i];
+    return s;
+#endif
+}
+
 /* nw (<= TILE_W) panel rows times mx (<= TILE_X) rows of x: y[m * ldy + i]. */
 static inline __attribute__((always_inline)) void gemm_tile(const float *panel, const float *xd, int K, int nw, int mx,
                                                              float *y, size_t ldy) {
@@ -108,28 +265,12 @@ static inline __attribute__((always_inline)) void gemm_tile(const float *panel, 
             for (int i = 0; i < nw; i++) acc[i][m] += wv[i] * xv;
         }
     }
-#if defined(__AVX2__) && !defined(__AVX512F__)
-    gvec flat[TILE_W * TILE_X];
-    float sums[TILE_W * TILE_X];
-    for (int m = 0; m < mx; m++)
-        for (int i = 0; i < nw; i++) flat[m * nw + i] = acc[i][m];
-    for (int j0 = 0; j0 < nw * mx; j0 += 8) {
-        gvec part[8];
-        for (int j = 0; j < 8; j++) part[j] = j0 + j < nw * mx ? flat[j0 + j] : (gvec){0};
-        float all[8];
-        _mm256_storeu_ps(all, gemm_sums8(part));
-        for (int j = 0; j < 8 && j0 + j < nw * mx; j++) sums[j0 + j] = all[j];
-    }
-    for (int m = 0; m < mx; m++)
-        for (int i = 0; i < nw; i++) y[(size_t)m * ldy + i] = sums[m * nw + i];
-#else
     for (int m = 0; m < mx; m++)
         for (int i = 0; i < nw; i++) y[(size_t)m * ldy + i] = gemm_hsum(acc[i][m]);
-#endif
 }
 
 /* Weight rows [n0, n1) times every row of x (M x K, deinterleaved): y (M x N). panel: a
- * buffer of PANEL_ROWS x K floats. */
+ * buffer of PANEL_FLOATS x K floats. */
 static void gemm_rows(const float *xd, int M, int K, const uint8_t *w, const float *scales, const float *biases,
                       int N, int bits, int group, int n0, int n1, float *y, float *panel) {
     for (int p = n0; p < n1; p += PANEL_ROWS) {
@@ -163,5 +304,6 @@ static void gemm_rows(const float *xd, int M, int K, const uint8_t *w, const flo
         }
     }
 }
+#endif
 
 #endif
