@@ -179,18 +179,41 @@ else:
     os.environ[qmatmul.MARCH_ENV] = sys.argv[1]
 sys.path.insert(0, sys.argv[2])
 from test_decode_attention import _float16_pools_case
+from test_decode_attention import _left_padding_mask, rand, sdpa
 ext = qmatmul_ext.load()
 q, k, v, table, lengths, bs = _float16_pools_case()
 half = ext.paged_decode_attention(q, k, v, table, lengths, bs, 0.125, 1)
 wide = ext.paged_decode_attention(q, k.astype(mx.float32), v.astype(mx.float32), table, lengths, bs, 0.125, 1)
 print("EQUAL" if mx.array_equal(half, wide).item() else "DIFFERENT")
+wrong = []
+for heads, kv_heads, dim, keys in [(9, 3, 64, 130), (10, 2, 16, 17), (8, 1, 128, 70), (4, 4, 64, 1), (16, 1, 32, 9)]:
+    q, k, v = rand(3, heads, 1, dim, seed=1), rand(3, kv_heads, keys, dim, seed=2), rand(3, kv_heads, keys, dim, seed=3)
+    mask = _left_padding_mask(3, keys, seed=7)
+    for m, expected in [(None, sdpa(q, k, v)), (mask.reshape(3, keys), sdpa(q, k, v, mask)),
+                        (mx.where(mask, 0.0, -mx.inf).reshape(3, keys), sdpa(q, k, v, mask))]:
+        if not mx.allclose(ext.decode_attention(q, k, v, dim**-0.5, m, threads=2), expected, atol=2e-6).item():
+            wrong.append((heads, kv_heads, dim, keys, m is not None))
+q, k, v, table, lengths, bs = _float16_pools_case()
+k, v = k.astype(mx.float32), v.astype(mx.float32)
+q = rand(2, 9, 3, 64, seed=4)  # 3 query positions a row (a verify step), each seeing its own number of tokens
+limits = [[20, 33, 60], [1, 17, 33]]
+several = ext.paged_decode_attention(q, k, v, table, mx.array(limits, dtype=mx.int32), bs, 0.125, 2)
+for b in range(2):
+    for j, n in enumerate(limits[b]):
+        slots = mx.array([table[b, i // bs].item() * bs + i % bs for i in range(n)])
+        expected = sdpa(q[b : b + 1, :, j : j + 1], k[slots].swapaxes(0, 1)[None], v[slots].swapaxes(0, 1)[None])
+        if not mx.allclose(several[b : b + 1, :, j : j + 1], expected, atol=1e-5).item():
+            wrong.append(("paged", b, j))
+print("MATCHES" if not wrong else f"WRONG {wrong}")
 """
 
 
 @pytest.mark.parametrize("march", ["x86-64-v3", "portable"])
 def test_forced_builds_widen_float16_pools_alike(march: str, tmp_path) -> None:
     """The F16C path (``x86-64-v3``, which an AVX-512 build never runs) and the portable one
-    (no ``-march``: a scalar conversion), each built in a child process of its own."""
+    (no ``-march``: a scalar conversion), each built in a child process of its own: float16
+    pools read as the float32 values they hold, and the decode kernel equal to mx.fast's
+    attention (with and without masks, several head groups and dimensions)."""
     import os
     import subprocess
     import sys
@@ -203,7 +226,7 @@ def test_forced_builds_widen_float16_pools_alike(march: str, tmp_path) -> None:
         pytest.skip("not an x86 CPU with AVX2, FMA and F16C")
     env = dict(os.environ, MLX_PARALLM_HOME=str(tmp_path))
     out = subprocess.run([sys.executable, "-c", _FORCED_BUILD, march, str(Path(__file__).parent)], capture_output=True, text=True, env=env)
-    assert out.stdout.strip().splitlines()[-1:] == ["EQUAL"], out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-2:] == ["EQUAL", "MATCHES"], out.stdout[-2000:] + out.stderr[-2000:]
 
 
 @pytest.mark.parametrize("kv_heads, heads, L", [(3, 9, 5), (2, 6, 4), (1, 16, 3), (4, 4, 13)])  # 15, 12, 48 or 13 query rows a head
