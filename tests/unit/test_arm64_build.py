@@ -1,0 +1,60 @@
+"""The CPU kernels' arm64 paths (NEON through GCC's vector extensions, the portable fallbacks)
+compiled for arm64 with Zig's clang as a cross compiler, where no arm64 machine runs the suite:
+each source must compile for a plain ARMv8 core and for one with dot products and SVE
+(Neoverse V1, Graviton 3). Compiled only, not run (no arm64 CPU or emulator here)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import importlib.util
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+from mlx_parallm_provider.models import qmatmul, qmatmul_ext
+
+EM_AARCH64 = 183
+"""The ELF header's e_machine of an arm64 object."""
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("ziglang") is None, reason="ziglang (a dev dependency on x86-64) is not installed")
+
+
+def _compile(language: str, source: Path, cpu: str, out: Path, includes: list[str]) -> tuple[int, str]:
+    flags = ["-std=c++20", "-DNDEBUG", "-DNB_COMPACT_ASSERTIONS", "-DNB_DOMAIN=mlx"] if language == "c++" else []
+    cmd = [sys.executable, "-m", "ziglang", language, "-target", "aarch64-linux-gnu", f"-mcpu={cpu}", "-O2", "-fno-signed-zeros",
+           "-fno-trapping-math", *flags, *[f"-I{p}" for p in includes], "-c", str(source), "-o", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    return done.returncode, done.stderr[-3000:]
+
+
+def _machine(obj: Path) -> int:
+    header = obj.read_bytes()[:20]
+    assert header[:4] == b"\x7fELF", obj
+    return int.from_bytes(header[18:20], "little")
+
+
+@pytest.mark.parametrize("cpu", ["generic", "neoverse_v1"])
+def test_the_packed_weight_kernel_compiles_for_arm64(cpu: str, tmp_path: Path) -> None:
+    out = tmp_path / "qmatmul.o"
+    status, errors = _compile("cc", qmatmul.SOURCE, cpu, out, [])
+    assert status == 0, errors
+    assert _machine(out) == EM_AARCH64
+
+
+def test_the_extensions_sources_compile_for_arm64(tmp_path: Path) -> None:
+    nanobind = pytest.importorskip("nanobind")
+    import mlx.core as mx
+
+    nb = Path(nanobind.source_dir()).parent
+    includes = [sysconfig.get_paths()["include"], str(nb / "include"), str(nb / "ext" / "robin_map" / "include"),
+                str(Path(mx.__file__).resolve().parent / "include")]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        jobs = {source.name: pool.submit(_compile, "c++", source, "neoverse_v1", tmp_path / f"{source.stem}.o", includes)
+                for source in qmatmul_ext.SOURCES}
+        results = {name: job.result() for name, job in jobs.items()}
+    failed = {name: errors for name, (status, errors) in results.items() if status != 0}
+    assert not failed, failed
+    assert {_machine(tmp_path / f"{source.stem}.o") for source in qmatmul_ext.SOURCES} == {EM_AARCH64}
