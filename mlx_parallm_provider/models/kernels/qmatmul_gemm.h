@@ -103,7 +103,7 @@ static inline void gemm_transpose8(const float *src, size_t src_ld, float *dst, 
 }
 
 /* panel (rows x K, as gemm_panel writes it, rows up to PANEL_ROWS) transposed into panel_t
- * (K x PANEL_ROWS), missing rows zero: 8-bit weights and a call's last, partial panel. */
+ * (K x PANEL_ROWS), missing rows zero: a call's last, partial panel. */
 static void gemm_panel_t(const float *panel, int rows, int K, float *panel_t) {
     for (int h = 0; h < PANEL_ROWS; h += 8) {
         if (h + 8 <= rows) {
@@ -137,27 +137,33 @@ static inline void gemm_bytes8(const uint8_t *rows, size_t row_bytes, __m128i a[
     }
 }
 
-/* A full panel of 4-bit weight rows [n0, n0 + PANEL_ROWS) dequantized straight into panel_t
- * (K x PANEL_ROWS): each 32-element chunk's bytes transposed first, so every vector
- * dequantized is one k's weights (the same q * scale + bias as gemm_panel's; fewer
- * instructions than dequantizing rows and transposing floats). In a chunk, byte i's low
- * nibble is k = c + i and its high nibble k = c + 16 + i (x's deinterleaved order). */
-static void gemm_panel_t4(const uint8_t *w, const float *scales, const float *biases, int n0, int K, int group,
-                          float *panel_t) {
-    int G = K / group;
-    size_t row_bytes = (size_t)K / 2;
+/* A full panel of weight rows [n0, n0 + PANEL_ROWS) dequantized straight into panel_t
+ * (K x PANEL_ROWS): each 16 bytes of the rows transposed first, so every vector dequantized
+ * is one k's weights (the same q * scale + bias as gemm_panel's; fewer instructions than
+ * dequantizing rows and transposing floats). 4-bit: in a 32-element chunk, byte i's low
+ * nibble is k = c + i and its high nibble k = c + 16 + i (x's deinterleaved order); 8-bit:
+ * byte i is k = c + i. */
+static void gemm_panel_tq(const uint8_t *w, const float *scales, const float *biases, int n0, int K, int bits,
+                          int group, float *panel_t) {
+    int G = K / group, step = bits == 4 ? 32 : 16;  /* elements in 16 bytes of a row */
+    size_t row_bytes = (size_t)K * bits / 8;
     const __m128i low = _mm_set1_epi8(0x0F);
     for (int h = 0; h < PANEL_ROWS; h += 8) {
         for (int g = 0; g < G; g++) {
             float sg[8], bg[8];
             for (int r = 0; r < 8; r++) sg[r] = scales[(size_t)(n0 + h + r) * G + g], bg[r] = biases[(size_t)(n0 + h + r) * G + g];
             __m256 sv = _mm256_loadu_ps(sg), bv = _mm256_loadu_ps(bg);
-            for (int c = g * group; c < (g + 1) * group; c += 32) {
+            for (int c = g * group; c < (g + 1) * group; c += step) {
                 __m128i a[8];
-                gemm_bytes8(w + (size_t)(n0 + h) * row_bytes + c / 2, row_bytes, a);
-                for (int j = 0; j < 8; j++) {  /* bytes 2j, 2j + 1: low nibbles at k = c + 2j (+1), high at c + 16 + 2j (+1) */
-                    __m128i lo = _mm_and_si128(a[j], low), hi = _mm_and_si128(_mm_srli_epi16(a[j], 4), low);
+                gemm_bytes8(w + (size_t)(n0 + h) * row_bytes + (size_t)c * bits / 8, row_bytes, a);
+                for (int j = 0; j < 8; j++) {  /* bytes 2j, 2j + 1 of the 8 rows */
                     float *o = panel_t + (size_t)(c + 2 * j) * PANEL_ROWS + h;
+                    if (bits == 8) {
+                        _mm256_storeu_ps(o, gemm_dequant8(a[j], sv, bv));
+                        _mm256_storeu_ps(o + PANEL_ROWS, gemm_dequant8(_mm_srli_si128(a[j], 8), sv, bv));
+                        continue;
+                    }
+                    __m128i lo = _mm_and_si128(a[j], low), hi = _mm_and_si128(_mm_srli_epi16(a[j], 4), low);
                     _mm256_storeu_ps(o, gemm_dequant8(lo, sv, bv));
                     _mm256_storeu_ps(o + PANEL_ROWS, gemm_dequant8(_mm_srli_si128(lo, 8), sv, bv));
                     _mm256_storeu_ps(o + 16 * PANEL_ROWS, gemm_dequant8(hi, sv, bv));
@@ -208,8 +214,8 @@ static void gemm_rows(const float *xd, int M, int K, const uint8_t *w, const flo
     float *panel_t = panel + (size_t)PANEL_ROWS * K;
     for (int p = n0; p < n1; p += PANEL_ROWS) {
         int rows = n1 - p < PANEL_ROWS ? n1 - p : PANEL_ROWS;
-        if (bits == 4 && rows == PANEL_ROWS) {
-            gemm_panel_t4(w, scales, biases, p, K, group, panel_t);
+        if (rows == PANEL_ROWS) {
+            gemm_panel_tq(w, scales, biases, p, K, bits, group, panel_t);
         } else {
             gemm_panel(w, scales, biases, p, rows, K, bits, group, panel);
             gemm_panel_t(panel, rows, K, panel_t);
