@@ -55,10 +55,6 @@ static void prepare_x(const float *x, int M, int K, int bits, float *xd) {
 }
 
 #ifdef QM_AVX2
-static inline __m256 dequant8(__m128i bytes, __m256 scale, __m256 bias) {
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)), scale, bias);
-}
-
 /* One weight row times M (<= MAX_ROWS) rows of x; out[m * ldy]. */
 static inline __attribute__((always_inline)) void dot_row(const uint8_t *w, const float *scales, const float *biases,
         const float *xd, int M, int K, int bits, int group, float *out, size_t ldy) {
@@ -72,16 +68,16 @@ static inline __attribute__((always_inline)) void dot_row(const uint8_t *w, cons
             if (bits == 4) {
                 __m128i raw = _mm_loadu_si128((const __m128i *)(w + c / 2));
                 __m128i lo = _mm_and_si128(raw, low), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low);
-                w0 = dequant8(lo, s, b);
-                w1 = dequant8(_mm_srli_si128(lo, 8), s, b);
-                w2 = dequant8(hi, s, b);
-                w3 = dequant8(_mm_srli_si128(hi, 8), s, b);
+                w0 = gemm_dequant8(lo, s, b);
+                w1 = gemm_dequant8(_mm_srli_si128(lo, 8), s, b);
+                w2 = gemm_dequant8(hi, s, b);
+                w3 = gemm_dequant8(_mm_srli_si128(hi, 8), s, b);
             } else {
                 const uint8_t *p = w + c;
-                w0 = dequant8(_mm_loadl_epi64((const __m128i *)p), s, b);
-                w1 = dequant8(_mm_loadl_epi64((const __m128i *)(p + 8)), s, b);
-                w2 = dequant8(_mm_loadl_epi64((const __m128i *)(p + 16)), s, b);
-                w3 = dequant8(_mm_loadl_epi64((const __m128i *)(p + 24)), s, b);
+                w0 = gemm_dequant8(_mm_loadl_epi64((const __m128i *)p), s, b);
+                w1 = gemm_dequant8(_mm_loadl_epi64((const __m128i *)(p + 8)), s, b);
+                w2 = gemm_dequant8(_mm_loadl_epi64((const __m128i *)(p + 16)), s, b);
+                w3 = gemm_dequant8(_mm_loadl_epi64((const __m128i *)(p + 24)), s, b);
             }
             for (int m = 0; m < M; m++) {
                 const float *xr = xd + (size_t)m * K + c;
@@ -525,14 +521,14 @@ static void dequantize_rows(const uint8_t *w, const float *scales, const float *
                     __m128i raw = _mm_loadu_si128((const __m128i *)(wr + k / 2));
                     __m128i lo = _mm_and_si128(raw, low), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low);
                     __m128i e0 = _mm_unpacklo_epi8(lo, hi), e1 = _mm_unpackhi_epi8(lo, hi);  /* element order */
-                    _mm256_storeu_ps(o + k, dequant8(e0, sv, bv));
-                    _mm256_storeu_ps(o + k + 8, dequant8(_mm_srli_si128(e0, 8), sv, bv));
-                    _mm256_storeu_ps(o + k + 16, dequant8(e1, sv, bv));
-                    _mm256_storeu_ps(o + k + 24, dequant8(_mm_srli_si128(e1, 8), sv, bv));
+                    _mm256_storeu_ps(o + k, gemm_dequant8(e0, sv, bv));
+                    _mm256_storeu_ps(o + k + 8, gemm_dequant8(_mm_srli_si128(e0, 8), sv, bv));
+                    _mm256_storeu_ps(o + k + 16, gemm_dequant8(e1, sv, bv));
+                    _mm256_storeu_ps(o + k + 24, gemm_dequant8(_mm_srli_si128(e1, 8), sv, bv));
                 }
             } else {
                 for (int k = k0; k < k0 + group; k += 8)
-                    _mm256_storeu_ps(o + k, dequant8(_mm_loadl_epi64((const __m128i *)(wr + k)), sv, bv));
+                    _mm256_storeu_ps(o + k, gemm_dequant8(_mm_loadl_epi64((const __m128i *)(wr + k)), sv, bv));
             }
 #else
             for (int k = k0; k < k0 + group; k++) {

@@ -26,6 +26,13 @@
 #define GEMM_OUTER 1
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__)
+/* 8 bytes (the low ones of `bytes`) as floats, q * scale + bias (also qmatmul.c's AVX2 path). */
+static inline __m256 gemm_dequant8(__m128i bytes, __m256 scale, __m256 bias) {
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)), scale, bias);
+}
+#endif
+
 /* 16 values dequantized, out[i] = q[i] * s + b: from 16 packed bytes' low (nibble 0) or high
  * (nibble 1) nibbles, or 16 bytes (nibble -1, 8-bit). */
 static inline void gemm_dequant16(const uint8_t *p, int nibble, float s, float b, float *out) {
@@ -38,8 +45,8 @@ static inline void gemm_dequant16(const uint8_t *p, int nibble, float s, float b
     __m128i raw = _mm_loadu_si128((const __m128i *)p);
     if (nibble >= 0) raw = _mm_and_si128(nibble ? _mm_srli_epi16(raw, 4) : raw, _mm_set1_epi8(0x0F));
     __m256 sv = _mm256_set1_ps(s), bv = _mm256_set1_ps(b);
-    _mm256_storeu_ps(out, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(raw)), sv, bv));
-    _mm256_storeu_ps(out + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(raw, 8))), sv, bv));
+    _mm256_storeu_ps(out, gemm_dequant8(raw, sv, bv));
+    _mm256_storeu_ps(out + 8, gemm_dequant8(_mm_srli_si128(raw, 8), sv, bv));
 #else
     for (int i = 0; i < 16; i++) {
         int q = nibble < 0 ? p[i] : nibble ? p[i] >> 4 : p[i] & 15;
@@ -74,11 +81,6 @@ static void gemm_panel(const uint8_t *w, const float *scales, const float *biase
 
 #ifdef GEMM_OUTER
 #define PANEL_FLOATS (2 * PANEL_ROWS)  /* a panel buffer: gemm_panel's rows, then the transposed panel */
-
-/* 8 bytes (the low ones of `bytes`) as floats, q * scale + bias. */
-static inline __m256 gemm_dequant8(__m128i bytes, __m256 scale, __m256 bias) {
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)), scale, bias);
-}
 
 /* The 8 x 8 block at src (rows src_ld apart) written transposed at dst (rows dst_ld apart). */
 static inline void gemm_transpose8(const float *src, size_t src_ld, float *dst, size_t dst_ld) {
