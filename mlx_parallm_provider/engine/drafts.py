@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
-from .fast_forward import FastForward, fast_forward_for
+from .fast_forward import FastForward, can_fast_forward, fast_forward_for
 from .sampling import SampledRow
 from .speculation import NgramSpeculator, StepTimes, speculator_for
 
@@ -23,6 +23,7 @@ class Drafts:
 
     def __init__(self, ngram: Optional[NgramSpeculator], forward: Optional[FastForward], times: StepTimes) -> None:
         self.ngram, self.forward, self.times = ngram, forward, times
+        self._width = 0  # the last verify step's, as the times measure it
 
     @classmethod
     def for_engine(cls, config: Any) -> Optional["Drafts"]:
@@ -38,17 +39,25 @@ class Drafts:
         forced tokens otherwise."""
         k = self.ngram.plan(rows) if self.ngram is not None else 0
         if k:
-            return [[SampledRow(token=t) for t in got] for got in self.ngram.verify(runner, rows, k)], k
-        k = self.forward.plan(rows) if self.forward is not None else 0
-        return (self.forward.verify(runner, rows, k), k) if k else None
+            lengths = [len(r.draft) for r in rows]
+            sampled = [[SampledRow(token=t) for t in got] for got in self.ngram.verify(runner, rows, k)]
+        else:
+            k = self.forward.plan(rows) if self.forward is not None else 0
+            if not k:
+                return None
+            lengths = [len(r.draft) if can_fast_forward(r) else 0 for r in rows]
+            sampled = self.forward.verify(runner, rows, k)
+        self.times.ragged = runner.ragged
+        self._width = self.times.width(lengths, k)
+        return sampled, k
 
     def would_verify(self, rows: Sequence[Any]) -> bool:
         """Whether n-gram drafts of ``rows`` would be verified now (their drafts as they stand)."""
         return self.ngram is not None and self.ngram.plan(rows) > 0
 
     def record(self, rows: int, k: int, seconds: float) -> None:
-        """The time of the step just run (``k`` drafts a row, 0: plain)."""
-        self.times.record(rows, k, seconds)
+        """The time of the step just run (``k`` drafts a row, 0: plain), at its width."""
+        self.times.record(rows, self._width if k else 0, seconds)
 
     def draft_all(self, rows: Sequence[Any]) -> None:
         """Every decoding row's drafts for the next step."""

@@ -123,10 +123,12 @@ class FastForward:
         plain = self.times.get(n, 0)
         if plain is None:
             return 0  # measure a plain step first
+        lengths = [length for length, _ in drafting]
         best, best_rate = 0, n / plain
-        for k in sorted({length for length, _ in drafting}):
+        for k in sorted(set(lengths)):
             gained = sum(a * (1 - a ** min(length, k)) / (1 - a) for length, a in drafting)  # expected kept tokens
-            rate = (n + gained) / (self.times.estimate(n, k) or plain)  # nothing known: as cheap as a plain step, so tried once
+            seconds = self.times.estimate(n, self.times.width(lengths + [0] * (n - len(lengths)), k))
+            rate = (n + gained) / (seconds or plain)  # nothing known: as cheap as a plain step, so tried once
             if rate > best_rate:
                 best, best_rate = k, rate
         return best

@@ -107,6 +107,17 @@ class StepTimes:
     def __init__(self) -> None:
         self._seconds: dict[tuple[int, int], float] = {}
         self._steps = 0
+        self.ragged = False
+        """Whether verify steps compute each row's real positions only (the runner's
+        :attr:`~.kv.runner.PagedRunner.ragged`), so that their cost follows the drafts' total."""
+
+    def width(self, drafts: Sequence[int], k: int) -> int:
+        """The width a step verifying up to ``k`` of each row's drafts (``drafts``: their
+        lengths, 0 for a row without) is measured and estimated at: ``k`` where every row
+        computes the widest row's positions (right padding), else the rows' mean, rounded up."""
+        if not self.ragged or k == 0 or not drafts:
+            return k
+        return -(-sum(min(d, k) for d in drafts) // len(drafts))
 
     def get(self, rows: int, k: int) -> Optional[float]:
         """The measured time, or None when not measured (since the last forgetting)."""
@@ -114,22 +125,25 @@ class StepTimes:
 
     def estimate(self, rows: int, k: int) -> Optional[float]:
         """The time a step of ``rows`` rows verifying ``k`` tokens a row should take: measured,
-        else from the widths measured at this row count (the nearest wider one bounds it; past
-        the widest, the widest's own: a verify step's cost is mostly fixed, so a wider one is
-        tried once and then known), else from the nearest row count that measured ``k`` (its
-        cost relative to its plain step); None where nothing says (the planners then try the
-        width once). Each untried width was tried once before, and a verify step over long
-        contexts gathers every row's KV (~0.3-0.9 s for 8 rows at 1,250 tokens on 2 cores):
-        eight rows of constrained tool calls through LiteLLM spent more time trying widths than
-        fast-forward saved (0.67x)."""
+        else from the widths measured at this row count (between the nearest narrower one, or
+        the plain step, and the nearest wider one, linearly: on the CPU a step's cost grows
+        with its positions; past the widest, the widest's own, so a wider one is tried once
+        and then known), else from the nearest row count that measured ``k`` (its cost
+        relative to its plain step); None where nothing says (the planners then try the width
+        once). Each untried width was tried once before, and eight rows of constrained tool
+        calls through LiteLLM spent more time trying widths than fast-forward saved (0.67x)."""
         exact = self._seconds.get((rows, k))
         plain = self._seconds.get((rows, 0))
         if exact is not None or k == 0 or plain is None:
             return exact
         widths = sorted(w for n, w in self._seconds if n == rows and w > 0)
         wider = [w for w in widths if w > k]
-        if wider or widths:
-            return self._seconds[(rows, wider[0] if wider else widths[-1])]
+        if wider:
+            lo, hi = max([w for w in widths if w < k], default=0), wider[0]
+            low, high = self._seconds[(rows, lo)], self._seconds[(rows, hi)]
+            return low + (high - low) * (k - lo) / (hi - lo)
+        if widths:
+            return self._seconds[(rows, widths[-1])]
         others = [n for n, w in self._seconds if w == k and n != rows and (n, 0) in self._seconds]
         if others:
             n = min(others, key=lambda n: abs(n - rows))
@@ -204,10 +218,12 @@ class NgramSpeculator:
         plain = self.times.get(n, 0)
         if plain is None:
             return 0  # measure a plain step first
-        best, best_rate = 0, 1.0 / plain
-        for k in range(1, min(self.k, max(len(r.draft) for r in rows)) + 1):
-            tokens = (1 - a ** (k + 1)) / (1 - a)  # expected, per row: accepted drafts + the one chosen
-            rate = tokens / (self.times.estimate(n, k) or plain)  # nothing known: as cheap as a plain step, so tried once
+        lengths = [len(r.draft) for r in rows]
+        best, best_rate = 0, n / plain
+        for k in range(1, min(self.k, max(lengths)) + 1):
+            tokens = n + sum(a * (1 - a ** min(d, k)) / (1 - a) for d in lengths)  # expected: accepted drafts + one chosen a row
+            seconds = self.times.estimate(n, self.times.width(lengths, k))
+            rate = tokens / (seconds or plain)  # nothing known: as cheap as a plain step, so tried once
             if rate > best_rate:
                 best, best_rate = k, rate
         return best

@@ -232,7 +232,8 @@ def test_forced_builds_widen_float16_pools_alike(march: str, tmp_path) -> None:
 @pytest.mark.parametrize("kv_heads, heads, L", [(3, 9, 5), (2, 6, 4), (1, 16, 3), (4, 4, 13)])  # 15, 12, 48 or 13 query rows a head
 def test_paged_kernel_attends_several_positions_a_row_each_as_alone(kv_heads: int, heads: int, L: int):
     """A verify step's positions: position j sees limits[b][j] tokens, and computes what a
-    one-position call with that length computes (a row's blocks read once for all of them)."""
+    one-position call with that length computes (a row's blocks read once for all of them);
+    padding (a row's last limit repeated) is not attended: it gets its row's last output."""
     _extension()
     mx.random.seed(5)
     bs, D = 4, 32
@@ -254,6 +255,8 @@ def test_paged_kernel_attends_several_positions_a_row_each_as_alone(kv_heads: in
             k, v = k_pool[slots].swapaxes(0, 1)[None], v_pool[slots].swapaxes(0, 1)[None]
             expected = mx.fast.scaled_dot_product_attention(q[b : b + 1, :, j : j + 1], k, v, scale=0.125)
             assert mx.allclose(out[b : b + 1, :, j : j + 1], expected, atol=1e-5).item(), (b, j)
+        for j in range(n, L):
+            assert mx.array_equal(out[b, :, j], out[b, :, n - 1]).item(), (b, j)
 
 
 @pytest.mark.parametrize("rows, context, L", [(8, 300, 1), (3, 700, 4), (40, 40, 1), (1, 1256, 12), (1, 300, 2), (1, 500, 7), (1, 1256, 1)])

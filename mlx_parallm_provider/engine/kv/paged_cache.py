@@ -259,6 +259,7 @@ class PagedLayerCache:
     def __init__(self, batch: GroupPass, layer: int, window: Optional[int] = None) -> None:
         self.batch, self.layer, self.window = batch, layer, window  # layer: the storage slot
         self.written = False
+        self.ragged = False  # the layer's op computed the pass's real positions only (see wrote())
 
     @property
     def offset(self) -> mx.array:
@@ -306,10 +307,11 @@ class PagedLayerCache:
         return (storage.keys[self.layer], storage.values[self.layer], batch.write_slots, batch.table, batch.limits,
                 batch.batch.offset, storage.block_size)
 
-    def wrote(self, out: mx.array) -> None:
+    def wrote(self, out: mx.array, ragged: bool = False) -> None:
         """The op computing ``out`` wrote this layer's new K/V in place: later readers of the
-        pools wait for it."""
-        self.written = True
+        pools wait for it. ``ragged``: that op computed the real positions only (a padded
+        pass's padding costs it nothing: the decoder-layer op)."""
+        self.written, self.ragged = True, ragged
         self.batch.storage.written_in_place(self.layer, out)
 
     def attend_step(self, queries: mx.array, keys: mx.array, values: mx.array, heads: int, rope: Any, scale: float,

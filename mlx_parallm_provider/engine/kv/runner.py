@@ -43,6 +43,9 @@ class PagedRunner:
         self.windows = windows or layer_windows(model) or [None] * len(model.layers)
         self.groups = groups  # None: one group, a storage slot per layer
         self.gathered = not backends.routes_attention(model)  # it attends itself over gathered K/V
+        self.ragged = False
+        """Whether the last pass of several positions a row computed its rows' real positions
+        only (every layer one decoder-layer op): a verify step then costs by its drafts' total."""
 
     @classmethod
     def for_model(cls, model: Any, config: EngineConfig, bytes_per_token: int, context_length: int, pad_id: int) -> "PagedRunner":
@@ -114,7 +117,11 @@ class PagedRunner:
                            self.windows, self.gathered, self.groups)
         if tokens is None:
             tokens = mx.array([p + [self.pad_id] * (width - len(p)) for p in pieces])
-        return self.model(tokens, cache=batch.layers())
+        caches = batch.layers()
+        logits = self.model(tokens, cache=caches)
+        if width > 1:
+            self.ragged = all(c.ragged for c in caches)
+        return logits
 
     def decode(self, rows: list[Request]) -> mx.array:
         """One decode step: each row's last sampled token; logits ``(B, vocab)``."""

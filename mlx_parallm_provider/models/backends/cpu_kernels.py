@@ -127,7 +127,7 @@ class CPUKernels(MLXOps):
             return None  # (those rows multiply by the float32 copies, through OpenBLAS)
         out = attention.decoder_layer(x, plan, cache.step_inputs(), attn.n_heads, attn.rope, attn.scale, self.attention_threads,
                                       self.qmatmul_threads, self.packed_rows, self.int8_matmul)
-        cache.wrote(out)
+        cache.wrote(out, ragged=True)
         return out
 
     def exp(self, x: mx.array) -> mx.array:

@@ -472,8 +472,20 @@ void paged_attend(const T* kp, const T* vp, int64_t slots, int KVH, const int32_
                   const QueryLayout& io, int B, int H, int L, int D, float scale, int bs, int threads) {
   int group = H / KVH;
   int64_t slot_stride = static_cast<int64_t>(KVH) * D;
+  // Each row's real positions: a right-padded pass's padding repeats its row's last limit
+  // (a real position sees one token more than the one before it). Padding is not attended:
+  // its outputs are copies of its row's last real position's.
+  std::vector<int> real(B, L);
+  if (L > 1)
+    for (int b = 0; b < B; b++) {
+      const int32_t* lim = limits + static_cast<int64_t>(b) * L;
+      int n = 1;
+      while (n < L && lim[n] > lim[n - 1]) n++;
+      real[b] = n;
+    }
   int64_t work = 0;  // (key position, KV head) pairs, a position's keys counted once per query position
-  for (int64_t i = 0; i < static_cast<int64_t>(B) * L; i++) work += std::min<int64_t>(limits[i], static_cast<int64_t>(M) * bs) * KVH;
+  for (int b = 0; b < B; b++)
+    for (int j = 0; j < real[b]; j++) work += std::min<int64_t>(limits[static_cast<int64_t>(b) * L + j], static_cast<int64_t>(M) * bs) * KVH;
   auto at_of = [&](int b, int h, int j) { return b * io.row + h * io.head + j * io.position; };
   // One item per pass of a row's query positions (at most kMaxGroup query rows a KV head), its
   // KV heads side by side a tile of positions at a time: a slot holds every head's K (then V)
@@ -503,7 +515,8 @@ void paged_attend(const T* kp, const T* vp, int64_t slots, int KVH, const int32_
     int g0 = part * KVH / parts, g1 = (part + 1) * KVH / parts;
     const int32_t* row = table + static_cast<int64_t>(b) * M;
     int j0 = item / parts % passes * per_pass;
-    int j1 = std::min(L, j0 + per_pass), rows = (j1 - j0) * group;
+    int j1 = std::min(real[b], j0 + per_pass), rows = (j1 - j0) * group;
+    if (rows <= 0) return;
     int limit[kMaxGroup], len = 0;
     for (int j = j0; j < j1; j++)
       for (int r = 0; r < group; r++) {
@@ -560,6 +573,9 @@ void paged_attend(const T* kp, const T* vp, int64_t slots, int KVH, const int32_
       heads[g].finish(outputs);
     }
   }, work);
+  for (int b = 0; b < B; b++)
+    for (int j = real[b]; j < L; j++)
+      for (int h = 0; h < H; h++) std::memcpy(io.out + at_of(b, h, j), io.out + at_of(b, h, real[b] - 1), D * sizeof(float));
 }
 
 struct PagedParams {

@@ -18,6 +18,7 @@
 // the q, k and v biases concatenated (heads * D + 2 * KVH * D,), added to qkv_proj's output as
 // each projection's own op adds its bias. Output (B, L, Dm).
 #include <cstdint>
+#include <cstring>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -65,10 +66,32 @@ class DecoderLayerCPU : public CpuPrimitive<DecoderLayerCPU> {
 
   static void run(const std::vector<mx::array>& in, mx::array& out, const LayerParams& prm) {
     std::vector<char> xc;
-    const float* x = reinterpret_cast<const float*>(row_major(in[0], xc));
-    int B = in[0].shape(0), L = in[0].shape(1), dm = in[0].shape(2), rows = B * L;
+    const float* x_in = reinterpret_cast<const float*>(row_major(in[0], xc));
+    int B = in[0].shape(0), L = in[0].shape(1), dm = in[0].shape(2);
     int KVH = in[15].shape(1), D = in[15].shape(2), hd = prm.step.heads * D;  // (the K pool's (N, KVH, D))
     int n_qkv = in[3].shape(0), inter = in[9].shape(0) / 2;
+    // A right-padded pass (verify steps, short prefill pieces) computes its real positions
+    // only: padding repeats its row's last limit (see decode_attention.cpp's paged_attend).
+    // Its rows are gathered into `x` (rows: their number), and each padding position's
+    // output is its row's last real position's. A row's sums do not depend on the rows
+    // beside it, so the real positions' outputs are what the padded pass computed.
+    std::vector<int> real;  // of each computed row, its index b * L + j in the pass
+    if (L > 1) {
+      const int32_t* lim = in[19].data<int32_t>();
+      for (int b = 0; b < B; b++)
+        for (int j = 0; j < L; j++)
+          if (j == 0 || lim[b * L + j] > lim[b * L + j - 1]) real.push_back(b * L + j);
+          else break;
+    }
+    bool padded = L > 1 && static_cast<int>(real.size()) < B * L;
+    int rows = padded ? static_cast<int>(real.size()) : B * L;
+    std::vector<float> gathered;
+    const float* x = x_in;
+    if (padded) {
+      gathered.resize(static_cast<size_t>(rows) * dm);
+      for (int r = 0; r < rows; r++) std::memcpy(gathered.data() + static_cast<size_t>(r) * dm, x_in + static_cast<size_t>(real[r]) * dm, dm * sizeof(float));
+      x = gathered.data();
+    }
     // The weights' (bytes, scales, biases) at in[3 + 3 * i], each multiplied as QMatmul does.
     auto matmul = [&](int i, const float* a, int k, float* y) {
       const auto &w = in[3 + 3 * i], &s = in[4 + 3 * i], &b = in[5 + 3 * i];
@@ -80,9 +103,9 @@ class DecoderLayerCPU : public CpuPrimitive<DecoderLayerCPU> {
     const float* w_in = in[1].data<float>();
     const float* w_post = in[2].data<float>();
     std::vector<float> normed(static_cast<size_t>(rows) * dm), qkv(static_cast<size_t>(rows) * n_qkv),
-        attended(static_cast<size_t>(rows) * hd), h(static_cast<size_t>(rows) * dm), gate_up(static_cast<size_t>(rows) * 2 * inter),
-        gated(static_cast<size_t>(rows) * inter);
-    float* o = out.data<float>();  // o_proj's, then down_proj's output before the residual
+        attended(static_cast<size_t>(B) * L * hd), h(static_cast<size_t>(rows) * dm), gate_up(static_cast<size_t>(rows) * 2 * inter),
+        gated(static_cast<size_t>(rows) * inter), compact_out(padded ? static_cast<size_t>(rows) * dm : 0);
+    float* o = padded ? compact_out.data() : out.data<float>();  // o_proj's, then down_proj's output before the residual
     for (int r = 0; r < rows; r++) rms_norm_row(x + static_cast<size_t>(r) * dm, 1, w_in, 1, dm, prm.eps_in, normed.data() + static_cast<size_t>(r) * dm);
     matmul(0, normed.data(), dm, qkv.data());
     if (prm.qkv_bias) {
@@ -90,12 +113,22 @@ class DecoderLayerCPU : public CpuPrimitive<DecoderLayerCPU> {
       for (int r = 0; r < rows; r++)
         for (int j = 0; j < n_qkv; j++) qkv[static_cast<size_t>(r) * n_qkv + j] += bias[j];
     }
-    std::vector<const float*> parts(3 * static_cast<size_t>(rows));
-    for (int r = 0; r < rows; r++) {
-      const float* row = qkv.data() + static_cast<size_t>(r) * n_qkv;
-      parts[r] = row, parts[rows + r] = row + hd, parts[2 * rows + r] = row + hd + KVH * D;
+    // The attention step takes every position of the pass: a padding position reads its
+    // row's last real one's q/k/v (its K/V go to the null block; it is not attended).
+    int all = B * L;
+    std::vector<const float*> parts(3 * static_cast<size_t>(all));
+    for (int r = 0, c = 0; r < all; r++) {
+      if (padded) {
+        if (c < rows && real[c] == r) c++;
+        else if (c == 0 || real[c - 1] / L != r / L) throw std::runtime_error("decoder_layer: a row without a real position");
+      }
+      const float* row = qkv.data() + static_cast<size_t>(padded ? c - 1 : r) * n_qkv;
+      parts[r] = row, parts[all + r] = row + hd, parts[2 * all + r] = row + hd + KVH * D;
     }
-    attention_step_rows(parts.data(), parts.data() + rows, parts.data() + 2 * rows, &in[15], B, L, prm.step, attended.data());
+    attention_step_rows(parts.data(), parts.data() + all, parts.data() + 2 * all, &in[15], B, L, prm.step, attended.data());
+    if (padded)
+      for (int r = 0; r < rows; r++)
+        std::memmove(attended.data() + static_cast<size_t>(r) * hd, attended.data() + static_cast<size_t>(real[r]) * hd, hd * sizeof(float));
     matmul(1, attended.data(), hd, o);
     for (size_t i = 0; i < h.size(); i++) h[i] = x[i] + o[i];
     for (int r = 0; r < rows; r++) rms_norm_row(h.data() + static_cast<size_t>(r) * dm, 1, w_post, 1, dm, prm.eps_post, normed.data() + static_cast<size_t>(r) * dm);
@@ -106,6 +139,13 @@ class DecoderLayerCPU : public CpuPrimitive<DecoderLayerCPU> {
     }
     matmul(3, gated.data(), inter, o);
     for (size_t i = 0; i < h.size(); i++) o[i] = h[i] + o[i];
+    if (padded) {  // scattered back; padding takes its row's last real position's output
+      float* dst = out.data<float>();
+      for (int r = 0, c = 0; r < all; r++) {
+        if (c < rows && real[c] == r) c++;
+        std::memcpy(dst + static_cast<size_t>(r) * dm, o + static_cast<size_t>(c - 1) * dm, dm * sizeof(float));
+      }
+    }
   }
 };
 
