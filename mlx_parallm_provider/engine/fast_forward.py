@@ -39,6 +39,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import mlx.core as mx
 
+from .guided import fill_bitmask, only_tokens
 from .sampling import SampledRow, sample_batch, sample_requests
 from .speculation import StepTimes
 
@@ -139,42 +140,30 @@ class FastForward:
 
     def verify(self, runner: Any, rows: Sequence[Any], k: int) -> list[list[SampledRow]]:
         """One forward over each row's last token and its first ``k`` forced tokens (rows
-        without, their last token only); what each row emits, in order."""
+        without, their last token only); what each row emits, in order. Logits are computed
+        only at the positions sampled from them (see :class:`_Walk`)."""
         drafts = [list(r.draft[:k]) if can_fast_forward(r) else [] for r in rows]
-        logits = runner.forward(list(rows), [[r.output_ids[-1], *d] for r, d in zip(rows, drafts)],
-                                [r.num_tokens - 1 for r in rows])
-        mx.eval(logits)
+        spots = runner.logits_where_asked(list(rows), [[r.output_ids[-1], *d] for r, d in zip(rows, drafts)],
+                                          [r.num_tokens - 1 for r in rows])
         out: list[list[SampledRow]] = [[] for _ in rows]
         plain = [i for i, d in enumerate(drafts) if not d]
         if plain:  # sampled together, as in a plain step (each row as if alone)
-            for i, row in zip(plain, sample_requests(logits[mx.array(plain), 0, :], [rows[i] for i in plain])):
+            for i, row in zip(plain, sample_requests(spots.at([(i, 0) for i in plain]), [rows[i] for i in plain])):
                 out[i] = [row]
-        for i, draft in enumerate(drafts):
-            if draft:
-                out[i] = self._walk(rows[i], logits[i], draft)
+        walks = {i: _Walk(rows[i], draft, spots.vocab) for i, draft in enumerate(drafts) if draft}
+        while walks:  # each round: every walk on to a position its grammar leaves open, whose logits come together
+            asked = [i for i, walk in walks.items() if walk.advance()]
+            if asked:
+                logits = spots.at([(i, walks[i].j) for i in asked])
+                for n, i in enumerate(asked):
+                    walks[i].sample(logits[n : n + 1])
+            for i in [i for i, walk in walks.items() if walk.done]:
+                out[i] = self._count(rows[i], drafts[i], walks.pop(i).finish())
         self.stats.steps += 1
         return out
 
-    def _walk(self, request: Any, logits: mx.array, draft: list[int]) -> list[SampledRow]:
-        """Sample ``request``'s positions in order (``logits``: ``(width, vocab)``) while each
-        draws its draft token; the matcher is left where it was."""
-        sampler = request.state.sampler
-        matcher = sampler.matcher
-        history = request.prompt_ids + request.output_ids
-        left = request.params.max_tokens - len(request.output_ids)
-        mark = matcher.mark()
-        out: list[SampledRow] = []
-        try:
-            for j in range(len(draft) + 1):
-                row = sample_batch(logits[j : j + 1], [sampler], [lambda j=j: mx.array(history + draft[:j])], [left - j])[0]
-                out.append(row)
-                if row.error is not None or j == len(draft) or row.token != draft[j]:
-                    break
-                matcher.consume(row.token)  # the next position's mask follows it
-        except Exception as exc:  # consume() refused a token the mask allowed: this row alone fails
-            out[-1] = SampledRow(error=exc)
-        finally:
-            matcher.rewind(mark)
+    def _count(self, request: Any, draft: list[int], out: list[SampledRow]) -> list[SampledRow]:
+        """Record what ``request``'s walk kept of ``draft``; ``out`` unchanged."""
         kept = sum(1 for got, want in zip(out, draft) if got.error is None and got.token == want)
         self.stats.row_steps += 1
         self.stats.emitted += len(out)
@@ -188,6 +177,65 @@ class FastForward:
             self.stats.accepted += kept
             self._acceptance += 0.2 * (rate - self._acceptance)
         return out
+
+
+class _Walk:
+    """One drafting row's positions, sampled in order while each draws its draft token: the
+    mask of the matcher advanced past the tokens before it, the row's PRNG key split once a
+    token, as a plain step samples. Where the mask allows one token and nothing else needs
+    the logits (no logits processors, no logprobs), the token is taken without them, as
+    :func:`~.sampling.sample_batch` takes it; elsewhere the walk waits for the position's
+    logits (:meth:`advance` says so). The matcher is left where it was (:meth:`finish`)."""
+
+    def __init__(self, request: Any, draft: list[int], vocab: int) -> None:
+        self.request, self.draft, self.vocab = request, draft, vocab
+        self.sampler = request.state.sampler
+        self.matcher = self.sampler.matcher
+        self.left = request.params.max_tokens - len(request.output_ids)
+        self.mark = self.matcher.mark()
+        self.j, self.out, self.done = 0, [], False
+        self.without_logits = not self.sampler.processors and not request.params.logprobs
+
+    def advance(self) -> bool:
+        """Take the positions whose one allowed token needs no logits; whether the walk now
+        waits for the logits of position :attr:`j`."""
+        try:
+            while not self.done and self.without_logits:
+                self.matcher.tokens_left = self.left - self.j
+                forced = only_tokens(fill_bitmask(self.vocab, [self.matcher], self.sampler.grammar), self.vocab)
+                if forced is None:
+                    break
+                if not self.sampler.greedy:
+                    self.sampler.next_key()  # (the draw it skips would have taken it)
+                self._took(SampledRow(token=forced[0]))
+        except Exception as exc:  # the matcher failed: this row alone fails
+            self._took(SampledRow(error=exc))
+        return not self.done
+
+    def sample(self, logits: mx.array) -> None:
+        """Sample position :attr:`j` from its logits ``(1, vocab)``."""
+        history = self.request.prompt_ids + self.request.output_ids + self.draft[: self.j]
+        try:
+            self._took(sample_batch(logits, [self.sampler], [lambda: mx.array(history)], [self.left - self.j])[0])
+        except Exception as exc:
+            self._took(SampledRow(error=exc))
+
+    def _took(self, row: SampledRow) -> None:
+        self.out.append(row)
+        if row.error is not None or self.j == len(self.draft) or row.token != self.draft[self.j]:
+            self.done = True
+            return
+        try:
+            self.matcher.consume(row.token)  # the next position's mask follows it
+            self.j += 1
+        except Exception as exc:  # consume() refused a token the mask allowed: this row alone fails
+            self.out[-1] = SampledRow(error=exc)
+            self.done = True
+
+    def finish(self) -> list[SampledRow]:
+        """What the row emits; its matcher rewound to where the walk began."""
+        self.matcher.rewind(self.mark)
+        return self.out
 
 
 def fast_forward_for(config: Any, times: StepTimes, lookup: Optional[Callable[[Any, int], list[int]]] = None) -> "FastForward | None":

@@ -255,11 +255,17 @@ def grammar_bitmask(logits: mx.array, matchers: Sequence[Optional[RowMatcher]], 
     one between JSON values (tool calls) with too few tokens left for another
     (:attr:`RowMatcher.must_end`) is narrowed to EOS, where the grammar allows it.
     """
-    rows = [(m.matcher, i) for i, m in enumerate(matchers) if m is not None]
-    if not rows:
+    if all(m is None for m in matchers):
         return None
     mx.async_eval(logits)  # the model computes while the masks are filled
-    batch, vocab = logits.shape
+    return fill_bitmask(logits.shape[1], matchers, tokenizer)
+
+
+def fill_bitmask(vocab: int, matchers: Sequence[Optional[RowMatcher]], tokenizer: GrammarTokenizer) -> np.ndarray:
+    """:func:`grammar_bitmask`'s masks for rows of ``vocab`` logits, without the logits (a
+    verify walk's forced positions, whose logits are never computed)."""
+    rows = [(m.matcher, i) for i, m in enumerate(matchers) if m is not None]
+    batch = len(matchers)
     words = (vocab + 31) // 32
     bitmask = np.full((batch, words), -1, dtype=np.int32)
     # The executor exists: it is built with the tokenizer, which every RowMatcher needed.

@@ -232,13 +232,16 @@ class NgramSpeculator:
         """One forward over each row's last token and its first ``k`` drafts; the tokens each
         row emits (its choice at every position up to the first rejected draft)."""
         drafts = [list(r.draft[:k]) for r in rows]
-        logits = runner.forward(list(rows), [[r.output_ids[-1], *d] for r, d in zip(rows, drafts)],
-                                [r.num_tokens - 1 for r in rows])
+        spots = runner.logits_where_asked(list(rows), [[r.output_ids[-1], *d] for r, d in zip(rows, drafts)],
+                                          [r.num_tokens - 1 for r in rows])
+        firsts = [sum(len(d) + 1 for d in drafts[:i]) for i in range(len(rows))]  # each row's first position's
+        logits = spots.at([(i, j) for i, d in enumerate(drafts) for j in range(len(d) + 1)])  # real positions only
         greedy = mx.argmax(logits, axis=-1)
-        draws = {i: _draws(r.state.sampler, logits[i, : len(drafts[i]) + 1]) for i, r in enumerate(rows)
+        draws = {i: _draws(r.state.sampler, logits[firsts[i] : firsts[i] + len(drafts[i]) + 1]) for i, r in enumerate(rows)
                  if not r.state.sampler.greedy}
         mx.eval(greedy, [tokens for tokens, _ in draws.values()])
-        choices = greedy.tolist()
+        flat = greedy.tolist()
+        choices = [flat[firsts[i] : firsts[i] + len(d) + 1] for i, d in enumerate(drafts)]
         for i, (tokens, _) in draws.items():
             choices[i] = tokens.tolist()
         emitted: list[list[int]] = []

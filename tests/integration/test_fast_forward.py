@@ -130,3 +130,29 @@ def test_with_ngram_speculation_rows_nothing_forces_verify_looked_up_drafts(make
     stats = engine.stats()["fast_forward"]
     assert stats["lookup_tokens"] > 0 and 0 < stats["lookup_accepted_tokens"] < stats["lookup_tokens"], stats
     assert stats["forced_tokens"] > 0  # forced runs still go first
+
+
+@pytest.mark.parametrize("split", [True, False], ids=["head-apart", "whole-model"])
+def test_verify_steps_compute_logits_only_where_they_are_sampled(make_engine, without, monkeypatch, split) -> None:
+    """A verify step's forced positions (one allowed token, no logprobs or processors) and
+    its padding need no logits: where the model splits at its head, the head runs on the
+    sampled positions only; where it does not, the whole model's logits are indexed. Output
+    unchanged either way."""
+    from mlx_parallm_provider.engine.kv import runner
+
+    at = runner.SpotLogits.at
+    asked, computed = [], {}
+
+    def counting(self, spots):
+        asked.append(len(spots))
+        computed[id(self)] = self.out.shape[0] * self.out.shape[1]  # the pass's positions
+        assert (self.head is not None) == split and (self.out.shape[-1] != self.vocab) == split
+        return at(self, spots)
+
+    monkeypatch.setattr(runner.SpotLogits, "at", counting)
+    if not split:
+        monkeypatch.setattr(runner, "split_head", lambda model: None)
+    engine = make_engine(speculative_max_batch=8)
+    _same(without, _run(engine))
+    assert engine.stats()["fast_forward"]["fast_forward_steps"] > 0 and asked
+    assert sum(asked) < sum(computed.values()) / 3, (asked, computed)  # most positions of those passes were forced

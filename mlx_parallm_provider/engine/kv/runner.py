@@ -15,6 +15,7 @@ import mlx.core as mx
 
 from ...config import EngineConfig
 from ...models import backends
+from ...models.head import split_head
 from ..request import Request
 from .budget import pool_blocks
 from .manager import KVCacheManager
@@ -43,6 +44,7 @@ class PagedRunner:
         self.windows = windows or layer_windows(model) or [None] * len(model.layers)
         self.groups = groups  # None: one group, a storage slot per layer
         self.gathered = not backends.routes_attention(model)  # it attends itself over gathered K/V
+        self.split = split_head(model)  # None: logits come from the whole model
         self.ragged = False
         """Whether the last pass of several positions a row computed its rows' real positions
         only (every layer one decoder-layer op): a verify step then costs by its drafts' total."""
@@ -105,11 +107,13 @@ class PagedRunner:
     def stats(self) -> dict[str, Any]:
         return {"layout": "paged", **self.kv.stats(), "kv_cache_bytes": self.storage.nbytes}
 
-    def forward(self, rows: list[Request], pieces: list[list[int]], starts: list[int], tokens: Optional[mx.array] = None) -> mx.array:
+    def forward(self, rows: list[Request], pieces: list[list[int]], starts: list[int], tokens: Optional[mx.array] = None,
+                hidden: bool = False) -> mx.array:
         """``pieces[b]`` (tokens from position ``starts[b]`` on) of each row through the
         model, over the rows' blocks (``tokens``: the pieces as an array, ``(B, width)``, given
-        instead); the logits, ``(B, width, vocab)``. Narrow passes (decode, verify steps,
-        short prefill pieces) attend through the block tables (see :class:`.PagedBatch`)."""
+        instead); the logits, ``(B, width, vocab)`` (``hidden``: the final hidden states
+        instead, where :attr:`split`). Narrow passes (decode, verify steps, short prefill
+        pieces) attend through the block tables (see :class:`.PagedBatch`)."""
         width = max(len(p) for p in pieces)
         self.reserve()
         tables: list[Any] = [[self.kv.table(id(r), g) for r in rows] for g in range(len(self.kv.windows))]
@@ -118,10 +122,22 @@ class PagedRunner:
         if tokens is None:
             tokens = mx.array([p + [self.pad_id] * (width - len(p)) for p in pieces])
         caches = batch.layers()
-        logits = self.model(tokens, cache=caches)
+        out = self.model(tokens, cache=caches) if not hidden else self.split.body(tokens, caches)
         if width > 1:
             self.ragged = all(c.ragged for c in caches)
-        return logits
+        return out
+
+    def logits_where_asked(self, rows: list[Request], pieces: list[list[int]], starts: list[int]) -> "SpotLogits":
+        """:meth:`forward`'s pass, evaluated (the KV written), its logits computed only at the
+        positions later asked for (:meth:`SpotLogits.at`) where the model splits at its head
+        (:func:`~...models.head.split_head`; else all of them now, as :meth:`forward`)."""
+        if self.split is None:
+            logits = self.forward(rows, pieces, starts)
+            mx.eval(logits)
+            return SpotLogits(logits, None, logits.shape[-1])
+        hidden = self.forward(rows, pieces, starts, hidden=True)
+        mx.eval(hidden)
+        return SpotLogits(hidden, self.split.head, self.split.vocab)
 
     def decode(self, rows: list[Request]) -> mx.array:
         """One decode step: each row's last sampled token; logits ``(B, vocab)``."""
@@ -177,3 +193,17 @@ class PagedRunner:
 
     def _eval(self) -> None:
         mx.eval([a for a in (*self.storage.keys, *self.storage.values) if a is not None])
+
+
+class SpotLogits:
+    """A pass's logits at the positions asked for: indexed from the whole pass's logits, or
+    computed by the model's head from its hidden states (``head`` given), only there."""
+
+    def __init__(self, out: mx.array, head: Optional[Callable[[mx.array], mx.array]], vocab: int) -> None:
+        self.out, self.head, self.vocab = out, head, vocab
+
+    def at(self, spots: list[tuple[int, int]]) -> mx.array:
+        """The logits ``(len(spots), vocab)`` of the positions ``(row, position)``, in order."""
+        rows, positions = mx.array([b for b, _ in spots]), mx.array([j for _, j in spots])
+        picked = self.out[rows, positions]
+        return picked if self.head is None else self.head(picked[None])[0]
