@@ -152,11 +152,12 @@ class FastForward:
                 out[i] = [row]
         walks = {i: _Walk(rows[i], draft, spots.vocab) for i, draft in enumerate(drafts) if draft}
         while walks:  # each round: every walk on to a position its grammar leaves open, whose logits come together
-            asked = [i for i, walk in walks.items() if walk.advance()]
-            if asked:
-                logits = spots.at([(i, walks[i].j) for i in asked])
-                for n, i in enumerate(asked):
-                    walks[i].sample(logits[n : n + 1])
+            asked = [(i, walk) for i, walk in walks.items() if walk.advance()]
+            if asked:  # sampled together, each as if alone
+                got = sample_batch(spots.at([(i, w.j) for i, w in asked]), [w.sampler for _, w in asked],
+                                   [w.history for _, w in asked], [w.left - w.j for _, w in asked])
+                for (_, walk), row in zip(asked, got):
+                    walk.took(row)
             for i in [i for i, walk in walks.items() if walk.done]:
                 out[i] = self._count(rows[i], drafts[i], walks.pop(i).finish())
         self.stats.steps += 1
@@ -207,20 +208,17 @@ class _Walk:
                     break
                 if not self.sampler.greedy:
                     self.sampler.next_key()  # (the draw it skips would have taken it)
-                self._took(SampledRow(token=forced[0]))
+                self.took(SampledRow(token=forced[0]))
         except Exception as exc:  # the matcher failed: this row alone fails
-            self._took(SampledRow(error=exc))
+            self.took(SampledRow(error=exc))
         return not self.done
 
-    def sample(self, logits: mx.array) -> None:
-        """Sample position :attr:`j` from its logits ``(1, vocab)``."""
-        history = self.request.prompt_ids + self.request.output_ids + self.draft[: self.j]
-        try:
-            self._took(sample_batch(logits, [self.sampler], [lambda: mx.array(history)], [self.left - self.j])[0])
-        except Exception as exc:
-            self._took(SampledRow(error=exc))
+    def history(self) -> mx.array:
+        """The tokens before position :attr:`j` (prompt, output, the draft's), for penalties."""
+        return mx.array(self.request.prompt_ids + self.request.output_ids + self.draft[: self.j])
 
-    def _took(self, row: SampledRow) -> None:
+    def took(self, row: SampledRow) -> None:
+        """Position :attr:`j`'s token (or error): the walk goes on past it, or ends."""
         self.out.append(row)
         if row.error is not None or self.j == len(self.draft) or row.token != self.draft[self.j]:
             self.done = True
