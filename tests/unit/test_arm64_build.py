@@ -1,12 +1,16 @@
 """The CPU kernels' arm64 paths (NEON through GCC's vector extensions, the portable fallbacks)
 compiled for arm64 with Zig's clang as a cross compiler, where no arm64 machine runs the suite:
 each source must compile for a plain ARMv8 core and for one with dot products and SVE
-(Neoverse V1, Graviton 3). Compiled only, not run (no arm64 CPU or emulator here)."""
+(Neoverse V1, Graviton 3). The packed-weight kernel also runs there, under QEMU's user-mode
+emulator where it is installed (``scripts/setup.sh --dev`` installs it on x86-64 Linux with
+apt): ``tests/native/qmatmul_check.c`` checks every entry point against float64 and a row
+alone against the same row in company, and runs natively too."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import importlib.util
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -58,3 +62,27 @@ def test_the_extensions_sources_compile_for_arm64(tmp_path: Path) -> None:
     failed = {name: errors for name, (status, errors) in results.items() if status != 0}
     assert not failed, failed
     assert {_machine(tmp_path / f"{source.stem}.o") for source in qmatmul_ext.SOURCES} == {EM_AARCH64}
+
+
+CHECK = Path(__file__).parents[1] / "native" / "qmatmul_check.c"
+"""The packed-weight kernel's standalone check (prints "ALL OK" when every case holds)."""
+_CHECK_FLAGS = ["-O2", "-fno-signed-zeros", "-fno-trapping-math", str(CHECK), str(qmatmul.SOURCE), f"-I{qmatmul.SOURCE.parent}",
+                "-lm", "-lpthread"]
+
+
+def _verdict(run: subprocess.CompletedProcess) -> None:
+    failed = [line for line in run.stdout.splitlines() if line.startswith("FAIL")]
+    assert run.returncode == 0 and run.stdout.strip().endswith("ALL OK") and not failed, (failed or run.stdout[-2000:]) + run.stderr[-2000:]
+
+
+@pytest.mark.parametrize("cpu", ["generic", "cortex_a76"])  # NEON; NEON with dot products
+def test_the_packed_weight_kernel_computes_right_on_arm64(cpu: str, tmp_path: Path) -> None:
+    """(SVE builds, Neoverse V1, are compiled above: QEMU emulates SVE ~30x slower than NEON.)"""
+    qemu = shutil.which("qemu-aarch64-static") or shutil.which("qemu-aarch64")
+    if qemu is None:
+        pytest.skip("no arm64 emulator (qemu-user-static): the arm64 build is compiled above, not run")
+    exe = tmp_path / "check"
+    build = subprocess.run([sys.executable, "-m", "ziglang", "cc", "-target", "aarch64-linux-musl", "-static", f"-mcpu={cpu}",
+                            *_CHECK_FLAGS, "-o", str(exe)], capture_output=True, text=True, timeout=600)
+    assert build.returncode == 0, build.stderr[-3000:]
+    _verdict(subprocess.run([qemu, "-cpu", "max", str(exe)], capture_output=True, text=True, timeout=600))
