@@ -151,15 +151,19 @@ class FastForward:
             for i, row in zip(plain, sample_requests(spots.at([(i, 0) for i in plain]), [rows[i] for i in plain])):
                 out[i] = [row]
         walks = {i: _Walk(rows[i], draft, spots.vocab) for i, draft in enumerate(drafts) if draft}
-        while walks:  # each round: every walk on to a position its grammar leaves open, whose logits come together
-            asked = [(i, walk) for i, walk in walks.items() if walk.advance()]
-            if asked:  # sampled together, each as if alone
-                got = sample_batch(spots.at([(i, w.j) for i, w in asked]), [w.sampler for _, w in asked],
-                                   [w.history for _, w in asked], [w.left - w.j for _, w in asked])
-                for (_, walk), row in zip(asked, got):
-                    walk.took(row)
-            for i in [i for i, walk in walks.items() if walk.done]:
-                out[i] = self._count(rows[i], drafts[i], walks.pop(i).finish())
+        try:
+            while walks:  # each round: every walk on to a position its grammar leaves open, whose logits come together
+                asked = [(i, walk) for i, walk in walks.items() if walk.advance()]
+                if asked:  # sampled together, each as if alone
+                    got = sample_batch(spots.at([(i, w.j) for i, w in asked]), [w.sampler for _, w in asked],
+                                       [w.history for _, w in asked], [w.left - w.j for _, w in asked])
+                    for (_, walk), row in zip(asked, got):
+                        walk.took(row)
+                for i in [i for i, walk in walks.items() if walk.done]:
+                    out[i] = self._count(rows[i], drafts[i], walks.pop(i).finish())
+        finally:  # (a step that fails leaves every matcher where it was)
+            for walk in walks.values():
+                walk.finish()
         self.stats.steps += 1
         return out
 

@@ -107,9 +107,9 @@ class StepTimes:
     def __init__(self) -> None:
         self._seconds: dict[tuple[int, int], float] = {}
         self._steps = 0
+        # Whether verify steps compute each row's real positions only (the runner's ``ragged``),
+        # so that their cost follows the drafts' total (see width()).
         self.ragged = False
-        """Whether verify steps compute each row's real positions only (the runner's
-        :attr:`~.kv.runner.PagedRunner.ragged`), so that their cost follows the drafts' total."""
 
     def width(self, drafts: Sequence[int], k: int) -> int:
         """The width a step verifying up to ``k`` of each row's drafts (``drafts``: their

@@ -45,9 +45,9 @@ class PagedRunner:
         self.groups = groups  # None: one group, a storage slot per layer
         self.gathered = not backends.routes_attention(model)  # it attends itself over gathered K/V
         self.split = split_head(model)  # None: logits come from the whole model
+        # Whether the last pass of several positions a row computed its rows' real positions
+        # only (every layer one decoder-layer op): a verify step then costs by its drafts' total.
         self.ragged = False
-        """Whether the last pass of several positions a row computed its rows' real positions
-        only (every layer one decoder-layer op): a verify step then costs by its drafts' total."""
 
     @classmethod
     def for_model(cls, model: Any, config: EngineConfig, bytes_per_token: int, context_length: int, pad_id: int) -> "PagedRunner":
