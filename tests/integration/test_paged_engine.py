@@ -89,9 +89,9 @@ def test_preempted_requests_recompute_from_their_own_cached_blocks(make_engine, 
     computed = []
     forward = PagedRunner.forward
 
-    def counting(self, rows, pieces, starts, tokens=None):
+    def counting(self, rows, pieces, starts, tokens=None, hidden=False):
         computed.append(sum(len(p) for p in pieces))
-        return forward(self, rows, pieces, starts, tokens)
+        return forward(self, rows, pieces, starts, tokens, hidden)
 
     monkeypatch.setattr(PagedRunner, "forward", counting)
     params = SamplingParams(max_tokens=24, ignore_eos=True)
@@ -114,26 +114,33 @@ def test_preempted_requests_recompute_from_their_own_cached_blocks(make_engine, 
 
 
 def test_a_chunked_prompt_computes_logits_for_its_last_token_only(make_engine, monkeypatch) -> None:
-    """The model is given the last chunk without its last token, then that token alone: the
-    chunk's logits (chunk x vocabulary floats) are never asked for, yet the answer is the
-    one of an unchunked prefill."""
+    """The chunks' logits (chunk x vocabulary floats) are never computed, yet the answer is the
+    one of an unchunked prefill: where the model splits at its head (the tiny llama does), the
+    last chunk runs whole and its last position alone goes through the head; where it does
+    not, the last chunk runs without its last token, then that token alone."""
+    from mlx_parallm_provider.engine.kv import runner
     from mlx_parallm_provider.engine.kv.runner import PagedRunner
-
-    widths: list[int] = []
-    forward = PagedRunner.forward
-
-    def recording(self, rows, pieces, starts, tokens=None):
-        widths.append(max(len(p) for p in pieces))
-        return forward(self, rows, pieces, starts, tokens)
 
     params = SamplingParams(max_tokens=6)
     long = [100 + j % 250 for j in range(300)]
     expected = make_engine(prefill_chunk_size=4096, max_num_batched_tokens=4096).generate_sync(long, params).token_ids
-    monkeypatch.setattr(PagedRunner, "forward", recording)
-    engine = make_engine(prefill_chunk_size=128, max_num_batched_tokens=128)
-    assert engine.generate_sync(long, params).token_ids == expected
-    assert engine.stats()["kv_cache"]["layout"] == "paged"
-    assert widths[:4] == [128, 128, 43, 1] and len(widths) == 4 + 5, widths  # then 5 decode steps
+    forward = PagedRunner.forward
+    for split in (True, False):
+        widths: list[tuple[int, bool]] = []
+
+        def recording(self, rows, pieces, starts, tokens=None, hidden=False):
+            widths.append((max(len(p) for p in pieces), hidden))
+            return forward(self, rows, pieces, starts, tokens, hidden)
+
+        monkeypatch.setattr(PagedRunner, "forward", recording)
+        if not split:
+            monkeypatch.setattr(runner, "split_head", lambda model: None)
+        engine = make_engine(prefill_chunk_size=128, max_num_batched_tokens=128)
+        assert engine.generate_sync(long, params).token_ids == expected
+        assert (engine._worker.paged.split is not None) == split
+        assert engine.stats()["kv_cache"]["layout"] == "paged"
+        chunks = [(128, False), (128, False), (44, True)] if split else [(128, False), (128, False), (43, False), (1, False)]
+        assert widths[: len(chunks)] == chunks and len(widths) == len(chunks) + 5, widths  # then 5 decode steps
 
 
 def test_without_a_budget_a_long_request_grows_the_arrays_to_about_its_own_need(make_engine) -> None:
@@ -292,3 +299,38 @@ def test_float16_kv_blocks_under_shared_prefixes_and_speculation_answer_as_alone
         assert stats["cached_prompt_tokens"] >= 6 * 32  # the prefix's whole blocks, read from the cache
         if config:
             assert stats["speculation"]["draft_tokens"] > 0, stats["speculation"]
+
+
+def test_a_batched_prefill_puts_each_rows_last_position_alone_through_the_head(make_engine, monkeypatch) -> None:
+    """Where the model splits at its head, a prefill's rows run whole in one right-padded
+    pass and only their last positions' hidden states reach the head: one row each, no
+    separate pass of last tokens, and the answers of the rows run one at a time."""
+    from mlx_parallm_provider.engine.kv.runner import PagedRunner
+
+    prompts = [[5 + j for j in range(n)] for n in (7, 19, 12)]
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    alone = [make_engine(enable_prefix_caching=False).generate_sync(p, params).token_ids for p in prompts]
+    forward, passes, heads = PagedRunner.forward, [], []
+
+    def recording(self, rows, pieces, starts, tokens=None, hidden=False):
+        passes.append(([len(p) for p in pieces], hidden))
+        out = forward(self, rows, pieces, starts, tokens, hidden)
+        head = self.split.head
+        if hidden and not getattr(head, "recorded", False):
+            def counted(x):
+                heads.append(x.shape[1])
+                return head(x)
+            counted.recorded = True
+            self.split = type(self.split)(self.split.body, counted, self.split.vocab)
+        return out
+
+    monkeypatch.setattr(PagedRunner, "forward", recording)
+    engine = make_engine(enable_prefix_caching=False, max_num_seqs=4)
+
+    async def together():
+        return await asyncio.gather(*(engine.generate(p, params) for p in prompts))
+
+    assert [c.token_ids for c in asyncio.run(together())] == alone
+    # (The three usually prefill together; a worker that wakes between submissions splits them.)
+    assert sorted(w for widths, hidden in passes if hidden for w in widths) == [7, 12, 19] and sum(heads) == 3, (passes, heads)
+    assert all(set(widths) == {1} for widths, hidden in passes if not hidden)  # decode steps only: no column of last tokens

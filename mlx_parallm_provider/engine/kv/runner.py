@@ -150,36 +150,52 @@ class PagedRunner:
 
     def prefill(self, requests: list[Request], piece: int, wanted: Wanted) -> Optional[tuple[list[Request], mx.array]]:
         """Prefill the requests' uncached tokens in right-padded pieces of ``piece``
-        columns, all but each row's last token, then the last tokens together in one
-        column, whose logits give the first sampled tokens. Rows no longer ``wanted``
-        leave between pieces. Returns the rows kept and their logits, or None. (The
-        requests' progress is the scheduler's to record: see :meth:`.Scheduler.started`.)"""
+        columns; the logits of each row's last token give its first sampled token. Where the
+        model splits at its head (:attr:`split`), a row's last token goes in its last piece
+        and only its hidden state goes through the head; else all but the last tokens go in
+        pieces (a piece's logits are never computed), then the last tokens together in one
+        column. Rows no longer ``wanted`` leave between pieces. Returns the rows kept and
+        their logits, or None. (The requests' progress is the scheduler's to record: see
+        :meth:`.Scheduler.started`.)"""
         seqs = {id(r): r.computed_ids for r in requests}
         done = {id(r): r.num_prefilled for r in requests}
+        merged = self.split is not None
+        last: dict[int, mx.array] = {}  # (merged) a row's last token's hidden state, once its last piece ran
+        held = 0 if merged else 1  # the tokens a row keeps for the last column
         while True:
-            active = [r for r in requests if done[id(r)] < len(seqs[id(r)]) - 1]
+            active = [r for r in requests if done[id(r)] < len(seqs[id(r)]) - held]
             if not active:
                 break
-            pieces = [seqs[id(r)][done[id(r)] : min(done[id(r)] + piece, len(seqs[id(r)]) - 1)] for r in active]
-            self.forward(active, pieces, [done[id(r)] for r in active])
-            self._eval()
+            pieces = [seqs[id(r)][done[id(r)] : min(done[id(r)] + piece, len(seqs[id(r)]) - held)] for r in active]
+            out = self.forward(active, pieces, [done[id(r)] for r in active], hidden=merged)
+            ending = [b for b, (r, p) in enumerate(zip(active, pieces)) if merged and done[id(r)] + len(p) == len(seqs[id(r)])]
+            if ending:
+                states = out[mx.array(ending), mx.array([len(pieces[b]) - 1 for b in ending])]
+                last.update((id(active[b]), states[n]) for n, b in enumerate(ending))
+            self._eval(*(last[id(active[b])] for b in ending))
             for r, p in zip(active, pieces):
                 done[id(r)] += len(p)
             requests = [r for r, keep in zip(requests, wanted(requests)) if keep]
             if not requests:
                 return None
-        logits = self.forward(requests, [seqs[id(r)][-1:] for r in requests], [done[id(r)] for r in requests])[:, -1, :]
+        if merged and all(id(r) in last for r in requests):
+            return requests, self.split.head(mx.stack([last[id(r)] for r in requests])[None])[0]
+        logits = self.forward(requests, [seqs[id(r)][-1:] for r in requests], [len(seqs[id(r)]) - 1 for r in requests])[:, -1, :]
         return requests, logits
 
     def chunk(self, request: Request, n: int) -> Optional[mx.array]:
         """Prefill the next ``n`` tokens of a long prompt into its blocks; the logits of
-        its last token once the whole prompt is in (else None). The last chunk runs its
-        last token alone, as :meth:`prefill` does: the model computes logits at every
-        position it is given, and a chunk's are n x vocabulary floats (400 MB for 2,048
-        tokens of a 49k vocabulary). (The scheduler records the progress:
-        :meth:`.Scheduler.advanced`.)"""
+        its last token once the whole prompt is in (else None). Where the model splits at
+        its head (:attr:`split`), only the last token's hidden state goes through it; else
+        the last chunk runs its last token alone, as :meth:`prefill` does: the model
+        computes logits at every position it is given, and a chunk's are n x vocabulary
+        floats (400 MB for 2,048 tokens of a 49k vocabulary). (The scheduler records the
+        progress: :meth:`.Scheduler.advanced`.)"""
         seq, start = request.computed_ids, request.num_prefilled
         end = start + n
+        if end == len(seq) and n > 1 and self.split is not None:
+            hidden = self.forward([request], [seq[start:end]], [start], hidden=True)
+            return self.split.head(hidden[:, -1:, :])[:, -1, :]
         if end < len(seq) or n == 1:
             logits = self.forward([request], [seq[start:end]], [start])[:, -1, :]
         else:
@@ -191,8 +207,8 @@ class PagedRunner:
             return None
         return logits
 
-    def _eval(self) -> None:
-        mx.eval([a for a in (*self.storage.keys, *self.storage.values) if a is not None])
+    def _eval(self, *more: mx.array) -> None:
+        mx.eval([a for a in (*self.storage.keys, *self.storage.values) if a is not None], *more)
 
 
 class SpotLogits:
