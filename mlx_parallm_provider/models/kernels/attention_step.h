@@ -31,6 +31,15 @@ std::vector<mlx::core::array> step_inputs(const char* op, int B, int L, const St
                                           const mlx::core::array& offset, const mlx::core::array& inv_freq,
                                           const mlx::core::Stream& stream);
 
+// The real positions of a row of a right-padded pass with L positions a row, from its limits
+// (L of them): a real position sees one token more than the one before it; padding repeats
+// the last real one's limit. At least 1.
+inline int real_positions(const int32_t* limits, int L) {
+  int n = 1;
+  while (n < L && limits[n] > limits[n - 1]) n++;
+  return n;
+}
+
 // The step over raw rows: row r = b * L + j of q (heads * D floats), k and v (KVH * D) at
 // q_rows[r], k_rows[r], v_rows[r]; `step` the seven arrays step_inputs gave; the new K/V are
 // written into the pools in place; out (B, L, heads * D).

@@ -475,14 +475,8 @@ void paged_attend(const T* kp, const T* vp, int64_t slots, int KVH, const int32_
   // Each row's real positions: a right-padded pass's padding repeats its row's last limit
   // (a real position sees one token more than the one before it). Padding is not attended:
   // its outputs are copies of its row's last real position's.
-  std::vector<int> real(B, L);
-  if (L > 1)
-    for (int b = 0; b < B; b++) {
-      const int32_t* lim = limits + static_cast<int64_t>(b) * L;
-      int n = 1;
-      while (n < L && lim[n] > lim[n - 1]) n++;
-      real[b] = n;
-    }
+  std::vector<int> real(B);
+  for (int b = 0; b < B; b++) real[b] = real_positions(limits + static_cast<int64_t>(b) * L, L);
   int64_t work = 0;  // (key position, KV head) pairs, a position's keys counted once per query position
   for (int b = 0; b < B; b++)
     for (int j = 0; j < real[b]; j++) work += std::min<int64_t>(limits[static_cast<int64_t>(b) * L + j], static_cast<int64_t>(M) * bs) * KVH;

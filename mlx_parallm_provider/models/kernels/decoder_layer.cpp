@@ -17,6 +17,7 @@
 // (B, M); limits (B,) or (B, L); offset (B,); inv_freq (rope_dims / 2,); then, for a qwen2 layer,
 // the q, k and v biases concatenated (heads * D + 2 * KVH * D,), added to qkv_proj's output as
 // each projection's own op adds its bias. Output (B, L, Dm).
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <optional>
@@ -76,15 +77,16 @@ class DecoderLayerCPU : public CpuPrimitive<DecoderLayerCPU> {
     // output is its row's last real position's. A row's sums do not depend on the rows
     // beside it, so the real positions' outputs are what the padded pass computed.
     std::vector<int> real;  // of each computed row, its index b * L + j in the pass
-    if (L > 1) {
-      const int32_t* lim = in[19].data<int32_t>();
-      for (int b = 0; b < B; b++)
-        for (int j = 0; j < L; j++)
-          if (j == 0 || lim[b * L + j] > lim[b * L + j - 1]) real.push_back(b * L + j);
-          else break;
+    std::vector<int> first(B + 1, 0);  // row b's real positions are computed rows first[b] .. first[b + 1) - 1
+    for (int b = 0; b < B; b++) {
+      int n = L > 1 ? real_positions(in[19].data<int32_t>() + static_cast<int64_t>(b) * L, L) : 1;
+      for (int j = 0; j < n; j++) real.push_back(b * L + j);
+      first[b + 1] = first[b] + n;
     }
-    bool padded = L > 1 && static_cast<int>(real.size()) < B * L;
-    int rows = padded ? static_cast<int>(real.size()) : B * L;
+    bool padded = static_cast<int>(real.size()) < B * L;
+    int rows = static_cast<int>(real.size());
+    // The computed row that position j of row b reads: its own, or (padding) its row's last real one.
+    auto computed = [&](int b, int j) { return std::min(first[b] + j, first[b + 1] - 1); };
     std::vector<float> gathered;
     const float* x = x_in;
     if (padded) {
@@ -117,14 +119,12 @@ class DecoderLayerCPU : public CpuPrimitive<DecoderLayerCPU> {
     // row's last real one's q/k/v (its K/V go to the null block; it is not attended).
     int all = B * L;
     std::vector<const float*> parts(3 * static_cast<size_t>(all));
-    for (int r = 0, c = 0; r < all; r++) {
-      if (padded) {
-        if (c < rows && real[c] == r) c++;
-        else if (c == 0 || real[c - 1] / L != r / L) throw std::runtime_error("decoder_layer: a row without a real position");
+    for (int b = 0; b < B; b++)
+      for (int j = 0; j < L; j++) {
+        int r = b * L + j;
+        const float* row = qkv.data() + static_cast<size_t>(computed(b, j)) * n_qkv;
+        parts[r] = row, parts[all + r] = row + hd, parts[2 * all + r] = row + hd + KVH * D;
       }
-      const float* row = qkv.data() + static_cast<size_t>(padded ? c - 1 : r) * n_qkv;
-      parts[r] = row, parts[all + r] = row + hd, parts[2 * all + r] = row + hd + KVH * D;
-    }
     attention_step_rows(parts.data(), parts.data() + all, parts.data() + 2 * all, &in[15], B, L, prm.step, attended.data());
     if (padded)
       for (int r = 0; r < rows; r++)
@@ -139,13 +139,10 @@ class DecoderLayerCPU : public CpuPrimitive<DecoderLayerCPU> {
     }
     matmul(3, gated.data(), inter, o);
     for (size_t i = 0; i < h.size(); i++) o[i] = h[i] + o[i];
-    if (padded) {  // scattered back; padding takes its row's last real position's output
-      float* dst = out.data<float>();
-      for (int r = 0, c = 0; r < all; r++) {
-        if (c < rows && real[c] == r) c++;
-        std::memcpy(dst + static_cast<size_t>(r) * dm, o + static_cast<size_t>(c - 1) * dm, dm * sizeof(float));
-      }
-    }
+    if (padded)  // scattered back; padding takes its row's last real position's output
+      for (int b = 0; b < B; b++)
+        for (int j = 0; j < L; j++)
+          std::memcpy(out.data<float>() + static_cast<size_t>(b * L + j) * dm, o + static_cast<size_t>(computed(b, j)) * dm, dm * sizeof(float));
   }
 };
 
