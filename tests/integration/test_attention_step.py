@@ -87,8 +87,11 @@ def _fused_then_apart(model, dtype, width: int, turn_off) -> None:
     logits and the same KV written, bit for bit."""
     prompts = [list(range(7, 7 + n)) for n in (3, 17, 40)]
     kv, storage = _prefilled(model, prompts, 4, dtype)
-    new = [[11, 12, 13][: max(1, width - b)] for b in range(len(prompts))]  # (verify: rows of up to `width` tokens)
+    new = [[11 + i for i in range(max(1, width - b))] for b in range(len(prompts))]  # rows of up to `width` tokens
     tokens = mx.array([row + [0] * (width - len(row)) for row in new])
+    for b, prompt in enumerate(prompts):
+        kv.grow(b, len(prompt) + width)
+    storage.reserve(kv.pool.high_water())
 
     def step(store: PagedKVStorage) -> mx.array:
         batch = PagedBatch(store, [kv.table(b) for b in range(len(prompts))], [len(p) for p in prompts],
@@ -110,7 +113,7 @@ def _fused_then_apart(model, dtype, width: int, turn_off) -> None:
 
 
 @pytest.mark.parametrize("dtype", [None, mx.float16], ids=["float32-pools", "float16-pools"])
-@pytest.mark.parametrize("width", [1, 3], ids=["decode", "verify"])
+@pytest.mark.parametrize("width", [1, 3, 24], ids=["decode", "verify", "prefill"])
 def test_a_fused_step_gives_the_logits_and_kv_of_the_separate_ops(rope_model, steps, monkeypatch, dtype, width):
     layers = len(rope_model.model.layers)
 
@@ -122,7 +125,7 @@ def test_a_fused_step_gives_the_logits_and_kv_of_the_separate_ops(rope_model, st
     assert len(steps) == layers  # (the separate ops ran)
 
 
-def test_wide_prefill_pieces_keep_the_separate_ops_and_narrow_ones_fuse(rope_model, steps):
+def test_prefill_pieces_of_any_width_fuse(rope_model, steps):
     model = rope_model.model
     kv, storage = _prefilled(model, [[1, 2, 3, 4, 5], [6, 7]], 4, None)
     assert steps == []  # (the pools did not exist before this first pass)
@@ -138,10 +141,10 @@ def test_wide_prefill_pieces_keep_the_separate_ops_and_narrow_ones_fuse(rope_mod
             done[b] += width
 
     done = [5, 2]
-    piece(paged_cache.MAX_PAGED_WIDTH + 1)
-    assert steps == []  # wider than the block tables are read for: gathered
+    piece(40)
+    assert len(steps) == len(model.layers)  # a wide piece after held tokens: the fused step
     piece(5)
-    assert len(steps) == len(model.layers)  # a short piece after held tokens: the fused step
+    assert len(steps) == 2 * len(model.layers)
 
 
 def test_an_engine_decodes_the_same_tokens_with_the_fused_step_and_without(rope_model, make_engine, steps, monkeypatch):

@@ -7,13 +7,13 @@ already holds, how many it brings); :meth:`PagedBatch.layers` gives one
 the row's blocks) and ``attend`` (attention through the block tables; the model's backend
 routes its attention there, passing itself: :meth:`~mlx_parallm_provider.models.backends.MLXOps.attend`).
 
-Attention reads each row's blocks. Decoding on the CPU kernels backend, one kernel call
-reads them through the block tables (the backend's ``paged_decode_attention``), for a step
-verifying a few drafts or forced tokens a row, or prefilling a few tokens, too
-(:data:`MAX_PAGED_WIDTH`; each position sees the tokens before it and computes what a
-decode step there would). Elsewhere (longer prefill pieces, Metal, CUDA, kernels off) rows
-are gathered, per length bucket, into a transient rectangle (so a long row never makes
-short rows attend over its length), then attended by the backend's ``dense_attention``.
+Attention reads each row's blocks. On the CPU kernels backend, one kernel call reads them
+through the block tables (the backend's ``paged_decode_attention``) for every pass: a decode
+step, a step verifying drafts or forced tokens, a prefill piece of any width (each position
+sees the tokens before it and computes what a decode step there would). Elsewhere (Metal,
+CUDA, kernels off, sliding windows, attention sinks) rows are gathered, per length bucket,
+into a transient rectangle (so a long row never makes short rows attend over its length),
+then attended by the backend's ``dense_attention``.
 Decoding rows whose tables start with the same cached
 blocks (an agent's system prompt mapped into every table) gather those blocks once: the
 shared prefix is attended as one matmul for all their queries and merged with each row's own
@@ -45,17 +45,12 @@ from .storage import PagedKVStorage
 _MLX_OPS = MLXOps()
 MIN_SHARED_BLOCKS = 4
 """Decoding rows that share at least this many leading blocks attend to them as one cascade."""
-MAX_PAGED_WIDTH = 16
-"""Passes of at most this many tokens a row (verify steps, short prefill pieces) attend
-through the block tables where the backend has a paged kernel: gathering every row's KV for
-them cost 0.3-0.9 s a step with 8 rows over 1,250 cached tokens, and a 12-token prefill
-piece after a 1,243-token cached prefix 153 ms against 68 through the kernel; wider passes
-gather."""
 BUCKET_RATIO = 2
 """Rows attend in buckets whose longest row is at most this many times their shortest."""
 
 TILE_SCORES = 1 << 20
-"""Prefill attends in tiles of queries holding at most this many scores (4 MB in float32).
+"""A gathered prefill (no paged kernel) attends in tiles of queries holding at most this
+many scores (4 MB in float32).
 The softmax's intermediates are each as large as the scores: untiled, a 512-token chunk
 over a 2,000-token row held ~280 MB at once on the default model, three times that row's
 whole KV; in tiles ~80 MB, and the chunk ran faster (12.1 vs 17.7 s for the 2,000 tokens
@@ -79,10 +74,9 @@ class PagedBatch:
         groups: which group's tables and which storage slot each layer uses
             (:class:`.groups.LayerGroups`); None: one group, a slot per layer.
 
-    A pass of at most :data:`MAX_PAGED_WIDTH` tokens a row (a decode step, a step verifying
-    drafts, a short prefill piece after a cached prefix) attends through the block tables
-    where the backend has a paged kernel, each position as a decode step at that position
-    would; a wider one gathers.
+    Every pass (a decode step, a step verifying drafts, a prefill piece) attends through the
+    block tables where the backend has a paged kernel, each position as a decode step at that
+    position would; elsewhere it gathers.
     """
 
     def __init__(self, storage: PagedKVStorage, tables: Sequence[Any], starts: Sequence[int], lengths: Sequence[int], width: int,
@@ -118,13 +112,21 @@ class GroupPass:
         self._buckets: dict[Any, list[_Bucket]] = {}
         self._shared: Optional[list[tuple[list[int], list[int]]]] = None
         longest = max((len(t) for t in tables), default=0)
-        # For the paged decode kernel: block tables padded with the null block, and lengths
-        # (several positions a row: the tokens each sees, padding positions its last one's).
-        paged = width <= MAX_PAGED_WIDTH
-        self.table = mx.array([list(t) + [NULL_BLOCK] * (longest - len(t)) for t in tables], dtype=mx.int32) if paged else None
+        # For the paged decode kernel: block tables padded with the null block.
+        self.table = mx.array([list(t) + [NULL_BLOCK] * (longest - len(t)) for t in tables], dtype=mx.int32)
         self.lengths = batch.lengths
-        self.limits = batch.lengths if width == 1 or not paged else mx.array(
-            [[s + min(j, max(n, 1) - 1) + 1 for j in range(width)] for s, n in zip(starts, lengths)], dtype=mx.int32)
+        self._limits: Optional[mx.array] = batch.lengths if width == 1 else None
+
+    @property
+    def limits(self) -> mx.array:
+        """The tokens each query position sees, ``(B,)`` for one position a row, else ``(B,
+        width)`` (padding positions: their row's last real one's); built on first use (a
+        gathered pass never asks)."""
+        if self._limits is None:
+            _, starts, lengths = self._rows
+            self._limits = mx.array([[s + min(j, max(n, 1) - 1) + 1 for j in range(self.width)] for s, n in zip(starts, lengths)],
+                                    dtype=mx.int32)
+        return self._limits
 
     def buckets(self, window: Optional[int] = None) -> list["_Bucket"]:
         """Rows grouped by the length they attend over, each with its slots and mask, for
@@ -293,10 +295,10 @@ class PagedLayerCache:
 
     def can_attend_step(self, heads: int, width: int) -> bool:
         """Whether :meth:`attend_step` takes this layer's step of ``heads`` query heads and
-        ``width`` positions a row: rows attended through the block tables (a decode or
-        verify step, no sliding window), pools the kernel reads."""
+        ``width`` positions a row: rows attended through the block tables (no sliding window),
+        pools the kernel reads."""
         batch, pool = self.batch, self.batch.storage.keys[self.layer]
-        return (batch.table is not None and self.window is None and width == batch.width and pool is not None
+        return (self.window is None and width == batch.width and pool is not None
                 and not batch.batch.gathered and fits_step(heads, pool))
 
     def step_inputs(self) -> tuple[Any, ...]:
@@ -333,12 +335,12 @@ class PagedLayerCache:
         attention ``sinks``, which the kernel does not take)."""
         backend = backend or _MLX_OPS
         batch, storage = self.batch, self.batch.storage
-        if batch.table is not None and self.window is None and sinks is None:
+        if self.window is None and sinks is None:
             out = backend.paged_decode_attention(queries, storage.keys[self.layer], storage.values[self.layer], batch.table,
                                                    batch.limits, storage.block_size, scale)
             if out is not None:
                 return out
-        cascade = batch.width == 1 and batch.table is not None and self.window is None and sinks is None and batch.shared()
+        cascade = batch.width == 1 and self.window is None and sinks is None and batch.shared()
         outs = []
         buckets = self.batch.own_buckets() if cascade else self.batch.buckets(self.window)
         prefixes = [(self._prefix(blocks), rows) for blocks, rows in batch.shared()] if cascade else []
