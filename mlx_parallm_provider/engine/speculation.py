@@ -21,8 +21,12 @@ no logprobs asked. The worker speculates in a step only when
 every running row does and the batch is small (a large batch is compute-bound, and drafts
 would only add work), and only as many drafts as pay: :meth:`NgramSpeculator.plan` picks
 the number ``k`` that maximises expected tokens per second, from the measured time of a
-step of each width at this batch size and the measured acceptance rate (a width not yet
+step of each width at this batch size and each row's own acceptance rate (a width not yet
 measured is tried once; the measures are forgotten every :data:`REMEASURE_STEPS` steps).
+Acceptance is kept per row: a row whose recent drafts were rejected (below
+:data:`MIN_ROW_ACCEPTANCE`) proposes none, and every match it finds meanwhile draws its rate
+back towards :data:`ROW_PRIOR` (:data:`RELAX`), so it tries again now and then; other rows,
+and rows that arrive later, are not held back by it.
 """
 
 from __future__ import annotations
@@ -45,6 +49,16 @@ REMEASURE_STEPS = 256
 
 SMOOTHING = 0.2
 """Weight of the newest sample in the moving averages of step times and acceptance."""
+
+ROW_PRIOR = 0.5
+"""A new row's acceptance rate (of one draft token), before any of its drafts is verified."""
+
+MIN_ROW_ACCEPTANCE = 0.2
+"""A row whose acceptance rate is below this proposes no drafts (its lookups only relax it)."""
+
+RELAX = 1 / 32
+"""How far each lookup match draws a row's acceptance rate back towards :data:`ROW_PRIOR`:
+a row held back by rejections tries again after ~10 matches."""
 
 
 class NgramIndex:
@@ -173,7 +187,17 @@ class NgramSpeculator:
         self.stats = SpeculationStats()
         self.times = StepTimes() if times is None else times
         self._index: dict[int, NgramIndex] = {}
-        self._acceptance = 0.5  # of one draft token, a moving average
+        self._acceptance: dict[int, float] = {}  # per row, of one draft token: a moving average
+
+    def acceptance(self, request: Any) -> float:
+        """``request``'s acceptance rate of one draft token (:data:`ROW_PRIOR` until verified)."""
+        return self._acceptance.get(id(request), ROW_PRIOR)
+
+    def record_acceptance(self, request: Any, drafted: int, accepted: int) -> None:
+        """A verify step kept ``accepted`` of ``request``'s ``drafted`` drafts."""
+        if drafted:  # per draft token: accepted / tried (a rejection ends the row's tries)
+            rate = self.acceptance(request)
+            self._acceptance[id(request)] = rate + SMOOTHING * (accepted / min(drafted, accepted + 1) - rate)
 
     def draft(self, request: Any) -> None:
         """Set ``request.draft`` for its next step (after it took its latest token)."""
@@ -181,7 +205,11 @@ class NgramSpeculator:
             request.draft = []  # (a constrained row's index stays: fast-forward looks up in it)
             return
         left = request.params.max_tokens - len(request.output_ids) - 1  # the step emits one token besides
-        request.draft = self.lookup(request, min(self.k, left))
+        draft = self.lookup(request, min(self.k, left))
+        rate = self.acceptance(request)
+        if draft and rate < ROW_PRIOR:
+            self._acceptance[id(request)] = rate = rate + RELAX * (ROW_PRIOR - rate)
+        request.draft = draft if rate >= MIN_ROW_ACCEPTANCE else []
 
     def lookup(self, request: Any, k: int) -> list[int]:
         """Up to ``k`` tokens that followed the latest earlier occurrence of ``request``'s
@@ -205,8 +233,9 @@ class NgramSpeculator:
                 request.draft = []
 
     def forget(self, request: Any) -> None:
-        """Drop a finished or preempted request's index."""
+        """Drop a finished or preempted request's index and acceptance."""
         self._index.pop(id(request), None)
+        self._acceptance.pop(id(request), None)
         request.draft = []
 
     def plan(self, rows: Sequence[Any]) -> int:
@@ -214,14 +243,16 @@ class NgramSpeculator:
         speculate, one with a draft, and the ``k`` expected to give most tokens a second."""
         if not (0 < len(rows) <= self.max_batch and any(r.draft for r in rows) and all(can_speculate(r) for r in rows)):
             return 0
-        n, a = len(rows), min(self._acceptance, 0.999)
+        n = len(rows)
         plain = self.times.get(n, 0)
         if plain is None:
             return 0  # measure a plain step first
         lengths = [len(r.draft) for r in rows]
+        rates = [min(self.acceptance(r), 0.999) for r in rows]
         best, best_rate = 0, n / plain
         for k in range(1, min(self.k, max(lengths)) + 1):
-            tokens = n + sum(a * (1 - a ** min(d, k)) / (1 - a) for d in lengths)  # expected: accepted drafts + one chosen a row
+            # expected: each row's accepted drafts + the one token it chooses
+            tokens = n + sum(a * (1 - a ** min(d, k)) / (1 - a) for a, d in zip(rates, lengths))
             seconds = self.times.estimate(n, self.times.width(lengths, k))
             rate = tokens / (seconds or plain)  # nothing known: as cheap as a plain step, so tried once
             if rate > best_rate:
@@ -255,8 +286,7 @@ class NgramSpeculator:
             self.stats.drafted += len(draft)
             self.stats.accepted += n
             self.stats.emitted += n + 1
-            if draft:  # acceptance per draft token: accepted / tried (a rejection ends the row's tries)
-                self._acceptance += SMOOTHING * (n / min(len(draft), n + 1) - self._acceptance)
+            self.record_acceptance(rows[i], len(draft), n)
         self.stats.steps += 1
         return emitted
 

@@ -86,3 +86,47 @@ def test_a_rows_drafts_come_from_its_whole_prompt_and_output_as_they_grow() -> N
         assert spec._index[id(row)].tokens == row.prompt_ids + row.output_ids  # noqa: SLF001
         assert row.draft == _reference(row.prompt_ids + row.output_ids, 3)
     assert row.draft == [5, 1, 2]  # "1 2" last ended before the 5 of the output
+
+
+def _looking_up(tokens: list[int]) -> _Row:
+    """A row whose prompt ends with a repeat of its start: its lookups always find a draft."""
+    row = _Row([])
+    row.prompt_ids, row.output_ids, row.finished = tokens + tokens[:3], [], False
+    row.params.max_tokens = 100
+    return row
+
+
+def test_a_row_whose_drafts_are_rejected_stops_drafting_and_holds_back_no_other_row() -> None:
+    spec = NgramSpeculator(k=4, max_batch=8)
+    spec.times.record(1, 0, 0.100)
+    for k in (1, 2, 3, 4):
+        spec.times.record(1, k, 0.100 + 0.005 * k)
+    bad, good = _looking_up([5, 6, 7, 8, 9, 10]), _looking_up([1, 2, 3, 4])
+    spec.draft(bad)
+    assert bad.draft and spec.plan([bad]) > 0  # a new row's drafts are tried
+    for _ in range(8):
+        spec.record_acceptance(bad, len(bad.draft) or 4, 0)  # every draft rejected
+    spec.draft(bad)
+    assert bad.draft == [] and spec.plan([bad]) == 0  # it proposes none now
+    spec.draft(good)
+    assert good.draft and spec.plan([good]) > 0  # a later row is tried as a new one
+    tries = 0
+    while not bad.draft:  # its lookups still match: each draws it back towards the prior
+        spec.draft(bad)
+        tries += 1
+    assert 5 <= tries <= 40 and spec.plan([bad]) > 0  # so it tries again, after a while
+    spec.forget(bad)
+    assert spec.acceptance(bad) == spec.acceptance(_Row([]))  # (ids may be reused: nothing stays)
+
+
+def test_a_row_that_keeps_its_drafts_is_planned_with_more_than_a_new_rows_rate() -> None:
+    spec = NgramSpeculator(k=4, max_batch=8)
+    spec.times.record(1, 0, 0.100)
+    for k in (1, 2, 3, 4):
+        spec.times.record(1, k, 0.100 * (1 + 0.6 * k))  # drafts cost: only likely ones pay
+    row = _looking_up([1, 2, 3, 4])
+    spec.draft(row)
+    assert spec.plan([row]) == 0  # at the prior rate (0.5) no width pays
+    for _ in range(10):
+        spec.record_acceptance(row, 4, 4)
+    assert spec.plan([row]) > 0
