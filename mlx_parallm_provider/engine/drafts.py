@@ -30,7 +30,7 @@ class Drafts:
         """The drafts ``config`` asks for, or None when neither kind is on."""
         times = StepTimes()
         ngram = speculator_for(config, times)
-        forward = fast_forward_for(config, times, ngram.lookup if ngram is not None else None)
+        forward = fast_forward_for(config, times, ngram)
         return None if ngram is None and forward is None else cls(ngram, forward, times)
 
     def decode(self, runner: Any, rows: Sequence[Any]) -> Optional[tuple[list[list[SampledRow]], int]]:

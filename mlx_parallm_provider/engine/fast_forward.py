@@ -28,20 +28,21 @@ pay: a large compute-bound batch decodes plainly.
 With n-gram speculation on (``speculative="ngram"``), a constrained row that nothing forces
 drafts from its prompt + output instead (the speculator's lookup), cut to what its grammar
 accepts: verified the same way, so its output stays what it would be; such drafts are
-accepted less often, so they plan by their own acceptance rate.
+accepted less often, so they plan by the row's own lookup acceptance rate, kept by the
+speculator (:meth:`~.speculation.NgramSpeculator.acceptance`).
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import mlx.core as mx
 
 from .guided import fill_bitmask, only_tokens
 from .sampling import SampledRow, sample_batch, sample_requests
-from .speculation import StepTimes
+from .speculation import NgramSpeculator, StepTimes
 
 logger = logging.getLogger(__name__)
 
@@ -81,17 +82,16 @@ class FastForward:
         max_batch: fast-forward only while at most this many rows decode.
         times: the measured step times (shared with the n-gram speculator).
         limit: most forced tokens a row verifies a step.
-        lookup: ``(request, k) -> tokens``, the n-gram speculator's drafts, for rows nothing
+        lookup: the n-gram speculator, whose drafts (and per-row acceptance) serve rows nothing
             forces (None: they draft nothing); ``lookup_limit`` of them at most.
     """
 
     def __init__(self, max_batch: int, times: StepTimes, limit: int = MAX_FORCED,
-                 lookup: Optional[Callable[[Any, int], list[int]]] = None, lookup_limit: int = 0) -> None:
+                 lookup: Optional[NgramSpeculator] = None, lookup_limit: int = 0) -> None:
         self.max_batch, self.times, self.limit = max_batch, times, limit
         self.lookup, self.lookup_limit = lookup, lookup_limit
         self.stats = FastForwardStats()
         self._acceptance = 0.9  # of one forced token, a moving average (forced tokens are mostly the mask's only one)
-        self._lookup_acceptance = 0.5  # of one looked-up token
         self._looked_up: set[int] = set()  # the rows whose drafts are looked up, not forced
 
     def draft_all(self, rows: Sequence[Any]) -> None:
@@ -107,7 +107,7 @@ class FastForward:
             try:
                 request.draft = matcher.forced(min(self.limit, left)) if few else []
                 if few and not request.draft and self.lookup is not None and left > 0:
-                    request.draft = matcher.allowed_prefix(self.lookup(request, min(self.lookup_limit, left)))
+                    request.draft = matcher.allowed_prefix(self.lookup.propose(request, min(self.lookup_limit, left)))
                     if request.draft:
                         self._looked_up.add(id(request))
             except Exception:  # the next plain step's mask reports the matcher's fault, for this row alone
@@ -136,7 +136,8 @@ class FastForward:
 
     def _rate_of(self, request: Any) -> float:
         """The acceptance rate ``request``'s draft plans by (forced or looked up)."""
-        return min(self._lookup_acceptance if id(request) in self._looked_up else self._acceptance, 0.999)
+        looked_up = self.lookup is not None and id(request) in self._looked_up
+        return min(self.lookup.acceptance(request) if looked_up else self._acceptance, 0.999)
 
     def verify(self, runner: Any, rows: Sequence[Any], k: int) -> list[list[SampledRow]]:
         """One forward over each row's last token and its first ``k`` forced tokens (rows
@@ -172,15 +173,14 @@ class FastForward:
         kept = sum(1 for got, want in zip(out, draft) if got.error is None and got.token == want)
         self.stats.row_steps += 1
         self.stats.emitted += len(out)
-        rate = kept / min(len(draft), kept + 1)
-        if id(request) in self._looked_up:
+        if self.lookup is not None and id(request) in self._looked_up:
             self.stats.looked_up += len(draft)
             self.stats.looked_up_accepted += kept
-            self._lookup_acceptance += 0.2 * (rate - self._lookup_acceptance)
+            self.lookup.record_acceptance(request, len(draft), kept)
         else:
             self.stats.forced += len(draft)
             self.stats.accepted += kept
-            self._acceptance += 0.2 * (rate - self._acceptance)
+            self._acceptance += 0.2 * (kept / min(len(draft), kept + 1) - self._acceptance)
         return out
 
 
@@ -240,9 +240,9 @@ class _Walk:
         return self.out
 
 
-def fast_forward_for(config: Any, times: StepTimes, lookup: Optional[Callable[[Any, int], list[int]]] = None) -> "FastForward | None":
-    """The engine's fast-forward, or None when off; ``lookup``: the n-gram speculator's,
-    for constrained rows nothing forces."""
+def fast_forward_for(config: Any, times: StepTimes, lookup: Optional[NgramSpeculator] = None) -> "FastForward | None":
+    """The engine's fast-forward, or None when off; ``lookup``: the n-gram speculator, for
+    constrained rows nothing forces."""
     if not getattr(config, "grammar_fast_forward", False):
         return None
     return FastForward(config.speculative_max_batch, times, lookup=lookup, lookup_limit=config.num_speculative_tokens)

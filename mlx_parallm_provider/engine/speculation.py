@@ -205,11 +205,16 @@ class NgramSpeculator:
             request.draft = []  # (a constrained row's index stays: fast-forward looks up in it)
             return
         left = request.params.max_tokens - len(request.output_ids) - 1  # the step emits one token besides
-        draft = self.lookup(request, min(self.k, left))
+        request.draft = self.propose(request, min(self.k, left))
+
+    def propose(self, request: Any, k: int) -> list[int]:
+        """:meth:`lookup`'s drafts where ``request``'s acceptance rate is at least
+        :data:`MIN_ROW_ACCEPTANCE`, else none (a match found then relaxes the rate)."""
+        draft = self.lookup(request, k)
         rate = self.acceptance(request)
         if draft and rate < ROW_PRIOR:
             self._acceptance[id(request)] = rate = rate + RELAX * (ROW_PRIOR - rate)
-        request.draft = draft if rate >= MIN_ROW_ACCEPTANCE else []
+        return draft if rate >= MIN_ROW_ACCEPTANCE else []
 
     def lookup(self, request: Any, k: int) -> list[int]:
         """Up to ``k`` tokens that followed the latest earlier occurrence of ``request``'s

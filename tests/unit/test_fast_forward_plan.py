@@ -87,3 +87,42 @@ def test_ragged_steps_are_measured_by_their_rows_mean_draft() -> None:
     times.ragged = True
     assert times.width([10, 10, 0, 0, 0, 0, 0, 0], 10) == 3 and times.width([10, 10, 0, 0, 0, 0, 0, 0], 4) == 1
     assert ff.plan(rows) == 10
+
+
+class _Matcher:
+    """A grammar that forces nothing and accepts any looked-up tokens."""
+
+    def forced(self, limit: int) -> list[int]:
+        return []
+
+    def allowed_prefix(self, tokens: list[int]) -> list[int]:
+        return tokens
+
+
+def _looking_up(tokens: list[int]) -> SimpleNamespace:
+    """A constrained row whose prompt ends with a repeat of its start (its lookups find a draft)."""
+    sampler = SimpleNamespace(matcher=_Matcher(), processors=[])
+    return SimpleNamespace(draft=[], state=SimpleNamespace(sampler=sampler), params=SimpleNamespace(max_tokens=50, logprobs=False),
+                           prompt_ids=tokens + tokens[:3], output_ids=[], finished=False, request_id="r")
+
+
+def test_looked_up_drafts_plan_by_their_rows_own_acceptance() -> None:
+    from mlx_parallm_provider.engine.speculation import NgramSpeculator
+
+    times = StepTimes()
+    ngram = NgramSpeculator(k=4, max_batch=8, times=times)
+    ff = FastForward(max_batch=8, times=times, lookup=ngram, lookup_limit=4)
+    times.record(1, 0, 0.100)
+    for k in (1, 2, 3, 4):
+        times.record(1, k, 0.100 + 0.005 * k)
+    bad, fresh = _looking_up([5, 6, 7, 8, 9]), _looking_up([1, 2, 3, 4])
+    ff.draft_all([bad])
+    assert bad.draft and ff.plan([bad]) > 0
+    drafted = len(bad.draft)
+    for _ in range(8):  # every looked-up draft rejected
+        ff._count(bad, bad.draft, [SimpleNamespace(token=-1, error=None)])  # noqa: SLF001
+    ff.draft_all([bad])
+    assert bad.draft == [] and ff.plan([bad]) == 0  # it looks up no drafts now
+    ff.draft_all([fresh])
+    assert fresh.draft and ff.plan([fresh]) > 0  # a later row is not held back by it
+    assert ff.stats.as_dict()["lookup_tokens"] == 8 * drafted and ff.stats.as_dict()["lookup_accepted_tokens"] == 0
