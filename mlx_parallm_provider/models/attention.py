@@ -92,7 +92,7 @@ def decode_attention(
 
 def paged_decode_attention(
     queries: mx.array, k_pool: mx.array, v_pool: mx.array, table: mx.array, lengths: mx.array, block_size: int, scale: float,
-    threads: int = 1,
+    threads: int = 1, window: Optional[int] = None,
 ) -> Optional[mx.array]:
     """Attention over paged KV through the MLX extension's CPU kernel on ``threads`` threads,
     or None where it does not apply (as :func:`decode_attention`, float32 or float16 pools
@@ -102,7 +102,9 @@ def paged_decode_attention(
     ``table`` ``(B, M)`` int32 block ids; ``lengths`` ``(B,)`` int32, each row's tokens (L =
     1; see :mod:`..engine.kv.storage`), or ``(B, L)``: the tokens each query position sees
     (a verify step's positions, each computed as it would be alone, a row's blocks read once
-    for all of them); the pools float32, or float16 (widened as the kernel reads them)."""
+    for all of them); the pools float32, or float16 (widened as the kernel reads them);
+    ``window``: each position sees only the last ``window`` of its tokens (a sliding-window
+    layer; None: all)."""
     _, heads, L, D = queries.shape
     if not _fits_heads(heads, D, k_pool.shape[1]) or (L > 1 and lengths.ndim != 2):
         return None
@@ -113,6 +115,10 @@ def paged_decode_attention(
         return None
     if (L > 1 and not getattr(ext, "paged_positions", False)) or (k_pool.dtype == mx.float16 and not getattr(ext, "paged_float16_pools", False)):
         return None
+    if window is not None:
+        if not getattr(ext, "paged_windows", False) or window < 1:
+            return None
+        return ext.paged_decode_attention(queries, k_pool, v_pool, table, lengths, block_size, scale, threads, window).astype(queries.dtype)
     out = ext.paged_decode_attention(queries, k_pool, v_pool, table, lengths, block_size, scale, threads)
     return out.astype(queries.dtype)
 

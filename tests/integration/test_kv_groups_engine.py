@@ -40,7 +40,32 @@ def _prompts(n: int) -> list[list[int]]:
     return [[1] + [rng.randrange(3, 1000) for _ in range(10 + 7 * i)] for i in range(n)]
 
 
+def _windowed_kernel_calls(monkeypatch) -> list[bool]:
+    """Whether each call of the paged kernel for a sliding-window layer ran it (not None)."""
+    from mlx_parallm_provider.models import attention
+
+    ran: list[bool] = []
+    kernel = attention.paged_decode_attention
+
+    def counted(*args, **kwargs):
+        out = kernel(*args, **kwargs)
+        if kwargs.get("window", args[8] if len(args) > 8 else None) is not None:
+            ran.append(out is not None)
+        return out
+
+    monkeypatch.setattr(attention, "paged_decode_attention", counted)
+    return ran
+
+
+def _has_window_kernel(loaded) -> bool:
+    from mlx_parallm_provider.models import backends, qmatmul_ext
+
+    ext = qmatmul_ext.load()
+    return backends.of(loaded.model).kernels and ext is not None and getattr(ext, "paged_windows", False)
+
+
 def test_local_groups_release_their_blocks_and_tokens_match_mlx_lm(gemma3, monkeypatch) -> None:
+    windowed = _windowed_kernel_calls(monkeypatch)
     engines = []
 
     def engine(**config) -> Engine:
@@ -72,6 +97,8 @@ def test_local_groups_release_their_blocks_and_tokens_match_mlx_lm(gemma3, monke
         assert single.generate_sync(prompts[2], LONG).token_ids == expected[2]
         assert single._worker.paged.groups is None and single._worker.kv.windows == [None]
         assert grouped_bytes < 0.6 * single.stats()["kv_cache"]["kv_cache_bytes"]
+        if _has_window_kernel(gemma3):  # the local layers' prefill and decode went through the block tables
+            assert windowed and all(windowed)
     finally:
         for e in engines:
             e.shutdown()

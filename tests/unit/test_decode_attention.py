@@ -280,3 +280,38 @@ def test_paged_kernel_on_several_threads_computes_what_one_does(rows: int, conte
     for _ in range(3):
         two = CPUKernels(attention_threads=2).paged_decode_attention(q, k_pool, v_pool, table, limits, bs, 0.125)
         assert mx.array_equal(one, two).item()
+
+
+@pytest.mark.parametrize("window, threads", [(8, 1), (8, 2), (70, 1), (70, 2), (200, 2)])
+def test_paged_kernel_with_a_window_attends_each_positions_last_tokens_as_alone(window: int, threads: int):
+    """A sliding-window layer's pass (a prefill piece of 40 positions a row, whose windows
+    start in different 64-position tiles): position j sees only the last ``window`` of its
+    tokens, each computed as a one-position call computes it, and as attention over exactly
+    those tokens gathered does; the blocks wholly before every window may be the null block
+    (released), never read."""
+    _extension()
+    mx.random.seed(11)
+    bs, kv_heads, heads, D, L = 4, 3, 9, 32, 40
+    k_pool, v_pool = mx.random.normal((130 * bs, kv_heads, D)), mx.random.normal((130 * bs, kv_heads, D))
+    starts = [50, 0, 130]  # tokens held before the piece
+    tables = [list(range(1 + 40 * b, 1 + 40 * b + -(-(s + L) // bs))) for b, s in enumerate(starts)]
+    first_needed = [max(0, s + 1 - window) // bs for s in starts]  # blocks before every window of the row: released
+    tables = [[0 if i < f else blk for i, blk in enumerate(t)] for t, f in zip(tables, first_needed)]
+    width = max(map(len, tables))
+    table = mx.array([t + [0] * (width - len(t)) for t in tables], dtype=mx.int32)
+    limits = mx.array([[s + j + 1 for j in range(L)] for s in starts], dtype=mx.int32)
+    q = mx.random.normal((3, heads, L, D))
+    kernels = CPUKernels(attention_threads=threads)
+    out = kernels.paged_decode_attention(q, k_pool, v_pool, table, limits, bs, 0.125, window=window)
+    assert out is not None and out.shape == q.shape
+    for b, s in enumerate(starts):
+        for j in range(L):
+            one = kernels.paged_decode_attention(q[b : b + 1, :, j : j + 1], k_pool, v_pool, table[b : b + 1],
+                                                 mx.array([s + j + 1], dtype=mx.int32), bs, 0.125, window=window)
+            assert mx.array_equal(out[b : b + 1, :, j : j + 1], one).item(), (b, j)
+            seen = range(max(0, s + j + 1 - window), s + j + 1)
+            slots = mx.array([tables[b][i // bs] * bs + i % bs for i in seen])
+            k, v = k_pool[slots].swapaxes(0, 1)[None], v_pool[slots].swapaxes(0, 1)[None]
+            expected = mx.fast.scaled_dot_product_attention(q[b : b + 1, :, j : j + 1], k, v, scale=0.125)
+            assert mx.allclose(out[b : b + 1, :, j : j + 1], expected, atol=1e-5).item(), (b, j)
+    assert MLXOps().paged_decode_attention(q, k_pool, v_pool, table, limits, bs, 0.125, window=window) is None

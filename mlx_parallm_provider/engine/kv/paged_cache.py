@@ -11,16 +11,16 @@ Attention reads each row's blocks. On the CPU kernels backend, one kernel call r
 through the block tables (the backend's ``paged_decode_attention``) for every pass: a decode
 step, a step verifying drafts or forced tokens, a prefill piece of any width (each position
 sees the tokens before it and computes what a decode step there would). Elsewhere (Metal,
-CUDA, kernels off, sliding windows, attention sinks) rows are gathered, per length bucket,
+CUDA, kernels off, attention sinks) rows are gathered, per length bucket,
 into a transient rectangle (so a long row never makes short rows attend over its length),
 then attended by the backend's ``dense_attention``.
 Decoding rows whose tables start with the same cached
 blocks (an agent's system prompt mapped into every table) gather those blocks once: the
 shared prefix is attended as one matmul for all their queries and merged with each row's own
 tokens by log-sum-exp (cascade attention, :func:`..cascade.cascade_attention`). A layer
-with a sliding window (gemma3's local layers) gathers only the tokens its queries can see:
-the last ``window`` before each query, as mlx-lm's ``RotatingKVCache`` and its windowed mask
-give them. A model that computes
+with a sliding window (gemma3's local layers) attends only to the tokens its queries can
+see: the last ``window`` before each query, as mlx-lm's ``RotatingKVCache`` and its windowed
+mask give them (the kernel skips the rest; gathering takes only those). A model that computes
 attention itself (``gathered``: gemma2's softcapped scores) gets every row's keys and values
 from ``update_and_fetch``, gathered layer by layer into one transient rectangle, and their
 mask from ``make_mask``, as mlx-lm's batch cache gives them. Nothing outlives the pass but
@@ -330,14 +330,14 @@ class PagedLayerCache:
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Optional[Any],
                backend: Optional[MLXOps] = None, sinks: Optional[mx.array] = None) -> mx.array:
         """Attention of ``queries`` (B, heads, L, D) over each row's blocks by ``backend``
-        (the model's; None: MLX's ops): one kernel call through the block tables when
-        decoding where it has one, else per bucket over gathered blocks (always with
-        attention ``sinks``, which the kernel does not take)."""
+        (the model's; None: MLX's ops): one kernel call through the block tables where it
+        has one (a sliding-window layer's too), else per bucket over gathered blocks (always
+        with attention ``sinks``, which the kernel does not take)."""
         backend = backend or _MLX_OPS
         batch, storage = self.batch, self.batch.storage
-        if self.window is None and sinks is None:
+        if sinks is None:
             out = backend.paged_decode_attention(queries, storage.keys[self.layer], storage.values[self.layer], batch.table,
-                                                   batch.limits, storage.block_size, scale)
+                                                   batch.limits, storage.block_size, scale, window=self.window)
             if out is not None:
                 return out
         cascade = batch.width == 1 and self.window is None and sinks is None and batch.shared()

@@ -98,9 +98,11 @@ class CPUKernels(MLXOps):
         return attention.decode_attention(queries, keys, values, scale, mask, self.attention_threads)
 
     def paged_decode_attention(
-        self, queries: mx.array, k_pool: mx.array, v_pool: mx.array, table: mx.array, lengths: mx.array, block_size: int, scale: float
+        self, queries: mx.array, k_pool: mx.array, v_pool: mx.array, table: mx.array, lengths: mx.array, block_size: int, scale: float,
+        window: Optional[int] = None,
     ) -> Optional[mx.array]:
-        return attention.paged_decode_attention(queries, k_pool, v_pool, table, lengths, block_size, scale, self.attention_threads)
+        return attention.paged_decode_attention(queries, k_pool, v_pool, table, lengths, block_size, scale, self.attention_threads,
+                                                window)
 
     def steps_attention(self, rope: Any) -> bool:
         return getattr(rope, "inv_freq", None) is not None and attention.has_attention_step()

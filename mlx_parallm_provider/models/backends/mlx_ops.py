@@ -60,10 +60,12 @@ class MLXOps:
         return None
 
     def paged_decode_attention(
-        self, queries: mx.array, k_pool: mx.array, v_pool: mx.array, table: mx.array, lengths: mx.array, block_size: int, scale: float
+        self, queries: mx.array, k_pool: mx.array, v_pool: mx.array, table: mx.array, lengths: mx.array, block_size: int, scale: float,
+        window: Optional[int] = None,
     ) -> Optional[mx.array]:
-        """One query position per row over paged KV through a fused kernel, or None: the
-        caller gathers the rows' blocks (see :func:`..attention.paged_decode_attention`)."""
+        """Attention over paged KV through a fused kernel (a sliding ``window``: each position
+        sees its last ``window`` tokens), or None: the caller gathers the rows' blocks (see
+        :func:`..attention.paged_decode_attention`)."""
         return None
 
     def steps_attention(self, rope: Any) -> bool:

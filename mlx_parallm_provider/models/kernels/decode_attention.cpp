@@ -132,6 +132,7 @@ struct SegmentOf {
   const float* add;     // additive mask per position, or null
   const int64_t* at = nullptr;  // per position, its offset from k and v (paged KV), or null (pos * stride)
   const int* limit = nullptr;   // per query row, how many positions it sees (its later ones score -inf), or null
+  const int* first = nullptr;   // per query row, its first position seen (a sliding window: earlier ones score -inf), or null
 
   const T* key(int pos) const { return k + (at ? at[pos] : pos * k_stride); }
   const T* value(int pos) const { return v + (at ? at[pos] : pos * v_stride); }
@@ -192,7 +193,10 @@ struct Accumulator {
         v16f most = load(score[r]);
         for (int j = 16; j < kBlock; j += 16) most = vmax(most, load(score[r] + j));
         float top = std::max(max[r], hmax(most));
-        if (top == kNegInf) continue;  // every score masked so far
+        if (top == kNegInf) {  // every score masked so far (a window starting later): the tile adds nothing
+          for (int j = 0; j < kBlock; j += 16) store(score[r] + j, v16f{});
+          continue;
+        }
         float rescale = std::exp(max[r] - top);
         max[r] = top;
         v16f total = v16f{};
@@ -239,7 +243,8 @@ struct Accumulator {
         for (int r = 0; r < heads; r++) dot[r] += load(q[r] + d) * kd;
       }
       float bias = s.add ? s.add[pos] : 0.0f;
-      for (int r = 0; r < heads; r++) score[r][j] = s.limit && pos >= s.limit[r] ? kNegInf : hsum(dot[r]) + bias;
+      for (int r = 0; r < heads; r++)
+        score[r][j] = (s.limit && pos >= s.limit[r]) || (s.first && pos < s.first[r]) ? kNegInf : hsum(dot[r]) + bias;
     }
     return any;
   }
@@ -277,6 +282,10 @@ struct Accumulator {
         if (s.limit) {  // positions at or past the row's limit score -inf
           int last = s.limit[r] - (start + j0);
           seen &= last <= 0 ? 0 : last >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << last) - 1);
+        }
+        if (s.first) {  // and those before its window's first
+          int before = s.first[r] - (start + j0);
+          seen &= before <= 0 ? 0xFFFF : before >= 16 ? 0 : static_cast<__mmask16>(~((1u << before) - 1));
         }
         // (+ 0.0f as the one-position loop adds its absent mask's bias: -0.0 becomes +0.0)
         __m512 sums = _mm512_add_ps(lane_sums16(dots), _mm512_setzero_ps());
@@ -319,7 +328,7 @@ struct Accumulator {
         _mm256_storeu_ps(score[r] + j0, lane_sums8(dots));
         for (int jj = 0; jj < 8; jj++) {
           int pos = start + j0 + jj;
-          bool masked = jj >= count || (s.keep && !s.keep[pos]) || (s.limit && pos >= s.limit[r]);
+          bool masked = jj >= count || (s.keep && !s.keep[pos]) || (s.limit && pos >= s.limit[r]) || (s.first && pos < s.first[r]);
           score[r][j0 + jj] = masked ? kNegInf : score[r][j0 + jj] + (s.add ? s.add[pos] : 0.0f);
         }
       }
@@ -466,10 +475,14 @@ struct QueryLayout {
 };
 
 // Attention of B rows' L query positions (H heads of D) over their blocks `table` (B, M) in
-// the pools (slots, KVH, D); position j of row b sees the first limits[b * L + j] tokens.
+// the pools (slots, KVH, D); position j of row b sees the first limits[b * L + j] tokens, or
+// with a sliding `window` (> 0) the last `window` of them (a window's earlier blocks may be
+// released: their table entries are never read). A pass's tiles start at a multiple of kBlock
+// (the first holding a position some query of the pass sees), so each position's sums are
+// those it has alone.
 template <class T>
 void paged_attend(const T* kp, const T* vp, int64_t slots, int KVH, const int32_t* table, int M, const int32_t* limits,
-                  const QueryLayout& io, int B, int H, int L, int D, float scale, int bs, int threads) {
+                  const QueryLayout& io, int B, int H, int L, int D, float scale, int bs, int threads, int window = 0) {
   int group = H / KVH;
   int64_t slot_stride = static_cast<int64_t>(KVH) * D;
   // Each row's real positions: a right-padded pass's padding repeats its row's last limit
@@ -479,7 +492,10 @@ void paged_attend(const T* kp, const T* vp, int64_t slots, int KVH, const int32_
   for (int b = 0; b < B; b++) real[b] = real_positions(limits + static_cast<int64_t>(b) * L, L);
   int64_t work = 0;  // (key position, KV head) pairs, a position's keys counted once per query position
   for (int b = 0; b < B; b++)
-    for (int j = 0; j < real[b]; j++) work += std::min<int64_t>(limits[static_cast<int64_t>(b) * L + j], static_cast<int64_t>(M) * bs) * KVH;
+    for (int j = 0; j < real[b]; j++) {
+      int64_t seen = std::min<int64_t>(limits[static_cast<int64_t>(b) * L + j], static_cast<int64_t>(M) * bs);
+      work += (window > 0 ? std::min<int64_t>(seen, window) : seen) * KVH;
+    }
   auto at_of = [&](int b, int h, int j) { return b * io.row + h * io.head + j * io.position; };
   // One item per pass of a row's query positions (at most kMaxGroup query rows a KV head), its
   // KV heads side by side a tile of positions at a time: a slot holds every head's K (then V)
@@ -511,12 +527,16 @@ void paged_attend(const T* kp, const T* vp, int64_t slots, int KVH, const int32_
     int j0 = item / parts % passes * per_pass;
     int j1 = std::min(real[b], j0 + per_pass), rows = (j1 - j0) * group;
     if (rows <= 0) return;
-    int limit[kMaxGroup], len = 0;
+    int limit[kMaxGroup], first[kMaxGroup], len = 0, lowest = std::numeric_limits<int>::max();
     for (int j = j0; j < j1; j++)
       for (int r = 0; r < group; r++) {
-        limit[(j - j0) * group + r] = std::min(limits[static_cast<int64_t>(b) * L + j], M * bs);
-        len = std::max(len, limit[(j - j0) * group + r]);
+        int i = (j - j0) * group + r;
+        limit[i] = std::min(limits[static_cast<int64_t>(b) * L + j], M * bs);
+        first[i] = window > 0 ? std::max(0, limits[static_cast<int64_t>(b) * L + j] - window) : 0;
+        len = std::max(len, limit[i]);
+        lowest = std::min(lowest, first[i]);
       }
+    int begin = lowest / kBlock * kBlock;  // the pass's first tile
     for (int g = g0; g < g1; g++) {
       Accumulator& a = heads[g];
       a.group = rows, a.dim = D;
@@ -529,15 +549,16 @@ void paged_attend(const T* kp, const T* vp, int64_t slots, int KVH, const int32_
     // are seldom consecutive once it decodes); a block outside the pools ends the row.
     static thread_local std::vector<int64_t> at;
     at.resize(len);
-    int n = 0;
+    int n = begin;
     for (; n < len; n++) {
       int64_t slot = static_cast<int64_t>(row[n / bs]) * bs + n % bs;
       if (row[n / bs] < 0 || slot >= slots) break;
       at[n] = slot * slot_stride;
     }
     const int* limit_of = L > 1 ? limit : nullptr;  // (one position: it sees the row's n tokens)
+    const int* first_of = window > 0 ? first : nullptr;
     const int64_t slot_bytes = static_cast<int64_t>(g1 - g0) * D * static_cast<int64_t>(sizeof(T));  // this item's heads of a slot
-    for (int start = 0; start < n; start += kBlock) {
+    for (int start = begin; start < n; start += kBlock) {
       int tile = std::min(kBlock, n - start);
       // Ask for the next tile's slots (every head's K and V) while this one is computed:
       // its blocks lie anywhere in the pools, so the hardware's stream prefetch cannot
@@ -552,10 +573,14 @@ void paged_attend(const T* kp, const T* vp, int64_t slots, int KVH, const int32_
       }
       for (int g = g0; g < g1; g++) {
         SegmentOf<T> seg{kp + g * D, vp + g * D, slot_stride, slot_stride, tile, nullptr, nullptr, at.data() + start};
-        int shifted[kMaxGroup];  // the limits counted from this tile's first position
+        int shifted[kMaxGroup], shifted_first[kMaxGroup];  // the limits counted from this tile's first position
         if (limit_of) {
           for (int r = 0; r < rows; r++) shifted[r] = limit_of[r] - start;
           seg.limit = shifted;
+        }
+        if (first_of) {
+          for (int r = 0; r < rows; r++) shifted_first[r] = first_of[r] - start;
+          seg.first = shifted_first;
         }
         heads[g].attend(seg);
       }
@@ -575,8 +600,9 @@ void paged_attend(const T* kp, const T* vp, int64_t slots, int KVH, const int32_
 struct PagedParams {
   float scale;
   int block_size, threads;
+  int window;  // a sliding window's tokens (0: none)
   bool operator==(const PagedParams& o) const {
-    return scale == o.scale && block_size == o.block_size && threads == o.threads;
+    return scale == o.scale && block_size == o.block_size && threads == o.threads && window == o.window;
   }
 };
 
@@ -597,7 +623,7 @@ class PagedDecodeAttentionCPU : public CpuPrimitive<PagedDecodeAttentionCPU> {
     QueryLayout io{q.data<float>(), out.data<float>(), static_cast<int64_t>(H) * L * D, static_cast<int64_t>(L) * D, D};
     auto go = [&](auto* kp, auto* vp) {
       paged_attend(kp, vp, in[1].shape(0), in[1].shape(1), in[3].data<int32_t>(), in[3].shape(1), in[4].data<int32_t>(), io,
-                   B, H, L, D, prm.scale, prm.block_size, prm.threads);
+                   B, H, L, D, prm.scale, prm.block_size, prm.threads, prm.window);
     };
     if (in[1].dtype() == mx::float16) go(in[1].data<uint16_t>(), in[2].data<uint16_t>());
     else go(in[1].data<float>(), in[2].data<float>());
@@ -772,14 +798,14 @@ mx::array decode_attention_op(const mx::array& q, const mx::array& k, const mx::
 
 // Paged decode attention, see the file comment: q (B, H, L, D); k_pool, v_pool (N, KVH, D);
 // table (B, M) int32 block ids; lengths (B,) int32 tokens per row (L = 1), or (B, L): the
-// tokens each query position sees.
+// tokens each query position sees; window > 0: each sees only the last `window` of them.
 mx::array paged_decode_attention_op(const mx::array& q, const mx::array& k_pool, const mx::array& v_pool,
                                     const mx::array& table, const mx::array& lengths, int block_size, float scale,
-                                    int threads) {
+                                    int threads, int window) {
   bool per_position = q.ndim() == 4 && lengths.ndim() == 2 && lengths.shape(1) == q.shape(2);
   if (q.ndim() != 4 || k_pool.ndim() != 3 || k_pool.shape() != v_pool.shape() || table.ndim() != 2 ||
       !(per_position || (lengths.ndim() == 1 && q.shape(2) == 1)) || table.shape(0) != q.shape(0) ||
-      lengths.shape(0) != q.shape(0) || block_size < 1) {
+      lengths.shape(0) != q.shape(0) || block_size < 1 || window < 0) {
     throw std::invalid_argument("paged_decode_attention: q (B, H, L, D), pools (N, KVH, D), table (B, M), lengths (B,) "
                                 "for L = 1 or (B, L)");
   }
@@ -796,7 +822,7 @@ mx::array paged_decode_attention_op(const mx::array& q, const mx::array& k_pool,
   }
   std::vector<mx::array> inputs = {f32(q), k_pool, v_pool, int32_rows(table, stream), int32_rows(lengths, stream)};
   return mx::array(q.shape(), mx::float32,
-                   std::make_shared<PagedDecodeAttentionCPU>(stream, PagedParams{scale, block_size, std::max(threads, 1)}),
+                   std::make_shared<PagedDecodeAttentionCPU>(stream, PagedParams{scale, block_size, std::max(threads, 1), window}),
                    std::move(inputs));
 }
 
