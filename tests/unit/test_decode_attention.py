@@ -204,6 +204,13 @@ for b in range(2):
         expected = sdpa(q[b : b + 1, :, j : j + 1], k[slots].swapaxes(0, 1)[None], v[slots].swapaxes(0, 1)[None])
         if not mx.allclose(several[b : b + 1, :, j : j + 1], expected, atol=1e-5).item():
             wrong.append(("paged", b, j))
+windowed = ext.paged_decode_attention(q, k, v, table, mx.array(limits, dtype=mx.int32), bs, 0.125, 2, 12)  # a sliding window
+for b in range(2):
+    for j, n in enumerate(limits[b]):
+        slots = mx.array([table[b, i // bs].item() * bs + i % bs for i in range(max(0, n - 12), n)])
+        expected = sdpa(q[b : b + 1, :, j : j + 1], k[slots].swapaxes(0, 1)[None], v[slots].swapaxes(0, 1)[None])
+        if not mx.allclose(windowed[b : b + 1, :, j : j + 1], expected, atol=1e-5).item():
+            wrong.append(("windowed", b, j))
 print("MATCHES" if not wrong else f"WRONG {wrong}")
 """
 
@@ -213,7 +220,8 @@ def test_forced_builds_widen_float16_pools_alike(march: str, tmp_path) -> None:
     """The F16C path (``x86-64-v3``, which an AVX-512 build never runs) and the portable one
     (no ``-march``: a scalar conversion), each built in a child process of its own: float16
     pools read as the float32 values they hold, and the decode kernel equal to mx.fast's
-    attention (with and without masks, several head groups and dimensions)."""
+    attention (with and without masks, several head groups and dimensions; paged, several
+    positions a row, with and without a sliding window)."""
     import os
     import subprocess
     import sys
