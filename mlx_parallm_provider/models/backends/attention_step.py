@@ -1,5 +1,6 @@
-"""A decode step's attention block as one op: the routed ``__call__`` of mlx-lm attention
-classes whose code is known to be plain "project, RoPE, write the cache, attend, project".
+"""A step's attention block as one op (a decode or verify step, or a prefill piece): the
+routed ``__call__`` of mlx-lm attention classes whose code is known to be plain "project,
+RoPE, write the cache, attend, project".
 
 On the CPU a one-token step of the default model spent ~6.5 of its ~20 ms between the q/k/v
 projections and the output projection: ~25 small ops a layer (reshapes, transposes, two RoPEs,
@@ -7,8 +8,8 @@ two scatters into the KV pools, copies, the attention) at ~3-9 us of dispatch ea
 the model's backend and the layer's cache both take it (:meth:`.MLXOps.steps_attention`, the
 cache's ``can_attend_step``), the routed attention hands the projections to the cache's
 ``attend_step`` (one kernel: RoPE, the K/V writes, paged attention) and the result to
-``o_proj``; everywhere else (prefill, other RoPE kinds, sliding windows, MLX's ops) it runs
-mlx-lm's code as routed. Both compute the same numbers, bit for bit.
+``o_proj``; everywhere else (other RoPE kinds, sliding windows, MLX's ops) it runs mlx-lm's
+code as routed. Both compute the same numbers, bit for bit.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""A llama (or qwen2) decoder layer's decode step of up to 128 rows as one op: the routed
-``__call__`` of mlx-lm's llama and qwen2 ``TransformerBlock``.
+"""A llama (or qwen2) decoder layer's step of up to 128 rows (rows x positions: a decode or
+verify step, a short prefill piece) as one op: the routed ``__call__`` of mlx-lm's llama and
+qwen2 ``TransformerBlock``.
 
 Each MLX op on the CPU costs ~15 us beside its work (its task goes to the stream's thread,
 which sleeps between small ops): a one-row step of the default model was ~320 such ops after
