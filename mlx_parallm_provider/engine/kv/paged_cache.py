@@ -335,7 +335,7 @@ class PagedLayerCache:
         with attention ``sinks``, which the kernel does not take)."""
         backend = backend or _MLX_OPS
         batch, storage = self.batch, self.batch.storage
-        if sinks is None:
+        if sinks is None and backend.kernels:  # (asked only there: a wide pass's limits take a loop to build)
             out = backend.paged_decode_attention(queries, storage.keys[self.layer], storage.values[self.layer], batch.table,
                                                    batch.limits, storage.block_size, scale, window=self.window)
             if out is not None:
