@@ -41,13 +41,14 @@ T = TypeVar("T")
 
 SOURCE = Path(__file__).with_name("kernels") / "qmatmul.c"
 INT8_HEADER = SOURCE.with_name("qmatmul_int8.h")  # included by SOURCE: its int8 path
+AMX_HEADER = SOURCE.with_name("qmatmul_amx.h")  # included by SOURCE: its int8 path on AMX tiles
 GEMM_HEADER = SOURCE.with_name("qmatmul_gemm.h")  # included by SOURCE: its many-row path
 LANE_SUMS_HEADER = SOURCE.with_name("lane_sums.h")  # included by INT8_HEADER (and the extension's attention)
 
 
 def source_text() -> str:
     """The kernel's source, its included headers too (what a cached build is keyed by)."""
-    return "\0".join(path.read_text() for path in (SOURCE, INT8_HEADER, GEMM_HEADER, LANE_SUMS_HEADER))
+    return "\0".join(path.read_text() for path in (SOURCE, INT8_HEADER, AMX_HEADER, GEMM_HEADER, LANE_SUMS_HEADER))
 
 MAX_ROWS = 64
 """Rows of ``x`` one call takes (the C kernel's ``MAX_CALL_ROWS``)."""
@@ -68,6 +69,7 @@ _FEATURE_FLAGS = {
     "__AVX__": "avx", "__AVX2__": "avx2", "__FMA__": "fma", "__F16C__": "f16c", "__BMI2__": "bmi2",
     "__AVX512F__": "avx512f", "__AVX512BW__": "avx512bw", "__AVX512DQ__": "avx512dq", "__AVX512VL__": "avx512vl",
     "__AVX512VNNI__": "avx512_vnni", "__AVXVNNI__": "avx_vnni", "__AVX512BF16__": "avx512_bf16", "__AVX512FP16__": "avx512_fp16",
+    "__AMX_TILE__": "amx_tile", "__AMX_INT8__": "amx_int8", "__AMX_BF16__": "amx_bf16",
     "__ARM_FEATURE_DOTPROD": "asimddp", "__ARM_FEATURE_MATMUL_INT8": "i8mm", "__ARM_FEATURE_SVE": "sve",
     "__ARM_FEATURE_FP16_VECTOR_ARITHMETIC": "asimdhp",
 }
@@ -199,6 +201,7 @@ def _load_library() -> Optional[ctypes.CDLL]:
     for function in (lib.qmatmul, lib.qmatmul_int8, lib.qgemm_panels):
         function.argtypes = [p, i, i, p, p, p, i, i, i, p, i]
         function.restype = i
+    lib.qm_amx.argtypes, lib.qm_amx.restype = [i], i
     return lib
 
 
@@ -213,6 +216,18 @@ def load() -> Optional[ctypes.CDLL]:
 def reset() -> None:
     """Forget the loaded kernel so the next :func:`load` builds again (tests)."""
     _library.reset()
+
+
+AMX_ENV = "MLX_PARALLM_AMX"
+"""``0``: the int8 path does not use Intel AMX tiles where the CPU has them (read once, at the
+kernel's first int8 call)."""
+
+
+def amx(lib: ctypes.CDLL, use: Optional[bool] = None) -> bool:
+    """Whether ``lib``'s int8 path multiplies on AMX tiles (``kernels/qmatmul_amx.h``); with
+    ``use``, turn them off or back on first (where the CPU and Linux give them). False where the
+    kernel was built without them (no AMX on this CPU, or another ``-march``)."""
+    return bool(lib.qm_amx(-1 if use is None else int(use)))
 
 
 def qmatmul(lib: ctypes.CDLL, x: np.ndarray, packed: np.ndarray, scales: np.ndarray, biases: np.ndarray, bits: int, group_size: int,

@@ -117,3 +117,50 @@ def test_with_int8_matmul_every_row_count_takes_the_int8_kernel_and_no_float32_c
     alone = [engine.generate_many_sync([p], params)[0] for p in prompts]
     assert [o.token_ids for o in together] == [o.token_ids for o in alone]
     assert calls and all(int8 for _, int8 in calls) and max(rows for rows, _ in calls) >= 12 and 1 in {rows for rows, _ in calls}
+
+
+@pytest.fixture
+def amx_kernel(kernel):
+    """The ctypes kernel with its AMX tiles on (skipped where this CPU has none: issue 23's CI
+    machine, an Intel Xeon with AMX, runs these), turned back on after the test."""
+    lib = _ctypes_kernel()
+    if not qmatmul.amx(lib, True):
+        pytest.skip("no AMX tiles on this CPU (or Linux refused them)")
+    yield lib
+    qmatmul.amx(lib, True)
+
+
+@pytest.mark.parametrize("bits,group,shape", [(4, 32, (70, 96)), (4, 64, (33, 384)), (8, 32, (40, 160)), (4, 128, (64, 256))])
+def test_amx_tiles_compute_the_block_quantized_products_the_same_for_a_row_alone_or_in_company(
+        amx_kernel, bits: int, group: int, shape: tuple[int, int]) -> None:
+    """``qmatmul_amx.h``: 16-row tiles by ``tdpbsud`` from 4 rows of x, ``vpdpbusd`` over the
+    same B tiles below; weight-row tiles cut short (70, 33 rows), an odd number of blocks (96:
+    3), 8-bit weights. Each row's float sums run in one order whatever its company, so every
+    row count gives a row the same bits; the products are the int8 path's (the VNNI lanes'
+    order differs only in the last bits)."""
+    module = _quantized(shape, bits, group)
+    packed = small_batch.PackedWeight.from_module(module)
+    x = mx.random.normal((37, shape[1]), key=mx.random.key(6))
+    together = np.asarray(packed.matmul(amx_kernel, x, int8=True, threads=2))
+    assert np.allclose(together, _reference(np.asarray(x), module), rtol=1e-4, atol=1e-3)
+    for rows in (1, 3, 4, 5, 16, 17, 20):
+        assert np.array_equal(np.asarray(packed.matmul(amx_kernel, x[:rows], int8=True)), together[:rows])
+    alone = np.stack([np.asarray(packed.matmul(amx_kernel, x[m:m + 1], int8=True))[0] for m in (0, 3, 15, 16, 36)])
+    assert np.array_equal(alone, together[[0, 3, 15, 16, 36]])
+    assert qmatmul.amx(amx_kernel, False) is False
+    lanes = np.asarray(packed.matmul(amx_kernel, x, int8=True, threads=2))
+    assert np.abs(lanes - together).max() <= 1e-5 * np.abs(together).max()  # float order only
+
+
+def test_amx_off_by_environment(amx_kernel, tmp_path: Path) -> None:
+    """``MLX_PARALLM_AMX=0`` keeps the VNNI lanes (read at the first int8 call, in a child)."""
+    import subprocess
+    import sys
+
+    code = ("import mlx_parallm_provider\nfrom mlx_parallm_provider.models import qmatmul\n"
+            "print(qmatmul.amx(qmatmul.load()))")
+    got = {}
+    for value in ("0", "1"):
+        env = {**__import__("os").environ, qmatmul.AMX_ENV: value}
+        got[value] = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout.split()[-1]
+    assert got == {"0": "False", "1": "True"}

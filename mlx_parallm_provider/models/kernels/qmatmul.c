@@ -31,6 +31,7 @@
 #endif
 
 #include "qmatmul_int8.h"
+#include "qmatmul_amx.h"
 #include "qmatmul_gemm.h"
 
 #define MAX_ROWS 8        /* rows of x one weight row is multiplied with at a time (registers) */
@@ -196,6 +197,7 @@ typedef struct {
     int M, K, N, bits, group, rows_per_chunk, chunks, first;
     void (*call)(void *ctx, int n0, int n1);  /* CALL */
     void *ctx;
+    int amx;  /* MULTIPLY_INT8 on AMX tiles (qmatmul_amx.h): chunks and x's rows in 16s */
 } Job;
 
 /* Ask for weight row n + PREFETCH_ROWS (its packed bytes, scales and biases) while row n is
@@ -237,6 +239,10 @@ static void run_rows(const Job *j, int n0, int n1) {
 /* Weight rows [n0, n1) times every row of x, Q8_ROWS rows of x at a time; the tile of x stays
  * in the first-level cache while the chunk's weight rows pass over it. */
 static void run_rows_int8(const Job *j, int n0, int n1) {
+#ifdef QM_AMX
+    if (j->amx && amx_rows(j->xq, j->xscale, j->xsum, j->M, j->K, j->w, j->scales, j->biases, j->N, j->bits, j->group, n0, n1, j->y))
+        return;
+#endif
     int B = j->K / QBLOCK, G = j->K / j->group;
     size_t row_bytes = (size_t)j->K * j->bits / 8;
     for (int m0 = 0; m0 < j->M; m0 += Q8_ROWS) {
@@ -466,7 +472,14 @@ int qmatmul_int8(const float *x, int M, int K, const uint8_t *w, const float *sc
                  const float *biases, int N, int bits, int group, float *y, int threads) {
     if (!readable(M, K, bits, group))
         return -1;
-    int8_t *xq = malloc((size_t)M * K);
+#ifdef QM_AMX
+    int amx = amx_enabled();
+#else
+    int amx = 0;
+#endif
+    /* AMX loads whole tiles of 16 rows of x: its copy is padded with zero rows */
+    size_t padded = amx ? (size_t)(M + 15) / 16 * 16 : (size_t)M;
+    int8_t *xq = amx ? calloc(padded, K) : malloc(padded * K);
     float *xscale = malloc(sizeof(float) * (size_t)M * (K / QBLOCK) * 8), *xsum = malloc(sizeof(float) * (size_t)((M + XS_TILE - 1) / XS_TILE * XS_TILE) * (K / group));
     if (!xq || !xscale || !xsum) {
         free(xq), free(xscale), free(xsum);
@@ -474,11 +487,27 @@ int qmatmul_int8(const float *x, int M, int K, const uint8_t *w, const float *sc
     }
     quantize_rows(x, M, K, bits, group, xq, xscale, xsum);
     int rows_per_chunk = chunk_rows(M < Q8_ROWS ? M : Q8_ROWS, K, bits);
+    if (amx) rows_per_chunk = (rows_per_chunk + 15) / 16 * 16;
     Job job = {MULTIPLY_INT8, NULL, xq, xscale, xsum, w, scales, biases, y, M, K, N, bits, group, rows_per_chunk,
                (N + rows_per_chunk - 1) / rows_per_chunk, 0};
+    job.amx = amx;
     run_job(&job, threads);
     free(xq), free(xscale), free(xsum);
     return 0;
+}
+
+/* Whether the int8 path uses AMX tiles: request < 0 asks (the first call asks Linux for them
+ * unless MLX_PARALLM_AMX=0), 0 turns them off, 1 back on where Linux gives them. Returns 1 when
+ * in use, 0 when not (or not built: no AMX on this CPU). */
+int qm_amx(int request) {
+#ifdef QM_AMX
+    if (request == 0) atomic_store(&amx_state, 0);
+    else if (request > 0) atomic_store(&amx_state, syscall(SYS_arch_prctl, 0x1023, 18) == 0);
+    return amx_enabled();
+#else
+    (void)request;
+    return 0;
+#endif
 }
 
 /* y = x @ W.T for any number of rows of x, over the packed weights (qmatmul_gemm.h's panels,

@@ -1,0 +1,273 @@
+/* The int8 path of qmatmul.c on Intel AMX (Sapphire Rapids and later): tiles of 16 rows of x
+ * times 16 weight rows, one 32-element block at a time, by `tdpbsud` (int8 x times uint8
+ * weights, int32 sums).
+ *
+ * x is quantized as for qmatmul_int8.h (quantize_rows: blocks of 32, a float scale each, 4-bit
+ * blocks deinterleaved as the nibbles are packed). A tile's int32 sums are exact, and each output
+ * is then accumulated by the same AVX-512 operations in the same order whatever the rows beside
+ * it (per group: each block's sum times its weight scale times its x scale, then the group's bias
+ * times its sum of x), so a row's result does not depend on the call's other rows (batched ==
+ * alone, exactly). The sums are the int8 path's; only the float order of its blocks differs from
+ * the AVX-512 VNNI path's lanes, so the two differ in the last bits.
+ *
+ * The weights stay in MLX's packed layout: a tile's weights (16 rows x 32 elements) are turned
+ * into AMX's B layout (8 rows of 16 x 4 bytes: dword r of each weight row's block side by side)
+ * once per tile of weight rows, for every tile of rows of x.
+ *
+ * Linux gives a process the tiles' register state only when asked (arch_prctl
+ * ARCH_REQ_XCOMP_PERM, Linux 5.16+); where it refuses (an older kernel, a signal stack too small
+ * for the larger state), the VNNI path runs. MLX_PARALLM_AMX=0 turns the tiles off.
+ */
+#ifndef QMATMUL_AMX_H
+#define QMATMUL_AMX_H
+
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__) && defined(__AVX512BW__) && XS_TILE == 16
+#define QM_AMX 1
+#include <immintrin.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define AMX_ROWS 16         /* rows of x (and weight rows) a tile holds */
+#define AMX_TILE_BYTES 512  /* a B tile: 16 weight rows x 32 elements */
+#ifndef AMX_MIN_ROWS
+#define AMX_MIN_ROWS 4      /* fewer rows of x in a tile: vpdpbusd instead (amx_vnni_sums), the same sums */
+#endif
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_config;
+
+/* 1: tiles in use, 0: not (refused, or turned off); -1: not asked yet. */
+static _Atomic int amx_state = -1;
+
+static int amx_request(void) {
+    const char *env = getenv("MLX_PARALLM_AMX");
+    if (env && strcmp(env, "0") == 0) return 0;
+    /* ARCH_REQ_XCOMP_PERM (0x1023) for XFEATURE_XTILEDATA (18) */
+    return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+}
+
+static int amx_enabled(void) {
+    int state = atomic_load(&amx_state);
+    if (state < 0) {
+        int expected = -1;
+        atomic_compare_exchange_strong(&amx_state, &expected, amx_request());
+        state = atomic_load(&amx_state);
+    }
+    return state;
+}
+
+/* tmm0 / tmm3: sums (16 x 16 int32), tmm1 / tmm4: x (16 rows x 32 int8), tmm2 / tmm5: weights
+ * (8 x 64 uint8): two blocks at a time. */
+static void amx_configure(void) {
+    amx_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 6; t += 3) {
+        c.rows[t] = 16, c.colsb[t] = 64;
+        c.rows[t + 1] = 16, c.colsb[t + 1] = 32;
+        c.rows[t + 2] = 8, c.colsb[t + 2] = 64;
+    }
+    _tile_loadconfig(&c);
+}
+
+/* Dword r (0-3) of 16 bytes at base + n * stride for weight rows n < rows (0 past them), as
+ * out[r]'s lane n: a 16 x 4 dword transpose. */
+static inline void amx_transpose16x4(const uint8_t *base, size_t stride, int rows, __m512i out[4]) {
+    __m512i z[4];
+    for (int k = 0; k < 4; k++) {
+#define LANE(L) (4 * k + (L) < rows ? _mm_loadu_si128((const __m128i *)(base + (size_t)(4 * k + (L)) * stride)) : _mm_setzero_si128())
+        __m512i v = _mm512_castsi128_si512(LANE(0));
+        v = _mm512_inserti32x4(v, LANE(1), 1);
+        v = _mm512_inserti32x4(v, LANE(2), 2);
+        z[k] = _mm512_inserti32x4(v, LANE(3), 3);
+#undef LANE
+    }
+    /* lane L of z[k] is row 4k + L; after the unpacks, lane L of u[r] holds dword r of rows L,
+     * 4 + L, 8 + L, 12 + L; the permute puts row n at dword n. */
+    __m512i t0 = _mm512_unpacklo_epi32(z[0], z[1]), t1 = _mm512_unpackhi_epi32(z[0], z[1]);
+    __m512i t2 = _mm512_unpacklo_epi32(z[2], z[3]), t3 = _mm512_unpackhi_epi32(z[2], z[3]);
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    out[0] = _mm512_permutexvar_epi32(order, _mm512_unpacklo_epi64(t0, t2));
+    out[1] = _mm512_permutexvar_epi32(order, _mm512_unpackhi_epi64(t0, t2));
+    out[2] = _mm512_permutexvar_epi32(order, _mm512_unpacklo_epi64(t1, t3));
+    out[3] = _mm512_permutexvar_epi32(order, _mm512_unpackhi_epi64(t1, t3));
+}
+
+/* Block blk of weight rows [0, rows) of w as a B tile: row r holds, for each weight row n, the
+ * 4 weights that meet x's quantized elements 4r..4r+3 of the block (x's deinterleaved order for
+ * 4-bit: low nibbles of bytes 4r.. for r < 4, high nibbles of bytes 4(r-4).. after). */
+static inline void amx_pack_block(const uint8_t *w, size_t row_bytes, int rows, int bits, int blk, uint8_t *tile) {
+    __m512i d[4];
+    if (bits == 4) {
+        const __m512i low = _mm512_set1_epi8(0x0F);
+        amx_transpose16x4(w + (size_t)blk * 16, row_bytes, rows, d);
+        for (int r = 0; r < 4; r++) {
+            _mm512_store_si512((void *)(tile + 64 * r), _mm512_and_si512(d[r], low));
+            _mm512_store_si512((void *)(tile + 64 * (r + 4)), _mm512_and_si512(_mm512_srli_epi16(d[r], 4), low));
+        }
+    } else {
+        for (int half = 0; half < 2; half++) {
+            amx_transpose16x4(w + (size_t)blk * 32 + 16 * half, row_bytes, rows, d);
+            for (int r = 0; r < 4; r++) _mm512_store_si512((void *)(tile + 64 * (4 * half + r)), d[r]);
+        }
+    }
+}
+
+/* Tile rows of x (R of them) times the tile of weights: each block's int32 sums into
+ * sums[blk * 256 + 16 * r + c] (two accumulator tiles in turn, so one's product overlaps the
+ * other's store). */
+static inline void amx_tile_sums(const int8_t *xq, int K, int B, const uint8_t *tiles, int32_t *sums) {
+    int blk = 0;
+    for (; blk + 1 < B; blk += 2) {
+        _tile_zero(0);
+        _tile_zero(3);
+        _tile_loadd(1, xq + (size_t)blk * QBLOCK, K);
+        _tile_loadd(2, tiles + (size_t)blk * AMX_TILE_BYTES, 64);
+        _tile_loadd(4, xq + (size_t)(blk + 1) * QBLOCK, K);
+        _tile_loadd(5, tiles + (size_t)(blk + 1) * AMX_TILE_BYTES, 64);
+        _tile_dpbsud(0, 1, 2);
+        _tile_dpbsud(3, 4, 5);
+        _tile_stored(0, sums + (size_t)blk * 256, 64);
+        _tile_stored(3, sums + (size_t)(blk + 1) * 256, 64);
+    }
+    if (blk < B) {
+        _tile_zero(0);
+        _tile_loadd(1, xq + (size_t)blk * QBLOCK, K);
+        _tile_loadd(2, tiles + (size_t)blk * AMX_TILE_BYTES, 64);
+        _tile_dpbsud(0, 1, 2);
+        _tile_stored(0, sums + (size_t)blk * 256, 64);
+    }
+}
+
+/* The same sums for a few rows without tiles (their fixed costs are more than R rows'
+ * products): each B tile row r times x's quantized elements 4r..4r+3 broadcast, by `vpdpbusd`,
+ * gives the 16 weight rows' block sums in the 16 lanes. */
+static inline void amx_vnni_sums(const int8_t *xq, int R, int K, int B, const uint8_t *tiles, int32_t *sums) {
+    for (int blk = 0; blk < B; blk++) {
+        const uint8_t *tile = tiles + (size_t)blk * AMX_TILE_BYTES;
+        __m512i t[8];
+        for (int r = 0; r < 8; r++) t[r] = _mm512_load_si512((const void *)(tile + 64 * r));
+        for (int m = 0; m < R; m++) {
+            const int32_t *x4 = (const int32_t *)(xq + (size_t)m * K + (size_t)blk * QBLOCK);
+            __m512i acc = _mm512_setzero_si512();
+#pragma GCC unroll 8
+            for (int r = 0; r < 8; r++) acc = _mm512_dpbusd_epi32(acc, t[r], _mm512_set1_epi32(x4[r]));
+            _mm512_store_si512((void *)(sums + (size_t)blk * 256 + 16 * m), acc);
+        }
+    }
+}
+
+/* out[r * ldy + c] (c < cols) from R rows' block sums: per group, each block's sum times its
+ * weight scale times its x scale, then the group's bias times its sum of x. st / sb: the tile's
+ * scales and biases, group-major (16 a group). */
+static inline __attribute__((always_inline)) void amx_outputs(const int32_t *sums, const float *xd, const float *xs, int R,
+        int B, int G, int per_group, const float *st, const float *sb, float *out, size_t ldy, int cols) {
+    __m512 acc[AMX_ROWS];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int g = 0; g < G; g++) {
+        __m512 s = _mm512_loadu_ps(st + 16 * g);
+        for (int b = g * per_group; b < (g + 1) * per_group; b++) {
+            const int32_t *bs = sums + (size_t)b * 256;
+#pragma GCC unroll 16
+            for (int r = 0; r < R; r++) {
+                __m512 sd = _mm512_mul_ps(s, _mm512_set1_ps(xd[((size_t)r * B + b) * 8]));
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512((const void *)(bs + 16 * r))), sd, acc[r]);
+            }
+        }
+        __m512 b = _mm512_loadu_ps(sb + 16 * g);
+#pragma GCC unroll 16
+        for (int r = 0; r < R; r++) acc[r] = _mm512_fmadd_ps(b, _mm512_set1_ps(xs[(size_t)g * XS_TILE + r]), acc[r]);
+    }
+    __mmask16 keep = (__mmask16)((1u << cols) - 1);
+    for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(out + (size_t)r * ldy, keep, acc[r]);
+}
+
+/* Per-thread buffers: a tile of weight rows' B tiles (K / 32 of them), its scales and biases
+ * group-major, and a tile of rows' int32 sums (K / 32 tiles of them). */
+typedef struct {
+    uint8_t *tiles;
+    float *st, *sb;
+    int32_t *sums;
+    size_t capacity;  /* bytes of tiles */
+} amx_buffers;
+
+static int amx_grow(amx_buffers *b, int K, int G) {
+    size_t need = (size_t)(K / QBLOCK) * AMX_TILE_BYTES + (size_t)2 * 16 * G * sizeof(float);
+    if (need <= b->capacity) return 1;
+    free(b->tiles);
+    b->tiles = aligned_alloc(64, (need + 63) / 64 * 64);
+    free(b->sums);
+    b->sums = aligned_alloc(64, (size_t)(K / QBLOCK) * 256 * sizeof(int32_t));
+    if (!b->tiles || !b->sums) {
+        b->capacity = 0;
+        return 0;
+    }
+    b->capacity = need;
+    return 1;
+}
+
+/* Weight rows [n0, n1) (n0 a multiple of 16) times every row of x, quantized as quantize_rows
+ * does with its row count padded to a multiple of 16 (padding zero). Returns 0 without memory
+ * for its buffers (nothing computed). */
+static int amx_rows(const int8_t *xq, const float *xscale, const float *xsum, int M, int K, const uint8_t *w,
+                    const float *scales, const float *biases, int N, int bits, int group, int n0, int n1, float *y) {
+    static __thread amx_buffers buf;
+    int B = K / QBLOCK, G = K / group, per_group = group / QBLOCK;
+    if (!amx_grow(&buf, K, G)) return 0;
+    float *st = (float *)(buf.tiles + (size_t)B * AMX_TILE_BYTES), *sb = st + 16 * G;
+    size_t row_bytes = (size_t)K * bits / 8;
+    int tiles = M >= AMX_MIN_ROWS;  /* some tile of rows of x is wide enough for AMX */
+    if (tiles) amx_configure();
+    for (int t = n0; t < n1; t += AMX_ROWS) {
+        int cols = n1 - t < AMX_ROWS ? n1 - t : AMX_ROWS;
+        const uint8_t *wt = w + (size_t)t * row_bytes;
+        /* the next tile's weights asked for as this one's are packed, a line of each row at a time
+         * (16 streams at once outrun the hardware prefetcher) */
+        int ahead = t + AMX_ROWS < n1 ? (n1 - t - AMX_ROWS < AMX_ROWS ? n1 - t - AMX_ROWS : AMX_ROWS) : 0;
+        size_t block_bytes = QBLOCK * bits / 8;
+        for (size_t o = 0; o < (size_t)ahead * G * sizeof(float); o += 64) {  /* and its scales and biases */
+            __builtin_prefetch((const char *)(scales + (size_t)(t + AMX_ROWS) * G) + o);
+            __builtin_prefetch((const char *)(biases + (size_t)(t + AMX_ROWS) * G) + o);
+        }
+        for (int blk = 0; blk < B; blk++) {
+            size_t at = (size_t)blk * block_bytes;
+            if (at % 64 < block_bytes)
+                for (int n = 0; n < ahead; n++) __builtin_prefetch(wt + (size_t)(AMX_ROWS + n) * row_bytes + at);
+            amx_pack_block(wt, row_bytes, cols, bits, blk, buf.tiles + (size_t)blk * AMX_TILE_BYTES);
+        }
+        __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(G));
+        __mmask16 real = (__mmask16)((1u << cols) - 1);
+        for (int g = 0; g < G; g++) {
+            _mm512_store_ps(st + 16 * g, _mm512_mask_i32gather_ps(_mm512_setzero_ps(), real, at, scales + (size_t)t * G + g, 4));
+            _mm512_store_ps(sb + 16 * g, _mm512_mask_i32gather_ps(_mm512_setzero_ps(), real, at, biases + (size_t)t * G + g, 4));
+        }
+        for (int m0 = 0; m0 < M; m0 += AMX_ROWS) {
+            int rows = M - m0 < AMX_ROWS ? M - m0 : AMX_ROWS;
+            const int8_t *xt = xq + (size_t)m0 * K;
+            const float *xd = xscale + (size_t)m0 * B * 8, *xs = xsum + (size_t)(m0 / XS_TILE) * G * XS_TILE;
+            float *out = y + (size_t)m0 * N + t;
+            if (rows >= AMX_MIN_ROWS)
+                amx_tile_sums(xt, K, B, buf.tiles, buf.sums);
+            else
+                amx_vnni_sums(xt, rows, K, B, buf.tiles, buf.sums);
+            /* A constant row count lets the compiler keep the accumulators in registers. */
+            switch (rows) {
+#define ROWS(r) case r: amx_outputs(buf.sums, xd, xs, r, B, G, per_group, st, sb, out, N, cols); break;
+            ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
+            ROWS(9) ROWS(10) ROWS(11) ROWS(12) ROWS(13) ROWS(14) ROWS(15) ROWS(16)
+#undef ROWS
+            }
+        }
+    }
+    if (tiles) _tile_release();
+    return 1;
+}
+#endif
+
+#endif /* QMATMUL_AMX_H */
