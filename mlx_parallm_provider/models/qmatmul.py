@@ -41,14 +41,14 @@ T = TypeVar("T")
 
 SOURCE = Path(__file__).with_name("kernels") / "qmatmul.c"
 INT8_HEADER = SOURCE.with_name("qmatmul_int8.h")  # included by SOURCE: its int8 path
-AMX_HEADER = SOURCE.with_name("qmatmul_amx.h")  # included by SOURCE: its int8 path on AMX tiles
+TILES_HEADER = SOURCE.with_name("qmatmul_tiles.h")  # included by SOURCE: its int8 path on AVX-512 VNNI / AMX
 GEMM_HEADER = SOURCE.with_name("qmatmul_gemm.h")  # included by SOURCE: its many-row path
 LANE_SUMS_HEADER = SOURCE.with_name("lane_sums.h")  # included by INT8_HEADER (and the extension's attention)
 
 
 def source_text() -> str:
     """The kernel's source, its included headers too (what a cached build is keyed by)."""
-    return "\0".join(path.read_text() for path in (SOURCE, INT8_HEADER, AMX_HEADER, GEMM_HEADER, LANE_SUMS_HEADER))
+    return "\0".join(path.read_text() for path in (SOURCE, INT8_HEADER, TILES_HEADER, GEMM_HEADER, LANE_SUMS_HEADER))
 
 MAX_ROWS = 64
 """Rows of ``x`` one call takes (the C kernel's ``MAX_CALL_ROWS``)."""
@@ -224,7 +224,7 @@ kernel's first int8 call)."""
 
 
 def amx(lib: ctypes.CDLL, use: Optional[bool] = None) -> bool:
-    """Whether ``lib``'s int8 path multiplies on AMX tiles (``kernels/qmatmul_amx.h``); with
+    """Whether ``lib``'s int8 path multiplies on AMX tiles (``kernels/qmatmul_tiles.h``); with
     ``use``, turn them off or back on first (where the CPU and Linux give them). False where the
     kernel was built without them (no AMX on this CPU, or another ``-march``)."""
     return bool(lib.qm_amx(-1 if use is None else int(use)))

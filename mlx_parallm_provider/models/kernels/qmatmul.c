@@ -31,7 +31,7 @@
 #endif
 
 #include "qmatmul_int8.h"
-#include "qmatmul_amx.h"
+#include "qmatmul_tiles.h"
 #include "qmatmul_gemm.h"
 
 #define MAX_ROWS 8        /* rows of x one weight row is multiplied with at a time (registers) */
@@ -197,7 +197,7 @@ typedef struct {
     int M, K, N, bits, group, rows_per_chunk, chunks, first;
     void (*call)(void *ctx, int n0, int n1);  /* CALL */
     void *ctx;
-    int amx;  /* MULTIPLY_INT8 on AMX tiles (qmatmul_amx.h): chunks and x's rows in 16s */
+    int tiles, amx;  /* MULTIPLY_INT8 over tiles of 16 weight rows (qmatmul_tiles.h), on AMX: chunks in 16s */
 } Job;
 
 /* Ask for weight row n + PREFETCH_ROWS (its packed bytes, scales and biases) while row n is
@@ -239,8 +239,8 @@ static void run_rows(const Job *j, int n0, int n1) {
 /* Weight rows [n0, n1) times every row of x, Q8_ROWS rows of x at a time; the tile of x stays
  * in the first-level cache while the chunk's weight rows pass over it. */
 static void run_rows_int8(const Job *j, int n0, int n1) {
-#ifdef QM_AMX
-    if (j->amx && amx_rows(j->xq, j->xscale, j->xsum, j->M, j->K, j->w, j->scales, j->biases, j->N, j->bits, j->group, n0, n1, j->y))
+#ifdef QM_TILES
+    if (j->tiles && tile_rows(j->amx, j->xq, j->xscale, j->xsum, j->M, j->K, j->w, j->scales, j->biases, j->N, j->bits, j->group, n0, n1, j->y))
         return;
 #endif
     int B = j->K / QBLOCK, G = j->K / j->group;
@@ -472,10 +472,10 @@ int qmatmul_int8(const float *x, int M, int K, const uint8_t *w, const float *sc
                  const float *biases, int N, int bits, int group, float *y, int threads) {
     if (!readable(M, K, bits, group))
         return -1;
-#ifdef QM_AMX
-    int amx = amx_enabled();
+#ifdef QM_TILES
+    int tiles = 1, amx = amx_enabled();
 #else
-    int amx = 0;
+    int tiles = 0, amx = 0;
 #endif
     /* AMX loads whole tiles of 16 rows of x: its copy is padded with zero rows */
     size_t padded = amx ? (size_t)(M + 15) / 16 * 16 : (size_t)M;
@@ -487,18 +487,18 @@ int qmatmul_int8(const float *x, int M, int K, const uint8_t *w, const float *sc
     }
     quantize_rows(x, M, K, bits, group, xq, xscale, xsum);
     int rows_per_chunk = chunk_rows(M < Q8_ROWS ? M : Q8_ROWS, K, bits);
-    if (amx) rows_per_chunk = (rows_per_chunk + 15) / 16 * 16;
+    if (tiles) rows_per_chunk = (rows_per_chunk + 15) / 16 * 16;
     Job job = {MULTIPLY_INT8, NULL, xq, xscale, xsum, w, scales, biases, y, M, K, N, bits, group, rows_per_chunk,
                (N + rows_per_chunk - 1) / rows_per_chunk, 0};
-    job.amx = amx;
+    job.tiles = tiles, job.amx = amx;
     run_job(&job, threads);
     free(xq), free(xscale), free(xsum);
     return 0;
 }
 
-/* Whether the int8 path uses AMX tiles: request < 0 asks (the first call asks Linux for them
- * unless MLX_PARALLM_AMX=0), 0 turns them off, 1 back on where Linux gives them. Returns 1 when
- * in use, 0 when not (or not built: no AMX on this CPU). */
+/* Whether the int8 path uses AMX (qmatmul_tiles.h): request < 0 asks (the first call asks Linux
+ * for it unless MLX_PARALLM_AMX=0), 0 turns it off, 1 back on where Linux gives it. Returns 1
+ * when in use, 0 when not (or not built: no AMX on this CPU). */
 int qm_amx(int request) {
 #ifdef QM_AMX
     if (request == 0) atomic_store(&amx_state, 0);

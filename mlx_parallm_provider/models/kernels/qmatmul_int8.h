@@ -45,11 +45,36 @@
  * load gives a block's scale in every lane), sx (M x K/group sums of x; for XS_TILE > 1 the
  * sums of each tile of XS_TILE rows stored group by group, row m's of group g at
  * ((m / XS_TILE) * G + g) * XS_TILE + m % XS_TILE). */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+/* Block b of row xr quantized (AVX-512): what the scalar loop below computes, bit for bit
+ * (maximum of |x|, the same products, rounding half to even as nearbyintf does). */
+static inline void quantize_block16(const float *xb, int bits, int8_t *qb, float *d8) {
+    __m512 a = _mm512_loadu_ps(xb), b = _mm512_loadu_ps(xb + 16);
+    float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+    float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    if (bits == 4) {  /* evens, then odds: the packed nibbles' order */
+        const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+        const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+        __m512 e = _mm512_permutex2var_ps(a, even, b), o = _mm512_permutex2var_ps(a, odd, b);
+        a = e, b = o;
+    }
+    __m512 scale = _mm512_set1_ps(inv);
+    _mm_storeu_si128((__m128i *)qb, _mm512_cvtepi32_epi8(_mm512_cvt_roundps_epi32(_mm512_mul_ps(a, scale), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
+    _mm_storeu_si128((__m128i *)(qb + 16), _mm512_cvtepi32_epi8(_mm512_cvt_roundps_epi32(_mm512_mul_ps(b, scale), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
+    _mm256_storeu_ps(d8, _mm256_set1_ps(amax / 127.0f));
+}
+#endif
+
 static void quantize_rows(const float *x, int M, int K, int bits, int group, int8_t *q, float *d, float *sx) {
     int B = K / QBLOCK, G = K / group;
     for (int m = 0; m < M; m++) {
         const float *xr = x + (size_t)m * K;
         for (int b = 0; b < B; b++) {
+#if defined(__AVX512F__)
+            quantize_block16(xr + b * QBLOCK, bits, q + (size_t)m * K + b * QBLOCK, d + ((size_t)m * B + b) * 8);
+            continue;
+#endif
             const float *xb = xr + b * QBLOCK;
             float amax = 0.0f;
             for (int i = 0; i < QBLOCK; i++) {  /* (not fmaxf: a libm call per element, for its NaN rules) */

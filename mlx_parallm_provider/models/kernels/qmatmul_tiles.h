@@ -1,41 +1,46 @@
-/* The int8 path of qmatmul.c on Intel AMX (Sapphire Rapids and later): tiles of 16 rows of x
- * times 16 weight rows, one 32-element block at a time, by `tdpbsud` (int8 x times uint8
- * weights, int32 sums).
+/* The int8 path of qmatmul.c over tiles of 16 weight rows, on AVX-512 VNNI, and on Intel AMX
+ * where the CPU has it (Sapphire Rapids and later).
  *
  * x is quantized as for qmatmul_int8.h (quantize_rows: blocks of 32, a float scale each, 4-bit
- * blocks deinterleaved as the nibbles are packed). A tile's int32 sums are exact, and each output
- * is then accumulated by the same AVX-512 operations in the same order whatever the rows beside
- * it (per group: each block's sum times its weight scale times its x scale, then the group's bias
- * times its sum of x), so a row's result does not depend on the call's other rows (batched ==
- * alone, exactly). The sums are the int8 path's; only the float order of its blocks differs from
- * the AVX-512 VNNI path's lanes, so the two differ in the last bits.
+ * blocks deinterleaved as the nibbles are packed). Each tile of 16 weight rows is turned, block
+ * by block, into AMX's B layout (8 rows of 16 x 4 bytes: dword r of each weight row's block side
+ * by side; a 16 x 4 dword transpose), once per call, for every row of x. Then a block's int32
+ * sums for 16 weight rows come either from 8 `vpdpbusd` (B row r times x's elements 4r..4r+3
+ * broadcast: lane n holds weight row n's sum) or, for 4 to 16 rows of x at once, from one AMX
+ * `tdpbsud` (int8 x times uint8 weights). Both give the exact sums, and each output is then
+ * accumulated by the same AVX-512 operations in the same order whatever the rows beside it
+ * (per group: each block's sum times its weight scale times its x scale, then the group's bias
+ * times its sum of x). So a row's result does not depend on the call's other rows (batched ==
+ * alone, exactly), nor on whether the tiles ran on AMX. Against qmatmul_int8.h's lanes (the
+ * path of CPUs without AVX-512 VNNI) only the float order of the blocks differs.
  *
- * The weights stay in MLX's packed layout: a tile's weights (16 rows x 32 elements) are turned
- * into AMX's B layout (8 rows of 16 x 4 bytes: dword r of each weight row's block side by side)
- * once per tile of weight rows, for every tile of rows of x.
- *
- * Linux gives a process the tiles' register state only when asked (arch_prctl
- * ARCH_REQ_XCOMP_PERM, Linux 5.16+); where it refuses (an older kernel, a signal stack too small
- * for the larger state), the VNNI path runs. MLX_PARALLM_AMX=0 turns the tiles off.
+ * The weights stay in MLX's packed layout. Linux gives a process AMX's register state only when
+ * asked (arch_prctl ARCH_REQ_XCOMP_PERM, Linux 5.16+); where it refuses (an older kernel, a
+ * signal stack too small for the larger state), `vpdpbusd` computes every tile.
+ * MLX_PARALLM_AMX=0 turns AMX off.
  */
-#ifndef QMATMUL_AMX_H
-#define QMATMUL_AMX_H
+#ifndef QMATMUL_TILES_H
+#define QMATMUL_TILES_H
 
-#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__) && defined(__AVX512BW__) && XS_TILE == 16
-#define QM_AMX 1
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && XS_TILE == 16
+#define QM_TILES 1
 #include <immintrin.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define QM_AMX 1
+#endif
 
 #define AMX_ROWS 16         /* rows of x (and weight rows) a tile holds */
 #define AMX_TILE_BYTES 512  /* a B tile: 16 weight rows x 32 elements */
 #ifndef AMX_MIN_ROWS
-#define AMX_MIN_ROWS 4      /* fewer rows of x in a tile: vpdpbusd instead (amx_vnni_sums), the same sums */
+#define AMX_MIN_ROWS 12     /* fewer rows of x in a tile: vpdpbusd (tile_vnni_sums), the same sums (faster at 8 rows) */
 #endif
 
+#ifdef QM_AMX
 typedef struct {
     uint8_t palette, start_row, reserved[14];
     uint16_t colsb[16];
@@ -75,10 +80,13 @@ static void amx_configure(void) {
     }
     _tile_loadconfig(&c);
 }
+#else
+static int amx_enabled(void) { return 0; }
+#endif
 
 /* Dword r (0-3) of 16 bytes at base + n * stride for weight rows n < rows (0 past them), as
  * out[r]'s lane n: a 16 x 4 dword transpose. */
-static inline void amx_transpose16x4(const uint8_t *base, size_t stride, int rows, __m512i out[4]) {
+static inline void tile_transpose16x4(const uint8_t *base, size_t stride, int rows, __m512i out[4]) {
     __m512i z[4];
     for (int k = 0; k < 4; k++) {
 #define LANE(L) (4 * k + (L) < rows ? _mm_loadu_si128((const __m128i *)(base + (size_t)(4 * k + (L)) * stride)) : _mm_setzero_si128())
@@ -102,23 +110,24 @@ static inline void amx_transpose16x4(const uint8_t *base, size_t stride, int row
 /* Block blk of weight rows [0, rows) of w as a B tile: row r holds, for each weight row n, the
  * 4 weights that meet x's quantized elements 4r..4r+3 of the block (x's deinterleaved order for
  * 4-bit: low nibbles of bytes 4r.. for r < 4, high nibbles of bytes 4(r-4).. after). */
-static inline void amx_pack_block(const uint8_t *w, size_t row_bytes, int rows, int bits, int blk, uint8_t *tile) {
+static inline void tile_pack_block(const uint8_t *w, size_t row_bytes, int rows, int bits, int blk, uint8_t *tile) {
     __m512i d[4];
     if (bits == 4) {
         const __m512i low = _mm512_set1_epi8(0x0F);
-        amx_transpose16x4(w + (size_t)blk * 16, row_bytes, rows, d);
+        tile_transpose16x4(w + (size_t)blk * 16, row_bytes, rows, d);
         for (int r = 0; r < 4; r++) {
             _mm512_store_si512((void *)(tile + 64 * r), _mm512_and_si512(d[r], low));
             _mm512_store_si512((void *)(tile + 64 * (r + 4)), _mm512_and_si512(_mm512_srli_epi16(d[r], 4), low));
         }
     } else {
         for (int half = 0; half < 2; half++) {
-            amx_transpose16x4(w + (size_t)blk * 32 + 16 * half, row_bytes, rows, d);
+            tile_transpose16x4(w + (size_t)blk * 32 + 16 * half, row_bytes, rows, d);
             for (int r = 0; r < 4; r++) _mm512_store_si512((void *)(tile + 64 * (4 * half + r)), d[r]);
         }
     }
 }
 
+#ifdef QM_AMX
 /* Tile rows of x (R of them) times the tile of weights: each block's int32 sums into
  * sums[blk * 256 + 16 * r + c] (two accumulator tiles in turn, so one's product overlaps the
  * other's store). */
@@ -144,11 +153,12 @@ static inline void amx_tile_sums(const int8_t *xq, int K, int B, const uint8_t *
         _tile_stored(0, sums + (size_t)blk * 256, 64);
     }
 }
+#endif
 
-/* The same sums for a few rows without tiles (their fixed costs are more than R rows'
- * products): each B tile row r times x's quantized elements 4r..4r+3 broadcast, by `vpdpbusd`,
- * gives the 16 weight rows' block sums in the 16 lanes. */
-static inline void amx_vnni_sums(const int8_t *xq, int R, int K, int B, const uint8_t *tiles, int32_t *sums) {
+/* The same sums without AMX (or for fewer than AMX_MIN_ROWS rows, where a tile's fixed costs
+ * are more than the rows' products): each B tile row r times x's quantized elements 4r..4r+3
+ * broadcast, by `vpdpbusd`, gives the 16 weight rows' block sums in the 16 lanes. */
+static inline void tile_vnni_sums(const int8_t *xq, int R, int K, int B, const uint8_t *tiles, int32_t *sums) {
     for (int blk = 0; blk < B; blk++) {
         const uint8_t *tile = tiles + (size_t)blk * AMX_TILE_BYTES;
         __m512i t[8];
@@ -166,7 +176,7 @@ static inline void amx_vnni_sums(const int8_t *xq, int R, int K, int B, const ui
 /* out[r * ldy + c] (c < cols) from R rows' block sums: per group, each block's sum times its
  * weight scale times its x scale, then the group's bias times its sum of x. st / sb: the tile's
  * scales and biases, group-major (16 a group). */
-static inline __attribute__((always_inline)) void amx_outputs(const int32_t *sums, const float *xd, const float *xs, int R,
+static inline __attribute__((always_inline)) void tile_outputs(const int32_t *sums, const float *xd, const float *xs, int R,
         int B, int G, int per_group, const float *st, const float *sb, float *out, size_t ldy, int cols) {
     __m512 acc[AMX_ROWS];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
@@ -195,9 +205,9 @@ typedef struct {
     float *st, *sb;
     int32_t *sums;
     size_t capacity;  /* bytes of tiles */
-} amx_buffers;
+} tile_buffers;
 
-static int amx_grow(amx_buffers *b, int K, int G) {
+static int tile_grow(tile_buffers *b, int K, int G) {
     size_t need = (size_t)(K / QBLOCK) * AMX_TILE_BYTES + (size_t)2 * 16 * G * sizeof(float);
     if (need <= b->capacity) return 1;
     free(b->tiles);
@@ -213,17 +223,22 @@ static int amx_grow(amx_buffers *b, int K, int G) {
 }
 
 /* Weight rows [n0, n1) (n0 a multiple of 16) times every row of x, quantized as quantize_rows
- * does with its row count padded to a multiple of 16 (padding zero). Returns 0 without memory
- * for its buffers (nothing computed). */
-static int amx_rows(const int8_t *xq, const float *xscale, const float *xsum, int M, int K, const uint8_t *w,
+ * does (with amx, its row count padded to a multiple of 16 with zeros: AMX loads whole tiles).
+ * Returns 0 without memory for its buffers (nothing computed). */
+static int tile_rows(int amx, const int8_t *xq, const float *xscale, const float *xsum, int M, int K, const uint8_t *w,
                     const float *scales, const float *biases, int N, int bits, int group, int n0, int n1, float *y) {
-    static __thread amx_buffers buf;
+    static __thread tile_buffers buf;
     int B = K / QBLOCK, G = K / group, per_group = group / QBLOCK;
-    if (!amx_grow(&buf, K, G)) return 0;
+    if (!tile_grow(&buf, K, G)) return 0;
     float *st = (float *)(buf.tiles + (size_t)B * AMX_TILE_BYTES), *sb = st + 16 * G;
     size_t row_bytes = (size_t)K * bits / 8;
-    int tiles = M >= AMX_MIN_ROWS;  /* some tile of rows of x is wide enough for AMX */
+#ifdef QM_AMX
+    int tiles = amx && M >= AMX_MIN_ROWS;  /* some tile of rows of x is wide enough for AMX */
     if (tiles) amx_configure();
+#else
+    int tiles = 0;
+    (void)amx;
+#endif
     for (int t = n0; t < n1; t += AMX_ROWS) {
         int cols = n1 - t < AMX_ROWS ? n1 - t : AMX_ROWS;
         const uint8_t *wt = w + (size_t)t * row_bytes;
@@ -239,7 +254,7 @@ static int amx_rows(const int8_t *xq, const float *xscale, const float *xsum, in
             size_t at = (size_t)blk * block_bytes;
             if (at % 64 < block_bytes)
                 for (int n = 0; n < ahead; n++) __builtin_prefetch(wt + (size_t)(AMX_ROWS + n) * row_bytes + at);
-            amx_pack_block(wt, row_bytes, cols, bits, blk, buf.tiles + (size_t)blk * AMX_TILE_BYTES);
+            tile_pack_block(wt, row_bytes, cols, bits, blk, buf.tiles + (size_t)blk * AMX_TILE_BYTES);
         }
         __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(G));
         __mmask16 real = (__mmask16)((1u << cols) - 1);
@@ -252,22 +267,26 @@ static int amx_rows(const int8_t *xq, const float *xscale, const float *xsum, in
             const int8_t *xt = xq + (size_t)m0 * K;
             const float *xd = xscale + (size_t)m0 * B * 8, *xs = xsum + (size_t)(m0 / XS_TILE) * G * XS_TILE;
             float *out = y + (size_t)m0 * N + t;
-            if (rows >= AMX_MIN_ROWS)
+#ifdef QM_AMX
+            if (tiles && rows >= AMX_MIN_ROWS)
                 amx_tile_sums(xt, K, B, buf.tiles, buf.sums);
             else
-                amx_vnni_sums(xt, rows, K, B, buf.tiles, buf.sums);
+#endif
+                tile_vnni_sums(xt, rows, K, B, buf.tiles, buf.sums);
             /* A constant row count lets the compiler keep the accumulators in registers. */
             switch (rows) {
-#define ROWS(r) case r: amx_outputs(buf.sums, xd, xs, r, B, G, per_group, st, sb, out, N, cols); break;
+#define ROWS(r) case r: tile_outputs(buf.sums, xd, xs, r, B, G, per_group, st, sb, out, N, cols); break;
             ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
             ROWS(9) ROWS(10) ROWS(11) ROWS(12) ROWS(13) ROWS(14) ROWS(15) ROWS(16)
 #undef ROWS
             }
         }
     }
+#ifdef QM_AMX
     if (tiles) _tile_release();
+#endif
     return 1;
 }
 #endif
 
-#endif /* QMATMUL_AMX_H */
+#endif /* QMATMUL_TILES_H */
