@@ -198,11 +198,10 @@ static inline __attribute__((always_inline)) void tile_outputs(const int32_t *su
     for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(out + (size_t)r * ldy, keep, acc[r]);
 }
 
-/* Per-thread buffers: a tile of weight rows' B tiles (K / 32 of them), its scales and biases
- * group-major, and a tile of rows' int32 sums (K / 32 tiles of them). */
+/* Per-thread buffers: a tile of weight rows' B tiles (K / 32 of them) followed by its scales and
+ * biases group-major, and a tile of rows' int32 sums (K / 32 tiles of them). */
 typedef struct {
     uint8_t *tiles;
-    float *st, *sb;
     int32_t *sums;
     size_t capacity;  /* bytes of tiles */
 } tile_buffers;
