@@ -40,6 +40,16 @@ def _march(qmatmul: Any) -> str:
     return " ".join(qmatmul.native_flags(compiler)) or "no -march (generic)"
 
 
+def _int8(qmatmul: Any) -> str:
+    """The int8 path's kernel here, and whether it is on (``MLX_PARALLM_INT8_MATMUL``)."""
+    from .models.backends.cpu_kernels import INT8_MATMUL_ENV, _int8_matmul
+
+    lib = qmatmul.load()
+    if lib is None:
+        return "unavailable"
+    return f"{qmatmul.int8_path(lib)}; {'on' if _int8_matmul() else 'off'} ({INT8_MATMUL_ENV})"
+
+
 def report() -> dict[str, Any]:
     """Everything :func:`main` prints, as a dict."""
     import mlx.core as mx
@@ -71,6 +81,7 @@ def report() -> dict[str, Any]:
         "mlx extension (fused ops, decode attention, small-batch matmul)": "built and loaded" if ext is not None
         else ("not used off the CPU" if not backend.is_cpu() else "unavailable: MLX's ops are used (needs a C++ compiler and nanobind)"),
         "small-batch C kernel (ctypes)": "built" if backend.is_cpu() and qmatmul.load() is not None else "unavailable",
+        "int8 matmul": _int8(qmatmul) if backend.is_cpu() else "not used off the CPU",
         "model cache": str(cache),
         **{f"version {k}": v for k, v in versions.items()},
     }

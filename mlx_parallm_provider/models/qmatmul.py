@@ -202,6 +202,7 @@ def _load_library() -> Optional[ctypes.CDLL]:
         function.argtypes = [p, i, i, p, p, p, i, i, i, p, i]
         function.restype = i
     lib.qm_amx.argtypes, lib.qm_amx.restype = [i], i
+    lib.qm_int8_tiles.argtypes, lib.qm_int8_tiles.restype = [], i
     return lib
 
 
@@ -228,6 +229,14 @@ def amx(lib: ctypes.CDLL, use: Optional[bool] = None) -> bool:
     ``use``, turn them off or back on first (where the CPU and Linux give them). False where the
     kernel was built without them (no AMX on this CPU, or another ``-march``)."""
     return bool(lib.qm_amx(-1 if use is None else int(use)))
+
+
+def int8_path(lib: ctypes.CDLL) -> str:
+    """How ``lib``'s int8 path multiplies: ``"tiles, AMX"`` / ``"tiles, vpdpbusd"`` (AVX-512
+    VNNI, ``kernels/qmatmul_tiles.h``) or ``"lanes"`` (``kernels/qmatmul_int8.h``)."""
+    if not lib.qm_int8_tiles():
+        return "lanes"
+    return "tiles, AMX" if amx(lib) else "tiles, vpdpbusd"
 
 
 def qmatmul(lib: ctypes.CDLL, x: np.ndarray, packed: np.ndarray, scales: np.ndarray, biases: np.ndarray, bits: int, group_size: int,

@@ -184,3 +184,8 @@ def test_doctor_prints_the_backend_blas_features_kernels_cache_and_versions(caps
     assert lines["blas"] == backend.blas_in_use()
     assert lines["cpu"] == cpu_model_name(with_machine=True)
     assert lines["version mlx"] == __import__("mlx.core").core.__version__
+    if backend.is_cpu():
+        from mlx_parallm_provider.models import qmatmul
+
+        expected = "lanes" if "avx512_vnni" not in qmatmul.cpu_flags() else ("tiles, AMX" if "amx_int8" in qmatmul.cpu_flags() else "tiles, vpdpbusd")
+        assert lines["int8 matmul"].startswith(expected + "; "), out

@@ -83,7 +83,7 @@ def test_forced_avx2_and_portable_builds_compute_the_block_quantized_products(tm
     monkeypatch.setattr(qmatmul, "native_flags", lambda compiler: [])
     builds.append(_build_with_march("native", tmp_path / "portable", monkeypatch))
     for lib in builds:
-        assert lib is not None
+        assert lib is not None and qmatmul.int8_path(lib) == "lanes"
         for bits, group in [(4, 32), (8, 64)]:
             module = _quantized((50, 256), bits, group)
             x = mx.random.normal((11, 256), key=mx.random.key(bits))
@@ -147,7 +147,9 @@ def test_amx_tiles_compute_the_block_quantized_products_the_same_for_a_row_alone
         assert np.array_equal(np.asarray(packed.matmul(amx_kernel, x[:rows], int8=True)), together[:rows])
     alone = np.stack([np.asarray(packed.matmul(amx_kernel, x[m:m + 1], int8=True))[0] for m in (0, 3, 15, 16, 36)])
     assert np.array_equal(alone, together[[0, 3, 15, 16, 36]])
+    assert qmatmul.int8_path(amx_kernel) == "tiles, AMX"
     assert qmatmul.amx(amx_kernel, False) is False
+    assert qmatmul.int8_path(amx_kernel) == "tiles, vpdpbusd"
     assert np.array_equal(np.asarray(packed.matmul(amx_kernel, x, int8=True, threads=2)), together)
 
 
@@ -174,7 +176,7 @@ def test_a_vnni_build_without_amx_computes_what_the_native_build_does(kernel, tm
         pytest.skip("not a CPU with AMX that runs an icelake-server build")
     native = _ctypes_kernel()
     vnni = _build_with_march("icelake-server", tmp_path / "vnni", monkeypatch)
-    assert vnni is not None and qmatmul.amx(vnni) is False
+    assert vnni is not None and qmatmul.int8_path(vnni) == "tiles, vpdpbusd"
     for bits, group in [(4, 32), (8, 64)]:
         module = _quantized((50, 256), bits, group)
         packed = small_batch.PackedWeight.from_module(module)

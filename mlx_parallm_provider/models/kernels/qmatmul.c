@@ -510,6 +510,15 @@ int qm_amx(int request) {
 #endif
 }
 
+/* Which int8 path this build has: 1 qmatmul_tiles.h's tiles (AVX-512 VNNI), 0 qmatmul_int8.h's lanes. */
+int qm_int8_tiles(void) {
+#ifdef QM_TILES
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* y = x @ W.T for any number of rows of x, over the packed weights (qmatmul_gemm.h's panels,
  * shared out to `threads` threads). Returns 0, or -1 for arguments it does not handle or
  * without memory. */
