@@ -479,7 +479,8 @@ int qmatmul_int8(const float *x, int M, int K, const uint8_t *w, const float *sc
 #endif
     /* AMX loads whole tiles of 16 rows of x: its copy is padded with zero rows */
     size_t padded = amx ? (size_t)(M + 15) / 16 * 16 : (size_t)M;
-    int8_t *xq = amx ? calloc(padded, K) : malloc(padded * K);
+    int8_t *xq = malloc(padded * K);
+    if (xq) memset(xq + (size_t)M * K, 0, (padded - M) * K);
     float *xscale = malloc(sizeof(float) * (size_t)M * (K / QBLOCK) * 8), *xsum = malloc(sizeof(float) * (size_t)((M + XS_TILE - 1) / XS_TILE * XS_TILE) * (K / group));
     if (!xq || !xscale || !xsum) {
         free(xq), free(xscale), free(xsum);
@@ -502,7 +503,7 @@ int qmatmul_int8(const float *x, int M, int K, const uint8_t *w, const float *sc
 int qm_amx(int request) {
 #ifdef QM_AMX
     if (request == 0) atomic_store(&amx_state, 0);
-    else if (request > 0) atomic_store(&amx_state, syscall(SYS_arch_prctl, 0x1023, 18) == 0);
+    else if (request > 0) atomic_store(&amx_state, amx_permitted());
     return amx_enabled();
 #else
     (void)request;

@@ -47,9 +47,10 @@
  * ((m / XS_TILE) * G + g) * XS_TILE + m % XS_TILE). */
 #if defined(__AVX512F__)
 #include <immintrin.h>
-/* Block b of row xr quantized (AVX-512): what the scalar loop below computes, bit for bit
- * (maximum of |x|, the same products, rounding half to even as nearbyintf does). */
-static inline void quantize_block16(const float *xb, int bits, int8_t *qb, float *d8) {
+/* The 32 elements at xb quantized into qb (its scale 8 times into d8) with AVX-512: what the
+ * scalar loop in quantize_rows computes, bit for bit (maximum of |x|, the same products,
+ * rounding half to even as nearbyintf does). */
+static inline void quantize_block_avx512(const float *xb, int bits, int8_t *qb, float *d8) {
     __m512 a = _mm512_loadu_ps(xb), b = _mm512_loadu_ps(xb + 16);
     float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
     float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
@@ -72,9 +73,8 @@ static void quantize_rows(const float *x, int M, int K, int bits, int group, int
         const float *xr = x + (size_t)m * K;
         for (int b = 0; b < B; b++) {
 #if defined(__AVX512F__)
-            quantize_block16(xr + b * QBLOCK, bits, q + (size_t)m * K + b * QBLOCK, d + ((size_t)m * B + b) * 8);
-            continue;
-#endif
+            quantize_block_avx512(xr + b * QBLOCK, bits, q + (size_t)m * K + b * QBLOCK, d + ((size_t)m * B + b) * 8);
+#else
             const float *xb = xr + b * QBLOCK;
             float amax = 0.0f;
             for (int i = 0; i < QBLOCK; i++) {  /* (not fmaxf: a libm call per element, for its NaN rules) */
@@ -88,6 +88,7 @@ static void quantize_rows(const float *x, int M, int K, int bits, int group, int
                 qb[at] = (int8_t)nearbyintf(xb[i] * inv);
             }
             for (int j = 0; j < 8; j++) d[((size_t)m * B + b) * 8 + j] = amax / 127.0f;
+#endif
         }
         for (int g = 0; g < G; g++) {
             float s = 0.0f;

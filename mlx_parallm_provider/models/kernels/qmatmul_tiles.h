@@ -6,7 +6,7 @@
  * by block, into AMX's B layout (8 rows of 16 x 4 bytes: dword r of each weight row's block side
  * by side; a 16 x 4 dword transpose), once per call, for every row of x. Then a block's int32
  * sums for 16 weight rows come either from 8 `vpdpbusd` (B row r times x's elements 4r..4r+3
- * broadcast: lane n holds weight row n's sum) or, for 4 to 16 rows of x at once, from one AMX
+ * broadcast: lane n holds weight row n's sum) or, for 12 to 16 rows of x at once, from one AMX
  * `tdpbsud` (int8 x times uint8 weights). Both give the exact sums, and each output is then
  * accumulated by the same AVX-512 operations in the same order whatever the rows beside it
  * (per group: each block's sum times its weight scale times its x scale, then the group's bias
@@ -50,11 +50,16 @@ typedef struct {
 /* 1: tiles in use, 0: not (refused, or turned off); -1: not asked yet. */
 static _Atomic int amx_state = -1;
 
+/* Whether Linux gives this process the tiles' state: ARCH_REQ_XCOMP_PERM (0x1023) for
+ * XFEATURE_XTILEDATA (18). */
+static int amx_permitted(void) {
+    return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+}
+
 static int amx_request(void) {
     const char *env = getenv("MLX_PARALLM_AMX");
     if (env && strcmp(env, "0") == 0) return 0;
-    /* ARCH_REQ_XCOMP_PERM (0x1023) for XFEATURE_XTILEDATA (18) */
-    return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    return amx_permitted();
 }
 
 static int amx_enabled(void) {
@@ -238,28 +243,28 @@ static int tile_rows(int amx, const int8_t *xq, const float *xscale, const float
     int tiles = 0;
     (void)amx;
 #endif
+    size_t block_bytes = QBLOCK * bits / 8;
+    __m512i rows_at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(G));
     for (int t = n0; t < n1; t += AMX_ROWS) {
         int cols = n1 - t < AMX_ROWS ? n1 - t : AMX_ROWS;
         const uint8_t *wt = w + (size_t)t * row_bytes;
         /* the next tile's weights asked for as this one's are packed, a line of each row at a time
          * (16 streams at once outrun the hardware prefetcher) */
         int ahead = t + AMX_ROWS < n1 ? (n1 - t - AMX_ROWS < AMX_ROWS ? n1 - t - AMX_ROWS : AMX_ROWS) : 0;
-        size_t block_bytes = QBLOCK * bits / 8;
         for (size_t o = 0; o < (size_t)ahead * G * sizeof(float); o += 64) {  /* and its scales and biases */
             __builtin_prefetch((const char *)(scales + (size_t)(t + AMX_ROWS) * G) + o);
             __builtin_prefetch((const char *)(biases + (size_t)(t + AMX_ROWS) * G) + o);
         }
         for (int blk = 0; blk < B; blk++) {
-            size_t at = (size_t)blk * block_bytes;
-            if (at % 64 < block_bytes)
-                for (int n = 0; n < ahead; n++) __builtin_prefetch(wt + (size_t)(AMX_ROWS + n) * row_bytes + at);
+            size_t offset = (size_t)blk * block_bytes;
+            if (offset % 64 < block_bytes)
+                for (int n = 0; n < ahead; n++) __builtin_prefetch(wt + (size_t)(AMX_ROWS + n) * row_bytes + offset);
             tile_pack_block(wt, row_bytes, cols, bits, blk, buf.tiles + (size_t)blk * AMX_TILE_BYTES);
         }
-        __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(G));
         __mmask16 real = (__mmask16)((1u << cols) - 1);
         for (int g = 0; g < G; g++) {
-            _mm512_store_ps(st + 16 * g, _mm512_mask_i32gather_ps(_mm512_setzero_ps(), real, at, scales + (size_t)t * G + g, 4));
-            _mm512_store_ps(sb + 16 * g, _mm512_mask_i32gather_ps(_mm512_setzero_ps(), real, at, biases + (size_t)t * G + g, 4));
+            _mm512_store_ps(st + 16 * g, _mm512_mask_i32gather_ps(_mm512_setzero_ps(), real, rows_at, scales + (size_t)t * G + g, 4));
+            _mm512_store_ps(sb + 16 * g, _mm512_mask_i32gather_ps(_mm512_setzero_ps(), real, rows_at, biases + (size_t)t * G + g, 4));
         }
         for (int m0 = 0; m0 < M; m0 += AMX_ROWS) {
             int rows = M - m0 < AMX_ROWS ? M - m0 : AMX_ROWS;
