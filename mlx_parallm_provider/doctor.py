@@ -42,12 +42,13 @@ def _march(qmatmul: Any) -> str:
 
 def _int8(qmatmul: Any) -> str:
     """The int8 path's kernel here, and whether it is on (``MLX_PARALLM_INT8_MATMUL``)."""
-    from .models.backends.cpu_kernels import INT8_MATMUL_ENV, _int8_matmul
+    from .models.backends.cpu_kernels import INT8_MATMUL_ENV, int8_setting
 
     lib = qmatmul.load()
     if lib is None:
         return "unavailable"
-    return f"{qmatmul.int8_path(lib)}; {'on' if _int8_matmul() else 'off'} ({INT8_MATMUL_ENV})"
+    bits = int8_setting()
+    return f"{qmatmul.int8_path(lib)}; {f'on, {bits}-bit activations' if bits else 'off'} ({INT8_MATMUL_ENV})"
 
 
 def report() -> dict[str, Any]:

@@ -148,10 +148,11 @@ def paged_attention_step(
 
 
 def decoder_layer(x: mx.array, plan: Any, step: tuple[Any, ...], heads: int, rope: Any, scale: float, attention_threads: int,
-                  matmul_threads: int, packed_rows: int, int8: bool) -> mx.array:
+                  matmul_threads: int, packed_rows: int, int8: int) -> mx.array:
     """The extension's decoder-layer op (``kernels/decoder_layer.cpp``) over ``plan`` (a
     :class:`.backends.layer_step.LayerPlan`) and ``step`` (a paged cache's ``step_inputs()``):
-    the pools are written in place, the caller orders their later readers after the result."""
+    the pools are written in place, the caller orders their later readers after the result.
+    ``int8``: 0 the float kernels, 8 or 16 the integer path's activation bits."""
     k_pool, v_pool, slots, table, limits, offset, block_size = step
     return _extension().decoder_layer(x, plan.w_in, plan.eps_in, plan.w_post, plan.eps_post, list(plan.weights), list(plan.bits),
                                       list(plan.groups), k_pool, v_pool, slots, table, limits, offset, rope.inv_freq, heads,

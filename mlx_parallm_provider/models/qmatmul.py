@@ -198,7 +198,7 @@ def _load_library() -> Optional[ctypes.CDLL]:
     if lib is None:
         return None
     p, i = ctypes.c_void_p, ctypes.c_int
-    for function in (lib.qmatmul, lib.qmatmul_int8, lib.qgemm_panels):
+    for function in (lib.qmatmul, lib.qmatmul_int8, lib.qmatmul_x16, lib.qgemm_panels):
         function.argtypes = [p, i, i, p, p, p, i, i, i, p, i]
         function.restype = i
     lib.qm_amx.argtypes, lib.qm_amx.restype = [i], i
@@ -240,16 +240,17 @@ def int8_path(lib: ctypes.CDLL) -> str:
 
 
 def qmatmul(lib: ctypes.CDLL, x: np.ndarray, packed: np.ndarray, scales: np.ndarray, biases: np.ndarray, bits: int, group_size: int,
-            threads: int = 1, int8: bool = False) -> np.ndarray:
+            threads: int = 1, int8: int = 0) -> np.ndarray:
     """``x @ W.T`` for ``x`` (M, K) float32 with M <= :data:`MAX_ROWS` and ``W`` (N, K) given
     as MLX's ``quantize`` packs it: ``packed`` (N, K * bits / 8) uint8, ``scales`` and
-    ``biases`` (N, K / group_size) float32. Returns (M, N) float32. With ``int8``, any M:
-    ``x`` quantized to int8 in blocks of 32 and multiplied by integer dot products."""
+    ``biases`` (N, K / group_size) float32. Returns (M, N) float32. With ``int8`` (True or 8),
+    any M: ``x`` quantized to int8 in blocks of 32 and multiplied by integer dot products; 16:
+    quantized to 16 bits (two int8 planes; only where :func:`int8_path` has tiles)."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     rows, k = x.shape
     n = packed.shape[0]
     out = np.empty((rows, n), dtype=np.float32)
-    function = lib.qmatmul_int8 if int8 else lib.qmatmul
+    function = lib.qmatmul_x16 if int8 == 16 else lib.qmatmul_int8 if int8 else lib.qmatmul
     status = function(x.ctypes.data, rows, k, packed.ctypes.data, scales.ctypes.data, biases.ctypes.data, n, bits, group_size, out.ctypes.data, threads)
     if status != 0:
         raise ValueError(f"qmatmul: unsupported shape or format (rows={rows}, K={k}, bits={bits}, group_size={group_size})")

@@ -114,11 +114,12 @@ class PackedWeight:
         mx.eval(arrays)
         return replace(self, packed=arrays[0], scales=arrays[1], biases=arrays[2])
 
-    def matmul(self, kernel: Kernel, x: mx.array, threads: int = 1, gemm: bool = False, int8: bool = False) -> mx.array:
+    def matmul(self, kernel: Kernel, x: mx.array, threads: int = 1, gemm: bool = False, int8: int = 0) -> mx.array:
         """``x @ W.T`` through the kernel on ``threads`` threads; ``x`` (..., K) with at most
         :data:`.qmatmul.MAX_ROWS` rows, or any number with ``gemm`` (the extension, once
         :func:`.private_blas.bind_for_gemm` succeeded: tiles of W dequantized for OpenBLAS) or
-        with ``int8`` (``x`` quantized to int8 in blocks of 32, integer dot products)."""
+        with ``int8`` (``x`` quantized in blocks of 32, integer dot products: True or 8 to int8,
+        16 to 16 bits as two int8 planes, where :func:`.qmatmul.int8_path` has tiles)."""
         if not isinstance(kernel, ctypes.CDLL):  # the extension: lazy, in the step's graph
             w = self.for_kernel(kernel)
             return kernel.qmatmul(x, w.packed, w.scales, w.biases, self.bits, self.group_size, threads, gemm, int8)
@@ -151,7 +152,7 @@ class SharedInput:
         self.packed, self.kernel, self.members = packed.for_kernel(kernel), kernel, members
         self._last = threading.local()
 
-    def output(self, x: mx.array, threads: int = 1, gemm: bool = False, int8: bool = False,
+    def output(self, x: mx.array, threads: int = 1, gemm: bool = False, int8: int = 0,
                member: Optional[tuple[int, int]] = None) -> mx.array:
         """``x @ W.T`` for every member; ``member`` (its columns) says which one asks."""
         if self.members <= 1:
@@ -234,7 +235,7 @@ def _multiply(x: mx.array, source: SharedInput, columns: tuple[int, int], weight
     at most ``backend.packed_rows``, else the layer's float32 ``weight`` where one is kept,
     MLX's ``quantized_matmul`` on a backend without kernels, or the tiled GEMM."""
     if backend.int8_matmul:
-        y = source.output(x, backend.qmatmul_threads, int8=True, member=columns)
+        y = source.output(x, backend.qmatmul_threads, int8=backend.activation_bits, member=columns)
     else:
         small = _rows(x) <= backend.packed_rows
         if not small and weight is not None:

@@ -17,9 +17,10 @@ from mlx_parallm_provider.models import backend, backends, qmatmul, small_batch
 from test_small_batch import _build_with_march, _ctypes_kernel, _extension, _quantized, _quantized_tiny, kernel  # noqa: F401
 
 
-def _reference(x: np.ndarray, module: nn.QuantizedLinear) -> np.ndarray:
-    """What the int8 path computes, in numpy: x's blocks of 32 rounded to int8 (half to even)
-    times the weights' integers, scaled per block and group, plus bias x group sums."""
+def _reference(x: np.ndarray, module: nn.QuantizedLinear, levels: int = 127) -> np.ndarray:
+    """What the int8 path computes, in numpy: x's blocks of 32 rounded to int8 (half to even;
+    ``levels`` 32512 for 16-bit activations) times the weights' integers, scaled per block and
+    group, plus bias x group sums."""
     group = module.group_size
     scales = np.asarray(module.scales.astype(mx.float32))
     biases = np.asarray(module.biases.astype(mx.float32))
@@ -27,9 +28,9 @@ def _reference(x: np.ndarray, module: nn.QuantizedLinear) -> np.ndarray:
     q = np.rint((w - np.repeat(biases, group, axis=1)) / np.repeat(scales, group, axis=1))  # the stored integers
     blocks = x.reshape(x.shape[0], -1, 32).astype(np.float32)
     amax = np.abs(blocks).max(axis=2, keepdims=True)
-    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    inv = np.where(amax > 0, np.float32(levels) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
     xq = np.rint(blocks * inv)
-    d = (amax / np.float32(127)).astype(np.float64)
+    d = (amax / np.float32(levels)).astype(np.float64)
     per_block = np.einsum("mbi,nbi->mnb", xq, q.reshape(q.shape[0], -1, 32)) * d[:, None, :, 0]
     block_scale = np.repeat(scales, group // 32, axis=1)  # (N, blocks)
     sums = x.reshape(x.shape[0], -1, group).sum(axis=2)  # (M, groups)

@@ -17,6 +17,13 @@ from mlx.utils import tree_flatten
 from mlx_parallm_provider.models import backend, backends, qmatmul, qmatmul_ext, small_batch
 
 
+@pytest.fixture(autouse=True)
+def float_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests are of the float kernels (the integer path, the default on CPUs with AVX-512
+    VNNI, has test_int8_matmul.py)."""
+    monkeypatch.setenv("MLX_PARALLM_INT8_MATMUL", "0")
+
+
 def _ctypes_kernel():
     lib = qmatmul.load()
     if lib is None:  # the fallback has its own test below

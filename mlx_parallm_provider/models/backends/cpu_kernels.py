@@ -9,14 +9,15 @@ the CPU device for attention, SwiGLU, RMSNorm, RoPE and small-batch matmuls.
   :mod:`..fused_ops` installs;
 * linear layers of a quantized checkpoint: steps of at most :attr:`CPUKernels.packed_rows`
   rows multiply by the packed weights (:mod:`..small_batch`), larger ones by float32 copies;
-  with :attr:`CPUKernels.int8_matmul`, every row count by the packed weights with int8
-  activations.
+  with :attr:`CPUKernels.int8_matmul` (the default on CPUs with AVX-512 VNNI), every row count
+  by the packed weights with activations quantized to 16 bits or int8 and integer dot products.
 
 Without a compiler (no extension) every method falls back to :class:`.MLXOps`.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 
 from dataclasses import dataclass, field
@@ -25,16 +26,20 @@ from typing import Any, Optional, Union
 import mlx.core as mx
 
 from ..._validation import env_choice, env_int
-from .. import attention, cpu_ops, qmatmul
+from .. import attention, cpu_ops, qmatmul, qmatmul_ext
 from . import layer_step
 from .mlx_ops import MLXOps
 
 ROWS_ENV = "MLX_PARALLM_SMALL_BATCH_ROWS"
 QMATMUL_THREADS_ENV = "MLX_PARALLM_QMATMUL_THREADS"
 INT8_MATMUL_ENV = "MLX_PARALLM_INT8_MATMUL"
-DEFAULT_INT8_MATMUL = False
+"""The integer path: ``0`` off (the float kernels), ``1`` (or ``8``) on with int8 activations
+(llama.cpp's numerics), ``16`` on with 16-bit activations (AVX-512 VNNI CPUs only). Unset:
+:func:`default_int8_setting`."""
 DEFAULT_PACKED_ROWS = 4
 MAX_QMATMUL_THREADS = 16  # the kernel's pool: 15 helpers and the caller
+
+logger = logging.getLogger(__name__)
 
 
 def _attention_threads() -> int:
@@ -55,9 +60,40 @@ def _qmatmul_threads() -> int:
     return env_int(QMATMUL_THREADS_ENV, default_qmatmul_threads(), 1, MAX_QMATMUL_THREADS)
 
 
-def _int8_matmul() -> bool:
+def int8_tiles() -> bool:
+    """Whether this machine's packed-weight kernel has the int8 path over weight tiles
+    (``kernels/qmatmul_tiles.h``, built where the CPU has AVX-512 VNNI), which 16-bit
+    activations need."""
+    ext = qmatmul_ext.load()
+    if ext is not None:
+        return bool(ext.int8_tiles())
+    lib = qmatmul.load()
+    return lib is not None and bool(lib.qm_int8_tiles())
+
+
+def default_int8_setting() -> int:
+    """16 (the integer path with 16-bit activations) where the kernel has the tiles
+    (:func:`int8_tiles`): their numerics are the float path's (``bench.int8_numerics``) and
+    they multiply 1.4-2x faster at 8 rows and more; else 0 (the float kernels)."""
+    return 16 if int8_tiles() else 0
+
+
+def int8_setting() -> int:
+    """The integer path's activation bits, 0 for the float kernels: :data:`INT8_MATMUL_ENV`
+    (a value it does not know, or 16 without the tiles, is warned about and replaced)."""
+    raw = os.environ.get(INT8_MATMUL_ENV, "").strip().lower()
+    if not raw:
+        return default_int8_setting()
     choice = env_choice(INT8_MATMUL_ENV)
-    return DEFAULT_INT8_MATMUL if choice is None else choice
+    if raw not in ("8", "16") and choice is None:
+        default = default_int8_setting()
+        logger.warning("%s=%r is not 0, 1, 8 or 16: using %d", INT8_MATMUL_ENV, raw, default)
+        return default
+    bits = 16 if raw == "16" else 8 if raw == "8" or choice else 0
+    if bits == 16 and not int8_tiles():
+        logger.warning("%s=16: 16-bit activations need the kernel's tiles (AVX-512 VNNI); using int8 activations", INT8_MATMUL_ENV)
+        return 8
+    return bits
 
 
 @dataclass(eq=False)
@@ -70,18 +106,29 @@ class CPUKernels(MLXOps):
     ``MLX_PARALLM_QMATMUL_THREADS`` (the packed-weight kernel, default
     :func:`default_qmatmul_threads`, at most 16; its helper threads take shares of a call's
     rows as they come free, so a busy core slows a call no more than one thread would) and
-    ``MLX_PARALLM_INT8_MATMUL`` (default off: int8 activations at every row count). They
-    may be changed on a model's backend afterwards (tests, profiles)."""
+    ``MLX_PARALLM_INT8_MATMUL`` (:func:`int8_setting`: quantized layers multiply every row
+    count with activations quantized to ``activation_bits`` and integer dot products; by
+    default 16 bits where the CPU has AVX-512 VNNI, else off). They may be changed on a
+    model's backend afterwards (tests, profiles)."""
 
     attention_threads: int = field(default_factory=_attention_threads)
     packed_rows: int = field(default_factory=_packed_rows)  # type: ignore[assignment]
     qmatmul_threads: int = field(default_factory=_qmatmul_threads)  # type: ignore[assignment]
-    int8_matmul: bool = field(default_factory=_int8_matmul)  # type: ignore[assignment]
+    int8_matmul: Optional[bool] = None  # type: ignore[assignment]  # None: from int8_setting()
+    activation_bits: int = 0  # type: ignore[assignment]  # 0: from int8_setting() (8 where it is off)
     _plans: dict[int, Optional[layer_step.LayerPlan]] = field(default_factory=dict, repr=False, compare=False)
 
     name = "cpu"
     kernels = True
     head_sizes = (16, attention.MAX_HEAD_DIM, attention.MAX_GROUP)
+
+    def __post_init__(self) -> None:
+        if self.int8_matmul is None or not self.activation_bits:
+            setting = int8_setting()
+            if self.int8_matmul is None:
+                self.int8_matmul = setting > 0
+            if not self.activation_bits:
+                self.activation_bits = setting or 8
 
     def dense_attention(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Optional[Any],
                         sinks: Optional[mx.array] = None) -> mx.array:
@@ -128,7 +175,7 @@ class CPUKernels(MLXOps):
         if plan.copies and rows > self.packed_rows and not self.int8_matmul:
             return None  # (those rows multiply by the float32 copies, through OpenBLAS)
         out = attention.decoder_layer(x, plan, cache.step_inputs(), attn.n_heads, attn.rope, attn.scale, self.attention_threads,
-                                      self.qmatmul_threads, self.packed_rows, self.int8_matmul)
+                                      self.qmatmul_threads, self.packed_rows, self.activation_bits if self.int8_matmul else 0)
         cache.wrote(out, ragged=True)
         return out
 

@@ -27,7 +27,10 @@ class MLXOps:
     """Inputs of at most this many rows multiply by packed weights (:mod:`..small_batch`); 0: never."""
     qmatmul_threads = 1
     int8_matmul = False
-    """Quantized layers multiply every row count with activations quantized to int8 (:mod:`..small_batch`)."""
+    """Quantized layers multiply every row count with activations quantized in blocks of 32 and
+    integer dot products (:mod:`..small_batch`)."""
+    activation_bits = 8
+    """Those activations' bits with ``int8_matmul``: 8 (int8) or 16 (two int8 planes)."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

@@ -35,6 +35,8 @@ extern "C" int qmatmul(const float* x, int M, int K, const uint8_t* w, const flo
                        int bits, int group, float* y, int threads);
 extern "C" int qmatmul_int8(const float* x, int M, int K, const uint8_t* w, const float* scales, const float* biases,
                             int N, int bits, int group, float* y, int threads);
+extern "C" int qmatmul_x16(const float* x, int M, int K, const uint8_t* w, const float* scales,
+                           const float* biases, int N, int bits, int group, float* y, int threads);
 extern "C" int qgemm_panels(const float* x, int M, int K, const uint8_t* w, const float* scales, const float* biases,
                             int N, int bits, int group, float* y, int threads);
 
@@ -49,7 +51,8 @@ struct LayerParams {
   StepParams step;  // the attention step's (its threads: the attention's)
   float eps_in, eps_post;
   int matmul_threads, packed_rows;
-  bool int8, qkv_bias;  // qkv_bias: the last input holds q/k/v's biases
+  int int8;       // 0 float, 1 or 8 int8 x, 16 16-bit x (as QMatmul)
+  bool qkv_bias;  // the last input holds q/k/v's biases
   std::vector<int> bits, groups;  // of qkv, o, gate_up, down
   bool operator==(const LayerParams& o) const {
     return step == o.step && eps_in == o.eps_in && eps_post == o.eps_post && matmul_threads == o.matmul_threads &&
@@ -97,7 +100,7 @@ class DecoderLayerCPU : public CpuPrimitive<DecoderLayerCPU> {
     // The weights' (bytes, scales, biases) at in[3 + 3 * i], each multiplied as QMatmul does.
     auto matmul = [&](int i, const float* a, int k, float* y) {
       const auto &w = in[3 + 3 * i], &s = in[4 + 3 * i], &b = in[5 + 3 * i];
-      auto kernel = prm.int8 ? qmatmul_int8 : rows <= prm.packed_rows ? qmatmul : qgemm_panels;  // (as QMatmul picks)
+      auto kernel = prm.int8 == 16 ? qmatmul_x16 : prm.int8 ? qmatmul_int8 : rows <= prm.packed_rows ? qmatmul : qgemm_panels;  // (as QMatmul picks)
       if (kernel(a, rows, k, w.data<uint8_t>(), s.data<float>(), b.data<float>(), w.shape(0), prm.bits[i], prm.groups[i], y,
                  prm.matmul_threads) != 0)
         throw std::runtime_error("decoder_layer: kernel failed (out of memory?)");
@@ -155,7 +158,7 @@ mx::array decoder_layer_op(const mx::array& x, const mx::array& w_in, float eps_
                            const mx::array& k_pool, const mx::array& v_pool, const mx::array& slots, const mx::array& table,
                            const mx::array& limits, const mx::array& offset, const mx::array& inv_freq, int heads,
                            int rope_dims, bool traditional, float rope_scale, int block_size, float scale,
-                           int attention_threads, int matmul_threads, int packed_rows, bool int8,
+                           int attention_threads, int matmul_threads, int packed_rows, int int8,
                            const std::optional<mx::array>& qkv_bias) {
   if (x.ndim() != 3 || weights.size() != 12 || bits.size() != 4 || groups.size() != 4 || k_pool.ndim() != 3 || heads < 1) {
     throw std::invalid_argument("decoder_layer: x (B, L, Dm), 12 weight arrays with 4 bits and groups, pools (N, KVH, D)");

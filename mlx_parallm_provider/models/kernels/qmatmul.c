@@ -198,6 +198,7 @@ typedef struct {
     void (*call)(void *ctx, int n0, int n1);  /* CALL */
     void *ctx;
     int tiles, amx;  /* MULTIPLY_INT8 over tiles of 16 weight rows (qmatmul_tiles.h), on AMX: chunks in 16s */
+    int planes;      /* MULTIPLY_INT8: 1, x in int8; 2, in 16 bits as two int8 planes (tiles only) */
 } Job;
 
 /* Ask for weight row n + PREFETCH_ROWS (its packed bytes, scales and biases) while row n is
@@ -240,7 +241,7 @@ static void run_rows(const Job *j, int n0, int n1) {
  * in the first-level cache while the chunk's weight rows pass over it. */
 static void run_rows_int8(const Job *j, int n0, int n1) {
 #ifdef QM_TILES
-    if (j->tiles && tile_rows(j->amx, j->xq, j->xscale, j->xsum, j->M, j->K, j->w, j->scales, j->biases, j->N, j->bits, j->group, n0, n1, j->y))
+    if (j->tiles && tile_rows(j->amx, j->planes, j->xq, j->xscale, j->xsum, j->M, j->K, j->w, j->scales, j->biases, j->N, j->bits, j->group, n0, n1, j->y))
         return;
 #endif
     int B = j->K / QBLOCK, G = j->K / j->group;
@@ -466,35 +467,56 @@ int qmatmul(const float *x, int M, int K, const uint8_t *w, const float *scales,
     return 0;
 }
 
-/* y = x @ W.T for any number of rows of x, quantized to int8 (qmatmul_int8.h): no float32
- * weights at all. Returns 0, or -1 for arguments it does not handle or without memory. */
-int qmatmul_int8(const float *x, int M, int K, const uint8_t *w, const float *scales,
-                 const float *biases, int N, int bits, int group, float *y, int threads) {
+/* y = x @ W.T for any number of rows of x quantized in blocks of 32, to int8 (planes 1) or to
+ * 16 bits as two int8 planes (planes 2, qmatmul_tiles.h's tiles only): no float32 weights at
+ * all. Returns 0, or -1 for arguments it does not handle or without memory. */
+static int multiply_quantized(const float *x, int M, int K, const uint8_t *w, const float *scales, const float *biases,
+                              int N, int bits, int group, float *y, int threads, int planes) {
     if (!readable(M, K, bits, group))
         return -1;
 #ifdef QM_TILES
     int tiles = 1, amx = amx_enabled();
 #else
     int tiles = 0, amx = 0;
+    if (planes != 1) return -1;
 #endif
     /* AMX loads whole tiles of 16 rows of x: its copy is padded with zero rows */
-    size_t padded = amx ? (size_t)(M + 15) / 16 * 16 : (size_t)M;
+    size_t rows = (size_t)M * planes, padded = amx ? (rows + 15) / 16 * 16 : rows;
     int8_t *xq = malloc(padded * K);
-    if (xq) memset(xq + (size_t)M * K, 0, (padded - M) * K);
+    if (xq) memset(xq + rows * K, 0, (padded - rows) * K);
     float *xscale = malloc(sizeof(float) * (size_t)M * (K / QBLOCK) * 8), *xsum = malloc(sizeof(float) * (size_t)((M + XS_TILE - 1) / XS_TILE * XS_TILE) * (K / group));
     if (!xq || !xscale || !xsum) {
         free(xq), free(xscale), free(xsum);
         return -1;
     }
-    quantize_rows(x, M, K, bits, group, xq, xscale, xsum);
+#ifdef QM_TILES
+    if (planes == 2)
+        quantize_rows_x16(x, M, K, bits, group, xq, xscale, xsum);
+    else
+#endif
+        quantize_rows(x, M, K, bits, group, xq, xscale, xsum);
     int rows_per_chunk = chunk_rows(M < Q8_ROWS ? M : Q8_ROWS, K, bits);
     if (tiles) rows_per_chunk = (rows_per_chunk + 15) / 16 * 16;
     Job job = {MULTIPLY_INT8, NULL, xq, xscale, xsum, w, scales, biases, y, M, K, N, bits, group, rows_per_chunk,
                (N + rows_per_chunk - 1) / rows_per_chunk, 0};
-    job.tiles = tiles, job.amx = amx;
+    job.tiles = tiles, job.amx = amx, job.planes = planes;
     run_job(&job, threads);
     free(xq), free(xscale), free(xsum);
     return 0;
+}
+
+/* y = x @ W.T for any number of rows of x, quantized to int8 (qmatmul_int8.h; qmatmul_tiles.h
+ * on AVX-512 VNNI). Returns 0, or -1 for arguments it does not handle or without memory. */
+int qmatmul_int8(const float *x, int M, int K, const uint8_t *w, const float *scales,
+                 const float *biases, int N, int bits, int group, float *y, int threads) {
+    return multiply_quantized(x, M, K, w, scales, biases, N, bits, group, y, threads, 1);
+}
+
+/* The same with x quantized to 16 bits (two int8 planes, qmatmul_tiles.h): -1 where the build
+ * has no tiles (CPUs without AVX-512 VNNI). */
+int qmatmul_x16(const float *x, int M, int K, const uint8_t *w, const float *scales,
+                const float *biases, int N, int bits, int group, float *y, int threads) {
+    return multiply_quantized(x, M, K, w, scales, biases, N, bits, group, y, threads, 2);
 }
 
 /* Whether the int8 path uses AMX (qmatmul_tiles.h): request < 0 asks (the first call asks Linux

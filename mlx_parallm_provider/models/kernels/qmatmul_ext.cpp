@@ -23,6 +23,9 @@ extern "C" int qmatmul(const float* x, int M, int K, const uint8_t* w, const flo
                        const float* biases, int N, int bits, int group, float* y, int threads);
 extern "C" int qmatmul_int8(const float* x, int M, int K, const uint8_t* w, const float* scales,
                             const float* biases, int N, int bits, int group, float* y, int threads);
+extern "C" int qmatmul_x16(const float* x, int M, int K, const uint8_t* w, const float* scales,
+                           const float* biases, int N, int bits, int group, float* y, int threads);
+extern "C" int qm_int8_tiles(void);
 extern "C" int qgemm(const float* x, int M, int K, const uint8_t* w, const float* scales, const float* biases, int N,
                      int bits, int group, float* y, void* sgemm, int tile, int threads);
 extern "C" int qgemm_panels(const float* x, int M, int K, const uint8_t* w, const float* scales, const float* biases,
@@ -50,7 +53,7 @@ mx::array decoder_layer_op(const mx::array& x, const mx::array& w_in, float eps_
                            const mx::array& k_pool, const mx::array& v_pool, const mx::array& slots, const mx::array& table,
                            const mx::array& limits, const mx::array& offset, const mx::array& inv_freq, int heads,
                            int rope_dims, bool traditional, float rope_scale, int block_size, float scale,
-                           int attention_threads, int matmul_threads, int packed_rows, bool int8,
+                           int attention_threads, int matmul_threads, int packed_rows, int int8,
                            const std::optional<mx::array>& qkv_bias);  // decoder_layer.cpp
 void set_sgemm(std::uintptr_t address);  // blas_matmul.cpp
 bool has_sgemm();
@@ -68,8 +71,9 @@ class QMatmul : public mx::Primitive {
  public:
   // gemm: any number of rows, through qgemm_panels (up to kPanelRows) or qgemm (tiles of W
   // dequantized for the BLAS set by set_sgemm);
-  // int8: any number of rows, x quantized to int8 (qmatmul_int8); else qmatmul's kernel.
-  QMatmul(mx::Stream stream, int bits, int group, int threads, bool gemm = false, bool int8 = false)
+  // int8: any number of rows, x quantized in blocks of 32 to int8 (1 or 8: qmatmul_int8) or to
+  // 16 bits (16: qmatmul_x16, two int8 planes); else (0) qmatmul's kernel.
+  QMatmul(mx::Stream stream, int bits, int group, int threads, bool gemm = false, int int8 = 0)
       : mx::Primitive(stream), bits_(bits), group_(group), threads_(threads), gemm_(gemm), int8_(int8) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
@@ -91,7 +95,8 @@ class QMatmul : public mx::Primitive {
       // there; more (prefill): tiles of up to 8 MB of float32 weights for the BLAS, whose GEMM
       // is faster at many rows and pays the dequantizing once for them all.
       int tile = std::max((1 << 21) / std::max(k, 1), 16);
-      int status = int8                    ? qmatmul_int8(xp, m, k, wp, sp, bp, n, bits, group, out.data<float>(), threads)
+      int status = int8 == 16              ? qmatmul_x16(xp, m, k, wp, sp, bp, n, bits, group, out.data<float>(), threads)
+                   : int8                    ? qmatmul_int8(xp, m, k, wp, sp, bp, n, bits, group, out.data<float>(), threads)
                    : gemm && m <= kPanelRows ? qgemm_panels(xp, m, k, wp, sp, bp, n, bits, group, out.data<float>(), threads)
                    : gemm ? qgemm(xp, m, k, wp, sp, bp, n, bits, group, out.data<float>(), mlx_parallm::sgemm_address(), tile, threads)
                           : qmatmul(xp, m, k, wp, sp, bp, n, bits, group, out.data<float>(), threads);
@@ -118,14 +123,15 @@ class QMatmul : public mx::Primitive {
 
  private:
   int bits_, group_, threads_;
-  bool gemm_, int8_;
+  bool gemm_;
+  int int8_;
 };
 
 // x (..., K) @ W.T with W (N, K) affine-quantized: w (N, K * bits / 8) bytes (any integer
 // dtype holding MLX's packing), scales and biases (N, K / group) float32. Returns (..., N)
 // float32.
 mx::array qmatmul_op(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
-                     int bits, int group, int threads, bool gemm, bool int8) {
+                     int bits, int group, int threads, bool gemm, int int8) {
   if (x.ndim() < 1 || w.ndim() != 2 || scales.ndim() != 2 || biases.ndim() != 2) {
     throw std::invalid_argument("qmatmul: x must be (..., K), w, scales and biases 2-D");
   }
@@ -134,6 +140,7 @@ mx::array qmatmul_op(const mx::array& x, const mx::array& w, const mx::array& sc
   bool format_ok = (bits == 4 || bits == 8) && group > 0 && group % 32 == 0 && k % group == 0;
   if (gemm && rows > static_cast<size_t>(kPanelRows) && !mlx_parallm::has_sgemm())
     throw std::runtime_error("qmatmul: gemm=True with more than 128 rows needs set_sgemm first");
+  if (int8 != 0 && int8 != 1 && int8 != 8 && int8 != 16) throw std::invalid_argument("qmatmul: int8 is 0, 1 or 8 (int8 x) or 16 (16-bit x)");
   if (!format_ok || rows < 1 || (!gemm && !int8 && rows > kMaxRows) || !mx::issubdtype(w.dtype(), mx::integer) ||
       static_cast<size_t>(w.shape(1)) * w.itemsize() * 8 != static_cast<size_t>(k) * bits ||
       scales.shape() != mx::Shape{n, k / group} || biases.shape() != scales.shape()) {
@@ -154,10 +161,11 @@ mx::array qmatmul_op(const mx::array& x, const mx::array& w, const mx::array& sc
 NB_MODULE(mlx_parallm_qmatmul_ext, m) {
   m.doc() = "qmatmul.c's kernel, RMSNorm, RoPE, SwiGLU and decode attention as MLX primitives (CPU)";
   m.def("qmatmul", &qmatmul_op, "x"_a, "w"_a, "scales"_a, "biases"_a, "bits"_a, "group_size"_a, "threads"_a = 1,
-        "gemm"_a = false, "int8"_a = false,
+        "gemm"_a = false, "int8"_a = 0,
         "x (..., K) @ W.T for W affine-quantized as MLX packs it, float32 out: at most 64 rows of x through "
         "qmatmul.c's kernel, (gemm=True) any number: up to 128 through panels of W dequantized in cache (qmatmul_gemm.h), more through tiles of W dequantized for set_sgemm's BLAS, or "
-        "(int8=True) any number with x quantized to int8 in blocks of 32 (integer dot products, no float weights).");
+        "(int8=True or 8) any number with x quantized to int8 in blocks of 32 (integer dot products, no float weights), "
+        "(int8=16) the same with x quantized to 16 bits (two int8 planes; CPUs with AVX-512 VNNI).");
   m.def("rms_norm", &mlx_parallm::rms_norm_op, "x"_a, "weight"_a, "eps"_a,
         "mx.fast.rms_norm(x, weight, eps) for float32 x, as one CPU op.");
   m.def("rope", &mlx_parallm::rope_op, "x"_a, "dims"_a, "traditional"_a, "scale"_a, "offset"_a, "inv_freq"_a,
@@ -169,6 +177,8 @@ NB_MODULE(mlx_parallm_qmatmul_ext, m) {
         "threads"_a = 1,
         "Attention of q (B, H, 1, D) over k, v (B, KVH, S, D) under mask (None, or (1 or B, S) bool / additive), "
         "as one CPU op. float32 out.");
+  m.def("int8_tiles", []() { return qm_int8_tiles() != 0; },
+        "Whether the int8 path runs over weight tiles (AVX-512 VNNI, qmatmul_tiles.h), which int8=16 needs.");
   m.def("set_sgemm", &mlx_parallm::set_sgemm, "address"_a,
         "Use the cblas_sgemm at this address (of a BLAS loaded privately) for blas_matmul.");
   m.def("has_sgemm", &mlx_parallm::has_sgemm, "Whether set_sgemm was given an address.");
@@ -189,7 +199,7 @@ NB_MODULE(mlx_parallm_qmatmul_ext, m) {
   m.def("decoder_layer", &mlx_parallm::decoder_layer_op, "x"_a, "w_in"_a, "eps_in"_a, "w_post"_a, "eps_post"_a, "weights"_a,
         "bits"_a, "groups"_a, "k_pool"_a, "v_pool"_a, "slots"_a, "table"_a, "limits"_a, "offset"_a, "inv_freq"_a, "heads"_a,
         "rope_dims"_a, "traditional"_a, "rope_scale"_a, "block_size"_a, "scale"_a, "attention_threads"_a = 1,
-        "matmul_threads"_a = 1, "packed_rows"_a = 64, "int8"_a = false, "qkv_bias"_a = nb::none(),
+        "matmul_threads"_a = 1, "packed_rows"_a = 64, "int8"_a = 0, "qkv_bias"_a = nb::none(),
         "A llama (or qwen2: qkv_bias, the q, k and v biases concatenated) decoder layer's step of at most 128 rows as one CPU op: RMSNorm, the packed q/k/v, o, gate/up and down "
         "matmuls (qmatmul.c's kernel up to packed_rows rows, its panels above, or int8), the fused attention step (K/V written IN PLACE into the pools: order later readers after the result) "
         "and SwiGLU, each as its own op computes it. float32 out, x's shape.");

@@ -14,6 +14,13 @@
  * alone, exactly), nor on whether the tiles ran on AMX. Against qmatmul_int8.h's lanes (the
  * path of CPUs without AVX-512 VNNI) only the float order of the blocks differs.
  *
+ * With 16-bit activations (planes = 2: qmatmul_x16), x is quantized per block of 32 to 15-bit
+ * integers q (d = max|x| / 32512) and stored as two int8 planes, q = 256 * hi + lo (hi, lo in
+ * -128..127; plane rows 2m and 2m + 1 for row m): both planes meet the same B tiles, and the
+ * block sum 256 * (w . hi) + (w . lo) is w . q exactly. Twice the integer products of the int8
+ * path, the same float work; the rounding error of x ~256x smaller (near the float path's
+ * numerics; bench/int8_numerics.py measures both).
+ *
  * The weights stay in MLX's packed layout. Linux gives a process AMX's register state only when
  * asked (arch_prctl ARCH_REQ_XCOMP_PERM, Linux 5.16+); where it refuses (an older kernel, a
  * signal stack too small for the larger state), `vpdpbusd` computes every tile.
@@ -178,6 +185,61 @@ static inline void tile_vnni_sums(const int8_t *xq, int R, int K, int B, const u
     }
 }
 
+/* Two planes' block sums (plane rows 2r and 2r + 1, r < R) into row r's: 256 * hi + lo.
+ * In place: row r is written after rows 2r and 2r + 1 (>= r) are read. */
+static inline void combine_planes(int32_t *sums, int R, int B) {
+    for (int blk = 0; blk < B; blk++) {
+        int32_t *s = sums + (size_t)blk * 256;
+        for (int r = 0; r < R; r++) {
+            __m512i hi = _mm512_load_si512((const void *)(s + 32 * r)), lo = _mm512_load_si512((const void *)(s + 32 * r + 16));
+            _mm512_store_si512((void *)(s + 16 * r), _mm512_add_epi32(_mm512_slli_epi32(hi, 8), lo));
+        }
+    }
+}
+
+/* The 32 elements at xb as two int8 planes of 15-bit integers (qhi, qlo; 4-bit weights'
+ * deinterleaved order) and their scale 8 times into d8: q = round(x * 32512 / max|x|),
+ * hi = (q + 128) >> 8, lo = q - 256 * hi. */
+#define X16_LEVELS 32512.0f  /* 127 * 256: hi stays within -127..127 */
+static inline void quantize_block_x16(const float *xb, int bits, int8_t *qhi, int8_t *qlo, float *d8) {
+    __m512 a = _mm512_loadu_ps(xb), b = _mm512_loadu_ps(xb + 16);
+    float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+    float inv = amax > 0.0f ? X16_LEVELS / amax : 0.0f;
+    if (bits == 4) {
+        const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+        const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+        __m512 e = _mm512_permutex2var_ps(a, even, b), o = _mm512_permutex2var_ps(a, odd, b);
+        a = e, b = o;
+    }
+    __m512 scale = _mm512_set1_ps(inv);
+    const __m512i half = _mm512_set1_epi32(128);
+    for (int i = 0; i < 2; i++) {
+        __m512i q = _mm512_cvt_roundps_epi32(_mm512_mul_ps(i ? b : a, scale), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        __m512i hi = _mm512_srai_epi32(_mm512_add_epi32(q, half), 8);
+        __m512i lo = _mm512_sub_epi32(q, _mm512_slli_epi32(hi, 8));
+        _mm_storeu_si128((__m128i *)(qhi + 16 * i), _mm512_cvtepi32_epi8(hi));
+        _mm_storeu_si128((__m128i *)(qlo + 16 * i), _mm512_cvtepi32_epi8(lo));
+    }
+    _mm256_storeu_ps(d8, _mm256_set1_ps(amax / X16_LEVELS));
+}
+
+/* quantize_rows for 16-bit activations: q holds 2M plane rows (row m's hi at 2m, lo at 2m + 1);
+ * d and sx as quantize_rows writes them. */
+static void quantize_rows_x16(const float *x, int M, int K, int bits, int group, int8_t *q, float *d, float *sx) {
+    int B = K / QBLOCK, G = K / group;
+    for (int m = 0; m < M; m++) {
+        const float *xr = x + (size_t)m * K;
+        for (int b = 0; b < B; b++)
+            quantize_block_x16(xr + b * QBLOCK, bits, q + (size_t)(2 * m) * K + b * QBLOCK, q + (size_t)(2 * m + 1) * K + b * QBLOCK,
+                               d + ((size_t)m * B + b) * 8);
+        for (int g = 0; g < G; g++) {
+            float s = 0.0f;
+            for (int i = g * group; i < (g + 1) * group; i++) s += xr[i];
+            sx[((size_t)(m / XS_TILE) * G + g) * XS_TILE + m % XS_TILE] = s;
+        }
+    }
+}
+
 /* out[r * ldy + c] (c < cols) from R rows' block sums: per group, each block's sum times its
  * weight scale times its x scale, then the group's bias times its sum of x. st / sb: the tile's
  * scales and biases, group-major (16 a group). */
@@ -227,9 +289,10 @@ static int tile_grow(tile_buffers *b, int K, int G) {
 }
 
 /* Weight rows [n0, n1) (n0 a multiple of 16) times every row of x, quantized as quantize_rows
- * does (with amx, its row count padded to a multiple of 16 with zeros: AMX loads whole tiles).
- * Returns 0 without memory for its buffers (nothing computed). */
-static int tile_rows(int amx, const int8_t *xq, const float *xscale, const float *xsum, int M, int K, const uint8_t *w,
+ * does (planes 1) or quantize_rows_x16 (planes 2); with amx, its plane rows padded to a
+ * multiple of 16 with zeros (AMX loads whole tiles). Returns 0 without memory for its buffers
+ * (nothing computed). */
+static int tile_rows(int amx, int planes, const int8_t *xq, const float *xscale, const float *xsum, int M, int K, const uint8_t *w,
                     const float *scales, const float *biases, int N, int bits, int group, int n0, int n1, float *y) {
     static __thread tile_buffers buf;
     int B = K / QBLOCK, G = K / group, per_group = group / QBLOCK;
@@ -237,7 +300,7 @@ static int tile_rows(int amx, const int8_t *xq, const float *xscale, const float
     float *st = (float *)(buf.tiles + (size_t)B * AMX_TILE_BYTES), *sb = st + 16 * G;
     size_t row_bytes = (size_t)K * bits / 8;
 #ifdef QM_AMX
-    int tiles = amx && M >= AMX_MIN_ROWS;  /* some tile of rows of x is wide enough for AMX */
+    int tiles = amx && M * planes >= AMX_MIN_ROWS;  /* some tile of rows of x is wide enough for AMX */
     if (tiles) amx_configure();
 #else
     int tiles = 0;
@@ -266,17 +329,18 @@ static int tile_rows(int amx, const int8_t *xq, const float *xscale, const float
             _mm512_store_ps(st + 16 * g, _mm512_mask_i32gather_ps(_mm512_setzero_ps(), real, rows_at, scales + (size_t)t * G + g, 4));
             _mm512_store_ps(sb + 16 * g, _mm512_mask_i32gather_ps(_mm512_setzero_ps(), real, rows_at, biases + (size_t)t * G + g, 4));
         }
-        for (int m0 = 0; m0 < M; m0 += AMX_ROWS) {
-            int rows = M - m0 < AMX_ROWS ? M - m0 : AMX_ROWS;
-            const int8_t *xt = xq + (size_t)m0 * K;
-            const float *xd = xscale + (size_t)m0 * B * 8, *xs = xsum + (size_t)(m0 / XS_TILE) * G * XS_TILE;
+        for (int m0 = 0; m0 < M; m0 += AMX_ROWS / planes) {
+            int rows = M - m0 < AMX_ROWS / planes ? M - m0 : AMX_ROWS / planes;
+            const int8_t *xt = xq + (size_t)m0 * planes * K;
+            const float *xd = xscale + (size_t)m0 * B * 8, *xs = xsum + (size_t)(m0 / XS_TILE) * G * XS_TILE + m0 % XS_TILE;
             float *out = y + (size_t)m0 * N + t;
 #ifdef QM_AMX
-            if (tiles && rows >= AMX_MIN_ROWS)
+            if (tiles && rows * planes >= AMX_MIN_ROWS)
                 amx_tile_sums(xt, K, B, buf.tiles, buf.sums);
             else
 #endif
-                tile_vnni_sums(xt, rows, K, B, buf.tiles, buf.sums);
+                tile_vnni_sums(xt, rows * planes, K, B, buf.tiles, buf.sums);
+            if (planes == 2) combine_planes(buf.sums, rows, B);
             /* A constant row count lets the compiler keep the accumulators in registers. */
             switch (rows) {
 #define ROWS(r) case r: tile_outputs(buf.sums, xd, xs, r, B, G, per_group, st, sb, out, N, cols); break;
