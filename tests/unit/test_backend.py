@@ -189,3 +189,7 @@ def test_doctor_prints_the_backend_blas_features_kernels_cache_and_versions(caps
 
         expected = "lanes" if "avx512_vnni" not in qmatmul.cpu_flags() else ("tiles, AMX" if "amx_int8" in qmatmul.cpu_flags() else "tiles, vpdpbusd")
         assert lines["int8 matmul"].startswith(expected + "; "), out
+        # the default: 16-bit activations where the kernel has the tiles, else the float kernels
+        if os.environ.get("MLX_PARALLM_INT8_MATMUL") is None:
+            assert lines["int8 matmul"].endswith("; on, 16-bit activations (MLX_PARALLM_INT8_MATMUL)" if expected != "lanes"
+                                                 else "; off (MLX_PARALLM_INT8_MATMUL)"), out

@@ -103,3 +103,36 @@ def test_the_setting_defaults_to_16_bit_activations_where_the_kernel_has_tiles(
     backend = CPUKernels()
     assert (backend.int8_matmul, backend.activation_bits) == (expected > 0, expected or 8)
     assert CPUKernels(int8_matmul=False).int8_matmul is False  # an explicit choice is kept
+
+
+def test_by_default_every_row_count_takes_16_bit_activations_and_batched_equals_alone(
+        tiny_model_dir: Path, make_engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default on a CPU with the tiles: the engine's every matmul call (prefill, 12-row and
+    1-row steps) asks for 16-bit activations, and greedy rows get the same tokens together or
+    alone."""
+    from mlx_parallm_provider.engine import SamplingParams
+    from mlx_parallm_provider.models import backend, backends
+
+    from test_small_batch import _quantized_tiny
+
+    ext = _extension()
+    if not cpu_kernels.int8_tiles():
+        pytest.skip("no AVX-512 VNNI: the float32 kernels are the default here")
+    calls: list[tuple[int, int]] = []
+
+    def counting(x, *a):
+        calls.append((x.size // x.shape[-1], int(a[7]) if len(a) > 7 else 0))
+        return ext.qmatmul(x, *a)
+
+    monkeypatch.setattr(small_batch, "load_kernel", lambda: type("K", (), {"qmatmul": staticmethod(counting)})())
+    monkeypatch.delenv(cpu_kernels.INT8_MATMUL_ENV, raising=False)
+    model = _quantized_tiny(tiny_model_dir)
+    backend.prepare_model(model, dequantize=True)
+    assert (backends.of(model).int8_matmul, backends.of(model).activation_bits) == (True, 16)
+    prompts = [[1, 5 + i, 9, 30 + 3 * i] for i in range(12)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    engine = make_engine(model)
+    together = engine.generate_many_sync(prompts, params)
+    alone = [engine.generate_many_sync([p], params)[0] for p in prompts]
+    assert [o.token_ids for o in together] == [o.token_ids for o in alone]
+    assert calls and {bits for _, bits in calls} == {16} and max(rows for rows, _ in calls) >= 12 and 1 in {rows for rows, _ in calls}

@@ -240,6 +240,27 @@ static void quantize_rows_x16(const float *x, int M, int K, int bits, int group,
     }
 }
 
+/* tile_vnni_sums then combine_planes for R rows of 16-bit activations (2R plane rows), in
+ * registers: row m's two planes in two accumulators (independent chains), 256 * hi + lo stored. */
+static inline void tile_vnni_sums_x16(const int8_t *xq, int R, int K, int B, const uint8_t *tiles, int32_t *sums) {
+    for (int blk = 0; blk < B; blk++) {
+        const uint8_t *tile = tiles + (size_t)blk * AMX_TILE_BYTES;
+        __m512i t[8];
+        for (int r = 0; r < 8; r++) t[r] = _mm512_load_si512((const void *)(tile + 64 * r));
+        for (int m = 0; m < R; m++) {
+            const int32_t *h4 = (const int32_t *)(xq + (size_t)(2 * m) * K + (size_t)blk * QBLOCK);
+            const int32_t *l4 = (const int32_t *)(xq + (size_t)(2 * m + 1) * K + (size_t)blk * QBLOCK);
+            __m512i hi = _mm512_setzero_si512(), lo = _mm512_setzero_si512();
+#pragma GCC unroll 8
+            for (int r = 0; r < 8; r++) {
+                hi = _mm512_dpbusd_epi32(hi, t[r], _mm512_set1_epi32(h4[r]));
+                lo = _mm512_dpbusd_epi32(lo, t[r], _mm512_set1_epi32(l4[r]));
+            }
+            _mm512_store_si512((void *)(sums + (size_t)blk * 256 + 16 * m), _mm512_add_epi32(_mm512_slli_epi32(hi, 8), lo));
+        }
+    }
+}
+
 /* out[r * ldy + c] (c < cols) from R rows' block sums: per group, each block's sum times its
  * weight scale times its x scale, then the group's bias times its sum of x. st / sb: the tile's
  * scales and biases, group-major (16 a group). */
@@ -335,12 +356,15 @@ static int tile_rows(int amx, int planes, const int8_t *xq, const float *xscale,
             const float *xd = xscale + (size_t)m0 * B * 8, *xs = xsum + (size_t)(m0 / XS_TILE) * G * XS_TILE + m0 % XS_TILE;
             float *out = y + (size_t)m0 * N + t;
 #ifdef QM_AMX
-            if (tiles && rows * planes >= AMX_MIN_ROWS)
+            if (tiles && rows * planes >= AMX_MIN_ROWS) {
                 amx_tile_sums(xt, K, B, buf.tiles, buf.sums);
-            else
+                if (planes == 2) combine_planes(buf.sums, rows, B);
+            } else
 #endif
-                tile_vnni_sums(xt, rows * planes, K, B, buf.tiles, buf.sums);
-            if (planes == 2) combine_planes(buf.sums, rows, B);
+            if (planes == 2)
+                tile_vnni_sums_x16(xt, rows, K, B, buf.tiles, buf.sums);
+            else
+                tile_vnni_sums(xt, rows, K, B, buf.tiles, buf.sums);
             /* A constant row count lets the compiler keep the accumulators in registers. */
             switch (rows) {
 #define ROWS(r) case r: tile_outputs(buf.sums, xd, xs, r, B, G, per_group, st, sb, out, N, cols); break;
