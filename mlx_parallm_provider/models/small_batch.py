@@ -13,9 +13,11 @@ extension (:mod:`.qmatmul_ext`, ops in the step's lazy graph):
   for OpenBLAS's GEMM. No float32 copy of the weights is kept: the model holds about its
   checkpoint's size.
 
-With the backend's ``int8_matmul`` (``MLX_PARALLM_INT8_MATMUL=1``) every row count goes to the
-kernel's int8 path instead (activations quantized to int8 in blocks of 32, integer dot
-products): no float32 copy is kept, and a row's result does not depend on the rows beside it.
+With the backend's ``int8_matmul`` (the default where the kernel has its weight tiles, CPUs
+with AVX-512 VNNI; ``MLX_PARALLM_INT8_MATMUL``) every row count goes to the kernel's integer
+path instead: activations quantized in blocks of 32 to ``activation_bits`` (16, two int8
+planes: the float path's numerics; or 8, llama.cpp's), integer dot products, no float32 copy,
+and a row's result does not depend on the rows beside it.
 
 Otherwise both paths multiply by the same float32 weights (``q * scale + bias``, with scale and bias
 cast up first), so they differ only in the order of float additions. Where the extension

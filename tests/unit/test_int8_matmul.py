@@ -5,6 +5,7 @@ of rows; and the backend setting that sends every quantized layer there
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import mlx.core as mx
@@ -182,6 +183,6 @@ def test_a_vnni_build_without_amx_computes_what_the_native_build_does(kernel, tm
         module = _quantized((50, 256), bits, group)
         packed = small_batch.PackedWeight.from_module(module)
         x = mx.random.normal((21, 256), key=mx.random.key(bits + 1))
-        for rows in (1, 5, 21):
-            assert np.array_equal(np.asarray(packed.matmul(vnni, x[:rows], int8=True)),
-                                  np.asarray(packed.matmul(native, x[:rows], int8=True)))
+        for rows, activation_bits in itertools.product((1, 5, 21), (8, 16)):  # 16: two planes
+            assert np.array_equal(np.asarray(packed.matmul(vnni, x[:rows], int8=activation_bits)),
+                                  np.asarray(packed.matmul(native, x[:rows], int8=activation_bits)))

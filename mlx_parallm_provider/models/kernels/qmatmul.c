@@ -14,7 +14,8 @@
  * into scalar conversions there, ~3x slower), and GCC vector extensions for the rest, which
  * lower to AVX-512 on x86 and NEON on ARM. Rows of W are split across threads (see the pool
  * below). Many rows of x (batched decode) take qmatmul_gemm.h's panels instead (qgemm_panels);
- * the int8 path is qmatmul_int8.h's (qmatmul_tiles.h's on CPUs with AVX-512 VNNI, and AMX).
+ * the int8 path is qmatmul_int8.h's (qmatmul_tiles.h's on CPUs with AVX-512 VNNI, and AMX; there also
+ * with 16-bit activations, qmatmul_x16).
  */
 #include <pthread.h>
 #include <sched.h>

@@ -185,7 +185,8 @@ static inline void tile_vnni_sums(const int8_t *xq, int R, int K, int B, const u
     }
 }
 
-/* Two planes' block sums (plane rows 2r and 2r + 1, r < R) into row r's: 256 * hi + lo.
+#ifdef QM_AMX
+/* Two planes' block sums from AMX (plane rows 2r and 2r + 1, r < R) into row r's: 256 * hi + lo.
  * In place: row r is written after rows 2r and 2r + 1 (>= r) are read. */
 static inline void combine_planes(int32_t *sums, int R, int B) {
     for (int blk = 0; blk < B; blk++) {
@@ -196,6 +197,7 @@ static inline void combine_planes(int32_t *sums, int R, int B) {
         }
     }
 }
+#endif
 
 /* The 32 elements at xb as two int8 planes of 15-bit integers (qhi, qlo; 4-bit weights'
  * deinterleaved order) and their scale 8 times into d8: q = round(x * 32512 / max|x|),
@@ -240,8 +242,8 @@ static void quantize_rows_x16(const float *x, int M, int K, int bits, int group,
     }
 }
 
-/* tile_vnni_sums then combine_planes for R rows of 16-bit activations (2R plane rows), in
- * registers: row m's two planes in two accumulators (independent chains), 256 * hi + lo stored. */
+/* tile_vnni_sums for R rows of 16-bit activations (2R plane rows), combined in registers: row
+ * m's two planes in two accumulators (independent chains), 256 * hi + lo stored. */
 static inline void tile_vnni_sums_x16(const int8_t *xq, int R, int K, int B, const uint8_t *tiles, int32_t *sums) {
     for (int blk = 0; blk < B; blk++) {
         const uint8_t *tile = tiles + (size_t)blk * AMX_TILE_BYTES;
