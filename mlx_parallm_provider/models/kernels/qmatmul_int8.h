@@ -47,25 +47,43 @@
  * ((m / XS_TILE) * G + g) * XS_TILE + m % XS_TILE). */
 #if defined(__AVX512F__)
 #include <immintrin.h>
+/* The 32 elements at xb into a (first 16) and b in the order the weights meet them (4-bit:
+ * evens, then odds, the packed nibbles' order); returns their maximum of |x|. */
+static inline float load_block_avx512(const float *xb, int bits, __m512 *a, __m512 *b) {
+    __m512 lo = _mm512_loadu_ps(xb), hi = _mm512_loadu_ps(xb + 16);
+    float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+    if (bits == 4) {
+        const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+        const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+        *a = _mm512_permutex2var_ps(lo, even, hi), *b = _mm512_permutex2var_ps(lo, odd, hi);
+    } else {
+        *a = lo, *b = hi;
+    }
+    return amax;
+}
+
 /* The 32 elements at xb quantized into qb (its scale 8 times into d8) with AVX-512: what the
  * scalar loop in quantize_rows computes, bit for bit (maximum of |x|, the same products,
  * rounding half to even as nearbyintf does). */
 static inline void quantize_block_avx512(const float *xb, int bits, int8_t *qb, float *d8) {
-    __m512 a = _mm512_loadu_ps(xb), b = _mm512_loadu_ps(xb + 16);
-    float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+    __m512 a, b;
+    float amax = load_block_avx512(xb, bits, &a, &b);
     float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-    if (bits == 4) {  /* evens, then odds: the packed nibbles' order */
-        const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-        const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-        __m512 e = _mm512_permutex2var_ps(a, even, b), o = _mm512_permutex2var_ps(a, odd, b);
-        a = e, b = o;
-    }
     __m512 scale = _mm512_set1_ps(inv);
     _mm_storeu_si128((__m128i *)qb, _mm512_cvtepi32_epi8(_mm512_cvt_roundps_epi32(_mm512_mul_ps(a, scale), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
     _mm_storeu_si128((__m128i *)(qb + 16), _mm512_cvtepi32_epi8(_mm512_cvt_roundps_epi32(_mm512_mul_ps(b, scale), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
     _mm256_storeu_ps(d8, _mm256_set1_ps(amax / 127.0f));
 }
 #endif
+
+/* Row m's sums of x (xr) over each of its G groups into sx (quantize_rows' layout). */
+static inline void group_sums(const float *xr, int m, int G, int group, float *sx) {
+    for (int g = 0; g < G; g++) {
+        float s = 0.0f;
+        for (int i = g * group; i < (g + 1) * group; i++) s += xr[i];
+        sx[((size_t)(m / XS_TILE) * G + g) * XS_TILE + m % XS_TILE] = s;
+    }
+}
 
 static void quantize_rows(const float *x, int M, int K, int bits, int group, int8_t *q, float *d, float *sx) {
     int B = K / QBLOCK, G = K / group;
@@ -90,11 +108,7 @@ static void quantize_rows(const float *x, int M, int K, int bits, int group, int
             for (int j = 0; j < 8; j++) d[((size_t)m * B + b) * 8 + j] = amax / 127.0f;
 #endif
         }
-        for (int g = 0; g < G; g++) {
-            float s = 0.0f;
-            for (int i = g * group; i < (g + 1) * group; i++) s += xr[i];
-            sx[((size_t)(m / XS_TILE) * G + g) * XS_TILE + m % XS_TILE] = s;
-        }
+        group_sums(xr, m, G, group, sx);
     }
 }
 

@@ -231,15 +231,9 @@ static inline void combine_planes(int32_t *sums, int R, int B) {
  * hi = (q + 128) >> 8, lo = q - 256 * hi. */
 #define X16_LEVELS 32512.0f  /* 127 * 256: hi stays within -127..127 */
 static inline void quantize_block_x16(const float *xb, int bits, int8_t *qhi, int8_t *qlo, float *d8) {
-    __m512 a = _mm512_loadu_ps(xb), b = _mm512_loadu_ps(xb + 16);
-    float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+    __m512 a, b;
+    float amax = load_block_avx512(xb, bits, &a, &b);
     float inv = amax > 0.0f ? X16_LEVELS / amax : 0.0f;
-    if (bits == 4) {
-        const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-        const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-        __m512 e = _mm512_permutex2var_ps(a, even, b), o = _mm512_permutex2var_ps(a, odd, b);
-        a = e, b = o;
-    }
     __m512 scale = _mm512_set1_ps(inv);
     const __m512i half = _mm512_set1_epi32(128);
     for (int i = 0; i < 2; i++) {
@@ -261,11 +255,7 @@ static void quantize_rows_x16(const float *x, int M, int K, int bits, int group,
         for (int b = 0; b < B; b++)
             quantize_block_x16(xr + b * QBLOCK, bits, q + (size_t)(2 * m) * K + b * QBLOCK, q + (size_t)(2 * m + 1) * K + b * QBLOCK,
                                d + ((size_t)m * B + b) * 8);
-        for (int g = 0; g < G; g++) {
-            float s = 0.0f;
-            for (int i = g * group; i < (g + 1) * group; i++) s += xr[i];
-            sx[((size_t)(m / XS_TILE) * G + g) * XS_TILE + m % XS_TILE] = s;
-        }
+        group_sums(xr, m, G, group, sx);
     }
 }
 
