@@ -24,6 +24,7 @@ class Drafts:
     def __init__(self, ngram: Optional[NgramSpeculator], forward: Optional[FastForward], times: StepTimes) -> None:
         self.ngram, self.forward, self.times = ngram, forward, times
         self._width = 0  # the last verify step's, as the times measure it
+        self._ngram_verified = False  # whether the last step verified n-gram drafts
 
     @classmethod
     def for_engine(cls, config: Any) -> Optional["Drafts"]:
@@ -38,6 +39,7 @@ class Drafts:
         decode plainly. N-gram drafts go when every row can take them (no constrained rows),
         forced tokens otherwise."""
         k = self.ngram.plan(rows) if self.ngram is not None else 0
+        self._ngram_verified = bool(k)
         if k:
             lengths = [len(r.draft) for r in rows]
             sampled = [[SampledRow(token=t) for t in got] for got in self.ngram.verify(runner, rows, k)]
@@ -56,8 +58,14 @@ class Drafts:
         return self.ngram is not None and self.ngram.plan(rows) > 0
 
     def record(self, rows: int, k: int, seconds: float) -> None:
-        """The time of the step just run (``k`` drafts a row, 0: plain), at its width."""
-        self.times.record(rows, self._width if k else 0, seconds)
+        """The time of the step just run (``k`` drafts a row, 0: plain), at its width; a plain
+        step right after an n-gram verify step is the verify step's restart cost
+        (:meth:`.StepTimes.restart_cost`), not a plain step's time."""
+        if not k and self._ngram_verified:
+            self._ngram_verified = False
+            self.times.record_restart(rows, seconds)
+        else:
+            self.times.record(rows, self._width if k else 0, seconds)
 
     def draft_all(self, rows: Sequence[Any]) -> None:
         """Every decoding row's drafts for the next step."""

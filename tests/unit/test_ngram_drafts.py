@@ -130,3 +130,28 @@ def test_a_row_that_keeps_its_drafts_is_planned_with_more_than_a_new_rows_rate()
     for _ in range(10):
         spec.record_acceptance(row, 4, 4)
     assert spec.plan([row]) > 0
+
+
+def test_the_plain_step_after_a_verify_step_is_counted_as_the_verify_steps_cost() -> None:
+    """With decoding ahead, the plain step after a verify step builds its graph unoverlapped:
+    what it costs over a plain step is charged to verifying, and not to plain steps."""
+    from mlx_parallm_provider.engine.drafts import Drafts
+
+    spec = NgramSpeculator(k=4, max_batch=8)
+    drafts = Drafts(spec, None, spec.times)
+    rows = [_Row([1, 2])]
+    for _ in range(3):
+        drafts.record(1, 0, 0.100)
+    for k in (1, 2):
+        spec.times.record(1, k, 0.140)  # the times alone say it pays at the prior rate (0.5)
+    assert spec.times.restart_cost(1) == 0.0 and spec.plan(rows) > 0  # 1.5+ tokens in 0.14 s beats 1 in 0.1 s
+    drafts._ngram_verified = True  # as decode() leaves it after verifying
+    drafts.record(1, 0, 0.150)  # the plain step after it
+    assert spec.times.get(1, 0) == 0.100  # not a plain step's time
+    assert abs(spec.times.restart_cost(1) - 0.050) < 1e-12
+    assert spec.plan(rows) == 0  # 1.75 tokens at most in 0.19 s lose to 1 in 0.1 s
+    drafts.record(1, 0, 0.100)  # the next plain step is a plain step again
+    assert spec.times.get(1, 0) == 0.100 and abs(spec.times.restart_cost(1) - 0.050) < 1e-12
+    for _ in range(10):
+        spec.record_acceptance(rows[0], 2, 2)  # a row that keeps its drafts pays for it
+    assert spec.plan(rows) > 0
