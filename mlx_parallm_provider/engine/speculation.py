@@ -68,6 +68,7 @@ class NgramIndex:
     def __init__(self) -> None:
         self.tokens: list[int] = []
         self._after: dict[tuple[int, ...], int] = {}
+        self.matched: Optional[tuple[int, int]] = None  # the last proposal's n-gram length and first position
 
     def extend(self, tokens: Sequence[int]) -> None:
         """Append ``tokens``; each n-gram ending just before a new token points at it."""
@@ -85,8 +86,22 @@ class NgramIndex:
         for n in range(min(MAX_NGRAM, len(tokens) - 1), MIN_NGRAM - 1, -1):
             at = self._after.get(tuple(tokens[-n:]))
             if at is not None and at < len(tokens):
+                self.matched = (n, at)
                 return tokens[at : at + k]
+        self.matched = None
         return []
+
+
+Kind = tuple[int, bool]
+"""A kind of match: its n-gram's length, and whether what followed it is in the prompt."""
+
+
+def kind(n: int, at: int, prompt_len: int) -> Kind:
+    """The kind of a match of ``n`` tokens whose draft starts at position ``at``. Kinds differ
+    a lot: plain chat on the default model (32 answers, every draft verified) kept the first
+    draft token of 7% of 2-token matches, 35% of 3-token matches in the prompt and 78% of
+    3-token matches in the answer so far."""
+    return n, at < prompt_len
 
 
 def can_speculate(request: Any) -> bool:
@@ -204,16 +219,27 @@ class NgramSpeculator:
         self.times = StepTimes() if times is None else times
         self._index: dict[int, NgramIndex] = {}
         self._acceptance: dict[int, float] = {}  # per row, of one draft token: a moving average
+        self._kinds: dict[Kind, float] = {}  # per kind of match, engine-wide: a moving average
+        self._kind: dict[int, Kind] = {}  # each row's current draft's kind
 
     def acceptance(self, request: Any) -> float:
-        """``request``'s acceptance rate of one draft token (:data:`ROW_PRIOR` until verified)."""
-        return self._acceptance.get(id(request), ROW_PRIOR)
+        """The acceptance rate of one of ``request``'s draft tokens: the lower of its own
+        (:data:`ROW_PRIOR` until verified) and its current draft's kind's (:func:`kind`;
+        :data:`ROW_PRIOR` until one was verified)."""
+        own = self._acceptance.get(id(request), ROW_PRIOR)
+        kind = self._kind.get(id(request))
+        return own if kind is None else min(own, self._kinds.get(kind, ROW_PRIOR))
 
     def record_acceptance(self, request: Any, drafted: int, accepted: int) -> None:
         """A verify step kept ``accepted`` of ``request``'s ``drafted`` drafts."""
         if drafted:  # per draft token: accepted / tried (a rejection ends the row's tries)
-            rate = self.acceptance(request)
-            self._acceptance[id(request)] = rate + SMOOTHING * (accepted / min(drafted, accepted + 1) - rate)
+            sample = accepted / min(drafted, accepted + 1)
+            rate = self._acceptance.get(id(request), ROW_PRIOR)
+            self._acceptance[id(request)] = rate + SMOOTHING * (sample - rate)
+            kind = self._kind.get(id(request))
+            if kind is not None:
+                rate = self._kinds.get(kind, ROW_PRIOR)
+                self._kinds[kind] = rate + SMOOTHING * (sample - rate)
 
     def draft(self, request: Any) -> None:
         """Set ``request.draft`` for its next step (after it took its latest token)."""
@@ -227,10 +253,12 @@ class NgramSpeculator:
         """:meth:`lookup`'s drafts where ``request``'s acceptance rate is at least
         :data:`MIN_ROW_ACCEPTANCE`, else none (a match found then relaxes the rate)."""
         draft = self.lookup(request, k)
-        rate = self.acceptance(request)
-        if draft and rate < ROW_PRIOR:
-            self._acceptance[id(request)] = rate = rate + RELAX * (ROW_PRIOR - rate)
-        return draft if rate >= MIN_ROW_ACCEPTANCE else []
+        if draft:  # each match draws the rates below the prior back towards it
+            for rates, key in ((self._acceptance, id(request)), (self._kinds, self._kind.get(id(request)))):
+                rate = rates.get(key, ROW_PRIOR)
+                if rate < ROW_PRIOR:
+                    rates[key] = rate + RELAX * (ROW_PRIOR - rate)
+        return draft if self.acceptance(request) >= MIN_ROW_ACCEPTANCE else []
 
     def lookup(self, request: Any, k: int) -> list[int]:
         """Up to ``k`` tokens that followed the latest earlier occurrence of ``request``'s
@@ -241,7 +269,12 @@ class NgramSpeculator:
         prompt = request.prompt_ids  # index only the tokens it has not seen (no prompt + output copy a step)
         index.extend(prompt[len(index.tokens) :])
         index.extend(request.output_ids[len(index.tokens) - len(prompt) :])
-        return index.propose(k) if k > 0 else []
+        draft = index.propose(k) if k > 0 else []
+        if draft and index.matched is not None:
+            self._kind[id(request)] = kind(*index.matched, len(prompt))
+        else:
+            self._kind.pop(id(request), None)
+        return draft
 
     def draft_all(self, rows: Sequence[Any]) -> None:
         """Set every decoding row's drafts for the next step (none while too many rows decode:
@@ -257,6 +290,7 @@ class NgramSpeculator:
         """Drop a finished or preempted request's index and acceptance."""
         self._index.pop(id(request), None)
         self._acceptance.pop(id(request), None)
+        self._kind.pop(id(request), None)
         request.draft = []
 
     def plan(self, rows: Sequence[Any]) -> int:

@@ -99,11 +99,12 @@ class _Matcher:
         return tokens
 
 
-def _looking_up(tokens: list[int]) -> SimpleNamespace:
-    """A constrained row whose prompt ends with a repeat of its start (its lookups find a draft)."""
+def _looking_up(tokens: list[int], repeat: int = 3) -> SimpleNamespace:
+    """A constrained row whose prompt ends with a repeat of its first ``repeat`` tokens (its
+    lookups find a draft, of that many tokens' kind of match)."""
     sampler = SimpleNamespace(matcher=_Matcher(), processors=[])
     return SimpleNamespace(draft=[], state=SimpleNamespace(sampler=sampler), params=SimpleNamespace(max_tokens=50, logprobs=False),
-                           prompt_ids=tokens + tokens[:3], output_ids=[], finished=False, request_id="r")
+                           prompt_ids=tokens + tokens[:repeat], output_ids=[], finished=False, request_id="r")
 
 
 def test_looked_up_drafts_plan_by_their_rows_own_acceptance() -> None:
@@ -115,7 +116,7 @@ def test_looked_up_drafts_plan_by_their_rows_own_acceptance() -> None:
     times.record(1, 0, 0.100)
     for k in (1, 2, 3, 4):
         times.record(1, k, 0.100 + 0.005 * k)
-    bad, fresh = _looking_up([5, 6, 7, 8, 9]), _looking_up([1, 2, 3, 4])
+    bad, fresh = _looking_up([5, 6, 7, 8, 9]), _looking_up([1, 2, 3, 4], repeat=2)  # (another kind of match)
     ff.draft_all([bad])
     assert bad.draft and ff.plan([bad]) > 0
     drafted = len(bad.draft)

@@ -88,28 +88,34 @@ def test_a_rows_drafts_come_from_its_whole_prompt_and_output_as_they_grow() -> N
     assert row.draft == [5, 1, 2]  # "1 2" last ended before the 5 of the output
 
 
-def _looking_up(tokens: list[int]) -> _Row:
-    """A row whose prompt ends with a repeat of its start: its lookups always find a draft."""
+def _looking_up(tokens: list[int], repeat: int = 3) -> _Row:
+    """A row whose prompt ends with a repeat of its first ``repeat`` tokens: its lookups
+    always find a draft (of ``repeat`` tokens' kind of match, in the prompt)."""
     row = _Row([])
-    row.prompt_ids, row.output_ids, row.finished = tokens + tokens[:3], [], False
+    row.prompt_ids, row.output_ids, row.finished = tokens + tokens[:repeat], [], False
     row.params.max_tokens = 100
     return row
 
 
-def test_a_row_whose_drafts_are_rejected_stops_drafting_and_holds_back_no_other_row() -> None:
+def test_a_row_whose_drafts_are_rejected_stops_drafting_and_holds_back_other_rows_of_its_kind_for_a_while() -> None:
     spec = NgramSpeculator(k=4, max_batch=8)
     spec.times.record(1, 0, 0.100)
     for k in (1, 2, 3, 4):
         spec.times.record(1, k, 0.100 + 0.005 * k)
-    bad, good = _looking_up([5, 6, 7, 8, 9, 10]), _looking_up([1, 2, 3, 4])
+    bad, other = _looking_up([5, 6, 7, 8, 9, 10]), _looking_up([1, 2, 3, 4], repeat=2)
     spec.draft(bad)
     assert bad.draft and spec.plan([bad]) > 0  # a new row's drafts are tried
     for _ in range(8):
         spec.record_acceptance(bad, len(bad.draft) or 4, 0)  # every draft rejected
     spec.draft(bad)
     assert bad.draft == [] and spec.plan([bad]) == 0  # it proposes none now
-    spec.draft(good)
-    assert good.draft and spec.plan([good]) > 0  # a later row is tried as a new one
+    spec.draft(other)
+    assert other.draft and spec.plan([other]) > 0  # a later row with another kind of match is tried as a new one
+    same, tries = _looking_up([11, 12, 13, 14]), 0  # bad's kind (3 tokens, in the prompt)
+    while not same.draft:  # each of its matches draws the kind's rate back towards the prior
+        spec.draft(same)
+        tries += 1
+    assert 5 <= tries <= 40 and spec.plan([same]) > 0  # so it is tried after a while
     tries = 0
     while not bad.draft:  # its lookups still match: each draws it back towards the prior
         spec.draft(bad)
