@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
@@ -51,10 +52,37 @@ def notes(rows: Sequence[Mapping[str, Any]], skipped: Mapping[str, str], best_li
                 out.append(f"- {r['system']} ({r['setting_label']}, concurrency {r['concurrency']}) {kind.replace('_', ' ')}: "
                            f"{accepted} of {drafted} draft tokens accepted ({accepted / drafted:.0%}), "
                            f"{accepted / r['num_requests']:.1f} a request")
+    out += [f"- {line}" for line in sweep_ratios(rows)]
     out += [f"- {line}" for line in best_lines]
     out.append("- peak MB: MLX peak memory for in-process systems, the server's peak RSS for servers started here; "
                "max batch: largest decode batch from engine.stats() (llama-cpp: most sequences in one llama_decode)")
     return "\n".join(out)
+
+
+def sweep_ratios(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Per system and concurrency level with more than one setting: each setting's output
+    tok/s against the first setting's. A setting given more than once in ``--sweep`` (e.g.
+    ``speculative=off,ngram,off,ngram,off,ngram``) runs that many times, in turn with the
+    others, and is taken by its median: on a shared machine one run of each can differ by
+    more than the effect measured."""
+    groups: dict[tuple[str, int], dict[str, list[float]]] = {}
+    for r in rows:
+        tok_s = r["metrics"].get("output_throughput")
+        if tok_s:
+            groups.setdefault((r["system"], r["concurrency"]), {}).setdefault(r["setting_label"], []).append(tok_s)
+
+    def runs(values: list[float]) -> str:
+        middle = statistics.median(values)
+        return f"{middle:.1f}" if len(values) == 1 else f"median {middle:.1f} of {len(values)}: " + " / ".join(f"{v:.1f}" for v in values)
+
+    out = []
+    for (system, concurrency), by in groups.items():
+        if len(by) < 2:
+            continue
+        (first, base), *others = by.items()
+        ratios = "; ".join(f"{label} {statistics.median(v) / statistics.median(base):.2f}x ({runs(v)})" for label, v in others)
+        out.append(f"{system}, concurrency {concurrency}, output tok/s against {first} ({runs(base)}): {ratios}")
+    return out
 
 
 def write_json(path: Path, result: Mapping[str, Any]) -> Path:

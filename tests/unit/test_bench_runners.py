@@ -226,3 +226,22 @@ def test_in_process_runs_count_the_drafts_of_their_timed_requests_only(tiny_mode
     info = runner.run_info()
     assert (info["speculation_draft_tokens"], info["speculation_accepted_tokens"]) == (15, 9)
     assert "fast_forward_draft_tokens" not in info
+
+
+def test_the_report_gives_each_settings_median_against_the_first_settings() -> None:
+    from mlx_parallm_provider.bench import report
+
+    def row(label: str, concurrency: int, tok_s: float) -> dict:
+        return {"system": "engine", "setting_label": label, "concurrency": concurrency, "num_requests": 8,
+                "metrics": {"failures": {}, "output_throughput": tok_s}}
+
+    rows = [row("speculative=None", 1, 100.0), row("speculative=ngram", 1, 96.0), row("speculative=None", 1, 90.0),
+            row("speculative=ngram", 1, 99.0), row("speculative=None", 1, 95.0), row("speculative=ngram", 1, 101.0),
+            row("speculative=None", 64, 600.0), row("speculative=ngram", 64, 594.0)]
+    lines = report.sweep_ratios(rows)
+    assert lines == [
+        "engine, concurrency 1, output tok/s against speculative=None (median 95.0 of 3: 100.0 / 90.0 / 95.0): "
+        "speculative=ngram 1.04x (median 99.0 of 3: 96.0 / 99.0 / 101.0)",
+        "engine, concurrency 64, output tok/s against speculative=None (600.0): speculative=ngram 0.99x (594.0)",
+    ]
+    assert report.sweep_ratios(rows[:1]) == [] and lines[0] in report.notes(rows, {}, [])
