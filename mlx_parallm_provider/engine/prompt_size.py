@@ -26,6 +26,19 @@ from .request import Prompt, SamplingParams
 #: Texts longer than this (characters) are tokenized off an async caller's event loop.
 INLINE_PROMPT_CHARS = 4096
 
+#: A text longer than this many characters a token of the room it has is measured first by
+#: tokenizing that much of it: twice what text averages (~4), far less than the longest
+#: vocabulary entries allow (the bound :meth:`PromptEncoder.far_over` refuses by), so a text
+#: of ~470,000 tokens (a 60,000-value enum written into the prompt) is refused after ~65,000
+#: characters of an 8,192-token context, not after tokenizing all of it. A text that fits
+#: with more characters a token than this is tokenized twice (the prefix, then whole).
+PREFIX_CHARS_PER_TOKEN = 8
+
+#: Tokens a prefix may count beyond the room before its text is refused: a prefix cut at a
+#: word's end counts what the whole text counts for the same characters, give or take the
+#: tokens a tokenizer adds (BOS) or splits differently at the cut.
+PREFIX_SLACK_TOKENS = 16
+
 #: Normalizers that never shorten a text.
 _KEEPING = frozenset({"NFD", "NFKD", "Lowercase", "Prepend"})
 #: Normalizers that compose characters, and by how much at most.
@@ -74,6 +87,13 @@ class TokenIds(list):
     """Token ids the engine's own tokenizer produced: submitted without checking each id."""
 
 
+class RefusedText(str):
+    """A text refused from a tokenized prefix on a thread: submitting it raises ``error``
+    without tokenizing it again on the caller's loop."""
+
+    error: ContextWindowExceededError
+
+
 class PromptEncoder:
     """One engine's prompts to token ids. ``encode`` is the engine's
     :meth:`~.coordinator.Engine.encode`; ``tokenizer`` gives the characters-per-token bound."""
@@ -89,15 +109,34 @@ class PromptEncoder:
         return self.chars_per_token is not None and len(text) > room * self.chars_per_token
 
     def encode_within_context(self, prompt: Prompt, max_tokens: int) -> list[int]:
-        """Token ids of ``prompt``; a prompt that cannot fit is refused from its length."""
+        """Token ids of ``prompt``; a prompt that cannot fit is refused from its length, or
+        from a prefix (:meth:`prefix_over`)."""
         if isinstance(prompt, TokenIds):
             return prompt
+        if isinstance(prompt, RefusedText):
+            raise prompt.error
         if isinstance(prompt, str) and self.far_over(prompt, max_tokens):
             fewest = -(-len(prompt) // (self.chars_per_token or 1))
             raise ContextWindowExceededError(fewest, max_tokens, self.context_length, at_least=True)
         if isinstance(prompt, (list, tuple)) and len(prompt) + max_tokens > self.context_length:
             raise ContextWindowExceededError(len(prompt), max_tokens, self.context_length)
+        if isinstance(prompt, str):
+            self.prefix_over(prompt, max_tokens)
         return self._encode(prompt)
+
+    def prefix_over(self, text: str, max_tokens: int) -> None:
+        """Refuse ``text`` when its first ``PREFIX_CHARS_PER_TOKEN`` characters a token of
+        the room left (cut back to a whitespace) already count more tokens than the room
+        (plus :data:`PREFIX_SLACK_TOKENS`); a shorter text is left to be tokenized whole."""
+        room = max(0, self.context_length - max_tokens)
+        cut = room * PREFIX_CHARS_PER_TOKEN
+        if len(text) <= cut:
+            return
+        space = max(text.rfind(" ", 0, cut), text.rfind("\n", 0, cut))
+        prefix = text[: space if space > cut // 2 else cut]
+        counted = len(self._encode(prefix))
+        if counted > room + PREFIX_SLACK_TOKENS:
+            raise ContextWindowExceededError(counted, max_tokens, self.context_length, at_least=True)
 
     async def tokenized_off_loop(self, prompt: Prompt, params: Optional[SamplingParams]) -> Prompt:
         """``prompt``, a long text tokenized on a thread (see :meth:`jobs_tokenized_off_loop`)."""
@@ -116,11 +155,17 @@ class PromptEncoder:
         if not texts:
             return jobs
 
-        def encode_all() -> dict[int, TokenIds]:
-            done = {}
+        max_tokens = {id(p): s.max_tokens for p, s in jobs}
+
+        def encode_all() -> dict[int, Prompt]:
+            done: dict[int, Prompt] = {}
             for key, text in texts.items():
                 try:
+                    self.prefix_over(text, max_tokens[key])
                     done[key] = TokenIds(self._encode(text))
+                except ContextWindowExceededError as error:
+                    refused = done[key] = RefusedText(text)
+                    refused.error = error
                 except MLXParallmError:
                     pass
             return done

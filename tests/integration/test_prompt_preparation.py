@@ -22,11 +22,13 @@ class CountingTokenizer:
     """The engine's tokenizer, counting ``encode`` calls; ``delay`` seconds of blocking sleep
     in each call on a long text stands for a slow tokenization."""
 
-    def __init__(self, inner: Any, delay: float = 0.0) -> None:
+    def __init__(self, inner: Any, delay: float = 0.0, whole: str = "") -> None:
         self._inner, self.delay, self.encoded = inner, delay, 0
+        self.whole_text, self.whole = whole, 0  # calls on exactly ``whole``
 
     def encode(self, text: str, **kwargs: Any) -> list[int]:
         self.encoded += 1
+        self.whole += text == self.whole_text
         if len(text) > INLINE_PROMPT_CHARS:
             time.sleep(self.delay)
         return self._inner.encode(text, **kwargs)
@@ -68,6 +70,39 @@ def test_a_text_far_over_the_context_is_refused_without_tokenizing(counted) -> N
         engine.generate_sync(list(range(engine.context_length)), ONE)  # ids: counted, not checked one by one
 
 
+class LengthsTokenizer(CountingTokenizer):
+    """Also records the length of every text encoded."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__(inner)
+        self.lengths: list[int] = []
+
+    def encode(self, text: str, **kwargs: Any) -> list[int]:
+        self.lengths.append(len(text))
+        return super().encode(text, **kwargs)
+
+
+def test_a_text_over_the_context_by_far_is_refused_after_tokenizing_a_prefix_only(make_engine, monkeypatch) -> None:
+    """A text whose length the vocabulary's longest entries could still fit (so far_over lets
+    it by) but whose words are short: the 60,000-value enum the chat layer writes into a
+    prompt took ~470,000 tokens to refuse, and 12 such requests held ~600 MB of the proxy."""
+    from mlx_parallm_provider.engine.prompt_size import PREFIX_CHARS_PER_TOKEN
+
+    engine = make_engine()
+    tokenizer = LengthsTokenizer(engine.tokenizer)
+    monkeypatch.setattr(engine, "tokenizer", tokenizer)
+    room = engine.context_length - 1
+    words = " ".join(f"v{i}" for i in range(engine.context_length * 12))  # ~3 tokens a word
+    assert not engine._prompts.far_over(words, 1)  # (noqa: SLF001) the length alone cannot refuse it
+    for call in (lambda: engine.generate_sync(words, ONE), lambda: asyncio.run(engine.generate(words, ONE))):
+        tokenizer.lengths.clear()
+        with pytest.raises(ContextWindowExceededError, match="at least"):
+            call()
+        assert tokenizer.lengths and max(tokenizer.lengths) <= room * PREFIX_CHARS_PER_TOKEN < len(words)
+    results = asyncio.run(engine.generate_many([words, "hi"], ONE, return_exceptions=True))
+    assert isinstance(results[0], ContextWindowExceededError) and results[1].usage.completion_tokens == 1
+
+
 def test_the_densest_text_that_fits_is_not_refused_from_its_length(counted) -> None:
     engine, tokenizer = counted
     text = densest_text(engine.tokenizer, engine.context_length - 8)
@@ -81,7 +116,7 @@ def test_a_slow_tokenization_does_not_stall_the_callers_loop(make_engine, monkey
     engine = make_engine()
     text = densest_text(engine.tokenizer, 200)
     assert len(text) > INLINE_PROMPT_CHARS
-    tokenizer = CountingTokenizer(engine.tokenizer, delay=0.6)
+    tokenizer = CountingTokenizer(engine.tokenizer, delay=0.6, whole=text)
     monkeypatch.setattr(engine, "tokenizer", tokenizer)
 
     async def work() -> None:
@@ -94,5 +129,5 @@ def test_a_slow_tokenization_does_not_stall_the_callers_loop(make_engine, monkey
             await engine.generate_many([text], ONE, n=3)
 
     gap = asyncio.run(max_gap_while(work()))
-    assert tokenizer.encoded == 1  # once, even for n=3
+    assert tokenizer.whole == 1  # once, even for n=3 (and a prefix once, this text being dense: see prefix_over)
     assert gap < 0.3, f"the loop stalled {gap:.2f} s while a prompt was tokenized"
