@@ -19,6 +19,7 @@ import json
 import math
 from typing import Any, Callable, Optional
 
+from .._validation import check_text
 from ..errors import ContextWindowExceededError, MLXParallmError
 from .fanout import Job
 from .request import Prompt, SamplingParams
@@ -132,6 +133,7 @@ class PromptEncoder:
         cut = room * PREFIX_CHARS_PER_TOKEN
         if len(text) <= cut:
             return
+        check_text("prompt", text)  # as encoding it whole would (a lone surrogate past the prefix)
         space = max(text.rfind(" ", 0, cut), text.rfind("\n", 0, cut))
         prefix = text[: space if space > cut // 2 else cut]
         counted = len(self._encode(prefix))
