@@ -68,7 +68,7 @@ class NgramIndex:
     def __init__(self) -> None:
         self.tokens: list[int] = []
         self._after: dict[tuple[int, ...], int] = {}
-        self.matched: Optional[tuple[int, int]] = None  # the last proposal's n-gram length and first position
+        self.matched: Optional[tuple[int, int]] = None  # the last proposal's n-gram length and first position (None: none)
 
     def extend(self, tokens: Sequence[int]) -> None:
         """Append ``tokens``; each n-gram ending just before a new token points at it."""
@@ -81,14 +81,17 @@ class NgramIndex:
 
     def propose(self, k: int) -> list[int]:
         """Up to ``k`` tokens that followed the latest earlier occurrence of the longest
-        suffix (of at most MAX_NGRAM tokens) that occurred before; [] when none did."""
+        suffix (of at most MAX_NGRAM tokens) that occurred before; [] when none did (or
+        ``k`` < 1). :attr:`matched` says which match it was."""
         tokens = self.tokens
+        self.matched = None
+        if k < 1:
+            return []
         for n in range(min(MAX_NGRAM, len(tokens) - 1), MIN_NGRAM - 1, -1):
             at = self._after.get(tuple(tokens[-n:]))
             if at is not None and at < len(tokens):
                 self.matched = (n, at)
                 return tokens[at : at + k]
-        self.matched = None
         return []
 
 
@@ -125,6 +128,11 @@ class SpeculationStats:
         return {"speculative_steps": self.steps, "draft_tokens": self.drafted, "accepted_tokens": self.accepted,
                 "acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
                 "tokens_per_step": self.emitted / self.steps if self.steps else 0.0}
+
+
+def moving_average(old: Optional[float], sample: float) -> float:
+    """``old`` moved :data:`SMOOTHING` of the way to ``sample`` (``sample`` itself when None)."""
+    return sample if old is None else old + SMOOTHING * (sample - old)
 
 
 class StepTimes:
@@ -185,13 +193,11 @@ class StepTimes:
         self._steps += 1
         if self._steps % REMEASURE_STEPS == 0:
             self._seconds = {key: s for key, s in self._seconds.items() if key[1] == 0}
-        old = self._seconds.get((rows, k))
-        self._seconds[(rows, k)] = seconds if old is None else old + SMOOTHING * (seconds - old)
+        self._seconds[(rows, k)] = moving_average(self._seconds.get((rows, k)), seconds)
 
     def record_restart(self, rows: int, seconds: float) -> None:
         """The time of the plain step of ``rows`` rows that followed an n-gram verify step."""
-        old = self._restart.get(rows)
-        self._restart[rows] = seconds if old is None else old + SMOOTHING * (seconds - old)
+        self._restart[rows] = moving_average(self._restart.get(rows), seconds)
 
     def restart_cost(self, rows: int) -> float:
         """What a verify step of ``rows`` plain rows costs the plain step after it (seconds,
@@ -220,26 +226,29 @@ class NgramSpeculator:
         self._index: dict[int, NgramIndex] = {}
         self._acceptance: dict[int, float] = {}  # per row, of one draft token: a moving average
         self._kinds: dict[Kind, float] = {}  # per kind of match, engine-wide: a moving average
-        self._kind: dict[int, Kind] = {}  # each row's current draft's kind
 
     def acceptance(self, request: Any) -> float:
         """The acceptance rate of one of ``request``'s draft tokens: the lower of its own
         (:data:`ROW_PRIOR` until verified) and its current draft's kind's (:func:`kind`;
         :data:`ROW_PRIOR` until one was verified)."""
         own = self._acceptance.get(id(request), ROW_PRIOR)
-        kind = self._kind.get(id(request))
+        kind = self._kind_of(request)
         return own if kind is None else min(own, self._kinds.get(kind, ROW_PRIOR))
+
+    def _kind_of(self, request: Any) -> Optional[Kind]:
+        """The kind of ``request``'s latest lookup's match (None: it found none)."""
+        index = self._index.get(id(request))
+        matched = index.matched if index is not None else None
+        return None if matched is None else kind(*matched, len(request.prompt_ids))
 
     def record_acceptance(self, request: Any, drafted: int, accepted: int) -> None:
         """A verify step kept ``accepted`` of ``request``'s ``drafted`` drafts."""
         if drafted:  # per draft token: accepted / tried (a rejection ends the row's tries)
             sample = accepted / min(drafted, accepted + 1)
-            rate = self._acceptance.get(id(request), ROW_PRIOR)
-            self._acceptance[id(request)] = rate + SMOOTHING * (sample - rate)
-            kind = self._kind.get(id(request))
+            self._acceptance[id(request)] = moving_average(self._acceptance.get(id(request), ROW_PRIOR), sample)
+            kind = self._kind_of(request)
             if kind is not None:
-                rate = self._kinds.get(kind, ROW_PRIOR)
-                self._kinds[kind] = rate + SMOOTHING * (sample - rate)
+                self._kinds[kind] = moving_average(self._kinds.get(kind, ROW_PRIOR), sample)
 
     def draft(self, request: Any) -> None:
         """Set ``request.draft`` for its next step (after it took its latest token)."""
@@ -254,7 +263,7 @@ class NgramSpeculator:
         :data:`MIN_ROW_ACCEPTANCE`, else none (a match found then relaxes the rate)."""
         draft = self.lookup(request, k)
         if draft:  # each match draws the rates below the prior back towards it
-            for rates, key in ((self._acceptance, id(request)), (self._kinds, self._kind.get(id(request)))):
+            for rates, key in ((self._acceptance, id(request)), (self._kinds, self._kind_of(request))):
                 rate = rates.get(key, ROW_PRIOR)
                 if rate < ROW_PRIOR:
                     rates[key] = rate + RELAX * (ROW_PRIOR - rate)
@@ -269,12 +278,7 @@ class NgramSpeculator:
         prompt = request.prompt_ids  # index only the tokens it has not seen (no prompt + output copy a step)
         index.extend(prompt[len(index.tokens) :])
         index.extend(request.output_ids[len(index.tokens) - len(prompt) :])
-        draft = index.propose(k) if k > 0 else []
-        if draft and index.matched is not None:
-            self._kind[id(request)] = kind(*index.matched, len(prompt))
-        else:
-            self._kind.pop(id(request), None)
-        return draft
+        return index.propose(k)
 
     def draft_all(self, rows: Sequence[Any]) -> None:
         """Set every decoding row's drafts for the next step (none while too many rows decode:
@@ -290,7 +294,6 @@ class NgramSpeculator:
         """Drop a finished or preempted request's index and acceptance."""
         self._index.pop(id(request), None)
         self._acceptance.pop(id(request), None)
-        self._kind.pop(id(request), None)
         request.draft = []
 
     def plan(self, rows: Sequence[Any]) -> int:
