@@ -224,29 +224,31 @@ def prefill(model_name: str, prompt_len: int, repeats: int) -> dict[bool, float]
 
 
 def bookkeeping(model_name: str, batches: Sequence[int], max_tokens: int = 24) -> dict[int, dict[str, float]]:
-    """Per decode step of a real engine run: ms in the worker's decode (forward + sampling)
-    and in its Python bookkeeping after sampling, for ``batch`` concurrent requests."""
+    """Per decode step of a real engine run: ms in the runner's decode (forward + sampling)
+    and in the scheduler's bookkeeping after it (``update``), for ``batch`` concurrent requests."""
     import asyncio
 
     from .. import EngineConfig, SamplingParams, get_engine, shutdown_engines
-    from ..engine.worker import Worker
+    from ..engine.runner import ModelRunner
+    from ..engine.scheduler import Scheduler
 
     spent = {"decode": 0.0, "after": 0.0, "steps": 0}
-    original_decode, original_after = Worker._decode, Worker._after_sampling
+    original_decode, original_update = ModelRunner._decode, Scheduler.update
 
-    def timed_decode(self: Worker, rows: Any) -> None:
+    def timed_decode(self: ModelRunner, plan: Any, rows: Any, out: Any) -> None:
         tic = time.perf_counter()
-        original_decode(self, rows)
+        original_decode(self, plan, rows, out)
         spent["decode"] += time.perf_counter() - tic
         spent["steps"] += 1
 
-    def timed_after(self: Worker, rows: Any, sampled: Any) -> None:
+    def timed_update(self: Scheduler, plan: Any, out: Any) -> Any:
         tic = time.thread_time()  # this thread's CPU: other threads' waits do not count
-        original_after(self, rows, sampled)
+        results = original_update(self, plan, out)
         spent["after"] += time.thread_time() - tic
+        return results
 
     out = {}
-    Worker._decode, Worker._after_sampling = timed_decode, timed_after  # type: ignore[method-assign]
+    ModelRunner._decode, Scheduler.update = timed_decode, timed_update  # type: ignore[method-assign]
     try:
         for batch in batches:
             shutdown_engines()
@@ -262,7 +264,7 @@ def bookkeeping(model_name: str, batches: Sequence[int], max_tokens: int = 24) -
             steps = max(1, spent["steps"])
             out[batch] = {"decode_ms": spent["decode"] * 1000 / steps, "bookkeeping_ms": spent["after"] * 1000 / steps}
     finally:
-        Worker._decode, Worker._after_sampling = original_decode, original_after  # type: ignore[method-assign]
+        ModelRunner._decode, Scheduler.update = original_decode, original_update  # type: ignore[method-assign]
         shutdown_engines()
     return out
 

@@ -29,20 +29,20 @@ def _measure(model: str, requests: int, rows: int, rate: float, seed: int) -> di
 
     from mlx_parallm_provider.config import EngineConfig
     from mlx_parallm_provider.engine import Engine, SamplingParams
-    from mlx_parallm_provider.engine.worker import Worker
+    from mlx_parallm_provider.engine.runner import ModelRunner
 
     steps: list[tuple[int, float, bool]] = []
     last: list[set[int]] = [set()]
-    decode = Worker._decode
+    decode = ModelRunner._decode
 
-    def timed(self: Worker, rows: list[Any]) -> None:
+    def timed(self: ModelRunner, plan: Any, rows: list[Any], out: Any) -> None:
         ids = {id(r) for r in rows}
         tic = time.perf_counter()
-        decode(self, rows)
+        decode(self, plan, rows, out)
         steps.append((len(ids), time.perf_counter() - tic, ids != last[0]))
         last[0] = ids
 
-    Worker._decode = timed  # type: ignore[method-assign]
+    ModelRunner._decode = timed  # type: ignore[method-assign]
     engine = Engine(model, EngineConfig(max_num_seqs=rows))
     engine.generate_sync("warm up", SamplingParams(max_tokens=4))
     rng = random.Random(seed)

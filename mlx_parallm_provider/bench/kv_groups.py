@@ -61,7 +61,7 @@ def _measure(model: str, mode: str, short: int, long_tokens: int, max_tokens: in
     tic = time.perf_counter()
     long_ids, shorts, tpots = asyncio.run(run())
     kv = engine.stats()["kv_cache"]
-    out = {"mode": mode, "groups": len(engine._worker.kv.windows), "kv_arrays_mb": kv.get("kv_cache_bytes", 0) / 1024**2,  # noqa: SLF001
+    out = {"mode": mode, "groups": len(engine._core.kv.windows), "kv_arrays_mb": kv.get("kv_cache_bytes", 0) / 1024**2,  # noqa: SLF001
            "peak_mb": (mx.get_peak_memory() - idle) / 1024**2, "short_tpot_ms": 1000 * statistics.median(tpots),
            "wall_s": time.perf_counter() - tic, "tokens": hash((tuple(long_ids), tuple(map(tuple, shorts))))}
     engine.shutdown()

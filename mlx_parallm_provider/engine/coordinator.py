@@ -37,7 +37,7 @@ from .request import Completion, Delta, Prompt, Request, ResultSink, SamplingPar
 from .sinks import LoopSink as _LoopSink
 from .sinks import ThreadSink as _ThreadSink
 from .kv.budget import kv_bytes_per_token
-from .worker import Worker
+from .core import EngineCore
 
 logger = logging.getLogger(__name__)
 
@@ -69,8 +69,8 @@ class Engine(EmbedMethods):
         self._prompts = PromptEncoder(self.encode, self.tokenizer, self.context_length)
         self.metrics = EngineMetrics()
         self._kv_bytes_per_token = kv_bytes_per_token(self._loaded.model, self._loaded.config, self.config.kv_cache_dtype)
-        self._worker_lock = threading.Lock()
-        self._worker: Optional[Worker] = None
+        self._core_lock = threading.Lock()
+        self._core: Optional[EngineCore] = None
         self._ids = itertools.count()
         _live_engines.add(self)
 
@@ -227,20 +227,20 @@ class Engine(EmbedMethods):
         cached tokens and bytes, evictions) and ``kv_cache`` (blocks total / free / used,
         ``kv_cache_usage_perc``, preemptions), ``speculation``
         (n-gram drafts) and ``fast_forward`` (grammar-forced tokens): None when off."""
-        worker = self._worker
+        worker = self._core
         running = worker.num_running if worker is not None and worker.alive else 0
         waiting = worker.num_waiting if worker is not None and worker.alive else 0
         snap = self.metrics.snapshot(running=running, waiting=waiting)
         snap["model"] = self.model_name
         snap["prefix_cache"] = prefix_stats(self.config.enable_prefix_caching, worker.prefix_store_stats() if worker is not None else None, snap)
         snap["kv_cache"] = worker.kv_stats() if worker is not None else {"layout": "paged"}
-        snap.update(worker.drafts.stats() if worker is not None and worker.drafts else {"speculation": None, "fast_forward": None})
+        snap.update(worker.drafting_stats() if worker is not None else {"speculation": None, "fast_forward": None})
         return snap
 
     def shutdown(self) -> None:
         """Stop the worker thread; requests still in flight fail with EngineDeadError."""
-        with self._worker_lock:
-            worker, self._worker = self._worker, None
+        with self._core_lock:
+            worker, self._core = self._core, None
         if worker is not None:
             worker.stop()
 
@@ -295,7 +295,7 @@ class Engine(EmbedMethods):
     async def _grammars_built_off_loop(self, params: Sequence[Any]) -> None:
         """New constraints' grammars built and probed on a thread (:func:`.grammar_probe.build_off_loop`)."""
         if any(isinstance(p, SamplingParams) and p.constraint is not None for p in params):
-            await build_off_loop(self._live_worker().grammar, params)
+            await build_off_loop(self._live_core().grammar, params)
 
     def _submit(self, prompt: Prompt, params: Optional[SamplingParams], request_id: Optional[str], sink: ResultSink, stream: bool) -> Request:
         if params is None:
@@ -321,7 +321,7 @@ class Engine(EmbedMethods):
             deadline=None if timeout is None else now + timeout,
         )
         for _ in range(2):
-            worker = self._live_worker()
+            worker = self._live_core()
             if params.constraint is not None:  # one that fails within a few tokens is a 400 here
                 worker.grammar.check(params.constraint.grammar())
             if not worker.scheduler.fits_alone(request):
@@ -344,22 +344,22 @@ class Engine(EmbedMethods):
 
     def _queue_room(self) -> int:
         """How many more requests the waiting queue takes now."""
-        worker = self._worker
+        worker = self._core
         waiting = worker.num_waiting if worker is not None and worker.alive else 0
         return self.config.max_queue - waiting
 
-    def _live_worker(self) -> Worker:
-        with self._worker_lock:
-            if self._worker is None or not self._worker.alive:
-                if self._worker is not None:
-                    logger.warning("starting a fresh worker after: %s", self._worker.dead)
-                self._worker = Worker(self._loaded.model, self.tokenizer, self.config, self.metrics, self._kv_bytes_per_token,
+    def _live_core(self) -> EngineCore:
+        with self._core_lock:
+            if self._core is None or not self._core.alive:
+                if self._core is not None:
+                    logger.warning("starting a fresh worker after: %s", self._core.dead)
+                self._core = EngineCore(self._loaded.model, self.tokenizer, self.config, self.metrics, self._kv_bytes_per_token,
                                       vocab_size=self.vocab_size or 0, context_length=self.context_length)
-            return self._worker
+            return self._core
 
     def _cancel(self, request: Request) -> None:
         request.cancelled = True
-        worker = self._worker
+        worker = self._core
         if worker is not None:
             worker.wake()
 

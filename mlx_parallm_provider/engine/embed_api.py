@@ -79,7 +79,7 @@ class EmbedMethods:
             dimensions=dimensions, arrival=now, deadline=None if timeout is None else now + timeout,
         )
         for _ in range(2):
-            worker = engine._live_worker()
+            worker = engine._live_core()
             if worker.num_waiting >= engine.config.max_queue:
                 raise EngineOverloadedError(
                     f"{worker.num_waiting} requests are already waiting (max_queue={engine.config.max_queue}); "

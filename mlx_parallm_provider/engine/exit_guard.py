@@ -5,7 +5,7 @@ and the process must not reach the native exit handlers while one computes: Open
 handler joins its threads while MLX still uses them and can hang for good, and MLX's
 thread-local destructors abort the process if the worker's thread ends during
 finalization. So at exit every worker gets ``shutdown_timeout_s`` to finish its step
-(:meth:`Worker.stop`, which past it fails the requests still in flight with
+(:meth:`EngineCore.stop`, which past it fails the requests still in flight with
 ``EngineDeadError``), and if a step still computes then, the native exit handlers are
 skipped: Python's own exit (the other ``atexit`` handlers, flushing ``sys.stdout``) runs as
 usual, then the C library's ``exit`` ends the process at once with the interpreter's exit

@@ -1,11 +1,12 @@
-"""Turning one request's sampled tokens into its results: text, stop strings and a finished
-grammar (the scheduler has already judged EOS, stop token ids and ``max_tokens``), streamed
-:class:`Delta` pieces and the final :class:`Completion`. Worker-side, per request; no MLX here."""
+"""Taking one request's sampled tokens: whether it ends there (EOS, stop token ids,
+``max_tokens``, a stop string, its grammar's end: judged in one place, :func:`take_token`), and
+its results: text, streamed :class:`Delta` pieces and the final :class:`Completion`. Per
+request; no MLX here."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Collection, Optional
 
 from .detokenize import TextStream
 from .request import Completion, Delta, Request, Usage
@@ -14,7 +15,7 @@ from .sampling import RowSampler, SampledRow, token_logprob
 
 @dataclass
 class RowState:
-    """Worker-private state of one request."""
+    """The engine-side state of one request: its sampler, text stream and logprobs."""
 
     sampler: RowSampler
     text: TextStream
@@ -31,13 +32,22 @@ def eos_token_ids(tokenizer: Any) -> set[int]:
     return ids
 
 
-def emit(request: Request, row: SampledRow, ending: Optional[str], tokenizer: Any,
-         stream_interval: int = 1) -> tuple[Optional[str], Optional[object]]:
-    """Turn the token the scheduler just appended to ``request`` into its results.
+def token_ending(request: Request, token: int, eos_ids: Collection[int]) -> Optional[str]:
+    """Why ``request`` ends at ``token``, appended to its output, by the token alone:
+    ``"stop"`` (EOS unless ``ignore_eos``, or a stop token id: not part of the answer),
+    ``"length"`` (``max_tokens`` reached), else None."""
+    params = request.params
+    if (token in eos_ids and not params.ignore_eos) or token in params.stop_token_ids:
+        return "stop"
+    return "length" if len(request.output_ids) >= params.max_tokens else None
 
-    ``ending`` is the scheduler's verdict on that token (:meth:`.Scheduler.postprocess`):
-    ``"stop"`` for a stop token (its text is not part of the answer), ``"length"``, or None;
-    a stop string or a finished grammar ends the request here too (``"stop"``). Returns
+
+def take_token(request: Request, row: SampledRow, eos_ids: Collection[int], tokenizer: Any,
+               stream_interval: int = 1) -> tuple[Optional[str], Optional[object]]:
+    """Append the token of ``row`` to ``request``'s output and turn it into its results.
+
+    The request ends here for its token (:func:`token_ending`: a stop token's text is not part
+    of the answer, ``"length"``), or for a stop string or a finished grammar (``"stop"``). Returns
     ``(finish_reason, result)``: the finish reason if the request is now done (else None),
     and what its caller gets now (a :class:`Delta` when streaming, the :class:`Completion`
     when a whole answer is done, else None). A stream's deltas come every
@@ -45,6 +55,8 @@ def emit(request: Request, row: SampledRow, ending: Optional[str], tokenizer: An
     """
     state: RowState = request.state
     token = row.token
+    request.output_ids.append(token)
+    ending = token_ending(request, token, eos_ids)
     finish = ending
     piece = ""
     is_stop_token = ending == "stop"

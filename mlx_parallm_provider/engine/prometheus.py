@@ -57,8 +57,8 @@ DRAFT_COUNTERS = {  # (stats() section, its key) -> metric name, help
 
 def draft_counts(engine: Any) -> dict[tuple[str, str], float]:
     """The :data:`DRAFT_COUNTERS` of an engine (0 for what is off or not started)."""
-    worker = engine._worker
-    stats = worker.drafts.stats() if worker is not None and worker.drafts else {}
+    worker = engine._core
+    stats = worker.drafting_stats() if worker is not None else {}
     return {key: float((stats.get(key[0]) or {}).get(key[1], 0)) for key in DRAFT_COUNTERS}
 
 
@@ -66,7 +66,7 @@ def engine_gauges(engine: Any) -> dict[str, float]:
     """``running``, ``waiting``, ``kv_usage`` (used / total KV blocks), ``prefix_usage`` and the
     KV blocks total / free of an engine, read without blocking its worker (a racy but
     consistent-enough snapshot)."""
-    worker = engine._worker
+    worker = engine._core
     if worker is None or not worker.alive:
         return {"running": 0.0, "waiting": 0.0, "kv_usage": 0.0, "prefix_usage": 0.0, "kv_blocks_total": 0.0, "kv_blocks_free": 0.0}
     running, waiting = worker.num_running, worker.num_waiting
@@ -116,7 +116,7 @@ class EngineCollector:
             name = [str(engine.model_name)]
             for key, value in engine_gauges(engine).items():
                 gauges[key].add_metric(name, value)
-            worker = engine._worker
+            worker = engine._core
             preemptions.add_metric(name, float(worker.kv_stats().get("num_preemptions", 0)) if worker is not None else 0.0)
             for key, value in draft_counts(engine).items():
                 drafts[key].add_metric(name, value)

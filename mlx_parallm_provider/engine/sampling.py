@@ -192,6 +192,13 @@ def token_logprob(tokenizer: Any, row: SampledRow) -> TokenLogprob:
     return TokenLogprob(token_id=row.token, token=tokenizer.decode([row.token]), logprob=row.logprob or 0.0, top_logprobs=top)
 
 
+def plain_row(request: Any) -> bool:
+    """Whether a row's next token needs nothing but its logits and its own PRNG key: no logits
+    processors, no grammar, no logprobs. Only such rows verify n-gram drafts or decode ahead."""
+    sampler = request.state.sampler if request.state is not None else None
+    return sampler is not None and not sampler.processors and sampler.matcher is None and not request.params.logprobs
+
+
 def sample_requests(logits: mx.array, requests: Sequence[Any]) -> list[SampledRow]:
     """:func:`sample_batch` for decoding requests (``logits`` ``(B, vocab)``, one row each):
     their samplers, their tokens so far as the processors' context, their budgets left."""

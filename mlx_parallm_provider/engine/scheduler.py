@@ -17,9 +17,17 @@ does.
 Embedding calls (:class:`~.embedding.EmbedRequest`) take step token budget as prefills do, in
 arrival order, but hold no slot and no KV; a call ends the step its last input is embedded.
 
-Progress (nano-vllm's ``schedule -> run -> postprocess``): the worker runs the plan;
-:meth:`Scheduler.postprocess` appends each sampled token and judges EOS, stop ids and
-``max_tokens``; :meth:`Scheduler.finish` frees a request's blocks (caching an answer's).
+Progress (nano-vllm's ``schedule -> run -> postprocess``, vLLM's ``update_from_output``): the
+runner executes the plan (:mod:`.runner`); :meth:`Scheduler.update` records what it did: how
+far each prompt is prefilled, each row's new tokens, whether a row ends (EOS, stop ids,
+``max_tokens``, a stop string, its grammar's end: judged once, in :func:`.output.take_token`),
+what its drafts came to, and each decoding row's drafts for the next step
+(:mod:`.drafting`); :meth:`Scheduler.finish` frees a request's blocks (caching an answer's).
+
+Decoding (:meth:`Scheduler._plan_decode`): a step verifies drafts when the drafting planner
+says they pay, or is pipelined (:mod:`.decode_ahead`): rows whose tokens need only their logits
+take the tokens computed ahead for them last step, and, when nothing else could be planned,
+the next step is computed ahead too (KV room for its token held now).
 
 Prefix sharing (``prefix_caching``): a request is admitted with the longest prefix of its
 prompt the pool's cached blocks hold as ``num_cached`` (those blocks mapped into its table);
@@ -31,42 +39,23 @@ that share nothing are admitted meanwhile.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Iterable, Optional
+from typing import Any, Iterable, Optional
 
+from ..errors import MLXParallmError, as_request_error
 from .embedding import EmbedRequest
 from .kv import KVCacheManager
+from .output import take_token
+from .plan import StepOutput, StepPlan
 from .prefix_match import common_prefix_len
 from .request import Request
+from .sampling import plain_row
 
+logger = logging.getLogger(__name__)
 
-@dataclass
-class StepPlan:
-    """What one engine step does."""
-
-    decode: list[Request] = field(default_factory=list)  # running rows, each decoding a token
-    prefill: list[Request] = field(default_factory=list)
-    chunk: Optional[tuple[Request, int]] = None  # (request, tokens of its next chunk)
-    embed: list[tuple[EmbedRequest, list[int]]] = field(default_factory=list)  # (request, its inputs this step)
-    join: list[Request] = field(default_factory=list)
-    """Requests whose prefill ends this step, in the order it runs (the chunk's last piece,
-    then the batch): they decode this step too, after :attr:`decode` (the KV of that token
-    was given at admission)."""
-
-    @property
-    def admitted(self) -> list[Request]:
-        """The requests whose prompts this step prefills (or goes on chunk-prefilling)."""
-        return [*self.prefill, *([self.chunk[0]] if self.chunk else [])]
-
-    def decoding(self) -> list[Request]:
-        """The rows this step decodes, in order: :attr:`decode`, then :attr:`join`, less those
-        finished meanwhile (cancelled, failed, or done at their first token)."""
-        return [r for r in [*self.decode, *self.join] if not r.finished]
-
-    @property
-    def empty(self) -> bool:
-        return not (self.decode or self.prefill or self.chunk or self.embed)
+Result = tuple[Any, object]
+"""A result for a request's caller: (request, a Delta, Completion, EmbeddingResult or error)."""
 
 
 class Scheduler:
@@ -83,6 +72,11 @@ class Scheduler:
         prefix_capacity_tokens: Optional[int] = None,
         min_shared_tokens: int = 64,
         eos_ids: Iterable[int] = (),
+        drafting: Any = None,
+        metrics: Any = None,
+        tokenizer: Any = None,
+        stream_interval: int = 1,
+        decode_ahead: bool = False,
     ) -> None:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -92,6 +86,12 @@ class Scheduler:
         self.min_shared_tokens = min_shared_tokens
         self.kv = kv
         self.eos_ids = frozenset(eos_ids)
+        self.drafting = drafting  # a .drafting.Drafting, or None (no drafts)
+        self.metrics = metrics
+        self.tokenizer = tokenizer
+        self.stream_interval = stream_interval
+        self.decode_ahead = decode_ahead
+        self._ahead: set[int] = set()  # the rows whose next step the runner computes ahead now
         self.waiting: deque[Request] = deque()
         self.prefilling: list[Request] = []  # admitted this step, prefilled as one batch
         self.chunking: Optional[Request] = None
@@ -120,17 +120,6 @@ class Scheduler:
             self.running.append(request)
             self._cache_blocks(request, request.computed_ids, request.num_prefilled)
 
-    def postprocess(self, request: Request, token: int) -> Optional[str]:
-        """Append a token sampled for ``request``; returns why it ends there, if it does:
-        ``"stop"`` (EOS unless ``ignore_eos``, or a stop token id: not part of the answer),
-        ``"length"`` (``max_tokens`` reached). The caller may still end it at this token (a
-        stop string, a finished grammar), and calls :meth:`finish` either way."""
-        request.output_ids.append(token)
-        params = request.params
-        if (token in self.eos_ids and not params.ignore_eos) or token in params.stop_token_ids:
-            return "stop"
-        return "length" if len(request.output_ids) >= params.max_tokens else None
-
     def finish(self, request: Request | EmbedRequest, answered: bool = False) -> None:
         """Take a request out for good and free its KV blocks; ``answered``: its prompt + answer
         (but the last token, never computed) are named in the prefix store first."""
@@ -139,16 +128,80 @@ class Scheduler:
             self._cache_blocks(request, request.prompt_ids + request.output_ids, request.num_tokens - 1)
         self.remove(request)
 
-    def reserve_ahead(self, rows: list[Request]) -> bool:
+    def retire(self, request: Request | EmbedRequest, answered: bool = False) -> None:
+        """:meth:`finish` a request and forget it in the metrics and the drafting."""
+        self.finish(request, answered)
+        if self.metrics is not None:
+            self.metrics.request_finished(request.request_id)
+        if self.drafting is not None and isinstance(request, Request):
+            self.drafting.forget(request)
+
+    def fail(self, request: Request | EmbedRequest, exc: BaseException, during: str = "") -> Result:
+        """Retire a request that failed alone; its caller's error. Errors that are not the
+        package's own are logged and wrapped in :class:`~..errors.RequestFailedError` (the
+        cause chained), so callers always get an error they can catch as ``MLXParallmError``."""
+        if not isinstance(exc, MLXParallmError):
+            logger.error("request %s failed %s", request.request_id, during, exc_info=exc)
+        self.retire(request)
+        return request, as_request_error(request.request_id, exc, during)
+
+    def update(self, plan: StepPlan, out: StepOutput) -> list[Result]:
+        """Record what the runner did with ``plan``; returns what each request's caller gets
+        now, in order (a request finished here is retired first, so a caller woken by its
+        result sees it finished)."""
+        results = [self.fail(request, exc, during) for request, exc, during in out.failed if not request.finished]
+        self.kv.arrays_hold(out.physical_blocks)
+        if out.chunked is not None:
+            self.advanced(*out.chunked)
+        self.started(out.prefilled)
+        decoded = [r for r, _ in out.sampled[len(out.prefilled):]]
+        if out.decode_rows:
+            self._ahead = {id(r) for r in out.ahead}
+            if self.metrics is not None:
+                self.metrics.record_step(out.decode_rows, out.decode_seconds)
+            if self.drafting is not None:  # what a step of this width costs, for its next plan
+                self.drafting.verified(decoded, plan.verify, out, plan.pipelined)
+        if self.metrics is not None:
+            self.metrics.record_tokens(r.request_id for r, rows in out.sampled for row in rows if row.error is None)
+        for request, rows in out.sampled:
+            results.extend(self._take(request, rows))
+        for request in out.embedded:
+            if not request.finished:
+                self.retire(request)
+                results.append((request, request.result()))
+        if self.drafting is not None and (decoded or out.prefilled):  # before the next plan, which makes room for them
+            self.drafting.draft_all([r for r in [*decoded, *out.prefilled] if not r.finished])
+        return results
+
+    def _take(self, request: Request, rows: list[Any]) -> list[Result]:
+        """Take a row's new tokens in order (accepted drafts, then the one it sampled)."""
+        results: list[Result] = []
+        for row in rows:
+            if request.finished:
+                break  # (finished at an earlier token of its list)
+            if row.error is not None:
+                results.append(self.fail(request, row.error, "while sampling its next token"))
+                break
+            try:
+                finish, result = take_token(request, row, self.eos_ids, self.tokenizer, self.stream_interval)
+            except Exception as exc:
+                results.append(self.fail(request, exc, "while processing its output"))
+                break
+            if finish is not None:  # first, so a caller woken by its result sees it finished
+                self.retire(request, answered=True)  # (its prompt + answer are cached for a next turn)
+            if result is not None:
+                results.append((request, result))
+        return results
+
+    def _reserve_ahead(self, rows: list[Request]) -> bool:
         """Give ``rows`` room for one more token before this step's tokens are known, so
-        the worker may decode them once more ahead (:mod:`.decode_ahead`); False (nothing
+        the runner may decode them once more ahead (:mod:`.decode_ahead`); False (nothing
         given) while anything else could be planned (a prompt with a free slot, a chunk, an
-        embedding), or the pool is short."""
+        embedding), or the pool is short. (Nothing slides out of a window here: this step's
+        query still reads the oldest block of its window; the next plan slides.)"""
         admissible = self.waiting and self.num_running < self.max_num_seqs
         if admissible or self.prefilling or self.chunking is not None or self.embedding:
             return False
-        for r in rows:
-            self.kv.slide(id(r), r.num_tokens)  # the window of its query ahead
         return self.kv.hold({id(r): r.num_tokens + 1 for r in rows})
 
     def _cache_blocks(self, request: Request, tokens: list[int], computed: int) -> None:  # for later prompts to share
@@ -234,7 +287,7 @@ class Scheduler:
             busy = self.num_running > 0
             # Sliding-window layers get blocks only up to its first chunk (the whole prompt if short).
             window_end = self._chunk_end(request, cached)
-            if self.kv.admission_cost(request.num_tokens + 1, prefix, window_end) + busy > self.kv.pool.num_free:
+            if self.kv.admission_cost(request.num_tokens + 1, prefix, window_end) + busy > self.kv.num_free:
                 if busy:
                     break
                 prefix, cached = None, 0
@@ -263,10 +316,37 @@ class Scheduler:
             slots -= 1
         self.waiting.extendleft(reversed(deferred))
         self._plan_embeddings(plan, budget - len(plan.prefill) * longest)
-        if plan.chunk is not None and plan.chunk[0].num_prefilled + plan.chunk[1] >= plan.chunk[0].num_tokens:
-            plan.join.append(plan.chunk[0])
-        plan.join.extend(plan.prefill)
+        self._admitted(plan)
+        if plan.decode:
+            self._plan_decode(plan)
+        plan.kv = self.kv.for_step([id(r) for r in [*plan.decode, *plan.admitted]])
         return plan
+
+    def _admitted(self, plan: StepPlan) -> None:
+        """Tell the metrics which requests start their prefill this step (not recomputed ones)."""
+        if self.metrics is None:
+            return
+        starting = list(plan.prefill)
+        if plan.chunk is not None and plan.chunk[0].num_prefilled == plan.chunk[0].num_cached:
+            starting.append(plan.chunk[0])  # its first chunk
+        for r in starting:
+            if not r.num_preemptions:
+                self.metrics.request_admitted(r.request_id, r.prompt_len, cached_tokens=r.num_cached)
+
+    def _plan_decode(self, plan: StepPlan) -> None:
+        """How the decode rows run: verifying drafts, pipelined (taking what was computed ahead
+        for them, and computing the next step ahead where nothing else could be planned), or plain."""
+        rows = plan.decode
+        would_verify = self.drafting.would_verify if self.drafting is not None else (lambda rows: False)
+        covered = [r for r in rows if id(r) in self._ahead]
+        plan.pipelined = self.decode_ahead and all(plain_row(r) for r in rows) and bool(covered or not would_verify(rows))
+        if not plan.pipelined:
+            plan.verify = self.drafting.plan(rows) if self.drafting is not None else None
+            return
+        plan.decode = rows = [*covered, *(r for r in rows if id(r) not in self._ahead)]  # the order the runner takes them in
+        going = [r for r in rows if len(r.output_ids) + 1 < r.params.max_tokens]  # the rest may end this step
+        if going and not would_verify(going) and self._reserve_ahead(going):
+            plan.ahead = going
 
     def _plan_embeddings(self, plan: StepPlan, budget: int, before: Optional[float] = None) -> int:
         """Add embedding inputs (of calls that arrived no later than ``before``, in arrival

@@ -60,7 +60,7 @@ def _answer(engine: Engine, expected: list, make: Callable[[], Constraint], seed
         return results
     fuzzed, *innocent = results
     assert [getattr(r, "token_ids", r) for r in innocent] == expected
-    assert engine._worker.alive, f"the worker died: {engine._worker.dead!r}"
+    assert engine._core.alive, f"the worker died: {engine._core.dead!r}"
     if isinstance(fuzzed, BaseException):
         assert isinstance(fuzzed, InvalidParameterError), f"untyped error {type(fuzzed).__name__}: {fuzzed}"
         assert fuzzed.field == "constraint" and "\n" not in str(fuzzed), fuzzed

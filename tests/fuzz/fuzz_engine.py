@@ -56,4 +56,4 @@ def test_any_request_answers_or_fails_typed_and_harms_no_neighbour(engine, expec
         assert isinstance(fuzzed, Completion) and fuzzed.finish_reason in ("stop", "length")
         assert len(fuzzed.token_ids) <= params.max_tokens
     assert [getattr(r, "token_ids", r) for r in innocent] == expected
-    assert engine._worker.alive, f"the worker died: {engine._worker.dead!r}"
+    assert engine._core.alive, f"the worker died: {engine._core.dead!r}"

@@ -387,4 +387,4 @@ def test_prefix_caching_on_equals_off(arch: Arch) -> None:
 
 def test_attention_is_routed_unless_the_model_computes_it(arch: Arch) -> None:
     arch.alone()  # (the engine's worker exists once it has run)
-    assert arch.engine()._worker.paged.gathered == (arch.name in GATHERED)  # noqa: SLF001
+    assert arch.engine()._core.runner.gathered == (arch.name in GATHERED)  # noqa: SLF001

@@ -258,7 +258,7 @@ def test_ragged_verify_steps_give_the_tokens_of_padded_ones(packed_model, make_e
             return await asyncio.gather(*(engine.generate(p, s) for p, s in zip(prompts, params)))
 
         done = asyncio.run(together())
-        return [c.token_ids for c in done], engine.stats()["fast_forward"], engine._worker.drafts.times.ragged
+        return [c.token_ids for c in done], engine.stats()["fast_forward"], engine._core.drafting.times.ragged
 
     tokens, stats, ragged = run()
     assert layers and ragged and stats["fast_forward_steps"] > 0 and stats["accepted_tokens"] > 10, stats

@@ -22,7 +22,7 @@ def _both(make_engine, model=None, **config):
 
 def _steps_ahead(engine) -> int:
     """Steps whose tokens were computed ahead (the worker starts with the first request)."""
-    return engine._worker.ahead.steps
+    return engine._core.runner.ahead.steps
 
 
 def _together(engine, prompts, params):
@@ -36,7 +36,7 @@ def test_batched_greedy_rows_get_the_tokens_of_plain_steps(make_engine) -> None:
     params = [SamplingParams(max_tokens=3 + 5 * i, ignore_eos=True) for i in range(6)]  # rows leave one by one
     on, off = _both(make_engine)
     assert _together(on, prompts, params) == _together(off, prompts, params)
-    assert off._worker.ahead is None and _steps_ahead(on) > 20  # (steps whose tokens were computed ahead)
+    assert off._core.runner.ahead is None and _steps_ahead(on) > 20  # (steps whose tokens were computed ahead)
     alone = [on.generate_sync(p, q).token_ids for p, q in zip(prompts, params)]
     assert alone == [t for t, _, _ in _together(off, prompts, params)]
     kv = on.stats()["kv_cache"]

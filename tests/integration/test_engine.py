@@ -263,7 +263,7 @@ def test_worker_death_fails_everyone_then_recovers(make_engine, tiny_model) -> N
 
 
 def test_fault_in_one_request_fails_only_it(make_engine, monkeypatch) -> None:
-    from mlx_parallm_provider.engine import worker as worker_module
+    from mlx_parallm_provider.engine import core as worker_module
 
     class Exploding(worker_module.TextStream):
         def add_token(self, token_id):

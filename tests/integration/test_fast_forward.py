@@ -111,7 +111,7 @@ def test_with_ngram_speculation_rows_nothing_forces_verify_looked_up_drafts(make
     lookup, cut to what its grammar accepts, and verifies it like forced tokens: output
     unchanged, sampled rows included. The lookup here is an oracle (the row's own answer,
     every third token wrong), so acceptance does not hang on the random model's repeats."""
-    from mlx_parallm_provider.engine.speculation import NgramSpeculator
+    from mlx_parallm_provider.engine.drafting.ngram import NgramProposer
 
     answers = {}
     for (prompt, params), got in zip(zip(PROMPTS * 2, PARAMS), without[: len(PARAMS)]):
@@ -125,7 +125,7 @@ def test_with_ngram_speculation_rows_nothing_forces_verify_looked_up_drafts(make
         draft = list(known[n : n + k])
         return [t if (n + i) % 3 else (t + 1) % 1000 for i, t in enumerate(draft)]
 
-    monkeypatch.setattr(NgramSpeculator, "lookup", oracle)
+    monkeypatch.setattr(NgramProposer, "lookup", oracle)
     _same(without, _run(engine))
     stats = engine.stats()["fast_forward"]
     assert stats["lookup_tokens"] > 0 and 0 < stats["lookup_accepted_tokens"] < stats["lookup_tokens"], stats
@@ -138,7 +138,7 @@ def test_verify_steps_compute_logits_only_where_they_are_sampled(make_engine, wi
     its padding need no logits: where the model splits at its head, the head runs on the
     sampled positions only; where it does not, the whole model's logits are indexed. Output
     unchanged either way."""
-    from mlx_parallm_provider.engine.kv import runner
+    from mlx_parallm_provider.engine import runner
 
     at = runner.SpotLogits.at
     asked, computed = [], {}

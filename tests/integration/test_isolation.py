@@ -21,7 +21,7 @@ from engine_helpers import ScriptedModel, TokenCostModel
 
 from mlx_parallm_provider.engine import SamplingParams
 from mlx_parallm_provider.engine import sampling as sampling_module
-from mlx_parallm_provider.engine import worker as worker_module
+from mlx_parallm_provider.engine import core as worker_module
 from mlx_parallm_provider.engine.request import ResultSink
 from mlx_parallm_provider.errors import (
     EngineDeadError,
@@ -124,7 +124,7 @@ def test_a_request_failing_its_set_up_fails_alone_and_is_answered(make_engine) -
     first, *rest = run(_with_neighbours(engine, "hi", bad))
     assert isinstance(first, RequestFailedError) and "set up" in str(first)
     _assert_neighbours_fine(rest, expected)
-    assert engine._worker.alive
+    assert engine._core.alive
     assert engine.stats()["running"] == 0 and engine.stats()["waiting"] == 0
 
 
@@ -304,4 +304,4 @@ def test_each_fault_site_fails_one_request_alone(make_engine, monkeypatch, site)
     assert isinstance(first, RequestFailedError) and isinstance(first, MLXParallmError)
     assert isinstance(first.__cause__, KeyError)
     _assert_neighbours_fine(rest, expected)
-    assert engine._worker.alive and engine.stats()["running"] == 0
+    assert engine._core.alive and engine.stats()["running"] == 0

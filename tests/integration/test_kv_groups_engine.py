@@ -81,21 +81,21 @@ def test_local_groups_release_their_blocks_and_tokens_match_mlx_lm(gemma3, monke
             return [c.token_ids for c in await asyncio.gather(*(e.generate(p, LONG) for p in prompts))]
 
         assert asyncio.run(together(grouped)) == expected  # batched, on groups
-        worker = grouped._worker
-        assert worker.paged.groups is not None and worker.kv.windows == [WINDOW, WINDOW, None]
-        assert worker.paged.storage.num_layers == 2  # slots: a block holds two layers' K/V
+        worker = grouped._core
+        assert worker.runner.groups is not None and worker.kv.windows == [WINDOW, WINDOW, None]
+        assert worker.runner.storage.num_layers == 2  # slots: a block holds two layers' K/V
         one = engine()
         assert one.generate_sync(prompts[2], LONG).token_ids == expected[2]  # alone
         # Its global table held every token; each local table a window's worth at most (and the
         # pool hands the lowest free blocks out first).
         total = len(prompts[2]) + LONG.max_tokens
-        assert one._worker.kv.pool.high_water() <= blocks_for(total, 4) + 2 * (blocks_for(WINDOW, 4) + 2) + 1
+        assert one._core.kv.pool.high_water() <= blocks_for(total, 4) + 2 * (blocks_for(WINDOW, 4) + 2) + 1
         grouped_bytes = one.stats()["kv_cache"]["kv_cache_bytes"]
 
         monkeypatch.setattr(kv_groups, "MAX_GROUPS", 1)  # one group: every layer holds every token
         single = engine()
         assert single.generate_sync(prompts[2], LONG).token_ids == expected[2]
-        assert single._worker.paged.groups is None and single._worker.kv.windows == [None]
+        assert single._core.runner.groups is None and single._core.kv.windows == [None]
         assert grouped_bytes < 0.6 * single.stats()["kv_cache"]["kv_cache_bytes"]
         if _has_window_kernel(gemma3):  # the local layers' prefill and decode went through the block tables
             assert windowed and all(windowed)
@@ -109,7 +109,7 @@ def test_local_groups_release_their_blocks_and_tokens_match_mlx_lm(gemma3, monke
     {"speculative": "ngram", "speculative_max_batch": 8},  # rejected drafts' blocks given back in every group
 ])
 def test_grouped_tables_answer_as_mlx_lm_with_windows_everywhere_or_speculation(gemma3, config, monkeypatch) -> None:
-    from mlx_parallm_provider.engine import speculation
+    from mlx_parallm_provider.engine.drafting import ngram as speculation
 
     prompts = _prompts(3)
     expected = mlx_lm_greedy(gemma3, prompts, LONG, config.get("max_kv_size"))
@@ -128,15 +128,15 @@ def test_grouped_tables_answer_as_mlx_lm_with_windows_everywhere_or_speculation(
                     draft[2] = (draft[2] + 1) % 1000
                 request.draft = draft
 
-            monkeypatch.setattr(speculation.NgramSpeculator, "draft", oracle)
-            monkeypatch.setattr(speculation.NgramSpeculator, "plan", lambda self, rows: max((len(r.draft) for r in rows), default=0))
+            monkeypatch.setattr(speculation.NgramProposer, "draft", oracle)
+            monkeypatch.setattr(speculation.NgramProposer, "plan", lambda self, rows: max((len(r.draft) for r in rows), default=0))
 
         async def together() -> list[list[int]]:
             return [c.token_ids for c in await asyncio.gather(*(paged.generate(p, LONG) for p in prompts))]
 
         assert asyncio.run(together()) == expected
         assert [paged.generate_sync(p, LONG).token_ids for p in prompts] == expected
-        assert len(paged._worker.kv.windows) == 3
+        assert len(paged._core.kv.windows) == 3
         if "speculative" in config:
             stats = paged.stats()["speculation"]
             assert stats["draft_tokens"] > 100 and 0.5 < stats["acceptance_rate"] < 1.0, stats

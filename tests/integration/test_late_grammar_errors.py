@@ -87,7 +87,7 @@ def test_a_grammar_failing_on_one_path_fails_that_request_alone_mid_generation(m
     assert engine.stats()["finished"] == finished + 1 + len(PROMPTS)  # it was admitted
     fine = SamplingParams(max_tokens=16, logit_bias={a: 100.0}, constraint=constraint)
     assert engine.generate_sync("hi", fine).text == "a"  # the grammar itself works
-    assert engine._worker.alive
+    assert engine._core.alive
 
 
 def test_a_large_grammar_is_built_off_the_callers_loop(make_engine) -> None:

@@ -84,16 +84,16 @@ def test_one_long_prompt_among_short_ones_changes_no_ones_tokens(make_engine) ->
 
 
 def test_preempted_requests_recompute_from_their_own_cached_blocks(make_engine, monkeypatch) -> None:
-    from mlx_parallm_provider.engine.kv.runner import PagedRunner
+    from mlx_parallm_provider.engine.runner import ModelRunner
 
     computed = []
-    forward = PagedRunner.forward
+    forward = ModelRunner.forward
 
     def counting(self, rows, pieces, starts, tokens=None, hidden=False):
         computed.append(sum(len(p) for p in pieces))
         return forward(self, rows, pieces, starts, tokens, hidden)
 
-    monkeypatch.setattr(PagedRunner, "forward", counting)
+    monkeypatch.setattr(ModelRunner, "forward", counting)
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     prompts = _prompts(8)
     expected = [make_engine(max_num_seqs=1, enable_prefix_caching=False).generate_sync(p, params).token_ids for p in prompts]
@@ -118,13 +118,13 @@ def test_a_chunked_prompt_computes_logits_for_its_last_token_only(make_engine, m
     one of an unchunked prefill: where the model splits at its head (the tiny llama does), the
     last chunk runs whole and its last position alone goes through the head; where it does
     not, the last chunk runs without its last token, then that token alone."""
-    from mlx_parallm_provider.engine.kv import runner
-    from mlx_parallm_provider.engine.kv.runner import PagedRunner
+    from mlx_parallm_provider.engine import runner
+    from mlx_parallm_provider.engine.runner import ModelRunner
 
     params = SamplingParams(max_tokens=6)
     long = [100 + j % 250 for j in range(300)]
     expected = make_engine(prefill_chunk_size=4096, max_num_batched_tokens=4096).generate_sync(long, params).token_ids
-    forward = PagedRunner.forward
+    forward = ModelRunner.forward
     for split in (True, False):
         widths: list[tuple[int, bool]] = []
 
@@ -132,12 +132,12 @@ def test_a_chunked_prompt_computes_logits_for_its_last_token_only(make_engine, m
             widths.append((max(len(p) for p in pieces), hidden))
             return forward(self, rows, pieces, starts, tokens, hidden)
 
-        monkeypatch.setattr(PagedRunner, "forward", recording)
+        monkeypatch.setattr(ModelRunner, "forward", recording)
         if not split:
             monkeypatch.setattr(runner, "split_head", lambda model: None)
         engine = make_engine(prefill_chunk_size=128, max_num_batched_tokens=128)
         assert engine.generate_sync(long, params).token_ids == expected
-        assert (engine._worker.paged.split is not None) == split
+        assert (engine._core.runner.split is not None) == split
         assert engine.stats()["kv_cache"]["layout"] == "paged"
         chunks = [(128, False), (128, False), (44, True)] if split else [(128, False), (128, False), (43, False), (1, False)]
         assert widths[: len(chunks)] == chunks and len(widths) == len(chunks) + 5, widths  # then 5 decode steps
@@ -154,7 +154,7 @@ def test_without_a_budget_a_long_request_grows_the_arrays_to_about_its_own_need(
         return await asyncio.gather(*(engine.generate(p, short) for p in _prompts(6)))
 
     asyncio.run(shorts())
-    storage = engine._worker.paged.storage
+    storage = engine._core.runner.storage
     before = storage.physical_blocks
     long = [100 + j % 250 for j in range(440)]
     engine.generate_sync(long, SamplingParams(max_tokens=40, ignore_eos=True))  # 5 blocks while decoding
@@ -179,7 +179,7 @@ def test_max_kv_size_on_blocks_answers_as_mlx_lm_rotating_caches_and_releases_bl
     assert one.generate_sync(_prompts(2)[1], long).token_ids == mlx_lm_greedy(tiny_model, _prompts(2)[1:2], long, max_kv_size=32)[0]
     # 14 + 300 tokens would take 40 blocks; a window of 32 straddles 5 at most, plus the
     # block being written (the pool hands the lowest free ids out first).
-    assert one._worker.kv.pool.high_water() <= 8
+    assert one._core.kv.pool.high_water() <= 8
     assert one.stats()["kv_cache"]["kv_blocks_free"] == one.stats()["kv_cache"]["kv_blocks_total"]
 
 
@@ -273,14 +273,14 @@ def test_kv_cache_dtype_is_checked() -> None:
 def test_float16_kv_blocks_under_shared_prefixes_and_speculation_answer_as_alone(make_engine, monkeypatch) -> None:
     # Rows sharing cached prefix blocks decode through the cascade (blocks read back as float32);
     # n-gram drafts are verified by a multi-token forward over the gathered blocks.
-    from mlx_parallm_provider.engine import speculation
+    from mlx_parallm_provider.engine.drafting import ngram as speculation
 
     def draft(self, request) -> None:  # three tokens a step (mostly rejected: their KV rolled back)
         left = request.params.max_tokens - len(request.output_ids) - 1
         request.draft = [] if request.finished else list(request.prompt_ids[-3:])[: max(0, left)]
 
-    monkeypatch.setattr(speculation.NgramSpeculator, "draft", draft)
-    monkeypatch.setattr(speculation.NgramSpeculator, "plan", lambda self, rows: 3 if len(rows) <= self.max_batch and any(
+    monkeypatch.setattr(speculation.NgramProposer, "draft", draft)
+    monkeypatch.setattr(speculation.NgramProposer, "plan", lambda self, rows: 3 if len(rows) <= self.max_batch and any(
         r.draft for r in rows) else 0)  # verify whatever the step costs
     params = SamplingParams(max_tokens=20, ignore_eos=True)
     prefix = [100 + j % 50 for j in range(40)]
@@ -305,12 +305,12 @@ def test_a_batched_prefill_puts_each_rows_last_position_alone_through_the_head(m
     """Where the model splits at its head, a prefill's rows run whole in one right-padded
     pass and only their last positions' hidden states reach the head: one row each, no
     separate pass of last tokens, and the answers of the rows run one at a time."""
-    from mlx_parallm_provider.engine.kv.runner import PagedRunner
+    from mlx_parallm_provider.engine.runner import ModelRunner
 
     prompts = [[5 + j for j in range(n)] for n in (7, 19, 12)]
     params = SamplingParams(max_tokens=4, ignore_eos=True)
     alone = [make_engine(enable_prefix_caching=False).generate_sync(p, params).token_ids for p in prompts]
-    forward, passes, heads = PagedRunner.forward, [], []
+    forward, passes, heads = ModelRunner.forward, [], []
 
     def recording(self, rows, pieces, starts, tokens=None, hidden=False):
         passes.append(([len(p) for p in pieces], hidden))
@@ -324,7 +324,7 @@ def test_a_batched_prefill_puts_each_rows_last_position_alone_through_the_head(m
             self.split = type(self.split)(self.split.body, counted, self.split.vocab)
         return out
 
-    monkeypatch.setattr(PagedRunner, "forward", recording)
+    monkeypatch.setattr(ModelRunner, "forward", recording)
     engine = make_engine(enable_prefix_caching=False, max_num_seqs=4)
 
     async def together():

@@ -137,7 +137,7 @@ def test_a_model_attending_itself_runs_on_gathered_blocks_with_the_same_tokens(t
         attention.__class__ = type("SelfAttending", (_SelfAttending, type(attention)), {})
     first, second, lengths = _workload(2)
     engine = make_engine(model=model)
-    assert not backends.routes_attention(model) and engine._worker is None
+    assert not backends.routes_attention(model) and engine._core is None
     got = _run(engine, first, second, lengths)
-    assert engine._worker.paged.gathered  # noqa: SLF001
+    assert engine._core.runner.gathered  # noqa: SLF001
     assert got == _run(make_engine(), first, second, lengths)

@@ -15,7 +15,9 @@ import pytest
 
 from engine_helpers import scrape
 
-from mlx_parallm_provider.engine import SamplingParams, speculation
+from mlx_parallm_provider.engine import SamplingParams
+from mlx_parallm_provider.engine.drafting import ngram as speculation
+from mlx_parallm_provider.engine.sampling import plain_row
 
 PROMPTS = ["one two three one two three one two three one two", "a b c d a b c d a b", "the sea the sea the sea",
            "Write the list again: red, green, blue; red, green,"]
@@ -43,7 +45,7 @@ def _speculating(monkeypatch, tiny_model, plain):
 
     def oracle(self, request) -> None:
         known = truth.get(tuple(request.prompt_ids[-4:]))
-        if known is None or not speculation.can_speculate(request) or request.finished:
+        if known is None or not plain_row(request) or request.finished:
             request.draft = []
             return
         n, left = len(request.output_ids), request.params.max_tokens - len(request.output_ids) - 1
@@ -52,9 +54,9 @@ def _speculating(monkeypatch, tiny_model, plain):
             draft[2] = (draft[2] + 1) % 1000  # rejected: the step emits the true token instead
         request.draft = draft
 
-    monkeypatch.setattr(speculation.NgramSpeculator, "draft", oracle)
-    monkeypatch.setattr(speculation.NgramSpeculator, "plan", lambda self, rows: min(self.k, max((len(r.draft) for r in rows), default=0))
-                        if len(rows) <= self.max_batch and all(speculation.can_speculate(r) for r in rows) else 0)
+    monkeypatch.setattr(speculation.NgramProposer, "draft", oracle)
+    monkeypatch.setattr(speculation.NgramProposer, "plan", lambda self, rows: min(self.k, max((len(r.draft) for r in rows), default=0))
+                        if len(rows) <= self.max_batch and all(plain_row(r) for r in rows) else 0)
 
     def factory(make_engine, **config):
         return make_engine(**{"speculative": "ngram", "num_speculative_tokens": 4, "speculative_max_batch": 8, **config})
@@ -97,11 +99,11 @@ def test_steps_too_wide_to_speculate_run_ahead_and_narrower_ones_verify_drafts(m
         return await asyncio.gather(*(engine.generate(p, PARAMS) for p in PROMPTS))
 
     assert [r.token_ids for r in asyncio.run(batched())] == [r.token_ids for r in plain]
-    assert engine._worker.ahead.steps > 0 and engine.stats()["speculation"]["speculative_steps"] == 0
-    ahead = engine._worker.ahead.steps
+    assert engine._core.runner.ahead.steps > 0 and engine.stats()["speculation"]["speculative_steps"] == 0
+    ahead = engine._core.runner.ahead.steps
     assert engine.generate_sync(PROMPTS[0], PARAMS).token_ids == plain[0].token_ids
     # (its first decode step has no drafts yet: the second may be computed ahead, no later one)
-    assert engine.stats()["speculation"]["speculative_steps"] > 0 and engine._worker.ahead.steps <= ahead + 1
+    assert engine.stats()["speculation"]["speculative_steps"] > 0 and engine._core.runner.ahead.steps <= ahead + 1
 
 
 def test_a_stop_string_inside_accepted_drafts_ends_the_row_there(make_engine, plain, _speculating) -> None:

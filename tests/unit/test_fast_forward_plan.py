@@ -1,12 +1,13 @@
-"""How many forced tokens a fast-forward step verifies (engine/fast_forward.py): only as many as
+"""How many forced tokens a fast-forward step verifies (engine/drafting/forced.py): only as many as
 the measured step times say pay, only for constrained rows, never in a large batch."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
-from mlx_parallm_provider.engine.fast_forward import FastForward
-from mlx_parallm_provider.engine.speculation import StepTimes
+from mlx_parallm_provider.engine.drafting.forced import ForcedProposer as FastForward
+from mlx_parallm_provider.engine.drafting.step_times import StepTimes
+from mlx_parallm_provider.engine.plan import Drafted
 
 
 def _row(draft: list[int], constrained: bool = True) -> SimpleNamespace:
@@ -108,10 +109,10 @@ def _looking_up(tokens: list[int], repeat: int = 3) -> SimpleNamespace:
 
 
 def test_looked_up_drafts_plan_by_their_rows_own_acceptance() -> None:
-    from mlx_parallm_provider.engine.speculation import NgramSpeculator
+    from mlx_parallm_provider.engine.drafting.ngram import NgramProposer
 
     times = StepTimes()
-    ngram = NgramSpeculator(k=4, max_batch=8, times=times)
+    ngram = NgramProposer(k=4, max_batch=8, times=times)
     ff = FastForward(max_batch=8, times=times, lookup=ngram, lookup_limit=4)
     times.record(1, 0, 0.100)
     for k in (1, 2, 3, 4):
@@ -121,7 +122,7 @@ def test_looked_up_drafts_plan_by_their_rows_own_acceptance() -> None:
     assert bad.draft and ff.plan([bad]) > 0
     drafted = len(bad.draft)
     for _ in range(8):  # every looked-up draft rejected
-        ff._count(bad, bad.draft, [SimpleNamespace(token=-1, error=None)])  # noqa: SLF001
+        ff.verified(bad, Drafted(len(bad.draft), 0, 1))
     ff.draft_all([bad])
     assert bad.draft == [] and ff.plan([bad]) == 0  # it looks up no drafts now
     ff.draft_all([fresh])

@@ -1,4 +1,4 @@
-"""Prompt-lookup drafting and the choice of how many drafts pay (engine/speculation.py)."""
+"""Prompt-lookup drafting and the choice of how many drafts pay (engine/drafting/ngram.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import random
 import pytest
 
 from mlx_parallm_provider.engine.kv.manager import KVCacheManager
-from mlx_parallm_provider.engine.speculation import MAX_NGRAM, MIN_NGRAM, NgramIndex, NgramSpeculator
+from mlx_parallm_provider.engine.drafting.ngram import MAX_NGRAM, MIN_NGRAM, NgramIndex, NgramProposer
 
 
 def _reference(tokens: list[int], k: int) -> list[int]:
@@ -49,7 +49,7 @@ class _Row:
 
 
 def test_drafts_are_verified_only_while_they_pay() -> None:
-    spec = NgramSpeculator(k=4, max_batch=8)
+    spec = NgramProposer(k=4, max_batch=8)
     rows = [_Row([1, 2, 3, 4])]
     assert spec.plan(rows) == 0  # no plain step measured yet
     spec.times.record(1, 0, 0.100)
@@ -57,7 +57,7 @@ def test_drafts_are_verified_only_while_they_pay() -> None:
     for k in (1, 2, 3, 4):
         spec.times.record(1, k, 0.100 * (1 + k))  # each draft costs a whole step: never pays
     assert spec.plan(rows) == 0
-    cheap = NgramSpeculator(k=4, max_batch=8)
+    cheap = NgramProposer(k=4, max_batch=8)
     cheap.times.record(1, 0, 0.100)
     for k in (1, 2, 3, 4):
         cheap.times.record(1, k, 0.100 + 0.001 * k)  # memory-bound: drafts almost free
@@ -76,7 +76,7 @@ def test_fitting_a_table_releases_the_blocks_of_rejected_drafts() -> None:
 
 
 def test_a_rows_drafts_come_from_its_whole_prompt_and_output_as_they_grow() -> None:
-    spec = NgramSpeculator(k=3, max_batch=8)
+    spec = NgramProposer(k=3, max_batch=8)
     row = _Row([])
     row.prompt_ids, row.output_ids, row.finished = [7, 1, 2, 3, 4, 9], [], False
     row.params.max_tokens = 20
@@ -98,7 +98,7 @@ def _looking_up(tokens: list[int], repeat: int = 3) -> _Row:
 
 
 def test_a_row_whose_drafts_are_rejected_stops_drafting_and_holds_back_other_rows_of_its_kind_for_a_while() -> None:
-    spec = NgramSpeculator(k=4, max_batch=8)
+    spec = NgramProposer(k=4, max_batch=8)
     spec.times.record(1, 0, 0.100)
     for k in (1, 2, 3, 4):
         spec.times.record(1, k, 0.100 + 0.005 * k)
@@ -126,7 +126,7 @@ def test_a_row_whose_drafts_are_rejected_stops_drafting_and_holds_back_other_row
 
 
 def test_a_row_that_keeps_its_drafts_is_planned_with_more_than_a_new_rows_rate() -> None:
-    spec = NgramSpeculator(k=4, max_batch=8)
+    spec = NgramProposer(k=4, max_batch=8)
     spec.times.record(1, 0, 0.100)
     for k in (1, 2, 3, 4):
         spec.times.record(1, k, 0.100 * (1 + 0.6 * k))  # drafts cost: only likely ones pay
@@ -141,22 +141,28 @@ def test_a_row_that_keeps_its_drafts_is_planned_with_more_than_a_new_rows_rate()
 def test_the_plain_step_after_a_verify_step_is_counted_as_the_verify_steps_cost() -> None:
     """With decoding ahead, the plain step after a verify step builds its graph unoverlapped:
     what it costs over a plain step is charged to verifying, and not to plain steps."""
-    from mlx_parallm_provider.engine.drafts import Drafts
+    from mlx_parallm_provider.engine.drafting import Drafting
+    from mlx_parallm_provider.engine.plan import Drafted, StepOutput, Verify
 
-    spec = NgramSpeculator(k=4, max_batch=8)
-    drafts = Drafts(spec, None, spec.times)
+    spec = NgramProposer(k=4, max_batch=8)
+    drafts = Drafting(spec, None, spec.times)
     rows = [_Row([1, 2])]
+
+    def step(seconds: float, verify=None) -> None:  # a step of one row, as the scheduler takes it back
+        out = StepOutput(decode_seconds=seconds, decode_rows=1, drafts={id(rows[0]): Drafted(1, 0, 1)} if verify else {})
+        drafts.verified(rows, verify, out)
+
     for _ in range(3):
-        drafts.record(1, 0, 0.100)
+        step(0.100)
     for k in (1, 2):
         spec.times.record(1, k, 0.140)  # the times alone say it pays at the prior rate (0.5)
     assert spec.times.restart_cost(1) == 0.0 and spec.plan(rows) > 0  # 1.5+ tokens in 0.14 s beats 1 in 0.1 s
-    drafts._ngram_verified = True  # as decode() leaves it after verifying
-    drafts.record(1, 0, 0.150)  # the plain step after it
+    step(0.140, Verify("ngram", 1))  # a verify step (its draft rejected)
+    step(0.150)  # the plain step after it
     assert spec.times.get(1, 0) == 0.100  # not a plain step's time
     assert abs(spec.times.restart_cost(1) - 0.050) < 1e-12
-    assert spec.plan(rows) == 0  # 1.75 tokens at most in 0.19 s lose to 1 in 0.1 s
-    drafts.record(1, 0, 0.100)  # the next plain step is a plain step again
+    assert spec.plan(rows) == 0  # 1.6 tokens at most in 0.19 s lose to 1 in 0.1 s
+    step(0.100)  # the next plain step is a plain step again
     assert spec.times.get(1, 0) == 0.100 and abs(spec.times.restart_cost(1) - 0.050) < 1e-12
     for _ in range(10):
         spec.record_acceptance(rows[0], 2, 2)  # a row that keeps its drafts pays for it

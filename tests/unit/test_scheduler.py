@@ -74,25 +74,37 @@ def test_long_prompt_is_chunked_over_steps() -> None:
     assert s.chunking is None and names(s.schedule().decode) == ["short", "long"]
 
 
-def test_plan_lists_the_rows_that_join_and_decodes_them_after_the_running_ones() -> None:
+def test_rows_decode_from_the_step_after_their_prefill_ends_after_the_running_ones() -> None:
     s = Scheduler(max_num_seqs=4, max_num_batched_tokens=64, prefill_chunk_size=16, kv=roomy())
     long, short, later = req("long", 40), req("short", 5), req("later", 6)
     s.add(long)
     s.add(short)
-    plan = s.schedule()  # long's first chunk (16 of 40): it does not join yet
-    assert names(plan.join) == ["short"] and names(plan.decoding()) == ["short"]
+    plan = s.schedule()  # long's first chunk (16 of 40) and short's whole prompt
+    assert plan.chunk == (long, 16) and names(plan.prefill) == ["short"] and plan.decode == []
     s.advanced(long, 16)
     s.started(plan.prefill)
     s.add(later)
     plan = s.schedule()
-    assert names(plan.decode) == ["short"] and names(plan.join) == ["later"]
+    assert names(plan.decode) == ["short"] and names(plan.prefill) == ["later"]
     s.advanced(long, 16)
     s.started(plan.prefill)
-    plan = s.schedule()  # long's last 8 tokens: it joins, decoding after the running rows
-    assert plan.chunk == (long, 8) and names(plan.join) == ["long"]
-    assert names(plan.decoding()) == ["short", "later", "long"]
-    later.finished = True  # e.g. cancelled during the step: it is not decoded
-    assert names(plan.decoding()) == ["short", "long"]
+    plan = s.schedule()  # long's last 8 tokens
+    assert plan.chunk == (long, 8) and names(plan.decode) == ["short", "later"]
+    s.advanced(long, 8)
+    s.started([long])
+    assert names(s.schedule().decode) == ["short", "later", "long"]
+
+
+def test_the_plan_carries_the_block_tables_of_every_row_it_runs() -> None:
+    kv = KVCacheManager(num_blocks=64, block_size=4)
+    s = Scheduler(max_num_seqs=4, max_num_batched_tokens=64, prefill_chunk_size=16, kv=kv)
+    a, b = req("a", 10), req("b", 12)
+    s.add(a)
+    s.add(b)
+    plan = s.schedule()
+    assert set(plan.kv.tables) == {id(a), id(b)}
+    assert plan.kv.tables[id(a)] == [kv.table(id(a))] and len(plan.kv.tables[id(a)][0]) == 3  # 10 tokens + the next one
+    assert plan.kv.blocks == kv.pool.high_water() and plan.kv.blocks_ahead >= plan.kv.blocks
 
 
 def test_kv_blocks_admit_in_arrival_order() -> None:
@@ -139,7 +151,7 @@ def test_admission_counts_cached_blocks_nobody_holds_as_taken() -> None:
     assert late not in plan.prefill and s.waiting[0] is late
     s.remove(other)
     plan = s.schedule()
-    assert plan.prefill == [late] and late.num_cached == 10 and len(kv.pending_copies) == 1
+    assert plan.prefill == [late] and late.num_cached == 10 and len(plan.kv.copies) == 1  # its partly shared block
 
 
 def test_a_request_that_fills_the_whole_pool_is_admitted_when_it_is_alone() -> None:
@@ -205,16 +217,21 @@ def test_an_embedding_input_over_the_step_budget_runs_alone() -> None:
     assert big in s.all_requests()
 
 
-def test_postprocess_appends_the_token_and_judges_eos_stop_ids_and_length() -> None:
-    s = Scheduler(4, 4096, 512, eos_ids=[2], kv=roomy())
+def test_a_token_ends_a_request_by_eos_stop_ids_or_length() -> None:
+    from mlx_parallm_provider.engine.output import token_ending
+
+    def take(r: Request, token: int):
+        r.output_ids.append(token)
+        return token_ending(r, token, {2})
+
     r = Request("r", [5, 6], SamplingParams(max_tokens=3, stop_token_ids=[9]), ResultSink())
-    assert s.postprocess(r, 7) is None and r.output_ids == [7]
-    assert s.postprocess(r, 2) == "stop" and r.output_ids == [7, 2]  # EOS
-    assert s.postprocess(Request("s", [5], SamplingParams(stop_token_ids=[9]), ResultSink()), 9) == "stop"
+    assert take(r, 7) is None and r.output_ids == [7]
+    assert take(r, 2) == "stop" and r.output_ids == [7, 2]  # EOS
+    assert take(Request("s", [5], SamplingParams(stop_token_ids=[9]), ResultSink()), 9) == "stop"
     ignoring = Request("i", [5], SamplingParams(max_tokens=2, ignore_eos=True), ResultSink())
-    assert s.postprocess(ignoring, 2) is None and s.postprocess(ignoring, 2) == "length"
+    assert take(ignoring, 2) is None and take(ignoring, 2) == "length"
     last = Request("l", [5], SamplingParams(max_tokens=1), ResultSink())
-    assert s.postprocess(last, 2) == "stop"  # a stop token at max_tokens is a stop, not part of the answer
+    assert take(last, 2) == "stop"  # a stop token at max_tokens is a stop, not part of the answer
 
 
 def test_the_scheduler_caches_prompts_when_they_start_and_answers_when_they_finish() -> None:
@@ -231,7 +248,7 @@ def test_the_scheduler_caches_prompts_when_they_start_and_answers_when_they_fini
     s.started(s.schedule().prefill)
     assert kv.match(prompt + [1], 8).tokens == 8  # its prompt, while it runs
     for token in range(200, 206):
-        assert s.postprocess(answered, token) is None
+        answered.output_ids.append(token)
     s.finish(answered, answered=True)
     assert answered.finished and answered not in s.all_requests() and kv.table(id(answered)) == []
     assert kv.match(prompt + list(range(200, 206)) + [1], 20).tokens == 12  # 13 computed: three whole blocks
@@ -239,7 +256,7 @@ def test_the_scheduler_caches_prompts_when_they_start_and_answers_when_they_fini
     plan = s.schedule()
     s.started(plan.prefill)
     for token in range(300, 306):
-        s.postprocess(cancelled, token)
+        cancelled.output_ids.append(token)
     s.finish(cancelled)
     assert cancelled.finished and kv.match(prompt + list(range(300, 306)) + [1], 20).tokens == 8
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Hashable, Optional, Sequence
 
+from ..plan import KVStep
 from .block_pool import NULL_BLOCK, BlockPool
 
 
@@ -93,6 +94,35 @@ class KVCacheManager:
         """The most KV entries the pool can hold (all requests together), counting a token
         once for all groups."""
         return self.pool.num_usable * self.block_size // len(self.windows)
+
+    @property
+    def num_free(self) -> int:
+        """Blocks that can be handed out now (free, or cached and held by nobody)."""
+        return self.pool.num_free
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks the prefix store names (held or not)."""
+        return self.pool.num_cached
+
+    @property
+    def max_cached_blocks(self) -> int:
+        """The most blocks the prefix store may name."""
+        return self.pool.max_cached or self.pool.num_usable
+
+    def for_step(self, owners: Sequence[Hashable]) -> KVStep:
+        """What the runner needs of KV memory for a step over ``owners``' rows: their tables,
+        the queued block copies (their sources let go now), and the blocks the arrays must
+        hold now and may come to hold."""
+        groups = range(len(self.windows))
+        tables = {o: [self.table(o, g) for g in groups] for o in owners}
+        high = self.pool.high_water()
+        return KVStep(tables, self.copied(), high, high + self.blocks_to_come())
+
+    def arrays_hold(self, blocks: int) -> None:
+        """The arrays behind the pool hold ``blocks`` blocks now (the pool hands out blocks
+        within them first)."""
+        self.pool.physical = blocks
 
     def table(self, owner: Hashable, group: int = 0) -> list[int]:
         """``owner``'s blocks of ``group``, in token order (empty if it holds none)."""

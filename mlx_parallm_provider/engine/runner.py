@@ -1,111 +1,132 @@
-"""Forward passes over paged KV: prefill in right-padded pieces, chunks of a long prompt,
-decode steps.
+"""The model runner: executes exactly one :class:`~.plan.StepPlan` on the model and reports a
+:class:`~.plan.StepOutput`. It knows no request's history beyond what a row carries (its tokens,
+its sampler) and never reads or writes the KV manager: the plan brings the block tables and the
+copies to make (:class:`~.plan.KVStep`).
 
-:class:`PagedRunner` runs what the worker asks on the rows' blocks and returns logits; it
-only reads requests: it never decides who runs nor records how far a prompt is prefilled
-(the scheduler does both) and never touches a request's results (the worker does). The
-blocks each row uses are the :class:`~.manager.KVCacheManager`'s.
+A step: the planned chunk of a long prompt, the prompts prefilled as one batch (in
+right-padded pieces; rows no longer wanted leave between pieces), the embedding inputs, then
+the decode rows: one token each, or their drafts verified (:mod:`.drafting.verify`), or, when
+the plan is pipelined, the tokens computed ahead last step taken and the next step queued
+ahead (:class:`DecodeAhead`).
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import Any, Callable, Optional
 
 import mlx.core as mx
 
-from ...config import EngineConfig
-from ...models import backends
-from ...models.head import split_head
-from ..request import Request
-from .budget import pool_blocks
-from .manager import KVCacheManager
-from .groups import LayerGroups
-from .paged_cache import PagedBatch
-from .storage import PagedKVStorage
-from .support import layer_windows, with_max_kv_size
+from ..models import backends
+from ..models.head import split_head
+from .decode_ahead import DecodeAhead
+from .drafting.verify import verify_forced, verify_lookups
+from .embed_forward import embed_step
+from .kv.groups import LayerGroups
+from .kv.paged_cache import PagedBatch
+from .kv.storage import PagedKVStorage
+from .kv.support import layer_windows
+from .plan import KVStep, StepOutput, StepPlan
+from .request import Request
+from .sampling import SampledRow, sample_requests
 
-Wanted = Callable[[list[Request]], list[bool]]
-"""Called between prefill pieces: which of these requests are still wanted."""
+logger = logging.getLogger(__name__)
+
+Wanted = Callable[[Request], bool]
+"""Whether a request is still wanted (not cancelled, abandoned or past its deadline): asked
+between prefill pieces."""
 
 
-class PagedRunner:
-    """A model's forward passes over the paged KV of one engine.
+class ModelRunner:
+    """Runs one engine's steps on its model over its KV arrays.
 
     Args:
         model: the mlx-lm model (its attention routed through the cache).
-        kv: the block tables (the scheduler's, shared).
-        storage: the blocks' arrays.
+        storage: the KV blocks' arrays.
+        windows: each layer's attention window (None: all tokens).
+        groups: the layers sharing a block table (None: one group, a storage slot per layer).
         pad_id: the token padding positions carry.
+        wanted: whether a request is still wanted, asked between prefill pieces.
+        metrics: records embedding steps.
+        decode_ahead: compute the next decode step ahead where the plan allows (``async_scheduling``).
     """
 
-    def __init__(self, model: Any, kv: KVCacheManager, storage: PagedKVStorage, pad_id: int, caching: bool = True,
-                 windows: Optional[list[Optional[int]]] = None, groups: Optional[LayerGroups] = None) -> None:
-        self.model, self.kv, self.storage, self.pad_id, self.caching = model, kv, storage, pad_id, caching
+    def __init__(self, model: Any, storage: PagedKVStorage, pad_id: int, windows: Optional[list[Optional[int]]] = None,
+                 groups: Optional[LayerGroups] = None, wanted: Wanted = lambda r: not r.finished, metrics: Any = None,
+                 decode_ahead: bool = True, prefill_chunk_size: int = 512) -> None:
+        self.model, self.storage, self.pad_id, self.wanted, self.metrics = model, storage, pad_id, wanted, metrics
         self.windows = windows or layer_windows(model) or [None] * len(model.layers)
-        self.groups = groups  # None: one group, a storage slot per layer
+        self.groups = groups
+        self.num_groups = groups.count if groups is not None else 1
+        self.prefill_chunk_size = prefill_chunk_size
         self.gathered = not backends.routes_attention(model)  # it attends itself over gathered K/V
         self.split = split_head(model)  # None: logits come from the whole model
         # Whether the last pass of several positions a row computed its rows' real positions
         # only (every layer one decoder-layer op): a verify step then costs by its drafts' total.
         self.ragged = False
+        self.ahead = DecodeAhead(self) if decode_ahead else None
+        self.kv = KVStep()  # the step's (see run())
 
-    @classmethod
-    def for_model(cls, model: Any, config: EngineConfig, bytes_per_token: int, context_length: int, pad_id: int) -> "PagedRunner":
-        """The paged runner ``config`` asks for (``model`` passed :func:`.support.unsupported_reason`)."""
-        runner = cls.create(model, config.kv_cache_memory_bytes, bytes_per_token, config.kv_block_size,
-                            config.max_num_seqs * max(context_length, 1), pad_id,
-                            max_cached_tokens=config.prefix_cache_memory_bytes // max(1, bytes_per_token), max_kv_size=config.max_kv_size,
-                            kv_dtype=None if config.kv_cache_dtype == "auto" else getattr(mx, config.kv_cache_dtype))
-        runner.caching = config.enable_prefix_caching
-        return runner
+    def run(self, plan: StepPlan) -> StepOutput:
+        """Execute ``plan``: its chunk, its prefill batch, its embeddings, then its decode rows."""
+        out = StepOutput()
+        self.kv = plan.kv
+        self.storage.reserve(plan.kv.blocks, plan.kv.blocks_ahead)
+        self.storage.copy_blocks(plan.kv.copies)
+        out.physical_blocks = self.storage.physical_blocks
+        if plan.chunk is not None and self.wanted(plan.chunk[0]):
+            self._chunk(*plan.chunk, out)
+        prefill = [r for r in plan.prefill if self.wanted(r)]
+        if prefill:
+            self._prefill(prefill, out)
+        if plan.embed:
+            out.embedded, failed = embed_step(self.model, plan.embed, self.pad_id, self.metrics)  # a failure fails only its calls
+            out.failed.extend((request, exc, "while embedding its inputs") for request, exc in failed)
+        rows = [r for r in plan.decode if self.wanted(r)]
+        if rows:
+            self._decode(plan, rows, out)
+        elif self.ahead is not None and not plan.pipelined:
+            self.ahead.drop()
+        return out
 
-    @classmethod
-    def create(cls, model: Any, budget_bytes: Optional[int], bytes_per_token: int, block_size: int, max_tokens: int, pad_id: int,
-               max_cached_tokens: Optional[int] = None, max_kv_size: Optional[int] = None,
-               kv_dtype: Optional[mx.Dtype] = None) -> "PagedRunner":
-        """A runner with its own pool: ``budget_bytes`` of blocks (all allocated at once),
-        or, without a budget, room for ``max_tokens`` within the free memory, grown on use;
-        at most ``max_cached_tokens`` of it named by the prefix cache. ``max_kv_size``: every
-        layer attends to at most that many recent tokens, and older blocks are released.
-        Layers of different windows (gemma3's local and global) get a group each
-        (:mod:`.groups`): a local group's blocks past its window are released too.
-        ``kv_dtype``: the blocks' dtype (None: the model's K/V dtype)."""
-        layers = len(model.layers)
-        windows = with_max_kv_size(layer_windows(model) or [None] * layers, max_kv_size)
-        groups = LayerGroups.of(windows)
-        # A block holds `groups.size` layers' K/V: a token costs that share of all layers' bytes in each group.
-        blocks = pool_blocks(budget_bytes, bytes_per_token * groups.size // layers, block_size, max_tokens * groups.count)
-        cached = None if max_cached_tokens is None else max(1, max_cached_tokens * groups.count // block_size)
-        kv = KVCacheManager(blocks, block_size, cached, windows=groups.windows)
-        storage = PagedKVStorage(groups.size, blocks, block_size, preallocate=budget_bytes is not None, dtype=kv_dtype)
-        return cls(model, kv, storage, pad_id, windows=windows, groups=groups if groups.count > 1 else None)
+    def _chunk(self, request: Request, n: int, out: StepOutput) -> None:
+        logits = self.chunk(request, n)
+        if logits is None:
+            out.chunked = (request, n)
+        else:
+            out.prefilled.append(request)
+            out.sampled.extend(zip([request], _lists(sample_requests(logits, [request]))))
 
-    def prefix_options(self, config: EngineConfig) -> dict[str, Any]:
-        """The scheduler's prefix-sharing arguments: prefixes are the pool's cached blocks."""
-        return {"prefix_caching": config.enable_prefix_caching, "prefix_capacity_tokens": self.kv.capacity_tokens}
+    def _prefill(self, requests: list[Request], out: StepOutput) -> None:
+        piece = max(1, self.prefill_chunk_size // len(requests))
+        ran = self.prefill(requests, piece)
+        if ran is not None:
+            rows, logits = ran
+            out.prefilled.extend(rows)
+            out.sampled.extend(zip(rows, _lists(sample_requests(logits, rows))))
 
-    def prefix_stats(self, bytes_per_token: int) -> Optional[dict[str, Any]]:
-        """The prefix cache's counts: bytes, tokens, evictions, bound (None when off)."""
-        if not self.caching:
-            return None
-        pool, bs = self.kv.pool, self.kv.block_size
-        count = len(self.kv.windows)  # with groups, a block holds one group's layers: a token takes a block slot in each
-        block_bytes = bs * bytes_per_token * self.storage.num_layers // len(self.model.layers)
-        cached, bound = pool.num_cached * block_bytes, (pool.max_cached or pool.num_usable) * block_bytes
-        return {"cached_bytes": cached, "cached_tokens_stored": pool.num_cached * bs // count, "evictions": pool.evictions,
-                "evicted_tokens": pool.evictions * bs // count, "max_bytes": bound, "nbytes": cached, "cached_blocks": pool.num_cached}
-
-    def reserve(self) -> None:
-        """After the scheduler planned: make the arrays hold every block the tables use, and
-        make the block copies it queued (cached prefixes' partly shared last blocks). The
-        arrays grow ahead at most to what the requests holding blocks can still add."""
-        high = self.kv.pool.high_water()
-        self.storage.reserve(high, high + self.kv.blocks_to_come())
-        self.kv.pool.physical = self.storage.physical_blocks
-        self.storage.copy_blocks(self.kv.copied())
-
-    def stats(self) -> dict[str, Any]:
-        return {"layout": "paged", **self.kv.stats(), "kv_cache_bytes": self.storage.nbytes}
+    def _decode(self, plan: StepPlan, rows: list[Request], out: StepOutput) -> None:
+        """One decode step of ``rows``: computed ahead, verifying drafts, or plain."""
+        tic = time.perf_counter()
+        got = None
+        if self.ahead is not None:
+            got = self.ahead.step(rows, plan.ahead) if plan.pipelined else self.ahead.drop(rows)
+        if got is not None:
+            rows, sampled = got
+            out.ahead = self.ahead.computing
+        elif plan.verify is not None and plan.verify.kind == "ngram":
+            sampled, results = verify_lookups(self, rows, plan.verify.k)
+            out.drafts = {id(r): d for r, d in zip(rows, results)}
+        elif plan.verify is not None:
+            sampled, by_index = verify_forced(self, rows, plan.verify.k)
+            out.drafts = {id(rows[i]): d for i, d in by_index.items()}
+        else:
+            sampled = _lists(sample_requests(self.decode(rows), rows))
+        out.decode_seconds = time.perf_counter() - tic
+        out.decode_rows = len(rows)
+        out.ragged = self.ragged
+        out.sampled.extend(zip(rows, sampled))
 
     def forward(self, rows: list[Request], pieces: list[list[int]], starts: list[int], tokens: Optional[mx.array] = None,
                 hidden: bool = False) -> mx.array:
@@ -115,8 +136,7 @@ class PagedRunner:
         instead, where :attr:`split`). Narrow passes (decode, verify steps, short prefill
         pieces) attend through the block tables (see :class:`.PagedBatch`)."""
         width = max(len(p) for p in pieces)
-        self.reserve()
-        tables: list[Any] = [[self.kv.table(id(r), g) for r in rows] for g in range(len(self.kv.windows))]
+        tables: list[Any] = [[self.kv.tables[id(r)][g] for r in rows] for g in range(self.num_groups)]
         batch = PagedBatch(self.storage, tables[0] if self.groups is None else tables, starts, [len(p) for p in pieces], width,
                            self.windows, self.gathered, self.groups)
         if tokens is None:
@@ -148,15 +168,14 @@ class PagedRunner:
         host: each row's next token, at position ``num_tokens``); logits ``(B, vocab)``."""
         return self.forward(rows, [[0]] * len(rows), [r.num_tokens for r in rows], tokens[:, None])[:, -1, :]
 
-    def prefill(self, requests: list[Request], piece: int, wanted: Wanted) -> Optional[tuple[list[Request], mx.array]]:
+    def prefill(self, requests: list[Request], piece: int) -> Optional[tuple[list[Request], mx.array]]:
         """Prefill the requests' uncached tokens in right-padded pieces of ``piece``
         columns; the logits of each row's last token give its first sampled token. Where the
         model splits at its head (:attr:`split`), a row's last token goes in its last piece
         and only its hidden state goes through the head; else all but the last tokens go in
         pieces (a piece's logits are never computed), then the last tokens together in one
-        column. Rows no longer ``wanted`` leave between pieces. Returns the rows kept and
-        their logits, or None. (The requests' progress is the scheduler's to record: see
-        :meth:`.Scheduler.started`.)"""
+        column. Rows no longer wanted leave between pieces. Returns the rows kept and
+        their logits, or None. (The requests' progress is the scheduler's to record.)"""
         seqs = {id(r): r.computed_ids for r in requests}
         done = {id(r): r.num_prefilled for r in requests}
         merged = self.split is not None
@@ -175,7 +194,7 @@ class PagedRunner:
             self._eval(*(last[id(active[b])] for b in ending))
             for r, p in zip(active, pieces):
                 done[id(r)] += len(p)
-            requests = [r for r, keep in zip(requests, wanted(requests)) if keep]
+            requests = [r for r in requests if self.wanted(r)]
             if not requests:
                 return None
         if merged and all(id(r) in last for r in requests):
@@ -190,7 +209,7 @@ class PagedRunner:
         the last chunk runs its last token alone, as :meth:`prefill` does: the model
         computes logits at every position it is given, and a chunk's are n x vocabulary
         floats (400 MB for 2,048 tokens of a 49k vocabulary). (The scheduler records the
-        progress: :meth:`.Scheduler.advanced`.)"""
+        progress.)"""
         seq, start = request.computed_ids, request.num_prefilled
         end = start + n
         if end == len(seq) and n > 1 and self.split is not None:
@@ -211,6 +230,7 @@ class PagedRunner:
         mx.eval([a for a in (*self.storage.keys, *self.storage.values) if a is not None], *more)
 
 
+
 class SpotLogits:
     """A pass's logits at the positions asked for: indexed from the whole pass's logits, or
     computed by the model's head from its hidden states (``head`` given), only there."""
@@ -223,3 +243,8 @@ class SpotLogits:
         rows, positions = mx.array([b for b, _ in spots]), mx.array([j for _, j in spots])
         picked = self.out[rows, positions]
         return picked if self.head is None else self.head(picked[None])[0]
+
+
+def _lists(rows: list[SampledRow]) -> list[list[SampledRow]]:
+    """One sampled token a row, as the lists :attr:`.StepOutput.sampled` holds."""
+    return [[row] for row in rows]

@@ -1,9 +1,11 @@
-"""The MLX side: one thread that owns the model and the step loop.
+"""The engine's core: one thread that owns the model and runs the step loop.
 
-Each step: take new arrivals, drop cancelled and timed-out rows, ask the scheduler for a
-plan, prefill (new prompts and/or one chunk of a long prompt), embed (:mod:`.embed_forward`),
-then decode one token of every running row (or verify their drafts: :mod:`.drafts`).
-Rows join the decode batch when their prefill ends and leave it the step they finish.
+Each step (:meth:`EngineCore.step`): take new arrivals, drop cancelled and timed-out rows,
+then ``plan = scheduler.schedule()``, ``out = runner.run(plan)``,
+``scheduler.update(plan, out)``, and hand each result to its caller. The scheduler
+(:mod:`.scheduler`) owns every request's progress; the runner (:mod:`.runner`) executes one
+plan on the model; the KV manager (:mod:`.kv`) owns KV memory. Rows join the decode batch
+the step after their prefill ends and leave it the step they finish.
 
 Isolation: a fault while setting up, sampling, detokenising or delivering one request fails
 it alone (:class:`RequestFailedError`). Every request lives in the inbox or the scheduler
@@ -11,7 +13,7 @@ until retired, so when the model step fails or a shutdown outlasts its window
 (:mod:`.exit_guard`), every waiter gets :class:`EngineDeadError`. Cancellations and
 deadlines are honoured between prefill pieces (one ``prefill_chunk_size``).
 
-KV: blocks the scheduler hands out (:mod:`.kv.runner` runs the passes over them), so rows
+KV: blocks the scheduler hands out (the plan carries their tables to the runner), so rows
 join and leave without moving anyone's KV; a request admitted with cached prompt blocks
 (prefix caching) computes only the rest.
 """
@@ -24,28 +26,25 @@ import time
 from collections import deque
 from typing import Any, Callable, Optional
 
-import mlx.core as mx
-
 from ..config import EngineConfig
-from ..errors import EngineDeadError, MLXParallmError, as_request_error
-from .decode_ahead import DecodeAhead
+from ..errors import EngineDeadError
 from .detokenize import TextStream
-from .drafts import Drafts
-from .embed_forward import embed_step
+from .drafting import Drafting
 from .embedding import EmbedRequest
 from .exit_guard import register, wait_for_native_exit
 from .guided import GrammarTokenizer
-from .kv.runner import PagedRunner
+from .kv.build import kv_for_engine
 from .metrics import EngineMetrics
-from .output import RowState, emit, eos_token_ids
+from .output import RowState, eos_token_ids
 from .request import Request
-from .sampling import RowSampler, sample_requests
+from .runner import ModelRunner
+from .sampling import RowSampler
 from .scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
 
-class Worker:
+class EngineCore:
     """Runs the step loop on its own thread. Other threads only call :meth:`submit`,
     :meth:`wake`, :meth:`stop` and read the counters."""
 
@@ -68,14 +67,17 @@ class Worker:
         self.kv_bytes_per_token = max(1, kv_bytes_per_token)
         self.eos_ids = eos_token_ids(tokenizer)
         self.pad_id = next(iter(self.eos_ids), 0)
-        self.paged = PagedRunner.for_model(model, config, self.kv_bytes_per_token, context_length, self.pad_id)
-        self.kv = self.paged.kv  # (the scheduler's block tables)
+        self.memory = kv_for_engine(model, config, self.kv_bytes_per_token, context_length)
+        self.kv = self.memory.manager
+        self.drafting = Drafting.for_engine(config)  # None: one token a row a step
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, config.prefill_chunk_size, self.kv,
-                                   **self.paged.prefix_options(config), eos_ids=self.eos_ids)
+                                   prefix_caching=config.enable_prefix_caching, prefix_capacity_tokens=self.kv.capacity_tokens,
+                                   eos_ids=self.eos_ids, drafting=self.drafting, metrics=metrics, tokenizer=tokenizer,
+                                   stream_interval=config.stream_interval, decode_ahead=config.async_scheduling)
+        self.runner = ModelRunner(model, self.memory.storage, self.pad_id, self.memory.windows, self.memory.groups,
+                                  wanted=self._wanted, metrics=metrics, decode_ahead=config.async_scheduling,
+                                  prefill_chunk_size=config.prefill_chunk_size)
         self.grammar = GrammarTokenizer(tokenizer, vocab_size, self.eos_ids)
-        self.drafts = Drafts.for_engine(config)  # None: one token a row a step
-        drafting = self.drafts.would_verify if self.drafts is not None else (lambda rows: False)
-        self.ahead = DecodeAhead(self.paged, self.scheduler, drafting) if config.async_scheduling else None
         self._inbox: deque[Request] = deque()
         self._cond = threading.Condition()
         self._stopping = False
@@ -87,11 +89,15 @@ class Worker:
 
     def kv_stats(self) -> dict[str, Any]:
         """``stats()["kv_cache"]``: blocks, usage, preemptions."""
-        return self.paged.stats()
+        return self.memory.stats()
 
     def prefix_store_stats(self) -> Optional[dict[str, Any]]:
         """The prefix store's counts (bytes, tokens, evictions, bound), or None without one."""
-        return self.paged.prefix_stats(self.kv_bytes_per_token)
+        return self.memory.prefix_stats() if self.config.enable_prefix_caching else None
+
+    def drafting_stats(self) -> dict[str, Any]:
+        """``{"speculation": ..., "fast_forward": ...}``, each None when off."""
+        return self.drafting.stats() if self.drafting is not None else {"speculation": None, "fast_forward": None}
 
     # -- called from other threads ------------------------------------------------------
 
@@ -147,7 +153,7 @@ class Worker:
 
     def _run(self) -> None:
         try:
-            while self._next_step():
+            while self.step():
                 pass
             self._fail_all(EngineDeadError("the engine was shut down"))
         except BaseException as exc:  # the worker itself died: nobody may hang
@@ -159,28 +165,15 @@ class Worker:
                 self.dead = exc
             self._fail_all(EngineDeadError(f"the engine's worker died ({type(exc).__name__}: {exc}); retry the request"))
 
-    def _next_step(self) -> bool:
+    def step(self) -> bool:
+        """One engine step; False once the engine is stopping."""
         if not self._take_arrivals():
             return False
         self._reap()
         plan = self.scheduler.schedule()
-        self.paged.reserve()  # the blocks the plan hands out
-        if plan.chunk is not None and not plan.chunk[0].finished:
-            self._prefill_chunk(*plan.chunk)
-            self._reap()
-        prefill = [r for r in plan.prefill if not r.finished]
-        if prefill:
-            self._prefill(prefill)
-            self._reap()
-        done, failed = embed_step(self.model, plan.embed, self.pad_id, self.metrics)  # a failure fails only its calls
-        for request, exc in failed:
-            self._fail(request, exc, "while embedding its inputs")
-        for request in done:
-            self._retire(request)
-            self._deliver(request, request.result())
-        rows = plan.decoding()
-        if rows:
-            self._decode(rows)
+        out = self.runner.run(plan)
+        for request, result in self.scheduler.update(plan, out):
+            self._deliver(request, result)
         return True
 
     def _take_arrivals(self) -> bool:
@@ -233,97 +226,10 @@ class Worker:
             elif request.deadline is not None and now >= request.deadline:
                 self._fail(request, request.timeout_error())
 
-    # -- prefill ------------------------------------------------------------------------
-
-    def _wanted(self, requests: list[Request]) -> Callable[[], list[bool]]:
-        """Between prefill pieces: reap, then say which of ``requests`` are still wanted."""
-        def wanted() -> list[bool]:
-            self._reap()
-            return [not r.finished for r in requests]
-        return wanted
-
-    def _prefill(self, requests: list[Request]) -> None:
-        """Prefill whole prompts (or what follows their cached prefix) as one batch, in
-        pieces of about ``prefill_chunk_size`` tokens in all (cancelled and timed-out rows
-        leave between pieces), and sample each first token."""
-        for r in requests:
-            if not r.num_preemptions:
-                self.metrics.request_admitted(r.request_id, r.prompt_len, cached_tokens=r.num_cached)
-        piece = max(1, self.config.prefill_chunk_size // len(requests))
-        ran = self.paged.prefill(requests, piece, lambda rows: self._wanted(rows)())
-        if ran is not None:
-            self._join_decode_batch(*ran)
-
-    def _prefill_chunk(self, request: Request, n: int) -> None:
-        """Prefill the next ``n`` prompt tokens of a long prompt into its blocks."""
-        if request.num_prefilled == request.num_cached and not request.num_preemptions:  # its first chunk
-            self.metrics.request_admitted(request.request_id, request.prompt_len, cached_tokens=request.num_cached)
-        logits = self.paged.chunk(request, n)
-        self.scheduler.advanced(request, n)
-        if logits is not None:
-            self._join_decode_batch([request], logits)
-
-    def _join_decode_batch(self, requests: list[Request], logits: mx.array) -> None:
-        sampled = sample_requests(logits, requests)
-        self.scheduler.started(requests)  # (their prompts, + output if recomputed, are cached)
-        self._after_sampling(requests, sampled)
-
-    # -- decode -------------------------------------------------------------------------
-
-    def _decode(self, rows: list[Request]) -> None:
-        """One decode step (or draft verification) of exactly these rows (the plan's)."""
-        tic = time.perf_counter()
-        ahead = self.ahead.step(rows) if self.ahead is not None else None  # (plain rows: see .decode_ahead)
-        drafted = self.drafts.decode(self.paged, rows) if self.drafts is not None and ahead is None else None
-        if ahead is not None:
-            (rows, sampled), k = ahead, 0
-        elif drafted is not None:  # accepted drafts + one sampled token a row
-            sampled, k = drafted
-        else:
-            logits = self.paged.decode(rows)
-            sampled, k = sample_requests(logits, rows), 0
-        seconds = time.perf_counter() - tic
-        self.metrics.record_step(len(rows), seconds)
-        if self.drafts is not None:  # what a step of this width costs, for its next plan
-            self.drafts.record(len(rows), k, seconds)
-        self._after_sampling(rows, sampled)
-        if self.drafts is not None:  # before the next plan, which makes room for the drafts
-            self.drafts.draft_all([r for r in rows if not r.finished])
-        logger.debug("decode step: batch=%d drafts=%d waiting=%d step_ms=%.1f", len(rows), k, self.scheduler.num_waiting, seconds * 1000)
-
-    def _after_sampling(self, rows: list[Request], sampled: list[Any]) -> None:
-        """Take each row's sampled token (a list of them: accepted drafts, in order)."""
-        sampled = [got if isinstance(got, list) else [got] for got in sampled]
-        self.metrics.record_tokens(r.request_id for r, got in zip(rows, sampled) for row in got if row.error is None)
-        for request, row in ((r, row) for r, got in zip(rows, sampled) for row in got):
-            if request.finished:
-                continue  # (finished at an earlier token of its list)
-            if row.error is not None:
-                self._fail(request, row.error, "while sampling its next token")
-                continue
-            try:
-                ending = self.scheduler.postprocess(request, row.token)
-                finish, result = emit(request, row, ending, self.tokenizer, self.config.stream_interval)
-            except Exception as exc:
-                self._fail(request, exc, "while processing its output")
-                continue
-            if finish is not None:  # first, so a caller woken by its result sees it finished
-                self._retire(request, answered=True)  # (the scheduler caches prompt + answer for a next turn)
-            if result is not None:
-                self._deliver(request, result)
-
     # -- leaving ------------------------------------------------------------------------
 
-    def _retire(self, request: Request | EmbedRequest, answered: bool = False) -> None:
-        """Finish a request in the scheduler (``answered``: its KV is kept for a next turn)
-        and take it out of the metrics (the scheduler frees its blocks: nobody else's KV moves)."""
-        self.scheduler.finish(request, answered)
-        self.metrics.request_finished(request.request_id)
-        if self.drafts is not None:
-            self.drafts.forget(request)
-
     def _drop(self, request: Request) -> None:  # cancelled: its caller has gone, nothing is delivered
-        self._retire(request)
+        self.scheduler.retire(request)
         request.state = None
 
     def _deliver(self, request: Request, item: object) -> None:
@@ -335,14 +241,13 @@ class Worker:
             request.cancelled = True
 
     def _fail(self, request: Request, exc: BaseException, during: str = "") -> None:
-        """Fail one request alone. Errors that are not the package's own are logged and
-        wrapped in :class:`RequestFailedError` (the cause chained), so callers always get
-        an error they can catch as :class:`MLXParallmError`."""
-        if not isinstance(exc, MLXParallmError):
-            logger.error("request %s failed %s", request.request_id, during, exc_info=exc)
-        exc = as_request_error(request.request_id, exc, during)
-        self._retire(request)
-        self._deliver(request, exc)
+        """Fail one request alone (:meth:`.Scheduler.fail`) and tell its caller."""
+        self._deliver(*self.scheduler.fail(request, exc, during))
+
+    def _wanted(self, request: Request) -> bool:
+        """Whether a request is still wanted: not finished, cancelled, abandoned or past its deadline."""
+        return not (request.finished or request.cancelled or request.sink.abandoned()
+                    or (request.deadline is not None and self.clock() >= request.deadline))
 
     def _fail_all(self, exc: BaseException, from_outside: bool = False) -> None:
         """Fail every request held. ``from_outside``: by another thread during a step, so the
