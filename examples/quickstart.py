@@ -10,13 +10,18 @@ Run: ./scripts/quickstart.sh   (or: python examples/quickstart.py)
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from typing import Any
 
-import mlx_parallm_provider  # noqa: F401  (first: sets up the fast CPU BLAS, registers the provider)
-import litellm
+# LiteLLM's bundled model cost map, so importing it makes no download attempt (which prints
+# warnings and retries for seconds on a machine without internet access).
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
-from mlx_parallm_provider import get_engine
+import mlx_parallm_provider  # noqa: E402, F401  (first: sets up the fast CPU BLAS, registers the provider)
+import litellm  # noqa: E402
+
+from mlx_parallm_provider import get_engine  # noqa: E402
 
 MODEL = "mlx-parallm/default"
 MAX_TOKENS = 48

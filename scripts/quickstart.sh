@@ -3,4 +3,6 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/setup.sh
+# LiteLLM's bundled model cost map: no download attempt (and no warnings or retries) at import.
+export LITELLM_LOCAL_MODEL_COST_MAP=True
 exec .venv/bin/python examples/quickstart.py "$@"
