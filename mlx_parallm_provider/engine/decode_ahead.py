@@ -51,14 +51,13 @@ class DecodeAhead:
         """The rows whose next step is computed ahead now."""
         return list(self.pending[0]) if self.pending is not None else []
 
-    def drop(self, rows: Sequence[Request] = ()) -> None:
-        """Drop what was computed ahead (its keys put back): the next step is not pipelined."""
+    def drop(self) -> None:
+        """Drop what was computed ahead (its keys put back): this step is not pipelined."""
         pending, self.pending = self.pending, None
         if pending is not None:
             for r, key in zip(pending[0], pending[2]):
                 if r.state is not None:  # (a cancelled row has none)
                     r.state.sampler.key = key
-        return None
 
     def step(self, rows: list[Request], ahead: Sequence[Request]) -> Optional[tuple[list[Request], list[list[SampledRow]]]]:
         """Decode ``rows`` (with what was computed ahead for those it covers) and queue the

@@ -6,9 +6,9 @@ No MLX here: the forward pass and pooling are :mod:`.embed_forward`'s, run on th
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from .._validation import check_int
 from ..errors import ContextWindowExceededError, InvalidParameterError, RequestTimeoutError
@@ -131,3 +131,31 @@ def _named(name: str, encode: Callable[[], list[int]]) -> list[int]:
         raise InvalidParameterError(where, str(error)[len(error.field) + 2:]) from None
     except ContextWindowExceededError as error:
         raise ContextWindowExceededError(error.prompt_tokens, 0, error.context_length, what=name, at_least=True) from None
+
+
+def plan_embeddings(queue: Iterable[EmbedRequest], plan: Any, budget: int, before: Optional[float] = None) -> int:
+    """Add to ``plan`` (a :class:`~.plan.StepPlan`) embedding inputs from ``queue`` (of calls that arrived no later than ``before``, in arrival
+    order, each call's shortest first) to the plan while what they add to the step's
+    right-padded embedding batch (rows x longest) fits ``budget``; returns the budget
+    left. The step's first input always goes, so one longer than the whole budget runs
+    in a step of its own rather than never."""
+    rows = sum(len(indices) for _, indices in plan.embed)
+    width = max((len(r.inputs[i]) for r, indices in plan.embed for i in indices), default=0)
+    spent = rows * width
+    for request in queue:
+        if before is not None and request.arrival > before:
+            break
+        taken: list[int] = []
+        while request.num_planned < len(request.inputs):
+            i = request.order[request.num_planned]
+            wider = max(width, len(request.inputs[i]))
+            if (rows + 1) * wider - spent > budget and (rows or budget <= 0):
+                break
+            taken.append(i)
+            request.num_planned += 1
+            rows, width = rows + 1, wider
+        if taken:
+            plan.embed.append((request, taken))
+        if request.num_planned < len(request.inputs):
+            break
+    return budget - (rows * width - spent)

@@ -1,8 +1,9 @@
-"""Token-sequence comparison shared by the scheduler and the prefix store (no MLX)."""
+"""Token-sequence comparison for prefix sharing: common prefixes, and whether a waiting prompt
+waits for an in-flight prefill of the prefix it shares (no MLX)."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Optional, Sequence
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
@@ -17,3 +18,20 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
         else:
             hi = mid - 1
     return lo
+
+
+def waits_for_sharer(request: Any, cached: int, sharers: Sequence[Any], min_shared_tokens: int,
+                     capacity_tokens: Optional[int] = None) -> bool:
+    """Whether ``request`` should wait for an in-flight prefill of a prompt it shares
+    a long prefix with (at least ``min_shared_tokens`` more than its ``cached`` tokens, or its
+    whole prompt), instead of computing that prefix again alongside it. A sharer whose new
+    tokens are more than the prefix store holds (``capacity_tokens``) is not waited for."""
+    for sharer in sharers:
+        new_tokens = sharer.prompt_len - sharer.num_cached
+        if capacity_tokens is not None and new_tokens > capacity_tokens:
+            continue  # the store could not keep it
+        shared = min(common_prefix_len(sharer.prompt_ids, request.prompt_ids), request.prompt_len - 1)
+        gain = shared - cached
+        if gain >= min_shared_tokens or (gain > 0 and shared == request.prompt_len - 1):
+            return True
+    return False

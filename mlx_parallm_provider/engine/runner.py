@@ -21,7 +21,7 @@ import mlx.core as mx
 from ..models import backends
 from ..models.head import split_head
 from .decode_ahead import DecodeAhead
-from .drafting.verify import verify_forced, verify_lookups
+from .drafting.verify import verify_drafts
 from .embed_forward import embed_step
 from .kv.groups import LayerGroups
 from .kv.paged_cache import PagedBatch
@@ -96,7 +96,7 @@ class ModelRunner:
             out.chunked = (request, n)
         else:
             out.prefilled.append(request)
-            out.sampled.extend(zip([request], _lists(sample_requests(logits, [request]))))
+            out.sampled.append((request, sample_requests(logits, [request])))
 
     def _prefill(self, requests: list[Request], out: StepOutput) -> None:
         piece = max(1, self.prefill_chunk_size // len(requests))
@@ -110,17 +110,15 @@ class ModelRunner:
         """One decode step of ``rows``: computed ahead, verifying drafts, or plain."""
         tic = time.perf_counter()
         got = None
-        if self.ahead is not None:
-            got = self.ahead.step(rows, plan.ahead) if plan.pipelined else self.ahead.drop(rows)
+        if self.ahead is not None and plan.pipelined:
+            got = self.ahead.step(rows, plan.ahead)
+        elif self.ahead is not None:
+            self.ahead.drop()
         if got is not None:
             rows, sampled = got
             out.ahead = self.ahead.computing
-        elif plan.verify is not None and plan.verify.kind == "ngram":
-            sampled, results = verify_lookups(self, rows, plan.verify.k)
-            out.drafts = {id(r): d for r, d in zip(rows, results)}
         elif plan.verify is not None:
-            sampled, by_index = verify_forced(self, rows, plan.verify.k)
-            out.drafts = {id(rows[i]): d for i, d in by_index.items()}
+            sampled, out.drafts = verify_drafts(self, rows, plan.verify)
         else:
             sampled = _lists(sample_requests(self.decode(rows), rows))
         out.decode_seconds = time.perf_counter() - tic

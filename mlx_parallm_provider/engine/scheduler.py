@@ -44,11 +44,11 @@ from collections import deque
 from typing import Any, Iterable, Optional
 
 from ..errors import MLXParallmError, as_request_error
-from .embedding import EmbedRequest
+from .embedding import EmbedRequest, plan_embeddings
 from .kv import KVCacheManager
 from .output import take_token
 from .plan import StepOutput, StepPlan
-from .prefix_match import common_prefix_len
+from .prefix_match import waits_for_sharer
 from .request import Request
 from .sampling import plain_row
 
@@ -269,7 +269,7 @@ class Scheduler:
             budget -= n
         # Embedding inputs that arrived before the first waiting prompt go first; later ones
         # take what the prompts leave (they hold no slot or KV, so they never wait for one).
-        budget = self._plan_embeddings(plan, budget, self.waiting[0].arrival if self.waiting else None)
+        budget = plan_embeddings(self.embedding, plan, budget, self.waiting[0].arrival if self.waiting else None)
 
         slots = self.max_num_seqs - self.num_running
         longest = 0  # longest uncached prompt part in plan.prefill
@@ -292,7 +292,7 @@ class Scheduler:
                     break
                 prefix, cached = None, 0
                 window_end = self._chunk_end(request, 0)
-            if self._waits_for_sharer(request, cached, sharers):
+            if self.prefix_caching and waits_for_sharer(request, cached, sharers, self.min_shared_tokens, self.prefix_capacity_tokens):
                 deferred.append(self.waiting.popleft())
                 continue
             uncached = request.num_tokens - cached
@@ -315,7 +315,7 @@ class Scheduler:
             sharers.append(request)
             slots -= 1
         self.waiting.extendleft(reversed(deferred))
-        self._plan_embeddings(plan, budget - len(plan.prefill) * longest)
+        plan_embeddings(self.embedding, plan, budget - len(plan.prefill) * longest)
         self._admitted(plan)
         if plan.decode:
             self._plan_decode(plan)
@@ -347,33 +347,6 @@ class Scheduler:
         going = [r for r in rows if len(r.output_ids) + 1 < r.params.max_tokens]  # the rest may end this step
         if going and not would_verify(going) and self._reserve_ahead(going):
             plan.ahead = going
-
-    def _plan_embeddings(self, plan: StepPlan, budget: int, before: Optional[float] = None) -> int:
-        """Add embedding inputs (of calls that arrived no later than ``before``, in arrival
-        order, each call's shortest first) to the plan while what they add to the step's
-        right-padded embedding batch (rows x longest) fits ``budget``; returns the budget
-        left. The step's first input always goes, so one longer than the whole budget runs
-        in a step of its own rather than never."""
-        rows = sum(len(indices) for _, indices in plan.embed)
-        width = max((len(r.inputs[i]) for r, indices in plan.embed for i in indices), default=0)
-        spent = rows * width
-        for request in self.embedding:
-            if before is not None and request.arrival > before:
-                break
-            taken: list[int] = []
-            while request.num_planned < len(request.inputs):
-                i = request.order[request.num_planned]
-                wider = max(width, len(request.inputs[i]))
-                if (rows + 1) * wider - spent > budget and (rows or budget <= 0):
-                    break
-                taken.append(i)
-                request.num_planned += 1
-                rows, width = rows + 1, wider
-            if taken:
-                plan.embed.append((request, taken))
-            if request.num_planned < len(request.inputs):
-                break
-        return budget - (rows * width - spent)
 
     def _make_room_to_decode(self) -> None:
         """Give every running row a slot for the token it decodes this step (and for its
@@ -413,18 +386,3 @@ class Scheduler:
         """The entries ``request``'s sliding-window layers need when its prefill goes on from
         ``start``: up to the end of that chunk at most, and the token it then decodes."""
         return start + min(self.prefill_chunk_size, request.num_tokens - start) + 1
-
-    def _waits_for_sharer(self, request: Request, cached: int, sharers: list[Request]) -> bool:
-        """Whether ``request`` should wait for an in-flight prefill of a prompt it shares
-        a long prefix with, instead of computing that prefix again alongside it."""
-        if not self.prefix_caching:
-            return False
-        for sharer in sharers:
-            new_tokens = sharer.prompt_len - sharer.num_cached
-            if self.prefix_capacity_tokens is not None and new_tokens > self.prefix_capacity_tokens:
-                continue  # the store could not keep it
-            shared = min(common_prefix_len(sharer.prompt_ids, request.prompt_ids), request.prompt_len - 1)
-            gain = shared - cached
-            if gain >= self.min_shared_tokens or (gain > 0 and shared == request.prompt_len - 1):
-                return True
-        return False

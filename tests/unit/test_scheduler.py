@@ -177,7 +177,7 @@ def test_alone_a_prompt_skips_a_cached_prefix_it_cannot_afford() -> None:
     big = Request("big", head + list(range(300, 309)), SamplingParams(max_tokens=1), ResultSink())  # 16 tokens
     s.add(big)
     plan = s.schedule()  # with the hit: 4 blocks + the copy's source = 5 of 4; without: 4
-    assert plan.prefill == [big] and big.num_cached == 0 and not kv.pending_copies
+    assert plan.prefill == [big] and big.num_cached == 0 and not plan.kv.copies
 
 
 def emb(name: str, lengths: list[int], arrival: float) -> "EmbedRequest":

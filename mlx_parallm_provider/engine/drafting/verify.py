@@ -5,7 +5,7 @@ what plain decoding would give (up to float rounding between a one-token and a
 several-token pass), seeded rows included: each kept token is drawn with the key plain
 decoding would use there.
 
-:func:`verify_lookups` serves plain rows (n-gram drafts: the arg-max, or a draw, at every
+:func:`verify_drafts` is the one entry: :func:`verify_lookups` serves plain rows (n-gram drafts: the arg-max, or a draw, at every
 position at once); :func:`verify_forced` serves constrained rows (the grammar's mask at each
 position, one walk a row: :class:`_Walk`)."""
 
@@ -16,9 +16,19 @@ from typing import Any, Sequence
 import mlx.core as mx
 
 from ..guided import fill_bitmask, only_tokens
-from ..plan import Drafted
+from ..plan import Drafted, Verify
 from ..sampling import SampledRow, draw_tokens, sample_batch, sample_requests
 from .forced import can_fast_forward
+
+
+def verify_drafts(runner: Any, rows: Sequence[Any], verify: Verify) -> tuple[list[list[SampledRow]], dict[int, Drafted]]:
+    """Run a verify step of ``rows``: what each row emits, in order, and what the drafts of
+    each row that had some came to (by ``id(request)``)."""
+    if verify.kind == "ngram":
+        sampled, results = verify_lookups(runner, rows, verify.k)
+        return sampled, {id(r): d for r, d in zip(rows, results)}
+    sampled, by_index = verify_forced(runner, rows, verify.k)
+    return sampled, {id(rows[i]): d for i, d in by_index.items()}
 
 
 def verify_lookups(runner: Any, rows: Sequence[Any], k: int) -> tuple[list[list[SampledRow]], list[Drafted]]:
