@@ -13,7 +13,7 @@ import asyncio
 import time
 from typing import Any
 
-import mlx_parallm_provider  # noqa: F401  (first: sets up the fast CPU BLAS, registers the provider)
+import mlx_parallm_provider.models  # noqa: F401  (first: sets up the fast CPU BLAS, registers the provider)
 import litellm
 
 from mlx_parallm_provider import get_engine

@@ -58,8 +58,8 @@ class Engine(EmbedMethods):
 
     def __init__(self, model: str = "default", config: Optional[EngineConfig] = None, *, loaded: Optional[LoadedModel] = None) -> None:
         self.config = config or EngineConfig.from_env()
-        self._loaded = loaded or registry.load(model, dequantize=self.config.dequantize)
-        backends.ensure(self._loaded.model)  # a model passed in unprepared gets one too
+        self._loaded = loaded or registry.load(model, dequantize=self.config.dequantize, device=self.config.device)
+        backends.ensure(self._loaded.model, self.config.device)  # a model passed in unprepared gets one too
         ensure_servable(self._loaded.model, model)
         mlx_lm_compat.fit_grouped_query_masks(self._loaded.model)
         self.model_name = model

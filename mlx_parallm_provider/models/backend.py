@@ -4,8 +4,9 @@ quantized weights are dequantized at load.
 Measured on 2-core x86 Linux (see ``bench/cpu_backend.py``): the ``mlx[cpu]`` wheel links a
 reference BLAS (~4 GFLOP/s f32 matmul); Debian's OpenBLAS loaded with ``RTLD_GLOBAL``
 *before* ``mlx`` is imported brings it to ~100+ GFLOP/s. Loading it after ``mlx`` has no
-effect, so :func:`preload_blas` runs when this package is imported, ahead of any
-``import mlx``. On the CPU, ``quantized_matmul`` gains nothing from batching, whereas
+effect, so :func:`preload_blas` runs before this package first imports mlx (importing
+:mod:`mlx_parallm_provider.models` or :mod:`mlx_parallm_provider.engine`, e.g. at the first
+engine), not when the package itself is imported. On the CPU, ``quantized_matmul`` gains nothing from batching, whereas
 float32 weights over OpenBLAS do, so quantized weights are dequantized at load there, with
 the packed weights kept for steps of a few rows (:mod:`.small_batch`) and RMSNorm / RoPE
 fused into single ops (:mod:`.fused_ops`), where the model's backend is the CPU kernels
@@ -17,21 +18,20 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
-import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
-from .._validation import env_flag
+from ..config import DEVICE_SETTINGS, ENGINE_SETTINGS, OPENBLAS_TIMEOUT_ENV, DeviceConfig, default_blas, default_dequantize
+from ..config import default_environment
 
 if TYPE_CHECKING:
     from .backends import Choice, MLXOps
 
 logger = logging.getLogger(__name__)
 
-BLAS_ENV = "MLX_PARALLM_BLAS"
-DEQUANTIZE_ENV = "MLX_PARALLM_DEQUANTIZE"
-OPENBLAS_TIMEOUT_ENV = "OPENBLAS_THREAD_TIMEOUT"
+BLAS_ENV = DEVICE_SETTINGS["blas"].env
+DEQUANTIZE_ENV = ENGINE_SETTINGS["dequantize"].env
 OPENBLAS_TIMEOUT = "4"
 """OpenBLAS's worker threads spin 2**N cycles after each call before they sleep (N = 28 by
 default, ~70 ms here: through a whole decode step). The spinning thread then competes with
@@ -48,6 +48,7 @@ _OPENBLAS_CANDIDATES = (
 
 _preloaded: Optional[str] = None
 _preload_done = False
+_preload_choice: Optional[str] = None
 
 
 def find_openblas() -> Optional[str]:
@@ -61,7 +62,7 @@ def find_openblas() -> Optional[str]:
 def quiet_openblas_threads() -> None:
     """Set ``OPENBLAS_THREAD_TIMEOUT`` to :data:`OPENBLAS_TIMEOUT` unless the user set it
     (OpenBLAS reads it when it loads)."""
-    os.environ.setdefault(OPENBLAS_TIMEOUT_ENV, OPENBLAS_TIMEOUT)
+    default_environment(OPENBLAS_TIMEOUT_ENV, OPENBLAS_TIMEOUT)
 
 
 def preloaded() -> Optional[str]:
@@ -69,32 +70,38 @@ def preloaded() -> Optional[str]:
     return _preloaded
 
 
-def chosen_blas() -> Optional[str]:
-    """The BLAS library ``MLX_PARALLM_BLAS`` asks for (unset or ``auto``: the system
-    OpenBLAS), or None: ``off``, none found, or not Linux."""
-    choice = os.environ.get(BLAS_ENV, "auto").strip()
+def chosen_blas(choice: Optional[str] = None) -> Optional[str]:
+    """The BLAS library ``choice`` (a :attr:`.DeviceConfig.blas`; default the process's,
+    ``MLX_PARALLM_BLAS``) asks for: ``auto``, the system OpenBLAS; ``off``, None; else that
+    path. None also where none is found, or not on Linux."""
+    choice = (default_blas() if choice is None else choice).strip()
     if not sys.platform.startswith("linux") or choice.lower() in ("off", "0", "none", "false"):
         return None
     return find_openblas() if choice.lower() in ("", "auto") else choice
 
 
-def preload_blas() -> Optional[str]:
-    """Load an optimized BLAS globally so MLX's CPU matmuls bind to it.
+def preload_blas(choice: Optional[str] = None) -> Optional[str]:
+    """Load an optimized BLAS globally so MLX's CPU matmuls bind to it, once per process.
 
-    Controlled by ``MLX_PARALLM_BLAS``: unset or ``auto`` finds OpenBLAS, ``off`` disables
-    the preload, any other value is a library path to load. Does nothing off Linux (macOS
-    MLX uses Accelerate). Returns the library loaded, or None. Safe to call repeatedly.
-    """
-    global _preloaded, _preload_done
+    ``choice`` is a :attr:`.DeviceConfig.blas` (default the process's, ``MLX_PARALLM_BLAS``):
+    ``auto`` finds OpenBLAS, ``off`` disables the preload, any other value is a library path
+    to load. Does nothing off Linux (macOS MLX uses Accelerate), nor once mlx is imported.
+    Returns the library loaded, or None. The first call decides; a later one asking for
+    another library is warned about."""
+    global _preloaded, _preload_done, _preload_choice
     if _preload_done:
+        if choice is not None and chosen_blas(choice) != chosen_blas(_preload_choice):
+            logger.warning("blas=%r ignored: this process's MLX matmuls already bind to %s (one BLAS per process)",
+                           choice, _preloaded or "MLX's own BLAS")
         return _preloaded
     _preload_done = True
-    path = chosen_blas()
+    _preload_choice = default_blas() if choice is None else choice
+    path = chosen_blas(_preload_choice)
     if path is None:
         return None
     if "mlx.core" in sys.modules:
         logger.info(
-            "mlx was imported before mlx_parallm_provider, so %s cannot take over its matmuls; "
+            "mlx was imported before mlx_parallm_provider's engine, so %s cannot take over its matmuls; "
             "models multiply through it privately instead (models/private_blas.py)",
             path,
         )
@@ -103,7 +110,7 @@ def preload_blas() -> Optional[str]:
     try:
         ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
     except OSError as exc:
-        logger.warning("could not load BLAS %s (%s); %s selects another or 'off'", path, exc, BLAS_ENV)
+        logger.warning("could not load BLAS %s (%s); DeviceConfig.blas (%s) selects another or 'off'", path, exc, BLAS_ENV)
         return None
     _preloaded = path
     return path
@@ -166,15 +173,15 @@ def is_cpu() -> bool:
 
 
 def should_dequantize(dequantize: Optional[bool] = None) -> bool:
-    """Whether to dequantize weights at load: explicit choice, else env, else on CPU only."""
-    if dequantize is not None:
-        return dequantize
-    if DEQUANTIZE_ENV in os.environ:
-        return env_flag(DEQUANTIZE_ENV)
-    return is_cpu()
+    """Whether to dequantize weights at load: explicit choice, else the environment's default
+    (:attr:`.EngineConfig.dequantize`), else on CPU only."""
+    if dequantize is None:
+        dequantize = default_dequantize()
+    return is_cpu() if dequantize is None else dequantize
 
 
-def prepare_model(model: Any, dequantize: Optional[bool] = None, kernels: "Choice" = None, *, engine: bool = True) -> Any:
+def prepare_model(model: Any, dequantize: Optional[bool] = None, kernels: "Choice" = None, *, engine: bool = True,
+                  device: Optional[DeviceConfig] = None) -> Any:
     """Apply the load-time choices to a freshly loaded mlx-lm model.
 
     With ``dequantize`` (by default on the CPU device only) quantized weights are
@@ -182,15 +189,19 @@ def prepare_model(model: Any, dequantize: Optional[bool] = None, kernels: "Choic
     MLX's CPU half-precision matmuls are an order of magnitude slower than float32.
     With ``engine`` (the model is to be served by an engine), a backend is chosen for this
     model alone (``kernels``, see :func:`.backends.choose`: by default the CPU kernels on the
-    CPU device, ``MLX_PARALLM_CPU_OPS`` overriding) and installed on it; the CPU kernels keep
+    CPU device, ``device.cpu_kernels`` overriding) and installed on it, set from ``device`` (a
+    :class:`.DeviceConfig`, default the environment's); the CPU kernels keep
     quantized layers' packed weights for small steps and fuse RMSNorm / RoPE.
     ``engine=False`` leaves mlx-lm's code as it is (the benchmark's mlx-lm peers): only the
     weights are converted. When mlx was imported before this package, dense layers multiply
     through a privately bound OpenBLAS (:mod:`.private_blas`) either way."""
-    from . import backends
+    from . import backends, qmatmul
 
+    device = device or DeviceConfig()
+    preload_blas(device.blas)  # done before mlx was imported; warns where this engine asks for another
+    qmatmul.configure(device)
     log_backend_once()
-    chosen = backends.choose(kernels) if engine else None
+    chosen = backends.choose(kernels, device) if engine else None
     if chosen is not None:
         backends.install(model, chosen)
     if should_dequantize(dequantize):
@@ -198,7 +209,7 @@ def prepare_model(model: Any, dequantize: Optional[bool] = None, kernels: "Choic
     if is_cpu():
         from .private_blas import install as install_private_blas
 
-        install_private_blas(model)  # only when mlx was imported first
+        install_private_blas(model, device.blas)  # only when mlx was imported first
     return model
 
 

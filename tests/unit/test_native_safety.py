@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 # The child loads the kernel from the (damaged) cache and compares it with MLX's ops.
 CHILD = """
-import mlx_parallm_provider
+import mlx_parallm_provider.models  # (the BLAS before mlx)
 import mlx.core as mx, mlx.nn as nn, numpy as np
 from mlx_parallm_provider.models import {module} as m, small_batch
 kernel = m.load()
