@@ -2,7 +2,7 @@
 
 MLX's CPU matmuls bind, when ``libmlx`` loads (Python loads extensions with ``RTLD_NOW``),
 to whichever ``cblas_sgemm`` is then in the global symbol scope: the system OpenBLAS that
-this package preloads before it first imports mlx (:func:`.backend.preload_blas`), else the reference
+this package preloads before it first imports mlx (:func:`.device.preload_blas`), else the reference
 BLAS the ``mlx[cpu]`` wheel bundles, ~30x slower. Most MLX code imports ``mlx`` first. Then
 :func:`install` loads OpenBLAS privately (``RTLD_LOCAL``: no symbol of the process changes),
 hands its ``cblas_sgemm`` to the extension's ``blas_matmul`` primitive (``kernels/blas_matmul.cpp``)
@@ -24,7 +24,7 @@ import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
 from ..errors import BackendError
-from . import backend, qmatmul_ext
+from . import device, qmatmul_ext
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ def needed(blas: Optional[str] = None) -> bool:
     """True on the CPU when a BLAS is chosen (``blas``, a :attr:`.DeviceConfig.blas`; default
     the process's, auto: the system OpenBLAS) but was not preloaded for MLX: mlx was imported
     first."""
-    return backend.is_cpu() and backend.chosen_blas(blas) is not None and backend.preloaded() is None
+    return device.is_cpu() and device.chosen_blas(blas) is not None and device.preloaded() is None
 
 
 def bind(blas: Optional[str] = None) -> bool:
@@ -54,10 +54,10 @@ def bind(blas: Optional[str] = None) -> bool:
                 "mlx was imported before mlx_parallm_provider's engine, so MLX's matmuls run on its reference BLAS "
                 "(~30x slower), and OpenBLAS cannot be bound otherwise here (the MLX extension did not build: "
                 "it needs a C++ compiler and nanobind). Import mlx_parallm_provider.engine (or call get_engine) before "
-                f"mlx, or set DeviceConfig.blas='off' ({backend.BLAS_ENV}=off) to accept the slow matmuls"
+                f"mlx, or set DeviceConfig.blas='off' ({device.BLAS_ENV}=off) to accept the slow matmuls"
             )
-        path = backend.chosen_blas(blas)
-        backend.quiet_openblas_threads()
+        path = device.chosen_blas(blas)
+        device.quiet_openblas_threads()
         try:
             library = ctypes.CDLL(path, mode=ctypes.RTLD_LOCAL)
             address = ctypes.cast(library.cblas_sgemm, ctypes.c_void_p).value
@@ -81,7 +81,7 @@ def bind_for_gemm(blas: Optional[str] = None) -> bool:
     with _lock:
         if ext.has_sgemm():
             return True
-    path = backend.preloaded()
+    path = device.preloaded()
     if path is None:
         if not needed(blas):
             logger.info("no BLAS was preloaded: quantized layers keep float32 copies for large steps")

@@ -39,7 +39,7 @@ import logging
 import threading
 from dataclasses import dataclass, replace
 from types import ModuleType
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -48,7 +48,9 @@ from mlx.utils import tree_unflatten
 
 from . import private_blas, qmatmul, qmatmul_ext
 from ..config import DEVICE_SETTINGS
-from .backends import MLXOps
+
+if TYPE_CHECKING:  # (the backends use these ops: a floor above them)
+    from .backends import MLXOps
 
 logger = logging.getLogger(__name__)
 

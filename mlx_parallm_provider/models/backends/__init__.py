@@ -37,7 +37,7 @@ def wants_kernels(device: Optional[DeviceConfig] = None) -> bool:
     chosen = (device or DeviceConfig()).cpu_kernels
     if chosen is not None:
         return chosen
-    from ..backend import is_cpu
+    from ..device import is_cpu
 
     return is_cpu()
 

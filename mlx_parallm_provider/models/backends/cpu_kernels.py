@@ -201,7 +201,7 @@ class CPUKernels(MLXOps):
         """Keep the packed weights for small steps and fuse RMSNorm / RoPE (CPU device only;
         nothing without a compiler)."""
         from .. import fused_ops, small_batch
-        from ..backend import is_cpu
+        from ..device import is_cpu
 
         if is_cpu():
             small_batch.dequantize(model, self)
