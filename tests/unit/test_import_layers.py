@@ -165,6 +165,40 @@ def test_no_import_cycles() -> None:
     assert not groups(edges), "import cycles:\n" + describe(edges)
 
 
+MODEL_FLOORS = (
+    ("native build, cache and extension", ("models.kernel_cache", "models.qmatmul", "models.qmatmul_ext")),
+    ("device (is_cpu, the BLAS)", ("models.device",)),
+    ("ops", ("models.attention", "models.cpu_ops", "models.fused_ops", "models.small_batch", "models.private_blas")),
+    ("backends", ("models.backends", "models.head")),
+    ("loading", ("models.backend", "models.registry", "models.gguf")),
+)
+"""models/'s floors, lowest first: a module imports nothing of a floor above its own (an entry
+covers the modules under it too). The package's ``__init__`` (it preloads the BLAS) is on the
+device floor."""
+
+
+def _floor(module: str) -> Optional[int]:
+    short = module.removeprefix(ROOT + ".")
+    if short == "models":
+        return 1
+    best: Optional[tuple[int, int]] = None  # (length of the entry matched, floor)
+    for number, (_, names) in enumerate(MODEL_FLOORS):
+        for name in names:
+            if (short == name or short.startswith(name + ".")) and (best is None or len(name) > best[0]):
+                best = (len(name), number)
+    return None if best is None else best[1]
+
+
+def test_models_modules_import_no_floor_above_their_own() -> None:
+    edges = graph()
+    unplaced = sorted(m for m in edges if m.startswith(f"{ROOT}.models") and _floor(m) is None)
+    assert unplaced == [], f"models/ modules on no floor (add them to MODEL_FLOORS): {unplaced}"
+    upward = [f"{m} ({MODEL_FLOORS[_floor(m)][0]}) imports {t} ({MODEL_FLOORS[_floor(t)][0]})"
+              for m in sorted(edges) if _floor(m) is not None
+              for t in sorted(edges[m]) if _floor(t) is not None and _floor(t) > _floor(m)]
+    assert upward == [], "imports up a floor:\n" + "\n".join(upward)
+
+
 def test_the_graph_sees_relative_function_level_and_type_checking_imports(tmp_path: Path) -> None:
     known = {f"{ROOT}.a": tmp_path / "a.py", f"{ROOT}.b": tmp_path / "b.py", f"{ROOT}.c": tmp_path / "c.py",
              f"{ROOT}.d": tmp_path / "d.py"}
