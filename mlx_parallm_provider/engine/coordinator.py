@@ -52,8 +52,10 @@ class Engine(EmbedMethods):
         model: a model name for :func:`mlx_parallm_provider.models.registry.load`
             (``"default"``, a ``.gguf`` path, a folder or a repo id).
         config: engine settings; defaults to :meth:`EngineConfig.from_env` (the defaults
-            unless ``MLX_PARALLM_ENGINE_CONFIG`` says otherwise).
-        loaded: an already loaded model (then ``model`` is only its display name).
+            unless ``MLX_PARALLM_ENGINE_CONFIG`` says otherwise). Its ``device`` sets up the
+            model this engine loads (a model loaded for other device settings is another copy).
+        loaded: an already loaded model (then ``model`` is only its display name); it keeps
+            the backend it was loaded with (one is chosen for ``config.device`` where it has none).
     """
 
     def __init__(self, model: str = "default", config: Optional[EngineConfig] = None, *, loaded: Optional[LoadedModel] = None) -> None:
