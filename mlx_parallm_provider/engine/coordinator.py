@@ -51,11 +51,9 @@ class Engine(EmbedMethods):
     Args:
         model: a model name for :func:`mlx_parallm_provider.models.registry.load`
             (``"default"``, a ``.gguf`` path, a folder or a repo id).
-        config: engine settings; defaults to :meth:`EngineConfig.from_env` (the defaults
-            unless ``MLX_PARALLM_ENGINE_CONFIG`` says otherwise). Its ``device`` sets up the
-            model this engine loads (a model loaded for other device settings is another copy).
-        loaded: an already loaded model (then ``model`` is only its display name); it keeps
-            the backend it was loaded with (one is chosen for ``config.device`` where it has none).
+        config: engine settings; defaults to :meth:`EngineConfig.from_env`; its ``device`` sets
+            up the model loaded (a ``loaded`` model keeps its backend where it has one).
+        loaded: an already loaded model (then ``model`` is only its display name).
     """
 
     def __init__(self, model: str = "default", config: Optional[EngineConfig] = None, *, loaded: Optional[LoadedModel] = None) -> None:
