@@ -18,7 +18,7 @@ import time
 import warnings
 from typing import Any
 
-import mlx_parallm_provider  # noqa: F401  (first: fast CPU BLAS)
+import mlx_parallm_provider.models  # noqa: F401  (first: fast CPU BLAS)
 from langchain_core.messages import ToolMessage
 from langchain_core.tools import tool
 

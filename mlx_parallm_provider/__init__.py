@@ -6,37 +6,21 @@ Public API::
     engine = get_engine("default")
     out = await engine.generate(prompt, SamplingParams(max_tokens=64))
 
-Importing this package loads an optimized BLAS for MLX's CPU backend when one is present
-(it must happen before ``mlx`` is imported; see :mod:`.models.backend`), and registers the
-``mlx-parallm`` LiteLLM provider, now if LiteLLM is already imported, else as soon as it is
-(by importing :mod:`.integrations.litellm`, which registers itself).
+Importing this package does no work beyond registering the ``mlx-parallm`` LiteLLM provider,
+now if LiteLLM is already imported, else as soon as it is (by importing
+:mod:`.integrations.litellm`, which registers itself). ``mlx``, ``mlx-lm`` and the engine are
+imported on first use of an engine name below (:data:`_ENGINE_NAMES`); the optimized BLAS for
+MLX's CPU backend is loaded then, before mlx (see :mod:`.models.backend`).
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .models.backend import preload_blas as _preload_blas
-
-_preload_blas()
-
-from . import _litellm_hook  # noqa: E402
-from .config import EngineConfig  # noqa: E402
-from .engine import (  # noqa: E402
-    Constraint,
-    Completion,
-    Delta,
-    EmbeddingResult,
-    Engine,
-    EngineLike,
-    SamplingParams,
-    TokenLogprob,
-    Usage,
-    get_engine,
-    shutdown_engines,
-)
-from .errors import (  # noqa: E402
+from . import _litellm_hook
+from .config import DeviceConfig, EngineConfig
+from .errors import (
     BackendError,
     ContextWindowExceededError,
     EngineDeadError,
@@ -49,6 +33,27 @@ from .errors import (  # noqa: E402
     RequestTimeoutError,
     UnsupportedModelError,
 )
+
+if TYPE_CHECKING:
+    from .engine import (
+        Completion,
+        Constraint,
+        Delta,
+        EmbeddingResult,
+        Engine,
+        EngineLike,
+        SamplingParams,
+        TokenLogprob,
+        Usage,
+        get_engine,
+        shutdown_engines,
+    )
+
+_ENGINE_NAMES = frozenset({
+    "Completion", "Constraint", "Delta", "EmbeddingResult", "Engine", "EngineLike", "SamplingParams", "TokenLogprob",
+    "Usage", "get_engine", "shutdown_engines",
+})
+"""Names of :mod:`.engine` this package exports, imported on first access (they import mlx)."""
 
 __version__ = "0.1.0"
 
@@ -66,6 +71,10 @@ def register() -> None:
 
 
 def __getattr__(name: str) -> Any:
+    if name in _ENGINE_NAMES:
+        value = getattr(importlib.import_module(f"{__name__}.engine"), name)
+        globals()[name] = value
+        return value
     # The LiteLLM handler is built on first access: importing LiteLLM takes seconds.
     if name == "litellm_handler":
         from .integrations.litellm import litellm_handler
@@ -81,6 +90,7 @@ __all__ = [
     "Constraint",
     "ContextWindowExceededError",
     "Delta",
+    "DeviceConfig",
     "EmbeddingResult",
     "Engine",
     "EngineConfig",

@@ -1,13 +1,13 @@
-"""Shared field validation: each failure is an InvalidParameterError naming the field (and
-:func:`env_int`, for the environment knobs read outside :class:`.config.EngineConfig`)."""
+"""Shared field validation: each failure is an InvalidParameterError naming the field
+(:class:`Limit`: a setting's allowed values, which the configuration reference prints too)."""
 
 from __future__ import annotations
 
 import logging
 import math
-import os
 import re
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from .errors import InvalidParameterError
@@ -37,37 +37,67 @@ def check_number(
         raise InvalidParameterError(name, f"must be <= {maximum}, got {value}")
 
 
-def env_int(name: str, default: int, minimum: int, maximum: int) -> int:
-    """The integer in environment variable ``name``, bounded: ``default`` where it is unset or
-    not an integer, clamped into ``minimum..maximum`` where out of range (each with a warning
-    naming the variable). Never raises: a bad knob must not fail every request."""
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        logger.warning("%s=%r is not an integer: using %d", name, raw, default)
-        return default
-    bounded = min(max(value, minimum), maximum)
-    if bounded != value:
-        logger.warning("%s=%d is outside %d..%d: using %d", name, value, minimum, maximum, bounded)
-    return bounded
+@dataclass(frozen=True)
+class Limit:
+    """What a setting may hold: read by its validation (:meth:`check`) and by the
+    configuration reference (:meth:`describe`), so a range is written once.
 
+    ``kind`` is ``"int"``, ``"number"``, ``"bool"``, ``"choice"`` (one of ``choices``) or
+    ``"text"`` (a non-empty string); ``optional`` also allows None; ``positive`` refuses 0
+    (``hint`` says what to use instead); text must match ``pattern`` where set."""
 
-_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+    kind: str
+    minimum: Optional[float] = None
+    maximum: Optional[float] = None
+    choices: tuple[Any, ...] = ()
+    optional: bool = False
+    positive: bool = False
+    hint: str = ""
+    pattern: str = ""
+    words: str = ""  # the allowed values in words, where the kind's own are not enough
 
+    def check(self, name: str, value: object) -> None:
+        """Raise :class:`InvalidParameterError` naming ``name`` unless ``value`` fits."""
+        if value is None and self.optional:
+            return
+        if self.kind == "int":
+            check_int(name, value, self.minimum, self.maximum)  # type: ignore[arg-type]
+        elif self.kind == "number":
+            check_number(name, value, self.minimum, self.maximum)
+        elif self.kind == "bool":
+            if not isinstance(value, bool):
+                raise InvalidParameterError(name, f"must be a bool{' or None' if self.optional else ''}, got {value!r}")
+        elif self.kind == "choice":
+            if isinstance(value, bool) or value not in self.choices:
+                options = ", ".join(map(repr, self.choices)) + (" or None" if self.optional else "")
+                raise InvalidParameterError(name, f"must be one of {options}, got {value!r}")
+        elif self.kind == "text":
+            if not isinstance(value, str) or not value.strip():
+                raise InvalidParameterError(name, f"must be a non-empty string, got {value!r}")
+            if self.pattern and not re.fullmatch(self.pattern, value):
+                raise InvalidParameterError(name, f"must match {self.pattern}, got {value!r}")
+        if self.positive and value == 0:
+            raise InvalidParameterError(name, f"must be > 0{f' ({self.hint})' if self.hint else ''}")
 
-def env_choice(name: str) -> Optional[bool]:
-    """Environment variable ``name`` as a yes / no: True for 1 / true / yes / on, False for
-    0 / false / no / off (any case), None when unset or anything else."""
-    value = os.environ.get(name, "").strip().lower()
-    return True if value in _TRUE else False if value in _FALSE else None
-
-
-def env_flag(name: str) -> bool:
-    """Whether environment variable ``name`` is set to 1 / true / yes / on (any case)."""
-    return env_choice(name) is True
+    def describe(self) -> str:
+        """The allowed values in words, for the configuration reference."""
+        if self.words:
+            return self.words
+        if self.kind in ("int", "number"):
+            low = "> 0" if self.positive and self.minimum == 0 else None
+            if low is None and self.minimum is not None:
+                low = f">= {self.minimum:g}"
+            if self.minimum is not None and self.maximum is not None and low.startswith(">="):
+                text = f"{self.minimum:g} .. {self.maximum:g}"
+            else:
+                text = ", ".join(p for p in (low, None if self.maximum is None else f"<= {self.maximum:g}") if p) or "any"
+        elif self.kind == "bool":
+            text = "true / false"
+        elif self.kind == "choice":
+            text = " / ".join("None" if c is None else repr(c) for c in self.choices)
+        else:
+            text = f"text matching ``{self.pattern}``" if self.pattern else "non-empty text"
+        return f"{text} / None" if self.optional else text
 
 
 def check_text(name: str, text: str) -> None:

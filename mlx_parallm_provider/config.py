@@ -1,19 +1,273 @@
-"""EngineConfig: every engine knob, its default and its validation, in one place."""
+"""EngineConfig and DeviceConfig: every engine knob, its default and its validation, in one place.
+
+Environment variables only supply defaults, and this module is the only one that reads them:
+each ``MLX_PARALLM_*`` knob is the default of one field (:data:`ENGINE_SETTINGS`,
+:data:`DEVICE_SETTINGS`), and a field given explicitly wins over its variable. A bad value in
+the environment is warned about and replaced (a typo in a replica's environment must not fail
+every request); a bad explicit value raises :class:`~.errors.InvalidParameterError`.
+:func:`cache_home`, :data:`ENGINE_CONFIG_ENV` and the compilers stay process-wide.
+``python -m mlx_parallm_provider.config_reference`` prints the reference of it all.
+"""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
-from dataclasses import dataclass, fields
-from typing import Optional
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Callable, Mapping, Optional
 
-from ._validation import check_int as _check_int
-from ._validation import check_number as _check_number
+from ._validation import Limit
 from .errors import InvalidParameterError
 
+logger = logging.getLogger(__name__)
 
 KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "float32")
 """``EngineConfig.kv_cache_dtype``'s values ("auto": the model's own K/V dtype)."""
+
+ENGINE_CONFIG_ENV = "MLX_PARALLM_ENGINE_CONFIG"
+HOME_ENV = "MLX_PARALLM_HOME"
+OPENBLAS_TIMEOUT_ENV = "OPENBLAS_THREAD_TIMEOUT"
+MARCH_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._+-]{0,63}"
+"""What an ``-march`` value may look like (it goes on a compiler's command line)."""
+
+PROCESS_VARIABLES = {
+    HOME_ENV: "the cache folder: converted models (``models/``) and built kernels (``kernels/``); "
+              "default ``~/.cache/mlx-parallm``.",
+    ENGINE_CONFIG_ENV: "a JSON object of EngineConfig fields (``device`` a nested object of DeviceConfig "
+                       "fields), e.g. ``{\"max_num_seqs\": 32, \"device\": {\"cpu_kernels\": false}}``: the "
+                       "config of engines made without one (every engine of a LiteLLM proxy).",
+    "CC": "the C compiler the kernels are built with (default ``cc``).",
+    "CXX": "the C++ compiler the MLX extension is built with (default ``c++``).",
+    OPENBLAS_TIMEOUT_ENV: "OpenBLAS's own variable; set to 4 before OpenBLAS loads unless already set "
+                          "(its threads then sleep at once after a call instead of spinning).",
+}
+"""Variables read by the whole process, not a field of a config (the reference lists them)."""
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def env_text(name: str) -> str:
+    """Environment variable ``name``, stripped ("" when unset)."""
+    return os.environ.get(name, "").strip()
+
+
+def env_choice(name: str) -> Optional[bool]:
+    """Environment variable ``name`` as a yes / no: True for 1 / true / yes / on, False for
+    0 / false / no / off (any case), None when unset or anything else."""
+    value = env_text(name).lower()
+    return True if value in _TRUE else False if value in _FALSE else None
+
+
+def cache_home() -> Path:
+    """The cache folder (``$MLX_PARALLM_HOME`` or ``~/.cache/mlx-parallm``), read at each call."""
+    return Path(os.environ.get(HOME_ENV) or Path.home() / ".cache" / "mlx-parallm")
+
+
+def c_compiler() -> str:
+    """The C compiler for the kernels: ``$CC``, else ``cc``."""
+    return os.environ.get("CC") or "cc"
+
+
+def cxx_compiler() -> str:
+    """The C++ compiler for the MLX extension: ``$CXX``, else ``c++``."""
+    return os.environ.get("CXX") or "c++"
+
+
+def default_environment(name: str, value: str) -> None:
+    """Set environment variable ``name`` for libraries that read it (OpenBLAS) unless the
+    user set it."""
+    os.environ.setdefault(name, value)
+
+
+# -- settings: their limits, variables and how a variable's text is read --------------------
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One field's allowed values, and where it has one, the environment variable that gives
+    its default (``parse`` reads the variable's text; ValueError: warned about, ``default``)."""
+
+    limit: Limit
+    env: Optional[str] = None
+    default: Any = None
+    parse: Optional[Callable[[str], Any]] = None
+
+    def from_env(self, name: str) -> Any:
+        """The value the environment gives field ``name``: :attr:`default` where unset or bad
+        (warned), an integer out of range clamped into it (warned)."""
+        raw = env_text(self.env) if self.env else ""
+        if not raw:
+            return self.default
+        try:
+            value = (self.parse or _parse_int)(raw)
+        except ValueError as error:
+            logger.warning("%s=%r is not %s: using %r", self.env, raw, error or "valid", self.default)
+            return self.default
+        if self.limit.kind == "int" and isinstance(value, int):
+            low = self.limit.minimum if self.limit.minimum is not None else value
+            high = self.limit.maximum if self.limit.maximum is not None else value
+            bounded = int(min(max(value, low), high))
+            if bounded != value:
+                logger.warning("%s=%d is outside %s: using %d", self.env, value, self.limit.describe(), bounded)
+            value = bounded
+        try:
+            self.limit.check(name, value)
+        except InvalidParameterError as error:
+            logger.warning("%s=%r: %s: using %r", self.env, raw, error, self.default)
+            return self.default
+        return value
+
+
+def _parse_int(raw: str) -> int:
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError("an integer") from None
+
+
+def _parse_choice(raw: str) -> bool:
+    value = raw.lower()
+    if value in _TRUE or value in _FALSE:
+        return value in _TRUE
+    raise ValueError("1 / true / yes / on or 0 / false / no / off")
+
+
+def _parse_blas(raw: str) -> str:
+    return "off" if raw.lower() in ("off", "0", "none", "false") else "auto" if raw.lower() == "auto" else raw
+
+
+def _parse_int8(raw: str) -> int:
+    if raw in ("8", "16"):
+        return int(raw)
+    try:
+        return 8 if _parse_choice(raw) else 0
+    except ValueError:
+        raise ValueError("0, 1, 8 or 16") from None
+
+
+def _parse_march(raw: str) -> Optional[str]:
+    return None if raw == "native" else raw
+
+
+DEVICE_SETTINGS: dict[str, Setting] = {
+    "cpu_kernels": Setting(Limit("bool", optional=True), "MLX_PARALLM_CPU_OPS", None, _parse_choice),
+    "blas": Setting(Limit("text", words="'auto' / 'off' / a library path"), "MLX_PARALLM_BLAS", "auto", _parse_blas),
+    "small_batch_rows": Setting(Limit("int", 0, 64), "MLX_PARALLM_SMALL_BATCH_ROWS", 4),
+    "qmatmul_threads": Setting(Limit("int", 1, 16, optional=True), "MLX_PARALLM_QMATMUL_THREADS"),
+    "attention_threads": Setting(Limit("int", 1, 256, optional=True), "MLX_PARALLM_ATTENTION_THREADS"),
+    "int8_matmul": Setting(Limit("choice", choices=(0, 8, 16), optional=True), "MLX_PARALLM_INT8_MATMUL", None, _parse_int8),
+    "float32_weights": Setting(Limit("bool"), "MLX_PARALLM_FLOAT32_WEIGHTS", False, _parse_choice),
+    "kernel_march": Setting(Limit("text", optional=True, pattern=MARCH_PATTERN, words="an -march name (e.g. 'x86-64-v3') / None"), "MLX_PARALLM_KERNEL_MARCH", None, _parse_march),
+    "amx": Setting(Limit("bool"), "MLX_PARALLM_AMX", True, _parse_choice),
+}
+""":class:`DeviceConfig`'s fields: limits, variables, built-in defaults."""
+
+ENGINE_SETTINGS: dict[str, Setting] = {
+    "max_num_seqs": Setting(Limit("int", 1)),
+    "max_num_batched_tokens": Setting(Limit("int", 1)),
+    "prefill_chunk_size": Setting(Limit("int", 1)),
+    "batch_window_ms": Setting(Limit("number", 0.0, 10_000.0)),
+    "max_queue": Setting(Limit("int", 0)),
+    "kv_cache_memory_gb": Setting(Limit("number", 0.0, optional=True, positive=True, hint="None disables the budget")),
+    "max_kv_size": Setting(Limit("int", 8, optional=True)),
+    "request_timeout_s": Setting(Limit("number", 0.0, optional=True, positive=True, hint="None disables it")),
+    "dequantize": Setting(Limit("bool", optional=True), "MLX_PARALLM_DEQUANTIZE", None, _parse_choice),
+    "enable_prefix_caching": Setting(Limit("bool")),
+    "prefix_cache_memory_gb": Setting(Limit("number", 0.0, positive=True, hint="enable_prefix_caching=False turns the store off")),
+    "kv_block_size": Setting(Limit("int", 1, 4096)),
+    "kv_cache_dtype": Setting(Limit("choice", choices=KV_CACHE_DTYPES)),
+    "shutdown_timeout_s": Setting(Limit("number", 0.0, 3600.0)),
+    "speculative": Setting(Limit("choice", choices=("ngram",), optional=True)),
+    "num_speculative_tokens": Setting(Limit("int", 1, 64)),
+    "speculative_max_batch": Setting(Limit("int", 1)),
+    "grammar_fast_forward": Setting(Limit("bool")),
+    "async_scheduling": Setting(Limit("bool")),
+    "stream_interval": Setting(Limit("int", 1, 4096)),
+}
+""":class:`EngineConfig`'s fields (``device`` aside): limits, and the variable where one gives the default."""
+
+
+def _env_default(table: dict[str, Setting], name: str) -> Callable[[], Any]:
+    return lambda: table[name].from_env(name)
+
+
+def _device(name: str) -> Any:
+    return field(default_factory=_env_default(DEVICE_SETTINGS, name))
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    """How one engine computes on its device (the CPU kernels and their knobs).
+
+    Every field's default comes from its environment variable (listed in
+    ``docs/configuration.md``) where set, else the built-in default; an explicit value wins.
+    Most are the engine's own, so two engines of one process may differ; ``blas``,
+    ``kernel_march`` and ``amx`` are per process, as noted.
+
+    Attributes:
+        cpu_kernels: whether the model runs on this package's CPU kernels (fused attention,
+            RMSNorm, RoPE, SwiGLU, small-batch matmuls over the packed weights) instead of
+            MLX's own ops. None: on the CPU device only.
+        blas: the BLAS MLX's CPU matmuls use: ``"auto"`` (the system OpenBLAS), ``"off"``
+            (MLX's bundled reference BLAS) or a library path. Per process: the library is
+            loaded globally once, before this package first imports mlx (with the process
+            default, this field's variable); an engine asking for another is warned about.
+            Where mlx was imported first, each engine's model binds it privately.
+        small_batch_rows: steps of at most this many rows multiply quantized layers by their
+            packed weights through the C kernel (wider steps through the panel GEMM or
+            float32 copies); 0 turns the packed-weight kernel off.
+        qmatmul_threads: threads of the packed-weight kernel (its helpers take shares of a
+            call's rows as they come free). None: 2 where the machine has two CPUs or more.
+        attention_threads: threads of the decode-attention kernel. None: the CPU count, up to 8.
+        int8_matmul: quantized layers multiply every row count by integer dot products, with
+            activations quantized in blocks of 32 to 16 bits (16: the float path's numerics,
+            needs AVX-512 VNNI; on a CPU without it 8 is used) or 8 bits (8: llama.cpp's
+            numerics); 0: the float kernels. None: 16 where the kernel has its AVX-512 VNNI
+            tiles, else 0.
+        float32_weights: quantized layers also keep a float32 copy of their weights for large
+            steps (OpenBLAS's GEMM over it) instead of dequantizing tiles of the packed
+            weights as they go; more memory.
+        kernel_march: the ``-march`` the C kernels and the MLX extension are built with
+            instead of ``native``: a lesser ISA of this CPU (e.g. ``x86-64-v3``) to run and
+            measure that path; one this CPU cannot run is warned about and ignored. Per
+            process: the kernels are built and loaded once, for the first engine's value.
+        amx: the int8 path multiplies on Intel AMX tiles where the CPU and Linux give them;
+            False keeps them off. Per process: the loaded kernel's state, set by each engine
+            that loads a model (the last one wins).
+    """
+
+    cpu_kernels: Optional[bool] = _device("cpu_kernels")
+    blas: str = _device("blas")
+    small_batch_rows: int = _device("small_batch_rows")
+    qmatmul_threads: Optional[int] = _device("qmatmul_threads")
+    attention_threads: Optional[int] = _device("attention_threads")
+    int8_matmul: Optional[int] = _device("int8_matmul")
+    float32_weights: bool = _device("float32_weights")
+    kernel_march: Optional[str] = _device("kernel_march")
+    amx: bool = _device("amx")
+
+    def __post_init__(self) -> None:
+        for name, setting in DEVICE_SETTINGS.items():
+            setting.limit.check(name, getattr(self, name))
+
+    @classmethod
+    def from_env(cls, **overrides: Any) -> "DeviceConfig":
+        """The environment's defaults, ``overrides`` replacing them (the same as ``DeviceConfig(**overrides)``)."""
+        return cls(**overrides)
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any], where: str = "device") -> "DeviceConfig":
+        """A config from a mapping of field names (a JSON object), unknown names refused."""
+        unknown = sorted(set(values) - {f.name for f in fields(cls)})
+        if unknown:
+            raise InvalidParameterError(where, f"has unknown DeviceConfig fields {unknown}")
+        return cls(**values)
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain dict of every setting."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 @dataclass(frozen=True)
@@ -24,6 +278,7 @@ class EngineConfig:
         max_num_seqs: most requests decoding at once (the decode batch size cap).
         max_num_batched_tokens: most tokens (decode rows + prefill tokens, padding
             included) one step may process; bounds how much prefill is mixed into a step.
+            At least ``max_num_seqs``, so that a full decode step fits.
         prefill_chunk_size: prompts longer than this are prefilled in chunks of this size,
             one chunk per step, so running streams keep producing tokens meanwhile.
         batch_window_ms: when the engine is idle, how long the first arrival waits for
@@ -80,6 +335,8 @@ class EngineConfig:
             it, requests still in flight fail with
             :class:`~mlx_parallm_provider.errors.EngineDeadError` at once and, at
             interpreter exit, the process ends without waiting for the step.
+        device: how the engine computes on its device (:class:`DeviceConfig`; a mapping of
+            its fields is taken too).
     """
 
     max_num_seqs: int = 64
@@ -90,7 +347,7 @@ class EngineConfig:
     kv_cache_memory_gb: Optional[float] = None
     max_kv_size: Optional[int] = None
     request_timeout_s: Optional[float] = None
-    dequantize: Optional[bool] = None
+    dequantize: Optional[bool] = field(default_factory=_env_default(ENGINE_SETTINGS, "dequantize"))
     enable_prefix_caching: bool = True
     prefix_cache_memory_gb: float = 1.0
     kv_block_size: int = 16
@@ -102,48 +359,20 @@ class EngineConfig:
     grammar_fast_forward: bool = True
     async_scheduling: bool = True
     stream_interval: int = 1
+    device: DeviceConfig = field(default_factory=DeviceConfig)
 
     def __post_init__(self) -> None:
-        _check_int("max_num_seqs", self.max_num_seqs, minimum=1)
-        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, minimum=1)
-        _check_int("prefill_chunk_size", self.prefill_chunk_size, minimum=1)
-        _check_number("batch_window_ms", self.batch_window_ms, minimum=0.0, maximum=10_000.0)
-        _check_int("max_queue", self.max_queue, minimum=0)
-        _check_number("shutdown_timeout_s", self.shutdown_timeout_s, minimum=0.0, maximum=3600.0)
-        if self.kv_cache_memory_gb is not None:
-            _check_number("kv_cache_memory_gb", self.kv_cache_memory_gb, minimum=0.0)
-            if self.kv_cache_memory_gb == 0:
-                raise InvalidParameterError("kv_cache_memory_gb", "must be > 0 (None disables the budget)")
-        if self.max_kv_size is not None:
-            _check_int("max_kv_size", self.max_kv_size, minimum=8)
-        if self.request_timeout_s is not None:
-            _check_number("request_timeout_s", self.request_timeout_s, minimum=0.0)
-            if self.request_timeout_s == 0:
-                raise InvalidParameterError("request_timeout_s", "must be > 0 (None disables it)")
-        if self.dequantize is not None and not isinstance(self.dequantize, bool):
-            raise InvalidParameterError("dequantize", "must be a bool or None")
-        if not isinstance(self.enable_prefix_caching, bool):
-            raise InvalidParameterError("enable_prefix_caching", "must be a bool")
-        _check_number("prefix_cache_memory_gb", self.prefix_cache_memory_gb, minimum=0.0)
-        if self.prefix_cache_memory_gb == 0:
-            raise InvalidParameterError("prefix_cache_memory_gb", "must be > 0 (enable_prefix_caching=False turns the store off)")
-        _check_int("kv_block_size", self.kv_block_size, minimum=1, maximum=4096)
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise InvalidParameterError("kv_cache_dtype", f"must be one of {', '.join(map(repr, KV_CACHE_DTYPES))}, got {self.kv_cache_dtype!r}")
-        if self.speculative not in (None, "ngram"):
-            raise InvalidParameterError("speculative", f"must be 'ngram' or None, got {self.speculative!r}")
-        _check_int("num_speculative_tokens", self.num_speculative_tokens, minimum=1, maximum=64)
-        _check_int("speculative_max_batch", self.speculative_max_batch, minimum=1)
-        if not isinstance(self.grammar_fast_forward, bool):
-            raise InvalidParameterError("grammar_fast_forward", "must be a bool")
-        if not isinstance(self.async_scheduling, bool):
-            raise InvalidParameterError("async_scheduling", "must be a bool")
-        _check_int("stream_interval", self.stream_interval, minimum=1, maximum=4096)
+        for name, setting in ENGINE_SETTINGS.items():
+            setting.limit.check(name, getattr(self, name))
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise InvalidParameterError(
                 "max_num_batched_tokens",
                 f"must be >= max_num_seqs ({self.max_num_seqs}) so a full decode step fits",
             )
+        if isinstance(self.device, Mapping):
+            object.__setattr__(self, "device", DeviceConfig.from_dict(self.device))
+        elif not isinstance(self.device, DeviceConfig):
+            raise InvalidParameterError("device", f"must be a DeviceConfig or a mapping of its fields, got {self.device!r}")
 
     @property
     def kv_cache_memory_bytes(self) -> Optional[int]:
@@ -155,17 +384,20 @@ class EngineConfig:
         """The prefix store's bound in bytes."""
         return int(self.prefix_cache_memory_gb * 1024**3)
 
-    def as_dict(self) -> dict:
-        """Plain dict of every setting."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+    def as_dict(self) -> dict[str, Any]:
+        """Plain dict of every setting (JSON-serialisable: ``device`` a nested dict)."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        values["device"] = self.device.as_dict()
+        return values
 
     @classmethod
-    def from_env(cls, variable: str = "MLX_PARALLM_ENGINE_CONFIG") -> "EngineConfig":
+    def from_env(cls, variable: str = ENGINE_CONFIG_ENV) -> "EngineConfig":
         """The config a JSON object in the environment variable sets (e.g.
-        ``{"max_num_seqs": 32, "prefix_cache_memory_gb": 4}``), defaults for the rest; the
-        defaults alone when it is unset. Engines made without a config (every engine of a
-        LiteLLM proxy) use it, so each replica of a cluster can be sized by its host."""
-        raw = os.environ.get(variable, "").strip()
+        ``{"max_num_seqs": 32, "device": {"cpu_kernels": false}}``), defaults (each from its
+        own variable where it has one) for the rest; the defaults alone when it is unset.
+        Engines made without a config (every engine of a LiteLLM proxy) use it, so each
+        replica of a cluster can be sized by its host."""
+        raw = env_text(variable)
         if not raw:
             return cls()
         try:
@@ -177,4 +409,18 @@ class EngineConfig:
         unknown = sorted(set(values) - {f.name for f in fields(cls)})
         if unknown:
             raise InvalidParameterError(variable, f"has unknown EngineConfig fields {unknown}")
+        if "device" in values:
+            if not isinstance(values["device"], dict):
+                raise InvalidParameterError(variable, "'device' must be a JSON object of DeviceConfig fields")
+            values["device"] = DeviceConfig.from_dict(values["device"], f"{variable} device")
         return cls(**values)
+
+
+def default_blas() -> str:
+    """The process's BLAS choice before any engine exists (:attr:`DeviceConfig.blas`'s default)."""
+    return DEVICE_SETTINGS["blas"].from_env("blas")
+
+
+def default_dequantize() -> Optional[bool]:
+    """:attr:`EngineConfig.dequantize`'s default (``MLX_PARALLM_DEQUANTIZE``), for models loaded without an engine."""
+    return ENGINE_SETTINGS["dequantize"].from_env("dequantize")

@@ -2,19 +2,21 @@
 
 Prints the device, the BLAS MLX's matmuls bind to (and whether dense layers go through a
 privately bound OpenBLAS because mlx was imported first), the CPU's vector features, the
-kernels built and in use, the model cache and the versions of what matters.
+kernels built and in use, the model cache, the device settings an engine made now would get
+(:class:`.DeviceConfig`, from the environment) and the versions of what matters.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
-import os
 import platform
 import shutil
 import sys
 from typing import Any
 
+from .config import DeviceConfig, EngineConfig, c_compiler, cache_home
 from .cpu_info import cpu_model_name
+from .errors import InvalidParameterError
 
 #: Vector features that decide which kernels a CPU gets (x86 flags, ARM features).
 VECTOR_FEATURES = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
@@ -32,34 +34,44 @@ def cpu_features() -> list[str]:
     return [f for f in VECTOR_FEATURES if f in flags]
 
 
+def device_config() -> tuple[DeviceConfig, str]:
+    """The device settings an engine made without a config would get, and where they come from."""
+    try:
+        return EngineConfig.from_env().device, "environment"
+    except InvalidParameterError as error:
+        return DeviceConfig(), f"environment, MLX_PARALLM_ENGINE_CONFIG ignored ({error})"
+
+
 def _march(qmatmul: Any) -> str:
-    """The ``-march`` the kernels are built with (``MLX_PARALLM_KERNEL_MARCH`` or native)."""
-    compiler = os.environ.get("CC") or "cc"
+    """The ``-march`` the kernels are built with (:attr:`.DeviceConfig.kernel_march` or native)."""
+    compiler = c_compiler()
     if shutil.which(compiler) is None:
         return f"no C compiler ({compiler})"
     return " ".join(qmatmul.native_flags(compiler)) or "no -march (generic)"
 
 
-def _int8(qmatmul: Any) -> str:
-    """The int8 path's kernel here, and whether it is on (``MLX_PARALLM_INT8_MATMUL``)."""
+def _int8(qmatmul: Any, device: DeviceConfig) -> str:
+    """The int8 path's kernel here, and whether it is on (:attr:`.DeviceConfig.int8_matmul`)."""
     from .models.backends.cpu_kernels import INT8_MATMUL_ENV, int8_setting
 
     lib = qmatmul.load()
     if lib is None:
         return "unavailable"
-    bits = int8_setting()
+    bits = int8_setting(device)
     return f"{qmatmul.int8_path(lib)}; {f'on, {bits}-bit activations' if bits else 'off'} ({INT8_MATMUL_ENV})"
 
 
 def report() -> dict[str, Any]:
     """Everything :func:`main` prints, as a dict."""
+    from .models import backend, private_blas, qmatmul, qmatmul_ext  # (first: the BLAS before mlx)
+
     import mlx.core as mx
 
-    from .models import backend, private_blas, qmatmul, qmatmul_ext, registry
-
+    device, source = device_config()
+    qmatmul.configure(device)
     ext = qmatmul_ext.load() if backend.is_cpu() else None
-    mlx_first = private_blas.needed()
-    cache = registry.cache_home()
+    mlx_first = private_blas.needed(device.blas)
+    cache = cache_home()
     versions = {}
     for name in PACKAGES:
         try:
@@ -71,7 +83,7 @@ def report() -> dict[str, Any]:
         "platform": platform.platform(),
         "device": str(mx.default_device()),
         "blas": backend.blas_in_use(),
-        "blas chosen": backend.chosen_blas() or "none (MLX_PARALLM_BLAS=off, or none found)",
+        "blas chosen": backend.chosen_blas(device.blas) or "none (blas='off', or none found)",
         "dense layers": ("OpenBLAS bound privately (mlx was imported first)" if mlx_first and ext is not None
                          else "MLX's reference BLAS: import mlx_parallm_provider before mlx" if mlx_first
                          else "MLX's matmul, over the BLAS above"),
@@ -82,8 +94,10 @@ def report() -> dict[str, Any]:
         "mlx extension (fused ops, decode attention, small-batch matmul)": "built and loaded" if ext is not None
         else ("not used off the CPU" if not backend.is_cpu() else "unavailable: MLX's ops are used (needs a C++ compiler and nanobind)"),
         "small-batch C kernel (ctypes)": "built" if backend.is_cpu() and qmatmul.load() is not None else "unavailable",
-        "int8 matmul": _int8(qmatmul) if backend.is_cpu() else "not used off the CPU",
+        "int8 matmul": _int8(qmatmul, device) if backend.is_cpu() else "not used off the CPU",
         "model cache": str(cache),
+        "device settings from": source,
+        **{f"device.{k}": "auto" if v is None else str(v) for k, v in device.as_dict().items()},
         **{f"version {k}": v for k, v in versions.items()},
     }
 

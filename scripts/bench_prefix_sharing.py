@@ -18,7 +18,7 @@ import json
 import time
 from typing import Any
 
-import mlx_parallm_provider  # noqa: F401  (preloads BLAS before mlx)
+import mlx_parallm_provider.models  # noqa: F401  (preloads BLAS before mlx)
 import mlx.core as mx
 from mlx_parallm_provider.chat import render_chat
 from mlx_parallm_provider.config import EngineConfig

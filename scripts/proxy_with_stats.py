@@ -41,7 +41,7 @@ def _publish(path: str, period_s: float = 0.05) -> None:
 
 
 def main() -> None:
-    import mlx_parallm_provider  # noqa: F401  (BLAS before mlx; registers the provider)
+    import mlx_parallm_provider.models  # noqa: F401  (BLAS before mlx; registers the provider)
 
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     path = os.environ.get("MLX_PARALLM_STATS_FILE")

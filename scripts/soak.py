@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-import mlx_parallm_provider  # noqa: F401  (BLAS before mlx)
+import mlx_parallm_provider.models  # noqa: F401  (BLAS before mlx)
 import mlx.core as mx
 
 from mlx_parallm_provider.config import EngineConfig

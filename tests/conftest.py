@@ -11,7 +11,7 @@ from typing import Optional
 import pytest
 from hypothesis import HealthCheck, settings
 
-import mlx_parallm_provider  # noqa: F401  (preloads BLAS before mlx is imported)
+import mlx_parallm_provider.models  # noqa: F401  (preloads BLAS before mlx is imported)
 
 # The fuzz suite's profiles (tests/fuzz), here so that they exist when pytest reads
 # --hypothesis-profile (a conftest under tests/fuzz would shadow this one's module name).

@@ -24,6 +24,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Optional
 
+from ..config import default_environment, env_text
 from . import metrics, plots, report, sweep, workloads
 from .arrivals import arrival_offsets
 from .progress import Progress
@@ -81,7 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--sweep", action="append", default=[], metavar="NAME=V1,V2", help=f"try each value; NAME: {', '.join(sweep.SWEEPABLE)}")
     a("--percentiles", type=_int_list, default=list(metrics.PERCENTILES), help="latency percentiles (default 50,90,99)")
     a("--url", help="OpenAI-compatible server for system 'http' (with or without /v1)")
-    a("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="bearer key for --url (default $OPENAI_API_KEY)")
+    a("--api-key", default=env_text("OPENAI_API_KEY") or None, help="bearer key for --url (default $OPENAI_API_KEY)")
     a("--served-model", help="model name to send to --url (default: --model)")
     a("--llama-cpp-threads", type=_positive_int, help="threads of the llama-cpp and llama-server peers (default: half the CPUs, as llama-cpp-python)")
     a("--output-dir", type=Path, help="where results.json and the plots go (default ./bench-results/<time>/)")
@@ -182,7 +183,7 @@ def _best_lines(rows: list[dict[str, Any]], slo: dict[str, float], swept: bool) 
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark the parsed arguments describe; returns the exit status."""
-    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+    default_environment("LITELLM_LOCAL_MODEL_COST_MAP", "True")
     from .. import EngineConfig, InvalidParameterError
 
     try:

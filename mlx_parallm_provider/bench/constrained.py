@@ -21,7 +21,7 @@ import statistics
 import time
 from typing import Any, Optional
 
-import mlx_parallm_provider  # noqa: F401  (BLAS before mlx)
+import mlx_parallm_provider.models  # noqa: F401  (BLAS before mlx)
 
 from ..chat import prepare_chat
 from ..engine import Constraint, Engine, SamplingParams

@@ -110,7 +110,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        import mlx_parallm_provider  # noqa: F401  (BLAS preload before mlx)
+        import mlx_parallm_provider.models  # noqa: F401  (BLAS preload before mlx)
 
         return _child(args)
     rows = run(args.model, args.steps, args.batch)

@@ -290,6 +290,8 @@ def report(rows: list[dict[str, Any]], books: Optional[dict[int, dict[str, float
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    import mlx_parallm_provider.models  # noqa: F401  (BLAS before mlx)
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="default")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 32, 64])

@@ -23,7 +23,7 @@ if order == "mlx-first":
     import mlx.core as mx
     import mlx_parallm_provider
 else:
-    import mlx_parallm_provider
+    import mlx_parallm_provider.models  # (the package's first use of mlx: the BLAS preloaded first)
     import mlx.core as mx
 from mlx_parallm_provider.models import backend, private_blas, registry
 

@@ -80,7 +80,7 @@ def kept(tokens: list[int], reference: list[int]) -> int:
 
 def run(model_name: str = "default", max_text_tokens: int = 512, prompts: int = 8, max_tokens: int = 64) -> dict[str, Any]:
     """The figures for the engine's float32 and int8 paths against mlx-lm (float32 weights)."""
-    import mlx_parallm_provider  # noqa: F401  (OpenBLAS before mlx)
+    import mlx_parallm_provider.models  # noqa: F401  (OpenBLAS before mlx)
 
     from ..models import backends, registry
     from . import workloads

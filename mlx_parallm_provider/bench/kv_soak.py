@@ -28,7 +28,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
 
-    import mlx_parallm_provider  # noqa: F401  (BLAS before mlx)
+    import mlx_parallm_provider.models  # noqa: F401  (BLAS before mlx)
     import mlx.core as mx
 
     from mlx_parallm_provider.config import EngineConfig

@@ -51,15 +51,15 @@ class Engine(EmbedMethods):
     Args:
         model: a model name for :func:`mlx_parallm_provider.models.registry.load`
             (``"default"``, a ``.gguf`` path, a folder or a repo id).
-        config: engine settings; defaults to :meth:`EngineConfig.from_env` (the defaults
-            unless ``MLX_PARALLM_ENGINE_CONFIG`` says otherwise).
+        config: engine settings; defaults to :meth:`EngineConfig.from_env`; its ``device`` sets
+            up the model loaded (a ``loaded`` model keeps its backend where it has one).
         loaded: an already loaded model (then ``model`` is only its display name).
     """
 
     def __init__(self, model: str = "default", config: Optional[EngineConfig] = None, *, loaded: Optional[LoadedModel] = None) -> None:
         self.config = config or EngineConfig.from_env()
-        self._loaded = loaded or registry.load(model, dequantize=self.config.dequantize)
-        backends.ensure(self._loaded.model)  # a model passed in unprepared gets one too
+        self._loaded = loaded or registry.load(model, dequantize=self.config.dequantize, device=self.config.device)
+        backends.ensure(self._loaded.model, self.config.device)  # a model passed in unprepared gets one too
         ensure_servable(self._loaded.model, model)
         mlx_lm_compat.fit_grouped_query_masks(self._loaded.model)
         self.model_name = model

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import threading
 import time
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Optional
@@ -71,6 +70,7 @@ from ..errors import (
 )
 from ._common import PROVIDER, usage_dict
 from ._litellm_params import LiteLLMCall, prepare_call
+from ._litellm_pricing import register_pricing
 from .litellm_embed import prepare_embedding
 
 
@@ -155,10 +155,6 @@ class MLXParallmCustomLLM(CustomLLM):
 
 litellm_handler = MLXParallmCustomLLM()
 
-_pricing_lock = threading.Lock()
-_priced_models: set[str] = set()
-
-
 def register(models: Iterable[str] = ()) -> None:
     """Make ``mlx-parallm/<model>`` usable in LiteLLM; safe to call any number of times.
 
@@ -180,30 +176,6 @@ def register(models: Iterable[str] = ()) -> None:
     custom_llm_setup()
     for model in models:
         register_pricing(model)
-
-
-def register_pricing(model: str, context_length: Optional[int] = None) -> None:
-    """Register ``mlx-parallm/<model>`` with zero cost, so ``completion_cost`` returns 0.
-
-    LiteLLM's cost map has no wildcards, so each model name is registered (once).
-    """
-    key = f"{PROVIDER}/{model}"
-    with _pricing_lock:
-        if key in _priced_models:
-            return
-        info: dict[str, Any] = {
-            "input_cost_per_token": 0.0,
-            "output_cost_per_token": 0.0,
-            "cache_creation_input_token_cost": 0.0,
-            "cache_read_input_token_cost": 0.0,
-            "litellm_provider": PROVIDER,
-            "mode": "chat",
-            "supports_function_calling": True,
-        }
-        if isinstance(context_length, int) and context_length > 0:
-            info["max_input_tokens"] = info["max_tokens"] = context_length
-        litellm.register_model({key: info})
-        _priced_models.add(key)
 
 
 def _prepare(

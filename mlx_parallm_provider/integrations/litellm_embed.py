@@ -72,7 +72,7 @@ def prepare_embedding(model: str, input: Any, optional_params: Optional[Mapping[
         raise InvalidParameterError("encoding_format", f"must be one of {', '.join(ENCODINGS)}, got {encoding!r}")
     model_name = model or "default"
     engine = get_engine(model_name)
-    from .litellm import register_pricing  # (the adapter module imports this one)
+    from ._litellm_pricing import register_pricing
 
     register_pricing(model_name, getattr(engine, "context_length", None))
     return EmbeddingCall(model_name, engine, _inputs(input), params.get("pooling", "mean"), params.get("dimensions"), encoding,

@@ -16,12 +16,14 @@ import mlx.core as mx
 from mlx_lm.models import activations as _activations
 from mlx_lm.models import base as _base
 
+from ..config import DEVICE_SETTINGS
+
 mlx_lm_attention = _base.scaled_dot_product_attention
 """mlx-lm's attention function (quantized caches and attention sinks still go there)."""
 mlx_lm_swiglu = _activations.swiglu
 
-THREADS_ENV = "MLX_PARALLM_ATTENTION_THREADS"
-MAX_THREADS = 256  # more is a typo: the kernel's int would overflow, every step would fail
+THREADS_ENV = DEVICE_SETTINGS["attention_threads"].env
+MAX_THREADS = int(DEVICE_SETTINGS["attention_threads"].limit.maximum)  # more is a typo: the kernel's int would overflow
 MAX_HEAD_DIM = 256  # decode_attention.cpp's limits
 MAX_GROUP = 16
 

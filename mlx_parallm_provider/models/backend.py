@@ -1,11 +1,8 @@
-"""Device choice and CPU specifics: which BLAS MLX's CPU backend uses, and whether
-quantized weights are dequantized at load.
+"""What a model gets at load: whether quantized weights are dequantized, its backend, and the
+BLAS binding where mlx was imported first (the device and the BLAS: :mod:`.device`, whose
+names this module re-exports).
 
-Measured on 2-core x86 Linux (see ``bench/cpu_backend.py``): the ``mlx[cpu]`` wheel links a
-reference BLAS (~4 GFLOP/s f32 matmul); Debian's OpenBLAS loaded with ``RTLD_GLOBAL``
-*before* ``mlx`` is imported brings it to ~100+ GFLOP/s. Loading it after ``mlx`` has no
-effect, so :func:`preload_blas` runs when this package is imported, ahead of any
-``import mlx``. On the CPU, ``quantized_matmul`` gains nothing from batching, whereas
+On the CPU, ``quantized_matmul`` gains nothing from batching, whereas
 float32 weights over OpenBLAS do, so quantized weights are dequantized at load there, with
 the packed weights kept for steps of a few rows (:mod:`.small_batch`) and RMSNorm / RoPE
 fused into single ops (:mod:`.fused_ops`), where the model's backend is the CPU kernels
@@ -15,166 +12,43 @@ fused into single ops (:mod:`.fused_ops`), where the model's backend is the CPU 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
-import os
 import sys
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
-from .._validation import env_flag
+from ..config import ENGINE_SETTINGS, DeviceConfig, default_dequantize
+from .device import (  # noqa: F401  (re-exported: the names models/backend.py always had)
+    BLAS_ENV,
+    OPENBLAS_TIMEOUT,
+    OPENBLAS_TIMEOUT_ENV,
+    blas_in_use,
+    chosen_blas,
+    find_openblas,
+    is_cpu,
+    log_backend_once,
+    preload_blas,
+    preloaded,
+    quiet_openblas_threads,
+)
 
 if TYPE_CHECKING:
     from .backends import Choice, MLXOps
 
 logger = logging.getLogger(__name__)
 
-BLAS_ENV = "MLX_PARALLM_BLAS"
-DEQUANTIZE_ENV = "MLX_PARALLM_DEQUANTIZE"
-OPENBLAS_TIMEOUT_ENV = "OPENBLAS_THREAD_TIMEOUT"
-OPENBLAS_TIMEOUT = "4"
-"""OpenBLAS's worker threads spin 2**N cycles after each call before they sleep (N = 28 by
-default, ~70 ms here: through a whole decode step). The spinning thread then competes with
-the decode-attention kernel's second thread and anything else on the machine; with N = 4
-they sleep at once. Measured at 64 concurrent requests: step 204 -> 188 ms, GEMMs unchanged."""
-
-_OPENBLAS_CANDIDATES = (
-    "/usr/lib/x86_64-linux-gnu/libopenblas.so.0",
-    "/usr/lib/aarch64-linux-gnu/libopenblas.so.0",
-    "/usr/lib64/libopenblas.so.0",
-    "/usr/lib/libopenblas.so.0",
-    "/usr/local/lib/libopenblas.so.0",
-)
-
-_preloaded: Optional[str] = None
-_preload_done = False
-
-
-def find_openblas() -> Optional[str]:
-    """Return the path (or soname) of a system OpenBLAS, or None if there is none."""
-    for candidate in _OPENBLAS_CANDIDATES:
-        if Path(candidate).exists():
-            return candidate
-    return ctypes.util.find_library("openblas")
-
-
-def quiet_openblas_threads() -> None:
-    """Set ``OPENBLAS_THREAD_TIMEOUT`` to :data:`OPENBLAS_TIMEOUT` unless the user set it
-    (OpenBLAS reads it when it loads)."""
-    os.environ.setdefault(OPENBLAS_TIMEOUT_ENV, OPENBLAS_TIMEOUT)
-
-
-def preloaded() -> Optional[str]:
-    """The BLAS :func:`preload_blas` put in the global scope for MLX, or None."""
-    return _preloaded
-
-
-def chosen_blas() -> Optional[str]:
-    """The BLAS library ``MLX_PARALLM_BLAS`` asks for (unset or ``auto``: the system
-    OpenBLAS), or None: ``off``, none found, or not Linux."""
-    choice = os.environ.get(BLAS_ENV, "auto").strip()
-    if not sys.platform.startswith("linux") or choice.lower() in ("off", "0", "none", "false"):
-        return None
-    return find_openblas() if choice.lower() in ("", "auto") else choice
-
-
-def preload_blas() -> Optional[str]:
-    """Load an optimized BLAS globally so MLX's CPU matmuls bind to it.
-
-    Controlled by ``MLX_PARALLM_BLAS``: unset or ``auto`` finds OpenBLAS, ``off`` disables
-    the preload, any other value is a library path to load. Does nothing off Linux (macOS
-    MLX uses Accelerate). Returns the library loaded, or None. Safe to call repeatedly.
-    """
-    global _preloaded, _preload_done
-    if _preload_done:
-        return _preloaded
-    _preload_done = True
-    path = chosen_blas()
-    if path is None:
-        return None
-    if "mlx.core" in sys.modules:
-        logger.info(
-            "mlx was imported before mlx_parallm_provider, so %s cannot take over its matmuls; "
-            "models multiply through it privately instead (models/private_blas.py)",
-            path,
-        )
-        return None
-    quiet_openblas_threads()
-    try:
-        ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
-    except OSError as exc:
-        logger.warning("could not load BLAS %s (%s); %s selects another or 'off'", path, exc, BLAS_ENV)
-        return None
-    _preloaded = path
-    return path
-
-
-class _DlInfo(ctypes.Structure):
-    _fields_ = [
-        ("dli_fname", ctypes.c_char_p),
-        ("dli_fbase", ctypes.c_void_p),
-        ("dli_sname", ctypes.c_char_p),
-        ("dli_saddr", ctypes.c_void_p),
-    ]
-
-
-def blas_in_use() -> str:
-    """Describe the BLAS that MLX's CPU matmuls bind to.
-
-    A library in the global symbol scope (one preloaded with ``RTLD_GLOBAL``) wins over the
-    reference BLAS that the ``mlx[cpu]`` wheel links privately, so the answer is whichever
-    library ``sgemm_`` resolves to globally, if any. (numpy's bundled OpenBLAS uses
-    prefixed symbols and does not count.)
-    """
-    if sys.platform == "darwin":
-        return "Accelerate (macOS)"
-    try:
-        process = ctypes.CDLL(None)
-        symbol = ctypes.cast(process.sgemm_, ctypes.c_void_p)
-        info = _DlInfo()
-        if process.dladdr(symbol, ctypes.byref(info)) and info.dli_fname:
-            path = info.dli_fname.decode()
-            kind = "OpenBLAS" if "openblas" in path.lower() else "BLAS"
-            return f"{kind} ({path})"
-    except (AttributeError, OSError):
-        pass
-    return "reference BLAS bundled with mlx"
-
-
-_logged_blas = False
-
-
-def log_backend_once() -> None:
-    """Log the device and BLAS in use, once per process."""
-    global _logged_blas
-    if _logged_blas:
-        return
-    _logged_blas = True
-    import mlx.core as mx
-
-    if is_cpu():
-        logger.info("mlx device: cpu; BLAS: %s", blas_in_use())
-    else:
-        logger.info("mlx device: %s", mx.default_device())
-
-
-def is_cpu() -> bool:
-    """True when MLX's default device is the CPU (no Metal or CUDA GPU in use)."""
-    import mlx.core as mx
-
-    return mx.default_device().type == mx.DeviceType.cpu
+DEQUANTIZE_ENV = ENGINE_SETTINGS["dequantize"].env
 
 
 def should_dequantize(dequantize: Optional[bool] = None) -> bool:
-    """Whether to dequantize weights at load: explicit choice, else env, else on CPU only."""
-    if dequantize is not None:
-        return dequantize
-    if DEQUANTIZE_ENV in os.environ:
-        return env_flag(DEQUANTIZE_ENV)
-    return is_cpu()
+    """Whether to dequantize weights at load: explicit choice, else the environment's default
+    (:attr:`.EngineConfig.dequantize`), else on CPU only."""
+    if dequantize is None:
+        dequantize = default_dequantize()
+    return is_cpu() if dequantize is None else dequantize
 
 
-def prepare_model(model: Any, dequantize: Optional[bool] = None, kernels: "Choice" = None, *, engine: bool = True) -> Any:
+def prepare_model(model: Any, dequantize: Optional[bool] = None, kernels: "Choice" = None, *, engine: bool = True,
+                  device: Optional[DeviceConfig] = None) -> Any:
     """Apply the load-time choices to a freshly loaded mlx-lm model.
 
     With ``dequantize`` (by default on the CPU device only) quantized weights are
@@ -182,15 +56,19 @@ def prepare_model(model: Any, dequantize: Optional[bool] = None, kernels: "Choic
     MLX's CPU half-precision matmuls are an order of magnitude slower than float32.
     With ``engine`` (the model is to be served by an engine), a backend is chosen for this
     model alone (``kernels``, see :func:`.backends.choose`: by default the CPU kernels on the
-    CPU device, ``MLX_PARALLM_CPU_OPS`` overriding) and installed on it; the CPU kernels keep
+    CPU device, ``device.cpu_kernels`` overriding) and installed on it, set from ``device`` (a
+    :class:`.DeviceConfig`, default the environment's); the CPU kernels keep
     quantized layers' packed weights for small steps and fuse RMSNorm / RoPE.
     ``engine=False`` leaves mlx-lm's code as it is (the benchmark's mlx-lm peers): only the
     weights are converted. When mlx was imported before this package, dense layers multiply
     through a privately bound OpenBLAS (:mod:`.private_blas`) either way."""
-    from . import backends
+    from . import backends, qmatmul
 
+    device = device or DeviceConfig()
+    preload_blas(device.blas)  # done before mlx was imported; warns where this engine asks for another
+    qmatmul.configure(device)
     log_backend_once()
-    chosen = backends.choose(kernels) if engine else None
+    chosen = backends.choose(kernels, device) if engine else None
     if chosen is not None:
         backends.install(model, chosen)
     if should_dequantize(dequantize):
@@ -198,7 +76,7 @@ def prepare_model(model: Any, dequantize: Optional[bool] = None, kernels: "Choic
     if is_cpu():
         from .private_blas import install as install_private_blas
 
-        install_private_blas(model)  # only when mlx was imported first
+        install_private_blas(model, device.blas)  # only when mlx was imported first
     return model
 
 

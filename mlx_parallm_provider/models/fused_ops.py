@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Union
+from typing import TYPE_CHECKING, Any, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -24,7 +24,9 @@ import numpy as np
 from mlx.utils import tree_unflatten
 
 from . import qmatmul_ext
-from .backends import MLXOps
+
+if TYPE_CHECKING:  # (the backends use these ops: a floor above them)
+    from .backends import MLXOps
 
 logger = logging.getLogger(__name__)
 

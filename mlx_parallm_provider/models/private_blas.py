@@ -2,7 +2,7 @@
 
 MLX's CPU matmuls bind, when ``libmlx`` loads (Python loads extensions with ``RTLD_NOW``),
 to whichever ``cblas_sgemm`` is then in the global symbol scope: the system OpenBLAS that
-importing this package first preloads (:func:`.backend.preload_blas`), else the reference
+this package preloads before it first imports mlx (:func:`.device.preload_blas`), else the reference
 BLAS the ``mlx[cpu]`` wheel bundles, ~30x slower. Most MLX code imports ``mlx`` first. Then
 :func:`install` loads OpenBLAS privately (``RTLD_LOCAL``: no symbol of the process changes),
 hands its ``cblas_sgemm`` to the extension's ``blas_matmul`` primitive (``kernels/blas_matmul.cpp``)
@@ -24,7 +24,7 @@ import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
 from ..errors import BackendError
-from . import backend, qmatmul_ext
+from . import device, qmatmul_ext
 
 logger = logging.getLogger(__name__)
 
@@ -33,13 +33,14 @@ _bound: Optional[Any] = None  # the extension, once its blas_matmul has an sgemm
 _library: Optional[ctypes.CDLL] = None  # kept loaded while the process runs
 
 
-def needed() -> bool:
-    """True on the CPU when a BLAS is chosen (``MLX_PARALLM_BLAS``, default auto: the system
-    OpenBLAS) but was not preloaded for MLX: mlx was imported first."""
-    return backend.is_cpu() and backend.chosen_blas() is not None and backend.preloaded() is None
+def needed(blas: Optional[str] = None) -> bool:
+    """True on the CPU when a BLAS is chosen (``blas``, a :attr:`.DeviceConfig.blas`; default
+    the process's, auto: the system OpenBLAS) but was not preloaded for MLX: mlx was imported
+    first."""
+    return device.is_cpu() and device.chosen_blas(blas) is not None and device.preloaded() is None
 
 
-def bind() -> bool:
+def bind(blas: Optional[str] = None) -> bool:
     """Set the extension's ``cblas_sgemm`` to the chosen BLAS's, loaded privately (once);
     False where the library cannot be loaded (logged). Raises :class:`BackendError` without
     the extension."""
@@ -50,13 +51,13 @@ def bind() -> bool:
         ext = qmatmul_ext.load()
         if ext is None or not hasattr(ext, "set_sgemm"):
             raise BackendError(
-                "mlx was imported before mlx_parallm_provider, so MLX's matmuls run on its reference BLAS "
+                "mlx was imported before mlx_parallm_provider's engine, so MLX's matmuls run on its reference BLAS "
                 "(~30x slower), and OpenBLAS cannot be bound otherwise here (the MLX extension did not build: "
-                "it needs a C++ compiler and nanobind). Import mlx_parallm_provider before mlx, or set "
-                f"{backend.BLAS_ENV}=off to accept the slow matmuls"
+                "it needs a C++ compiler and nanobind). Import mlx_parallm_provider.engine (or call get_engine) before "
+                f"mlx, or set DeviceConfig.blas='off' ({device.BLAS_ENV}=off) to accept the slow matmuls"
             )
-        path = backend.chosen_blas()
-        backend.quiet_openblas_threads()
+        path = device.chosen_blas(blas)
+        device.quiet_openblas_threads()
         try:
             library = ctypes.CDLL(path, mode=ctypes.RTLD_LOCAL)
             address = ctypes.cast(library.cblas_sgemm, ctypes.c_void_p).value
@@ -69,7 +70,7 @@ def bind() -> bool:
         return True
 
 
-def bind_for_gemm() -> bool:
+def bind_for_gemm(blas: Optional[str] = None) -> bool:
     """Give the extension a ``cblas_sgemm`` for its tiled GEMM over packed weights
     (:mod:`.small_batch`), in either import order: the one :func:`bind` set, else the
     preloaded BLAS's (the library already in the global scope, so nothing changes for MLX).
@@ -80,12 +81,12 @@ def bind_for_gemm() -> bool:
     with _lock:
         if ext.has_sgemm():
             return True
-    path = backend.preloaded()
+    path = device.preloaded()
     if path is None:
-        if not needed():
+        if not needed(blas):
             logger.info("no BLAS was preloaded: quantized layers keep float32 copies for large steps")
             return False
-        return bind()
+        return bind(blas)
     try:
         address = ctypes.cast(ctypes.CDLL(path).cblas_sgemm, ctypes.c_void_p).value
     except (OSError, AttributeError, TypeError) as exc:
@@ -130,12 +131,12 @@ class PrivateBlasEmbedding(nn.Embedding):
         return dense(x, self.weight)
 
 
-def install(model: nn.Module) -> int:
-    """When :func:`needed`: bind OpenBLAS privately and replace ``model``'s plain
+def install(model: nn.Module, blas: Optional[str] = None) -> int:
+    """When :func:`needed` (for ``blas``, the model's :attr:`.DeviceConfig.blas`): bind OpenBLAS privately and replace ``model``'s plain
     ``nn.Linear`` and ``nn.Embedding`` modules with ones that multiply through it; returns
     how many (0 when not needed). Raises :class:`BackendError` when needed but impossible
     (no extension)."""
-    if not needed() or not bind():
+    if not needed(blas) or not bind(blas):
         return 0
     replaced: list[tuple[str, Any]] = []
     for name, module in model.named_modules():

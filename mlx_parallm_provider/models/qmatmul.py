@@ -7,7 +7,8 @@ weights, and MLX's own CPU ``quantized_matmul`` is slower still. ``kernels/qmatm
 the packed weights directly (see :mod:`.small_batch` for where it is used).
 
 The kernel is compiled on first use with the system C compiler (``$CC``, else ``cc``) for
-the machine it runs on, and cached under ``$MLX_PARALLM_HOME/kernels`` (default
+the machine it runs on (or :attr:`.DeviceConfig.kernel_march`), and cached under
+``$MLX_PARALLM_HOME/kernels`` (default
 ``~/.cache/mlx-parallm/kernels``, written atomically and checked against its recorded size
 and sha256 before it is loaded, see :mod:`.kernel_cache`); ``scripts/setup.sh`` builds it at
 install. Without a compiler or a writable cache :func:`load` returns None and callers keep
@@ -33,6 +34,7 @@ from typing import Callable, Optional, TypeVar
 
 import numpy as np
 
+from ..config import DEVICE_SETTINGS, MARCH_PATTERN, DeviceConfig, c_compiler, cache_home
 from ..cpu_info import cpuinfo_text
 from . import kernel_cache
 
@@ -59,8 +61,8 @@ _FLAGS = ["-O3", "-shared", "-fPIC", "-pthread", "-fno-signed-zeros", "-fno-trap
 # tile of rows than in a partial one, so a row's result depended on the rows beside it)
 
 
-MARCH_ENV = "MLX_PARALLM_KERNEL_MARCH"
-"""An ``-march`` value for the kernels instead of ``native``: a lesser ISA of this CPU, e.g.
+MARCH_ENV = DEVICE_SETTINGS["kernel_march"].env
+""":attr:`.DeviceConfig.kernel_march`'s variable: an ``-march`` value for the kernels instead of ``native``: a lesser ISA of this CPU, e.g.
 ``x86-64-v3`` (AVX2 + FMA) on an AVX-512 machine, to run and measure that path here."""
 
 # Compiler macros of vector features -> the /proc/cpuinfo flag (x86) or Features entry (arm64)
@@ -86,7 +88,7 @@ def cpu_flags() -> set[str]:
 def march_problem(compiler: str, march: str) -> Optional[str]:
     """Why kernels built with ``-march=march`` cannot run here (None: they can): a value
     that is no plain ISA name, one the compiler does not know, or features this CPU lacks."""
-    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,63}", march):
+    if not re.fullmatch(MARCH_PATTERN, march):
         return "not an -march name"
     probe = subprocess.run([compiler, f"-march={march}", "-dM", "-E", "-x", "c", "-"], input="", capture_output=True, text=True)
     if probe.returncode != 0:
@@ -98,19 +100,62 @@ def march_problem(compiler: str, march: str) -> Optional[str]:
 
 
 _warned: set[tuple[str, str]] = set()
+_settings_lock = threading.Lock()
+_march: Optional[tuple[Optional[str]]] = None  # (the process's kernel_march,) once configure() ran
+_amx: Optional[bool] = None  # the process's DeviceConfig.amx once configure() ran
+_amx_switches: list[Callable[[int], object]] = []  # each loaded kernel's qm_amx
+
+
+def configure(device: DeviceConfig) -> None:
+    """Take ``device``'s per-process kernel options: ``kernel_march`` (the first engine's, until
+    :func:`reset`; another later is warned about) and ``amx`` (set on the kernels loaded now
+    and on those loaded later: the last engine's)."""
+    global _march, _amx
+    with _settings_lock:
+        if _march is None:
+            _march = (device.kernel_march,)
+        elif _march[0] != device.kernel_march and ("configure", str(device.kernel_march)) not in _warned:
+            _warned.add(("configure", str(device.kernel_march)))
+            logger.warning("kernel_march=%r ignored: this process's kernels are built for %r (one build per process)",
+                           device.kernel_march, _march[0] or "native")
+        _amx = device.amx
+        switches = list(_amx_switches)
+    for switch in switches:
+        switch(int(device.amx))
+
+
+def amx_setting() -> bool:
+    """The process's :attr:`.DeviceConfig.amx`: the last :func:`configure`'s, else the environment's."""
+    return DeviceConfig().amx if _amx is None else _amx
+
+
+def add_amx_switch(switch: Callable[[int], object]) -> None:
+    """Register a loaded kernel's ``qm_amx`` (0 off, 1 on where Linux gives it), and turn AMX
+    off on it now where :func:`amx_setting` says so (before any int8 call)."""
+    if not amx_setting():
+        switch(0)
+    with _settings_lock:
+        _amx_switches.append(switch)
+
+
+def kernel_march() -> Optional[str]:
+    """The ``-march`` value the kernels are built with (None: native): the first configured
+    engine's :attr:`.DeviceConfig.kernel_march`, else the environment's default."""
+    return _march[0] if _march is not None else DeviceConfig().kernel_march
 
 
 def native_flags(compiler: str) -> list[str]:
     """``-march=native`` where the compiler takes it (GCC/Clang on x86 and ARM Linux), or
-    the ISA ``MLX_PARALLM_KERNEL_MARCH`` names where this CPU runs it (else warned and ignored)."""
-    march = os.environ.get(MARCH_ENV, "").strip()
+    the ISA :func:`kernel_march` names where this CPU runs it (else warned and ignored)."""
+    march = kernel_march()
     if march and march != "native":
         problem = march_problem(compiler, march)
         if problem is None:
             return [f"-march={march}"]
         if (march, problem) not in _warned:  # once: every kernel build asks
             _warned.add((march, problem))
-            logger.warning("%s=%s ignored (%s): the kernels are built for this CPU (-march=native)", MARCH_ENV, march, problem)
+            logger.warning("kernel_march %s (%s) ignored (%s): the kernels are built for this CPU (-march=native)", march, MARCH_ENV,
+                           problem)
     probe = subprocess.run([compiler, "-march=native", "-x", "c", "-E", "-", "-o", os.devnull], input="", capture_output=True, text=True)
     return ["-march=native"] if probe.returncode == 0 else []
 
@@ -122,8 +167,6 @@ def c_flags(compiler: str) -> list[str]:
 
 def cache_dir() -> Path:
     """Where built kernels are cached: ``$MLX_PARALLM_HOME/kernels``."""
-    from .registry import cache_home
-
     return cache_home() / "kernels"
 
 
@@ -139,7 +182,7 @@ def cpu_signature() -> str:
 def build(compiler: Optional[str] = None) -> Optional[Path]:
     """Compile the kernel (or find it already built) and return the library's path; None when
     no C compiler is found or compiling fails (logged)."""
-    compiler = compiler or os.environ.get("CC") or "cc"
+    compiler = compiler or c_compiler()
     if shutil.which(compiler) is None:
         logger.info("no C compiler (%s) found: small-batch matmuls keep MLX's ops", compiler)
         return None
@@ -203,6 +246,7 @@ def _load_library() -> Optional[ctypes.CDLL]:
         function.restype = i
     lib.qm_amx.argtypes, lib.qm_amx.restype = [i], i
     lib.qm_int8_tiles.argtypes, lib.qm_int8_tiles.restype = [], i
+    add_amx_switch(lib.qm_amx)
     return lib
 
 
@@ -215,13 +259,17 @@ def load() -> Optional[ctypes.CDLL]:
 
 
 def reset() -> None:
-    """Forget the loaded kernel so the next :func:`load` builds again (tests)."""
+    """Forget the loaded kernel and the configured ``kernel_march`` so the next :func:`load`
+    builds again, for the environment's settings (tests)."""
+    global _march, _amx
     _library.reset()
+    with _settings_lock:
+        _march = _amx = None
 
 
-AMX_ENV = "MLX_PARALLM_AMX"
-"""``0``: the int8 path does not use Intel AMX tiles where the CPU has them (read once, at the
-kernel's first int8 call)."""
+AMX_ENV = DEVICE_SETTINGS["amx"].env
+""":attr:`.DeviceConfig.amx`'s variable: ``0``, the int8 path does not use Intel AMX tiles where
+the CPU has them."""
 
 
 def amx(lib: ctypes.CDLL, use: Optional[bool] = None) -> bool:

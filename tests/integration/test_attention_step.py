@@ -5,7 +5,7 @@ float16 pools, and an engine's greedy tokens."""
 
 from __future__ import annotations
 
-import mlx_parallm_provider  # noqa: F401  (BLAS before mlx)
+import mlx_parallm_provider.models  # noqa: F401  (BLAS before mlx)
 
 import asyncio
 

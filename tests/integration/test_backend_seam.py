@@ -4,7 +4,7 @@ mlx-lm's own code, and mlx-lm's modules are never changed."""
 
 from __future__ import annotations
 
-import mlx_parallm_provider  # noqa: F401  (BLAS before mlx)
+import mlx_parallm_provider.models  # noqa: F401  (BLAS before mlx)
 
 import importlib
 import sys

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-import mlx_parallm_provider  # noqa: F401  (BLAS before mlx)
+import mlx_parallm_provider.models  # noqa: F401  (BLAS before mlx)
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import mlx_parallm_provider  # noqa: F401  (BLAS before mlx)
+import mlx_parallm_provider.models  # noqa: F401  (BLAS before mlx)
 
 import mlx.core as mx
 import pytest

@@ -13,7 +13,7 @@ import pytest
 from mlx_parallm_provider.models import backend
 
 PROBE = (
-    "import json, mlx_parallm_provider as p, mlx.core as mx\n"
+    "import json, mlx_parallm_provider.models, mlx.core as mx\n"
     "from mlx_parallm_provider.models import backend as b\n"
     "mx.eval(mx.ones((64, 64)) @ mx.ones((64, 64)))\n"
     "print(json.dumps(b.blas_in_use()))\n"
@@ -47,7 +47,7 @@ def _timeout_in_subprocess(value: str | None) -> str | None:
     env = {k: v for k, v in os.environ.items() if k not in (backend.BLAS_ENV, backend.OPENBLAS_TIMEOUT_ENV)}
     if value is not None:
         env[backend.OPENBLAS_TIMEOUT_ENV] = value
-    code = f"import json, os, mlx_parallm_provider\nprint(json.dumps(os.environ.get({backend.OPENBLAS_TIMEOUT_ENV!r})))"
+    code = f"import json, os, mlx_parallm_provider.models\nprint(json.dumps(os.environ.get({backend.OPENBLAS_TIMEOUT_ENV!r})))"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -113,7 +113,7 @@ ORDER_PROBE = (
     "if sys.argv[1] == 'mlx-first':\n"
     "    import mlx.core as mx, mlx_parallm_provider\n"
     "else:\n"
-    "    import mlx_parallm_provider, mlx.core as mx\n"
+    "    import mlx_parallm_provider.models, mlx.core as mx\n"
     "from mlx_parallm_provider.models import backend, private_blas, registry\n"
     "model = registry.load(sys.argv[2]).model\n"
     "logits = model(mx.array([[5, 6, 7, 8], [9, 10, 11, 12]]))\n"
@@ -151,13 +151,13 @@ def test_mlx_first_without_the_extension_is_a_backend_error_saying_how_to_fix_it
     from mlx_parallm_provider import BackendError
     from mlx_parallm_provider.models import private_blas, qmatmul_ext
 
-    monkeypatch.setattr(private_blas, "needed", lambda: True)
+    monkeypatch.setattr(private_blas, "needed", lambda blas=None: True)
     monkeypatch.setattr(private_blas, "_bound", None)
     monkeypatch.setattr(qmatmul_ext, "load", lambda: None)
     model, _ = mlx_lm.load(str(tiny_model_dir))
     with pytest.raises(BackendError) as info:
         backend.prepare_model(model, dequantize=True)
-    assert "Import mlx_parallm_provider before mlx" in str(info.value) and backend.BLAS_ENV in str(info.value)
+    assert "Import mlx_parallm_provider.engine (or call get_engine) before mlx" in str(info.value) and backend.BLAS_ENV in str(info.value)
 
 
 def test_dense_computes_what_nn_linear_does() -> None:

@@ -170,7 +170,7 @@ def test_paged_kernel_reads_float16_pools_as_the_float32_values_they_hold():
 
 _FORCED_BUILD = """
 import os, sys
-import mlx_parallm_provider
+import mlx_parallm_provider.models  # (the BLAS before mlx)
 import mlx.core as mx
 from mlx_parallm_provider.models import qmatmul, qmatmul_ext
 if sys.argv[1] == "portable":

@@ -186,3 +186,33 @@ def test_a_vnni_build_without_amx_computes_what_the_native_build_does(kernel, tm
         for rows, activation_bits in itertools.product((1, 5, 21), (8, 16)):  # 16: two planes
             assert np.array_equal(np.asarray(packed.matmul(vnni, x[:rows], int8=activation_bits)),
                                   np.asarray(packed.matmul(native, x[:rows], int8=activation_bits)))
+
+
+def test_device_config_amx_reaches_every_loaded_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``DeviceConfig.amx`` is set on each loaded kernel from Python (the C reads no environment):
+    at load where it is off, and on those already loaded when an engine's model is prepared."""
+    from mlx_parallm_provider import DeviceConfig
+
+    monkeypatch.setattr(qmatmul, "_amx_switches", [])
+    monkeypatch.setattr(qmatmul, "_amx", None)
+    monkeypatch.setattr(qmatmul, "_march", None)
+    calls: list[tuple[str, int]] = []
+    qmatmul.add_amx_switch(lambda request: calls.append(("first", request)))
+    assert calls == ([] if DeviceConfig().amx else [("first", 0)])
+    calls.clear()
+    qmatmul.configure(DeviceConfig(amx=False))
+    qmatmul.add_amx_switch(lambda request: calls.append(("second", request)))  # loaded after: off at once
+    assert calls == [("first", 0), ("second", 0)]
+    qmatmul.configure(DeviceConfig(amx=True))
+    assert calls[-2:] == [("first", 1), ("second", 1)] and qmatmul.amx_setting() is True
+
+
+def test_device_config_amx_off_turns_the_tiles_off(amx_kernel, monkeypatch: pytest.MonkeyPatch) -> None:
+    from mlx_parallm_provider import DeviceConfig
+
+    monkeypatch.setattr(qmatmul, "_amx_switches", [amx_kernel.qm_amx])
+    monkeypatch.setattr(qmatmul, "_amx", None)
+    qmatmul.configure(DeviceConfig(amx=False))
+    assert qmatmul.int8_path(amx_kernel) == "tiles, vpdpbusd"
+    qmatmul.configure(DeviceConfig(amx=True))
+    assert qmatmul.int8_path(amx_kernel) == "tiles, AMX"

@@ -7,7 +7,7 @@ import re
 from importlib.metadata import version
 from pathlib import Path
 
-import mlx_parallm_provider  # noqa: F401  (BLAS before mlx)
+import mlx_parallm_provider.models  # noqa: F401  (BLAS before mlx)
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache
 

@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 # The child loads the kernel from the (damaged) cache and compares it with MLX's ops.
 CHILD = """
-import mlx_parallm_provider
+import mlx_parallm_provider.models  # (the BLAS before mlx)
 import mlx.core as mx, mlx.nn as nn, numpy as np
 from mlx_parallm_provider.models import {module} as m, small_batch
 kernel = m.load()
@@ -152,3 +152,15 @@ def test_a_huge_thread_count_does_not_fail_requests(make_engine, tiny_model, mon
     assert [len(o.token_ids) for o in outputs] == [6, 6]
     expected = mx.fast.scaled_dot_product_attention(q, k, k, scale=0.25, mask=None)
     assert got is not None and np.allclose(np.asarray(got), np.asarray(expected), atol=2e-6)
+
+
+def test_every_kernel_source_is_part_of_the_build_keys() -> None:
+    """A cached build is keyed by the text of its sources: a kernel file left out of the key
+    (a header, the AMX switch in qmatmul_tiles.h) would let an old build be loaded after it changed."""
+    from mlx_parallm_provider.models import qmatmul
+
+    keyed = {qmatmul.SOURCE, qmatmul.INT8_HEADER, qmatmul.TILES_HEADER, qmatmul.GEMM_HEADER, qmatmul.LANE_SUMS_HEADER,
+             *qmatmul_ext.SOURCES, *qmatmul_ext.HEADERS}
+    on_disk = {p for p in qmatmul.SOURCE.parent.iterdir() if p.suffix in (".c", ".cpp", ".h")}
+    assert on_disk - keyed == set()
+    assert all(p.read_text() in qmatmul.source_text() for p in (qmatmul.SOURCE, qmatmul.TILES_HEADER))

@@ -18,7 +18,7 @@ PACKAGE = Path(mlx_parallm_provider.__file__).parent
 
 def test_the_package_exports_exactly_its_documented_names() -> None:
     assert sorted(mlx_parallm_provider.__all__) == sorted([
-        "BackendError", "Completion", "Constraint", "ContextWindowExceededError", "Delta", "EmbeddingResult", "Engine", "EngineConfig", "EngineDeadError",
+        "BackendError", "Completion", "Constraint", "ContextWindowExceededError", "Delta", "DeviceConfig", "EmbeddingResult", "Engine", "EngineConfig", "EngineDeadError",
         "EngineLike", "EngineOverloadedError", "InvalidParameterError", "MLXParallmError", "ModelLoadError",
         "ModelNotFoundError", "RequestFailedError", "RequestTimeoutError", "SamplingParams", "TokenLogprob", "UnsupportedModelError",
         "Usage", "__version__", "get_engine", "litellm_handler", "register", "shutdown_engines",

@@ -15,9 +15,9 @@ def test_folder_loads_once_across_threads(tiny_model_dir: Path, monkeypatch: pyt
     calls = []
     real = registry._load_uncached
 
-    def counting(name, dequantize, engine=True):
+    def counting(name, dequantize, engine=True, device=None):
         calls.append(name)
-        return real(name, dequantize, engine)
+        return real(name, dequantize, engine, device)
 
     monkeypatch.setattr(registry, "_load_uncached", counting)
     monkeypatch.setattr(registry, "_models", {})

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from typing import Any, Iterator, Optional, Union
 
+from ...config import DEVICE_SETTINGS, DeviceConfig
 from .cpu_kernels import CPUKernels
 from .mlx_ops import MLXOps
 from .routing import route, unroute
@@ -23,7 +23,7 @@ __all__ = ["CPU_OPS_ENV", "CPUKernels", "MLXOps", "choose", "ensure", "install",
 
 logger = logging.getLogger(__name__)
 
-CPU_OPS_ENV = "MLX_PARALLM_CPU_OPS"
+CPU_OPS_ENV = DEVICE_SETTINGS["cpu_kernels"].env
 _ATTRIBUTE = "_parallm_backend"  # on the model: (backend, whether attention is routed)
 
 Choice = Union[None, bool, str, MLXOps]
@@ -31,27 +31,27 @@ Choice = Union[None, bool, str, MLXOps]
 False / ``"mlx"`` (MLX's own ops), or a backend object."""
 
 
-def wants_kernels() -> bool:
-    """The default choice: ``MLX_PARALLM_CPU_OPS`` (``1``/``on``/``true``/``yes`` or
-    ``0``/``off``/``false``/``no``) if set, else whether MLX's default device is the CPU."""
-    value = os.environ.get(CPU_OPS_ENV, "").strip().lower()
-    if value in ("0", "off", "false", "no"):
-        return False
-    if value in ("1", "on", "true", "yes"):
-        return True
-    from ..backend import is_cpu
+def wants_kernels(device: Optional[DeviceConfig] = None) -> bool:
+    """The default choice: ``device.cpu_kernels`` (default :class:`.DeviceConfig`'s, from
+    ``MLX_PARALLM_CPU_OPS``) where set, else whether MLX's default device is the CPU."""
+    chosen = (device or DeviceConfig()).cpu_kernels
+    if chosen is not None:
+        return chosen
+    from ..device import is_cpu
 
     return is_cpu()
 
 
-def choose(choice: Choice = None) -> MLXOps:
-    """A new backend for one model (see :data:`Choice`); the environment is read here, once."""
+def choose(choice: Choice = None, device: Optional[DeviceConfig] = None) -> MLXOps:
+    """A new backend for one model (see :data:`Choice`), set from ``device`` (default: the
+    environment's :class:`.DeviceConfig`)."""
     if isinstance(choice, MLXOps):
         return choice
+    device = device or DeviceConfig()
     if choice is None:
-        choice = wants_kernels()
+        choice = wants_kernels(device)
     if choice in (True, "cpu"):
-        return CPUKernels()
+        return CPUKernels(device)
     if choice in (False, "mlx"):
         return MLXOps()
     raise ValueError(f"unknown backend {choice!r}: expected 'cpu', 'mlx', a bool or a backend object")
@@ -69,12 +69,12 @@ def install(model: Any, backend: MLXOps) -> bool:
     return routed
 
 
-def ensure(model: Any) -> MLXOps:
-    """``model``'s backend, one chosen by default (:func:`choose`) and installed where it has
-    none (a model handed to an engine without :func:`..backend.prepare_model`)."""
+def ensure(model: Any, device: Optional[DeviceConfig] = None) -> MLXOps:
+    """``model``'s backend, one chosen by default for ``device`` (:func:`choose`) and installed
+    where it has none (a model handed to an engine without :func:`..backend.prepare_model`)."""
     backend = of(model)
     if backend is None:
-        backend = choose()
+        backend = choose(None, device)
         try:
             install(model, backend)
         except (AttributeError, TypeError):  # an object that takes no attributes: left as it is

@@ -19,45 +19,29 @@ from __future__ import annotations
 
 import logging
 import os
-
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 import mlx.core as mx
 
-from ..._validation import env_choice, env_int
+from ...config import DEVICE_SETTINGS, DeviceConfig
 from .. import attention, cpu_ops, qmatmul, qmatmul_ext
 from . import layer_step
 from .mlx_ops import MLXOps
 
-ROWS_ENV = "MLX_PARALLM_SMALL_BATCH_ROWS"
-QMATMUL_THREADS_ENV = "MLX_PARALLM_QMATMUL_THREADS"
-INT8_MATMUL_ENV = "MLX_PARALLM_INT8_MATMUL"
-"""The integer path: ``0`` off (the float kernels), ``1`` (or ``8``) on with int8 activations
-(llama.cpp's numerics), ``16`` on with 16-bit activations (AVX-512 VNNI CPUs only). Unset:
-:func:`default_int8_setting`."""
-DEFAULT_PACKED_ROWS = 4
-MAX_QMATMUL_THREADS = 16  # the kernel's pool: 15 helpers and the caller
+ROWS_ENV = DEVICE_SETTINGS["small_batch_rows"].env
+QMATMUL_THREADS_ENV = DEVICE_SETTINGS["qmatmul_threads"].env
+INT8_MATMUL_ENV = DEVICE_SETTINGS["int8_matmul"].env
+"""The variables of :class:`.DeviceConfig`'s fields these backends read (defaults only)."""
+MAX_QMATMUL_THREADS = int(DEVICE_SETTINGS["qmatmul_threads"].limit.maximum)  # the kernel's pool: 15 helpers and the caller
 
 logger = logging.getLogger(__name__)
-
-
-def _attention_threads() -> int:
-    return env_int(attention.THREADS_ENV, attention.default_threads(), 1, attention.MAX_THREADS)
-
-
-def _packed_rows() -> int:
-    return env_int(ROWS_ENV, DEFAULT_PACKED_ROWS, 0, qmatmul.MAX_ROWS)
 
 
 def default_qmatmul_threads() -> int:
     """The packed-weight kernel's default threads: 2 where the machine has two CPUs or more
     (measured on 2 cores; more are untested)."""
     return min(os.cpu_count() or 1, 2)
-
-
-def _qmatmul_threads() -> int:
-    return env_int(QMATMUL_THREADS_ENV, default_qmatmul_threads(), 1, MAX_QMATMUL_THREADS)
 
 
 def int8_tiles() -> bool:
@@ -78,44 +62,39 @@ def default_int8_setting() -> int:
     return 16 if int8_tiles() else 0
 
 
-def int8_setting() -> int:
-    """The integer path's activation bits, 0 for the float kernels: :data:`INT8_MATMUL_ENV`
-    (a value it does not know, or 16 without the tiles, is warned about and replaced)."""
-    raw = os.environ.get(INT8_MATMUL_ENV, "").strip().lower()
-    if not raw:
+def int8_setting(device: Optional[DeviceConfig] = None) -> int:
+    """The integer path's activation bits, 0 for the float kernels: ``device.int8_matmul``
+    (default :class:`.DeviceConfig`'s), None meaning :func:`default_int8_setting`; 16 without
+    the tiles is warned about and replaced by 8."""
+    bits = (device or DeviceConfig()).int8_matmul
+    if bits is None:
         return default_int8_setting()
-    choice = env_choice(INT8_MATMUL_ENV)
-    if raw not in ("8", "16") and choice is None:
-        default = default_int8_setting()
-        logger.warning("%s=%r is not 0, 1, 8 or 16: using %d", INT8_MATMUL_ENV, raw, default)
-        return default
-    bits = 16 if raw == "16" else 8 if raw == "8" or choice else 0
     if bits == 16 and not int8_tiles():
-        logger.warning("%s=16: 16-bit activations need the kernel's tiles (AVX-512 VNNI); using int8 activations", INT8_MATMUL_ENV)
+        logger.warning("int8_matmul=16: 16-bit activations need the kernel's tiles (AVX-512 VNNI); using int8 activations")
         return 8
     return bits
 
 
 @dataclass(eq=False)
 class CPUKernels(MLXOps):
-    """This package's CPU kernels. Settings default to the environment, read once, when the
-    backend is made (each bounded with a warning): ``MLX_PARALLM_ATTENTION_THREADS`` (the
-    decode kernel, default the CPU count up to 8), ``MLX_PARALLM_SMALL_BATCH_ROWS`` (default
-    4: wider steps multiply faster through the kernel's panels; at most :data:`.qmatmul.MAX_ROWS`;
-    0 turns the packed-weight kernel off) and
-    ``MLX_PARALLM_QMATMUL_THREADS`` (the packed-weight kernel, default
-    :func:`default_qmatmul_threads`, at most 16; its helper threads take shares of a call's
-    rows as they come free, so a busy core slows a call no more than one thread would) and
-    ``MLX_PARALLM_INT8_MATMUL`` (:func:`int8_setting`: quantized layers multiply every row
-    count with activations quantized to ``activation_bits`` and integer dot products; by
-    default 16 bits where the CPU has AVX-512 VNNI, else off). They may be changed on a
+    """This package's CPU kernels, set from ``device`` (a :class:`.DeviceConfig`, by default
+    the environment's), when the backend is made: ``attention_threads`` (the decode kernel),
+    ``packed_rows`` (``small_batch_rows``: steps of at most that many rows multiply by the
+    packed weights; 0 turns the packed-weight kernel off), ``qmatmul_threads`` (the
+    packed-weight kernel; its helper threads take shares of a call's rows as they come free,
+    so a busy core slows a call no more than one thread would), ``int8_matmul`` and
+    ``activation_bits`` (:func:`int8_setting`: quantized layers multiply every row count with
+    activations quantized to ``activation_bits`` and integer dot products) and
+    ``float32_weights``. A value given here wins over ``device``'s; they may be changed on a
     model's backend afterwards (tests, profiles)."""
 
-    attention_threads: int = field(default_factory=_attention_threads)
-    packed_rows: int = field(default_factory=_packed_rows)  # type: ignore[assignment]
-    qmatmul_threads: int = field(default_factory=_qmatmul_threads)  # type: ignore[assignment]
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+    attention_threads: int = 0  # 0: device.attention_threads, else attention.default_threads()
+    packed_rows: int = -1  # type: ignore[assignment]  # -1: device.small_batch_rows
+    qmatmul_threads: int = 0  # type: ignore[assignment]  # 0: device.qmatmul_threads, else default_qmatmul_threads()
     int8_matmul: Optional[bool] = None  # type: ignore[assignment]  # None: from int8_setting()
     activation_bits: int = 0  # type: ignore[assignment]  # 0: from int8_setting() (8 where it is off)
+    float32_weights: Optional[bool] = None  # type: ignore[assignment]  # None: device.float32_weights
     _plans: dict[int, Optional[layer_step.LayerPlan]] = field(default_factory=dict, repr=False, compare=False)
 
     name = "cpu"
@@ -123,8 +102,17 @@ class CPUKernels(MLXOps):
     head_sizes = (16, attention.MAX_HEAD_DIM, attention.MAX_GROUP)
 
     def __post_init__(self) -> None:
+        device = self.device
+        if not self.attention_threads:
+            self.attention_threads = device.attention_threads or attention.default_threads()
+        if self.packed_rows < 0:
+            self.packed_rows = device.small_batch_rows
+        if not self.qmatmul_threads:
+            self.qmatmul_threads = device.qmatmul_threads or default_qmatmul_threads()
+        if self.float32_weights is None:
+            self.float32_weights = device.float32_weights
         if self.int8_matmul is None or not self.activation_bits:
-            setting = int8_setting()
+            setting = int8_setting(device)
             if self.int8_matmul is None:
                 self.int8_matmul = setting > 0
             if not self.activation_bits:
@@ -213,7 +201,7 @@ class CPUKernels(MLXOps):
         """Keep the packed weights for small steps and fuse RMSNorm / RoPE (CPU device only;
         nothing without a compiler)."""
         from .. import fused_ops, small_batch
-        from ..backend import is_cpu
+        from ..device import is_cpu
 
         if is_cpu():
             small_batch.dequantize(model, self)

@@ -1,5 +1,5 @@
 """The backend of MLX's own ops: what a model runs where no CPU kernel applies (Metal, CUDA,
-``MLX_PARALLM_CPU_OPS=0``), and the base class every backend extends."""
+``DeviceConfig.cpu_kernels=False``), and the base class every backend extends."""
 
 from __future__ import annotations
 
@@ -31,6 +31,8 @@ class MLXOps:
     integer dot products (:mod:`..small_batch`)."""
     activation_bits = 8
     """Those activations' bits with ``int8_matmul``: 8 (int8) or 16 (two int8 planes)."""
+    float32_weights = False
+    """Quantized layers keep float32 copies of their weights for large steps (:mod:`..small_batch`)."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

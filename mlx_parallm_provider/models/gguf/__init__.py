@@ -10,11 +10,10 @@ tokenizers: byte-level BPE and SentencePiece (:mod:`.tokenizer`).
 from __future__ import annotations
 
 from .architectures import ARCHITECTURES
-from .convert import convert_gguf, read_gguf_tokenizer
+from .convert import CONVERTER_VERSION, convert_gguf, read_gguf_tokenizer
 from .tensors import SUPPORTED_TYPES
 
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 SUPPORTED_TENSOR_TYPES = SUPPORTED_TYPES
-CONVERTER_VERSION = 3  # 3: biases kept (Qwen 2 folders converted by 2 saved them over their weights)
 
 __all__ = ["CONVERTER_VERSION", "SUPPORTED_ARCHITECTURES", "SUPPORTED_TENSOR_TYPES", "convert_gguf", "read_gguf_tokenizer"]

@@ -17,6 +17,8 @@ from .reader import GGUFFile
 from .tokenizer import SUPPORTED_TOKENIZERS, stop_token_ids, tokenizer_files
 
 _SHARD_BYTES = 2 << 30  # a new model-NNNNN.safetensors after this many bytes
+CONVERTER_VERSION = 3  # 3: biases kept (Qwen 2 folders converted by 2 saved them over their weights)
+"""Recorded in each converted folder; part of the cache key of conversions (:mod:`..registry`)."""
 
 
 def convert_gguf(gguf_path: Union[str, Path], out_dir: Union[str, Path]) -> Path:
@@ -61,8 +63,6 @@ def convert_gguf(gguf_path: Union[str, Path], out_dir: Union[str, Path]) -> Path
         _write_json(staging / "config.json", config)
         _write_json(staging / "tokenizer.json", tokenizer_json)
         _write_json(staging / "tokenizer_config.json", tokenizer_config)
-        from . import CONVERTER_VERSION
-
         _write_json(staging / "gguf_source.json", {"source": str(gguf_path.resolve()), "converter_version": CONVERTER_VERSION})
         if out_dir.exists():
             out_dir.rmdir()  # empty, checked above; rename needs the name free

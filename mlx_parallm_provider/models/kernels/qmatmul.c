@@ -521,7 +521,7 @@ int qmatmul_x16(const float *x, int M, int K, const uint8_t *w, const float *sca
 }
 
 /* Whether the int8 path uses AMX (qmatmul_tiles.h): request < 0 asks (the first call asks Linux
- * for it unless MLX_PARALLM_AMX=0), 0 turns it off, 1 back on where Linux gives it. Returns 1
+ * for it), 0 turns it off, 1 back on where Linux gives it. Returns 1
  * when in use, 0 when not (or not built: no AMX on this CPU). */
 int qm_amx(int request) {
 #ifdef QM_AMX

@@ -26,6 +26,7 @@ extern "C" int qmatmul_int8(const float* x, int M, int K, const uint8_t* w, cons
 extern "C" int qmatmul_x16(const float* x, int M, int K, const uint8_t* w, const float* scales,
                            const float* biases, int N, int bits, int group, float* y, int threads);
 extern "C" int qm_int8_tiles(void);
+extern "C" int qm_amx(int request);
 extern "C" int qgemm(const float* x, int M, int K, const uint8_t* w, const float* scales, const float* biases, int N,
                      int bits, int group, float* y, void* sgemm, int tile, int threads);
 extern "C" int qgemm_panels(const float* x, int M, int K, const uint8_t* w, const float* scales, const float* biases,
@@ -179,6 +180,8 @@ NB_MODULE(mlx_parallm_qmatmul_ext, m) {
         "as one CPU op. float32 out.");
   m.def("int8_tiles", []() { return qm_int8_tiles() != 0; },
         "Whether the int8 path runs over weight tiles (AVX-512 VNNI, qmatmul_tiles.h), which int8=16 needs.");
+  m.def("amx", [](int request) { return qm_amx(request) != 0; }, "request"_a = -1,
+        "Whether the int8 path uses AMX; request 0 turns it off, 1 back on where Linux gives it (qm_amx).");
   m.def("set_sgemm", &mlx_parallm::set_sgemm, "address"_a,
         "Use the cblas_sgemm at this address (of a BLAS loaded privately) for blas_matmul.");
   m.def("has_sgemm", &mlx_parallm::has_sgemm, "Whether set_sgemm was given an address.");

@@ -24,7 +24,8 @@
  * The weights stay in MLX's packed layout. Linux gives a process AMX's register state only when
  * asked (arch_prctl ARCH_REQ_XCOMP_PERM, Linux 5.16+); where it refuses (an older kernel, a
  * signal stack too small for the larger state), `vpdpbusd` computes every tile.
- * MLX_PARALLM_AMX=0 turns AMX off.
+ * qm_amx(0) turns AMX off (Python calls it right after loading the kernel where
+ * DeviceConfig.amx is False, before any int8 call).
  */
 #ifndef QMATMUL_TILES_H
 #define QMATMUL_TILES_H
@@ -64,17 +65,11 @@ static int amx_permitted(void) {
     return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
 }
 
-static int amx_request(void) {
-    const char *env = getenv("MLX_PARALLM_AMX");
-    if (env && strcmp(env, "0") == 0) return 0;
-    return amx_permitted();
-}
-
 static int amx_enabled(void) {
     int state = atomic_load(&amx_state);
     if (state < 0) {
         int expected = -1;
-        atomic_compare_exchange_strong(&amx_state, &expected, amx_request());
+        atomic_compare_exchange_strong(&amx_state, &expected, amx_permitted());
         state = atomic_load(&amx_state);
     }
     return state;
