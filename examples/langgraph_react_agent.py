@@ -18,10 +18,10 @@ import time
 import warnings
 from typing import Any
 
-import mlx_parallm_provider.models  # noqa: F401  (first: fast CPU BLAS)
 from langchain_core.messages import ToolMessage
 from langchain_core.tools import tool
 
+import mlx_parallm_provider.models  # noqa: F401  (first: fast CPU BLAS)
 from mlx_parallm_provider import get_engine
 from mlx_parallm_provider.langchain import ChatMLXParallm
 

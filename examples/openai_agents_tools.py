@@ -15,10 +15,10 @@ from __future__ import annotations
 import asyncio
 import time
 
-import mlx_parallm_provider.models  # noqa: F401  (first: fast CPU BLAS, registers the LiteLLM provider)
 from agents import Agent, ModelSettings, RunConfig, Runner, function_tool, set_tracing_disabled
 from agents.extensions.models.litellm_model import LitellmModel
 
+import mlx_parallm_provider.models  # noqa: F401  (first: fast CPU BLAS, registers the LiteLLM provider)
 from mlx_parallm_provider import get_engine
 
 CITIES = ["Paris", "Oslo", "Lima", "Tokyo"]

@@ -18,9 +18,9 @@ from typing import Any
 # warnings and retries for seconds on a machine without internet access).
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
-import mlx_parallm_provider  # noqa: E402, F401  (registers the provider with LiteLLM)
 import litellm  # noqa: E402
 
+import mlx_parallm_provider  # noqa: E402, F401  (registers the provider with LiteLLM)
 from mlx_parallm_provider import get_engine  # noqa: E402
 
 MODEL = "mlx-parallm/default"

@@ -18,7 +18,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from . import _litellm_hook
+from . import _import_hook
 from .config import DeviceConfig, EngineConfig
 from .errors import (
     BackendError,
@@ -35,19 +35,7 @@ from .errors import (
 )
 
 if TYPE_CHECKING:
-    from .engine import (
-        Completion,
-        Constraint,
-        Delta,
-        EmbeddingResult,
-        Engine,
-        EngineLike,
-        SamplingParams,
-        TokenLogprob,
-        Usage,
-        get_engine,
-        shutdown_engines,
-    )
+    from .engine import Completion, Constraint, Delta, EmbeddingResult, Engine, EngineLike, SamplingParams, TokenLogprob, Usage, get_engine, shutdown_engines
 
 _ENGINE_NAMES = frozenset({
     "Completion", "Constraint", "Delta", "EmbeddingResult", "Engine", "EngineLike", "SamplingParams", "TokenLogprob",
@@ -55,7 +43,7 @@ _ENGINE_NAMES = frozenset({
 })
 """Names of :mod:`.engine` this package exports, imported on first access (they import mlx)."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 
 def _load_litellm_adapter() -> Any:
@@ -83,7 +71,14 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-_litellm_hook.install(_load_litellm_adapter)
+def _preload_blas() -> None:
+    from .models.device import preload_blas
+
+    preload_blas()
+
+
+_import_hook.after_import("litellm", _load_litellm_adapter)
+_import_hook.before_import("mlx", _preload_blas)
 
 __all__ = [
     "Completion",

@@ -75,6 +75,11 @@ def cxx_compiler() -> str:
     return os.environ.get("CXX") or "c++"
 
 
+def child_environment(**overrides: str) -> dict[str, str]:
+    """This process's environment with ``overrides``, for a child process (benchmarks)."""
+    return {**os.environ, **overrides}
+
+
 def default_environment(name: str, value: str) -> None:
     """Set environment variable ``name`` for libraries that read it (OpenBLAS) unless the
     user set it."""
@@ -159,7 +164,8 @@ DEVICE_SETTINGS: dict[str, Setting] = {
     "attention_threads": Setting(Limit("int", 1, 256, optional=True), "MLX_PARALLM_ATTENTION_THREADS"),
     "int8_matmul": Setting(Limit("choice", choices=(0, 8, 16), optional=True), "MLX_PARALLM_INT8_MATMUL", None, _parse_int8),
     "float32_weights": Setting(Limit("bool"), "MLX_PARALLM_FLOAT32_WEIGHTS", False, _parse_choice),
-    "kernel_march": Setting(Limit("text", optional=True, pattern=MARCH_PATTERN, words="an -march name (e.g. 'x86-64-v3') / None"), "MLX_PARALLM_KERNEL_MARCH", None, _parse_march),
+    "kernel_march": Setting(Limit("text", optional=True, pattern=MARCH_PATTERN, words="an -march name (e.g. 'x86-64-v3') / None"),
+                            "MLX_PARALLM_KERNEL_MARCH", None, _parse_march),
     "amx": Setting(Limit("bool"), "MLX_PARALLM_AMX", True, _parse_choice),
 }
 """:class:`DeviceConfig`'s fields: limits, variables, built-in defaults."""
@@ -325,7 +331,8 @@ class EngineConfig:
             forward pass with the token they decode, instead of one step each (output unchanged, see :mod:`~mlx_parallm_provider.engine.fast_forward`).
         async_scheduling: while a decode step computes, build and queue the next one on its
             still-lazy tokens (vLLM's ``async_scheduling``), where the tokens cannot differ:
-            rows without penalties, bias, grammar or logprobs (greedy or seeded alike), no prompt that could be admitted, no n-gram drafts to verify at that step
+            rows without penalties, bias, grammar or logprobs (greedy or seeded alike), no prompt that could be admitted, no n-gram drafts to
+            verify at that step
             (:mod:`~mlx_parallm_provider.engine.decode_ahead`).
         stream_interval: a streaming request gets a delta every this many tokens (its first
             token, and its last, at once), as vLLM's ``--stream-interval``: fewer, larger

@@ -63,9 +63,9 @@ def _int8(qmatmul: Any, device: DeviceConfig) -> str:
 
 def report() -> dict[str, Any]:
     """Everything :func:`main` prints, as a dict."""
-    from .models import backend, private_blas, qmatmul, qmatmul_ext  # (first: the BLAS before mlx)
-
     import mlx.core as mx
+
+    from .models import backend, private_blas, qmatmul, qmatmul_ext  # (first: the BLAS before mlx)
 
     device, source = device_config()
     qmatmul.configure(device)

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from . import models as _models  # noqa: F401  (first: loads the BLAS before mlx, see models/__init__)
-
 import mlx.core as mx  # noqa: E402
+
+from . import models as _models  # noqa: F401  (first: loads the BLAS before mlx, see models/__init__)
 
 SUPPORTED = ((0, 32, 2), (0, 33, 0))
 """mlx-lm versions this module is written for: at least the first, below the second."""

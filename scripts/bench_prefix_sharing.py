@@ -19,7 +19,10 @@ import time
 from typing import Any
 
 import mlx_parallm_provider.models  # noqa: F401  (preloads BLAS before mlx)
+
+# isort: split
 import mlx.core as mx
+
 from mlx_parallm_provider.chat import render_chat
 from mlx_parallm_provider.config import EngineConfig
 from mlx_parallm_provider.engine import Engine, SamplingParams

@@ -22,7 +22,7 @@ import time
 
 
 def _publish(path: str, period_s: float = 0.05) -> None:
-    from mlx_parallm_provider.engine import coordinator
+    from mlx_parallm_provider.engine import api as coordinator
 
     while True:
         try:

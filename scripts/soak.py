@@ -41,14 +41,16 @@ from pathlib import Path
 from typing import Any, Optional
 
 import mlx_parallm_provider.models  # noqa: F401  (BLAS before mlx)
+
+# isort: split
 import mlx.core as mx
+from soak_hostile import LoopProbe, hostile_cases, judge  # scripts/ is on the path: run as a script
 
 from mlx_parallm_provider.config import EngineConfig
 from mlx_parallm_provider.engine import Engine, SamplingParams
 from mlx_parallm_provider.engine import sampling as sampling_module
 from mlx_parallm_provider.engine import worker as worker_module
 from mlx_parallm_provider.errors import EngineDeadError, MLXParallmError, RequestFailedError
-from soak_hostile import LoopProbe, hostile_cases, judge  # scripts/ is on the path: run as a script
 
 REPO = Path(__file__).resolve().parents[1]
 HANG_S = 180.0

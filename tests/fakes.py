@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 from mlx_parallm_provider.chat import render_chat
+from mlx_parallm_provider.engine.embed.request import EmbeddingResult
 from mlx_parallm_provider.engine.fanout import expand
-from mlx_parallm_provider.engine.embedding import EmbeddingResult
 from mlx_parallm_provider.engine.request import Completion, Delta, SamplingParams, TokenLogprob, Usage
 
 # SmolLM2-135M-Instruct's template (plain ChatML, no tool support), verbatim.
@@ -50,12 +50,14 @@ QWEN_TOOLS_TEMPLATE = """{%- if tools %}
     {%- else %}
         {{- 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' }}
     {%- endif %}
-    {{- "\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>" }}
+    {{- "\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n\
+You are provided with function signatures within <tools></tools> XML tags:\\n<tools>" }}
     {%- for tool in tools %}
         {{- "\\n" }}
         {{- tool | tojson }}
     {%- endfor %}
-    {{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n" }}
+    {{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n\
+<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n" }}
 {%- else %}
     {%- if messages[0]['role'] == 'system' %}
         {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}

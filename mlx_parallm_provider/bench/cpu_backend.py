@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
 from typing import Any, Optional, Sequence
+
+from ..config import child_environment
 
 PROMPT = "Explain in one paragraph why the sky is blue."
 
@@ -77,8 +78,9 @@ def run(model: str = "default", steps: int = 16, batches: Sequence[int] = (1, 32
     """Run every setting (BLAS on/off in child processes) and return the result rows."""
     results: list[dict[str, Any]] = []
     for blas in ("auto", "off"):
-        env = dict(os.environ, MLX_PARALLM_BLAS=blas)
-        cmd = [sys.executable, "-m", "mlx_parallm_provider.bench.cpu_backend", "--child", "--model", model, "--steps", str(steps), "--batch", *map(str, batches)]
+        env = child_environment(MLX_PARALLM_BLAS=blas)
+        cmd = [sys.executable, "-m", "mlx_parallm_provider.bench.cpu_backend", "--child", "--model", model, "--steps", str(steps),
+               "--batch", *map(str, batches)]
         out = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if out.returncode != 0:
             raise RuntimeError(f"benchmark child failed (BLAS={blas}):\n{out.stderr}")

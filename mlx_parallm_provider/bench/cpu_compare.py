@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from ..config import child_environment
 from ..cpu_info import cpu_model_name
 from ..doctor import cpu_features
 
@@ -73,7 +74,8 @@ def run_system(name: str, levels: Sequence[int], max_tokens: int, out_dir: Path,
     process of its own ("engine-before": the engine on MLX's own ops, ``MLX_PARALLM_CPU_OPS=0``
     and no packed small-step kernel). At level 1, :data:`ONE_STREAM_PROMPTS` prompts in turn."""
     system = "engine" if name == "engine-before" else name
-    env = dict(os.environ, LITELLM_LOCAL_MODEL_COST_MAP="True", **({"MLX_PARALLM_CPU_OPS": "0", "MLX_PARALLM_SMALL_BATCH_ROWS": "0"} if name == "engine-before" else {}))
+    env = child_environment(LITELLM_LOCAL_MODEL_COST_MAP="True",
+                            **({"MLX_PARALLM_CPU_OPS": "0", "MLX_PARALLM_SMALL_BATCH_ROWS": "0"} if name == "engine-before" else {}))
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     rows = [row for level in levels if (row := _bench(name, system, level, max_tokens, out_dir, env, llama_cpp_threads))]
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -119,7 +121,7 @@ def load_memory(model: str = "default") -> Optional[dict[str, float]]:
 def _child_result(code: str, what: str) -> Optional[dict[str, float]]:
     """Run ``code`` in a child Python; the JSON it printed after ``RESULT `` (its last such
     line), or None (said on stderr, with the child's) when it failed or printed none."""
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ, LITELLM_LOCAL_MODEL_COST_MAP="True"))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=child_environment(LITELLM_LOCAL_MODEL_COST_MAP="True"))
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
     if out.returncode != 0 or not lines:
         print(f"{what} child failed:\n{out.stderr[-2000:]}", file=sys.stderr)
@@ -194,7 +196,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     text = report(results, steps, peaks, rss, load)
     print(text)
     args.output_dir.mkdir(parents=True, exist_ok=True)
-    (args.output_dir / "cpu_compare.json").write_text(json.dumps({"tok_s": results, "peak_mb": peaks, "peak_rss_mb": rss, "step_ms": steps, "load": load}, indent=2))
+    (args.output_dir / "cpu_compare.json").write_text(
+        json.dumps({"tok_s": results, "peak_mb": peaks, "peak_rss_mb": rss, "step_ms": steps, "load": load}, indent=2))
     return 0
 
 

@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
 from typing import Any, Callable, Optional, Sequence
+
+from ..config import child_environment
 
 FAMILIES = ("attention", "kv cache update", "q/k/v/o matmuls", "MLP matmuls", "elementwise (norm, rope, silu-gate, add)",
             "lm_head (+ final norm)", "sampling (argmax, tolist)")
@@ -137,8 +138,10 @@ def _families(model: Any, rows: _PagedRows, batch: int) -> dict[str, Callable[[]
     return {
         "attention": attention,
         "kv cache update": kv_update,
-        "q/k/v/o matmuls": lambda: [p(xi) for xi in [fresh(x)] for l in layers for p in (l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj, l.self_attn.o_proj)],
-        "MLP matmuls": lambda: [p(v) for xi, gi in [(fresh(x), fresh(gate))] for l in layers for p, v in ((l.mlp.gate_proj, xi), (l.mlp.up_proj, xi), (l.mlp.down_proj, gi))],
+        "q/k/v/o matmuls": lambda: [p(xi) for xi in [fresh(x)] for l in layers
+                                    for p in (l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj, l.self_attn.o_proj)],
+        "MLP matmuls": lambda: [p(v) for xi, gi in [(fresh(x), fresh(gate))] for l in layers
+                                for p, v in ((l.mlp.gate_proj, xi), (l.mlp.up_proj, xi), (l.mlp.down_proj, gi))],
         "elementwise (norm, rope, silu-gate, add)": elementwise,
         "lm_head (+ final norm)": lm_head,
         "sampling (argmax, tolist)": lambda: mx.array(mx.argmax(logits, axis=-1).tolist()),
@@ -201,7 +204,6 @@ def profile(model_name: str, batches: Sequence[int], contexts: Sequence[int], re
 def prefill(model_name: str, prompt_len: int, repeats: int) -> dict[bool, float]:
     """Prefill tok/s of one ``prompt_len``-token prompt into a fresh cache, CPU work off / on."""
     import mlx.core as mx
-
     from mlx_lm.models.cache import BatchKVCache
 
     from ..models import backends, registry
@@ -303,7 +305,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if not args.child:  # OpenBLAS reads its thread count when loaded: set it in a child
-        env = dict(os.environ, **({} if args.wall else {"OPENBLAS_NUM_THREADS": "1", "MLX_PARALLM_ATTENTION_THREADS": "1", "MLX_PARALLM_QMATMUL_THREADS": "1"}))
+        env = child_environment(**({} if args.wall else {"OPENBLAS_NUM_THREADS": "1", "MLX_PARALLM_ATTENTION_THREADS": "1",
+                                                          "MLX_PARALLM_QMATMUL_THREADS": "1"}))
         cmd = [sys.executable, "-m", "mlx_parallm_provider.bench.cpu_profile", "--child", *(argv if argv is not None else sys.argv[1:])]
         out = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if out.returncode != 0:

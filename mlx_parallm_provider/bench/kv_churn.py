@@ -26,7 +26,6 @@ CHURN_TARGET = 1.10
 
 def _measure(model: str, requests: int, rows: int, rate: float, seed: int) -> dict[str, Any]:
     import mlx_parallm_provider.models  # noqa: F401  (BLAS before mlx)
-
     from mlx_parallm_provider.config import EngineConfig
     from mlx_parallm_provider.engine import Engine, SamplingParams
     from mlx_parallm_provider.engine.runner import ModelRunner

@@ -26,6 +26,7 @@ from .kv_memory import _stream_times, _tpot, run_child
 
 def _measure(model: str, mode: str, short: int, long_tokens: int, max_tokens: int) -> dict[str, Any]:
     import mlx_parallm_provider.models  # noqa: F401  (BLAS before mlx)
+    # isort: split
     import mlx.core as mx
 
     from mlx_parallm_provider.config import EngineConfig

@@ -48,6 +48,7 @@ def _tpot(times: list[float]) -> float:
 
 def _measure(model: str, short: int, long_tokens: int, max_tokens: int, chunk: int) -> dict[str, Any]:
     import mlx_parallm_provider.models  # noqa: F401  (BLAS before mlx)
+    # isort: split
     import mlx.core as mx
 
     from mlx_parallm_provider.config import EngineConfig

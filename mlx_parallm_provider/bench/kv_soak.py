@@ -29,10 +29,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     import mlx_parallm_provider.models  # noqa: F401  (BLAS before mlx)
+    # isort: split
     import mlx.core as mx
 
     from mlx_parallm_provider.config import EngineConfig
     from mlx_parallm_provider.engine import Engine, SamplingParams
+
     from ..cpu_info import cpu_model_name
 
     engine = Engine(args.model, EngineConfig(kv_cache_memory_gb=args.budget_gb, max_num_seqs=64))

@@ -18,6 +18,7 @@ from typing import Optional
 
 import httpx
 
+from ..config import child_environment
 from .runners.base import SkipSystem
 
 START_LIMIT_S = 300.0
@@ -107,7 +108,7 @@ def litellm_proxy(model: str, folder: Path) -> Server:
     path = folder / "litellm_proxy_config.yaml"
     path.write_text(json.dumps(config, indent=2))  # JSON is YAML
     port = free_port()
-    env = {**os.environ, "LITELLM_MASTER_KEY": key, "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
+    env = child_environment(LITELLM_MASTER_KEY=key, LITELLM_LOCAL_MODEL_COST_MAP="True")
     command = [cli, "--config", str(path), "--host", "127.0.0.1", "--port", str(port)]
     return start(command, env, port, "/health/liveliness", folder / "litellm-proxy.log", api_key=key)
 
@@ -118,7 +119,7 @@ def mlx_lm_server(model_dir: Path, folder: Path) -> Server:
     # Importing the package first preloads OpenBLAS for MLX's CPU backend, as for the engine.
     bootstrap = "import sys, mlx_parallm_provider; from mlx_lm.server import main; sys.exit(main())"
     command = [sys.executable, "-c", bootstrap, "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port), "--log-level", "WARNING"]
-    return start(command, dict(os.environ), port, "/health", folder / "mlx-lm-server.log")
+    return start(command, child_environment(), port, "/health", folder / "mlx-lm-server.log")
 
 
 def llama_server(gguf: Path, folder: Path, slots: int, ctx_per_slot: int, threads: int) -> Server:
@@ -127,4 +128,4 @@ def llama_server(gguf: Path, folder: Path, slots: int, ctx_per_slot: int, thread
     port = free_port()
     command = [sys.executable, "-m", "mlx_parallm_provider.bench.llama_server", "--model", str(gguf), "--port", str(port),
                "--slots", str(slots), "--ctx-per-slot", str(ctx_per_slot), "--threads", str(threads)]
-    return start(command, dict(os.environ), port, "/health", folder / f"llama-server-{slots}.log")
+    return start(command, child_environment(), port, "/health", folder / f"llama-server-{slots}.log")

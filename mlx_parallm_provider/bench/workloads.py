@@ -29,7 +29,8 @@ CITIES = ("Paris", "Tokyo", "Lima", "Oslo", "Cairo", "Sydney", "Toronto", "Nairo
 AGENT_TOOLS: list[dict[str, Any]] = [
     {"type": "function", "function": {
         "name": "get_weather", "description": "Current weather in a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}, "required": ["city"]}}},
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+                       "required": ["city"]}}},
     {"type": "function", "function": {
         "name": "get_time", "description": "Current local time in a city",
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},

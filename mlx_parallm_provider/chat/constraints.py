@@ -25,8 +25,8 @@ from typing import Any, Optional
 
 from .._validation import check_nested
 from ..engine import Constraint
-from ..engine.constraint import JSON_STYLE
-from ..engine.grammar_limits import LIMITS
+from ..engine.grammar.constraint import JSON_STYLE
+from ..engine.grammar.limits import LIMITS
 from ..errors import InvalidParameterError
 from .tool_defs import TOOL_CALL_END, TOOL_CALL_START
 from .tool_formats import HERMES_FORMAT, ToolCallFormat

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .._validation import check_json_text_depth, check_nested, check_text
-from ..engine.grammar_limits import LIMITS
+from ..engine.grammar.limits import LIMITS
 from ..errors import InvalidParameterError
 from .tool_defs import decode_arguments, new_tool_call_id
 

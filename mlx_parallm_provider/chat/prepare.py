@@ -15,7 +15,7 @@ from typing import Any, Optional, Union
 
 from .._validation import check_nested
 from ..engine import Constraint
-from ..engine.grammar_limits import LIMITS
+from ..engine.grammar.limits import LIMITS
 from ..errors import InvalidParameterError
 from .constraints import response_format_constraint, tool_call_constraint
 from .messages import normalize_messages

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 from .._validation import check_nested, check_text
-from ..engine.grammar_limits import LIMITS
+from ..engine.grammar.limits import LIMITS
 from ..errors import InvalidParameterError
 
 TOOL_CALL_START = "<tool_call>"

@@ -1,9 +1,9 @@
-"""The batching engine: coordinator (callers' side), scheduler (policy), worker (MLX)."""
+"""The batching engine: the API callers use (:mod:`.api`), the step loop (:mod:`.core`: scheduler, runner, KV manager)."""
 
 from .. import models as _models  # noqa: F401  (first: loads the BLAS before mlx, see models/__init__)
-from .constraint import Constraint
-from .coordinator import Engine, get_engine, shutdown_engines
-from .embedding import EmbeddingResult
+from .api import Engine, get_engine, shutdown_engines
+from .embed.request import EmbeddingResult
+from .grammar.constraint import Constraint
 from .protocol import EngineLike
 from .request import Completion, Delta, SamplingParams, TokenLogprob, Usage
 

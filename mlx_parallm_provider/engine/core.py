@@ -30,9 +30,9 @@ from ..config import EngineConfig
 from ..errors import EngineDeadError
 from .detokenize import TextStream
 from .drafting import Drafting
-from .embedding import EmbedRequest
+from .embed.request import EmbedRequest
 from .exit_guard import register, wait_for_native_exit
-from .guided import GrammarTokenizer
+from .grammar.guided import GrammarTokenizer
 from .kv.build import kv_for_engine
 from .metrics import EngineMetrics
 from .output import RowState, eos_token_ids

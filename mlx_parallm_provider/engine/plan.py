@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Optional
 
 if TYPE_CHECKING:
-    from .embedding import EmbedRequest
+    from .embed.request import EmbedRequest
     from .request import Request
     from .sampling import SampledRow
 

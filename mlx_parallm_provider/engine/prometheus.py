@@ -136,7 +136,7 @@ class EngineCollector:
 
 
 def _live_engines() -> list[Any]:
-    from . import coordinator
+    from . import api as coordinator
 
     with coordinator._engines_lock:
         return [coordinator._engines[name] for name in sorted(coordinator._engines)]

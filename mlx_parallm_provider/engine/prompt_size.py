@@ -97,7 +97,7 @@ class RefusedText(str):
 
 class PromptEncoder:
     """One engine's prompts to token ids. ``encode`` is the engine's
-    :meth:`~.coordinator.Engine.encode`; ``tokenizer`` gives the characters-per-token bound."""
+    :meth:`~.api.Engine.encode`; ``tokenizer`` gives the characters-per-token bound."""
 
     def __init__(self, encode: Callable[[Prompt], list[int]], tokenizer: Any, context_length: int) -> None:
         self._encode = encode

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator, Generator, Sequence
 from typing import Any, Optional, Protocol, Union, runtime_checkable
 
-from .embedding import EmbeddingResult
+from .embed.request import EmbeddingResult
 from .request import Completion, Delta, Prompt, SamplingParams
 
 

@@ -9,7 +9,7 @@ from typing import Optional, Union
 from .._validation import check_int as _check_int
 from .._validation import check_number as _check_number
 from ..errors import InvalidParameterError, RequestTimeoutError
-from .constraint import Constraint
+from .grammar.constraint import Constraint
 
 Prompt = Union[str, list[int]]
 

@@ -22,7 +22,7 @@ from ..models import backends
 from ..models.head import split_head
 from .decode_ahead import DecodeAhead
 from .drafting.verify import verify_drafts
-from .embed_forward import embed_step
+from .embed.forward import embed_step
 from .kv.groups import LayerGroups
 from .kv.paged_cache import PagedBatch
 from .kv.storage import PagedKVStorage

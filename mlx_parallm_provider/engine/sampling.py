@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional, Sequence
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
-from .guided import GrammarTokenizer, RowMatcher, apply_bitmask, grammar_bitmask, only_tokens
+from .grammar.guided import GrammarTokenizer, RowMatcher, apply_bitmask, grammar_bitmask, only_tokens
 from .request import SamplingParams, TokenLogprob
 
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]

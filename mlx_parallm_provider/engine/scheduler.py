@@ -44,11 +44,11 @@ from collections import deque
 from typing import Any, Iterable, Optional
 
 from ..errors import MLXParallmError, as_request_error
-from .embedding import EmbedRequest, plan_embeddings
+from .embed.request import EmbedRequest, plan_embeddings
 from .kv import KVCacheManager
+from .kv.prefix_match import waits_for_sharer
 from .output import take_token
 from .plan import StepOutput, StepPlan
-from .prefix_match import waits_for_sharer
 from .request import Request
 from .sampling import plain_row
 

@@ -8,7 +8,7 @@ import asyncio
 import queue
 from typing import Optional, Union
 
-from .embedding import EmbedRequest
+from .embed.request import EmbedRequest
 from .request import Request, ResultSink
 
 

@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import dataclasses
-
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -18,9 +17,9 @@ from typing import Any, Optional
 import litellm
 
 from .._validation import check_int
-from ..engine.fanout import MAX_N
 from ..chat import PreparedPrompt, prepare_chat, prepare_text
 from ..engine import EngineLike, SamplingParams
+from ..engine.fanout import MAX_N
 from ..errors import InvalidParameterError
 from ._common import PROVIDER
 

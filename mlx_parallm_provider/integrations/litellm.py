@@ -46,16 +46,7 @@ from litellm.types.utils import (
     TopLogprob,
 )
 
-from ..chat import (
-    ChatStreamReader,
-    ContentEvent,
-    FinalEvent,
-    InvalidToolCall,
-    InvalidToolCallEvent,
-    PreparedPrompt,
-    ToolCallEvent,
-    read_completion,
-)
+from ..chat import ChatStreamReader, ContentEvent, FinalEvent, InvalidToolCall, InvalidToolCallEvent, PreparedPrompt, ToolCallEvent, read_completion
 from ..engine import Completion, Delta, TokenLogprob, Usage, get_engine
 from ..errors import (
     ContextWindowExceededError,
@@ -344,5 +335,5 @@ def to_litellm_error(error: MLXParallmError, model: str) -> Exception:
 __all__ = ["PROVIDER", "MLXParallmCustomLLM", "litellm_handler", "register", "register_pricing", "to_litellm_error"]
 
 # Importing this module registers the provider: the one registration path. The package
-# imports this module once LiteLLM is imported (see ``mlx_parallm_provider._litellm_hook``).
+# imports this module once LiteLLM is imported (see ``mlx_parallm_provider._import_hook``).
 register()

@@ -4,7 +4,8 @@ Through ctypes every kernel call first evaluates its input: a synchronisation of
 stream (~60 us), made ~120 times a step by a 30-layer model. ``kernels/qmatmul_ext.cpp`` wraps
 the same C function in an ``mlx::core::Primitive`` (CPU only) that MLX schedules like its own
 ops. The same module holds RMSNorm and RoPE as single CPU ops (``kernels/norm_rope.cpp``,
-used by :mod:`.fused_ops`) and SwiGLU (``kernels/swiglu.cpp``, used by the CPU backend). It is a C++ extension bound with nanobind, compiled on first use with ``$CXX`` (else
+used by :mod:`.fused_ops`) and SwiGLU (``kernels/swiglu.cpp``, used by the CPU backend). It is a C++ extension bound with nanobind,
+compiled on first use with ``$CXX`` (else
 ``c++``) against the installed MLX and cached next to the C kernel, keyed by sources, flags,
 compiler, MLX version and CPU, and checked before loading (:mod:`.kernel_cache`);
 ``scripts/setup.sh`` builds it at install.
@@ -41,7 +42,8 @@ SOURCE = Path(__file__).with_name("kernels") / "qmatmul_ext.cpp"
 #: C++ sources of the module: the binding and matmul primitive, RMSNorm / RoPE (:mod:`.fused_ops`), SwiGLU,
 #: decode attention and the fused attention step (:mod:`.attention`), the privately bound BLAS
 #: (:mod:`.private_blas`) and the decoder-layer op (:mod:`.backends.layer_step`).
-SOURCES = (SOURCE, SOURCE.with_name("norm_rope.cpp"), SOURCE.with_name("swiglu.cpp"), SOURCE.with_name("decode_attention.cpp"), SOURCE.with_name("blas_matmul.cpp"),
+SOURCES = (SOURCE, SOURCE.with_name("norm_rope.cpp"), SOURCE.with_name("swiglu.cpp"), SOURCE.with_name("decode_attention.cpp"),
+           SOURCE.with_name("blas_matmul.cpp"),
            SOURCE.with_name("decoder_layer.cpp"))
 HEADERS = tuple(SOURCE.with_name(name) for name in ("cpu_primitive.h", "fast_exp.h", "rope.h", "attention_step.h", "lane_sums.h"))
 """What the primitives share; part of the cache key."""
@@ -63,7 +65,8 @@ def _command(compiler: str, c_object: Path, output: Path) -> Optional[list[str]]
     includes = [sysconfig.get_paths()["include"], nb / "include", nb / "ext" / "robin_map" / "include", mlx_dir / "include"]
     lib = mlx_dir / "lib"
     return [
-        compiler, *_CXX_FLAGS, *qmatmul.native_flags(compiler), *[f"-I{p}" for p in includes], *map(str, SOURCES), str(nb / "src" / "nb_combined.cpp"), str(c_object),
+        compiler, *_CXX_FLAGS, *qmatmul.native_flags(compiler), *[f"-I{p}" for p in includes], *map(str, SOURCES), str(nb / "src" / "nb_combined.cpp"),
+        str(c_object),
         f"-L{lib}", "-lmlx", f"-Wl,-rpath,{lib}", "-pthread", "-o", str(output),
     ]
 

@@ -126,7 +126,8 @@ def _models_root() -> Path:
             try:
                 _fallback_root = Path(tempfile.mkdtemp(prefix="mlx-parallm-models-"))
             except OSError as exc:
-                raise ModelLoadError(f"{root} is not writable ({reason}) and no temporary folder could be made ({exc}); set {HOME_ENV} to a writable folder") from exc
+                raise ModelLoadError(f"{root} is not writable ({reason}) and no temporary folder could be made ({exc}); "
+                                     f"set {HOME_ENV} to a writable folder") from exc
             atexit.register(shutil.rmtree, _fallback_root, ignore_errors=True)
             logger.warning("%s is not writable (%s): models are converted into %s for this process only; set %s to a writable folder to keep them",
                            root, reason, _fallback_root, HOME_ENV)

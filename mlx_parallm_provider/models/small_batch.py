@@ -46,8 +46,8 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_unflatten
 
-from . import private_blas, qmatmul, qmatmul_ext
 from ..config import DEVICE_SETTINGS
+from . import private_blas, qmatmul, qmatmul_ext
 
 if TYPE_CHECKING:  # (the backends use these ops: a floor above them)
     from .backends import MLXOps

@@ -13,12 +13,11 @@ import json
 import re
 from typing import Any, Callable
 
-import pytest
-from fuzzing import HANG_S, INNOCENT, INNOCENT_PROMPTS, engine, expected  # noqa: F401  (fixtures)
-from grammars import json_schemas, lark_grammars, regexes
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
+from fuzzing import HANG_S, INNOCENT, INNOCENT_PROMPTS, engine, expected  # noqa: F401  (fixtures)
+from grammars import json_schemas, lark_grammars, regexes
 from mlx_parallm_provider.engine import Completion, Constraint, Engine, SamplingParams
 from mlx_parallm_provider.errors import InvalidParameterError
 

@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import asyncio
 
-import pytest
-from fuzzing import INNOCENT, INNOCENT_PROMPTS, engine, expected, hostile_kwargs, plausible_kwargs, prompts, run  # noqa: F401  (fixtures)
 from hypothesis import event, given
 from hypothesis import strategies as st
 
+from fuzzing import INNOCENT, INNOCENT_PROMPTS, engine, expected, hostile_kwargs, plausible_kwargs, prompts, run  # noqa: F401  (fixtures)
 from mlx_parallm_provider.engine import Completion, Engine, SamplingParams
 from mlx_parallm_provider.errors import InvalidParameterError, MLXParallmError
-
 
 
 async def _fuzzed(engine: Engine, prompt, params: SamplingParams, stream: bool):

@@ -8,13 +8,13 @@ import asyncio
 import traceback
 
 import pytest
-from fuzzing import PLAUSIBLE, junk, mostly, run
 from hypothesis import event, given
 from hypothesis import strategies as st
 from langchain_core.exceptions import LangChainException
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
 from pydantic import ValidationError
 
+from fuzzing import PLAUSIBLE, junk, mostly, run
 from mlx_parallm_provider.errors import MLXParallmError
 from mlx_parallm_provider.langchain import ChatMLXParallm, MLXParallmLLM
 

@@ -12,11 +12,11 @@ os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 import litellm  # noqa: E402
 import openai  # noqa: E402
 import pytest  # noqa: E402
-from fuzzing import PLAUSIBLE, junk, mostly, run  # noqa: E402
 from hypothesis import event, given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import mlx_parallm_provider  # noqa: E402,F401  (registers the provider)
+from fuzzing import PLAUSIBLE, junk, mostly, run  # noqa: E402
 
 INNOCENT_MESSAGES = [[{"role": "user", "content": "Name a colour."}], [{"role": "user", "content": "Name a city."}]]
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
@@ -26,7 +26,8 @@ content = text | st.none() | st.lists(st.fixed_dictionaries({"type": st.just("te
 role = st.sampled_from(["system", "user", "assistant", "tool", "developer", "function", "bogus"])
 tool_call = st.fixed_dictionaries({
     "id": st.sampled_from(["call_1", "call_2"]), "type": st.just("function"),
-    "function": st.fixed_dictionaries({"name": st.sampled_from(["get_weather", "nope"]), "arguments": st.sampled_from(['{"city": "Oslo"}', "{bad json", "[]"])}),
+    "function": st.fixed_dictionaries({"name": st.sampled_from(["get_weather", "nope"]),
+                                       "arguments": st.sampled_from(['{"city": "Oslo"}', "{bad json", "[]"])}),
 })
 message = st.fixed_dictionaries(
     {"content": content},

@@ -20,7 +20,6 @@ from hypothesis import strategies as st
 from mlx_parallm_provider.config import EngineConfig
 from mlx_parallm_provider.engine import Engine, SamplingParams
 
-
 HANG_S = 60.0  # a call that takes longer than this counts as a hang
 
 # Greedy requests decoding beside each fuzzed one: they must answer as they do alone.

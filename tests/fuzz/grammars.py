@@ -8,8 +8,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from fuzzing import mostly
 from hypothesis import strategies as st
+
+from fuzzing import mostly
 
 NAMES = st.sampled_from(["a", "b", "city", "n", "x y", "\u00fc", "$ref"])
 #: Patterns valid for llguidance and Python's ``re`` alike; then some valid for neither.

@@ -21,7 +21,6 @@ def _report() -> None:  # runs after the engine's own exit handler (registered l
 
 atexit.register(_report)
 
-import mlx_parallm_provider.models  # noqa: E402  (BLAS before mlx)
 from mlx_parallm_provider.config import EngineConfig  # noqa: E402
 from mlx_parallm_provider.engine import Engine, SamplingParams  # noqa: E402
 

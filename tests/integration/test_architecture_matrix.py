@@ -30,10 +30,9 @@ from typing import Any
 
 import pytest
 
+from conftest import TINY_CONFIG, write_tiny_model
 from mlx_parallm_provider.config import EngineConfig
 from mlx_parallm_provider.engine import Completion, Constraint, Delta, Engine, SamplingParams
-
-from conftest import TINY_CONFIG, write_tiny_model
 
 HEAD_DIM = TINY_CONFIG["head_dim"]
 _COMMON = {k: TINY_CONFIG[k] for k in ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads",

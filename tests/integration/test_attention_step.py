@@ -5,18 +5,19 @@ float16 pools, and an engine's greedy tokens."""
 
 from __future__ import annotations
 
-import mlx_parallm_provider.models  # noqa: F401  (BLAS before mlx)
-
 import asyncio
 
+import mlx_parallm_provider.models  # noqa: F401  (BLAS before mlx)
+
+# isort: split
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from conftest import TINY_CONFIG, write_tiny_model
 
+from conftest import TINY_CONFIG, write_tiny_model
 from mlx_parallm_provider.engine import SamplingParams
-from mlx_parallm_provider.engine.kv import KVCacheManager, paged_cache
+from mlx_parallm_provider.engine.kv import KVCacheManager
 from mlx_parallm_provider.engine.kv.paged_cache import PagedBatch
 from mlx_parallm_provider.engine.kv.storage import PagedKVStorage
 from mlx_parallm_provider.models import attention, backend, backends, fused_ops, registry

@@ -4,13 +4,14 @@ mlx-lm's own code, and mlx-lm's modules are never changed."""
 
 from __future__ import annotations
 
-import mlx_parallm_provider.models  # noqa: F401  (BLAS before mlx)
-
 import importlib
 import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import mlx_parallm_provider.models  # noqa: F401  (BLAS before mlx)
+
+# isort: split
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache

@@ -102,7 +102,8 @@ def _engine_config(tiny_model: Any) -> str:
     from mlx_parallm_provider.engine.kv.budget import kv_bytes_per_token
 
     template = tiny_model.tokenizer.apply_chat_template
-    prompt = max(len(template(_messages(team, g, i), add_generation_prompt=True, tokenize=True)) for team in ("warm-up", "shuffle", "prefix") for g in range(16) for i in range(64))
+    prompt = max(len(template(_messages(team, g, i), add_generation_prompt=True, tokenize=True))
+                 for team in ("warm-up", "shuffle", "prefix") for g in range(16) for i in range(64))
     store_bytes = ROWS * (prompt + MAX_TOKENS) * kv_bytes_per_token(tiny_model.model, tiny_model.config)
     return json.dumps({"max_num_seqs": ROWS, "prefix_cache_memory_gb": store_bytes / 1024**3})
 
@@ -175,7 +176,8 @@ def runs(cluster: Cluster) -> dict[str, Any]:
     measured phases thus start with stores full of other prefixes."""
     import litellm
 
-    model_list = [{"model_name": ALIAS, "litellm_params": {**d["litellm_params"], "api_key": cluster.key}, "model_info": d["model_info"]} for d in cluster.deployments]
+    model_list = [{"model_name": ALIAS, "litellm_params": {**d["litellm_params"], "api_key": cluster.key}, "model_info": d["model_info"]}
+                  for d in cluster.deployments]
     router = litellm.Router(model_list=model_list, routing_strategy="simple-shuffle", num_retries=2)
 
     async def shuffled(team: str, groups: list[int]) -> list[Any]:
@@ -198,7 +200,8 @@ def runs(cluster: Cluster) -> dict[str, Any]:
         out["prefix_responses"] = asyncio.run(_through_front(cluster, bodies))
     time.sleep(0.3)
     after = {r: cluster.scrape(r) for r in IDS}
-    out.update(prefix_groups=groups, prefix_hit_rate=_hit_rate(before, after), watched=watcher.samples, watched_before=before[IDS[0]], watched_after=after[IDS[0]])
+    out.update(prefix_groups=groups, prefix_hit_rate=_hit_rate(before, after), watched=watcher.samples, watched_before=before[IDS[0]],
+               watched_after=after[IDS[0]])
     return out
 
 

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import pytest
 
+from engine_helpers import mlx_lm_greedy
 from mlx_parallm_provider import DeviceConfig, EngineConfig, InvalidParameterError, SamplingParams, get_engine, shutdown_engines
 from mlx_parallm_provider.engine import Engine
 from mlx_parallm_provider.models import backends
 from mlx_parallm_provider.models.backends import CPUKernels, MLXOps
-
-from engine_helpers import mlx_lm_greedy
 
 PROMPTS = [[1, 5, 9, 14], [1, 7], [1, 30, 31, 32, 33, 34]]
 

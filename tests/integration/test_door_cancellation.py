@@ -13,7 +13,8 @@ import litellm
 import pytest
 
 from engine_helpers import TokenCostModel
-from mlx_parallm_provider.engine import Engine, SamplingParams, coordinator, shutdown_engines
+from mlx_parallm_provider.engine import Engine, SamplingParams, shutdown_engines
+from mlx_parallm_provider.engine import api as coordinator
 from mlx_parallm_provider.langchain import ChatMLXParallm
 from mlx_parallm_provider.models.registry import LoadedModel
 

@@ -11,14 +11,15 @@ import struct
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 import mlx_parallm_provider.models  # noqa: F401  (BLAS before mlx)
+
+# isort: split
 import mlx.core as mx
+import pytest
 from mlx_lm.models.base import create_causal_mask
 
 from mlx_parallm_provider import ContextWindowExceededError, Engine, EngineConfig, InvalidParameterError, SamplingParams
-from mlx_parallm_provider.engine.embedding import MAX_INPUTS
+from mlx_parallm_provider.engine.embed.request import MAX_INPUTS
 
 TEXTS = ["hello world", "The sea is calm tonight, the tide is full, the moon lies fair upon the straits.", "x", "two words"]
 TOL = 2e-5

@@ -13,9 +13,9 @@ from typing import Any
 
 import litellm
 import pytest
-from engine_helpers import ScriptedModel
 
 import mlx_parallm_provider
+from engine_helpers import ScriptedModel
 from mlx_parallm_provider import Engine, EngineLike, SamplingParams, get_engine, shutdown_engines
 from mlx_parallm_provider.errors import ContextWindowExceededError, EngineOverloadedError, InvalidParameterError
 from mlx_parallm_provider.langchain import ChatMLXParallm

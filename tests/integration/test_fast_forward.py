@@ -9,9 +9,8 @@ import asyncio
 import pytest
 
 from engine_helpers import scrape
-
 from mlx_parallm_provider.engine import Constraint, SamplingParams
-from mlx_parallm_provider.engine.guided import RowMatcher
+from mlx_parallm_provider.engine.grammar.guided import RowMatcher
 
 SCHEMA = {
     "type": "object",

@@ -18,18 +18,11 @@ import time
 import pytest
 
 from engine_helpers import ScriptedModel, TokenCostModel
-
 from mlx_parallm_provider.engine import SamplingParams
-from mlx_parallm_provider.engine import sampling as sampling_module
 from mlx_parallm_provider.engine import core as worker_module
+from mlx_parallm_provider.engine import sampling as sampling_module
 from mlx_parallm_provider.engine.request import ResultSink
-from mlx_parallm_provider.errors import (
-    EngineDeadError,
-    InvalidParameterError,
-    MLXParallmError,
-    RequestFailedError,
-    RequestTimeoutError,
-)
+from mlx_parallm_provider.errors import EngineDeadError, InvalidParameterError, MLXParallmError, RequestFailedError, RequestTimeoutError
 
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 PROMPTS = ["the quick brown fox", "seven curious cats", "a lazy dog", "over the old wall"]

@@ -10,13 +10,12 @@ from pathlib import Path
 
 import pytest
 
+from conftest import TINY_CONFIG, write_tiny_model
+from engine_helpers import mlx_lm_greedy
 from mlx_parallm_provider.config import EngineConfig
 from mlx_parallm_provider.engine import Engine, SamplingParams
 from mlx_parallm_provider.engine.kv import groups as kv_groups
 from mlx_parallm_provider.engine.kv.manager import blocks_for
-
-from conftest import TINY_CONFIG, write_tiny_model
-from engine_helpers import mlx_lm_greedy
 
 WINDOW = 8
 # Six layers, every third global: windows [8, 8, None] x 2 -> groups of 2 layers: two local, one global.

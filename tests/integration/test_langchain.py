@@ -11,14 +11,7 @@ from typing import Any
 import mlx.core as mx
 import pytest
 from langchain_core.callbacks import BaseCallbackHandler
-from langchain_core.messages import (
-    AIMessage,
-    AIMessageChunk,
-    HumanMessage,
-    SystemMessage,
-    ToolMessage,
-    convert_to_openai_messages,
-)
+from langchain_core.messages import AIMessage, AIMessageChunk, HumanMessage, SystemMessage, ToolMessage, convert_to_openai_messages
 from langchain_core.output_parsers import StrOutputParser
 from langchain_core.prompts import ChatPromptTemplate
 from langchain_core.tools import tool
@@ -26,8 +19,18 @@ from langchain_core.utils.function_calling import convert_to_json_schema, conver
 from pydantic import BaseModel, Field, ValidationError
 
 from fakes import chat_prompt
-
 from mlx_parallm_provider import SamplingParams, get_engine, shutdown_engines
+from mlx_parallm_provider.chat import (
+    HERMES_FORMAT,
+    JSON_OBJECT_INSTRUCTION,
+    JSON_SCHEMA_INSTRUCTION,
+    REQUIRED_TOOL_INSTRUCTION,
+    PreparedPrompt,
+    ToolCallFormat,
+    add_system_instruction,
+    fallback_tool_prompt,
+    read_completion,
+)
 from mlx_parallm_provider.config import EngineConfig
 from mlx_parallm_provider.engine import Completion, Delta, Engine, Usage
 from mlx_parallm_provider.errors import ContextWindowExceededError, InvalidParameterError, ModelNotFoundError
@@ -35,17 +38,6 @@ from mlx_parallm_provider.integrations.langchain import fields as lc_fields
 from mlx_parallm_provider.integrations.langchain import messages as lc_messages
 from mlx_parallm_provider.langchain import ChatMLXParallm, MLXParallmLLM
 from mlx_parallm_provider.models.registry import LoadedModel
-from mlx_parallm_provider.chat import (
-    HERMES_FORMAT,
-    JSON_OBJECT_INSTRUCTION,
-    JSON_SCHEMA_INSTRUCTION,
-    PreparedPrompt,
-    REQUIRED_TOOL_INSTRUCTION,
-    ToolCallFormat,
-    add_system_instruction,
-    fallback_tool_prompt,
-    read_completion,
-)
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven curious cats watch from the old wall".split()
 MAX_TOKENS = 16
@@ -305,7 +297,8 @@ def test_system_human_ai_and_tool_messages_go_through_the_chat_template(model_na
     as_dicts = [
         {"role": "system", "content": "You are terse."},
         {"role": "user", "content": "Weather in Paris?"},
-        {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "assistant", "content": "",
+         "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21C"},
     ]
     prompt = chat_prompt(engine, as_dicts)
@@ -386,7 +379,8 @@ RECORDED = {
     ),
     "kimi_k2": (
         _mlx_format("kimi_k2"),
-        '<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{"city": "Paris", "days": 2}<|tool_call_end|><|tool_calls_section_end|>',
+        '<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{"city": "Paris", "days": 2}'
+        '<|tool_call_end|><|tool_calls_section_end|>',
         "",
         [("get_weather", PARIS)],
     ),

@@ -9,8 +9,8 @@ import asyncio
 import time
 
 import pytest
-from engine_helpers import max_gap_while
 
+from engine_helpers import max_gap_while
 from mlx_parallm_provider.engine import Constraint, SamplingParams
 from mlx_parallm_provider.errors import InvalidParameterError
 

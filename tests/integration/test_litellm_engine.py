@@ -25,10 +25,10 @@ from typing import Any, Optional, TypeVar
 import litellm
 import mlx.core as mx
 import pytest
-from engine_helpers import ScriptedModel
-from fakes import WEATHER, chat_prompt
 
 import mlx_parallm_provider
+from engine_helpers import ScriptedModel
+from fakes import WEATHER, chat_prompt
 from mlx_parallm_provider import Engine, EngineConfig, SamplingParams, get_engine, shutdown_engines
 from mlx_parallm_provider.integrations import litellm as adapter
 from mlx_parallm_provider.models.registry import LoadedModel

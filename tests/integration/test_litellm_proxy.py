@@ -26,13 +26,11 @@ import pytest
 import yaml
 
 import mlx_parallm_provider
-from fakes import chat_prompt
 from engine_helpers import sampled_while
-from proxy_helpers import REPO, start_proxy, stop, wait_ready
-
+from fakes import chat_prompt
 from mlx_parallm_provider import Engine, SamplingParams
 from mlx_parallm_provider.models.registry import LoadedModel
-
+from proxy_helpers import REPO, start_proxy, stop, wait_ready
 
 EXAMPLE = REPO / "examples" / "litellm_proxy_config.yaml"
 ALIAS = "tiny"

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import mlx_parallm_provider.models  # noqa: F401  (BLAS before mlx)
 
+# isort: split
 import mlx.core as mx
 import pytest
 from mlx.utils import tree_map
 from mlx_lm.models.cache import KVCache
 
-from mlx_parallm_provider.engine.kv import KVCacheManager
-from mlx_parallm_provider.engine.kv import paged_cache
+from mlx_parallm_provider.engine.kv import KVCacheManager, paged_cache
 from mlx_parallm_provider.engine.kv.paged_cache import PagedBatch
 from mlx_parallm_provider.engine.kv.storage import PagedKVStorage
 from mlx_parallm_provider.models import attention, backends
@@ -255,7 +255,7 @@ def test_decoding_rows_sharing_cached_blocks_attend_them_as_one_cascade(tiny_mod
     """On the gather path (MLX's ops: Metal, CUDA, kernels off), decode rows whose tables start
     with the same cached blocks attend to them once, merged with each row's own tokens by
     log-sum-exp; the logits are the model's as one sequence, as without the cascade."""
-    from mlx_parallm_provider.engine import cascade
+    from mlx_parallm_provider.engine.kv import cascade
 
     model = tiny_model.model
     calls = []

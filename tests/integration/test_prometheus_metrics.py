@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import asyncio
 
+import prometheus_client  # the `proxy` extra (in `dev`)
 import pytest
 
-import prometheus_client  # the `proxy` extra (in `dev`)
 from engine_helpers import sampled_while, scrape
-
 from mlx_parallm_provider import SamplingParams
 
 

@@ -9,8 +9,8 @@ import time
 from typing import Any
 
 import pytest
-from engine_helpers import max_gap_while
 
+from engine_helpers import max_gap_while
 from mlx_parallm_provider.engine import SamplingParams
 from mlx_parallm_provider.engine.prompt_size import INLINE_PROMPT_CHARS
 from mlx_parallm_provider.errors import ContextWindowExceededError

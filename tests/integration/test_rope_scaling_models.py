@@ -16,11 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from mlx_parallm_provider.config import EngineConfig
-from mlx_parallm_provider.engine import Engine
-from mlx_parallm_provider.engine import SamplingParams
-
 from conftest import TINY_CONFIG, write_tiny_model
+from mlx_parallm_provider.config import EngineConfig
+from mlx_parallm_provider.engine import Engine, SamplingParams
 
 HEAD_DIM = TINY_CONFIG["head_dim"]
 

@@ -78,10 +78,10 @@ def test_quantized_model_same_tokens_with_sharing_on_and_off(tmp_path, tiny_mode
     import mlx.core as mx
     import mlx.nn as nn
     from mlx.utils import tree_flatten
+    from mlx_lm.utils import load_model
+
     from mlx_parallm_provider.models import registry
     from mlx_parallm_provider.models.registry import LoadedModel
-
-    from mlx_lm.utils import load_model
 
     model, _ = load_model(tiny_model_dir)  # a fresh copy: the session's tiny model stays f32
     nn.quantize(model, group_size=32, bits=8)

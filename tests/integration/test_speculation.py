@@ -14,7 +14,6 @@ import asyncio
 import pytest
 
 from engine_helpers import scrape
-
 from mlx_parallm_provider.engine import SamplingParams
 from mlx_parallm_provider.engine.drafting import ngram as speculation
 from mlx_parallm_provider.engine.sampling import plain_row

@@ -7,7 +7,6 @@ import asyncio
 import pytest
 
 from fakes import chat_prompt
-
 from mlx_parallm_provider.config import EngineConfig
 from mlx_parallm_provider.engine import Engine, SamplingParams
 from mlx_parallm_provider.models import registry

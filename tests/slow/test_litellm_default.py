@@ -13,7 +13,6 @@ import litellm
 import pytest
 
 from fakes import chat_prompt
-
 from mlx_parallm_provider import SamplingParams, get_engine
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fresh_litellm_engines")]

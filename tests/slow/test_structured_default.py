@@ -10,7 +10,6 @@ from typing import Any
 import litellm
 import pytest
 
-
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fresh_litellm_engines")]
 
 MODEL = "mlx-parallm/default"

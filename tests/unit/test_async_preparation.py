@@ -10,9 +10,9 @@ from typing import Any
 
 import litellm
 import pytest
+
 from engine_helpers import max_gap_while
 from fakes import FakeEngine, make_tokenizer, patch_get_engine
-
 from mlx_parallm_provider.integrations import litellm as adapter
 from mlx_parallm_provider.integrations.langchain import chat as langchain_chat
 from mlx_parallm_provider.langchain import ChatMLXParallm

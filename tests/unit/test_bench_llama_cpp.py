@@ -12,8 +12,8 @@ from types import SimpleNamespace
 from typing import Any, Optional
 
 import pytest
-from fake_llama_cpp import EOS, FakeLlamaCpp
 
+from fake_llama_cpp import EOS, FakeLlamaCpp
 from mlx_parallm_provider.bench.runners import RunnerOptions, SkipSystem, make_runner
 from mlx_parallm_provider.bench.runners.llama_batch import BatchScheduler, Job, LlamaDecodeError
 from mlx_parallm_provider.bench.workloads import BenchRequest

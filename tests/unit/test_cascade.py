@@ -1,4 +1,4 @@
-"""cascade_attention on its own (engine/cascade.py): shared prefixes + each row's own KV,
+"""cascade_attention on its own (engine/kv/cascade.py): shared prefixes + each row's own KV,
 merged by log-sum-exp, equal plain attention over the concatenation; the backend's ``exp``
 computes the softmax parts."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from mlx_parallm_provider.engine.cascade import SharedPrefix, cascade_attention
+from mlx_parallm_provider.engine.kv.cascade import SharedPrefix, cascade_attention
 
 H, KV, D = 4, 2, 16
 

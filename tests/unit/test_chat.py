@@ -6,11 +6,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from fakes import QWEN_TOOLS_TEMPLATE, SMOLLM2_TEMPLATE, make_tokenizer
 
-from mlx_parallm_provider.chat import content_text, normalize_messages, render_chat
+from fakes import QWEN_TOOLS_TEMPLATE, SMOLLM2_TEMPLATE, make_tokenizer
+from mlx_parallm_provider.chat import FALLBACK_TOOL_PROMPT, content_text, normalize_messages, render_chat, template_supports_tools, tool_call_format
 from mlx_parallm_provider.errors import InvalidParameterError
-from mlx_parallm_provider.chat import FALLBACK_TOOL_PROMPT, template_supports_tools, tool_call_format
 
 SMOL_SYSTEM = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
 WEATHER = {

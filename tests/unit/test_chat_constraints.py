@@ -6,6 +6,7 @@ import json
 import re
 
 import pytest
+
 from fakes import TIME, WEATHER
 from mlx_parallm_provider.chat.constraints import closed_objects, response_format_constraint, tool_call_constraint
 from mlx_parallm_provider.chat.tool_formats import HERMES_FORMAT
@@ -33,7 +34,7 @@ def test_forced_calls_are_capped_at_one_per_tool() -> None:
 
 def _accepts(constraint, tokenizer, text: str) -> bool:
     """Whether ``text`` followed by EOS is a sentence of the constraint's grammar."""
-    from mlx_parallm_provider.engine.guided import GrammarTokenizer, RowMatcher
+    from mlx_parallm_provider.engine.grammar.guided import GrammarTokenizer, RowMatcher
 
     grammar = GrammarTokenizer(tokenizer, 49152, [tokenizer.eos_token_id])
     matcher = RowMatcher(constraint, grammar).matcher

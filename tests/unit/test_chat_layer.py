@@ -8,8 +8,8 @@ import random
 from typing import Any
 
 import pytest
-from fakes import QWEN_TOOLS_TEMPLATE, TIME, WEATHER, make_tokenizer
 
+from fakes import QWEN_TOOLS_TEMPLATE, TIME, WEATHER, make_tokenizer
 from mlx_parallm_provider.chat import (
     HERMES_FORMAT,
     REQUIRED_TOOL_INSTRUCTION,
@@ -125,7 +125,8 @@ def nested_schema(depth: int) -> dict[str, Any]:
 def deep_requests(depth: int) -> list[tuple[list, dict, str]]:
     """Requests with one value nested ``depth`` levels, each with the field that names it."""
     def call(arguments: Any) -> list:
-        return [*HI, {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": arguments}}]}]
+        return [*HI, {"role": "assistant", "content": "",
+                      "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": arguments}}]}]
 
     tool = {"type": "function", "function": {"name": "f", "parameters": nested_schema(depth)}}
     return [
@@ -159,9 +160,11 @@ def test_values_nested_to_the_limit_are_accepted() -> None:
         ([{"role": "user", "content": "a\ud800b"}], {}, "messages[0].content"),
         ([*HI, {"role": "user", "content": [{"type": "text", "text": "ok"}, {"type": "text", "text": "\udfff"}]}], {}, "messages[1].content[1].text"),
         ([{"role": "system", "content": "hi", "name": "bot\ud83d"}, *HI], {}, "messages[0].name"),
-        ([*HI, {"role": "assistant", "content": "", "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": {"city": "\ud800"}}}]}], {},
+        ([*HI, {"role": "assistant", "content": "",
+                "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": {"city": "\ud800"}}}]}], {},
          "messages[1].tool_calls[0].function.arguments.city"),
-        (HI, {"tools": [{"type": "function", "function": {"name": "f", "description": "d\ud800", "parameters": {"type": "object"}}}]}, "tools[0].function.description"),
+        (HI, {"tools": [{"type": "function", "function": {"name": "f", "description": "d\ud800", "parameters": {"type": "object"}}}]},
+         "tools[0].function.description"),
         (HI, {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "description": "\ud800"}}}},
          "response_format.json_schema.description"),
     ],

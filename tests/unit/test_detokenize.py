@@ -7,11 +7,7 @@ from typing import Any
 
 import pytest
 
-from mlx_parallm_provider.engine.detokenize import (
-    IncrementalDetokenizer,
-    StopStringMatcher,
-    TextStream,
-)
+from mlx_parallm_provider.engine.detokenize import IncrementalDetokenizer, StopStringMatcher, TextStream
 
 FFFD = "\ufffd"
 

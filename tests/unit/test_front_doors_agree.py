@@ -8,10 +8,10 @@ from typing import Any
 
 import litellm
 import pytest
-from fakes import WEATHER, FakeEngine, patch_get_engine
 from langchain_core.messages import HumanMessage, SystemMessage
 from pydantic import BaseModel
 
+from fakes import WEATHER, FakeEngine, patch_get_engine
 from mlx_parallm_provider.integrations import litellm as adapter
 from mlx_parallm_provider.integrations.langchain import fields as lc_fields
 from mlx_parallm_provider.langchain import ChatMLXParallm

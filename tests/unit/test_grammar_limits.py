@@ -16,10 +16,12 @@ import types
 from pathlib import Path
 
 import pytest
-from fakes import make_tokenizer
 
-from mlx_parallm_provider.engine import Constraint, constraint as constraint_module, guided
-from mlx_parallm_provider.engine.grammar_limits import LIMITS, GrammarLimits, check_grammar_input
+from fakes import make_tokenizer
+from mlx_parallm_provider.engine import Constraint
+from mlx_parallm_provider.engine.grammar import constraint as constraint_module
+from mlx_parallm_provider.engine.grammar import guided
+from mlx_parallm_provider.engine.grammar.limits import GrammarLimits, check_grammar_input
 from mlx_parallm_provider.errors import InvalidParameterError
 
 TESTS = Path(__file__).resolve().parents[1]
@@ -47,7 +49,7 @@ def _run(code: str) -> list[str]:
 
 
 def test_deep_ref_chains_through_litellm_are_a_bad_request_not_a_crash() -> None:
-    code = f"""
+    code = """
 import json, litellm, mlx_parallm_provider
 from fakes import FakeEngine
 from mlx_parallm_provider.integrations import litellm as adapter
@@ -55,10 +57,10 @@ from test_grammar_limits import ref_chain
 engine = FakeEngine()
 adapter.get_engine = lambda model="default", config=None: engine
 for n in (1_000, 10_000):
-    schema = {{"name": "chain", "schema": ref_chain(n)}}
+    schema = {"name": "chain", "schema": ref_chain(n)}
     try:
-        litellm.completion(model="mlx-parallm/fake", messages=[{{"role": "user", "content": "Hi"}}],
-                           response_format={{"type": "json_schema", "json_schema": schema}})
+        litellm.completion(model="mlx-parallm/fake", messages=[{"role": "user", "content": "Hi"}],
+                           response_format={"type": "json_schema", "json_schema": schema})
         print("accepted")
     except litellm.BadRequestError as error:
         print(json.dumps(str(error)))
@@ -95,7 +97,7 @@ def test_a_schema_deep_within_the_limits_compiles_and_builds_a_matcher_on_an_ord
 import threading, types, mlx_parallm_provider
 from fakes import make_tokenizer
 from mlx_parallm_provider.engine import Constraint
-from mlx_parallm_provider.engine.guided import GrammarTokenizer, RowMatcher
+from mlx_parallm_provider.engine.grammar.guided import GrammarTokenizer, RowMatcher
 def nest(leaf, k):
     for _ in range(k):
         leaf = {"type": "object", "properties": {"a": leaf}, "required": ["a"]}
@@ -159,7 +161,7 @@ def test_equal_constraints_are_compiled_once_and_their_rows_share_one_built_matc
 
 
 def test_grammars_compile_on_a_thread_with_a_large_stack() -> None:
-    from mlx_parallm_provider.engine import compiler
+    from mlx_parallm_provider.engine.grammar import build_threads as compiler
 
     names = compiler.run_compiler(lambda: threading.current_thread().name)
     assert names.startswith("mlx-parallm-grammar") and compiler.STACK_BYTES >= 256 << 20

@@ -1,9 +1,9 @@
-"""What a failed grammar's request is told (engine/grammar_probe.py): llguidance's cause in
+"""What a failed grammar's request is told (engine/grammar/probe.py): llguidance's cause in
 one line, without its parser state, the tokenizer's special tokens or its own advice."""
 
 from __future__ import annotations
 
-from mlx_parallm_provider.engine.grammar_probe import describe, failure, grammar_error
+from mlx_parallm_provider.engine.grammar.probe import describe, failure, grammar_error
 from mlx_parallm_provider.errors import InvalidParameterError
 
 

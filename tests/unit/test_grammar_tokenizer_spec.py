@@ -7,7 +7,7 @@ import json
 
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from mlx_parallm_provider.engine.guided import _unpadded_spec
+from mlx_parallm_provider.engine.grammar.guided import _unpadded_spec
 
 
 def _tokenizer() -> Tokenizer:

@@ -11,13 +11,12 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
+from test_int8_matmul import _reference
+from test_small_batch import _build_with_march, _ctypes_kernel, _extension, _quantized, kernel  # noqa: F401
 
 from mlx_parallm_provider.models import qmatmul, small_batch
 from mlx_parallm_provider.models.backends import cpu_kernels
 from mlx_parallm_provider.models.backends.cpu_kernels import CPUKernels
-
-from test_int8_matmul import _reference
-from test_small_batch import _build_with_march, _ctypes_kernel, _extension, _quantized, kernel  # noqa: F401
 
 
 @pytest.fixture
@@ -110,10 +109,10 @@ def test_by_default_every_row_count_takes_16_bit_activations_and_batched_equals_
     """The default on a CPU with the tiles: the engine's every matmul call (prefill, 12-row and
     1-row steps) asks for 16-bit activations, and greedy rows get the same tokens together or
     alone."""
+    from test_small_batch import _quantized_tiny
+
     from mlx_parallm_provider.engine import SamplingParams
     from mlx_parallm_provider.models import backend, backends
-
-    from test_small_batch import _quantized_tiny
 
     ext = _extension()
     if not cpu_kernels.int8_tiles():

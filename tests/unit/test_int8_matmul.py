@@ -12,10 +12,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from test_small_batch import _build_with_march, _ctypes_kernel, _extension, _quantized, _quantized_tiny, kernel  # noqa: F401
 
 from mlx_parallm_provider.models import backend, backends, qmatmul, small_batch
-
-from test_small_batch import _build_with_march, _ctypes_kernel, _extension, _quantized, _quantized_tiny, kernel  # noqa: F401
 
 
 def _reference(x: np.ndarray, module: nn.QuantizedLinear, levels: int = 127) -> np.ndarray:

@@ -1,5 +1,5 @@
 """Importing the package does no work beyond registering with LiteLLM: no mlx / mlx-lm, no
-BLAS loaded, no atexit handler; those come with the first engine, the BLAS before mlx."""
+BLAS loaded, no atexit handler; those come on first use, the BLAS just before mlx loads."""
 
 from __future__ import annotations
 
@@ -40,8 +40,9 @@ def test_importing_the_package_imports_no_mlx_loads_no_blas_and_registers_no_ate
     assert got["openblas"] is False
     assert got["atexit"] == 0
     # The one finder: it registers the LiteLLM provider right after `import litellm` (LiteLLM
-    # has no entry point for providers, and importing it eagerly takes seconds).
-    assert got["finders"] == ["_AfterImport"]
+    # has no entry point for providers, and importing it eagerly takes seconds), and loads the
+    # BLAS right before `import mlx`.
+    assert got["finders"] == ["_ImportHook"]
 
 
 def test_the_engine_names_are_imported_on_first_access() -> None:
@@ -55,6 +56,8 @@ import json, sys
 if sys.argv[1] == "mlx-first":
     import mlx.core as mx
 import mlx_parallm_provider as p
+if sys.argv[1] == "package-then-mlx":
+    import mlx.core as mx
 from mlx_parallm_provider.models import backend
 engine = p.Engine(sys.argv[2], p.EngineConfig(max_num_seqs=2, max_num_batched_tokens=64))
 out = engine.generate_sync([1, 5, 9, 14], p.SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
@@ -66,12 +69,15 @@ engine.shutdown()
 
 @pytest.mark.skipif(not sys.platform.startswith("linux") or backend.find_openblas() is None, reason="needs a system OpenBLAS")
 def test_an_engine_gets_openblas_whichever_of_mlx_and_the_package_is_imported_first(tiny_model_dir) -> None:
-    """The package imported first, the engine loads OpenBLAS before it imports mlx; mlx
-    imported first, the engine's dense layers go through OpenBLAS bound privately. The same tokens."""
+    """The package imported first, OpenBLAS is loaded just before mlx (by the engine, or by the
+    program's own `import mlx`); mlx imported first, the engine's dense layers go through
+    OpenBLAS bound privately. The same tokens."""
     from mlx_parallm_provider.models import qmatmul_ext
 
     usual = _run(ENGINE_PROBE, "package-first", str(tiny_model_dir))
     assert usual["blas"].startswith("OpenBLAS") and usual["layer"] == "Linear"
+    then_mlx = _run(ENGINE_PROBE, "package-then-mlx", str(tiny_model_dir))  # the hook loads it before mlx
+    assert then_mlx["blas"].startswith("OpenBLAS") and then_mlx["tokens"] == usual["tokens"]
     if qmatmul_ext.load() is None:
         pytest.skip("the MLX extension does not build here: mlx imported first is a BackendError (test_backend.py)")
     first = _run(ENGINE_PROBE, "mlx-first", str(tiny_model_dir))

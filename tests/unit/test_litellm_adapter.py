@@ -11,26 +11,21 @@ from typing import Any
 import litellm
 import pytest
 from litellm.exceptions import MidStreamFallbackError
-from fakes import QWEN_TOOLS_TEMPLATE, TIME, WEATHER, FakeEngine, chat_prompt, make_tokenizer, patch_get_engine
 
+from fakes import QWEN_TOOLS_TEMPLATE, TIME, WEATHER, FakeEngine, chat_prompt, make_tokenizer, patch_get_engine
+from mlx_parallm_provider.chat import FALLBACK_TOOL_PROMPT, JSON_OBJECT_INSTRUCTION, JSON_SCHEMA_INSTRUCTION, REQUIRED_TOOL_INSTRUCTION
 from mlx_parallm_provider.errors import (
     ContextWindowExceededError,
     EngineDeadError,
-    RequestFailedError,
     EngineOverloadedError,
     InvalidParameterError,
     ModelLoadError,
     ModelNotFoundError,
+    RequestFailedError,
     RequestTimeoutError,
     UnsupportedModelError,
 )
 from mlx_parallm_provider.integrations import litellm as adapter
-from mlx_parallm_provider.chat import (
-    FALLBACK_TOOL_PROMPT,
-    JSON_OBJECT_INSTRUCTION,
-    JSON_SCHEMA_INSTRUCTION,
-    REQUIRED_TOOL_INSTRUCTION,
-)
 
 MODEL = "mlx-parallm/fake"
 HI = [{"role": "user", "content": "Hi"}]

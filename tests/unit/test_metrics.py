@@ -7,12 +7,7 @@ import threading
 
 import pytest
 
-from mlx_parallm_provider.engine.metrics import (
-    LATENCY_BUCKETS,
-    EngineMetrics,
-    percentile,
-    summarize,
-)
+from mlx_parallm_provider.engine.metrics import LATENCY_BUCKETS, EngineMetrics, percentile, summarize
 
 
 class FakeClock:

@@ -8,6 +8,8 @@ from importlib.metadata import version
 from pathlib import Path
 
 import mlx_parallm_provider.models  # noqa: F401  (BLAS before mlx)
+
+# isort: split
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache
 

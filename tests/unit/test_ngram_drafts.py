@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from mlx_parallm_provider.engine.kv.manager import KVCacheManager
 from mlx_parallm_provider.engine.drafting.ngram import MAX_NGRAM, MIN_NGRAM, NgramIndex, NgramProposer
+from mlx_parallm_provider.engine.kv.manager import KVCacheManager
 
 
 def _reference(tokens: list[int], k: int) -> list[int]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mlx_parallm_provider.engine.guided import only_tokens
+from mlx_parallm_provider.engine.grammar.guided import only_tokens
 
 
 def _mask(rows: list[list[int]], words: int = 4) -> np.ndarray:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from mlx_parallm_provider.engine.embed.request import EmbedRequest
 from mlx_parallm_provider.engine.kv import KVCacheManager
-from mlx_parallm_provider.engine.prefix_match import common_prefix_len
+from mlx_parallm_provider.engine.kv.prefix_match import common_prefix_len
 from mlx_parallm_provider.engine.request import Request, ResultSink, SamplingParams
 from mlx_parallm_provider.engine.scheduler import Scheduler
 
@@ -181,8 +182,6 @@ def test_alone_a_prompt_skips_a_cached_prefix_it_cannot_afford() -> None:
 
 
 def emb(name: str, lengths: list[int], arrival: float) -> "EmbedRequest":
-    from mlx_parallm_provider.engine.embedding import EmbedRequest
-
     return EmbedRequest(name, [list(range(n)) for n in lengths], "mean", ResultSink(), arrival=arrival)
 
 

@@ -11,7 +11,6 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-
 from mlx.utils import tree_flatten
 
 from mlx_parallm_provider.models import backend, backends, qmatmul, qmatmul_ext, small_batch

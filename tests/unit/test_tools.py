@@ -7,9 +7,8 @@ import random
 import re
 
 import pytest
-from fakes import QWEN_TOOLS_TEMPLATE, TIME, WEATHER, make_tokenizer
 
-from mlx_parallm_provider.errors import InvalidParameterError
+from fakes import QWEN_TOOLS_TEMPLATE, TIME, WEATHER, make_tokenizer
 from mlx_parallm_provider.chat import (
     HERMES_FORMAT,
     NAMED_TOOL_INSTRUCTION,
@@ -28,6 +27,7 @@ from mlx_parallm_provider.chat import (
     template_supports_tools,
     tool_call_format,
 )
+from mlx_parallm_provider.errors import InvalidParameterError
 
 TOOLS = [WEATHER, TIME]
 CALL_ID = re.compile(r"^call_[0-9a-f]{24}$")

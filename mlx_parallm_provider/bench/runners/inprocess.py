@@ -139,7 +139,8 @@ class LangChainRunner(_OnSharedEngine):
         key = json.dumps([request.max_tokens, request.tools, request.tool_choice])
         if key not in self._chats:
             chat: Any = ChatMLXParallm(model=self.model, max_tokens=request.max_tokens, temperature=self.temperature, ignore_eos=self.ignore_eos)
-            self._chats[key] = chat.bind_tools(request.tools, **({"tool_choice": request.tool_choice} if request.tool_choice else {})) if request.tools else chat
+            self._chats[key] = (chat.bind_tools(request.tools, **({"tool_choice": request.tool_choice} if request.tool_choice else {}))
+                                if request.tools else chat)
         return self._chats[key]
 
     async def send(self, request: BenchRequest, record: RequestRecord) -> None:

@@ -3,7 +3,7 @@ and verified in one forward instead of one decode step each (:mod:`.verify`).
 
 Under a grammar many next tokens are forced (``{"name": "``, the keys of a closed schema,
 closing braces). After each step every constrained row drafts the tokens llguidance reports
-as forced (:meth:`~.guided.RowMatcher.forced`, its fast-forward tokens). The next step runs
+as forced (:meth:`~..grammar.guided.RowMatcher.forced`, its fast-forward tokens). The next step runs
 each row's last token and its forced ones as one short causal block over its KV blocks (the
 verify shape of n-gram drafts; rejected tokens' KV needs no undo, the scheduler fits
 the row's blocks to its tokens), then walks each drafting row's positions in order and

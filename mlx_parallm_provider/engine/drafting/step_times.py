@@ -20,7 +20,7 @@ def moving_average(old: Optional[float], sample: float) -> float:
 class StepTimes:
     """Measured seconds of a decode step of ``rows`` rows that verifies ``k`` tokens a row
     beyond the one it decodes (0: a plain step), as moving averages; shared by the n-gram
-    speculator and grammar fast-forward (:mod:`.fast_forward`), whose steps have the same
+    speculator and grammar fast-forward (:mod:`.forced`), whose steps have the same
     shape. Widths other than 0 are forgotten every :data:`REMEASURE_STEPS` steps."""
 
     def __init__(self) -> None:

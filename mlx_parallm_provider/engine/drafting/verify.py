@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 import mlx.core as mx
 
-from ..guided import fill_bitmask, only_tokens
+from ..grammar.guided import fill_bitmask, only_tokens
 from ..plan import Drafted, Verify
 from ..sampling import SampledRow, draw_tokens, sample_batch, sample_requests
 from .forced import can_fast_forward

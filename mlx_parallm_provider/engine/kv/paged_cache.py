@@ -37,8 +37,8 @@ import mlx.core as mx
 
 from ...models.attention import fits_step
 from ...models.backends import MLXOps
-from ..cascade import SharedPrefix, cascade_attention
 from .block_pool import NULL_BLOCK
+from .cascade import SharedPrefix, cascade_attention
 from .groups import LayerGroups
 from .storage import PagedKVStorage
 

@@ -25,7 +25,6 @@ from typing import Optional
 
 import mlx.core as mx
 
-
 GROWTH = 4
 """The arrays grow by at least 1/GROWTH of their size: a larger step copies less often
 (each growth copies every block held), a smaller one holds fewer blocks nobody uses yet."""

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from operator import itemgetter
@@ -25,8 +24,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from ...chat import PreparedPrompt, prepare_chat, read_completion
 from ...engine import Completion, Delta, EngineLike, SamplingParams
 from ...errors import InvalidParameterError
-from .batch import BatchesFromOneThread, prefetched
 from .._common import PROVIDER, usage_dict
+from .batch import BatchesFromOneThread, prefetched
 from .fields import EngineFields, engine_for
 from .messages import ChunkWriter, ai_message
 

@@ -8,7 +8,7 @@ from langchain_core.embeddings import Embeddings
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from typing_extensions import Self
 
-from ...engine.embedding import check_options
+from ...engine.embed.request import check_options
 from .fields import engine_for
 
 

@@ -12,8 +12,8 @@ from langchain_core.runnables import Runnable, RunnableConfig
 from pydantic import ConfigDict
 
 from ...engine import Completion, Delta, EngineLike, SamplingParams, Usage
-from .batch import BatchesFromOneThread, prefetched
 from .._common import PROVIDER, usage_dict
+from .batch import BatchesFromOneThread, prefetched
 from .fields import EngineFields, engine_for, logprobs_dict
 
 

@@ -8,16 +8,7 @@ from langchain_core.messages import AIMessage, AIMessageChunk
 from langchain_core.messages.tool import invalid_tool_call, tool_call, tool_call_chunk
 from langchain_core.outputs import ChatGenerationChunk
 
-from ...chat import (
-    ChatOutput,
-    ChatStreamReader,
-    ContentEvent,
-    FinalEvent,
-    InvalidToolCall,
-    InvalidToolCallEvent,
-    PreparedPrompt,
-    ToolCallEvent,
-)
+from ...chat import ChatOutput, ChatStreamReader, ContentEvent, FinalEvent, InvalidToolCall, InvalidToolCallEvent, PreparedPrompt, ToolCallEvent
 from ...engine import Delta
 from .fields import logprobs_dict, usage_metadata
 

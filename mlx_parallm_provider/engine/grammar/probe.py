@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Collection, Sequence
 
 import numpy as np
 
-from ..errors import InvalidParameterError
+from ...errors import InvalidParameterError
 from .constraint import import_llguidance
 
 if TYPE_CHECKING:

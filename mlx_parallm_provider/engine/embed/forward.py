@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import mlx.core as mx
 
-from .embedding import EmbedRequest
+from .request import EmbedRequest
 
 logger = logging.getLogger(__name__)
 

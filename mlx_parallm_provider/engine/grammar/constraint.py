@@ -3,7 +3,7 @@ grammar (:class:`Constraint`), compiled by llguidance. No MLX here; the worker s
 :mod:`.guided`.
 
 A constraint's text is checked against :data:`~.grammar_limits.LIMITS` first; llguidance
-then converts and validates it on a compiler thread (:mod:`.compiler`, a large stack), once
+then converts and validates it on a compiler thread (:mod:`.build_threads`, a large stack), once
 per distinct constraint (:func:`compiled_grammar` caches by content)."""
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from .._validation import check_nested
-from ..errors import InvalidParameterError
-from .compiler import run_compiler
-from .grammar_limits import LIMITS, check_grammar_input
+from ..._validation import check_nested
+from ...errors import InvalidParameterError
+from .build_threads import run_compiler
+from .limits import LIMITS, check_grammar_input
 
 _KINDS = ("json_schema", "json_object", "regex", "lark")
 #: How constrained JSON is spaced: no free whitespace (a model cannot stall in endless

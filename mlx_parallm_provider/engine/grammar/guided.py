@@ -8,8 +8,8 @@ rows are untouched and pay nothing. EOS is allowed only where the grammar may en
 row whose grammar is complete finishes with ``"stop"``.
 
 Each distinct grammar is built into a matcher once, on a compiler thread (llguidance
-recurses on the calling thread's stack, see :mod:`.compiler`), and probed a few tokens
-(:mod:`.grammar_probe`: the engine does it at submit, so a grammar that fails early is a
+recurses on the calling thread's stack, see :mod:`.build_threads`), and probed a few tokens
+(:mod:`.probe`: the engine does it at submit, so a grammar that fails early is a
 400 before admission); the rows that use it get copies of that matcher.
 """
 
@@ -26,10 +26,10 @@ from typing import Any, Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
-from ..errors import InvalidParameterError
-from .compiler import run_compiler
+from ...errors import InvalidParameterError
+from .build_threads import run_compiler
 from .constraint import Constraint, import_llguidance
-from .grammar_probe import build_checked, grammar_error
+from .probe import build_checked, grammar_error
 
 #: Built matchers each :class:`GrammarTokenizer` keeps, one per distinct grammar.
 MATCHER_CACHE = 64
@@ -154,7 +154,7 @@ class GrammarTokenizer:
 
     def check(self, grammar: str) -> None:
         """Raise the :class:`InvalidParameterError` of a grammar that fails on this model's
-        tokenizer within a few tokens (see :mod:`.grammar_probe`); builds it if not yet built."""
+        tokenizer within a few tokens (see :mod:`.probe`); builds it if not yet built."""
         with self._lock:
             entry = self._matchers.get(grammar)
         if entry is None:

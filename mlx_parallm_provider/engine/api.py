@@ -20,24 +20,24 @@ import weakref
 from collections.abc import Sequence
 from typing import Any, AsyncGenerator, Generator, Optional, Union
 
-from .._validation import check_text
 from .. import mlx_lm_compat
+from .._validation import check_text
 from ..config import EngineConfig
 from ..errors import ContextWindowExceededError, EngineOverloadedError, InvalidParameterError
 from ..models import backends, registry
 from ..models.registry import LoadedModel
-from .embed_api import EmbedMethods
+from .core import EngineCore
+from .embed.api import EmbedMethods
 from .exit_guard import shut_down_at_exit
 from .fanout import POLL_S, FanOut, TaggedSink, expand
-from .grammar_probe import build_off_loop
+from .grammar.probe import build_off_loop
+from .kv.budget import kv_bytes_per_token
 from .kv.support import ensure_servable
 from .metrics import EngineMetrics, prefix_stats
 from .prompt_size import PromptEncoder
 from .request import Completion, Delta, Prompt, Request, ResultSink, SamplingParams
 from .sinks import LoopSink as _LoopSink
 from .sinks import ThreadSink as _ThreadSink
-from .kv.budget import kv_bytes_per_token
-from .core import EngineCore
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ class Engine(EmbedMethods):
     """One loaded model served to any number of concurrent callers, batched.
 
     Use :func:`mlx_parallm_provider.get_engine` to share one engine per model per process.
-    Besides generation it embeds texts (:meth:`embed`, :meth:`embed_sync`; see :mod:`.embed_api`).
+    Besides generation it embeds texts (:meth:`embed`, :meth:`embed_sync`; see :mod:`.embed.api`).
 
     Args:
         model: a model name for :func:`mlx_parallm_provider.models.registry.load`

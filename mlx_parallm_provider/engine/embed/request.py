@@ -1,7 +1,7 @@
 """Embedding requests: what a caller asks for (inputs, pooling, dimensions), the request's
 engine-side state while the scheduler plans its inputs into steps, and the result.
 
-No MLX here: the forward pass and pooling are :mod:`.embed_forward`'s, run on the worker.
+No MLX here: the forward pass and pooling are :mod:`.forward`'s, run on the engine's core.
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from .._validation import check_int
-from ..errors import ContextWindowExceededError, InvalidParameterError, RequestTimeoutError
-from .request import ResultSink, Usage
+from ..._validation import check_int
+from ...errors import ContextWindowExceededError, InvalidParameterError, RequestTimeoutError
+from ..request import ResultSink, Usage
 
 POOLINGS = ("mean", "last")
 """``mean``: the average of the final hidden state over the input's tokens; ``last``: the

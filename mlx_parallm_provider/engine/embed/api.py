@@ -11,19 +11,19 @@ import uuid
 from collections.abc import Sequence
 from typing import Any, Optional, Union
 
-from .._validation import check_number
-from ..errors import EngineOverloadedError, InvalidParameterError, UnsupportedModelError
-from .embed_forward import hidden_model
-from .embedding import EmbeddingResult, EmbedRequest, check_options, input_ids
-from .prompt_size import INLINE_PROMPT_CHARS
-from .request import ResultSink
-from .sinks import LoopSink, ThreadSink
+from ..._validation import check_number
+from ...errors import EngineOverloadedError, InvalidParameterError, UnsupportedModelError
+from ..prompt_size import INLINE_PROMPT_CHARS
+from ..request import ResultSink
+from ..sinks import LoopSink, ThreadSink
+from .forward import hidden_model
+from .request import EmbeddingResult, EmbedRequest, check_options, input_ids
 
 EmbedInputs = Union[Sequence[str], Sequence[Sequence[int]]]
 
 
 class EmbedMethods:
-    """Embedding calls of :class:`~.coordinator.Engine` (which this is mixed into; it
+    """Embedding calls of :class:`~..api.Engine` (which this is mixed into; it
     provides the model, the prompt encoder, the worker and the result plumbing)."""
 
     async def embed(

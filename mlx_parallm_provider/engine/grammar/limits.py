@@ -3,7 +3,7 @@
 llguidance converts and validates grammars recursively, in Rust, on the calling thread's
 stack: a flat 95 KB JSON schema whose ``$defs`` chain 1,000 ``$ref`` s, or a Lark grammar of
 3,000 chained rules, overflowed the stack and killed the process. Grammars are compiled on
-threads with a large stack (:mod:`.compiler`); these limits keep what reaches them far
+threads with a large stack (:mod:`.build_threads`); these limits keep what reaches them far
 inside it, and name what a caller must change. They are generous for real schemas
 (OpenAI's strict mode allows 10 levels of nesting and 5,000 properties). Pure Python.
 """
@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from ..errors import InvalidParameterError
+from ...errors import InvalidParameterError
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,1 @@
+"""Embeddings: the request type, its forward pass and the engine's embedding methods."""

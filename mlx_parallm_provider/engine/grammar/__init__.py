@@ -1,0 +1,1 @@
+"""Constrained decoding: constraints, grammar compilation and per-row matchers (llguidance)."""
