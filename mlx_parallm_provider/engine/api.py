@@ -2,7 +2,7 @@
 cancellation, the sync bridge and stats.
 
 Any number of event loops and plain threads may call one :class:`Engine` at once; every
-request goes to the same worker, so they all land in the same batch. Results are handed
+request goes to the same core, so they all land in the same batch. Results are handed
 back with ``loop.call_soon_threadsafe`` (async callers) or a thread-safe queue (sync callers).
 """
 
@@ -227,22 +227,22 @@ class Engine(EmbedMethods):
         cached tokens and bytes, evictions) and ``kv_cache`` (blocks total / free / used,
         ``kv_cache_usage_perc``, preemptions), ``speculation``
         (n-gram drafts) and ``fast_forward`` (grammar-forced tokens): None when off."""
-        worker = self._core
-        running = worker.num_running if worker is not None and worker.alive else 0
-        waiting = worker.num_waiting if worker is not None and worker.alive else 0
+        core = self._core
+        running = core.num_running if core is not None and core.alive else 0
+        waiting = core.num_waiting if core is not None and core.alive else 0
         snap = self.metrics.snapshot(running=running, waiting=waiting)
         snap["model"] = self.model_name
-        snap["prefix_cache"] = prefix_stats(self.config.enable_prefix_caching, worker.prefix_store_stats() if worker is not None else None, snap)
-        snap["kv_cache"] = worker.kv_stats() if worker is not None else {"layout": "paged"}
-        snap.update(worker.drafting_stats() if worker is not None else {"speculation": None, "fast_forward": None})
+        snap["prefix_cache"] = prefix_stats(self.config.enable_prefix_caching, core.prefix_store_stats() if core is not None else None, snap)
+        snap["kv_cache"] = core.kv_stats() if core is not None else {"layout": "paged"}
+        snap.update(core.drafting_stats() if core is not None else {"speculation": None, "fast_forward": None})
         return snap
 
     def shutdown(self) -> None:
         """Stop the worker thread; requests still in flight fail with EngineDeadError."""
         with self._core_lock:
-            worker, self._core = self._core, None
-        if worker is not None:
-            worker.stop()
+            core, self._core = self._core, None
+        if core is not None:
+            core.stop()
 
     # -- internals --------------------------------------------------------------------
 
@@ -321,47 +321,47 @@ class Engine(EmbedMethods):
             deadline=None if timeout is None else now + timeout,
         )
         for _ in range(2):
-            worker = self._live_core()
+            core = self._live_core()
             if params.constraint is not None:  # one that fails within a few tokens is a 400 here
-                worker.grammar.check(params.constraint.grammar())
-            if not worker.scheduler.fits_alone(request):
+                core.grammar.check(params.constraint.grammar())
+            if not core.scheduler.fits_alone(request):
                 budget = self.config.kv_cache_memory_gb
                 raise InvalidParameterError(
                     "max_tokens",
                     f"prompt ({len(ids)}) + max_tokens ({params.max_tokens}) needs {request.max_kv_tokens} tokens "
                     f"({request.max_kv_tokens * self._kv_bytes_per_token / 1024**2:.3g} MiB) of KV cache, more than "
-                    f"the engine's whole KV pool holds ({worker.kv.capacity_tokens} tokens; kv_cache_memory_gb={budget})",
+                    f"the engine's whole KV pool holds ({core.kv.capacity_tokens} tokens; kv_cache_memory_gb={budget})",
                 )
-            if worker.num_waiting >= self.config.max_queue:
+            if core.num_waiting >= self.config.max_queue:
                 raise EngineOverloadedError(
-                    f"{worker.num_waiting} requests are already waiting (max_queue={self.config.max_queue}); "
+                    f"{core.num_waiting} requests are already waiting (max_queue={self.config.max_queue}); "
                     "retry later or raise EngineConfig.max_queue"
                 )
             self.metrics.request_arrived(request.request_id)
-            if worker.submit(request):
+            if core.submit(request):
                 return request
-        raise RuntimeError("could not start the engine's worker")  # pragma: no cover
+        raise RuntimeError("could not start the engine's core")  # pragma: no cover
 
     def _queue_room(self) -> int:
         """How many more requests the waiting queue takes now."""
-        worker = self._core
-        waiting = worker.num_waiting if worker is not None and worker.alive else 0
+        core = self._core
+        waiting = core.num_waiting if core is not None and core.alive else 0
         return self.config.max_queue - waiting
 
     def _live_core(self) -> EngineCore:
         with self._core_lock:
             if self._core is None or not self._core.alive:
                 if self._core is not None:
-                    logger.warning("starting a fresh worker after: %s", self._core.dead)
+                    logger.warning("starting a fresh core after: %s", self._core.dead)
                 self._core = EngineCore(self._loaded.model, self.tokenizer, self.config, self.metrics, self._kv_bytes_per_token,
                                       vocab_size=self.vocab_size or 0, context_length=self.context_length)
             return self._core
 
     def _cancel(self, request: Request) -> None:
         request.cancelled = True
-        worker = self._core
-        if worker is not None:
-            worker.wake()
+        core = self._core
+        if core is not None:
+            core.wake()
 
 
 _live_engines: "weakref.WeakSet[Engine]" = weakref.WeakSet()

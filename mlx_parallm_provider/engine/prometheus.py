@@ -57,23 +57,23 @@ DRAFT_COUNTERS = {  # (stats() section, its key) -> metric name, help
 
 def draft_counts(engine: Any) -> dict[tuple[str, str], float]:
     """The :data:`DRAFT_COUNTERS` of an engine (0 for what is off or not started)."""
-    worker = engine._core
-    stats = worker.drafting_stats() if worker is not None else {}
+    core = engine._core
+    stats = core.drafting_stats() if core is not None else {}
     return {key: float((stats.get(key[0]) or {}).get(key[1], 0)) for key in DRAFT_COUNTERS}
 
 
 def engine_gauges(engine: Any) -> dict[str, float]:
     """``running``, ``waiting``, ``kv_usage`` (used / total KV blocks), ``prefix_usage`` and the
-    KV blocks total / free of an engine, read without blocking its worker (a racy but
+    KV blocks total / free of an engine, read without blocking its core (a racy but
     consistent-enough snapshot)."""
-    worker = engine._core
-    if worker is None or not worker.alive:
+    core = engine._core
+    if core is None or not core.alive:
         return {"running": 0.0, "waiting": 0.0, "kv_usage": 0.0, "prefix_usage": 0.0, "kv_blocks_total": 0.0, "kv_blocks_free": 0.0}
-    running, waiting = worker.num_running, worker.num_waiting
-    kv_usage = worker.scheduler.kv_usage()
-    store = worker.prefix_store_stats()
+    running, waiting = core.num_running, core.num_waiting
+    kv_usage = core.scheduler.kv_usage()
+    store = core.prefix_store_stats()
     prefix_usage = store["nbytes"] / store["max_bytes"] if store and store["max_bytes"] else 0.0
-    kv = worker.kv_stats()
+    kv = core.kv_stats()
     return {
         "running": float(running), "waiting": float(waiting), "kv_usage": min(kv_usage, 1.0), "prefix_usage": min(prefix_usage, 1.0),
         "kv_blocks_total": float(kv.get("kv_blocks_total", 0)), "kv_blocks_free": float(kv.get("kv_blocks_free", 0)),
@@ -116,8 +116,8 @@ class EngineCollector:
             name = [str(engine.model_name)]
             for key, value in engine_gauges(engine).items():
                 gauges[key].add_metric(name, value)
-            worker = engine._core
-            preemptions.add_metric(name, float(worker.kv_stats().get("num_preemptions", 0)) if worker is not None else 0.0)
+            core = engine._core
+            preemptions.add_metric(name, float(core.kv_stats().get("num_preemptions", 0)) if core is not None else 0.0)
             for key, value in draft_counts(engine).items():
                 drafts[key].add_metric(name, value)
             snap = engine.metrics.snapshot()
