@@ -48,8 +48,8 @@ from soak_hostile import LoopProbe, hostile_cases, judge  # scripts/ is on the p
 
 from mlx_parallm_provider.config import EngineConfig
 from mlx_parallm_provider.engine import Engine, SamplingParams
+from mlx_parallm_provider.engine import core as core_module
 from mlx_parallm_provider.engine import sampling as sampling_module
-from mlx_parallm_provider.engine import worker as worker_module
 from mlx_parallm_provider.errors import EngineDeadError, MLXParallmError, RequestFailedError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -82,7 +82,7 @@ def install_faults() -> dict[str, Any]:
             raise KeyError("injected sampling fault")
         return real_filter(self, logprobs)
 
-    class FaultyText(worker_module.TextStream):
+    class FaultyText(core_module.TextStream):
         def add_token(self, token_id):
             if FAULT_MARKERS["detokenize"] in self.matcher.stops:
                 raise KeyError("injected detokenizer fault")
@@ -90,8 +90,8 @@ def install_faults() -> dict[str, Any]:
 
     sampling_module.RowSampler.__init__ = init
     sampling_module.RowSampler.filter = filter_
-    worker_module.RowSampler = sampling_module.RowSampler
-    worker_module.TextStream = FaultyText
+    core_module.RowSampler = sampling_module.RowSampler
+    core_module.TextStream = FaultyText
     return {"model_step": False}
 
 

@@ -102,8 +102,6 @@ class StepOutput:
     decode_seconds: float = 0.0
     """How long the decode (or verify) part of the step took."""
     decode_rows: int = 0
-    verify_width: int = 0
-    """The width the verify step is measured at (0: a plain step)."""
     ragged: bool = False
     """Whether the last pass of several positions a row computed its real positions only."""
     physical_blocks: int = 0
