@@ -53,16 +53,20 @@ class Cluster:
 
     def scrape(self, replica: str) -> dict[str, float]:
         """The replica's engine metrics: ``{name: value}`` summed over label sets."""
-        from prometheus_client.parser import text_string_to_metric_families
-
         with self.replicas[replica].client(timeout=10) as client:
-            text = client.get("/metrics", follow_redirects=True).text
-        values: Counter[str] = Counter()
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name.startswith("mlx_parallm:") and sample.labels.get("le") in (None, "+Inf"):
-                    values[sample.name] += sample.value
-        return dict(values)
+            return engine_metrics(client.get("/metrics", follow_redirects=True).text)
+
+
+def engine_metrics(text: str) -> dict[str, float]:
+    """The engine metrics of a /metrics page: ``{name: value}`` summed over label sets."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    values: Counter[str] = Counter()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.startswith("mlx_parallm:") and sample.labels.get("le") in (None, "+Inf"):
+                values[sample.name] += sample.value
+    return dict(values)
 
 
 @pytest.fixture(scope="module")
@@ -133,18 +137,26 @@ def _balanced_groups(cluster: Cluster, team: str) -> list[int]:
 
 
 class Watcher:
-    """Scrapes one replica's /metrics every 20 ms while a run goes."""
+    """Scrapes one replica's /metrics every 20 ms while a run goes: over one connection, the
+    pages parsed once the run ends (parsing each as it came took ~150 ms a sample, in the
+    process sending the run's requests, and left a run of a few tenths of a second with as
+    few as one sample of its queue)."""
 
     def __init__(self, cluster: Cluster, replica: str) -> None:
         self.cluster, self.replica = cluster, replica
-        self.samples: list[dict[str, float]] = []
+        self.pages: list[str] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
+    @property
+    def samples(self) -> list[dict[str, float]]:
+        return [engine_metrics(page) for page in self.pages]
+
     def _run(self) -> None:
-        while not self._stop.is_set():
-            self.samples.append(self.cluster.scrape(self.replica))
-            time.sleep(0.02)
+        with self.cluster.replicas[self.replica].client(timeout=10) as client:
+            while not self._stop.is_set():
+                self.pages.append(client.get("/metrics", follow_redirects=True).text)
+                time.sleep(0.02)
 
     def __enter__(self) -> "Watcher":
         self._thread.start()
