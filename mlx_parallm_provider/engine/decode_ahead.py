@@ -26,7 +26,8 @@ from typing import Any, Optional, Sequence
 import mlx.core as mx
 
 from .request import Request
-from .sampling import SampledRow, draw_tokens
+from .sampled import SampledRow
+from .sampling import draw_tokens
 
 logger = logging.getLogger(__name__)
 

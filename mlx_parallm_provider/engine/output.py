@@ -6,18 +6,21 @@ request; no MLX here."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Collection, Optional
+from typing import TYPE_CHECKING, Any, Collection, Optional
 
 from .detokenize import TextStream
 from .request import Completion, Delta, Request, Usage
-from .sampling import RowSampler, SampledRow, token_logprob
+from .sampled import SampledRow, token_logprob
+
+if TYPE_CHECKING:
+    from .sampling import RowSampler
 
 
 @dataclass
 class RowState:
     """The engine-side state of one request: its sampler, text stream and logprobs."""
 
-    sampler: RowSampler
+    sampler: "RowSampler"
     text: TextStream
     logprobs: Optional[list] = None
     streamed: int = 0  # output tokens whose ids (and logprobs) a Delta has carried

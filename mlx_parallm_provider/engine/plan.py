@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Literal, Optional
 if TYPE_CHECKING:
     from .embed.request import EmbedRequest
     from .request import Request
-    from .sampling import SampledRow
+    from .sampled import SampledRow
 
 DraftKind = Literal["ngram", "forced"]
 """Which drafts a verify step checks: n-gram lookups of plain rows, or the tokens a

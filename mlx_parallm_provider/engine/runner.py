@@ -29,7 +29,8 @@ from .kv.storage import PagedKVStorage
 from .kv.support import layer_windows
 from .plan import KVStep, StepOutput, StepPlan
 from .request import Request
-from .sampling import SampledRow, sample_requests
+from .sampled import SampledRow
+from .sampling import sample_requests
 
 logger = logging.getLogger(__name__)
 

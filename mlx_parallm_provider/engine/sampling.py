@@ -9,14 +9,14 @@ in the batch: no global RNG state is shared between rows.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
 from .grammar.guided import GrammarTokenizer, RowMatcher, apply_bitmask, grammar_bitmask, only_tokens
-from .request import SamplingParams, TokenLogprob
+from .request import SamplingParams
+from .sampled import SampledRow
 
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 
@@ -63,19 +63,6 @@ class RowSampler:
     def draw(self, logprobs: mx.array) -> mx.array:
         """Sample one token from one row's (filtered) logprobs with this row's next key."""
         return mx.random.categorical(self.filter(logprobs) * (1.0 / self.params.temperature), key=self.next_key())
-
-
-@dataclass
-class SampledRow:
-    """A sampled token and, when asked for, its log-probability and the top alternatives.
-
-    ``error`` is set instead when sampling this row failed; the other rows are unaffected.
-    """
-
-    token: int = -1
-    logprob: Optional[float] = None
-    top: Optional[list[tuple[int, float]]] = None
-    error: Optional[Exception] = None
 
 
 def sample_batch(
@@ -184,19 +171,6 @@ def _pick(logprobs: mx.array, samplers: Sequence[RowSampler]) -> mx.array:
     if all(s.greedy for s in samplers):
         return greedy
     return mx.concatenate([greedy[i : i + 1] if s.greedy else s.draw(logprobs[i : i + 1]) for i, s in enumerate(samplers)])
-
-
-def token_logprob(tokenizer: Any, row: SampledRow) -> TokenLogprob:
-    """Turn a sampled row's numbers into the public :class:`TokenLogprob`."""
-    top = [(tid, tokenizer.decode([tid]), lp) for tid, lp in (row.top or [])]
-    return TokenLogprob(token_id=row.token, token=tokenizer.decode([row.token]), logprob=row.logprob or 0.0, top_logprobs=top)
-
-
-def plain_row(request: Any) -> bool:
-    """Whether a row's next token needs nothing but its logits and its own PRNG key: no logits
-    processors, no grammar, no logprobs. Only such rows verify n-gram drafts or decode ahead."""
-    sampler = request.state.sampler if request.state is not None else None
-    return sampler is not None and not sampler.processors and sampler.matcher is None and not request.params.logprobs
 
 
 def sample_requests(logits: mx.array, requests: Sequence[Any]) -> list[SampledRow]:

@@ -50,7 +50,7 @@ from .kv.prefix_match import waits_for_sharer
 from .output import take_token
 from .plan import StepOutput, StepPlan
 from .request import Request
-from .sampling import plain_row
+from .sampled import plain_row
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ import pytest
 from engine_helpers import scrape
 from mlx_parallm_provider.engine import SamplingParams
 from mlx_parallm_provider.engine.drafting import ngram as speculation
-from mlx_parallm_provider.engine.sampling import plain_row
+from mlx_parallm_provider.engine.sampled import plain_row
 
 PROMPTS = ["one two three one two three one two three one two", "a b c d a b c d a b", "the sea the sea the sea",
            "Write the list again: red, green, blue; red, green,"]

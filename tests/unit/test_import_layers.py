@@ -214,3 +214,33 @@ if __name__ == "__main__":
     edges = graph()
     print(describe(edges) or "no cycles")
     sys.exit(1 if groups(edges) else 0)
+
+
+POLICY = ("engine.scheduler", "engine.plan", "engine.output", "engine.kv.manager", "engine.kv.block_pool",
+          "engine.drafting", "engine.drafting.ngram", "engine.drafting.forced", "engine.drafting.step_times")
+"""The engine's policy and bookkeeping: they import no MLX, directly or through the package
+modules they import (a parent package's ``__init__`` aside)."""
+
+
+def _outside_imports(path: Path) -> set[str]:
+    """The top-level names of what module ``path`` imports from outside the package."""
+    names = set()
+    for node in _import_nodes(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif not node.level and node.module:
+            names.add(node.module.split(".")[0])
+    return names - {ROOT}
+
+
+def test_the_scheduler_kv_manager_and_drafting_policy_import_no_mlx() -> None:
+    edges, known = graph(), modules()
+    for start in POLICY:
+        seen, todo = set(), [f"{ROOT}.{start}"]
+        while todo:
+            module = todo.pop()
+            if module not in seen:
+                seen.add(module)
+                todo.extend(edges[module])
+        heavy = sorted(m for m in seen if _outside_imports(known[m]) & {"mlx", "mlx_lm"})
+        assert heavy == [], f"{start} imports MLX through {heavy}"

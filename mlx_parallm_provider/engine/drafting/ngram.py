@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 from ..plan import Drafted
-from ..sampling import plain_row
+from ..sampled import plain_row
 from .step_times import StepTimes, best_width, moving_average
 
 MAX_NGRAM = 3

@@ -17,7 +17,8 @@ import mlx.core as mx
 
 from ..grammar.guided import fill_bitmask, only_tokens
 from ..plan import Drafted, Verify
-from ..sampling import SampledRow, draw_tokens, sample_batch, sample_requests
+from ..sampled import SampledRow
+from ..sampling import draw_tokens, sample_batch, sample_requests
 from .forced import can_fast_forward
 
 

@@ -1,0 +1,35 @@
+"""What sampling gives a row (:class:`SampledRow`), and the questions about a row that policy
+asks without MLX: whether its next token needs only its logits and key (:func:`plain_row`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from .request import TokenLogprob
+
+
+@dataclass
+class SampledRow:
+    """A sampled token and, when asked for, its log-probability and the top alternatives.
+
+    ``error`` is set instead when sampling this row failed; the other rows are unaffected.
+    """
+
+    token: int = -1
+    logprob: Optional[float] = None
+    top: Optional[list[tuple[int, float]]] = None
+    error: Optional[Exception] = None
+
+
+def plain_row(request: Any) -> bool:
+    """Whether a row's next token needs nothing but its logits and its own PRNG key: no logits
+    processors, no grammar, no logprobs. Only such rows verify n-gram drafts or decode ahead."""
+    sampler = request.state.sampler if request.state is not None else None
+    return sampler is not None and not sampler.processors and sampler.matcher is None and not request.params.logprobs
+
+
+def token_logprob(tokenizer: Any, row: SampledRow) -> TokenLogprob:
+    """Turn a sampled row's numbers into the public :class:`TokenLogprob`."""
+    top = [(tid, tokenizer.decode([tid]), lp) for tid, lp in (row.top or [])]
+    return TokenLogprob(token_id=row.token, token=tokenizer.decode([row.token]), logprob=row.logprob or 0.0, top_logprobs=top)
