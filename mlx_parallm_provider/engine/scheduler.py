@@ -14,7 +14,7 @@ decodes, and when the pool runs out the newest running request is preempted (its
 freed, itself queued first to be recomputed from its prompt and output so far), as vLLM v1
 does.
 
-Embedding calls (:class:`~.embedding.EmbedRequest`) take step token budget as prefills do, in
+Embedding calls (:class:`~.embed.request.EmbedRequest`) take step token budget as prefills do, in
 arrival order, but hold no slot and no KV; a call ends the step its last input is embedded.
 
 Progress (nano-vllm's ``schedule -> run -> postprocess``, vLLM's ``update_from_output``): the

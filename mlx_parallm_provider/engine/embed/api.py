@@ -1,6 +1,6 @@
 """The engine's embedding calls, :meth:`Engine.embed <EmbedMethods.embed>` and
 :meth:`~EmbedMethods.embed_sync`: inputs checked and tokenized on the caller's side, then
-one :class:`~.embedding.EmbedRequest` queued on the engine's worker, where its inputs are
+one :class:`~.request.EmbedRequest` queued on the engine's worker, where its inputs are
 embedded in the steps' batches beside (and with) everyone else's."""
 
 from __future__ import annotations

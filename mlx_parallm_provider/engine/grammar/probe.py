@@ -74,7 +74,7 @@ def failure(error: str, consumed: int, built: bool = True) -> str:
 def build_checked(tokenizer: Any, grammar: str, eos: Collection[int]) -> tuple[Any, str]:
     """A matcher of ``grammar`` on ``tokenizer`` (an ``LLTokenizer``) and what :func:`probe`
     found wrong with it ("" when nothing; the matcher is then None). Call on a compiler
-    thread (:func:`~.compiler.run_compiler`): llguidance recurses on the caller's stack."""
+    thread (:func:`~.build_threads.run_compiler`): llguidance recurses on the caller's stack."""
     llg = import_llguidance()
     matcher = llg.LLMatcher(tokenizer, grammar, log_level=0, limits=llg.LLParserLimits(verbose_errors=False))
     error = probe(matcher.deep_copy(), tokenizer.vocab_size, eos)

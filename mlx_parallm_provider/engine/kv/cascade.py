@@ -1,7 +1,7 @@
 """Cascade attention (Hydragen; FlashInfer's cascade): rows that share a prefix attend to it
 as one matmul for all their queries, merged with each row's own tokens by log-sum-exp.
 
-:class:`.kv.paged_cache.PagedLayerCache` uses it for decode rows whose block tables start
+:class:`.paged_cache.PagedLayerCache` uses it for decode rows whose block tables start
 with the same cached blocks.
 """
 
