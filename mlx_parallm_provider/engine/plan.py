@@ -99,9 +99,11 @@ class StepOutput:
     """``id(request)`` -> what its drafts came to, for the rows a verify step ran."""
     ahead: list["Request"] = field(default_factory=list)
     """Rows whose next step is computed ahead (may be fewer than planned: a draw failed)."""
+    decoded: list["Request"] = field(default_factory=list)
+    """The rows the decode (or verify) part of the step ran, in the order it ran them (their
+    tokens are the last entries of :attr:`sampled`)."""
     decode_seconds: float = 0.0
     """How long the decode (or verify) part of the step took."""
-    decode_rows: int = 0
     ragged: bool = False
     """Whether the last pass of several positions a row computed its real positions only."""
     physical_blocks: int = 0

@@ -84,11 +84,11 @@ class ModelRunner:
         if plan.embed:
             out.embedded, failed = embed_step(self.model, plan.embed, self.pad_id, self.metrics)  # a failure fails only its calls
             out.failed.extend((request, exc, "while embedding its inputs") for request, exc in failed)
+        if self.ahead is not None and not plan.pipelined:
+            self.ahead.drop()  # (what was computed ahead, its keys put back)
         rows = [r for r in plan.decode if self.wanted(r)]
         if rows:
             self._decode(plan, rows, out)
-        elif self.ahead is not None and not plan.pipelined:
-            self.ahead.drop()
         return out
 
     def _chunk(self, request: Request, n: int, out: StepOutput) -> None:
@@ -110,11 +110,7 @@ class ModelRunner:
     def _decode(self, plan: StepPlan, rows: list[Request], out: StepOutput) -> None:
         """One decode step of ``rows``: computed ahead, verifying drafts, or plain."""
         tic = time.perf_counter()
-        got = None
-        if self.ahead is not None and plan.pipelined:
-            got = self.ahead.step(rows, plan.ahead)
-        elif self.ahead is not None:
-            self.ahead.drop()
+        got = self.ahead.step(rows, plan.ahead) if self.ahead is not None and plan.pipelined else None
         if got is not None:
             rows, sampled = got
             out.ahead = self.ahead.computing
@@ -123,7 +119,7 @@ class ModelRunner:
         else:
             sampled = _lists(sample_requests(self.decode(rows), rows))
         out.decode_seconds = time.perf_counter() - tic
-        out.decode_rows = len(rows)
+        out.decoded = rows
         out.ragged = self.ragged
         out.sampled.extend(zip(rows, sampled))
 

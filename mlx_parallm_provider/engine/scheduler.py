@@ -154,11 +154,11 @@ class Scheduler:
         if out.chunked is not None:
             self.advanced(*out.chunked)
         self.started(out.prefilled)
-        decoded = [r for r, _ in out.sampled[len(out.prefilled):]]
-        if out.decode_rows:
+        decoded = out.decoded
+        if decoded:
             self._ahead = {id(r) for r in out.ahead}
             if self.metrics is not None:
-                self.metrics.record_step(out.decode_rows, out.decode_seconds)
+                self.metrics.record_step(len(decoded), out.decode_seconds)
             if self.drafting is not None:  # what a step of this width costs, for its next plan
                 self.drafting.verified(decoded, plan.verify, out, plan.pipelined)
         if self.metrics is not None:

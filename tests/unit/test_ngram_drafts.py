@@ -149,7 +149,7 @@ def test_the_plain_step_after_a_verify_step_is_counted_as_the_verify_steps_cost(
     rows = [_Row([1, 2])]
 
     def step(seconds: float, verify=None) -> None:  # a step of one row, as the scheduler takes it back
-        out = StepOutput(decode_seconds=seconds, decode_rows=1, drafts={id(rows[0]): Drafted(1, 0, 1)} if verify else {})
+        out = StepOutput(decoded=rows, decode_seconds=seconds, drafts={id(rows[0]): Drafted(1, 0, 1)} if verify else {})
         drafts.verified(rows, verify, out)
 
     for _ in range(3):

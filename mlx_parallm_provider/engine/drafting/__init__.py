@@ -84,11 +84,11 @@ class Drafting:
             proposer.stats.steps += 1
             self.times.ragged = out.ragged
             lengths = [len(r.draft) if verify.kind == "ngram" or can_fast_forward(r) else 0 for r in rows]
-            self.times.record(out.decode_rows, self.times.width(lengths, verify.k), out.decode_seconds)
+            self.times.record(len(rows), self.times.width(lengths, verify.k), out.decode_seconds)
         elif self._ngram_verified and pipelined:
-            self.times.record_restart(out.decode_rows, out.decode_seconds)
+            self.times.record_restart(len(rows), out.decode_seconds)
         else:
-            self.times.record(out.decode_rows, 0, out.decode_seconds)
+            self.times.record(len(rows), 0, out.decode_seconds)
         self._ngram_verified = verify is not None and verify.kind == "ngram"
 
     def draft_all(self, rows: Sequence[Any]) -> None:
