@@ -78,7 +78,7 @@ class _PagedRows:
         prompt = mx.random.randint(0, 1000, (1, context), key=mx.random.key(0))
         model(prompt, cache=PagedBatch(self.storage, self.tables[:1], [0], [context], context).layers())
         self.storage.copy_blocks([(self.tables[0][i], table[i]) for table in self.tables[1:] for i in range(per_row)])
-        mx.eval([a for a in (*self.storage.keys, *self.storage.values) if a is not None])
+        mx.eval(self.storage.arrays())
 
     def step(self) -> list[Any]:
         """The layers' caches of one decode pass (a new token at position ``context`` a row)."""

@@ -222,7 +222,7 @@ class ModelRunner:
         return logits
 
     def _eval(self, *more: mx.array) -> None:
-        mx.eval([a for a in (*self.storage.keys, *self.storage.values) if a is not None], *more)
+        mx.eval(self.storage.arrays(), *more)
 
 
 

@@ -9,6 +9,8 @@ from typing import Any, Optional
 
 import mlx.core as mx
 
+from .storage import QUANTIZED_KV_BITS, quantized_bytes_per_value
+
 logger = logging.getLogger(__name__)
 
 FREE_MEMORY_FRACTION = 0.5
@@ -54,14 +56,16 @@ def pool_blocks(budget_bytes: Optional[int], bytes_per_token: int, block_size: i
 def kv_bytes_per_token(model: Any, config: dict[str, Any], kv_cache_dtype: str = "auto") -> int:
     """Bytes of K and V one token takes across all layers (from the model's config; the
     KV's dtype is ``kv_cache_dtype``, or with ``"auto"`` that of the model's embeddings,
-    float32 for packed ones, at least 2 bytes)."""
+    float32 for packed ones, at least 2 bytes; quantized blocks' codes, scales and biases)."""
     heads = config.get("num_attention_heads", 1)
     kv_heads = config.get("num_key_value_heads", heads)
     head_dim = config.get("head_dim") or config.get("hidden_size", heads) // heads
     layers = config.get("num_hidden_layers", len(getattr(model, "layers", [])) or 1)
     weight = getattr(getattr(model, "model", None), "embed_tokens", None)
     weight = getattr(weight, "weight", None)  # packed-weight embeddings hold none: they compute in float32
-    dtype_bytes = weight.dtype.size if weight is not None else 4
+    dtype_bytes: float = weight.dtype.size if weight is not None else 4
+    if kv_cache_dtype in QUANTIZED_KV_BITS:
+        return int(2 * layers * kv_heads * head_dim * quantized_bytes_per_value(QUANTIZED_KV_BITS[kv_cache_dtype]))
     if kv_cache_dtype != "auto":
         dtype_bytes = getattr(mx, kv_cache_dtype).size
-    return 2 * layers * kv_heads * head_dim * max(2, dtype_bytes)
+    return int(2 * layers * kv_heads * head_dim * max(2, dtype_bytes))

@@ -12,7 +12,7 @@ import mlx.core as mx
 from .budget import pool_blocks
 from .groups import LayerGroups
 from .manager import KVCacheManager
-from .storage import PagedKVStorage
+from .storage import QUANTIZED_KV_BITS, PagedKVStorage
 from .support import layer_windows, with_max_kv_size
 
 
@@ -44,14 +44,14 @@ class KVMemory:
 
 def build_kv(model: Any, budget_bytes: Optional[int], bytes_per_token: int, block_size: int, max_tokens: int,
              max_cached_tokens: Optional[int] = None, max_kv_size: Optional[int] = None,
-             kv_dtype: Optional[mx.Dtype] = None) -> KVMemory:
+             kv_dtype: Optional[mx.Dtype] = None, kv_bits: Optional[int] = None) -> KVMemory:
     """KV memory for ``model``: ``budget_bytes`` of blocks (all allocated at once), or, without
     a budget, room for ``max_tokens`` within the free memory, grown on use; at most
     ``max_cached_tokens`` of it named by the prefix cache. ``max_kv_size``: every layer attends
     to at most that many recent tokens, and older blocks are released. Layers of different
     windows (gemma3's local and global) get a group each (:mod:`.groups`): a local group's
     blocks past its window are released too. ``kv_dtype``: the blocks' dtype (None: the
-    model's K/V dtype)."""
+    model's K/V dtype); ``kv_bits``: quantized blocks of 8 or 4 bits instead."""
     layers = len(model.layers)
     windows = with_max_kv_size(layer_windows(model) or [None] * layers, max_kv_size)
     groups = LayerGroups.of(windows)
@@ -59,13 +59,16 @@ def build_kv(model: Any, budget_bytes: Optional[int], bytes_per_token: int, bloc
     blocks = pool_blocks(budget_bytes, bytes_per_token * groups.size // layers, block_size, max_tokens * groups.count)
     cached = None if max_cached_tokens is None else max(1, max_cached_tokens * groups.count // block_size)
     manager = KVCacheManager(blocks, block_size, cached, windows=groups.windows)
-    storage = PagedKVStorage(groups.size, blocks, block_size, preallocate=budget_bytes is not None, dtype=kv_dtype)
+    storage = PagedKVStorage(groups.size, blocks, block_size, preallocate=budget_bytes is not None, dtype=kv_dtype,
+                             bits=kv_bits)
     return KVMemory(manager, storage, windows, groups if groups.count > 1 else None, bytes_per_token, layers)
 
 
 def kv_for_engine(model: Any, config: Any, bytes_per_token: int, context_length: int) -> KVMemory:
     """The KV memory ``config`` (an :class:`~...config.EngineConfig`) asks for."""
+    dtype = config.kv_cache_dtype
     return build_kv(model, config.kv_cache_memory_bytes, bytes_per_token, config.kv_block_size,
                     config.max_num_seqs * max(context_length, 1),
                     max_cached_tokens=config.prefix_cache_memory_bytes // max(1, bytes_per_token), max_kv_size=config.max_kv_size,
-                    kv_dtype=None if config.kv_cache_dtype == "auto" else getattr(mx, config.kv_cache_dtype))
+                    kv_dtype=None if dtype == "auto" or dtype in QUANTIZED_KV_BITS else getattr(mx, dtype),
+                    kv_bits=QUANTIZED_KV_BITS.get(dtype))

@@ -17,6 +17,15 @@ blocks can still use (``cap``: a long prompt's arrays stop near its prompt + ``m
 and by a sixteenth at least (:data:`MIN_GROWTH`). Growing copies the arrays
 (MLX cannot extend one in place) one layer at a time, so the copy's transient is one
 layer's arrays, not the whole pool's.
+
+Quantized blocks (``kv_cache_dtype`` ``"int8"`` / ``"int4"``): each token's K (and V) of a
+head is quantized on write in groups of :data:`KV_QUANT_GROUP_SIZE` dimensions, affinely, as
+``mx.quantize`` does (mlx-lm's ``QuantizedKVCache`` too): ``keys[l]`` / ``values[l]`` hold
+the packed codes (uint32, ``(slots, kv_heads, D * bits / 32)``) and :attr:`PagedKVStorage.scales`
+each layer's ``(key_scales, key_biases, value_scales, value_biases)``, float16 ``(slots,
+kv_heads, D / group)``. A slot's codes and scales depend on that token alone, so a block
+shared, copied, cut back (rejected drafts) or released is handled as any other; reads
+dequantize what they gather, and the CPU kernel reads the codes directly.
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ from __future__ import annotations
 from typing import Optional
 
 import mlx.core as mx
+import numpy as np
 
 GROWTH = 4
 """The arrays grow by at least 1/GROWTH of their size: a larger step copies less often
@@ -35,17 +45,57 @@ series of requests each a little past the last peak copies the arrays a bounded 
 times per doubling, not once per request."""
 
 
+KV_QUANT_GROUP_SIZE = 32
+"""Dimensions of a head's K or V that share one scale and bias in quantized blocks: 32 keeps
+int4's error within what greedy decoding tolerates on small heads (64: half the scales'
+bytes, twice the error), and divides every common head size (64, 96, 128, 256)."""
+
+QUANTIZED_KV_BITS = {"int8": 8, "int4": 4}
+"""``kv_cache_dtype`` values that quantize the blocks, and their bits."""
+
+SCALES_DTYPE = mx.float16
+
+
+def quantized_bytes_per_value(bits: int) -> float:
+    """Bytes one K or V value takes in quantized blocks: its code plus its share of its
+    group's float16 scale and bias."""
+    return bits / 8 + 2 * SCALES_DTYPE.size / KV_QUANT_GROUP_SIZE
+
+
 class PagedKVStorage:
-    """Per-layer K/V pools for ``num_blocks`` blocks of ``block_size`` tokens."""
+    """Per-layer K/V pools for ``num_blocks`` blocks of ``block_size`` tokens; ``bits`` (8 or
+    4) quantizes them (``dtype`` is then ignored)."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, preallocate: bool = False,
-                 dtype: Optional[mx.Dtype] = None) -> None:
+                 dtype: Optional[mx.Dtype] = None, bits: Optional[int] = None) -> None:
+        if bits not in (None, 4, 8):
+            raise ValueError(f"quantized KV blocks take 8 or 4 bits, not {bits}")
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
-        self.dtype = dtype  # of the arrays; None: the model's K/V dtype
+        self.dtype = None if bits else dtype  # of the arrays; None: the model's K/V dtype
+        self.bits = bits
+        self.group_size = KV_QUANT_GROUP_SIZE
         self.compute_dtype: Optional[mx.Dtype] = None  # the model's K/V dtype, known at the first write
         self.keys: list[Optional[mx.array]] = [None] * num_layers
         self.values: list[Optional[mx.array]] = [None] * num_layers
+        # Quantized blocks: per layer (key_scales, key_biases, value_scales, value_biases).
+        self.scales: list[Optional[list[mx.array]]] = [None] * num_layers
         self._blocks = num_blocks if preallocate else 0  # blocks the arrays hold (or will, once created)
+
+    def layer_arrays(self, layer: int) -> list[mx.array]:
+        """Every array of ``layer`` (keys, values, then a quantized layer's scales and
+        biases), in a fixed order; empty before its first write."""
+        if self.keys[layer] is None:
+            return []
+        return [self.keys[layer], self.values[layer], *(self.scales[layer] or [])]  # type: ignore[list-item]
+
+    def _set_layer_arrays(self, layer: int, arrays: list[mx.array]) -> None:
+        self.keys[layer], self.values[layer] = arrays[0], arrays[1]
+        if self.bits:
+            self.scales[layer] = list(arrays[2:])
+
+    def arrays(self) -> list[mx.array]:
+        """Every array the storage holds (what a step's evaluation waits for)."""
+        return [a for layer in range(self.num_layers) for a in self.layer_arrays(layer)]
 
     @property
     def physical_blocks(self) -> int:
@@ -55,7 +105,7 @@ class PagedKVStorage:
     @property
     def nbytes(self) -> int:
         """Bytes the K and V arrays hold."""
-        return sum(a.nbytes for a in (*self.keys, *self.values) if a is not None)
+        return sum(a.nbytes for a in self.arrays())
 
     def reserve(self, blocks: int, cap: Optional[int] = None) -> None:
         """Make the arrays hold at least ``blocks`` blocks: by :data:`GROWTH` at least, but
@@ -68,11 +118,13 @@ class PagedKVStorage:
             ahead = min(ahead, max(cap, self._blocks + self._blocks // MIN_GROWTH, 16))
         target = min(self.num_blocks, max(blocks, ahead))
         extra = (target - self._blocks) * self.block_size
-        for arrays in (self.keys, self.values):
-            for layer, a in enumerate(arrays):
-                if a is not None:
-                    arrays[layer] = mx.concatenate([a, mx.zeros((extra, *a.shape[1:]), a.dtype)])
-                    mx.eval(arrays[layer])  # now, so one layer's old array at most is held beside its copy
+        for layer in range(self.num_layers):
+            grown = []
+            for a in self.layer_arrays(layer):
+                grown.append(mx.concatenate([a, mx.zeros((extra, *a.shape[1:]), a.dtype)]))
+                mx.eval(grown[-1])  # now, so one array's old copy at most is held beside its new one
+            if grown:
+                self._set_layer_arrays(layer, grown)
         self._blocks = target
 
     def check(self, highest_slot: int) -> None:
@@ -83,18 +135,27 @@ class PagedKVStorage:
 
     def write(self, layer: int, slots: mx.array, keys: mx.array, values: mx.array) -> None:
         """Put ``keys`` / ``values`` (``(n, kv_heads, head_dim)``) at ``slots`` (``(n,)``)."""
+        self.compute_dtype = keys.dtype
+        if self.bits:
+            parts = [*self._quantize(keys), *self._quantize(values)]  # codes, scales, biases of K, then V
+            new = [parts[0], parts[3], parts[1], parts[2], parts[4], parts[5]]
+        else:
+            new = [keys.astype(self.dtype or keys.dtype), values.astype(self.dtype or values.dtype)]
         if self.keys[layer] is None:
             size = self._blocks * self.block_size
-            self.compute_dtype = keys.dtype
-            self.keys[layer] = mx.zeros((size, *keys.shape[1:]), self.dtype or keys.dtype)
-            self.values[layer] = mx.zeros((size, *values.shape[1:]), self.dtype or values.dtype)
-        self.keys[layer][slots] = keys.astype(self.keys[layer].dtype)  # type: ignore[index]
-        self.values[layer][slots] = values.astype(self.values[layer].dtype)  # type: ignore[index]
+            self._set_layer_arrays(layer, [mx.zeros((size, *a.shape[1:]), a.dtype) for a in new])
+        for pool, part in zip(self.layer_arrays(layer), new):
+            pool[slots] = part.astype(pool.dtype)
+
+    def _quantize(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        if x.shape[-1] % self.group_size:
+            raise ValueError(f"quantized KV blocks need a head size divisible by {self.group_size}, not {x.shape[-1]}")
+        return mx.quantize(x.astype(SCALES_DTYPE), group_size=self.group_size, bits=self.bits)
 
     def written_in_place(self, layer: int, by: mx.array) -> None:
         """``layer``'s arrays were written in place by the op computing ``by`` (the fused
         attention step): later readers of them wait for it."""
-        self.keys[layer], self.values[layer] = mx.depends([self.keys[layer], self.values[layer]], [by])
+        self._set_layer_arrays(layer, mx.depends(self.layer_arrays(layer), [by]))
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole blocks ``source -> destination`` in every layer (copy on write)."""
@@ -104,15 +165,50 @@ class PagedKVStorage:
         src = mx.array([s * bs + i for s, _ in pairs for i in range(bs)], dtype=mx.int32)
         dst = mx.array([d * bs + i for _, d in pairs for i in range(bs)], dtype=mx.int32)
         self.check(max(max(s, d) for s, d in pairs) * bs + bs - 1)
-        for arrays in (self.keys, self.values):
-            for layer, a in enumerate(arrays):
-                if a is not None:
-                    a[dst] = a[src]
+        for layer in range(self.num_layers):
+            for a in self.layer_arrays(layer):
+                a[dst] = a[src]
+
+    def block_data(self, blocks: list[int]) -> list[np.ndarray]:
+        """Copies of ``blocks``' K/V in every layer (each layer's :meth:`layer_arrays`, in
+        order, ``(len(blocks) * block_size, ...)`` each): what a disk tier writes. bfloat16
+        arrays come as their uint16 bits (NumPy has no bfloat16)."""
+        if not blocks or self.keys[0] is None:
+            return []
+        bs = self.block_size
+        self.check(max(blocks) * bs + bs - 1)
+        idx = mx.array([b * bs + i for b in blocks for i in range(bs)], dtype=mx.int32)
+        taken = [a[idx] for layer in range(self.num_layers) for a in self.layer_arrays(layer)]
+        mx.eval(taken)  # gathered copies: nothing keeps the pools from being written in place
+        return [np.array(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a) for a in taken]
+
+    def put_block_data(self, blocks: list[int], data: list[np.ndarray], dtypes: list[str]) -> None:
+        """Write :meth:`block_data`'s arrays (``dtypes``: each one's MLX dtype name) back into
+        ``blocks``; arrays not yet created are created from their shapes."""
+        bs = self.block_size
+        self.check(max(blocks) * bs + bs - 1)
+        idx = mx.array([b * bs + i for b in blocks for i in range(bs)], dtype=mx.int32)
+        per_layer = len(data) // self.num_layers
+        for layer in range(self.num_layers):
+            parts = []
+            for i in range(per_layer):
+                a, dtype = data[layer * per_layer + i], getattr(mx, dtypes[layer * per_layer + i])
+                part = mx.array(a)
+                parts.append(part.view(mx.bfloat16) if dtype == mx.bfloat16 else part.astype(dtype))
+            if self.keys[layer] is None:
+                size = self._blocks * bs
+                self._set_layer_arrays(layer, [mx.zeros((size, *p.shape[1:]), p.dtype) for p in parts])
+            for pool, part in zip(self.layer_arrays(layer), parts):
+                pool[idx] = part.astype(pool.dtype)
 
     def read(self, layer: int, slots: mx.array) -> tuple[mx.array, mx.array]:
         """K and V at ``slots`` (any shape ``s``): arrays of shape ``(*s, kv_heads, head_dim)``,
         in the model's dtype."""
         k, v = self.keys[layer][slots], self.values[layer][slots]  # type: ignore[index]
+        if self.bits:
+            ks, kb, vs, vb = (a[slots] for a in self.scales[layer])  # type: ignore[union-attr]
+            k = mx.dequantize(k, ks, kb, group_size=self.group_size, bits=self.bits)
+            v = mx.dequantize(v, vs, vb, group_size=self.group_size, bits=self.bits)
         if self.compute_dtype is not None and k.dtype != self.compute_dtype:
             k, v = k.astype(self.compute_dtype), v.astype(self.compute_dtype)
         return k, v
