@@ -185,6 +185,8 @@ ENGINE_SETTINGS: dict[str, Setting] = {
     "prefix_cache_memory_gb": Setting(Limit("number", 0.0, positive=True, hint="enable_prefix_caching=False turns the store off")),
     "kv_block_size": Setting(Limit("int", 1, 4096)),
     "kv_cache_dtype": Setting(Limit("choice", choices=KV_CACHE_DTYPES)),
+    "kv_disk_path": Setting(Limit("text", optional=True)),
+    "kv_disk_gb": Setting(Limit("number", 0.0, positive=True)),
     "shutdown_timeout_s": Setting(Limit("number", 0.0, 3600.0)),
     "speculative": Setting(Limit("choice", choices=("ngram",), optional=True)),
     "num_speculative_tokens": Setting(Limit("int", 1, 64)),
@@ -322,6 +324,15 @@ class EngineConfig:
             (a float16 scale and bias a group, as ``mx.quantize``): ~1.8x / ~3.2x the
             tokens of float16 in one budget, with a small loss of accuracy (docs/kv-memory.md).
             Attention computes in the model's dtype either way.
+        kv_disk_path: a folder for the prefix store's disk tier (None: none): whole KV blocks
+            of prompts and answers are also written there (off the step loop), named by
+            their tokens and the model and KV settings, and a prompt whose prefix the
+            memory store lacks loads its blocks from there instead of prefilling them; it
+            lasts across restarts and several processes (replicas) share one folder.
+            Needs ``enable_prefix_caching``; models mixing sliding-window and global layers
+            (gemma3) have none.
+        kv_disk_gb: the disk tier's bound: past it the least recently used block files are
+            deleted.
         speculative: ``"ngram"``: rows draft up to ``num_speculative_tokens`` tokens a step
             from their own prompt + output (prompt lookup) and verify them in one forward
             pass, while at most ``speculative_max_batch`` rows decode and none has penalties,
@@ -363,6 +374,8 @@ class EngineConfig:
     prefix_cache_memory_gb: float = 1.0
     kv_block_size: int = 16
     kv_cache_dtype: str = "auto"
+    kv_disk_path: Optional[str] = None
+    kv_disk_gb: float = 16.0
     shutdown_timeout_s: float = 5.0
     speculative: Optional[str] = None
     num_speculative_tokens: int = 4
@@ -380,6 +393,8 @@ class EngineConfig:
                 "max_num_batched_tokens",
                 f"must be >= max_num_seqs ({self.max_num_seqs}) so a full decode step fits",
             )
+        if self.kv_disk_path is not None and not self.enable_prefix_caching:
+            raise InvalidParameterError("kv_disk_path", "needs enable_prefix_caching (the disk tier stores the prefix store's blocks)")
         if isinstance(self.device, Mapping):
             object.__setattr__(self, "device", DeviceConfig.from_dict(self.device))
         elif not isinstance(self.device, DeviceConfig):
@@ -389,6 +404,11 @@ class EngineConfig:
     def kv_cache_memory_bytes(self) -> Optional[int]:
         """The KV budget in bytes, or None."""
         return None if self.kv_cache_memory_gb is None else int(self.kv_cache_memory_gb * 1024**3)
+
+    @property
+    def kv_disk_bytes(self) -> int:
+        """The disk tier's bound in bytes."""
+        return int(self.kv_disk_gb * 1024**3)
 
     @property
     def prefix_cache_memory_bytes(self) -> int:

@@ -225,7 +225,9 @@ class Engine(EmbedMethods):
         counts, the largest decode batch seen, tokens/s over the last minute, p50/p99
         of TTFT, TPOT, ITL and queue time (seconds), ``prefix_cache`` (hit rate,
         cached tokens and bytes, evictions) and ``kv_cache`` (blocks total / free / used,
-        ``kv_cache_usage_perc``, preemptions), ``speculation``
+        ``kv_cache_usage_perc``, preemptions), ``kv_disk`` (the disk tier's hits, bytes,
+        evictions, skipped files; None without one), ``kv_tiers`` (each prefix store tier's
+        hit tokens, bytes and evictions), ``speculation``
         (n-gram drafts) and ``fast_forward`` (grammar-forced tokens): None when off."""
         core = self._core
         running = core.num_running if core is not None and core.alive else 0
@@ -234,6 +236,8 @@ class Engine(EmbedMethods):
         snap["model"] = self.model_name
         snap["prefix_cache"] = prefix_stats(self.config.enable_prefix_caching, core.prefix_store_stats() if core is not None else None, snap)
         snap["kv_cache"] = core.kv_stats() if core is not None else {"layout": "paged"}
+        snap["kv_disk"] = core.disk_stats() if core is not None else None
+        snap["kv_tiers"] = core.tier_stats() if core is not None else {}
         snap.update(core.drafting_stats() if core is not None else {"speculation": None, "fast_forward": None})
         return snap
 
@@ -354,7 +358,8 @@ class Engine(EmbedMethods):
                 if self._core is not None:
                     logger.warning("starting a fresh core after: %s", self._core.dead)
                 self._core = EngineCore(self._loaded.model, self.tokenizer, self.config, self.metrics, self._kv_bytes_per_token,
-                                      vocab_size=self.vocab_size or 0, context_length=self.context_length)
+                                      vocab_size=self.vocab_size or 0, context_length=self.context_length,
+                                      model_path=getattr(self._loaded, "path", None))
             return self._core
 
     def _cancel(self, request: Request) -> None:

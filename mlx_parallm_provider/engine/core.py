@@ -24,6 +24,7 @@ import logging
 import threading
 import time
 from collections import deque
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 from ..config import EngineConfig
@@ -58,6 +59,7 @@ class EngineCore:
         vocab_size: int = 0,
         clock: Callable[[], float] = time.monotonic,
         context_length: int = 4096,
+        model_path: Optional[Path] = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -67,7 +69,7 @@ class EngineCore:
         self.kv_bytes_per_token = max(1, kv_bytes_per_token)
         self.eos_ids = eos_token_ids(tokenizer)
         self.pad_id = next(iter(self.eos_ids), 0)
-        self.memory = kv_for_engine(model, config, self.kv_bytes_per_token, context_length)
+        self.memory = kv_for_engine(model, config, self.kv_bytes_per_token, context_length, model_path)
         self.kv = self.memory.manager
         self.drafting = Drafting.for_engine(config)  # None: one token a row a step
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, config.prefill_chunk_size, self.kv,
@@ -90,6 +92,14 @@ class EngineCore:
     def kv_stats(self) -> dict[str, Any]:
         """``stats()["kv_cache"]``: blocks, usage, preemptions."""
         return self.memory.stats()
+
+    def disk_stats(self) -> Optional[dict[str, Any]]:
+        """``stats()["kv_disk"]``: the disk tier's counts, or None without one."""
+        return self.memory.disk_stats()
+
+    def tier_stats(self) -> dict[str, dict[str, int]]:
+        """``stats()["kv_tiers"]``: each prefix store tier's hit tokens, bytes and evictions."""
+        return self.memory.tier_stats(self.metrics.snapshot()["cached_prompt_tokens"])
 
     def prefix_store_stats(self) -> Optional[dict[str, Any]]:
         """The prefix store's counts (bytes, tokens, evictions, bound), or None without one."""
@@ -164,6 +174,8 @@ class EngineCore:
             with self._cond:
                 self.dead = exc
             self._fail_all(EngineDeadError(f"the engine's worker died ({type(exc).__name__}: {exc}); retry the request"))
+        finally:
+            self.memory.close()  # the disk tier's queued blocks written
 
     def step(self) -> bool:
         """One engine step; False once the engine is stopping."""

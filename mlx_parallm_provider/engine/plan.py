@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Literal, Optional
 
 if TYPE_CHECKING:
     from .embed.request import EmbedRequest
+    from .kv.disk_tier import BlockData
     from .request import Request
     from .sampled import SampledRow
 
@@ -22,12 +23,16 @@ class KVStep:
     """What the runner does to KV memory for one step: the block tables of every row it runs
     (``tables[id(request)][group]``), the block copies to make first (a cached prefix's partly
     shared last block), and how many blocks the arrays must hold now (``blocks``) and may
-    come to hold (``blocks_ahead``, to grow ahead)."""
+    come to hold (``blocks_ahead``, to grow ahead); with a disk tier, the blocks to copy out
+    for it before anything is written (``saves``: block, its name there) and those to write
+    from it (``loads``: block, its data) before anything reads them."""
 
     tables: dict[int, list[list[int]]] = field(default_factory=dict)
     copies: list[tuple[int, int]] = field(default_factory=list)
     blocks: int = 0
     blocks_ahead: int = 0
+    saves: list[tuple[int, bytes]] = field(default_factory=list)
+    loads: list[tuple[int, "BlockData"]] = field(default_factory=list)
 
 
 @dataclass
@@ -108,3 +113,5 @@ class StepOutput:
     """Whether the last pass of several positions a row computed its real positions only."""
     physical_blocks: int = 0
     """Blocks the KV arrays hold after this step."""
+    saved: list[tuple[bytes, "BlockData"]] = field(default_factory=list)
+    """The plan's ``kv.saves`` copied out: (name, data), for the disk tier."""

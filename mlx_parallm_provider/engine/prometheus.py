@@ -17,6 +17,10 @@ dashboards and routers written for vLLM read it unchanged):
   ``spec_decode_num_draft_tokens``, ``spec_decode_num_accepted_tokens`` (vLLM's speculative
   decoding names) and ``grammar_fast_forward_steps``, ``grammar_fast_forward_forced_tokens``,
   ``grammar_fast_forward_accepted_tokens`` (tokens a grammar forced, verified / kept); 0 where off;
+- per tier of the prefix store (label ``tier``: ``memory``, ``disk``): counters
+  ``prefix_cache_tier_hit_tokens`` (prompt tokens found there) and
+  ``prefix_cache_tier_evictions`` (blocks evicted), gauge ``prefix_cache_tier_bytes``; and
+  the disk tier's counter ``kv_disk_skipped_files`` (damaged or foreign files);
 - histograms ``time_to_first_token_seconds``, ``inter_token_latency_seconds``,
   ``request_time_per_output_token_seconds``, ``request_queue_time_seconds``.
 
@@ -112,6 +116,13 @@ class EngineCollector:
         histograms = {k: HistogramMetricFamily(p + name, doc, labels=labels) for k, (name, doc) in HISTOGRAMS.items()}
         preemptions = CounterMetricFamily(p + "num_preemptions", "Requests preempted for want of KV blocks.", labels=labels)
         drafts = {k: CounterMetricFamily(p + name, doc, labels=labels) for k, (name, doc) in DRAFT_COUNTERS.items()}
+        tiered = ["model_name", "tier"]
+        tiers = {
+            "hit_tokens": CounterMetricFamily(p + "prefix_cache_tier_hit_tokens", "Prompt tokens found in this tier.", labels=tiered),
+            "evictions": CounterMetricFamily(p + "prefix_cache_tier_evictions", "Blocks evicted from this tier.", labels=tiered),
+            "bytes": GaugeMetricFamily(p + "prefix_cache_tier_bytes", "Bytes this tier holds.", labels=tiered),
+        }
+        skipped = CounterMetricFamily(p + "kv_disk_skipped_files", "Disk tier files skipped: damaged or foreign.", labels=labels)
         for engine in list(self._engines()):
             name = [str(engine.model_name)]
             for key, value in engine_gauges(engine).items():
@@ -120,6 +131,12 @@ class EngineCollector:
             preemptions.add_metric(name, float(core.kv_stats().get("num_preemptions", 0)) if core is not None else 0.0)
             for key, value in draft_counts(engine).items():
                 drafts[key].add_metric(name, value)
+            if core is not None:
+                for tier, counts in core.tier_stats().items():
+                    for key, family in tiers.items():
+                        family.add_metric([*name, tier], float(counts[key]))
+                disk = core.disk_stats()
+                skipped.add_metric(name, float(disk["corrupt"]) if disk else 0.0)
             snap = engine.metrics.snapshot()
             snap["prompt_tokens_queried"] = snap["prompt_tokens"]
             for key, family in counters.items():
@@ -132,6 +149,8 @@ class EngineCollector:
         yield preemptions
         yield from counters.values()
         yield from drafts.values()
+        yield from tiers.values()
+        yield skipped
         yield from histograms.values()
 
 

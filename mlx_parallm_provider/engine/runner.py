@@ -74,6 +74,10 @@ class ModelRunner:
         out = StepOutput()
         self.kv = plan.kv
         self.storage.reserve(plan.kv.blocks, plan.kv.blocks_ahead)
+        if plan.kv.saves:  # before anything is written: a block saved may be reused this step
+            out.saved = self.storage.saved_blocks(plan.kv.saves)
+        if plan.kv.loads:
+            self.storage.load_blocks(plan.kv.loads)
         self.storage.copy_blocks(plan.kv.copies)
         out.physical_blocks = self.storage.physical_blocks
         if plan.chunk is not None and self.wanted(plan.chunk[0]):

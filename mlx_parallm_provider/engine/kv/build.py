@@ -4,16 +4,21 @@ runner), sized by the engine's settings."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional
 
 import mlx.core as mx
 
 from .budget import pool_blocks
+from .disk_tier import DiskKVTier, kv_identity
 from .groups import LayerGroups
 from .manager import KVCacheManager
 from .storage import QUANTIZED_KV_BITS, PagedKVStorage
 from .support import layer_windows, with_max_kv_size
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -26,10 +31,35 @@ class KVMemory:
     groups: Optional[LayerGroups]  # None: one group, a storage slot per layer
     bytes_per_token: int
     num_layers: int
+    disk: Optional[DiskKVTier] = None
+
+    def close(self) -> None:
+        """Write what the disk tier has queued, then stop its writer."""
+        if self.disk is not None:
+            self.disk.close()
 
     def stats(self) -> dict[str, Any]:
-        """``stats()["kv_cache"]``: blocks, usage, preemptions, bytes."""
-        return {"layout": "paged", **self.manager.stats(), "kv_cache_bytes": self.storage.nbytes}
+        """``stats()["kv_cache"]``: blocks, usage, preemptions, bytes (and a token's)."""
+        return {"layout": "paged", **self.manager.stats(), "kv_cache_bytes": self.storage.nbytes, "kv_bytes_per_token": self.bytes_per_token}
+
+    def disk_stats(self) -> Optional[dict[str, Any]]:
+        """``stats()["kv_disk"]``: the disk tier's hits, bytes, evictions, skipped files; None without one."""
+        if self.disk is None:
+            return None
+        return {**self.disk.snapshot(), "loaded_blocks": self.manager.loaded_blocks,
+                "loaded_tokens": self.manager.loaded_blocks * self.manager.block_size}
+
+    def tier_stats(self, cached_tokens: int) -> dict[str, dict[str, int]]:
+        """Per tier of the prefix store (``memory``, and ``disk`` where there is one): prompt
+        tokens found there (``hit_tokens``; ``cached_tokens`` of all tiers), bytes held and
+        blocks evicted."""
+        memory = self.prefix_stats()
+        loaded = self.manager.loaded_blocks * self.manager.block_size
+        tiers = {"memory": {"hit_tokens": max(0, cached_tokens - loaded), "bytes": memory["cached_bytes"], "evictions": memory["evictions"]}}
+        if self.disk is not None:
+            disk = self.disk.snapshot()
+            tiers["disk"] = {"hit_tokens": loaded, "bytes": disk["folder_bytes"], "evictions": disk["evictions"]}
+        return tiers
 
     def prefix_stats(self) -> dict[str, Any]:
         """The prefix store's counts: bytes, tokens, evictions, bound."""
@@ -44,31 +74,43 @@ class KVMemory:
 
 def build_kv(model: Any, budget_bytes: Optional[int], bytes_per_token: int, block_size: int, max_tokens: int,
              max_cached_tokens: Optional[int] = None, max_kv_size: Optional[int] = None,
-             kv_dtype: Optional[mx.Dtype] = None, kv_bits: Optional[int] = None) -> KVMemory:
+             kv_dtype: Optional[mx.Dtype] = None, kv_bits: Optional[int] = None, disk: Optional[DiskKVTier] = None) -> KVMemory:
     """KV memory for ``model``: ``budget_bytes`` of blocks (all allocated at once), or, without
     a budget, room for ``max_tokens`` within the free memory, grown on use; at most
     ``max_cached_tokens`` of it named by the prefix cache. ``max_kv_size``: every layer attends
     to at most that many recent tokens, and older blocks are released. Layers of different
     windows (gemma3's local and global) get a group each (:mod:`.groups`): a local group's
     blocks past its window are released too. ``kv_dtype``: the blocks' dtype (None: the
-    model's K/V dtype); ``kv_bits``: quantized blocks of 8 or 4 bits instead."""
+    model's K/V dtype); ``kv_bits``: quantized blocks of 8 or 4 bits instead. ``disk``: the
+    prefix store's disk tier."""
     layers = len(model.layers)
     windows = with_max_kv_size(layer_windows(model) or [None] * layers, max_kv_size)
     groups = LayerGroups.of(windows)
     # A block holds `groups.size` layers' K/V: a token costs that share of all layers' bytes in each group.
     blocks = pool_blocks(budget_bytes, bytes_per_token * groups.size // layers, block_size, max_tokens * groups.count)
     cached = None if max_cached_tokens is None else max(1, max_cached_tokens * groups.count // block_size)
-    manager = KVCacheManager(blocks, block_size, cached, windows=groups.windows)
+    manager = KVCacheManager(blocks, block_size, cached, windows=groups.windows, disk=disk)
     storage = PagedKVStorage(groups.size, blocks, block_size, preallocate=budget_bytes is not None, dtype=kv_dtype,
                              bits=kv_bits)
-    return KVMemory(manager, storage, windows, groups if groups.count > 1 else None, bytes_per_token, layers)
+    return KVMemory(manager, storage, windows, groups if groups.count > 1 else None, bytes_per_token, layers, disk)
 
 
-def kv_for_engine(model: Any, config: Any, bytes_per_token: int, context_length: int) -> KVMemory:
-    """The KV memory ``config`` (an :class:`~...config.EngineConfig`) asks for."""
+def kv_for_engine(model: Any, config: Any, bytes_per_token: int, context_length: int, model_path: Optional[Path] = None) -> KVMemory:
+    """The KV memory ``config`` (an :class:`~...config.EngineConfig`) asks for (``model_path``:
+    the model's files, part of the disk tier's names)."""
     dtype = config.kv_cache_dtype
+    disk = None
+    if config.kv_disk_path is not None:
+        windows = with_max_kv_size(layer_windows(model) or [None] * len(model.layers), config.max_kv_size)
+        if LayerGroups.of(windows).count > 1:
+            logger.warning("kv_disk_path: this model mixes sliding-window and global layers; it has no disk tier")
+        else:
+            parts = {"format": 1, "kv_cache_dtype": dtype, "block_size": config.kv_block_size, "windows": windows,
+                     "dequantize": config.dequantize, "device": config.device.as_dict(), "model": type(model).__module__,
+                     "layers": len(model.layers)}
+            disk = DiskKVTier(config.kv_disk_path, config.kv_disk_bytes, kv_identity(parts, model_path))
     return build_kv(model, config.kv_cache_memory_bytes, bytes_per_token, config.kv_block_size,
                     config.max_num_seqs * max(context_length, 1),
                     max_cached_tokens=config.prefix_cache_memory_bytes // max(1, bytes_per_token), max_kv_size=config.max_kv_size,
                     kv_dtype=None if dtype == "auto" or dtype in QUANTIZED_KV_BITS else getattr(mx, dtype),
-                    kv_bits=QUANTIZED_KV_BITS.get(dtype))
+                    kv_bits=QUANTIZED_KV_BITS.get(dtype), disk=disk)

@@ -23,15 +23,25 @@ can see released by :meth:`slide`; their entries become the null block, so posit
 their place in the table. A prefix hit maps cached blocks into every group's table: a window
 group needs only the blocks of the window before the hit's end. (Partly shared last blocks,
 copied on write, are matched with a single group only.)
+
+A lower tier (:class:`.disk_tier.DiskKVTier`, one group only): whole blocks newly named are
+queued to be saved there (:attr:`KVCacheManager.pending_saves`, handed to the runner, which
+copies their arrays out, then to :meth:`KVCacheManager.saved`); :meth:`KVCacheManager.load_prefix`
+brings back the blocks of a prompt's prefix the pool lacks but the tier holds: it takes blocks
+for them, names them as if computed here, and queues their data (:attr:`KVCacheManager.pending_loads`)
+for the runner to write before anything reads them.
 """
 
 from __future__ import annotations
 
-from typing import Hashable, Optional, Sequence
+from typing import TYPE_CHECKING, Hashable, Optional, Sequence
 
 from ..plan import KVStep
 from .block_pool import NULL_BLOCK, BlockPool
 from .prefix_hit import PrefixHit
+
+if TYPE_CHECKING:
+    from .disk_tier import BlockData, DiskKVTier
 
 
 def blocks_for(tokens: int, block_size: int) -> int:
@@ -50,10 +60,12 @@ class KVCacheManager:
             every token, and no block is released early); one group of layers.
         windows: instead of ``window``, each group's window (:class:`.groups.LayerGroups`):
             a request has a table per group.
+        disk: a lower tier the prefix store's whole blocks are saved to and loaded from
+            (one group of layers only).
     """
 
     def __init__(self, num_blocks: int, block_size: int, max_cached_blocks: Optional[int] = None, window: Optional[int] = None,
-                 windows: Optional[Sequence[Optional[int]]] = None) -> None:
+                 windows: Optional[Sequence[Optional[int]]] = None, disk: Optional["DiskKVTier"] = None) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
@@ -63,6 +75,12 @@ class KVCacheManager:
         self._limits: dict[Hashable, int] = {}  # owner -> the most entries its table may come to hold
         self.num_preemptions = 0
         self.pending_copies: list[tuple[int, int]] = []  # (source, destination) blocks, sources held
+        if disk is not None and len(self.windows) > 1:
+            raise ValueError("the KV disk tier takes models of one group of layers (no mix of sliding windows)")
+        self.disk = disk
+        self.pending_saves: list[tuple[int, Hashable, bytes]] = []  # (block, its key, its disk name)
+        self.pending_loads: list[tuple[int, "BlockData"]] = []  # blocks named from the disk, their data to write
+        self.loaded_blocks = 0
 
     # -- questions --------------------------------------------------------------------
 
@@ -94,7 +112,9 @@ class KVCacheManager:
         groups = range(len(self.windows))
         tables = {o: [self.table(o, g) for g in groups] for o in owners}
         high = self.pool.high_water()
-        return KVStep(tables, self.copied(), high, high + self.blocks_to_come())
+        saves = [(b, name) for b, key, name in self.pending_saves if self.pool.lookup(key) == b]  # (not reused since)
+        loads, self.pending_saves, self.pending_loads = self.pending_loads, [], []
+        return KVStep(tables, self.copied(), high, high + self.blocks_to_come(), saves=saves, loads=loads)
 
     def arrays_hold(self, blocks: int) -> None:
         """The arrays behind the pool hold ``blocks`` blocks now (the pool hands out blocks
@@ -254,11 +274,62 @@ class KVCacheManager:
             table = self.table(owner, g)
             upto = min(computed, len(tokens), len(table) * bs)
             keys = self._keys(tokens, upto // bs, g)
-            named += sum(self.pool.set_key(block, key) for block, key in zip(table, keys) if block != NULL_BLOCK)
+            new = [i for i, (block, key) in enumerate(zip(table, keys)) if block != NULL_BLOCK and self.pool.set_key(block, key)]
+            named += len(new)
+            if self.disk is not None and new:
+                names = self.disk.names(tokens, new[-1] + 1, bs)
+                self.pending_saves.extend((table[i], keys[i], names[i]) for i in new)
             if len(self.windows) == 1 and upto % bs and table[len(keys)] != NULL_BLOCK:
                 last = (self._parent(keys), tuple(tokens[len(keys) * bs : upto]))
                 named += self.pool.set_key(table[len(keys)], last)
         return named
+
+    def load_prefix(self, tokens: Sequence[int], limit: int) -> int:
+        """Bring back from the disk tier the whole blocks of the longest prefix of ``tokens``
+        (at most ``limit`` tokens) that follow what the pool names, as far as the tier holds
+        them and the pool has blocks to spare (those ``tokens`` still need for the rest kept
+        free): they are named as if computed here, cached and held by nobody, so
+        :meth:`match` finds them; their data is queued in :attr:`pending_loads`. Returns
+        how many blocks were loaded."""
+        if self.disk is None:
+            return 0
+        bs = self.block_size
+        whole = min(limit, len(tokens)) // bs
+        keys = self._keys(tokens, whole)
+        held = []
+        for key in keys:
+            block = self.pool.lookup(key)
+            if block is None:
+                break
+            held.append(block)
+        start = len(held)
+        spare = self.pool.num_free - sum(self.pool.refs(b) == 0 for b in held) - blocks_for(len(tokens) - whole * bs + 1, bs) - 1
+        if start == whole or spare <= 0:
+            return 0
+        found = self.disk.load(self.disk.names(tokens, whole, bs)[start:], spare)
+        if not found:
+            return 0
+        self.pool.share(held)  # (not reused for the blocks loaded now)
+        loaded: list[int] = []
+        try:
+            for i, data in enumerate(found, start):
+                block = self.pool.allocate(1)[0]
+                if not self.pool.set_key(block, keys[i]):  # the store is full of held blocks
+                    self.pool.release([block])
+                    break
+                loaded.append(block)
+                self.pending_loads.append((block, data))
+        finally:
+            self.pool.release(loaded)
+            self.pool.release(held)
+        self.loaded_blocks += len(loaded)
+        return len(loaded)
+
+    def to_disk(self, saved: list[tuple[bytes, "BlockData"]]) -> None:
+        """Hand the blocks the runner copied out (a step's ``saves``) to the disk tier's writer."""
+        if self.disk is not None:
+            for name, data in saved:
+                self.disk.save(name, data)
 
     # -- changes ----------------------------------------------------------------------
 

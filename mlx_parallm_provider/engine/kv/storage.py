@@ -35,6 +35,8 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
+from .disk_tier import BlockData
+
 GROWTH = 4
 """The arrays grow by at least 1/GROWTH of their size: a larger step copies less often
 (each growth copies every block held), a smaller one holds fewer blocks nobody uses yet."""
@@ -169,31 +171,35 @@ class PagedKVStorage:
             for a in self.layer_arrays(layer):
                 a[dst] = a[src]
 
-    def block_data(self, blocks: list[int]) -> list[np.ndarray]:
-        """Copies of ``blocks``' K/V in every layer (each layer's :meth:`layer_arrays`, in
-        order, ``(len(blocks) * block_size, ...)`` each): what a disk tier writes. bfloat16
-        arrays come as their uint16 bits (NumPy has no bfloat16)."""
-        if not blocks or self.keys[0] is None:
+    def saved_blocks(self, saves: list[tuple[int, bytes]]) -> list[tuple[bytes, BlockData]]:
+        """Copies of the K/V of each ``(block, name)`` of ``saves`` in every layer (each layer's
+        :meth:`layer_arrays`, in order, ``(block_size, ...)`` each), for the disk tier:
+        ``(name, data)``. bfloat16 arrays come as their uint16 bits (NumPy has no bfloat16)."""
+        if not saves or self.keys[0] is None:
             return []
-        bs = self.block_size
+        bs, blocks = self.block_size, [b for b, _ in saves]
         self.check(max(blocks) * bs + bs - 1)
         idx = mx.array([b * bs + i for b in blocks for i in range(bs)], dtype=mx.int32)
         taken = [a[idx] for layer in range(self.num_layers) for a in self.layer_arrays(layer)]
         mx.eval(taken)  # gathered copies: nothing keeps the pools from being written in place
-        return [np.array(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a) for a in taken]
+        dtypes = [str(a.dtype).rsplit(".", 1)[-1] for a in taken]
+        host = [np.array(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a) for a in taken]
+        return [(name, BlockData(dtypes, [a[k * bs : (k + 1) * bs] for a in host])) for k, (_, name) in enumerate(saves)]
 
-    def put_block_data(self, blocks: list[int], data: list[np.ndarray], dtypes: list[str]) -> None:
-        """Write :meth:`block_data`'s arrays (``dtypes``: each one's MLX dtype name) back into
-        ``blocks``; arrays not yet created are created from their shapes."""
+    def load_blocks(self, loads: list[tuple[int, BlockData]]) -> None:
+        """Write each ``(block, data)`` of ``loads`` (as :meth:`saved_blocks` gave them) into
+        its block; arrays not yet created are created from the data's shapes."""
         bs = self.block_size
+        blocks = [b for b, _ in loads]
         self.check(max(blocks) * bs + bs - 1)
         idx = mx.array([b * bs + i for b in blocks for i in range(bs)], dtype=mx.int32)
-        per_layer = len(data) // self.num_layers
+        first = loads[0][1]
+        per_layer = len(first.arrays) // self.num_layers
         for layer in range(self.num_layers):
             parts = []
-            for i in range(per_layer):
-                a, dtype = data[layer * per_layer + i], getattr(mx, dtypes[layer * per_layer + i])
-                part = mx.array(a)
+            for i in range(layer * per_layer, (layer + 1) * per_layer):
+                part = mx.array(np.concatenate([data.arrays[i] for _, data in loads]))
+                dtype = getattr(mx, first.dtypes[i])
                 parts.append(part.view(mx.bfloat16) if dtype == mx.bfloat16 else part.astype(dtype))
             if self.keys[layer] is None:
                 size = self._blocks * bs
