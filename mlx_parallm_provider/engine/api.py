@@ -31,7 +31,8 @@ from .embed.api import EmbedMethods
 from .exit_guard import shut_down_at_exit
 from .fanout import POLL_S, FanOut, TaggedSink, expand
 from .grammar.probe import build_off_loop
-from .kv.budget import kv_bytes_per_token
+from .kv.budget import check_kv_dtype, kv_bytes_per_token
+from .kv.disk_tier import check_folder
 from .kv.support import ensure_servable
 from .metrics import EngineMetrics, prefix_stats
 from .prompt_size import PromptEncoder
@@ -68,6 +69,9 @@ class Engine(EmbedMethods):
         self.vocab_size = int(self._loaded.config.get("vocab_size", 0)) or None
         self._prompts = PromptEncoder(self.encode, self.tokenizer, self.context_length)
         self.metrics = EngineMetrics()
+        check_kv_dtype(self._loaded.model, self._loaded.config, self.config.kv_cache_dtype)
+        if self.config.kv_disk_path is not None:
+            check_folder(self.config.kv_disk_path)
         self._kv_bytes_per_token = kv_bytes_per_token(self._loaded.model, self._loaded.config, self.config.kv_cache_dtype)
         self._core_lock = threading.Lock()
         self._core: Optional[EngineCore] = None

@@ -114,8 +114,13 @@ def test_the_folder_stays_under_its_bound_evicting_the_least_recently_used(tmp_p
     tier.close()
 
 
-def test_the_disk_tier_needs_the_prefix_store() -> None:
+def test_the_disk_tier_needs_the_prefix_store_and_a_folder_it_can_write(make_engine, tmp_path) -> None:
     from mlx_parallm_provider import EngineConfig
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(InvalidParameterError, match="kv_disk_path"):
+        make_engine(kv_disk_path=str(blocker / "kv"))  # a folder under a regular file
 
     with pytest.raises(InvalidParameterError, match="kv_disk_path"):
         EngineConfig(kv_disk_path="/tmp/x", enable_prefix_caching=False)

@@ -9,7 +9,8 @@ from typing import Any, Optional
 
 import mlx.core as mx
 
-from .storage import QUANTIZED_KV_BITS, quantized_bytes_per_value
+from ...errors import InvalidParameterError
+from .storage import KV_QUANT_GROUP_SIZE, QUANTIZED_KV_BITS, quantized_bytes_per_value
 
 logger = logging.getLogger(__name__)
 
@@ -53,14 +54,29 @@ def pool_blocks(budget_bytes: Optional[int], bytes_per_token: int, block_size: i
     return max(2, wanted)
 
 
-def kv_bytes_per_token(model: Any, config: dict[str, Any], kv_cache_dtype: str = "auto") -> int:
-    """Bytes of K and V one token takes across all layers (from the model's config; the
-    KV's dtype is ``kv_cache_dtype``, or with ``"auto"`` that of the model's embeddings,
-    float32 for packed ones, at least 2 bytes; quantized blocks' codes, scales and biases)."""
+def _shape(model: Any, config: dict[str, Any]) -> tuple[int, int, int]:
+    """(layers, KV heads, head size) from the model's config."""
     heads = config.get("num_attention_heads", 1)
     kv_heads = config.get("num_key_value_heads", heads)
     head_dim = config.get("head_dim") or config.get("hidden_size", heads) // heads
     layers = config.get("num_hidden_layers", len(getattr(model, "layers", [])) or 1)
+    return layers, kv_heads, head_dim
+
+
+def check_kv_dtype(model: Any, config: dict[str, Any], kv_cache_dtype: str) -> None:
+    """Raise :class:`~...errors.InvalidParameterError` where the model's heads cannot take
+    ``kv_cache_dtype`` (quantized blocks group a head's values by :data:`.storage.KV_QUANT_GROUP_SIZE`)."""
+    _, _, head_dim = _shape(model, config)
+    if kv_cache_dtype in QUANTIZED_KV_BITS and head_dim % KV_QUANT_GROUP_SIZE:
+        raise InvalidParameterError("kv_cache_dtype", f"{kv_cache_dtype!r} needs a head size divisible by {KV_QUANT_GROUP_SIZE}; "
+                                    f"this model's is {head_dim} (use 'float16')")
+
+
+def kv_bytes_per_token(model: Any, config: dict[str, Any], kv_cache_dtype: str = "auto") -> int:
+    """Bytes of K and V one token takes across all layers (from the model's config; the
+    KV's dtype is ``kv_cache_dtype``, or with ``"auto"`` that of the model's embeddings,
+    float32 for packed ones, at least 2 bytes; quantized blocks' codes, scales and biases)."""
+    layers, kv_heads, head_dim = _shape(model, config)
     weight = getattr(getattr(model, "model", None), "embed_tokens", None)
     weight = getattr(weight, "weight", None)  # packed-weight embeddings hold none: they compute in float32
     dtype_bytes: float = weight.dtype.size if weight is not None else 4

@@ -11,6 +11,7 @@ from typing import Any, Optional
 
 import mlx.core as mx
 
+from ...errors import InvalidParameterError
 from .budget import pool_blocks
 from .disk_tier import DiskKVTier, kv_identity
 from .groups import LayerGroups
@@ -108,7 +109,10 @@ def kv_for_engine(model: Any, config: Any, bytes_per_token: int, context_length:
             parts = {"format": 1, "kv_cache_dtype": dtype, "block_size": config.kv_block_size, "windows": windows,
                      "dequantize": config.dequantize, "device": config.device.as_dict(), "model": type(model).__module__,
                      "layers": len(model.layers)}
-            disk = DiskKVTier(config.kv_disk_path, config.kv_disk_bytes, kv_identity(parts, model_path))
+            try:
+                disk = DiskKVTier(config.kv_disk_path, config.kv_disk_bytes, kv_identity(parts, model_path))
+            except OSError as exc:
+                raise InvalidParameterError("kv_disk_path", f"cannot use {config.kv_disk_path!r} as the KV disk tier's folder: {exc}") from None
     return build_kv(model, config.kv_cache_memory_bytes, bytes_per_token, config.kv_block_size,
                     config.max_num_seqs * max(context_length, 1),
                     max_cached_tokens=config.prefix_cache_memory_bytes // max(1, bytes_per_token), max_kv_size=config.max_kv_size,

@@ -73,6 +73,20 @@ def kv_identity(parts: dict[str, Any], model_path: Optional[Path]) -> bytes:
     return h.digest()
 
 
+def check_folder(folder: str | Path) -> None:
+    """Raise :class:`~...errors.InvalidParameterError` (``kv_disk_path``) unless ``folder``
+    is, or can be made, a folder this process writes to."""
+    from ...errors import InvalidParameterError
+
+    path = Path(folder).expanduser()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise InvalidParameterError("kv_disk_path", f"cannot create {str(path)!r}: {exc}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise InvalidParameterError("kv_disk_path", f"{str(path)!r} is not writable")
+
+
 @dataclass
 class BlockData:
     """One block's arrays as a file holds them: each one's MLX dtype name and its data."""
