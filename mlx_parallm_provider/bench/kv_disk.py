@@ -64,7 +64,7 @@ def agent_prompt(tokenizer: Any, target: int, seed: int, question: str) -> list[
 
     n = 1
     while len(ids(n, "?")) < target and n < 1000:
-        n += max(1, (target - len(ids(n, "?"))) // 150)
+        n += max(1, (target - len(ids(n, "?"))) // 400)
     return ids(n, question)
 
 

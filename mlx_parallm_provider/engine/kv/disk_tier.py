@@ -9,7 +9,7 @@ changes a block's values. Equal names therefore mean equal KV, whoever wrote the
 A file is written on a background thread (never on the step loop), to a temporary file in the
 folder then renamed into place, so a reader sees a whole file or none (a process killed while
 writing leaves a temporary file, removed by the next one). It holds a header (magic, the
-identity, its name, each array's dtype and shape) and the arrays, then a checksum of both; a
+identity, its name, each array's dtype and shape) and the arrays, then a CRC-32 of both; a
 reader checks all of it: a truncated, corrupted or foreign file is skipped, counted and
 removed, never served. The folder is kept under its bound by deleting the least recently used
 files (a file read is touched); several processes may do so at once (a file gone under a
@@ -27,6 +27,7 @@ import struct
 import threading
 import time
 import uuid
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
@@ -35,13 +36,16 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-MAGIC = b"MPKVBLK1"
+MAGIC = b"MPKVBLK2"
 """A block file's first bytes (the format's version is its last character)."""
 SUFFIX = ".kvb"
 TEMP_SUFFIX = ".tmp"
 STALE_TEMP_S = 120.0
 """A temporary file older than this was left by a process killed while writing: removed."""
 DIGEST_BYTES = 16
+CHECKSUM_BYTES = 4
+"""A file ends with the CRC-32 of everything before it (6 GB/s here, 7x blake2b: a 5,000-token
+prefix of the default model is 230 MB to check on load)."""
 QUEUE_BYTES = 256 << 20
 """Blocks waiting for the writer past this many bytes are dropped (counted): a slow disk
 never holds the engine's memory."""
@@ -193,16 +197,17 @@ class DiskKVTier:
 
     def _parse(self, data: bytes, name: bytes) -> tuple[Optional[BlockData], str]:
         head = len(MAGIC) + 4
-        if len(data) < head + DIGEST_BYTES or data[: len(MAGIC)] != MAGIC:
+        if len(data) < head + CHECKSUM_BYTES or data[: len(MAGIC)] != MAGIC:
             return None, "not a block file (or truncated)"
         (header_len,) = struct.unpack("<I", data[len(MAGIC) : head])
-        body, checksum = data[:-DIGEST_BYTES], data[-DIGEST_BYTES:]
+        view = memoryview(data)
+        body, (checksum,) = view[:-CHECKSUM_BYTES], struct.unpack("<I", data[-CHECKSUM_BYTES:])
         if len(body) < head + header_len:
             return None, "truncated"
-        if hashlib.blake2b(body, digest_size=DIGEST_BYTES).digest() != checksum:
+        if zlib.crc32(body) != checksum:
             return None, "checksum mismatch (truncated or corrupted)"
         try:
-            header = json.loads(data[head : head + header_len])
+            header = json.loads(bytes(body[head : head + header_len]))
             if header["identity"] != self.identity.hex() or header["name"] != name.hex():
                 return None, "written for other KV (another model or settings)"
             arrays, at = [], head + header_len
@@ -295,18 +300,18 @@ class DiskKVTier:
             "arrays": [[d, list(a.shape)] for d, a in zip(block.dtypes, arrays)],
             "numpy": [a.dtype.str for a in arrays],
         }).encode()
-        h = hashlib.blake2b(digest_size=DIGEST_BYTES)
-        parts = [MAGIC, struct.pack("<I", len(header)), header, *(a.data for a in arrays)]
+        parts = [MAGIC, struct.pack("<I", len(header)), header, *(memoryview(a).cast("B") for a in arrays)]
+        checksum = 0
         for part in parts:
-            h.update(part)
-        size = sum(len(memoryview(p).cast("B")) for p in parts) + DIGEST_BYTES
+            checksum = zlib.crc32(part, checksum)
+        size = sum(len(p) for p in parts) + CHECKSUM_BYTES
         self._make_room(size)
         temp = self.folder / f".{name.hex()}.{os.getpid()}.{uuid.uuid4().hex[:8]}{TEMP_SUFFIX}"
         try:
             with open(temp, "wb") as f:
                 for part in parts:
                     f.write(part)
-                f.write(h.digest())
+                f.write(struct.pack("<I", checksum))
             os.replace(temp, path)
         except BaseException:
             try:
