@@ -43,7 +43,7 @@ _ENGINE_NAMES = frozenset({
 })
 """Names of :mod:`.engine` this package exports, imported on first access (they import mlx)."""
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 
 def _load_litellm_adapter() -> Any:
