@@ -10,7 +10,7 @@ Whether to try them at all is the model's backend's choice
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import mlx.core as mx
 from mlx_lm.models import activations as _activations
@@ -94,11 +94,11 @@ def decode_attention(
 
 def paged_decode_attention(
     queries: mx.array, k_pool: mx.array, v_pool: mx.array, table: mx.array, lengths: mx.array, block_size: int, scale: float,
-    threads: int = 1, window: Optional[int] = None,
+    threads: int = 1, window: Optional[int] = None, scales: Optional[Sequence[mx.array]] = None, bits: int = 0,
 ) -> Optional[mx.array]:
     """Attention over paged KV through the MLX extension's CPU kernel on ``threads`` threads,
-    or None where it does not apply (as :func:`decode_attention`, float32 or float16 pools
-    only): the caller then gathers the rows' blocks and uses MLX's ops.
+    or None where it does not apply (as :func:`decode_attention`, float32, float16 or
+    quantized pools only): the caller then gathers the rows' blocks and uses MLX's ops.
 
     ``queries`` ``(B, heads, L, D)``; ``k_pool`` / ``v_pool`` ``(slots, kv_heads, D)``;
     ``table`` ``(B, M)`` int32 block ids; ``lengths`` ``(B,)`` int32, each row's tokens (L =
@@ -106,23 +106,53 @@ def paged_decode_attention(
     (a verify step's positions, each computed as it would be alone, a row's blocks read once
     for all of them); the pools float32, or float16 (widened as the kernel reads them);
     ``window``: each position sees only the last ``window`` of its tokens (a sliding-window
-    layer; None: all)."""
+    layer; None: all). Quantized pools (``bits`` 8 or 4): ``k_pool`` / ``v_pool`` are
+    ``mx.quantize``'s uint32 codes ``(slots, kv_heads, D * bits / 32)`` (group size
+    :data:`QUANT_GROUP`) and ``scales`` ``(key_scales, key_biases, value_scales,
+    value_biases)``, float16 ``(slots, kv_heads, D / 32)``, dequantized a tile at a time as
+    the kernel reads them."""
     _, heads, L, D = queries.shape
-    if not _fits_heads(heads, D, k_pool.shape[1]) or (L > 1 and lengths.ndim != 2):
+    if not _fits_heads(heads, D, k_pool.shape[1]) or (L > 1 and lengths.ndim != 2) or k_pool.shape != v_pool.shape:
         return None
-    if k_pool.dtype != v_pool.dtype or k_pool.dtype not in (mx.float32, mx.float16) or k_pool.shape != v_pool.shape:
+    if k_pool.dtype != v_pool.dtype:
+        return None
+    if bits or scales is not None:
+        if not _quantized_pools(k_pool, scales, bits, D):
+            return None
+    elif k_pool.dtype not in (mx.float32, mx.float16):
         return None
     ext = _extension()
     if ext is None or not hasattr(ext, "paged_decode_attention"):
         return None
     if (L > 1 and not getattr(ext, "paged_positions", False)) or (k_pool.dtype == mx.float16 and not getattr(ext, "paged_float16_pools", False)):
         return None
-    if window is not None:
-        if not getattr(ext, "paged_windows", False) or window < 1:
+    if window is not None and (not getattr(ext, "paged_windows", False) or window < 1):
+        return None
+    if bits:
+        if not getattr(ext, "paged_quantized_pools", False):
             return None
-        return ext.paged_decode_attention(queries, k_pool, v_pool, table, lengths, block_size, scale, threads, window).astype(queries.dtype)
-    out = ext.paged_decode_attention(queries, k_pool, v_pool, table, lengths, block_size, scale, threads)
+        out = ext.paged_decode_attention(queries, k_pool, v_pool, table, lengths, block_size, scale, threads, window or 0, list(scales or ()), bits)
+    elif window is not None:
+        out = ext.paged_decode_attention(queries, k_pool, v_pool, table, lengths, block_size, scale, threads, window)
+    else:
+        out = ext.paged_decode_attention(queries, k_pool, v_pool, table, lengths, block_size, scale, threads)
     return out.astype(queries.dtype)
+
+
+QUANT_GROUP = 32
+"""Values a scale and bias of the quantized pools the kernel reads (the storage's ``KV_QUANT_GROUP_SIZE``)."""
+
+
+def _quantized_pools(k_pool: mx.array, scales: Optional[Sequence[mx.array]], bits: int, D: int) -> bool:
+    """Whether the kernel reads these quantized pools: uint32 codes of ``bits`` 8 or 4 for
+    head size ``D`` (a multiple of :data:`QUANT_GROUP`), four float16 scale / bias arrays of
+    one group a :data:`QUANT_GROUP` values."""
+    if bits not in (8, 4) or scales is None or len(scales) != 4 or k_pool.dtype != mx.uint32 or D % QUANT_GROUP:
+        return False
+    if k_pool.shape[2] * 32 != D * bits:
+        return False
+    shape = (k_pool.shape[0], k_pool.shape[1], D // QUANT_GROUP)
+    return all(a.dtype == mx.float16 and a.shape == shape for a in scales)
 
 
 def has_attention_step() -> bool:

@@ -211,6 +211,15 @@ for b in range(2):
         expected = sdpa(q[b : b + 1, :, j : j + 1], k[slots].swapaxes(0, 1)[None], v[slots].swapaxes(0, 1)[None])
         if not mx.allclose(windowed[b : b + 1, :, j : j + 1], expected, atol=1e-5).item():
             wrong.append(("windowed", b, j))
+for bits in (8, 4):  # quantized pools (the scalar dequantization where the build has no AVX-512)
+    codes = [mx.quantize(x.astype(mx.float16), group_size=32, bits=bits) for x in (k, v)]
+    scales = [codes[0][1], codes[0][2], codes[1][1], codes[1][2]]
+    coded = ext.paged_decode_attention(q, codes[0][0], codes[1][0], table, mx.array(limits, dtype=mx.int32), bs, 0.125, 2, 12,
+                                       scales, bits)
+    wk, wv = (mx.dequantize(w, s.astype(mx.float32), b.astype(mx.float32), group_size=32, bits=bits) for w, s, b in codes)
+    wide = ext.paged_decode_attention(q, wk, wv, table, mx.array(limits, dtype=mx.int32), bs, 0.125, 2, 12)
+    if not mx.allclose(coded, wide, atol=2e-5).item():
+        wrong.append(("quantized", bits))
 print("MATCHES" if not wrong else f"WRONG {wrong}")
 """
 
@@ -221,7 +230,7 @@ def test_forced_builds_widen_float16_pools_alike(march: str, tmp_path) -> None:
     (no ``-march``: a scalar conversion), each built in a child process of its own: float16
     pools read as the float32 values they hold, and the decode kernel equal to mx.fast's
     attention (with and without masks, several head groups and dimensions; paged, several
-    positions a row, with and without a sliding window)."""
+    positions a row, with and without a sliding window; quantized pools as the float32 values they hold)."""
     import os
     import subprocess
     import sys

@@ -336,8 +336,9 @@ class PagedLayerCache:
         backend = backend or _MLX_OPS
         batch, storage = self.batch, self.batch.storage
         if sinks is None and backend.kernels:  # (asked only there: a wide pass's limits take a loop to build)
+            quantized = {"scales": storage.scales[self.layer], "bits": storage.bits} if storage.bits else {}
             out = backend.paged_decode_attention(queries, storage.keys[self.layer], storage.values[self.layer], batch.table,
-                                                   batch.limits, storage.block_size, scale, window=self.window)
+                                                   batch.limits, storage.block_size, scale, window=self.window, **quantized)
             if out is not None:
                 return out
         cascade = batch.width == 1 and self.window is None and sinks is None and batch.shared()

@@ -25,7 +25,8 @@ the packed codes (uint32, ``(slots, kv_heads, D * bits / 32)``) and :attr:`Paged
 each layer's ``(key_scales, key_biases, value_scales, value_biases)``, float16 ``(slots,
 kv_heads, D / group)``. A slot's codes and scales depend on that token alone, so a block
 shared, copied, cut back (rejected drafts) or released is handled as any other; reads
-dequantize what they gather, and the CPU kernel reads the codes directly.
+dequantize what they gather (in the model's dtype), and the CPU kernel reads the codes
+directly (:func:`mlx_parallm_provider.models.attention.paged_decode_attention`), dequantizing a tile at a time.
 """
 
 from __future__ import annotations
@@ -212,7 +213,9 @@ class PagedKVStorage:
         in the model's dtype."""
         k, v = self.keys[layer][slots], self.values[layer][slots]  # type: ignore[index]
         if self.bits:
-            ks, kb, vs, vb = (a[slots] for a in self.scales[layer])  # type: ignore[union-attr]
+            # In the model's dtype (float32 on the CPU): the values the CPU kernel dequantizes, not their float16 roundings.
+            dtype = self.compute_dtype or SCALES_DTYPE
+            ks, kb, vs, vb = (a[slots].astype(dtype) for a in self.scales[layer])  # type: ignore[union-attr]
             k = mx.dequantize(k, ks, kb, group_size=self.group_size, bits=self.bits)
             v = mx.dequantize(v, vs, vb, group_size=self.group_size, bits=self.bits)
         if self.compute_dtype is not None and k.dtype != self.compute_dtype:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any, Optional, Sequence, Union
 
 import mlx.core as mx
 
@@ -134,10 +134,10 @@ class CPUKernels(MLXOps):
 
     def paged_decode_attention(
         self, queries: mx.array, k_pool: mx.array, v_pool: mx.array, table: mx.array, lengths: mx.array, block_size: int, scale: float,
-        window: Optional[int] = None,
+        window: Optional[int] = None, scales: Optional[Sequence[mx.array]] = None, bits: int = 0,
     ) -> Optional[mx.array]:
         return attention.paged_decode_attention(queries, k_pool, v_pool, table, lengths, block_size, scale, self.attention_threads,
-                                                window)
+                                                window, scales, bits)
 
     def steps_attention(self, rope: Any) -> bool:
         return getattr(rope, "inv_freq", None) is not None and attention.has_attention_step()

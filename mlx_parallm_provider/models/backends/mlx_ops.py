@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any, Optional, Sequence, Union
 
 import mlx.core as mx
 
@@ -66,11 +66,11 @@ class MLXOps:
 
     def paged_decode_attention(
         self, queries: mx.array, k_pool: mx.array, v_pool: mx.array, table: mx.array, lengths: mx.array, block_size: int, scale: float,
-        window: Optional[int] = None,
+        window: Optional[int] = None, scales: Optional[Sequence[mx.array]] = None, bits: int = 0,
     ) -> Optional[mx.array]:
         """Attention over paged KV through a fused kernel (a sliding ``window``: each position
-        sees its last ``window`` tokens), or None: the caller gathers the rows' blocks (see
-        :func:`..attention.paged_decode_attention`)."""
+        sees its last ``window`` tokens; quantized pools: their ``scales`` and ``bits``), or
+        None: the caller gathers the rows' blocks (see :func:`..attention.paged_decode_attention`)."""
         return None
 
     def steps_attention(self, rope: Any) -> bool:

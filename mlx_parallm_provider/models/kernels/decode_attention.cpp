@@ -20,6 +20,10 @@
 // all its positions, up to kMaxGroup query rows a KV head at a time). The pools are
 // float32 or float16 (EngineConfig.kv_cache_dtype): halves are widened to float32 as they are
 // read, 16 at a time (F16C / AVX-512 where the build has them), and every sum stays float32.
+// Or quantized (kv_cache_dtype int8 / int4, engine/kv/storage.py): the pools hold mx.quantize's
+// packed codes (uint32, (N, KVH, D * bits / 32)) beside float16 scales and biases (N, KVH,
+// D / 32), one each per 32 values; each tile's K and V of a head are dequantized into a
+// thread's float32 scratch (code * scale + bias) and attended as float32 pools are.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -118,6 +122,55 @@ inline float hsum(v16f v) {
   float s = 0.0f;
   for (int i = 0; i < 16; i++) s += v[i];
   return s;
+}
+
+// Quantized pools: mx.quantize's layout (storage.py), KV_QUANT_GROUP_SIZE values a scale and bias.
+constexpr int kQuantGroup = 32;
+
+struct QuantPools {
+  const uint32_t* k;  // codes (slots, KVH, D * bits / 32): value i of a word at bits (i % (32 / bits)) * bits
+  const uint32_t* v;
+  const uint16_t* k_scale;  // float16 bits (slots, KVH, D / kQuantGroup)
+  const uint16_t* k_bias;
+  const uint16_t* v_scale;
+  const uint16_t* v_bias;
+  int bits;  // 8 or 4
+};
+
+inline float half_scalar(uint16_t h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  return half_to_float(h);
+#endif
+}
+
+// out[0 .. groups * kQuantGroup) = code * scale + bias of `groups` groups of one head of a slot.
+inline void dequantize(const uint32_t* codes, const uint16_t* scales, const uint16_t* biases, int groups, int bits, float* out) {
+  for (int g = 0; g < groups; g++, out += kQuantGroup) {
+    float s = half_scalar(scales[g]), b = half_scalar(biases[g]);
+#if defined(__AVX512F__)
+    // (x86 is little-endian: the words' codes are the bytes', or the nibbles', in order)
+    const __m512 sv = _mm512_set1_ps(s), bv = _mm512_set1_ps(b);
+    __m128i half[2];
+    if (bits == 8) {
+      const auto* bytes = reinterpret_cast<const __m128i*>(codes + g * kQuantGroup / 4);
+      half[0] = _mm_loadu_si128(bytes), half[1] = _mm_loadu_si128(bytes + 1);
+    } else {  // byte k holds values 2k (low nibble) and 2k + 1
+      __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + g * kQuantGroup / 8));
+      const __m128i low = _mm_set1_epi8(0x0f);
+      __m128i lo = _mm_and_si128(c, low), hi = _mm_and_si128(_mm_srli_epi16(c, 4), low);
+      half[0] = _mm_unpacklo_epi8(lo, hi), half[1] = _mm_unpackhi_epi8(lo, hi);
+    }
+    for (int i = 0; i < 2; i++)
+      _mm512_storeu_ps(out + 16 * i, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(half[i])), sv, bv));
+#else
+    const int per = 32 / bits;
+    const uint32_t mask = (1u << bits) - 1;
+    const uint32_t* words = codes + g * kQuantGroup / per;
+    for (int i = 0; i < kQuantGroup; i++) out[i] = static_cast<float>((words[i / per] >> (i % per * bits)) & mask) * s + b;
+#endif
+  }
 }
 
 // Keys and values of one (row, KV head) segment: `len` positions `stride` elements apart;
@@ -480,11 +533,16 @@ struct QueryLayout {
 // released: their table entries are never read). A pass's tiles start at a multiple of kBlock
 // (the first holding a position some query of the pass sees), so each position's sums are
 // those it has alone.
+// `quant` (T float, kp and vp unused): quantized pools, each tile's K and V of a head dequantized
+// into a thread's scratch before they are attended.
 template <class T>
 void paged_attend(const T* kp, const T* vp, int64_t slots, int KVH, const int32_t* table, int M, const int32_t* limits,
-                  const QueryLayout& io, int B, int H, int L, int D, float scale, int bs, int threads, int window = 0) {
+                  const QueryLayout& io, int B, int H, int L, int D, float scale, int bs, int threads, int window = 0,
+                  const QuantPools* quant = nullptr) {
   int group = H / KVH;
   int64_t slot_stride = static_cast<int64_t>(KVH) * D;
+  const int64_t code_stride = quant ? slot_stride * quant->bits / 32 : 0;  // uint32 words of a slot's codes
+  const int64_t scale_stride = slot_stride / kQuantGroup;                // its scales (and biases)
   // Each row's real positions: a right-padded pass's padding repeats its row's last limit
   // (a real position sees one token more than the one before it). Padding is not attended:
   // its outputs are copies of its row's last real position's.
@@ -553,17 +611,44 @@ void paged_attend(const T* kp, const T* vp, int64_t slots, int KVH, const int32_
     for (; n < len; n++) {
       int64_t slot = static_cast<int64_t>(row[n / bs]) * bs + n % bs;
       if (row[n / bs] < 0 || slot >= slots) break;
-      at[n] = slot * slot_stride;
+      at[n] = quant ? slot : slot * slot_stride;  // (quantized: the slot, its arrays' strides differ)
     }
     const int* limit_of = L > 1 ? limit : nullptr;  // (one position: it sees the row's n tokens)
     const int* first_of = window > 0 ? first : nullptr;
     const int64_t slot_bytes = static_cast<int64_t>(g1 - g0) * D * static_cast<int64_t>(sizeof(T));  // this item's heads of a slot
+    auto attend = [&](int g, int start, auto seg) {
+      int shifted[kMaxGroup], shifted_first[kMaxGroup];  // the limits counted from this tile's first position
+      if (limit_of) {
+        for (int r = 0; r < rows; r++) shifted[r] = limit_of[r] - start;
+        seg.limit = shifted;
+      }
+      if (first_of) {
+        for (int r = 0; r < rows; r++) shifted_first[r] = first_of[r] - start;
+        seg.first = shifted_first;
+      }
+      heads[g].attend(seg);
+    };
+    static thread_local std::vector<float> scratch;  // quantized pools: a tile's K, then V, of one head
+    if (quant) scratch.resize(2 * static_cast<size_t>(kBlock) * D);
+    const int groups = D / kQuantGroup;
     for (int start = begin; start < n; start += kBlock) {
       int tile = std::min(kBlock, n - start);
       // Ask for the next tile's slots (every head's K and V) while this one is computed:
       // its blocks lie anywhere in the pools, so the hardware's stream prefetch cannot
       // follow. ~1.3x a row at 1,024 tokens of context on a 2-core Xeon; bit-identical.
       for (int p = start + kBlock; p < std::min(start + 2 * kBlock, n); p++) {
+        if (quant) {
+          const int64_t words = code_stride / KVH * (g1 - g0);
+          const char* key = reinterpret_cast<const char*>(quant->k + at[p] * code_stride + g0 * code_stride / KVH);
+          const char* value = reinterpret_cast<const char*>(quant->v + at[p] * code_stride + g0 * code_stride / KVH);
+          for (int64_t o = 0; o < words * 4; o += 64) {
+            __builtin_prefetch(key + o);
+            __builtin_prefetch(value + o);
+          }
+          const int64_t first_scale = at[p] * scale_stride + g0 * groups;
+          for (const uint16_t* a : {quant->k_scale, quant->k_bias, quant->v_scale, quant->v_bias}) __builtin_prefetch(a + first_scale);
+          continue;
+        }
         const char* key = reinterpret_cast<const char*>(kp + at[p] + g0 * D);
         const char* value = reinterpret_cast<const char*>(vp + at[p] + g0 * D);
         for (int64_t o = 0; o < slot_bytes; o += 64) {
@@ -572,17 +657,20 @@ void paged_attend(const T* kp, const T* vp, int64_t slots, int KVH, const int32_
         }
       }
       for (int g = g0; g < g1; g++) {
-        SegmentOf<T> seg{kp + g * D, vp + g * D, slot_stride, slot_stride, tile, nullptr, nullptr, at.data() + start};
-        int shifted[kMaxGroup], shifted_first[kMaxGroup];  // the limits counted from this tile's first position
-        if (limit_of) {
-          for (int r = 0; r < rows; r++) shifted[r] = limit_of[r] - start;
-          seg.limit = shifted;
+        if (!quant) {
+          attend(g, start, SegmentOf<T>{kp + g * D, vp + g * D, slot_stride, slot_stride, tile, nullptr, nullptr, at.data() + start});
+          continue;
         }
-        if (first_of) {
-          for (int r = 0; r < rows; r++) shifted_first[r] = first_of[r] - start;
-          seg.first = shifted_first;
+        // The tile's K and V of head g as float32, once for every query row of the pass.
+        float *keys = scratch.data(), *values = keys + static_cast<size_t>(kBlock) * D;
+        const int64_t head_words = g * code_stride / KVH, head_scales = g * groups;
+        for (int p = 0; p < tile; p++) {
+          int64_t slot = at[start + p];
+          int64_t c = slot * code_stride + head_words, sc = slot * scale_stride + head_scales;
+          dequantize(quant->k + c, quant->k_scale + sc, quant->k_bias + sc, groups, quant->bits, keys + static_cast<int64_t>(p) * D);
+          dequantize(quant->v + c, quant->v_scale + sc, quant->v_bias + sc, groups, quant->bits, values + static_cast<int64_t>(p) * D);
         }
-        heads[g].attend(seg);
+        attend(g, start, Segment{keys, values, D, D, tile, nullptr, nullptr});
       }
     }
     for (int g = g0; g < g1; g++) {
@@ -601,8 +689,9 @@ struct PagedParams {
   float scale;
   int block_size, threads;
   int window;  // a sliding window's tokens (0: none)
+  int bits = 0;  // quantized pools: their codes' bits (0: float32 or float16 pools)
   bool operator==(const PagedParams& o) const {
-    return scale == o.scale && block_size == o.block_size && threads == o.threads && window == o.window;
+    return scale == o.scale && block_size == o.block_size && threads == o.threads && window == o.window && bits == o.bits;
   }
 };
 
@@ -615,12 +704,20 @@ class PagedDecodeAttentionCPU : public CpuPrimitive<PagedDecodeAttentionCPU> {
   PagedParams params;
 
   static void run(const std::vector<mx::array>& in, mx::array& out, const PagedParams& prm) {
-    if (!in[1].flags().row_contiguous || !in[2].flags().row_contiguous) {
-      throw std::runtime_error("paged_decode_attention: the pools must be row-contiguous");
+    for (size_t i = 1; i < in.size(); i++) {
+      if ((i < 3 || i > 4) && !in[i].flags().row_contiguous)
+        throw std::runtime_error("paged_decode_attention: the pools (and their scales) must be row-contiguous");
     }
     const auto& q = in[0];
     int B = q.shape(0), H = q.shape(1), L = q.shape(2), D = q.shape(3);
     QueryLayout io{q.data<float>(), out.data<float>(), static_cast<int64_t>(H) * L * D, static_cast<int64_t>(L) * D, D};
+    if (prm.bits) {  // inputs 5-8: the K scales and biases, the V scales and biases
+      QuantPools quant{in[1].data<uint32_t>(), in[2].data<uint32_t>(), in[5].data<uint16_t>(), in[6].data<uint16_t>(),
+                       in[7].data<uint16_t>(), in[8].data<uint16_t>(), prm.bits};
+      paged_attend<float>(nullptr, nullptr, in[1].shape(0), in[1].shape(1), in[3].data<int32_t>(), in[3].shape(1),
+                          in[4].data<int32_t>(), io, B, H, L, D, prm.scale, prm.block_size, prm.threads, prm.window, &quant);
+      return;
+    }
     auto go = [&](auto* kp, auto* vp) {
       paged_attend(kp, vp, in[1].shape(0), in[1].shape(1), in[3].data<int32_t>(), in[3].shape(1), in[4].data<int32_t>(), io,
                    B, H, L, D, prm.scale, prm.block_size, prm.threads, prm.window);
@@ -799,9 +896,11 @@ mx::array decode_attention_op(const mx::array& q, const mx::array& k, const mx::
 // Paged decode attention, see the file comment: q (B, H, L, D); k_pool, v_pool (N, KVH, D);
 // table (B, M) int32 block ids; lengths (B,) int32 tokens per row (L = 1), or (B, L): the
 // tokens each query position sees; window > 0: each sees only the last `window` of them.
+// Quantized pools: k_pool, v_pool uint32 codes (N, KVH, D * bits / 32), `scales` the K scales
+// and biases and the V scales and biases, float16 (N, KVH, D / 32), bits 8 or 4.
 mx::array paged_decode_attention_op(const mx::array& q, const mx::array& k_pool, const mx::array& v_pool,
                                     const mx::array& table, const mx::array& lengths, int block_size, float scale,
-                                    int threads, int window) {
+                                    int threads, int window, const std::optional<std::vector<mx::array>>& scales, int bits) {
   bool per_position = q.ndim() == 4 && lengths.ndim() == 2 && lengths.shape(1) == q.shape(2);
   if (q.ndim() != 4 || k_pool.ndim() != 3 || k_pool.shape() != v_pool.shape() || table.ndim() != 2 ||
       !(per_position || (lengths.ndim() == 1 && q.shape(2) == 1)) || table.shape(0) != q.shape(0) ||
@@ -810,19 +909,34 @@ mx::array paged_decode_attention_op(const mx::array& q, const mx::array& k_pool,
                                 "for L = 1 or (B, L)");
   }
   int H = q.shape(1), D = q.shape(3), KVH = k_pool.shape(1);
-  if (k_pool.shape(2) != D || KVH < 1 || H % KVH || H / KVH > kMaxGroup || D % 16 || D > kMaxHeadDim) {
-    throw std::invalid_argument("paged_decode_attention: unsupported shapes (head dim a multiple of 16 up to 256, at most 16 "
-                                "query heads per KV head)");
+  bool quantized = k_pool.dtype() == mx::uint32;
+  if ((quantized ? bits != 8 && bits != 4 : bits != 0) || (quantized != (scales && !scales->empty()))) {
+    throw std::invalid_argument("paged_decode_attention: uint32 pools (quantized) take scales and bits 8 or 4, others neither");
+  }
+  int width = quantized ? D * bits / 32 : D;  // the pools' last axis
+  if (k_pool.shape(2) != width || KVH < 1 || H % KVH || H / KVH > kMaxGroup || D % (quantized ? kQuantGroup : 16) ||
+      D > kMaxHeadDim) {
+    throw std::invalid_argument("paged_decode_attention: unsupported shapes (head dim a multiple of 16 up to 256, of 32 for "
+                                "quantized pools, at most 16 query heads per KV head)");
   }
   auto stream = cpu_stream();
   auto f32 = [&](const mx::array& a) { return mx::contiguous(mx::astype(a, mx::float32, stream), false, stream); };
-  if (k_pool.dtype() != v_pool.dtype() || (k_pool.dtype() != mx::float32 && k_pool.dtype() != mx::float16)) {
-    throw std::invalid_argument("paged_decode_attention: the pools must be both float32 or both float16 (a cast would copy "
-                                "them every call)");
+  if (k_pool.dtype() != v_pool.dtype() || (k_pool.dtype() != mx::float32 && k_pool.dtype() != mx::float16 && !quantized)) {
+    throw std::invalid_argument("paged_decode_attention: the pools must be both float32, both float16 or both uint32 codes "
+                                "(a cast would copy them every call)");
   }
   std::vector<mx::array> inputs = {f32(q), k_pool, v_pool, int32_rows(table, stream), int32_rows(lengths, stream)};
+  if (quantized) {
+    mx::Shape shape{k_pool.shape(0), KVH, D / kQuantGroup};
+    if (scales->size() != 4) throw std::invalid_argument("paged_decode_attention: scales: K scales, K biases, V scales, V biases");
+    for (const auto& a : *scales) {
+      if (a.dtype() != mx::float16 || a.shape() != shape)
+        throw std::invalid_argument("paged_decode_attention: scales and biases float16 (N, KVH, D / 32)");
+      inputs.push_back(a);
+    }
+  }
   return mx::array(q.shape(), mx::float32,
-                   std::make_shared<PagedDecodeAttentionCPU>(stream, PagedParams{scale, block_size, std::max(threads, 1), window}),
+                   std::make_shared<PagedDecodeAttentionCPU>(stream, PagedParams{scale, block_size, std::max(threads, 1), window, bits}),
                    std::move(inputs));
 }
 

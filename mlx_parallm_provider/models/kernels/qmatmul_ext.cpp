@@ -44,7 +44,7 @@ mx::array decode_attention_op(const mx::array& q, const mx::array& k, const mx::
                               const std::optional<mx::array>& mask, int threads);
 mx::array paged_decode_attention_op(const mx::array& q, const mx::array& k_pool, const mx::array& v_pool,
                                     const mx::array& table, const mx::array& lengths, int block_size, float scale,
-                                    int threads, int window);
+                                    int threads, int window, const std::optional<std::vector<mx::array>>& scales, int bits);
 mx::array paged_attention_step_op(const mx::array& q, const mx::array& k, const mx::array& v, const mx::array& k_pool,
                                   const mx::array& v_pool, const mx::array& slots, const mx::array& table,
                                   const mx::array& limits, const mx::array& offset, const mx::array& inv_freq, int heads,
@@ -188,10 +188,11 @@ NB_MODULE(mlx_parallm_qmatmul_ext, m) {
   m.def("blas_matmul", &mlx_parallm::blas_matmul_op, "x"_a, "w"_a,
         "x (..., K) @ w.T for float32 x and w (N, K), through the sgemm of set_sgemm, as one CPU op.");
   m.def("paged_decode_attention", &mlx_parallm::paged_decode_attention_op, "q"_a, "k_pool"_a, "v_pool"_a, "table"_a,
-        "lengths"_a, "block_size"_a, "scale"_a, "threads"_a = 1, "window"_a = 0,
+        "lengths"_a, "block_size"_a, "scale"_a, "threads"_a = 1, "window"_a = 0, "scales"_a = nb::none(), "bits"_a = 0,
         "Attention of q (B, H, L, D) over each row's first lengths[b] (L = 1) or lengths[b][j] slots of its blocks table[b] in the pools "
-        "(N, KVH, D), block_size slots a block, as one CPU op; window > 0: the last window of them only. Pools float32 or float16; "
-        "float32 out.");
+        "(N, KVH, D), block_size slots a block, as one CPU op; window > 0: the last window of them only. Pools float32 or float16, "
+        "or quantized: uint32 codes (N, KVH, D * bits / 32) of mx.quantize with group size 32, scales [K scales, K biases, V scales, "
+        "V biases] float16 (N, KVH, D / 32), bits 8 or 4; float32 out.");
   m.def("paged_attention_step", &mlx_parallm::paged_attention_step_op, "q"_a, "k"_a, "v"_a, "k_pool"_a, "v_pool"_a,
         "slots"_a, "table"_a, "limits"_a, "offset"_a, "inv_freq"_a, "heads"_a, "rope_dims"_a, "traditional"_a,
         "rope_scale"_a, "block_size"_a, "scale"_a, "threads"_a = 1,
@@ -209,4 +210,5 @@ NB_MODULE(mlx_parallm_qmatmul_ext, m) {
   m.attr("paged_float16_pools") = nb::bool_(true);  // what attention.py asks before handing it float16 pools
   m.attr("paged_positions") = nb::bool_(true);      // ... several query positions a row, lengths (B, L)
   m.attr("paged_windows") = nb::bool_(true);        // ... a sliding window (window > 0)
+  m.attr("paged_quantized_pools") = nb::bool_(true);  // ... quantized pools (uint32 codes, scales and bits)
 }
