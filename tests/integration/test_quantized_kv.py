@@ -285,3 +285,14 @@ def test_quantized_prefill_and_decode_through_the_kernel_match_the_gathered_path
     assert not ran
     for ours, theirs in zip(kernel, gathered):
         assert mx.allclose(ours, theirs, atol=1e-4).item()
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_quantized_rows_in_a_sliding_window_answer_as_alone(engine_of, dtype) -> None:
+    """``max_kv_size``: every layer attends to its last 24 tokens and releases older blocks."""
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    prompts = _prompts(5)
+    alone = engine_of(max_num_seqs=1, kv_cache_dtype=dtype, max_kv_size=24, enable_prefix_caching=False)
+    expected = [alone.generate_sync(p, params).token_ids for p in prompts]
+    engine = engine_of(kv_cache_dtype=dtype, max_kv_size=24, kv_block_size=8)
+    assert asyncio.run(_together(engine, prompts, params)) == expected
