@@ -175,7 +175,17 @@ class EngineCore:
                 self.dead = exc
             self._fail_all(EngineDeadError(f"the engine's worker died ({type(exc).__name__}: {exc}); retry the request"))
         finally:
+            self._save_pending()
             self.memory.close()  # the disk tier's queued blocks written
+
+    def _save_pending(self) -> None:
+        """Hand the disk tier the blocks named since the last step (a last answer's)."""
+        try:
+            saves = self.kv.for_step([]).saves
+            if saves:
+                self.kv.to_disk(self.memory.storage.saved_blocks(saves))
+        except Exception:
+            logger.exception("could not save the last KV blocks to the disk tier")
 
     def step(self) -> bool:
         """One engine step; False once the engine is stopping."""
@@ -191,7 +201,7 @@ class EngineCore:
     def _take_arrivals(self) -> bool:
         """Move new requests to the scheduler, blocking while idle; False: stop."""
         with self._cond:
-            idle = not self.scheduler.all_requests()
+            idle = not self.scheduler.all_requests() and not self.kv.pending_saves  # (one more step saves them)
             while not self._inbox and idle and not self._stopping:
                 self._cond.wait()
             if self._stopping:

@@ -159,3 +159,14 @@ def test_a_process_killed_while_writing_leaves_a_folder_the_next_one_uses(tmp_pa
     tier.close()
     DiskKVTier(tmp_path, 1 << 34, b"d" * 16).close()
     assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_a_last_answer_is_saved_though_nothing_follows_it(make_engine, tmp_path) -> None:
+    # One token: the prompt's blocks and the answer are named in the step that ends it; no
+    # later step would copy them out for the writer.
+    engine = _engine(make_engine, tmp_path)
+    engine.generate_sync(PREFIX, SamplingParams(max_tokens=1))
+    deadline = time.monotonic() + 10
+    while len(_files(tmp_path)) < 12 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(_files(tmp_path)) == 12  # all 200 tokens' whole blocks, saved by an idle step
