@@ -31,8 +31,7 @@ from .embed.api import EmbedMethods
 from .exit_guard import shut_down_at_exit
 from .fanout import POLL_S, FanOut, TaggedSink, expand
 from .grammar.probe import build_off_loop
-from .kv.budget import check_kv_dtype, kv_bytes_per_token
-from .kv.disk_tier import check_folder
+from .kv.budget import check_kv_settings, kv_bytes_per_token
 from .kv.support import ensure_servable
 from .metrics import EngineMetrics, prefix_stats
 from .prompt_size import PromptEncoder
@@ -69,9 +68,7 @@ class Engine(EmbedMethods):
         self.vocab_size = int(self._loaded.config.get("vocab_size", 0)) or None
         self._prompts = PromptEncoder(self.encode, self.tokenizer, self.context_length)
         self.metrics = EngineMetrics()
-        check_kv_dtype(self._loaded.model, self._loaded.config, self.config.kv_cache_dtype)
-        if self.config.kv_disk_path is not None:
-            check_folder(self.config.kv_disk_path)
+        check_kv_settings(self._loaded.model, self._loaded.config, self.config)
         self._kv_bytes_per_token = kv_bytes_per_token(self._loaded.model, self._loaded.config, self.config.kv_cache_dtype)
         self._core_lock = threading.Lock()
         self._core: Optional[EngineCore] = None
@@ -225,23 +222,18 @@ class Engine(EmbedMethods):
         return list(prompt)
 
     def stats(self) -> dict[str, Any]:
-        """A plain, JSON-serialisable dict: requests running / waiting / finished, token
-        counts, the largest decode batch seen, tokens/s over the last minute, p50/p99
-        of TTFT, TPOT, ITL and queue time (seconds), ``prefix_cache`` (hit rate,
-        cached tokens and bytes, evictions) and ``kv_cache`` (blocks total / free / used,
-        ``kv_cache_usage_perc``, preemptions), ``kv_disk`` (the disk tier's hits, bytes,
-        evictions, skipped files; None without one), ``kv_tiers`` (each prefix store tier's
-        hit tokens, bytes and evictions), ``speculation``
-        (n-gram drafts) and ``fast_forward`` (grammar-forced tokens): None when off."""
+        """A plain, JSON-serialisable dict: requests running / waiting / finished, token counts, the largest decode
+        batch seen, tokens/s over the last minute, p50/p99 of TTFT, TPOT, ITL and queue time (seconds),
+        ``prefix_cache`` (hit rate, cached tokens and bytes, evictions), ``kv_cache`` (blocks total / free / used,
+        ``kv_cache_usage_perc``, preemptions, bytes), ``kv_disk`` (the disk tier's hits, bytes, evictions, skipped
+        files), ``kv_tiers`` (each prefix store tier's hit tokens, bytes, evictions), ``speculation`` (n-gram drafts) and
+        ``fast_forward`` (grammar-forced tokens): None when off."""
         core = self._core
-        running = core.num_running if core is not None and core.alive else 0
-        waiting = core.num_waiting if core is not None and core.alive else 0
+        running, waiting = (core.num_running, core.num_waiting) if core is not None and core.alive else (0, 0)
         snap = self.metrics.snapshot(running=running, waiting=waiting)
         snap["model"] = self.model_name
         snap["prefix_cache"] = prefix_stats(self.config.enable_prefix_caching, core.prefix_store_stats() if core is not None else None, snap)
-        snap["kv_cache"] = core.kv_stats() if core is not None else {"layout": "paged"}
-        snap["kv_disk"] = core.disk_stats() if core is not None else None
-        snap["kv_tiers"] = core.tier_stats() if core is not None else {}
+        snap.update(core.memory_stats() if core is not None else {"kv_cache": {"layout": "paged"}, "kv_disk": None, "kv_tiers": {}})
         snap.update(core.drafting_stats() if core is not None else {"speculation": None, "fast_forward": None})
         return snap
 
@@ -361,9 +353,8 @@ class Engine(EmbedMethods):
             if self._core is None or not self._core.alive:
                 if self._core is not None:
                     logger.warning("starting a fresh core after: %s", self._core.dead)
-                self._core = EngineCore(self._loaded.model, self.tokenizer, self.config, self.metrics, self._kv_bytes_per_token,
-                                      vocab_size=self.vocab_size or 0, context_length=self.context_length,
-                                      model_path=getattr(self._loaded, "path", None))
+                self._core = EngineCore(self._loaded.model, self.tokenizer, self.config, self.metrics, self._kv_bytes_per_token, vocab_size=self.vocab_size
+                                        or 0, context_length=self.context_length, model_path=getattr(self._loaded, "path", None))
             return self._core
 
     def _cancel(self, request: Request) -> None:

@@ -93,6 +93,10 @@ class EngineCore:
         """``stats()["kv_cache"]``: blocks, usage, preemptions."""
         return self.memory.stats()
 
+    def memory_stats(self) -> dict[str, Any]:
+        """``stats()``'s ``kv_cache``, ``kv_disk`` and ``kv_tiers``."""
+        return {"kv_cache": self.kv_stats(), "kv_disk": self.disk_stats(), "kv_tiers": self.tier_stats()}
+
     def disk_stats(self) -> Optional[dict[str, Any]]:
         """``stats()["kv_disk"]``: the disk tier's counts, or None without one."""
         return self.memory.disk_stats()
@@ -183,7 +187,7 @@ class EngineCore:
         try:
             saves = self.kv.for_step([]).saves
             if saves:
-                self.kv.to_disk(self.memory.storage.saved_blocks(saves))
+                self.kv.disk.to_disk(self.memory.storage.saved_blocks(saves))  # type: ignore[union-attr]
         except Exception:
             logger.exception("could not save the last KV blocks to the disk tier")
 
@@ -201,7 +205,7 @@ class EngineCore:
     def _take_arrivals(self) -> bool:
         """Move new requests to the scheduler, blocking while idle; False: stop."""
         with self._cond:
-            idle = not self.scheduler.all_requests() and not self.kv.pending_saves  # (one more step saves them)
+            idle = not self.scheduler.all_requests() and not (self.kv.disk and self.kv.disk.pending_saves)  # (one more step saves them)
             while not self._inbox and idle and not self._stopping:
                 self._cond.wait()
             if self._stopping:

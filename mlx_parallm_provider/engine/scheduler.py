@@ -152,7 +152,7 @@ class Scheduler:
         results = [self.fail(request, exc, during) for request, exc, during in out.failed if not request.finished]
         self.kv.arrays_hold(out.physical_blocks)
         if out.saved:
-            self.kv.to_disk(out.saved)
+            self.kv.disk.to_disk(out.saved)
         if out.chunked is not None:
             self.advanced(*out.chunked)
         self.started(out.prefilled)
@@ -283,7 +283,7 @@ class Scheduler:
             # The cache is the pool's blocks, looked up once (a preempted request by its
             # prompt + output too); at least one token is computed, for the logits.
             if self.prefix_caching and self.kv.disk is not None:  # what the pool lacks of it, from the disk tier
-                self.kv.load_prefix(request.computed_ids, request.num_tokens - 1)
+                self.kv.disk.load_prefix(self.kv, request.computed_ids, request.num_tokens - 1)
             prefix = self.kv.match(request.computed_ids, request.num_tokens - 1) if self.prefix_caching else None
             cached = prefix.tokens if prefix is not None else 0
             # Its prompt and the token it decodes the step its prefill ends, with a block of

@@ -10,6 +10,7 @@ from typing import Any, Optional
 import mlx.core as mx
 
 from ...errors import InvalidParameterError
+from .disk_tier import check_folder
 from .storage import KV_QUANT_GROUP_SIZE, QUANTIZED_KV_BITS, quantized_bytes_per_value
 
 logger = logging.getLogger(__name__)
@@ -63,10 +64,14 @@ def _shape(model: Any, config: dict[str, Any]) -> tuple[int, int, int]:
     return layers, kv_heads, head_dim
 
 
-def check_kv_dtype(model: Any, config: dict[str, Any], kv_cache_dtype: str) -> None:
+def check_kv_settings(model: Any, config: dict[str, Any], engine_config: Any) -> None:
     """Raise :class:`~...errors.InvalidParameterError` where the model's heads cannot take
-    ``kv_cache_dtype`` (quantized blocks group a head's values by :data:`.storage.KV_QUANT_GROUP_SIZE`)."""
+    ``kv_cache_dtype`` (quantized blocks group a head's values by :data:`.storage.KV_QUANT_GROUP_SIZE`),
+    or ``kv_disk_path`` is not a folder this process can write."""
     _, _, head_dim = _shape(model, config)
+    kv_cache_dtype = engine_config.kv_cache_dtype
+    if engine_config.kv_disk_path is not None:
+        check_folder(engine_config.kv_disk_path)
     if kv_cache_dtype in QUANTIZED_KV_BITS and head_dim % KV_QUANT_GROUP_SIZE:
         raise InvalidParameterError("kv_cache_dtype", f"{kv_cache_dtype!r} needs a head size divisible by {KV_QUANT_GROUP_SIZE}; "
                                     f"this model's is {head_dim} (use 'float16')")

@@ -13,6 +13,7 @@ import mlx.core as mx
 
 from ...errors import InvalidParameterError
 from .budget import pool_blocks
+from .disk_prefixes import DiskPrefixes
 from .disk_tier import DiskKVTier, kv_identity
 from .groups import LayerGroups
 from .manager import KVCacheManager
@@ -47,15 +48,15 @@ class KVMemory:
         """``stats()["kv_disk"]``: the disk tier's hits, bytes, evictions, skipped files; None without one."""
         if self.disk is None:
             return None
-        return {**self.disk.snapshot(), "loaded_blocks": self.manager.loaded_blocks,
-                "loaded_tokens": self.manager.loaded_blocks * self.manager.block_size}
+        loaded = self.manager.disk.loaded_blocks if self.manager.disk is not None else 0
+        return {**self.disk.snapshot(), "loaded_blocks": loaded, "loaded_tokens": loaded * self.manager.block_size}
 
     def tier_stats(self, cached_tokens: int) -> dict[str, dict[str, int]]:
         """Per tier of the prefix store (``memory``, and ``disk`` where there is one): prompt
         tokens found there (``hit_tokens``; ``cached_tokens`` of all tiers), bytes held and
         blocks evicted."""
         memory = self.prefix_stats()
-        loaded = self.manager.loaded_blocks * self.manager.block_size
+        loaded = self.manager.disk.loaded_blocks * self.manager.block_size if self.manager.disk is not None else 0
         tiers = {"memory": {"hit_tokens": max(0, cached_tokens - loaded), "bytes": memory["cached_bytes"], "evictions": memory["evictions"]}}
         if self.disk is not None:
             disk = self.disk.snapshot()
@@ -90,7 +91,7 @@ def build_kv(model: Any, budget_bytes: Optional[int], bytes_per_token: int, bloc
     # A block holds `groups.size` layers' K/V: a token costs that share of all layers' bytes in each group.
     blocks = pool_blocks(budget_bytes, bytes_per_token * groups.size // layers, block_size, max_tokens * groups.count)
     cached = None if max_cached_tokens is None else max(1, max_cached_tokens * groups.count // block_size)
-    manager = KVCacheManager(blocks, block_size, cached, windows=groups.windows, disk=disk)
+    manager = KVCacheManager(blocks, block_size, cached, windows=groups.windows, disk=DiskPrefixes(disk) if disk is not None else None)
     storage = PagedKVStorage(groups.size, blocks, block_size, preallocate=budget_bytes is not None, dtype=kv_dtype,
                              bits=kv_bits)
     return KVMemory(manager, storage, windows, groups if groups.count > 1 else None, bytes_per_token, layers, disk)

@@ -24,24 +24,17 @@ their place in the table. A prefix hit maps cached blocks into every group's tab
 group needs only the blocks of the window before the hit's end. (Partly shared last blocks,
 copied on write, are matched with a single group only.)
 
-A lower tier (:class:`.disk_tier.DiskKVTier`, one group only): whole blocks newly named are
-queued to be saved there (:attr:`KVCacheManager.pending_saves`, handed to the runner, which
-copies their arrays out, then to :meth:`KVCacheManager.saved`); :meth:`KVCacheManager.load_prefix`
-brings back the blocks of a prompt's prefix the pool lacks but the tier holds: it takes blocks
-for them, names them as if computed here, and queues their data (:attr:`KVCacheManager.pending_loads`)
-for the runner to write before anything reads them.
+A disk tier under the store (one group only): :mod:`.disk_prefixes`.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Hashable, Optional, Sequence
+from typing import Hashable, Optional, Sequence
 
 from ..plan import KVStep
 from .block_pool import NULL_BLOCK, BlockPool
+from .disk_prefixes import DiskPrefixes
 from .prefix_hit import PrefixHit
-
-if TYPE_CHECKING:
-    from .disk_tier import BlockData, DiskKVTier
 
 
 def blocks_for(tokens: int, block_size: int) -> int:
@@ -60,12 +53,11 @@ class KVCacheManager:
             every token, and no block is released early); one group of layers.
         windows: instead of ``window``, each group's window (:class:`.groups.LayerGroups`):
             a request has a table per group.
-        disk: a lower tier the prefix store's whole blocks are saved to and loaded from
-            (one group of layers only).
+        disk: the prefix store's disk tier (one group of layers only).
     """
 
     def __init__(self, num_blocks: int, block_size: int, max_cached_blocks: Optional[int] = None, window: Optional[int] = None,
-                 windows: Optional[Sequence[Optional[int]]] = None, disk: Optional["DiskKVTier"] = None) -> None:
+                 windows: Optional[Sequence[Optional[int]]] = None, disk: Optional[DiskPrefixes] = None) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
@@ -75,12 +67,7 @@ class KVCacheManager:
         self._limits: dict[Hashable, int] = {}  # owner -> the most entries its table may come to hold
         self.num_preemptions = 0
         self.pending_copies: list[tuple[int, int]] = []  # (source, destination) blocks, sources held
-        if disk is not None and len(self.windows) > 1:
-            raise ValueError("the KV disk tier takes models of one group of layers (no mix of sliding windows)")
-        self.disk = disk
-        self.pending_saves: list[tuple[int, Hashable, bytes]] = []  # (block, its key, its disk name)
-        self.pending_loads: list[tuple[int, "BlockData"]] = []  # blocks named from the disk, their data to write
-        self.loaded_blocks = 0
+        self.disk = disk  # (one group of layers: kv_for_engine gives no disk tier to others)
 
     # -- questions --------------------------------------------------------------------
 
@@ -112,8 +99,7 @@ class KVCacheManager:
         groups = range(len(self.windows))
         tables = {o: [self.table(o, g) for g in groups] for o in owners}
         high = self.pool.high_water()
-        saves = [(b, name) for b, key, name in self.pending_saves if self.pool.lookup(key) == b]  # (not reused since)
-        loads, self.pending_saves, self.pending_loads = self.pending_loads, [], []
+        saves, loads = self.disk.take(self.pool) if self.disk is not None else ([], [])
         return KVStep(tables, self.copied(), high, high + self.blocks_to_come(), saves=saves, loads=loads)
 
     def arrays_hold(self, blocks: int) -> None:
@@ -197,7 +183,7 @@ class KVCacheManager:
 
     # -- prefix cache -----------------------------------------------------------------
 
-    def _keys(self, tokens: Sequence[int], blocks: int, group: int = 0) -> list[tuple[Hashable, tuple[int, ...]]]:
+    def block_keys(self, tokens: Sequence[int], blocks: int, group: int = 0) -> list[tuple[Hashable, tuple[int, ...]]]:
         """The names of the first ``blocks`` whole blocks of ``tokens`` in ``group`` (each
         group's blocks hold other layers: their names differ)."""
         bs, keys = self.block_size, []
@@ -217,7 +203,7 @@ class KVCacheManager:
         if len(self.windows) > 1:
             return self._match_groups(tokens, limit)
         bs, found = self.block_size, []
-        keys = self._keys(tokens, min(limit, len(tokens)) // bs)
+        keys = self.block_keys(tokens, min(limit, len(tokens)) // bs)
         for key in keys:
             block = self.pool.lookup(key)
             if block is None:
@@ -244,7 +230,7 @@ class KVCacheManager:
         its window reaches back to from position ``k * block_size``."""
         bs = self.block_size
         n = min(limit, len(tokens)) // bs
-        found = [[self.pool.lookup(key) for key in self._keys(tokens, n, g)] for g in range(len(self.windows))]
+        found = [[self.pool.lookup(key) for key in self.block_keys(tokens, n, g)] for g in range(len(self.windows))]
         k = n
         for g, blocks in enumerate(found):
             if self.windows[g] is None:
@@ -273,63 +259,15 @@ class KVCacheManager:
         for g in range(len(self.windows)):
             table = self.table(owner, g)
             upto = min(computed, len(tokens), len(table) * bs)
-            keys = self._keys(tokens, upto // bs, g)
+            keys = self.block_keys(tokens, upto // bs, g)
             new = [i for i, (block, key) in enumerate(zip(table, keys)) if block != NULL_BLOCK and self.pool.set_key(block, key)]
             named += len(new)
             if self.disk is not None and new:
-                names = self.disk.names(tokens, new[-1] + 1, bs)
-                self.pending_saves.extend((table[i], keys[i], names[i]) for i in new)
+                self.disk.named(tokens, [(i, table[i], keys[i]) for i in new], bs)
             if len(self.windows) == 1 and upto % bs and table[len(keys)] != NULL_BLOCK:
                 last = (self._parent(keys), tuple(tokens[len(keys) * bs : upto]))
                 named += self.pool.set_key(table[len(keys)], last)
         return named
-
-    def load_prefix(self, tokens: Sequence[int], limit: int) -> int:
-        """Bring back from the disk tier the whole blocks of the longest prefix of ``tokens``
-        (at most ``limit`` tokens) that follow what the pool names, as far as the tier holds
-        them and the pool has blocks to spare (those ``tokens`` still need for the rest kept
-        free): they are named as if computed here, cached and held by nobody, so
-        :meth:`match` finds them; their data is queued in :attr:`pending_loads`. Returns
-        how many blocks were loaded."""
-        if self.disk is None:
-            return 0
-        bs = self.block_size
-        whole = min(limit, len(tokens)) // bs
-        keys = self._keys(tokens, whole)
-        held = []
-        for key in keys:
-            block = self.pool.lookup(key)
-            if block is None:
-                break
-            held.append(block)
-        start = len(held)
-        spare = self.pool.num_free - sum(self.pool.refs(b) == 0 for b in held) - blocks_for(len(tokens) - whole * bs + 1, bs) - 1
-        if start == whole or spare <= 0:
-            return 0
-        found = self.disk.load(self.disk.names(tokens, whole, bs)[start:], spare)
-        if not found:
-            return 0
-        self.pool.share(held)  # (not reused for the blocks loaded now)
-        loaded: list[int] = []
-        try:
-            for i, data in enumerate(found, start):
-                block = self.pool.allocate(1)[0]
-                if not self.pool.set_key(block, keys[i]):  # the store is full of held blocks
-                    self.pool.release([block])
-                    break
-                loaded.append(block)
-                self.pending_loads.append((block, data))
-        finally:
-            self.pool.release(loaded)
-            self.pool.release(held)
-        self.loaded_blocks += len(loaded)
-        return len(loaded)
-
-    def to_disk(self, saved: list[tuple[bytes, "BlockData"]]) -> None:
-        """Hand the blocks the runner copied out (a step's ``saves``) to the disk tier's writer."""
-        if self.disk is not None:
-            for name, data in saved:
-                self.disk.save(name, data)
 
     # -- changes ----------------------------------------------------------------------
 
@@ -442,16 +380,9 @@ class KVCacheManager:
         """Blocks total / free / used, the block size, usage (used / total), preemptions,
         and the prefix cache's named blocks and evictions."""
         total, free = self.pool.num_usable, self.pool.num_free
-        return {
-            "kv_block_size": self.block_size,
-            "kv_blocks_total": total,
-            "kv_blocks_free": free,
-            "kv_blocks_used": total - free,
-            "kv_cache_usage_perc": (total - free) / total if total else 0.0,
-            "num_preemptions": self.num_preemptions,
-            "kv_blocks_cached": self.pool.num_cached,
-            "prefix_evictions": self.pool.evictions,
-        }
+        return {"kv_block_size": self.block_size, "kv_blocks_total": total, "kv_blocks_free": free, "kv_blocks_used": total - free,
+                "kv_cache_usage_perc": (total - free) / total if total else 0.0, "num_preemptions": self.num_preemptions,
+                "kv_blocks_cached": self.pool.num_cached, "prefix_evictions": self.pool.evictions}
 
 
 def _live(table: list[int]) -> int:
