@@ -1,5 +1,6 @@
 """``--sweep NAME=V1,V2,...``: engine settings (any numeric or on/off ``EngineConfig`` field,
-``speculative`` (off / ngram), ``kv_cache_dtype`` (auto / float16 / bfloat16 / float32), and concurrency) to try, and the best of them for the user's SLO."""
+``speculative`` (off / ngram), ``kv_cache_dtype`` (auto / float16 / bfloat16 / float32 / int8 / int4), and
+concurrency) to try, and the best of them for the user's SLO."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ _BOOLEANS = {"true": True, "on": True, "1": True, "false": False, "off": False, 
 # Field types are strings here (the config module uses postponed annotations).
 _KINDS = {f.name: "bool" if "bool" in str(f.type) else "number" for f in fields(EngineConfig)
           if any(t in str(f.type) for t in ("int", "float", "bool"))}
-_CHOICES = {"speculative": ("off", "ngram"), "kv_cache_dtype": ("auto", "float16", "bfloat16", "float32")}
+_CHOICES = {"speculative": ("off", "ngram"), "kv_cache_dtype": ("auto", "float16", "bfloat16", "float32", "int8", "int4")}
 SWEEPABLE = tuple(_KINDS) + tuple(_CHOICES) + ("concurrency",)
 
 
