@@ -296,3 +296,18 @@ def test_quantized_rows_in_a_sliding_window_answer_as_alone(engine_of, dtype) ->
     expected = [alone.generate_sync(p, params).token_ids for p in prompts]
     engine = engine_of(kv_cache_dtype=dtype, max_kv_size=24, kv_block_size=8)
     assert asyncio.run(_together(engine, prompts, params)) == expected
+
+
+def test_quantized_blocks_go_through_the_disk_tier(engine_of, tmp_path) -> None:
+    """Codes, scales and biases are written and loaded together: a new engine answers from
+    the disk as a cold one does."""
+    prefix = [100 + j % 50 for j in range(100)]
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    first = engine_of(kv_cache_dtype="int4", kv_disk_path=str(tmp_path))
+    first.generate_sync(prefix + [7], params)
+    first.shutdown()
+    second = engine_of(kv_cache_dtype="int4", kv_disk_path=str(tmp_path))
+    got = second.generate_sync(prefix + [8], params)
+    assert got.usage.cached_tokens == 96 and second.stats()["kv_disk"]["hits"] == 6
+    cold = engine_of(kv_cache_dtype="int4", enable_prefix_caching=False).generate_sync(prefix + [8], params)
+    assert got.token_ids == cold.token_ids
