@@ -11,8 +11,8 @@
    (the share whose most likely token is float16's, the mean KL(float16 || dtype));
 3. **decode step time**: ``--rows`` rows of ``--context`` tokens each in KV blocks of each
    dtype (one prompt prefilled, its blocks copied into every row), one decode step over them
-   (the model's forward and argmax; float16 runs the fused decoder-layer op, the quantized
-   pools the per-op path with the paged kernel reading their codes), and the attention of
+   (the model's forward and argmax; every dtype runs the fused decoder-layer op, the
+   quantized pools' writes quantized in it and the paged kernel reading their codes), and the attention of
    every layer alone; the dtypes alternate each repeat; medians and their ratios to float16;
 4. **rows held under one budget**: an engine per dtype with ``kv_cache_memory_gb=--budget-gb``
    serves ``--requests`` requests of ``--prompt-tokens`` + ``--new-tokens`` at once: the

@@ -161,22 +161,31 @@ def has_attention_step() -> bool:
     return ext is not None and hasattr(ext, "paged_attention_step")
 
 
-def fits_step(heads: int, k_pool: mx.array) -> bool:
+def fits_step(heads: int, k_pool: mx.array, scales: Optional[Sequence[mx.array]] = None, bits: int = 0) -> bool:
     """Whether :func:`paged_attention_step` takes ``heads`` query heads over ``k_pool``
-    ``(slots, kv_heads, D)`` (float32 or float16)."""
+    ``(slots, kv_heads, D)`` (float32 or float16), or over quantized pools (``bits`` 8 or 4:
+    ``k_pool`` the codes, ``scales`` as :func:`paged_decode_attention` takes them) where the
+    extension's steps write them."""
+    if bits or scales is not None:
+        if not scales or not _quantized_pools(k_pool, scales, bits, scales[0].shape[2] * QUANT_GROUP):
+            return False
+        ext = _extension()
+        return getattr(ext, "step_quantized_pools", False) and _fits_heads(heads, scales[0].shape[2] * QUANT_GROUP, k_pool.shape[1])
     return k_pool.dtype in (mx.float32, mx.float16) and _fits_heads(heads, k_pool.shape[2], k_pool.shape[1])
 
 
 def paged_attention_step(
     queries: mx.array, keys: mx.array, values: mx.array, k_pool: mx.array, v_pool: mx.array, slots: mx.array, table: mx.array,
     limits: mx.array, offset: mx.array, heads: int, rope: Any, block_size: int, scale: float, threads: int = 1,
+    scales: Optional[Sequence[mx.array]] = None,
 ) -> mx.array:
     """The extension's fused step (see :meth:`.backends.MLXOps.paged_attention_step`):
     ``rope`` a :class:`..fused_ops.FusedRoPE` (its ``dims``, ``traditional``, ``scale`` and
     ``inv_freq``). The pools are written in place: the caller orders their later readers
-    after the result."""
+    after the result. ``scales``: quantized pools' (where :func:`fits_step`), written too."""
     return _extension().paged_attention_step(queries, keys, values, k_pool, v_pool, slots, table, limits, offset, rope.inv_freq,
-                                             heads, rope.dims, rope.traditional, rope.scale, block_size, scale, threads)
+                                             heads, rope.dims, rope.traditional, rope.scale, block_size, scale, threads,
+                                             list(scales) if scales else None)
 
 
 def decoder_layer(x: mx.array, plan: Any, step: tuple[Any, ...], heads: int, rope: Any, scale: float, attention_threads: int,
@@ -185,8 +194,8 @@ def decoder_layer(x: mx.array, plan: Any, step: tuple[Any, ...], heads: int, rop
     :class:`.backends.layer_step.LayerPlan`) and ``step`` (a paged cache's ``step_inputs()``):
     the pools are written in place, the caller orders their later readers after the result.
     ``int8``: 0 the float kernels, 8 or 16 the integer path's activation bits."""
-    k_pool, v_pool, slots, table, limits, offset, block_size = step
+    k_pool, v_pool, slots, table, limits, offset, block_size, scales = step
     return _extension().decoder_layer(x, plan.w_in, plan.eps_in, plan.w_post, plan.eps_post, list(plan.weights), list(plan.bits),
                                       list(plan.groups), k_pool, v_pool, slots, table, limits, offset, rope.inv_freq, heads,
                                       rope.dims, rope.traditional, rope.scale, block_size, scale, attention_threads,
-                                      matmul_threads, packed_rows, int8, plan.qkv_bias)
+                                      matmul_threads, packed_rows, int8, plan.qkv_bias, list(scales) if scales else None)

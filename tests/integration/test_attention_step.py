@@ -23,17 +23,35 @@ from mlx_parallm_provider.engine.kv.storage import PagedKVStorage
 from mlx_parallm_provider.models import attention, backend, backends, fused_ops, registry
 from mlx_parallm_provider.models.backends import layer_step
 
+WIDE_CONFIG = {**TINY_CONFIG, "head_dim": 32}
+"""head_dim 32: quantized KV blocks group 32 values (mx.quantize takes no smaller group)."""
+QUANTIZED = [8, 4]
 
-@pytest.fixture(scope="module")
-def rope_model(tiny_model_dir):
-    """A fresh tiny llama with the fused RMSNorm / RoPE modules a quantized checkpoint gets at
-    load on the CPU (the fused step needs the RoPE's inverse frequencies)."""
-    loaded = registry._load_uncached(str(tiny_model_dir), None)
+
+def _rope_model(folder):
+    loaded = registry._load_uncached(str(folder), None)
     backend = backends.of(loaded.model)
     if not backend.kernels or not attention.has_attention_step():
         pytest.skip("no CPU kernels extension (no compiler): the fused step does not exist")
     assert fused_ops.install(loaded.model, backend) > 0
     return loaded
+
+
+@pytest.fixture(scope="module")
+def rope_model(tiny_model_dir):
+    """A fresh tiny llama with the fused RMSNorm / RoPE modules a quantized checkpoint gets at
+    load on the CPU (the fused step needs the RoPE's inverse frequencies)."""
+    return _rope_model(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def wide_rope_model(smollm_tokenizer_dir, tmp_path_factory):
+    """:func:`rope_model` with heads of 32 (quantized KV blocks take them)."""
+    return _rope_model(write_tiny_model(tmp_path_factory.mktemp("tiny-d32-rope"), smollm_tokenizer_dir, config=WIDE_CONFIG))
+
+
+def _quantized_steps() -> bool:
+    return bool(getattr(attention._extension(), "step_quantized_pools", False))
 
 
 def _counted(monkeypatch, name: str) -> list[int]:
@@ -61,16 +79,18 @@ def _fused_off(monkeypatch) -> None:
 
 def _copy(storage: PagedKVStorage) -> PagedKVStorage:
     """A storage with its own copies of ``storage``'s arrays (the fused step writes in place)."""
-    twin = PagedKVStorage(storage.num_layers, storage.num_blocks, storage.block_size, dtype=storage.dtype)
+    twin = PagedKVStorage(storage.num_layers, storage.num_blocks, storage.block_size, dtype=storage.dtype, bits=storage.bits)
     twin._blocks, twin.compute_dtype = storage.physical_blocks, storage.compute_dtype
     twin.keys = [mx.array(np.array(a)) for a in storage.keys]
     twin.values = [mx.array(np.array(a)) for a in storage.values]
+    if storage.bits:
+        twin.scales = [[mx.array(np.array(a)) for a in layer] for layer in storage.scales]
     return twin
 
 
-def _prefilled(model, prompts, block_size, dtype):
+def _prefilled(model, prompts, block_size, dtype, bits=None):
     kv = KVCacheManager(num_blocks=64, block_size=block_size)
-    storage = PagedKVStorage(len(model.layers), kv.pool.num_blocks, block_size, dtype=dtype)
+    storage = PagedKVStorage(len(model.layers), kv.pool.num_blocks, block_size, dtype=dtype, bits=bits)
     for b, prompt in enumerate(prompts):
         kv.grow(b, len(prompt) + 4)
     storage.reserve(kv.pool.high_water())
@@ -78,16 +98,16 @@ def _prefilled(model, prompts, block_size, dtype):
                        max(map(len, prompts)))
     width = max(map(len, prompts))
     mx.eval(model(mx.array([p + [0] * (width - len(p)) for p in prompts]), cache=batch.layers()))
-    mx.eval(storage.keys, storage.values)
+    mx.eval(storage.arrays())
     return kv, storage
 
 
-def _fused_then_apart(model, dtype, width: int, turn_off) -> None:
+def _fused_then_apart(model, dtype, width: int, turn_off, bits=None) -> None:
     """A step of three rows (3 + 17 + 40 tokens held; ``width`` new ones a row at most) with
     the fused ops, then, ``turn_off()`` called, the same step over a copy of the KV: the same
     logits and the same KV written, bit for bit."""
     prompts = [list(range(7, 7 + n)) for n in (3, 17, 40)]
-    kv, storage = _prefilled(model, prompts, 4, dtype)
+    kv, storage = _prefilled(model, prompts, 4, dtype, bits)
     new = [[11 + i for i in range(max(1, width - b))] for b in range(len(prompts))]  # rows of up to `width` tokens
     tokens = mx.array([row + [0] * (width - len(row)) for row in new])
     for b, prompt in enumerate(prompts):
@@ -98,7 +118,7 @@ def _fused_then_apart(model, dtype, width: int, turn_off) -> None:
         batch = PagedBatch(store, [kv.table(b) for b in range(len(prompts))], [len(p) for p in prompts],
                            [len(row) for row in new], width)
         logits = model(tokens, cache=batch.layers())
-        mx.eval(logits, store.keys, store.values)
+        mx.eval(logits, store.arrays())
         return logits
 
     apart = _copy(storage)
@@ -109,7 +129,9 @@ def _fused_then_apart(model, dtype, width: int, turn_off) -> None:
         assert mx.array_equal(fused[b, : len(row)], separate[b, : len(row)]).item(), b
     # (The null block, slots [0, 4), takes padding's writes and is never read: the layer op
     # writes its padding as its row's last real token, the separate ops as the pad token.)
-    for mine, theirs in zip([*storage.keys, *storage.values], [*apart.keys, *apart.values]):
+    # (Quantized pools: the codes, scales and biases the step writes are mx.quantize's.)
+    assert len(storage.arrays()) == len(apart.arrays()) == len(model.layers) * (6 if bits else 2)
+    for mine, theirs in zip(storage.arrays(), apart.arrays()):
         assert mine.dtype == theirs.dtype and mx.array_equal(mine[4:], theirs[4:]).item()
 
 
@@ -124,6 +146,56 @@ def test_a_fused_step_gives_the_logits_and_kv_of_the_separate_ops(rope_model, st
 
     _fused_then_apart(rope_model.model, dtype, width, turn_off)
     assert len(steps) == layers  # (the separate ops ran)
+
+
+@pytest.mark.parametrize("bits", QUANTIZED, ids=["int8-pools", "int4-pools"])
+@pytest.mark.parametrize("width", [1, 3, 24], ids=["decode", "verify", "prefill"])
+def test_a_fused_step_over_quantized_pools_gives_the_logits_and_kv_of_the_separate_ops(wide_rope_model, steps, monkeypatch, bits,
+                                                                                      width):
+    if not _quantized_steps():
+        pytest.skip("the extension's steps do not take quantized pools")
+    layers = len(wide_rope_model.model.layers)
+
+    def turn_off() -> None:
+        assert len(steps) == layers
+        _fused_off(monkeypatch)
+
+    _fused_then_apart(wide_rope_model.model, None, width, turn_off, bits)
+    assert len(steps) == layers
+
+
+def test_the_step_quantizes_as_mx_quantize_does_bit_for_bit() -> None:
+    """The fused step's own quantization of the K/V it writes against ``mx.quantize`` (of
+    the values as float16), over values that reach its edge cases: constant groups, zeros,
+    one sign only, tiny and huge ranges, values on rounding ties."""
+    ext = attention._extension()
+    if ext is None or not _quantized_steps():
+        pytest.skip("the extension's steps do not take quantized pools")
+    rng = np.random.default_rng(7)
+    D, KVH = 64, 2
+    groups = [rng.standard_normal(D) * s for s in (1e-6, 1e-3, 0.1, 1, 30, 1e3, 3e4)]
+    groups += [np.zeros(D), np.full(D, 3.0), np.full(D, -2.5), -np.abs(rng.standard_normal(D)), np.abs(rng.standard_normal(D)),
+               rng.integers(-8, 8, D).astype(float), rng.integers(0, 256, D) / 16.0, rng.integers(0, 16, D) * 0.5 - 3.75,
+               np.concatenate([np.full(32, 1e-8), rng.standard_normal(32)]), np.linspace(-1, 1, D), np.full(D, 7e4)]
+    rows = np.clip(np.stack(groups + [rng.standard_normal(D) * 10 for _ in range(64)]), -6e4, 6e4).astype(np.float32)
+    n = rows.shape[0] // KVH * KVH
+    k = rows[:n].reshape(n // KVH, 1, KVH * D)
+    v = k[::-1].copy()
+    B = k.shape[0]
+    inv_freq = mx.zeros((D // 2,), mx.float32)  # (position 0, no rotation: the values are written as given)
+    for bits in QUANTIZED:
+        slots = B + 1
+        pools = [mx.zeros((slots, KVH, D * bits // 32), mx.uint32) for _ in range(2)]
+        scales = [mx.zeros((slots, KVH, D // 32), mx.float16) for _ in range(4)]
+        out = ext.paged_attention_step(mx.zeros((B, 1, KVH * D)), mx.array(k), mx.array(v), pools[0], pools[1],
+                                       mx.arange(1, B + 1, dtype=mx.int32), mx.arange(1, B + 1, dtype=mx.int32).reshape(B, 1),
+                                       mx.ones((B,), mx.int32), mx.zeros((B,), mx.int32), inv_freq, KVH, D, False, 1.0, 1, 1.0,
+                                       1, scales)
+        mx.eval(out)
+        for x, codes, (s, b) in ((k, pools[0], scales[:2]), (v, pools[1], scales[2:])):
+            want = mx.quantize(mx.array(x.reshape(B, KVH, D)).astype(mx.float16), group_size=32, bits=bits)
+            for mine, theirs in zip((codes[1:], s[1:], b[1:]), want):
+                assert mx.array_equal(mine, theirs).item(), bits
 
 
 def test_prefill_pieces_of_any_width_fuse(rope_model, steps):
@@ -168,13 +240,22 @@ def packed_model(request, tiny_model_dir, smollm_tokenizer_dir, tmp_path_factory
     """A tiny llama, or qwen2 (q/k/v with biases), quantized to 4 bits and prepared as a
     served checkpoint is (packed weights, fused norms and RoPE): every layer one the one-op
     step takes."""
-    import mlx_lm
-
-
     folder = tiny_model_dir
     if request.param == "qwen2":
         folder = write_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), smollm_tokenizer_dir,
                                   config={**TINY_CONFIG, "model_type": "qwen2", "tie_word_embeddings": True})
+    return _packed_model(folder, request.param == "qwen2")
+
+
+@pytest.fixture(scope="module")
+def wide_packed_model(smollm_tokenizer_dir, tmp_path_factory):
+    """:func:`packed_model`'s llama with heads of 32 (quantized KV blocks take them)."""
+    return _packed_model(write_tiny_model(tmp_path_factory.mktemp("tiny-d32-packed"), smollm_tokenizer_dir, config=WIDE_CONFIG), False)
+
+
+def _packed_model(folder, qwen2: bool):
+    import mlx_lm
+
     model, _ = mlx_lm.load(str(folder))
     nn.quantize(model, group_size=32, bits=4)
     mx.eval(model.parameters())
@@ -182,7 +263,7 @@ def packed_model(request, tiny_model_dir, smollm_tokenizer_dir, tmp_path_factory
     if not backends.of(model).kernels or not attention.has_attention_step():
         pytest.skip("no CPU kernels extension (no compiler): the fused ops do not exist")
     plans = [layer_step.plan_of(layer) for layer in model.layers]
-    assert all(plan is not None and (plan.qkv_bias is not None) == (request.param == "qwen2") for plan in plans)
+    assert all(plan is not None and (plan.qkv_bias is not None) == qwen2 for plan in plans)
     return model
 
 
@@ -210,6 +291,22 @@ def test_a_layer_as_one_op_gives_the_logits_and_kv_of_its_ops(packed_model, laye
 
     _fused_then_apart(packed_model, dtype, width, turn_off)
     assert len(layers) == count and len(steps) == count  # (each layer's own ops ran)
+
+
+@pytest.mark.parametrize("bits", QUANTIZED, ids=["int8-pools", "int4-pools"])
+@pytest.mark.parametrize("width", [1, 2], ids=["decode", "verify"])
+def test_a_layer_as_one_op_over_quantized_pools_gives_the_logits_and_kv_of_its_ops(wide_packed_model, layers, steps, monkeypatch,
+                                                                                  bits, width):
+    if not _quantized_steps():
+        pytest.skip("the extension's steps do not take quantized pools")
+    count = len(wide_packed_model.layers)
+
+    def turn_off() -> None:
+        assert len(layers) == count and steps == []
+        _layers_off(wide_packed_model, monkeypatch)
+
+    _fused_then_apart(wide_packed_model, None, width, turn_off, bits)
+    assert len(layers) == count and len(steps) == count
 
 
 def test_steps_of_more_rows_than_the_panels_take_keep_the_layers_ops(packed_model, layers, steps):

@@ -296,18 +296,20 @@ class PagedLayerCache:
     def can_attend_step(self, heads: int, width: int) -> bool:
         """Whether :meth:`attend_step` takes this layer's step of ``heads`` query heads and
         ``width`` positions a row: rows attended through the block tables (no sliding window),
-        pools the kernel reads."""
-        batch, pool = self.batch, self.batch.storage.keys[self.layer]
+        pools the kernel reads (quantized ones too: the step writes them as :meth:`PagedKVStorage.write` does)."""
+        batch, storage = self.batch, self.batch.storage
+        pool = storage.keys[self.layer]
         return (self.window is None and width == batch.width and pool is not None
-                and not batch.batch.gathered and fits_step(heads, pool))
+                and not batch.batch.gathered and fits_step(heads, pool, storage.scales[self.layer], storage.bits))
 
     def step_inputs(self) -> tuple[Any, ...]:
         """What a fused step reads and writes (where :meth:`can_attend_step`): ``(k_pool,
-        v_pool, write_slots, table, limits, offset, block_size)``; the op that takes them
-        writes the pools in place and is handed to :meth:`wrote`."""
+        v_pool, write_slots, table, limits, offset, block_size, scales)`` (``scales``: a
+        quantized layer's K scales and biases, V scales and biases; else None); the op that
+        takes them writes the pools in place and is handed to :meth:`wrote`."""
         batch, storage = self.batch, self.batch.storage
         return (storage.keys[self.layer], storage.values[self.layer], batch.write_slots, batch.table, batch.limits,
-                batch.batch.offset, storage.block_size)
+                batch.batch.offset, storage.block_size, storage.scales[self.layer] if storage.bits else None)
 
     def wrote(self, out: mx.array, ragged: bool = False) -> None:
         """The op computing ``out`` wrote this layer's new K/V in place: later readers of the
@@ -321,9 +323,10 @@ class PagedLayerCache:
         """The step's RoPE, K/V writes and attention by ``backend`` as one op (where
         :meth:`can_attend_step`): the projections ``(B, L, heads * D)`` / ``(B, L, kv_heads * D)``
         in, the attention ``(B, L, heads * D)`` out."""
-        k_pool, v_pool, slots, table, limits, offset, block_size = self.step_inputs()
+        k_pool, v_pool, slots, table, limits, offset, block_size, scales = self.step_inputs()
+        quantized = {"scales": scales} if scales else {}
         out = backend.paged_attention_step(queries, keys, values, k_pool, v_pool, slots, table, limits, offset, heads, rope,
-                                           block_size, scale)
+                                           block_size, scale, **quantized)
         self.wrote(out)
         return out
 

@@ -144,9 +144,9 @@ class CPUKernels(MLXOps):
 
     def paged_attention_step(self, queries: mx.array, keys: mx.array, values: mx.array, k_pool: mx.array, v_pool: mx.array,
                              slots: mx.array, table: mx.array, limits: mx.array, offset: mx.array, heads: int, rope: Any,
-                             block_size: int, scale: float) -> mx.array:
+                             block_size: int, scale: float, scales: Optional[Sequence[mx.array]] = None) -> mx.array:
         return attention.paged_attention_step(queries, keys, values, k_pool, v_pool, slots, table, limits, offset, heads, rope,
-                                              block_size, scale, self.attention_threads)
+                                              block_size, scale, self.attention_threads, scales)
 
     def layer_step(self, block: Any, x: mx.array, cache: Any) -> Optional[mx.array]:
         rows = x.shape[0] * x.shape[1] if x.ndim == 3 else 0

@@ -79,12 +79,13 @@ class MLXOps:
 
     def paged_attention_step(self, queries: mx.array, keys: mx.array, values: mx.array, k_pool: mx.array, v_pool: mx.array,
                              slots: mx.array, table: mx.array, limits: mx.array, offset: mx.array, heads: int, rope: Any,
-                             block_size: int, scale: float) -> mx.array:
+                             block_size: int, scale: float, scales: Optional[Sequence[mx.array]] = None) -> mx.array:
         """A decode or verify step's attention block as one op (see
         :mod:`.attention_step`): ``queries`` (B, L, heads * D) and ``keys`` rotated by
         ``rope`` at positions ``offset[b] + j``, the new keys and values written in place into
         the pools at ``slots``, then attention over the block ``table`` up to ``limits`` (as
-        :meth:`paged_decode_attention`); (B, L, heads * D). Only where :meth:`steps_attention`."""
+        :meth:`paged_decode_attention`); (B, L, heads * D). ``scales``: quantized pools' (their
+        codes, scales and biases written as the storage writes them). Only where :meth:`steps_attention`."""
         raise NotImplementedError(f"{type(self).__name__} has no fused attention step")
 
     def layer_step(self, block: Any, x: mx.array, cache: Any) -> Optional[mx.array]:

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "mlx/array.h"
@@ -21,7 +22,9 @@ struct StepParams {
 };
 
 // The step's seven inputs as its ops hold them, checked: k_pool and v_pool (N, KVH, D), both
-// float32 or both float16, with p.heads query heads a KV head group at most 16, D a multiple of
+// float32 or both float16 (or both quantized: uint32 codes (N, KVH, D * bits / 32), bits 8 or 4,
+// and `scales` [K scales, K biases, V scales, V biases] float16 (N, KVH, D / 32), the step's
+// inputs 7 to 10; written as storage.py writes them, bit for bit), with p.heads query heads a KV head group at most 16, D a multiple of
 // 16 up to 256; slots (B * L,), table (B, M), limits (B,) for L = 1 or (B, L), offset (B,)
 // (int32, row-contiguous); inv_freq (p.rope_dims / 2,) float32, rope_dims even and at most D.
 // Throws std::invalid_argument, its message beginning with `op`.
@@ -29,7 +32,8 @@ std::vector<mlx::core::array> step_inputs(const char* op, int B, int L, const St
                                           const mlx::core::array& v_pool, const mlx::core::array& slots,
                                           const mlx::core::array& table, const mlx::core::array& limits,
                                           const mlx::core::array& offset, const mlx::core::array& inv_freq,
-                                          const mlx::core::Stream& stream);
+                                          const mlx::core::Stream& stream,
+                                          const std::optional<std::vector<mlx::core::array>>& scales = std::nullopt);
 
 // The real positions of a row of a right-padded pass with L positions a row, from its limits
 // (L of them): a real position sees one token more than the one before it; padding repeats

@@ -758,11 +758,52 @@ inline void store_as(uint16_t* dst, const float* src, int n) {
   for (int i = 0; i < n; i++) dst[i] = float_to_half(src[i]);
 }
 
+// The `D` values at `x` (one head's K or V of a position) as storage.py writes them into
+// quantized pools: rounded to float16, then mx.quantize's affine quantization (its CPU
+// kernel's float32 arithmetic, step by step: the same codes, scales and biases, bit for
+// bit) in groups of kQuantGroup: `codes` D * bits / 32 words, `scales` and `biases` D /
+// kQuantGroup float16 bits.
+inline void quantize_head(const float* x, int D, int bits, uint32_t* codes, uint16_t* scales, uint16_t* biases) {
+  const float n_bins = static_cast<float>((1 << bits) - 1), eps = 1e-7f;
+  const int per = 32 / bits;
+  float w[kQuantGroup];
+  for (int g = 0; g < D / kQuantGroup; g++) {
+    float w_min = std::numeric_limits<float>::infinity(), w_max = -w_min;
+    for (int j = 0; j < kQuantGroup; j++) {
+      w[j] = half_scalar(float_to_half(x[g * kQuantGroup + j]));
+      w_max = std::max(w_max, w[j]);
+      w_min = std::min(w_min, w[j]);
+    }
+    bool mask = std::abs(w_min) > std::abs(w_max);
+    float scale = std::max((w_max - w_min) / n_bins, eps);
+    scale = mask ? scale : -scale;
+    float edge = mask ? w_min : w_max;
+    float q0 = std::rint(edge / scale);
+    float bias = 0.0f;
+    if (q0 != 0.0f) {
+      scale = edge / q0;
+      bias = edge;
+    }
+    for (int j = 0; j < kQuantGroup / per; j++) {
+      uint32_t word = 0;
+      for (int k = 0; k < per; k++) {
+        float code = std::rint((w[j * per + k] - bias) / scale);
+        code = std::min(std::max(code, 0.0f), n_bins);
+        word |= static_cast<uint32_t>(code) << (k * bits);
+      }
+      codes[g * kQuantGroup / per + j] = word;
+    }
+    scales[g] = float_to_half(scale);
+    biases[g] = float_to_half(bias);
+  }
+}
+
 template <class T>
 void step_rows_as(const float* const* q_rows, const float* const* k_rows, const float* const* v_rows, T* kp, T* vp,
                   int64_t slots, int KVH, const int32_t* where, const int32_t* table, int M, const int32_t* limits,
                   const int32_t* offset, const float* freq, int64_t fs, int B, int L, int H, int D, int rope_dims,
-                  bool traditional, float rope_scale, float scale, int bs, int threads, float* out) {
+                  bool traditional, float rope_scale, float scale, int bs, int threads, float* out,
+                  const QuantPools* quant = nullptr) {
   int64_t slot_stride = static_cast<int64_t>(KVH) * D;
   int half = rope_dims / 2;
   std::vector<float> rotated(static_cast<size_t>(B) * L * H * D), key(D), cs(half), sn(half);
@@ -776,6 +817,15 @@ void step_rows_as(const float* const* q_rows, const float* const* k_rows, const 
       if (slot < 0 || slot >= slots) throw std::runtime_error("paged_attention_step: a write slot lies outside the pools");
       for (int g = 0; g < KVH; g++) {
         rope_rotate(k_rows[r] + g * D, 1, key.data(), D, rope_dims, traditional, cs.data(), sn.data());
+        if (quant) {  // (its arrays are written in place, as the float pools are)
+          const int64_t words = static_cast<int64_t>(D) * quant->bits / 32, c = (slot * KVH + g) * words;
+          const int64_t sc = (slot * KVH + g) * (D / kQuantGroup);
+          quantize_head(key.data(), D, quant->bits, const_cast<uint32_t*>(quant->k) + c, const_cast<uint16_t*>(quant->k_scale) + sc,
+                        const_cast<uint16_t*>(quant->k_bias) + sc);
+          quantize_head(v_rows[r] + g * D, D, quant->bits, const_cast<uint32_t*>(quant->v) + c,
+                        const_cast<uint16_t*>(quant->v_scale) + sc, const_cast<uint16_t*>(quant->v_bias) + sc);
+          continue;
+        }
         store_as(kp + slot * slot_stride + g * D, key.data(), D);
         store_as(vp + slot * slot_stride + g * D, v_rows[r] + g * D, D);
       }
@@ -783,7 +833,7 @@ void step_rows_as(const float* const* q_rows, const float* const* k_rows, const 
   }
   int64_t hd = static_cast<int64_t>(H) * D;
   QueryLayout io{rotated.data(), out, L * hd, D, hd};
-  paged_attend<T>(kp, vp, slots, KVH, table, M, limits, io, B, H, L, D, scale, bs, threads);
+  paged_attend<T>(kp, vp, slots, KVH, table, M, limits, io, B, H, L, D, scale, bs, threads, 0, quant);
 }
 
 // A decode (or verify) step's attention with what precedes it, as one op: RoPE on the
@@ -839,14 +889,25 @@ void attention_step_rows(const float* const* q_rows, const float* const* k_rows,
       v_pool.data_size() != v_pool.size()) {
     throw std::runtime_error("paged_attention_step: the pools must be whole row-contiguous arrays");
   }
-  auto go = [&](auto* kp, auto* vp) {
+  // Quantized pools (uint32 codes): step[7 .. 10] their K scales and biases, V scales and biases.
+  const bool quantized = k_pool.dtype() == mx::uint32;
+  const int D = quantized ? step[7].shape(2) * kQuantGroup : k_pool.shape(2);
+  auto go = [&](auto* kp, auto* vp, const QuantPools* quant = nullptr) {
     step_rows_as(q_rows, k_rows, v_rows, kp, vp, k_pool.shape(0), k_pool.shape(1), step[2].data<int32_t>(),
                  step[3].data<int32_t>(), step[3].shape(1), step[4].data<int32_t>(), step[5].data<int32_t>(),
-                 step[6].data<float>(), step[6].strides().back(), B, L, p.heads, k_pool.shape(2), p.rope_dims, p.traditional,
-                 p.rope_scale, p.scale, p.block_size, p.threads, out);
+                 step[6].data<float>(), step[6].strides().back(), B, L, p.heads, D, p.rope_dims, p.traditional,
+                 p.rope_scale, p.scale, p.block_size, p.threads, out, quant);
   };
   // (The pools are written in place: the op's callers order the pools' later readers after it.)
-  if (k_pool.dtype() == mx::float16) go(const_cast<uint16_t*>(k_pool.data<uint16_t>()), const_cast<uint16_t*>(v_pool.data<uint16_t>()));
+  if (quantized) {
+    for (int i = 7; i < 11; i++) {
+      if (!step[i].flags().row_contiguous || step[i].data_size() != step[i].size())
+        throw std::runtime_error("paged_attention_step: the scales must be whole row-contiguous arrays");
+    }
+    QuantPools quant{k_pool.data<uint32_t>(), v_pool.data<uint32_t>(), step[7].data<uint16_t>(), step[8].data<uint16_t>(),
+                     step[9].data<uint16_t>(), step[10].data<uint16_t>(), k_pool.shape(2) * 32 / D};
+    go(static_cast<float*>(nullptr), static_cast<float*>(nullptr), &quant);
+  } else if (k_pool.dtype() == mx::float16) go(const_cast<uint16_t*>(k_pool.data<uint16_t>()), const_cast<uint16_t*>(v_pool.data<uint16_t>()));
   else go(const_cast<float*>(k_pool.data<float>()), const_cast<float*>(v_pool.data<float>()));
 }
 
@@ -945,12 +1006,22 @@ mx::array paged_decode_attention_op(const mx::array& q, const mx::array& k_pool,
 std::vector<mx::array> step_inputs(const char* op, int B, int L, const StepParams& p, const mx::array& k_pool,
                                    const mx::array& v_pool, const mx::array& slots, const mx::array& table,
                                    const mx::array& limits, const mx::array& offset, const mx::array& inv_freq,
-                                   const mx::Stream& stream) {
+                                   const mx::Stream& stream, const std::optional<std::vector<mx::array>>& scales) {
   auto fail = [&](const std::string& what) { throw std::invalid_argument(std::string(op) + ": " + what); };
   if (k_pool.ndim() != 3 || k_pool.shape() != v_pool.shape() || table.ndim() != 2 || p.heads < 1 || p.block_size < 1) {
     fail("pools (N, KVH, D) of one shape, table (B, M), heads and block_size at least 1");
   }
   int KVH = k_pool.shape(1), D = k_pool.shape(2);
+  const bool quantized = k_pool.dtype() == mx::uint32 && v_pool.dtype() == mx::uint32;
+  if (quantized != (scales && !scales->empty())) fail("uint32 pools (quantized) take scales, others none");
+  if (quantized) {  // codes (N, KVH, D * bits / 32); scales [K scales, K biases, V scales, V biases] float16 (N, KVH, D / 32)
+    if (scales->size() != 4 || (*scales)[0].ndim() != 3) fail("scales: K scales, K biases, V scales, V biases (N, KVH, D / 32)");
+    D = (*scales)[0].shape(2) * kQuantGroup;
+    mx::Shape shape{k_pool.shape(0), KVH, D / kQuantGroup};
+    for (const auto& a : *scales)
+      if (a.dtype() != mx::float16 || a.shape() != shape) fail("scales and biases float16 (N, KVH, D / 32)");
+    if (k_pool.shape(2) * 32 != D * 8 && k_pool.shape(2) * 32 != D * 4) fail("quantized pools of 8 or 4 bits");
+  }
   if (KVH < 1 || p.heads % KVH || p.heads / KVH > kMaxGroup || D % 16 || D > kMaxHeadDim || table.shape(0) != B ||
       slots.size() != static_cast<size_t>(B) * L || offset.size() != static_cast<size_t>(B) ||
       !(limits.shape() == mx::Shape{B, L} || (L == 1 && limits.shape() == mx::Shape{B}))) {
@@ -961,11 +1032,13 @@ std::vector<mx::array> step_inputs(const char* op, int B, int L, const StepParam
       inv_freq.dtype() != mx::float32) {
     fail("rope_dims even and at most D, inv_freq (rope_dims / 2,) float32");
   }
-  if (k_pool.dtype() != v_pool.dtype() || (k_pool.dtype() != mx::float32 && k_pool.dtype() != mx::float16)) {
-    fail("the pools must be both float32 or both float16");
+  if (k_pool.dtype() != v_pool.dtype() || (k_pool.dtype() != mx::float32 && k_pool.dtype() != mx::float16 && !quantized)) {
+    fail("the pools must be both float32, both float16 or both uint32 codes");
   }
-  return {k_pool, v_pool, int32_rows(slots, stream), int32_rows(table, stream), int32_rows(limits, stream),
-          int32_rows(offset, stream), inv_freq};
+  std::vector<mx::array> out = {k_pool, v_pool, int32_rows(slots, stream), int32_rows(table, stream), int32_rows(limits, stream),
+                                int32_rows(offset, stream), inv_freq};
+  if (quantized) out.insert(out.end(), scales->begin(), scales->end());
+  return out;
 }
 
 // The fused attention step, see PagedAttentionStepCPU: q (B, L, heads * D), k and v (B, L,
@@ -975,20 +1048,23 @@ std::vector<mx::array> step_inputs(const char* op, int B, int L, const StepParam
 mx::array paged_attention_step_op(const mx::array& q, const mx::array& k, const mx::array& v, const mx::array& k_pool,
                                   const mx::array& v_pool, const mx::array& slots, const mx::array& table,
                                   const mx::array& limits, const mx::array& offset, const mx::array& inv_freq, int heads,
-                                  int rope_dims, bool traditional, float rope_scale, int block_size, float scale, int threads) {
+                                  int rope_dims, bool traditional, float rope_scale, int block_size, float scale, int threads,
+                                  const std::optional<std::vector<mx::array>>& scales) {
   if (q.ndim() != 3 || k.ndim() != 3 || v.ndim() != 3 || k_pool.ndim() != 3 || heads < 1 || q.shape(2) % heads) {
     throw std::invalid_argument("paged_attention_step: q (B, L, heads * D), k and v (B, L, KVH * D), pools (N, KVH, D)");
   }
   int B = q.shape(0), L = q.shape(1), D = q.shape(2) / heads;
   mx::Shape kv_shape{B, L, k_pool.shape(1) * D};
-  if (k.shape() != kv_shape || v.shape() != kv_shape || k_pool.shape(2) != D) {
+  bool quantized = scales && !scales->empty();
+  if (k.shape() != kv_shape || v.shape() != kv_shape || (!quantized && k_pool.shape(2) != D) ||
+      (quantized && (*scales)[0].ndim() == 3 && (*scales)[0].shape(2) * kQuantGroup != D)) {
     throw std::invalid_argument("paged_attention_step: k and v (B, L, KVH * D), the pools' D q's width / heads");
   }
   auto stream = cpu_stream();
   StepParams p{scale, rope_scale, block_size, std::max(threads, 1), heads, rope_dims, traditional};
   auto f32 = [&](const mx::array& a) { return mx::astype(a, mx::float32, stream); };
   std::vector<mx::array> inputs = {f32(q), f32(k), f32(v)};
-  for (auto& a : step_inputs("paged_attention_step", B, L, p, k_pool, v_pool, slots, table, limits, offset, inv_freq, stream))
+  for (auto& a : step_inputs("paged_attention_step", B, L, p, k_pool, v_pool, slots, table, limits, offset, inv_freq, stream, scales))
     inputs.push_back(std::move(a));
   return mx::array(q.shape(), mx::float32, std::make_shared<PagedAttentionStepCPU>(stream, p), std::move(inputs));
 }

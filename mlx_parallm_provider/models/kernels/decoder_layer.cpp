@@ -16,7 +16,8 @@
 // rows: gate, then up), down (Dm rows); k_pool, v_pool (N, KVH, D); slots (B * L,); table
 // (B, M); limits (B,) or (B, L); offset (B,); inv_freq (rope_dims / 2,); then, for a qwen2 layer,
 // the q, k and v biases concatenated (heads * D + 2 * KVH * D,), added to qkv_proj's output as
-// each projection's own op adds its bias. Output (B, L, Dm).
+// each projection's own op adds its bias. Quantized pools (uint32 codes): their K scales and
+// biases, V scales and biases follow inv_freq (in[22 .. 25]), before any q/k/v biases. Output (B, L, Dm).
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -72,7 +73,8 @@ class DecoderLayerCPU : public CpuPrimitive<DecoderLayerCPU> {
     std::vector<char> xc;
     const float* x_in = reinterpret_cast<const float*>(row_major(in[0], xc));
     int B = in[0].shape(0), L = in[0].shape(1), dm = in[0].shape(2);
-    int KVH = in[15].shape(1), D = in[15].shape(2), hd = prm.step.heads * D;  // (the K pool's (N, KVH, D))
+    // (the K pool's (N, KVH, D); quantized: its codes', D from its scales' (N, KVH, D / 32), in[22])
+    int KVH = in[15].shape(1), D = in[15].dtype() == mx::uint32 ? in[22].shape(2) * 32 : in[15].shape(2), hd = prm.step.heads * D;
     int n_qkv = in[3].shape(0), inter = in[9].shape(0) / 2;
     // A right-padded pass (verify steps, short prefill pieces) computes its real positions
     // only: padding repeats its row's last limit (see decode_attention.cpp's paged_attend).
@@ -159,15 +161,16 @@ mx::array decoder_layer_op(const mx::array& x, const mx::array& w_in, float eps_
                            const mx::array& limits, const mx::array& offset, const mx::array& inv_freq, int heads,
                            int rope_dims, bool traditional, float rope_scale, int block_size, float scale,
                            int attention_threads, int matmul_threads, int packed_rows, int int8,
-                           const std::optional<mx::array>& qkv_bias) {
+                           const std::optional<mx::array>& qkv_bias, const std::optional<std::vector<mx::array>>& scales) {
   if (x.ndim() != 3 || weights.size() != 12 || bits.size() != 4 || groups.size() != 4 || k_pool.ndim() != 3 || heads < 1) {
     throw std::invalid_argument("decoder_layer: x (B, L, Dm), 12 weight arrays with 4 bits and groups, pools (N, KVH, D)");
   }
-  int B = x.shape(0), L = x.shape(1), dm = x.shape(2), KVH = k_pool.shape(1), D = k_pool.shape(2);
   auto stream = cpu_stream();
   StepParams step{scale, rope_scale, block_size, std::max(attention_threads, 1), heads, rope_dims, traditional};
+  int B = x.shape(0), L = x.shape(1), dm = x.shape(2), KVH = k_pool.shape(1);
   std::vector<mx::array> attention =
-      step_inputs("decoder_layer", B, L, step, k_pool, v_pool, slots, table, limits, offset, inv_freq, stream);
+      step_inputs("decoder_layer", B, L, step, k_pool, v_pool, slots, table, limits, offset, inv_freq, stream, scales);
+  int D = attention.size() > 7 ? attention[7].shape(2) * 32 : k_pool.shape(2);  // (quantized pools: from their scales)
   int n_qkv = heads * D + 2 * KVH * D;
   // Each weight's (rows, input width): qkv, o, gate_up, down.
   int inter = weights[6].shape(0) / 2;

@@ -48,14 +48,16 @@ mx::array paged_decode_attention_op(const mx::array& q, const mx::array& k_pool,
 mx::array paged_attention_step_op(const mx::array& q, const mx::array& k, const mx::array& v, const mx::array& k_pool,
                                   const mx::array& v_pool, const mx::array& slots, const mx::array& table,
                                   const mx::array& limits, const mx::array& offset, const mx::array& inv_freq, int heads,
-                                  int rope_dims, bool traditional, float rope_scale, int block_size, float scale, int threads);
+                                  int rope_dims, bool traditional, float rope_scale, int block_size, float scale, int threads,
+                                  const std::optional<std::vector<mx::array>>& scales);
 mx::array decoder_layer_op(const mx::array& x, const mx::array& w_in, float eps_in, const mx::array& w_post, float eps_post,
                            const std::vector<mx::array>& weights, const std::vector<int>& bits, const std::vector<int>& groups,
                            const mx::array& k_pool, const mx::array& v_pool, const mx::array& slots, const mx::array& table,
                            const mx::array& limits, const mx::array& offset, const mx::array& inv_freq, int heads,
                            int rope_dims, bool traditional, float rope_scale, int block_size, float scale,
                            int attention_threads, int matmul_threads, int packed_rows, int int8,
-                           const std::optional<mx::array>& qkv_bias);  // decoder_layer.cpp
+                           const std::optional<mx::array>& qkv_bias,
+                           const std::optional<std::vector<mx::array>>& scales);  // decoder_layer.cpp
 void set_sgemm(std::uintptr_t address);  // blas_matmul.cpp
 bool has_sgemm();
 void* sgemm_address();
@@ -195,15 +197,16 @@ NB_MODULE(mlx_parallm_qmatmul_ext, m) {
         "V biases] float16 (N, KVH, D / 32), bits 8 or 4; float32 out.");
   m.def("paged_attention_step", &mlx_parallm::paged_attention_step_op, "q"_a, "k"_a, "v"_a, "k_pool"_a, "v_pool"_a,
         "slots"_a, "table"_a, "limits"_a, "offset"_a, "inv_freq"_a, "heads"_a, "rope_dims"_a, "traditional"_a,
-        "rope_scale"_a, "block_size"_a, "scale"_a, "threads"_a = 1,
+        "rope_scale"_a, "block_size"_a, "scale"_a, "threads"_a = 1, "scales"_a = nb::none(),
         "A decode or verify step's attention as one CPU op: RoPE of q (B, L, heads * D) and k (B, L, KVH * D) at "
         "positions offset[b] + j, k and v written IN PLACE into the pools (N, KVH, D) at slots (B * L,) (order later "
         "readers of the pools after the result, e.g. with mx.depends), then paged_decode_attention over table and "
-        "limits. float32 out, (B, L, heads * D).");
+        "limits. float32 out, (B, L, heads * D). Quantized pools: uint32 codes, scales as paged_decode_attention's (the new K/V "
+        "quantized as mx.quantize does, bit for bit).");
   m.def("decoder_layer", &mlx_parallm::decoder_layer_op, "x"_a, "w_in"_a, "eps_in"_a, "w_post"_a, "eps_post"_a, "weights"_a,
         "bits"_a, "groups"_a, "k_pool"_a, "v_pool"_a, "slots"_a, "table"_a, "limits"_a, "offset"_a, "inv_freq"_a, "heads"_a,
         "rope_dims"_a, "traditional"_a, "rope_scale"_a, "block_size"_a, "scale"_a, "attention_threads"_a = 1,
-        "matmul_threads"_a = 1, "packed_rows"_a = 64, "int8"_a = 0, "qkv_bias"_a = nb::none(),
+        "matmul_threads"_a = 1, "packed_rows"_a = 64, "int8"_a = 0, "qkv_bias"_a = nb::none(), "scales"_a = nb::none(),
         "A llama (or qwen2: qkv_bias, the q, k and v biases concatenated) decoder layer's step of at most 128 rows as one CPU op: RMSNorm, the packed q/k/v, o, gate/up and down "
         "matmuls (qmatmul.c's kernel up to packed_rows rows, its panels above, or int8), the fused attention step (K/V written IN PLACE into the pools: order later readers after the result) "
         "and SwiGLU, each as its own op computes it. float32 out, x's shape.");
@@ -211,4 +214,5 @@ NB_MODULE(mlx_parallm_qmatmul_ext, m) {
   m.attr("paged_positions") = nb::bool_(true);      // ... several query positions a row, lengths (B, L)
   m.attr("paged_windows") = nb::bool_(true);        // ... a sliding window (window > 0)
   m.attr("paged_quantized_pools") = nb::bool_(true);  // ... quantized pools (uint32 codes, scales and bits)
+  m.attr("step_quantized_pools") = nb::bool_(true);   // ... and its fused steps (paged_attention_step, decoder_layer) too
 }
