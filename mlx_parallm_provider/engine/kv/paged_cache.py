@@ -366,8 +366,8 @@ class PagedLayerCache:
 
     def _prefix(self, blocks: list[int]) -> SharedPrefix:
         """This layer's K and V of ``blocks`` (a shared prefix), ``(1, kv_heads, tokens, D)``."""
-        bs = self.batch.storage.block_size
-        k, v = self.batch.storage.read(self.layer, mx.array([b * bs + i for b in blocks for i in range(bs)], dtype=mx.int32))
+        storage = self.batch.storage
+        k, v = storage.read(self.layer, storage.block_slots(blocks))
         return SharedPrefix(k.swapaxes(0, 1)[None], v.swapaxes(0, 1)[None], ())
 
     def is_trimmable(self) -> bool:

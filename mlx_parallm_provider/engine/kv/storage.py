@@ -144,11 +144,22 @@ class PagedKVStorage:
             new = [parts[0], parts[3], parts[1], parts[2], parts[4], parts[5]]
         else:
             new = [keys.astype(self.dtype or keys.dtype), values.astype(self.dtype or values.dtype)]
+        self._put(layer, slots, new)
+
+    def _put(self, layer: int, slots: mx.array, parts: list[mx.array]) -> None:
+        """Scatter ``parts`` (one per :meth:`layer_arrays` entry) at ``slots``; a layer's arrays
+        are created at its first write, shaped as ``parts`` and as large as reserved."""
         if self.keys[layer] is None:
             size = self._blocks * self.block_size
-            self._set_layer_arrays(layer, [mx.zeros((size, *a.shape[1:]), a.dtype) for a in new])
-        for pool, part in zip(self.layer_arrays(layer), new):
+            self._set_layer_arrays(layer, [mx.zeros((size, *p.shape[1:]), p.dtype) for p in parts])
+        for pool, part in zip(self.layer_arrays(layer), parts):
             pool[slots] = part.astype(pool.dtype)
+
+    def block_slots(self, blocks: list[int]) -> mx.array:
+        """The slots of ``blocks``, in order (``block_size`` each), checked to lie in the arrays."""
+        bs = self.block_size
+        self.check(max(blocks) * bs + bs - 1)
+        return mx.array([b * bs + i for b in blocks for i in range(bs)], dtype=mx.int32)
 
     def _quantize(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         if x.shape[-1] % self.group_size:
@@ -164,10 +175,7 @@ class PagedKVStorage:
         """Copy whole blocks ``source -> destination`` in every layer (copy on write)."""
         if not pairs or self.keys[0] is None:
             return
-        bs = self.block_size
-        src = mx.array([s * bs + i for s, _ in pairs for i in range(bs)], dtype=mx.int32)
-        dst = mx.array([d * bs + i for _, d in pairs for i in range(bs)], dtype=mx.int32)
-        self.check(max(max(s, d) for s, d in pairs) * bs + bs - 1)
+        src, dst = self.block_slots([s for s, _ in pairs]), self.block_slots([d for _, d in pairs])
         for layer in range(self.num_layers):
             for a in self.layer_arrays(layer):
                 a[dst] = a[src]
@@ -178,9 +186,7 @@ class PagedKVStorage:
         ``(name, data)``. bfloat16 arrays come as their uint16 bits (NumPy has no bfloat16)."""
         if not saves or self.keys[0] is None:
             return []
-        bs, blocks = self.block_size, [b for b, _ in saves]
-        self.check(max(blocks) * bs + bs - 1)
-        idx = mx.array([b * bs + i for b in blocks for i in range(bs)], dtype=mx.int32)
+        bs, idx = self.block_size, self.block_slots([b for b, _ in saves])
         taken = [a[idx] for layer in range(self.num_layers) for a in self.layer_arrays(layer)]
         mx.eval(taken)  # gathered copies: nothing keeps the pools from being written in place
         dtypes = [str(a.dtype).rsplit(".", 1)[-1] for a in taken]
@@ -190,11 +196,7 @@ class PagedKVStorage:
     def load_blocks(self, loads: list[tuple[int, BlockData]]) -> None:
         """Write each ``(block, data)`` of ``loads`` (as :meth:`saved_blocks` gave them) into
         its block; arrays not yet created are created from the data's shapes."""
-        bs = self.block_size
-        blocks = [b for b, _ in loads]
-        self.check(max(blocks) * bs + bs - 1)
-        idx = mx.array([b * bs + i for b in blocks for i in range(bs)], dtype=mx.int32)
-        first = loads[0][1]
+        idx, first = self.block_slots([b for b, _ in loads]), loads[0][1]
         per_layer = len(first.arrays) // self.num_layers
         for layer in range(self.num_layers):
             parts = []
@@ -202,11 +204,7 @@ class PagedKVStorage:
                 part = mx.array(np.concatenate([data.arrays[i] for _, data in loads]))
                 dtype = getattr(mx, first.dtypes[i])
                 parts.append(part.view(mx.bfloat16) if dtype == mx.bfloat16 else part.astype(dtype))
-            if self.keys[layer] is None:
-                size = self._blocks * bs
-                self._set_layer_arrays(layer, [mx.zeros((size, *p.shape[1:]), p.dtype) for p in parts])
-            for pool, part in zip(self.layer_arrays(layer), parts):
-                pool[idx] = part.astype(pool.dtype)
+            self._put(layer, idx, parts)
 
     def read(self, layer: int, slots: mx.array) -> tuple[mx.array, mx.array]:
         """K and V at ``slots`` (any shape ``s``): arrays of shape ``(*s, kv_heads, head_dim)``,
