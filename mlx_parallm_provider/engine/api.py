@@ -233,7 +233,7 @@ class Engine(EmbedMethods):
         snap = self.metrics.snapshot(running=running, waiting=waiting)
         snap["model"] = self.model_name
         snap["prefix_cache"] = prefix_stats(self.config.enable_prefix_caching, core.prefix_store_stats() if core is not None else None, snap)
-        snap.update(core.memory_stats() if core is not None else {"kv_cache": {"layout": "paged"}, "kv_disk": None, "kv_tiers": {}})
+        snap.update(core.memory_stats(snap["cached_prompt_tokens"]) if core is not None else {"kv_cache": {"layout": "paged"}, "kv_disk": None, "kv_tiers": {}})
         snap.update(core.drafting_stats() if core is not None else {"speculation": None, "fast_forward": None})
         return snap
 

@@ -93,17 +93,19 @@ class EngineCore:
         """``stats()["kv_cache"]``: blocks, usage, preemptions."""
         return self.memory.stats()
 
-    def memory_stats(self) -> dict[str, Any]:
-        """``stats()``'s ``kv_cache``, ``kv_disk`` and ``kv_tiers``."""
-        return {"kv_cache": self.kv_stats(), "kv_disk": self.disk_stats(), "kv_tiers": self.tier_stats()}
+    def memory_stats(self, cached_tokens: int) -> dict[str, Any]:
+        """``stats()``'s ``kv_cache``, ``kv_disk`` and ``kv_tiers`` (``cached_tokens``: the
+        metrics' ``cached_prompt_tokens``)."""
+        return {"kv_cache": self.kv_stats(), "kv_disk": self.disk_stats(), "kv_tiers": self.tier_stats(cached_tokens)}
 
     def disk_stats(self) -> Optional[dict[str, Any]]:
         """``stats()["kv_disk"]``: the disk tier's counts, or None without one."""
         return self.memory.disk_stats()
 
-    def tier_stats(self) -> dict[str, dict[str, int]]:
-        """``stats()["kv_tiers"]``: each prefix store tier's hit tokens, bytes and evictions."""
-        return self.memory.tier_stats(self.metrics.snapshot()["cached_prompt_tokens"])
+    def tier_stats(self, cached_tokens: int) -> dict[str, dict[str, int]]:
+        """``stats()["kv_tiers"]``: each prefix store tier's hit tokens (of ``cached_tokens``
+        in all), bytes and evictions."""
+        return self.memory.tier_stats(cached_tokens)
 
     def prefix_store_stats(self) -> Optional[dict[str, Any]]:
         """The prefix store's counts (bytes, tokens, evictions, bound), or None without one."""

@@ -131,13 +131,13 @@ class EngineCollector:
             preemptions.add_metric(name, float(core.kv_stats().get("num_preemptions", 0)) if core is not None else 0.0)
             for key, value in draft_counts(engine).items():
                 drafts[key].add_metric(name, value)
+            snap = engine.metrics.snapshot()
             if core is not None:
-                for tier, counts in core.tier_stats().items():
+                for tier, counts in core.tier_stats(snap["cached_prompt_tokens"]).items():
                     for key, family in tiers.items():
                         family.add_metric([*name, tier], float(counts[key]))
                 disk = core.disk_stats()
                 skipped.add_metric(name, float(disk["corrupt"]) if disk else 0.0)
-            snap = engine.metrics.snapshot()
             snap["prompt_tokens_queried"] = snap["prompt_tokens"]
             for key, family in counters.items():
                 family.add_metric(name, float(snap[key]))

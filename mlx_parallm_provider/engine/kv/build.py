@@ -7,11 +7,10 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import mlx.core as mx
 
-from ...errors import InvalidParameterError
 from .budget import pool_blocks
 from .disk_prefixes import DiskPrefixes
 from .disk_tier import DiskKVTier, kv_identity
@@ -33,7 +32,16 @@ class KVMemory:
     groups: Optional[LayerGroups]  # None: one group, a storage slot per layer
     bytes_per_token: int
     num_layers: int
-    disk: Optional[DiskKVTier] = None
+
+    @property
+    def disk(self) -> Optional[DiskKVTier]:
+        """The prefix store's disk tier, or None."""
+        return self.manager.disk.tier if self.manager.disk is not None else None
+
+    @property
+    def loaded_blocks(self) -> int:
+        """Blocks brought back from the disk tier so far."""
+        return self.manager.disk.loaded_blocks if self.manager.disk is not None else 0
 
     def close(self) -> None:
         """Write what the disk tier has queued, then stop its writer."""
@@ -48,7 +56,7 @@ class KVMemory:
         """``stats()["kv_disk"]``: the disk tier's hits, bytes, evictions, skipped files; None without one."""
         if self.disk is None:
             return None
-        loaded = self.manager.disk.loaded_blocks if self.manager.disk is not None else 0
+        loaded = self.loaded_blocks
         return {**self.disk.snapshot(), "loaded_blocks": loaded, "loaded_tokens": loaded * self.manager.block_size}
 
     def tier_stats(self, cached_tokens: int) -> dict[str, dict[str, int]]:
@@ -56,7 +64,7 @@ class KVMemory:
         tokens found there (``hit_tokens``; ``cached_tokens`` of all tiers), bytes held and
         blocks evicted."""
         memory = self.prefix_stats()
-        loaded = self.manager.disk.loaded_blocks * self.manager.block_size if self.manager.disk is not None else 0
+        loaded = self.loaded_blocks * self.manager.block_size
         tiers = {"memory": {"hit_tokens": max(0, cached_tokens - loaded), "bytes": memory["cached_bytes"], "evictions": memory["evictions"]}}
         if self.disk is not None:
             disk = self.disk.snapshot()
@@ -76,46 +84,46 @@ class KVMemory:
 
 def build_kv(model: Any, budget_bytes: Optional[int], bytes_per_token: int, block_size: int, max_tokens: int,
              max_cached_tokens: Optional[int] = None, max_kv_size: Optional[int] = None,
-             kv_dtype: Optional[mx.Dtype] = None, kv_bits: Optional[int] = None, disk: Optional[DiskKVTier] = None) -> KVMemory:
+             kv_dtype: Optional[mx.Dtype] = None, kv_bits: Optional[int] = None,
+             disk: Optional[Callable[[list[Optional[int]]], DiskKVTier]] = None) -> KVMemory:
     """KV memory for ``model``: ``budget_bytes`` of blocks (all allocated at once), or, without
     a budget, room for ``max_tokens`` within the free memory, grown on use; at most
     ``max_cached_tokens`` of it named by the prefix cache. ``max_kv_size``: every layer attends
     to at most that many recent tokens, and older blocks are released. Layers of different
     windows (gemma3's local and global) get a group each (:mod:`.groups`): a local group's
     blocks past its window are released too. ``kv_dtype``: the blocks' dtype (None: the
-    model's K/V dtype); ``kv_bits``: quantized blocks of 8 or 4 bits instead. ``disk``: the
-    prefix store's disk tier."""
+    model's K/V dtype); ``kv_bits``: quantized blocks of 8 or 4 bits instead. ``disk``: makes
+    the prefix store's disk tier for the layers' windows (one group of layers only)."""
     layers = len(model.layers)
     windows = with_max_kv_size(layer_windows(model) or [None] * layers, max_kv_size)
     groups = LayerGroups.of(windows)
+    tier = None
+    if disk is not None and groups.count > 1:
+        logger.warning("kv_disk_path: this model mixes sliding-window and global layers; it has no disk tier")
+    elif disk is not None:
+        tier = disk(windows)
     # A block holds `groups.size` layers' K/V: a token costs that share of all layers' bytes in each group.
     blocks = pool_blocks(budget_bytes, bytes_per_token * groups.size // layers, block_size, max_tokens * groups.count)
     cached = None if max_cached_tokens is None else max(1, max_cached_tokens * groups.count // block_size)
-    manager = KVCacheManager(blocks, block_size, cached, windows=groups.windows, disk=DiskPrefixes(disk) if disk is not None else None)
+    manager = KVCacheManager(blocks, block_size, cached, windows=groups.windows, disk=DiskPrefixes(tier) if tier is not None else None)
     storage = PagedKVStorage(groups.size, blocks, block_size, preallocate=budget_bytes is not None, dtype=kv_dtype,
                              bits=kv_bits)
-    return KVMemory(manager, storage, windows, groups if groups.count > 1 else None, bytes_per_token, layers, disk)
+    return KVMemory(manager, storage, windows, groups if groups.count > 1 else None, bytes_per_token, layers)
 
 
 def kv_for_engine(model: Any, config: Any, bytes_per_token: int, context_length: int, model_path: Optional[Path] = None) -> KVMemory:
     """The KV memory ``config`` (an :class:`~...config.EngineConfig`) asks for (``model_path``:
     the model's files, part of the disk tier's names)."""
     dtype = config.kv_cache_dtype
-    disk = None
-    if config.kv_disk_path is not None:
-        windows = with_max_kv_size(layer_windows(model) or [None] * len(model.layers), config.max_kv_size)
-        if LayerGroups.of(windows).count > 1:
-            logger.warning("kv_disk_path: this model mixes sliding-window and global layers; it has no disk tier")
-        else:
-            parts = {"format": 1, "kv_cache_dtype": dtype, "block_size": config.kv_block_size, "windows": windows,
-                     "dequantize": config.dequantize, "device": config.device.as_dict(), "model": type(model).__module__,
-                     "layers": len(model.layers)}
-            try:
-                disk = DiskKVTier(config.kv_disk_path, config.kv_disk_bytes, kv_identity(parts, model_path))
-            except OSError as exc:
-                raise InvalidParameterError("kv_disk_path", f"cannot use {config.kv_disk_path!r} as the KV disk tier's folder: {exc}") from None
+
+    def disk(windows: list[Optional[int]]) -> DiskKVTier:
+        parts = {"format": 1, "kv_cache_dtype": dtype, "block_size": config.kv_block_size, "windows": windows,
+                 "dequantize": config.dequantize, "device": config.device.as_dict(), "model": type(model).__module__,
+                 "layers": len(model.layers)}
+        return DiskKVTier(config.kv_disk_path, config.kv_disk_bytes, kv_identity(parts, model_path))
+
     return build_kv(model, config.kv_cache_memory_bytes, bytes_per_token, config.kv_block_size,
                     config.max_num_seqs * max(context_length, 1),
                     max_cached_tokens=config.prefix_cache_memory_bytes // max(1, bytes_per_token), max_kv_size=config.max_kv_size,
                     kv_dtype=None if dtype == "auto" or dtype in QUANTIZED_KV_BITS else getattr(mx, dtype),
-                    kv_bits=QUANTIZED_KV_BITS.get(dtype), disk=disk)
+                    kv_bits=QUANTIZED_KV_BITS.get(dtype), disk=disk if config.kv_disk_path is not None else None)

@@ -120,14 +120,15 @@ class DiskKVTier:
     """Block files in ``folder``, at most ``max_bytes`` of them, for KV of ``identity``.
 
     Args:
-        folder: created if missing; shared with other processes.
+        folder: created if missing (:func:`check_folder`'s error where it cannot be); shared
+            with other processes.
         max_bytes: the folder's bound (least recently used files are deleted past it).
         identity: :func:`kv_identity` of the engine's KV.
     """
 
     def __init__(self, folder: str | Path, max_bytes: int, identity: bytes) -> None:
         self.folder = Path(folder).expanduser()
-        self.folder.mkdir(parents=True, exist_ok=True)
+        check_folder(self.folder)
         self.max_bytes = max(1, int(max_bytes))
         self.identity = identity
         self.stats = TierStats()
