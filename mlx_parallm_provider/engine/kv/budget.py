@@ -84,9 +84,9 @@ def kv_bytes_per_token(model: Any, config: dict[str, Any], kv_cache_dtype: str =
     layers, kv_heads, head_dim = _shape(model, config)
     weight = getattr(getattr(model, "model", None), "embed_tokens", None)
     weight = getattr(weight, "weight", None)  # packed-weight embeddings hold none: they compute in float32
-    dtype_bytes: float = weight.dtype.size if weight is not None else 4
+    dtype_bytes = weight.dtype.size if weight is not None else 4
     if kv_cache_dtype in QUANTIZED_KV_BITS:
         return int(2 * layers * kv_heads * head_dim * quantized_bytes_per_value(QUANTIZED_KV_BITS[kv_cache_dtype]))
     if kv_cache_dtype != "auto":
         dtype_bytes = getattr(mx, kv_cache_dtype).size
-    return int(2 * layers * kv_heads * head_dim * max(2, dtype_bytes))
+    return 2 * layers * kv_heads * head_dim * max(2, dtype_bytes)

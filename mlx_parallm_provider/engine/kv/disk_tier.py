@@ -133,7 +133,7 @@ class DiskKVTier:
         self.identity = identity
         self.stats = TierStats()
         self._lock = threading.Lock()  # stats and the folder's measure (the writer and the loop both count)
-        self._queue: queue.Queue[Optional[tuple[bytes, BlockData]]] = queue.Queue()
+        self._queue: queue.Queue[Optional[tuple[bytes, BlockData, int]]] = queue.Queue()  # (name, block, its bytes)
         self._queued_bytes = 0
         self._since_scan = 0
         self._closed = False
@@ -213,12 +213,11 @@ class DiskKVTier:
                 return None, "written for other KV (another model or settings)"
             arrays, at = [], head + header_len
             for dtype, shape in header["arrays"]:
-                np_dtype = np.dtype(header["numpy"][len(arrays)])
-                n = int(np.prod(shape)) * np_dtype.itemsize
-                if at + n > len(body):
+                np_dtype, count = np.dtype(header["numpy"][len(arrays)]), int(np.prod(shape))
+                if at + count * np_dtype.itemsize > len(body):
                     return None, "truncated"
-                arrays.append(np.frombuffer(body, dtype=np_dtype, count=int(np.prod(shape)), offset=at).reshape(shape))
-                at += n
+                arrays.append(np.frombuffer(body, dtype=np_dtype, count=count, offset=at).reshape(shape))
+                at += count * np_dtype.itemsize
             if at != len(body):
                 return None, "unexpected length"
             return BlockData([d for d, _ in header["arrays"]], arrays), ""
@@ -246,7 +245,7 @@ class DiskKVTier:
                 self.stats.dropped += 1
                 return
             self._queued_bytes += size
-        self._queue.put((name, block))
+        self._queue.put((name, block, size))
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait until every queued block is written (or ``timeout`` passes); True if all were."""
@@ -273,8 +272,7 @@ class DiskKVTier:
             try:
                 if item is None:
                     return
-                name, block = item
-                size = sum(a.nbytes for a in block.arrays)
+                name, block, size = item
                 try:
                     self._write(name, block)
                 except OSError as exc:
