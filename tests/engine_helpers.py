@@ -136,3 +136,19 @@ def mlx_lm_greedy(loaded: Any, prompts: list[list[int]], params: Any, max_kv_siz
                                   sampler=lambda x: mx.argmax(x, axis=-1), prompt_cache=cache)
             out.append([int(t) for t, _ in steps])
     return out
+
+
+def paged_kernel_calls(monkeypatch: Any) -> list:
+    """Record each call of the paged CPU attention kernel (``attention.paged_decode_attention``):
+    the list of its results, None where it did not apply (the caller then gathered)."""
+    from mlx_parallm_provider.models import attention
+
+    results: list = []
+    kernel = attention.paged_decode_attention
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        results.append(kernel(*args, **kwargs))
+        return results[-1]
+
+    monkeypatch.setattr(attention, "paged_decode_attention", counted)
+    return results

@@ -10,10 +10,11 @@ import pytest
 from mlx.utils import tree_map
 from mlx_lm.models.cache import KVCache
 
+from engine_helpers import paged_kernel_calls
 from mlx_parallm_provider.engine.kv import KVCacheManager, paged_cache
 from mlx_parallm_provider.engine.kv.paged_cache import PagedBatch
 from mlx_parallm_provider.engine.kv.storage import PagedKVStorage
-from mlx_parallm_provider.models import attention, backends
+from mlx_parallm_provider.models import backends
 
 
 def _reference_logits(model, tokens: list[int]) -> mx.array:
@@ -27,14 +28,7 @@ def cpu_ops(request, monkeypatch, tiny_model):
     """Decode steps through the paged CPU kernel (the model's own backend), or (forced: MLX's
     ops as its backend) the gather path every device without one takes; yields the kernel's
     results, to check which path ran."""
-    results: list = []
-    kernel = attention.paged_decode_attention
-
-    def counted(*args, **kwargs):
-        results.append(kernel(*args, **kwargs))
-        return results[-1]
-
-    monkeypatch.setattr(attention, "paged_decode_attention", counted)
+    results = paged_kernel_calls(monkeypatch)
     model = tiny_model.model
     with backends.using(model, backends.of(model) if request.param == "kernels" else "mlx"):
         yield request.param, results

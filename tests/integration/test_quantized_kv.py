@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from conftest import TINY_CONFIG, write_tiny_model
+from engine_helpers import paged_kernel_calls
 from mlx_parallm_provider.engine import SamplingParams
 
 # head_dim 32: quantization groups are 32 values (mx.quantize takes no smaller group).
@@ -154,21 +155,6 @@ def test_head_sizes_quantization_cannot_group_are_refused(make_engine) -> None:
         make_engine(kv_cache_dtype="int8")
 
 
-def _kernel_calls(monkeypatch) -> list:
-    """Each call of the paged CPU kernel: its result (None where it did not apply)."""
-    from mlx_parallm_provider.models import attention
-
-    results: list = []
-    kernel = attention.paged_decode_attention
-
-    def counted(*args, **kwargs):
-        results.append(kernel(*args, **kwargs))
-        return results[-1]
-
-    monkeypatch.setattr(attention, "paged_decode_attention", counted)
-    return results
-
-
 def _has_quantized_kernel() -> bool:
     from mlx_parallm_provider.models import backends, qmatmul_ext
 
@@ -206,7 +192,7 @@ def test_kernel_reads_quantized_pools_as_the_gathered_path_does(bits, width, len
     if not _has_quantized_kernel():
         pytest.skip("no paged CPU kernel for quantized pools here")
     storage = _quantized_storage(bits)
-    ran = _kernel_calls(monkeypatch)
+    ran = paged_kernel_calls(monkeypatch)
     q = mx.random.normal((4, 9, width, 64), key=mx.random.key(3))
     batch = PagedBatch(storage, TABLES, STARTS, lengths, width, windows=[window])
     kernel = batch.layers()[0].attend(q, q, q, 0.125, None, backend=CPUKernels(attention_threads=2))
@@ -277,7 +263,7 @@ def test_quantized_prefill_and_decode_through_the_kernel_match_the_gathered_path
                 run([b for b in range(3) if done[b] < len(prompts[b])], 1)  # decode steps
         return [mx.concatenate(g) for g in got]
 
-    ran = _kernel_calls(monkeypatch)
+    ran = paged_kernel_calls(monkeypatch)
     kernel = logits(backends.of(model))
     assert ran and all(r is not None for r in ran)  # every pass's attention through the kernel
     ran.clear()
