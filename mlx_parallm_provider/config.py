@@ -194,6 +194,7 @@ ENGINE_SETTINGS: dict[str, Setting] = {
     "grammar_fast_forward": Setting(Limit("bool")),
     "async_scheduling": Setting(Limit("bool")),
     "stream_interval": Setting(Limit("int", 1, 4096)),
+    "max_loras": Setting(Limit("int", 1, 1024)),
 }
 """:class:`EngineConfig`'s fields (``device`` aside): limits, and the variable where one gives the default."""
 
@@ -353,6 +354,11 @@ class EngineConfig:
             token, and its last, at once), as vLLM's ``--stream-interval``: fewer, larger
             deltas cost the caller's event loop (LiteLLM's proxy handles each chunk) less CPU
             at high concurrency; 1 streams every token.
+        max_loras: most LoRA adapters resident on the model at once (vLLM's name): a batch may
+            mix rows of all of them and rows of none; an adapter no running request uses
+            makes room for another (least recently used first), and when every one is in
+            use a request for another fails with
+            :class:`~mlx_parallm_provider.errors.EngineOverloadedError`.
         shutdown_timeout_s: how long shutting down waits for the step in progress; past
             it, requests still in flight fail with
             :class:`~mlx_parallm_provider.errors.EngineDeadError` at once and, at
@@ -383,6 +389,7 @@ class EngineConfig:
     grammar_fast_forward: bool = True
     async_scheduling: bool = True
     stream_interval: int = 1
+    max_loras: int = 8
     device: DeviceConfig = field(default_factory=DeviceConfig)
 
     def __post_init__(self) -> None:

@@ -26,6 +26,7 @@ from ..config import EngineConfig
 from ..errors import ContextWindowExceededError, EngineOverloadedError, InvalidParameterError
 from ..models import backends, registry
 from ..models.registry import LoadedModel
+from .adapters import EngineAdapters, LoRAMethods
 from .core import EngineCore
 from .embed.api import EmbedMethods
 from .exit_guard import shut_down_at_exit
@@ -42,11 +43,12 @@ from .sinks import ThreadSink as _ThreadSink
 logger = logging.getLogger(__name__)
 
 
-class Engine(EmbedMethods):
+class Engine(EmbedMethods, LoRAMethods):
     """One loaded model served to any number of concurrent callers, batched.
 
     Use :func:`mlx_parallm_provider.get_engine` to share one engine per model per process.
-    Besides generation it embeds texts (:meth:`embed`, :meth:`embed_sync`; see :mod:`.embed.api`).
+    Besides generation it embeds texts (:meth:`embed`, :meth:`embed_sync`; see :mod:`.embed.api`) and
+    serves LoRA adapters per request (``SamplingParams(lora=...)``, :meth:`add_lora`; see :mod:`.adapters`).
 
     Args:
         model: a model name for :func:`mlx_parallm_provider.models.registry.load`
@@ -70,6 +72,7 @@ class Engine(EmbedMethods):
         self.metrics = EngineMetrics()
         check_kv_settings(self._loaded.model, self._loaded.config, self.config)
         self._kv_bytes_per_token = kv_bytes_per_token(self._loaded.model, self._loaded.config, self.config.kv_cache_dtype)
+        self._adapters = EngineAdapters(self._loaded.model, self.config.max_loras)
         self._core_lock = threading.Lock()
         self._core: Optional[EngineCore] = None
         self._ids = itertools.count()
@@ -235,6 +238,7 @@ class Engine(EmbedMethods):
         snap["prefix_cache"] = prefix_stats(self.config.enable_prefix_caching, core.prefix_store_stats() if core is not None else None, snap)
         snap.update(core.memory_stats(snap["cached_prompt_tokens"]) if core is not None else {"kv_cache": {"layout": "paged"}, "kv_disk": None, "kv_tiers": {}})
         snap.update(core.drafting_stats() if core is not None else {"speculation": None, "fast_forward": None})
+        snap["lora"] = self._adapters.stats()
         return snap
 
     def shutdown(self) -> None:
@@ -319,7 +323,17 @@ class Engine(EmbedMethods):
             stream=stream,
             arrival=now,
             deadline=None if timeout is None else now + timeout,
+            adapter=self._adapters.acquire(params.lora),
         )
+        try:
+            return self._submit_to_core(request, params)
+        except BaseException:
+            if request.adapter is not None:
+                request.adapter.release()
+            raise
+
+    def _submit_to_core(self, request: Request, params: SamplingParams) -> Request:
+        ids = request.prompt_ids
         for _ in range(2):
             core = self._live_core()
             if params.constraint is not None:  # one that fails within a few tokens is a 400 here

@@ -288,5 +288,7 @@ class EngineCore:
         for request in [*held, *pending]:
             if not request.finished:
                 request.finished = True
+                if getattr(request, "adapter", None) is not None:
+                    request.adapter.release()
                 self.metrics.request_finished(request.request_id)
                 self._deliver(request, exc)

@@ -3,13 +3,17 @@ back (:class:`Completion` for a whole answer, :class:`Delta` for a streamed piec
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import TYPE_CHECKING, Hashable, Optional, Union
 
 from .._validation import check_int as _check_int
 from .._validation import check_number as _check_number
 from ..errors import InvalidParameterError, RequestTimeoutError
 from .grammar.constraint import Constraint
+
+if TYPE_CHECKING:
+    from ..models.lora.slots import AdapterUse
 
 Prompt = Union[str, list[int]]
 
@@ -42,6 +46,7 @@ class SamplingParams:
     top_logprobs: int = 0
     timeout: Optional[float] = None
     constraint: Optional[Constraint] = None
+    lora: Optional[str] = None
 
     def __post_init__(self) -> None:
         self.stop = _string_list("stop", self.stop)
@@ -73,6 +78,8 @@ class SamplingParams:
             _check_number("timeout", self.timeout, minimum=0.0)
             if self.timeout == 0:
                 raise InvalidParameterError("timeout", "must be > 0 seconds (None disables it)")
+        if self.lora is not None:
+            self.lora = _lora_name(self.lora)
         if self.constraint is not None and not isinstance(self.constraint, Constraint):
             raise InvalidParameterError("constraint", f"must be a Constraint (e.g. Constraint.json_schema(...)), got {self.constraint!r}")
 
@@ -198,6 +205,7 @@ class Request:
     num_preemptions: int = 0  # times its KV blocks were taken back, to be recomputed
     draft: list[int] = field(default_factory=list)  # speculative tokens its next step verifies
     state: object = None  # worker-private per-request state (sampler, text stream, ...)
+    adapter: Optional["AdapterUse"] = None  # the LoRA adapter its rows run through (None: the base model)
 
     @property
     def prompt_len(self) -> int:
@@ -226,9 +234,24 @@ class Request:
         )
 
     @property
+    def cache_namespace(self) -> Hashable:
+        """What its KV blocks are named under in the prefix store: 0 for the base model, its
+        adapter's content id under a LoRA adapter (never shared across adapters)."""
+        return 0 if self.adapter is None else ("lora", self.adapter.uid)
+
+    @property
     def max_kv_tokens(self) -> int:
         """KV entries this request may need at most (prompt + max_tokens)."""
         return len(self.prompt_ids) + self.params.max_tokens
+
+
+def _lora_name(value: object) -> str:
+    """A LoRA adapter: a registered name or an adapter folder's path (a path object becomes its string)."""
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not isinstance(value, str) or not value.strip():
+        raise InvalidParameterError("lora", f"must be an adapter name or an adapter folder's path, got {value!r}")
+    return value
 
 
 def _string_list(name: str, value: object) -> list[str]:

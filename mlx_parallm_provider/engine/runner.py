@@ -20,6 +20,7 @@ import mlx.core as mx
 
 from ..models import backends
 from ..models.head import split_head
+from ..models.lora.layers import rows_using
 from .decode_ahead import DecodeAhead
 from .drafting.verify import verify_drafts
 from .embed.forward import embed_step
@@ -141,7 +142,8 @@ class ModelRunner:
         if tokens is None:
             tokens = mx.array([p + [self.pad_id] * (width - len(p)) for p in pieces])
         caches = batch.layers()
-        out = self.model(tokens, cache=caches) if not hidden else self.split.body(tokens, caches)
+        with rows_using([r.adapter.slot if r.adapter else 0 for r in rows], [r.adapter.scale if r.adapter else 0.0 for r in rows]):
+            out = self.model(tokens, cache=caches) if not hidden else self.split.body(tokens, caches)
         if width > 1:
             self.ragged = all(c.ragged for c in caches)
         return out

@@ -127,6 +127,8 @@ class Scheduler:
         if answered and isinstance(request, Request):
             self._cache_blocks(request, request.prompt_ids + request.output_ids, request.num_tokens - 1)
         self.remove(request)
+        if isinstance(request, Request) and request.adapter is not None:
+            request.adapter.release(len(request.output_ids))
 
     def retire(self, request: Request | EmbedRequest, answered: bool = False) -> None:
         """:meth:`finish` a request and forget it in the metrics and the drafting."""
@@ -208,7 +210,7 @@ class Scheduler:
 
     def _cache_blocks(self, request: Request, tokens: list[int], computed: int) -> None:  # for later prompts to share
         if self.prefix_caching:
-            self.kv.register(id(request), tokens, computed)
+            self.kv.register(id(request), tokens, computed, request.cache_namespace)
 
     def remove(self, request: Request | EmbedRequest) -> None:
         """Drop a request wherever it is and free its KV blocks (see :meth:`finish`)."""
@@ -282,9 +284,9 @@ class Scheduler:
             request = self.waiting[0]
             # The cache is the pool's blocks, looked up once (a preempted request by its
             # prompt + output too); at least one token is computed, for the logits.
-            if self.prefix_caching and self.kv.disk is not None:  # what the pool lacks of it, from the disk tier
+            if self.prefix_caching and self.kv.disk is not None and request.cache_namespace == 0:  # what the pool lacks, from disk
                 self.kv.disk.load_prefix(self.kv, request.computed_ids, request.num_tokens - 1)
-            prefix = self.kv.match(request.computed_ids, request.num_tokens - 1) if self.prefix_caching else None
+            prefix = self.kv.match(request.computed_ids, request.num_tokens - 1, request.cache_namespace) if self.prefix_caching else None
             cached = prefix.tokens if prefix is not None else 0
             # Its prompt and the token it decodes the step its prefill ends, with a block of
             # headroom while others hold blocks; alone, its own blocks always fit (fits_alone).

@@ -28,12 +28,14 @@ import yaml
 import mlx_parallm_provider
 from engine_helpers import sampled_while
 from fakes import chat_prompt
+from lora_helpers import write_random_adapter
 from mlx_parallm_provider import Engine, SamplingParams
 from mlx_parallm_provider.models.registry import LoadedModel
 from proxy_helpers import REPO, start_proxy, stop, wait_ready
 
 EXAMPLE = REPO / "examples" / "litellm_proxy_config.yaml"
 ALIAS = "tiny"
+ADAPTED = "tiny-adapted"  # the same model through a LoRA adapter (litellm_params' lora)
 QUESTION = [{"role": "user", "content": "Say something about the sea."}]
 START_LIMIT_S = 180.0
 
@@ -81,24 +83,32 @@ def _litellm_cli() -> str:
     return found
 
 
-def _config(model_dir: Path) -> dict[str, Any]:
+def _config(model_dir: Path, adapter: Path) -> dict[str, Any]:
     """The shipped example config, its one model (with the example's settings) replaced by
-    the tiny model folder."""
+    the tiny model folder, and a second name for the same model through a LoRA adapter."""
     config = yaml.safe_load(EXAMPLE.read_text())
     [entry] = config["model_list"]
-    config["model_list"] = [{"model_name": ALIAS, "litellm_params": {**entry["litellm_params"], "model": f"mlx-parallm/{model_dir}"}}]
+    params = {**entry["litellm_params"], "model": f"mlx-parallm/{model_dir}"}
+    config["model_list"] = [{"model_name": ALIAS, "litellm_params": params},
+                            {"model_name": ADAPTED, "litellm_params": {**params, "lora": str(adapter)}}]
     return config
 
 
 @pytest.fixture(scope="module")
-def proxy(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proxy]:
+def adapter(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random LoRA adapter of the tiny model (mlx-lm's format)."""
+    return write_random_adapter(tmp_path_factory.mktemp("proxy-adapter") / "adapter", tiny_model_dir, seed=5)
+
+
+@pytest.fixture(scope="module")
+def proxy(tiny_model_dir: Path, adapter: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proxy]:
     import fastapi  # noqa: F401  (the proxy's server dependencies: the `proxy` extra, in `dev`)
 
     folder = tmp_path_factory.mktemp("litellm-proxy")
     key, stats_file = "sk-" + secrets.token_hex(16), folder / "stats.json"
     _litellm_cli()
     # The real `litellm` CLI, run by a wrapper that also publishes the engine's stats.
-    running = start_proxy(_config(tiny_model_dir), folder, key, env={"MLX_PARALLM_STATS_FILE": str(stats_file)})
+    running = start_proxy(_config(tiny_model_dir, adapter), folder, key, env={"MLX_PARALLM_STATS_FILE": str(stats_file)})
     try:
         wait_ready(running, START_LIMIT_S)
         yield Proxy(running.base_url, key, running.log, stats_file, running.process.pid)
@@ -163,6 +173,21 @@ def test_httpx_chat_completion(proxy: Proxy, reference: Any) -> None:
 
 
 @pytest.mark.slow
+def test_a_model_entry_with_a_lora_adapter_answers_through_it(proxy: Proxy, reference: Any, adapter: Path, tiny_model: LoadedModel) -> None:
+    body = {"model": ADAPTED, "messages": QUESTION, "max_tokens": 12, "temperature": 0}
+    with proxy.client() as client:
+        adapted = client.post("/v1/chat/completions", json=body)
+        plain = client.post("/v1/chat/completions", json={**body, "model": ALIAS})
+    assert adapted.status_code == 200 and plain.status_code == 200, adapted.text
+    engine = Engine("tiny", loaded=tiny_model)
+    try:
+        want = engine.generate_sync(chat_prompt(engine, QUESTION), SamplingParams(max_tokens=12, lora=str(adapter)))
+    finally:
+        engine.shutdown()
+    assert adapted.json()["choices"][0]["message"]["content"] == want.text != reference.text
+    assert plain.json()["choices"][0]["message"]["content"] == reference.text
+
+
 def test_httpx_streaming_joins_to_the_same_text(proxy: Proxy, reference: Any) -> None:
     body = {"model": ALIAS, "messages": QUESTION, "max_tokens": 12, "stream": True, "stream_options": {"include_usage": True}}
     with proxy.client() as client, client.stream("POST", "/v1/chat/completions", json=body) as response:

@@ -183,27 +183,34 @@ class KVCacheManager:
 
     # -- prefix cache -----------------------------------------------------------------
 
-    def block_keys(self, tokens: Sequence[int], blocks: int, group: int = 0) -> list[tuple[Hashable, tuple[int, ...]]]:
+    def block_keys(self, tokens: Sequence[int], blocks: int, group: int = 0, namespace: Hashable = 0) -> list[tuple[Hashable, tuple[int, ...]]]:
         """The names of the first ``blocks`` whole blocks of ``tokens`` in ``group`` (each
-        group's blocks hold other layers: their names differ)."""
+        group's blocks hold other layers: their names differ) computed under ``namespace``
+        (0: the base model; a LoRA adapter's: its KV differs, so its names do)."""
         bs, keys = self.block_size, []
-        parent: Hashable = 0 if group == 0 else ("group", group)
+        parent = self._root(group, namespace)
         for i in range(blocks):
             keys.append((parent, tuple(tokens[i * bs : (i + 1) * bs])))
             parent = hash(keys[-1])
         return keys
 
     @staticmethod
-    def _parent(keys: list[tuple[Hashable, tuple[int, ...]]]) -> Hashable:
-        return hash(keys[-1]) if keys else 0
+    def _root(group: int, namespace: Hashable) -> Hashable:
+        """The parent of a chain's first block."""
+        if namespace == 0:
+            return 0 if group == 0 else ("group", group)
+        return ("group", group, namespace)
 
-    def match(self, tokens: Sequence[int], limit: int) -> PrefixHit:
-        """What the cache holds of the longest prefix of ``tokens``, at most ``limit``
-        tokens of it (no side effects)."""
+    def _parent(self, keys: list[tuple[Hashable, tuple[int, ...]]], namespace: Hashable = 0) -> Hashable:
+        return hash(keys[-1]) if keys else self._root(0, namespace)
+
+    def match(self, tokens: Sequence[int], limit: int, namespace: Hashable = 0) -> PrefixHit:
+        """What the cache holds of the longest prefix of ``tokens`` computed under
+        ``namespace`` (see :meth:`block_keys`), at most ``limit`` tokens of it (no side effects)."""
         if len(self.windows) > 1:
-            return self._match_groups(tokens, limit)
+            return self._match_groups(tokens, limit, namespace)
         bs, found = self.block_size, []
-        keys = self.block_keys(tokens, min(limit, len(tokens)) // bs)
+        keys = self.block_keys(tokens, min(limit, len(tokens)) // bs, namespace=namespace)
         for key in keys:
             block = self.pool.lookup(key)
             if block is None:
@@ -214,7 +221,7 @@ class KVCacheManager:
         best, best_len = None, 0
         if room > 0:
             nxt = tokens[start : start + min(room, bs)]
-            for block, held in self.pool.children(self._parent(keys[: len(found)])):
+            for block, held in self.pool.children(self._parent(keys[: len(found)], namespace)):
                 n = 0
                 for a, b in zip(held, nxt):
                     if a != b:
@@ -224,13 +231,13 @@ class KVCacheManager:
                     best, best_len = block, n
         return PrefixHit(found, best, best_len, bs)
 
-    def _match_groups(self, tokens: Sequence[int], limit: int) -> PrefixHit:
+    def _match_groups(self, tokens: Sequence[int], limit: int, namespace: Hashable = 0) -> PrefixHit:
         """:meth:`match` of whole blocks in every group: the most whole blocks ``k`` such that
         each group without a window holds blocks ``0..k`` and each window group the blocks
         its window reaches back to from position ``k * block_size``."""
         bs = self.block_size
         n = min(limit, len(tokens)) // bs
-        found = [[self.pool.lookup(key) for key in self.block_keys(tokens, n, g)] for g in range(len(self.windows))]
+        found = [[self.pool.lookup(key) for key in self.block_keys(tokens, n, g, namespace)] for g in range(len(self.windows))]
         k = n
         for g, blocks in enumerate(found):
             if self.windows[g] is None:
@@ -251,21 +258,22 @@ class KVCacheManager:
     def _reaches(self, found: list[Optional[int]], group: int, k: int) -> bool:
         return all(b is not None for b in found[self._first_seen(group, k) : k])
 
-    def register(self, owner: Hashable, tokens: Sequence[int], computed: int) -> int:
+    def register(self, owner: Hashable, tokens: Sequence[int], computed: int, namespace: Hashable = 0) -> int:
         """Name ``owner``'s blocks holding its first ``computed`` tokens (``tokens[:computed]``),
-        the last partly filled one too (one group only), so later prompts can share them;
-        returns how many were named now."""
+        computed under ``namespace`` (see :meth:`block_keys`), the last partly filled one too
+        (one group only), so later prompts can share them; returns how many were named now.
+        (Only the base model's go to the disk tier.)"""
         bs, named = self.block_size, 0
         for g in range(len(self.windows)):
             table = self.table(owner, g)
             upto = min(computed, len(tokens), len(table) * bs)
-            keys = self.block_keys(tokens, upto // bs, g)
+            keys = self.block_keys(tokens, upto // bs, g, namespace)
             new = [i for i, (block, key) in enumerate(zip(table, keys)) if block != NULL_BLOCK and self.pool.set_key(block, key)]
             named += len(new)
-            if self.disk is not None and new:
+            if self.disk is not None and new and namespace == 0:
                 self.disk.named(tokens, [(i, table[i], keys[i]) for i in new], bs)
             if len(self.windows) == 1 and upto % bs and table[len(keys)] != NULL_BLOCK:
-                last = (self._parent(keys), tuple(tokens[len(keys) * bs : upto]))
+                last = (self._parent(keys, namespace), tuple(tokens[len(keys) * bs : upto]))
                 named += self.pool.set_key(table[len(keys)], last)
         return named
 

@@ -27,6 +27,8 @@ def waits_for_sharer(request: Any, cached: int, sharers: Sequence[Any], min_shar
     whole prompt), instead of computing that prefix again alongside it. A sharer whose new
     tokens are more than the prefix store holds (``capacity_tokens``) is not waited for."""
     for sharer in sharers:
+        if sharer.cache_namespace != request.cache_namespace:
+            continue  # (another adapter's blocks: never shared)
         new_tokens = sharer.prompt_len - sharer.num_cached
         if capacity_tokens is not None and new_tokens > capacity_tokens:
             continue  # the store could not keep it

@@ -58,6 +58,8 @@ class EngineFields(BaseModel):
     logprobs: bool = _DEFAULTS.logprobs
     top_logprobs: int = _DEFAULTS.top_logprobs
     timeout: Optional[float] = Field(default=None, description="Per-request timeout in seconds.")
+    lora: Optional[str] = Field(default=None, description="A LoRA adapter to answer through: a name registered with the engine's "
+                                "add_lora, or an mlx-lm adapter folder (adapters.safetensors + adapter_config.json).")
 
     @model_validator(mode="after")
     def _validate_sampling(self) -> Self:

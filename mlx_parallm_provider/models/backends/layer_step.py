@@ -20,6 +20,7 @@ from typing import Any, Callable, Optional
 
 import mlx.core as mx
 
+from ..lora.layers import base_linear, blocks_step_fused
 from .attention_step import fusable, plain_code
 
 _PLAIN_BLOCKS = (("mlx_lm.models.llama", "TransformerBlock"), ("mlx_lm.models.qwen2", "TransformerBlock"))
@@ -84,11 +85,12 @@ def plan_of(block: Any) -> Optional[LayerPlan]:
         return None
     if not fusable(getattr(type(attn), "_parallm_original_class", type(attn))) or not plain_code(type(mlp), _PLAIN_MLPS):
         return None
-    qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
-    linears = [*qkv, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
-    biased = "bias" in attn.q_proj
-    parts = [_packed(qkv, ext, biased), _packed([attn.o_proj], ext), _packed([mlp.gate_proj, mlp.up_proj], ext),
-             _packed([mlp.down_proj], ext)]
+    q, k, v, o, gate, up, down = (base_linear(layer) for layer in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
+                                                                  mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+    qkv = [q, k, v]
+    linears = [*qkv, o, gate, up, down]
+    biased = "bias" in q
+    parts = [_packed(qkv, ext, biased), _packed([o], ext), _packed([gate, up], ext), _packed([down], ext)]
     if any(p is None for p in parts):
         return None
     qkv_bias = mx.concatenate([layer.bias.astype(mx.float32) for layer in qkv]) if biased else None
@@ -101,7 +103,7 @@ def stepping_block(original: Callable[..., Any], backend: Any) -> Callable[..., 
     """``original`` (a block's ``__call__``) with the one-op layer step in front."""
 
     def __call__(self: Any, x: Any, mask: Optional[Any] = None, cache: Optional[Any] = None) -> Any:
-        out = backend.layer_step(self, x, cache)
+        out = backend.layer_step(self, x, cache) if blocks_step_fused(self) else None  # (rows with adapters: layer by layer)
         return out if out is not None else original(self, x, mask, cache)
 
     return functools.wraps(original)(__call__)
