@@ -123,8 +123,18 @@ class EngineCollector:
             "bytes": GaugeMetricFamily(p + "prefix_cache_tier_bytes", "Bytes this tier holds.", labels=tiered),
         }
         skipped = CounterMetricFamily(p + "kv_disk_skipped_files", "Disk tier files skipped: damaged or foreign.", labels=labels)
+        adapted = ["model_name", "lora_name"]
+        loras = {"finished_requests": CounterMetricFamily(p + "lora_requests", "Requests finished through this LoRA adapter.", labels=adapted),
+                 "generation_tokens": CounterMetricFamily(p + "lora_generation_tokens", "Tokens generated through this LoRA adapter.",
+                                                          labels=adapted)}
+        resident = GaugeMetricFamily(p + "lora_resident_adapters", "LoRA adapters resident on the model.", labels=labels)
         for engine in list(self._engines()):
             name = [str(engine.model_name)]
+            lora = engine.list_loras()
+            resident.add_metric(name, float(len(lora["resident"])))
+            for key, family in loras.items():
+                for adapter, count in lora[key].items():
+                    family.add_metric([*name, adapter], float(count))
             for key, value in engine_gauges(engine).items():
                 gauges[key].add_metric(name, value)
             core = engine._core
@@ -151,6 +161,8 @@ class EngineCollector:
         yield from drafts.values()
         yield from tiers.values()
         yield skipped
+        yield from loras.values()
+        yield resident
         yield from histograms.values()
 
 
