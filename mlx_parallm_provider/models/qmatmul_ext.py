@@ -41,10 +41,10 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("kernels") / "qmatmul_ext.cpp"
 #: C++ sources of the module: the binding and matmul primitive, RMSNorm / RoPE (:mod:`.fused_ops`), SwiGLU,
 #: decode attention and the fused attention step (:mod:`.attention`), the privately bound BLAS
-#: (:mod:`.private_blas`) and the decoder-layer op (:mod:`.backends.layer_step`).
+#: (:mod:`.private_blas`), the decoder-layer op (:mod:`.backends.layer_step`) and the LoRA update (:mod:`.lora.layers`).
 SOURCES = (SOURCE, SOURCE.with_name("norm_rope.cpp"), SOURCE.with_name("swiglu.cpp"), SOURCE.with_name("decode_attention.cpp"),
            SOURCE.with_name("blas_matmul.cpp"),
-           SOURCE.with_name("decoder_layer.cpp"))
+           SOURCE.with_name("decoder_layer.cpp"), SOURCE.with_name("lora_update.cpp"))
 HEADERS = tuple(SOURCE.with_name(name) for name in ("cpu_primitive.h", "fast_exp.h", "rope.h", "attention_step.h", "lane_sums.h"))
 """What the primitives share; part of the cache key."""
 MODULE = "mlx_parallm_qmatmul_ext"  # NB_MODULE's name in the source

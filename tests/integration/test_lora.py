@@ -121,10 +121,13 @@ def test_bad_adapters_are_invalid_parameter_errors_and_harm_no_other_row(make_en
         engine.add_lora("broken", bad_json)
 
 
-def test_slots_are_bounded_held_by_requests_and_reused_least_recently_used_first(tiny_model, adapters) -> None:
-    from mlx_parallm_provider.models.lora.slots import ModelAdapters
+def test_slots_are_bounded_held_by_requests_and_reused_least_recently_used_first(tiny_model_dir, adapters) -> None:
+    from mlx_lm.utils import load_model
 
-    slots = ModelAdapters(tiny_model.model, max_loras=2)
+    from mlx_parallm_provider.models.lora.slots import adapters_of
+
+    model, _ = load_model(tiny_model_dir)  # (a model of its own: the engines' model keeps its slots)
+    slots = adapters_of(model, max_loras=2)
     a, b = slots.acquire(adapters["all"]), slots.acquire(adapters["qv"])
     assert {a.slot, b.slot} == {1, 2}
     with pytest.raises(EngineOverloadedError, match="max_loras"):
@@ -169,3 +172,38 @@ def test_litellm_and_langchain_doors_take_lora_and_answer_as_the_engine(tiny_mod
             ChatMLXParallm(model=model, lora="")
     finally:
         shutdown_engines()
+
+
+def test_the_cpu_one_op_update_equals_the_gathered_one_and_leaves_rows_without_an_adapter_as_they_are() -> None:
+    import mlx.core as mx
+
+    from mlx_parallm_provider.models.lora import layers
+
+    op = layers._update_op()
+    if op is None:
+        pytest.skip("the CPU extension is not built here (the gathered update runs)")
+    mx.random.seed(0)
+    rows, length, k, n, r = 5, 3, 40, 24, 6
+    a = mx.random.normal((3, k, r)) * (mx.arange(3) > 0).astype(mx.float32)[:, None, None]  # slot 0: zeros, as stacked
+    b = mx.random.normal((3, r, n)) * (mx.arange(3) > 0).astype(mx.float32)[:, None, None]
+    x = mx.random.normal((rows, length, k))
+    shared = mx.random.normal((rows, length, 2 * n))
+    y = shared[..., n:]  # a column slice, as a q/k/v layer's output is
+    slots, scales = mx.array([0, 1, 2, 1, 0], dtype=mx.uint32), mx.array([0.0, 2.0, 0.5, 2.0, 0.0])
+    got = op(y, x, mx.contiguous(a.swapaxes(1, 2)), b, slots, scales, 2)
+    want = y + scales[:, None, None] * mx.gather_mm(mx.gather_mm(x, a, rhs_indices=slots), b, rhs_indices=slots)
+    assert mx.allclose(got, want, rtol=1e-5, atol=1e-5).item()
+    assert mx.array_equal(got[0], y[0]).item() and mx.array_equal(got[4], y[4]).item()
+
+
+def test_the_gathered_update_answers_as_mlx_lm_too(make_engine, tiny_model_dir, adapters, monkeypatch) -> None:
+    from mlx_parallm_provider.models.lora import layers
+
+    monkeypatch.setattr(layers, "_op", [None])  # (as off the CPU, or without the extension)
+    engine = make_engine(max_num_seqs=4)
+    prompts = _prompts(engine)[:4]
+    names = [None, "all", "qv", "mlp"]
+    params = [SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, lora=None if n is None else str(adapters[n])) for n in names]
+    got = [c.token_ids for c in engine.generate_many_sync(prompts, params)]
+    for row, (name, prompt) in enumerate(zip(names, prompts)):
+        assert got[row] == mlx_lm_greedy_with_adapter(tiny_model_dir, None if name is None else adapters[name], [prompt], MAX_TOKENS)[0], row

@@ -40,6 +40,8 @@ mx::array rms_norm_op(const mx::array& x, const mx::array& w, float eps);
 mx::array rope_op(const mx::array& x, int dims, bool traditional, float scale, const mx::array& offset,
                   const mx::array& inv_freq);
 mx::array swiglu_op(const mx::array& gate, const mx::array& x);  // swiglu.cpp
+mx::array lora_update_op(const mx::array& y, const mx::array& x, const mx::array& a, const mx::array& b,
+                         const mx::array& slot, const mx::array& scale, int threads);  // lora_update.cpp
 mx::array decode_attention_op(const mx::array& q, const mx::array& k, const mx::array& v, float scale,
                               const std::optional<mx::array>& mask, int threads);
 mx::array paged_decode_attention_op(const mx::array& q, const mx::array& k_pool, const mx::array& v_pool,
@@ -210,6 +212,9 @@ NB_MODULE(mlx_parallm_qmatmul_ext, m) {
         "A llama (or qwen2: qkv_bias, the q, k and v biases concatenated) decoder layer's step of at most 128 rows as one CPU op: RMSNorm, the packed q/k/v, o, gate/up and down "
         "matmuls (qmatmul.c's kernel up to packed_rows rows, its panels above, or int8), the fused attention step (K/V written IN PLACE into the pools: order later readers after the result) "
         "and SwiGLU, each as its own op computes it. float32 out, x's shape.");
+  m.def("lora_update", &mlx_parallm::lora_update_op, "y"_a, "x"_a, "a"_a, "b"_a, "slot"_a, "scale"_a, "threads"_a = 1,
+        "y + scale[b] * ((x @ a[slot[b]].T) @ b[slot[b]]) for float32 y (B, L, N), x (B, L, K), a (S, R, K), b (S, R, N), "
+        "slot (B,) uint32 and scale (B,), as one CPU op (rows of slot 0: y). float32 out, y's shape.");
   m.attr("paged_float16_pools") = nb::bool_(true);  // what attention.py asks before handing it float16 pools
   m.attr("paged_positions") = nb::bool_(true);      // ... several query positions a row, lengths (B, L)
   m.attr("paged_windows") = nb::bool_(true);        // ... a sliding window (window > 0)

@@ -7,7 +7,8 @@ the stacked pairs of every resident adapter: ``lora_a`` ``(slots, input_dims, ra
 ``lora_b`` ``(slots, rank, output_dims)``, slot 0 all zeros (no adapter), a smaller rank padded
 with zeros. A pass sets each row's slot and scale (:func:`rows_using`, on the thread running
 it); the layer then computes ``linear(x) + scale[row] * ((x @ lora_a[slot]) @ lora_b[slot])``
-with two ``gather_mm`` ops (no gathered copy of the pairs), as mlx-lm does for one adapter.
+as mlx-lm does for one adapter: on the CPU in one op of the package's extension
+(``kernels/lora_update.cpp``), elsewhere with two ``gather_mm`` ops (no gathered copy of the pairs).
 Outside a pass that sets rows (every row on the base model), it is its base layer alone, and
 a decoder layer whose linear layers are all wrapped still takes the fused one-op step
 (:func:`blocks_step_fused`).
@@ -18,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -28,10 +29,12 @@ _local = threading.local()
 
 @dataclass(frozen=True)
 class RowAdapters:
-    """The adapter of each row of one pass: its slot (``(B,)``) and scale (``(B, 1, 1)``)."""
+    """The adapter of each row of one pass: its slot (``(B,)``) and scale (``(B,)``, and
+    ``(B, 1, 1)`` to scale a row's update)."""
 
     slots: mx.array
     scales: mx.array
+    row_scales: mx.array
 
 
 def current_rows() -> Optional[RowAdapters]:
@@ -47,7 +50,8 @@ def rows_using(slots: Sequence[int], scales: Sequence[float]) -> Iterator[None]:
         yield
         return
     previous = current_rows()
-    _local.rows = RowAdapters(mx.array(list(slots), dtype=mx.uint32), mx.array(list(scales), dtype=mx.float32)[:, None, None])
+    flat = mx.array(list(scales), dtype=mx.float32)
+    _local.rows = RowAdapters(mx.array(list(slots), dtype=mx.uint32), flat, flat[:, None, None])
     try:
         yield
     finally:
@@ -63,6 +67,7 @@ class MultiLoRALinear(nn.Module):
         self.input_dims, self.output_dims = input_dims, output_dims
         self._lora_a = mx.zeros((1, input_dims, 1))
         self._lora_b = mx.zeros((1, 1, output_dims))
+        self._lora_a_t: Optional[mx.array] = None  # (slots, rank, input_dims), for the CPU's one-op update
 
     @property
     def slots(self) -> int:
@@ -85,8 +90,10 @@ class MultiLoRALinear(nn.Module):
         new_b = mx.zeros((r, self.output_dims)) if pair is None else mx.pad(pair[1].astype(mx.float32), [(0, r - pair[1].shape[0]), (0, 0)])
         a = mx.concatenate([a[:slot], new_a[None], a[slot + 1 :]])
         b = mx.concatenate([b[:slot], new_b[None], b[slot + 1 :]])
-        mx.eval(a, b)
-        self._lora_a, self._lora_b = a, b  # (one attribute each: a pass running now keeps the arrays it took)
+        a_t = mx.contiguous(a.swapaxes(1, 2)) if _update_op() is not None else None
+        mx.eval(a, b, *([a_t] if a_t is not None else []))
+        # (A pass running now keeps the arrays it took: a new slot's rows only come after.)
+        self._lora_a, self._lora_b, self._lora_a_t = a, b, a_t
 
     def __call__(self, x: mx.array) -> mx.array:
         y = self.linear(x)
@@ -94,9 +101,28 @@ class MultiLoRALinear(nn.Module):
         if rows is None:
             return y
         a, b = self._lora_a, self._lora_b
+        op = _update_op()
+        if op is not None and self._lora_a_t is not None and x.ndim == 3 and x.dtype == y.dtype == mx.float32:
+            threads = getattr(getattr(self.linear, "backend", None), "qmatmul_threads", 1) or 1
+            return op(y, x, self._lora_a_t, b, rows.slots, rows.scales, threads)
         z = mx.gather_mm(mx.gather_mm(x, a, rhs_indices=rows.slots), b, rhs_indices=rows.slots)
-        z = rows.scales * z
+        z = rows.row_scales * z
         return y + (z if z.dtype == x.dtype else z.astype(x.dtype))
+
+
+_op: list[Optional[Callable[..., mx.array]]] = []
+
+
+def _update_op() -> Optional[Callable[..., mx.array]]:
+    """The CPU extension's one-op update (``kernels/lora_update.cpp``) where MLX runs on the CPU
+    and the extension builds; else None (two ``gather_mm`` and the scale: a GPU's, or no compiler)."""
+    if not _op:
+        from ..device import is_cpu
+        from ..qmatmul_ext import load
+
+        ext = load() if is_cpu() else None
+        _op.append(getattr(ext, "lora_update", None))
+    return _op[0]
 
 
 def wrapped_blocks(block: Any) -> bool:

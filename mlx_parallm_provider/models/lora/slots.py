@@ -71,7 +71,8 @@ def _stamp(path: Path) -> tuple[int, ...]:
 
 
 class ModelAdapters:
-    """The adapter slots of one model (see the module's docstring)."""
+    """The adapter slots of one model (see the module's docstring); one a model, made by
+    :func:`adapters_of` (a second would wrap the layers the first keeps its adapters in)."""
 
     def __init__(self, model: Any, max_loras: int) -> None:
         self.model, self.max_loras = model, max_loras
