@@ -1,9 +1,10 @@
 """The batching engine: the API callers use (:mod:`.api`), the step loop (:mod:`.core`: scheduler, runner, KV manager)."""
 
 from .. import models as _models  # noqa: F401  (first: loads the BLAS before mlx, see models/__init__)
-from .api import Engine, get_engine, shutdown_engines
+from .api import Engine
 from .embed.request import EmbeddingResult
 from .grammar.constraint import Constraint
+from .pool import configure_pool, get_engine, pool_stats, shutdown_engines
 from .protocol import EngineLike
 from .request import Completion, Delta, SamplingParams, TokenLogprob, Usage
 
@@ -17,6 +18,8 @@ __all__ = [
     "SamplingParams",
     "TokenLogprob",
     "Usage",
+    "configure_pool",
     "get_engine",
+    "pool_stats",
     "shutdown_engines",
 ]

@@ -9,7 +9,6 @@ back with ``loop.call_soon_threadsafe`` (async callers) or a thread-safe queue (
 from __future__ import annotations
 
 import asyncio
-import atexit
 import itertools
 import logging
 import queue
@@ -20,33 +19,32 @@ import weakref
 from collections.abc import Sequence
 from typing import Any, AsyncGenerator, Generator, Optional, Union
 
-from .. import mlx_lm_compat
 from .._validation import check_text
 from ..config import EngineConfig
 from ..errors import ContextWindowExceededError, EngineOverloadedError, InvalidParameterError
-from ..models import backends, registry
+from ..models import registry
 from ..models.registry import LoadedModel
 from .core import EngineCore
 from .embed.api import EmbedMethods
-from .exit_guard import shut_down_at_exit
 from .fanout import POLL_S, FanOut, TaggedSink, expand
 from .grammar.probe import build_off_loop
-from .kv.budget import check_kv_settings, kv_bytes_per_token
-from .kv.support import ensure_servable
 from .metrics import EngineMetrics, prefix_stats
 from .prompt_size import PromptEncoder
 from .request import Completion, Delta, Prompt, Request, ResultSink, SamplingParams
 from .sinks import LoopSink as _LoopSink
 from .sinks import ThreadSink as _ThreadSink
+from .sleep import SleepMethods
 
 logger = logging.getLogger(__name__)
 
 
-class Engine(EmbedMethods):
+class Engine(EmbedMethods, SleepMethods):
     """One loaded model served to any number of concurrent callers, batched.
 
     Use :func:`mlx_parallm_provider.get_engine` to share one engine per model per process.
-    Besides generation it embeds texts (:meth:`embed`, :meth:`embed_sync`; see :mod:`.embed.api`).
+    Besides generation it embeds texts (:meth:`embed`, :meth:`embed_sync`; see :mod:`.embed.api`);
+    :meth:`sleep` frees its weights and KV, :meth:`wake` (or the next request) loads them again
+    (:mod:`.sleep`).
 
     Args:
         model: a model name for :func:`mlx_parallm_provider.models.registry.load`
@@ -58,18 +56,15 @@ class Engine(EmbedMethods):
 
     def __init__(self, model: str = "default", config: Optional[EngineConfig] = None, *, loaded: Optional[LoadedModel] = None) -> None:
         self.config = config or EngineConfig.from_env()
-        self._loaded = loaded or registry.load(model, dequantize=self.config.dequantize, device=self.config.device)
-        backends.ensure(self._loaded.model, self.config.device)  # a model passed in unprepared gets one too
-        ensure_servable(self._loaded.model, model)
-        mlx_lm_compat.fit_grouped_query_masks(self._loaded.model)
         self.model_name = model
-        self.tokenizer = self._loaded.tokenizer
+        self._reloadable = loaded is None
+        self._adopt(loaded or registry.load(model, dequantize=self.config.dequantize, device=self.config.device))
+        assert self._loaded is not None
+        self.tokenizer = self._loaded.tokenizer  # (kept while asleep: the same files load the same tokenizer)
         self.context_length = self._loaded.context_length
         self.vocab_size = int(self._loaded.config.get("vocab_size", 0)) or None
         self._prompts = PromptEncoder(self.encode, self.tokenizer, self.context_length)
         self.metrics = EngineMetrics()
-        check_kv_settings(self._loaded.model, self._loaded.config, self.config)
-        self._kv_bytes_per_token = kv_bytes_per_token(self._loaded.model, self._loaded.config, self.config.kv_cache_dtype)
         self._core_lock = threading.Lock()
         self._core: Optional[EngineCore] = None
         self._ids = itertools.count()
@@ -227,11 +222,12 @@ class Engine(EmbedMethods):
         ``prefix_cache`` (hit rate, cached tokens and bytes, evictions), ``kv_cache`` (blocks total / free / used,
         ``kv_cache_usage_perc``, preemptions, bytes), ``kv_disk`` (the disk tier's hits, bytes, evictions, skipped
         files), ``kv_tiers`` (each prefix store tier's hit tokens, bytes, evictions), ``speculation`` (n-gram drafts) and
-        ``fast_forward`` (grammar-forced tokens): None when off."""
+        ``fast_forward`` (grammar-forced tokens): None when off; ``state`` ("awake" / "asleep") and ``memory_bytes``
+        (:meth:`memory_bytes`)."""
         core = self._core
         running, waiting = (core.num_running, core.num_waiting) if core is not None and core.alive else (0, 0)
         snap = self.metrics.snapshot(running=running, waiting=waiting)
-        snap["model"] = self.model_name
+        snap["model"], snap["state"], snap["memory_bytes"] = self.model_name, self.state, self.memory_bytes()
         snap["prefix_cache"] = prefix_stats(self.config.enable_prefix_caching, core.prefix_store_stats() if core is not None else None, snap)
         snap.update(core.memory_stats(snap["cached_prompt_tokens"]) if core is not None else {"kv_cache": {"layout": "paged"}, "kv_disk": None, "kv_tiers": {}})
         snap.update(core.drafting_stats() if core is not None else {"speculation": None, "fast_forward": None})
@@ -320,26 +316,25 @@ class Engine(EmbedMethods):
             arrival=now,
             deadline=None if timeout is None else now + timeout,
         )
-        for _ in range(2):
-            core = self._live_core()
-            if params.constraint is not None:  # one that fails within a few tokens is a 400 here
-                core.grammar.check(params.constraint.grammar())
-            if not core.scheduler.fits_alone(request):
-                budget = self.config.kv_cache_memory_gb
-                raise InvalidParameterError(
-                    "max_tokens",
-                    f"prompt ({len(ids)}) + max_tokens ({params.max_tokens}) needs {request.max_kv_tokens} tokens "
-                    f"({request.max_kv_tokens * self._kv_bytes_per_token / 1024**2:.3g} MiB) of KV cache, more than "
-                    f"the engine's whole KV pool holds ({core.kv.capacity_tokens} tokens; kv_cache_memory_gb={budget})",
-                )
-            if core.num_waiting >= self.config.max_queue:
-                raise EngineOverloadedError(
-                    f"{core.num_waiting} requests are already waiting (max_queue={self.config.max_queue}); "
-                    "retry later or raise EngineConfig.max_queue"
-                )
-            self.metrics.request_arrived(request.request_id)
-            if core.submit(request):
-                return request
+        with self._submission():  # (counted in flight, and awake)
+            for _ in range(2):
+                core = self._live_core()
+                if params.constraint is not None:  # one that fails within a few tokens is a 400 here
+                    core.grammar.check(params.constraint.grammar())
+                if not core.scheduler.fits_alone(request):
+                    budget = self.config.kv_cache_memory_gb
+                    raise InvalidParameterError(
+                        "max_tokens",
+                        f"prompt ({len(ids)}) + max_tokens ({params.max_tokens}) needs {request.max_kv_tokens} tokens "
+                        f"({request.max_kv_tokens * self._kv_bytes_per_token / 1024**2:.3g} MiB) of KV cache, more than "
+                        f"the engine's whole KV pool holds ({core.kv.capacity_tokens} tokens; kv_cache_memory_gb={budget})",
+                    )
+                if core.num_waiting >= self.config.max_queue:
+                    raise EngineOverloadedError(f"{core.num_waiting} requests are already waiting (max_queue={self.config.max_queue}); "
+                                                "retry later or raise EngineConfig.max_queue")
+                self.metrics.request_arrived(request.request_id)
+                if core.submit(request):
+                    return request
         raise RuntimeError("could not start the engine's core")  # pragma: no cover
 
     def _queue_room(self) -> int:
@@ -349,13 +344,18 @@ class Engine(EmbedMethods):
         return self.config.max_queue - waiting
 
     def _live_core(self) -> EngineCore:
-        with self._core_lock:
-            if self._core is None or not self._core.alive:
-                if self._core is not None:
-                    logger.warning("starting a fresh core after: %s", self._core.dead)
-                self._core = EngineCore(self._loaded.model, self.tokenizer, self.config, self.metrics, self._kv_bytes_per_token, vocab_size=self.vocab_size
-                                        or 0, context_length=self.context_length, model_path=getattr(self._loaded, "path", None))
-            return self._core
+        """The running core, started where there is none (the engine woken first where asleep)."""
+        while True:
+            with self._core_lock:
+                if self._loaded is not None:
+                    if self._core is None or not self._core.alive:
+                        if self._core is not None:
+                            logger.warning("starting a fresh core after: %s", self._core.dead)
+                        self._core = EngineCore(self._loaded.model, self.tokenizer, self.config, self.metrics, self._kv_bytes_per_token,
+                                                vocab_size=self.vocab_size or 0, context_length=self.context_length,
+                                                model_path=getattr(self._loaded, "path", None))
+                    return self._core
+            self.wake()
 
     def _cancel(self, request: Request) -> None:
         request.cancelled = True
@@ -365,36 +365,12 @@ class Engine(EmbedMethods):
 
 
 _live_engines: "weakref.WeakSet[Engine]" = weakref.WeakSet()
-_engines: dict[str, Engine] = {}
-_engines_lock = threading.Lock()
 
 
-def get_engine(model: str = "default", config: Optional[EngineConfig] = None) -> Engine:
-    """The process-wide engine for ``model`` (created and loaded on first use).
+def __getattr__(name: str) -> Any:
+    """``get_engine``, ``shutdown_engines`` and ``_engines``, here before the model pool (:mod:`.pool`) took them."""
+    if name in ("get_engine", "shutdown_engines", "_engines", "_engines_lock"):
+        from . import pool
 
-    Every front door (LiteLLM, LangChain, direct calls, any thread or event loop) that asks
-    for the same model name shares this engine, so their requests batch together. The
-    first call's ``config`` configures it; later calls may omit it.
-    """
-    with _engines_lock:
-        engine = _engines.get(model)
-        if engine is not None:
-            if config is not None and config != engine.config:
-                raise InvalidParameterError(
-                    "config", f"the engine for {model!r} already runs with another config; call shutdown_engines() first"
-                )
-            return engine
-        engine = Engine(model, config)
-        _engines[model] = engine
-        return engine
-
-
-def shutdown_engines() -> None:
-    """Stop every engine's worker (also run at interpreter exit)."""
-    with _engines_lock:
-        _engines.clear()
-    for engine in list(_live_engines):
-        engine.shutdown()
-
-
-atexit.register(shut_down_at_exit, shutdown_engines)
+        return getattr(pool, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
