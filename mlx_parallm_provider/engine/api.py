@@ -366,11 +366,3 @@ class Engine(EmbedMethods, SleepMethods):
 
 _live_engines: "weakref.WeakSet[Engine]" = weakref.WeakSet()
 
-
-def __getattr__(name: str) -> Any:
-    """``get_engine``, ``shutdown_engines`` and ``_engines``, here before the model pool (:mod:`.pool`) took them."""
-    if name in ("get_engine", "shutdown_engines", "_engines", "_engines_lock"):
-        from . import pool
-
-        return getattr(pool, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
