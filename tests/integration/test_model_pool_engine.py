@@ -1,0 +1,155 @@
+"""Sleep, wake and the model pool on real engines (copies of the tiny random llama under
+distinct names): sleep frees the model, wake answers as before, a request wakes a sleeping
+engine, a request arriving during an unload waits for it and then wakes the engine, three
+models share a budget that holds two."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import threading
+import weakref
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from mlx_parallm_provider import EngineConfig, PoolConfig, SamplingParams
+from mlx_parallm_provider.engine import Engine, pool_stats, sleep
+from mlx_parallm_provider.engine.pool import ModelPool, configure_pool, get_engine, shutdown_engines
+from mlx_parallm_provider.errors import InvalidParameterError
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+PROMPT = "the quick brown fox jumps over"
+CONFIG = EngineConfig(kv_cache_memory_gb=0.01)
+
+
+@pytest.fixture
+def model_names(tiny_model_dir: Path, tmp_path: Path) -> list[str]:
+    """Three names for the tiny model (links to its folder): three models to the registry."""
+    names = []
+    for name in ("chat", "coder", "embedder"):
+        (tmp_path / name).symlink_to(tiny_model_dir, target_is_directory=True)
+        names.append(str(tmp_path / name))
+    return names
+
+
+@pytest.fixture
+def pool() -> Iterator[ModelPool]:
+    pool = ModelPool(PoolConfig())
+    yield pool
+    for engine in pool.shutdown():
+        engine.shutdown()
+
+
+def test_sleep_frees_the_model_and_wake_answers_as_before(model_names: list[str], pool: ModelPool) -> None:
+    engine = pool.get(model_names[0], CONFIG)
+    before = engine.generate_sync(PROMPT, GREEDY).text
+    memory = engine.memory_bytes()
+    assert memory["weights"] > 0 and memory["kv"] > 0 and engine.stats()["state"] == "awake"
+    model = weakref.ref(engine._loaded.model)
+    engine.sleep()
+    gc.collect()
+    assert model() is None, "the model's weights outlived its sleep"
+    assert engine.state == "asleep" and engine.memory_bytes() == {"weights": 0, "kv": 0}
+    assert pool.stats()["bytes"] == 0
+    engine.wake()
+    assert engine.state == "awake" and pool.get(model_names[0]) is engine
+    assert engine.generate_sync(PROMPT, GREEDY).text == before
+    counts = pool.stats()["models"][model_names[0]]
+    assert (counts["loads"], counts["sleeps"], counts["wakes"]) == (1, 1, 1)
+
+
+def test_a_request_to_a_sleeping_engine_wakes_it(model_names: list[str], pool: ModelPool) -> None:
+    engine = pool.get(model_names[0], CONFIG)
+    before = engine.generate_sync(PROMPT, GREEDY).text
+    engine.sleep()
+    assert asyncio.run(engine.generate(PROMPT, GREEDY)).text == before
+    engine.sleep()
+    assert engine.generate_many_sync([PROMPT, PROMPT], GREEDY)[1].text == before
+    engine.sleep()
+    assert len(engine.embed_sync(["a text"]).embeddings) == 1
+    assert engine.state == "awake" and pool.stats()["models"][model_names[0]]["wakes"] == 3
+
+
+def test_a_request_arriving_during_an_unload_waits_then_wakes_the_engine(model_names: list[str], pool: ModelPool,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = pool.get(model_names[0], CONFIG)
+    before = engine.generate_sync(PROMPT, GREEDY).text
+    gate, inside = threading.Event(), threading.Event()
+    real_free = sleep.free_memory
+
+    def slow_free() -> None:  # the unload, held at its end (the engine's core lock held)
+        inside.set()
+        gate.wait(10)
+        real_free()
+
+    monkeypatch.setattr(sleep, "free_memory", slow_free)
+    sleeper = threading.Thread(target=engine.sleep)
+    sleeper.start()
+    assert inside.wait(10)
+    answers: list[Any] = []
+    arrival = threading.Thread(target=lambda: answers.append(engine.generate_sync(PROMPT, GREEDY).text))
+    arrival.start()
+    arrival.join(0.2)
+    assert arrival.is_alive() and answers == [], "the request went ahead during the unload"
+    gate.set()
+    sleeper.join(10)
+    arrival.join(30)
+    assert answers == [before] and engine.state == "awake"
+    counts = pool.stats()["models"][model_names[0]]
+    assert (counts["sleeps"], counts["wakes"]) == (1, 1)
+
+
+def test_three_models_in_a_budget_for_two_answer_every_request(model_names: list[str], pool: ModelPool) -> None:
+    engines = [pool.get(name, CONFIG) for name in model_names[:2]]
+    cost = pool.stats()["models"][model_names[0]]["bytes"]
+    pool.configure(PoolConfig(memory_gb=2.5 * cost / 1024**3, load_wait_s=30))
+    expected = engines[0].generate_sync(PROMPT, GREEDY).text  # (same weights under three names: the same answer)
+    engines.append(pool.get(model_names[2], CONFIG))
+    results: list[str] = []
+    errors: list[BaseException] = []
+
+    def client(offset: int) -> None:
+        try:
+            for i in range(6):
+                results.append(engines[(i + offset) % 3].generate_sync(PROMPT, GREEDY).text)
+        except BaseException as exc:  # pragma: no cover (reported below)
+            errors.append(exc)
+
+    threads = [threading.Thread(target=client, args=(offset,)) for offset in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    stats = pool.stats()
+    assert errors == [] and results == [expected] * 18
+    assert stats["peak_bytes"] <= stats["budget_bytes"]
+    assert sum(m["state"] == "awake" for m in stats["models"].values()) <= 2
+    assert stats["sleeps"] >= 1 and stats["wakes"] >= 1
+
+
+def test_an_engine_given_its_loaded_model_refuses_to_sleep(tiny_model: Any) -> None:
+    engine = Engine("given", loaded=tiny_model)
+    with pytest.raises(InvalidParameterError, match="could not load it again"):
+        engine.sleep()
+    assert engine.state == "awake"
+    engine.shutdown()
+
+
+def test_get_engine_goes_through_the_process_pool(model_names: list[str]) -> None:
+    shutdown_engines()
+    try:
+        configure_pool(memory_gb=None)
+        engine = get_engine(model_names[0], CONFIG)
+        assert get_engine(model_names[0]) is engine
+        from mlx_parallm_provider.engine import api
+
+        assert api.get_engine is get_engine and api._engines[model_names[0]] is engine
+        assert pool_stats()["models"][model_names[0]]["state"] == "awake"
+        engine.sleep()
+        assert pool_stats()["models"][model_names[0]]["state"] == "asleep" and get_engine(model_names[0]) is engine
+    finally:
+        shutdown_engines()
+        configure_pool(PoolConfig())
+
