@@ -14,7 +14,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from mlx_parallm_provider import EngineConfig, PoolConfig, SamplingParams
+from mlx_parallm_provider import EngineConfig, PoolConfig, SamplingParams, doctor
 from mlx_parallm_provider.engine import Engine, pool_stats, sleep
 from mlx_parallm_provider.engine.pool import ModelPool, configure_pool, get_engine, shutdown_engines
 from mlx_parallm_provider.errors import InvalidParameterError
@@ -147,9 +147,25 @@ def test_get_engine_goes_through_the_process_pool(model_names: list[str]) -> Non
 
         assert api.get_engine is get_engine and api._engines[model_names[0]] is engine
         assert pool_stats()["models"][model_names[0]]["state"] == "awake"
+        assert f"{model_names[0]} (awake, " in doctor.pool_report()["models loaded in this process"]
+        assert _scrape(engine.model_name) == {"model_awake": 1.0, "model_loads_total": 1.0, "model_sleeps_total": 0.0}
         engine.sleep()
         assert pool_stats()["models"][model_names[0]]["state"] == "asleep" and get_engine(model_names[0]) is engine
+        assert _scrape(engine.model_name) == {"model_awake": 0.0, "model_loads_total": 1.0, "model_sleeps_total": 1.0}
+        assert f"{model_names[0]} (asleep, 0.0 MiB)" in doctor.pool_report()["models loaded in this process"]
     finally:
         shutdown_engines()
         configure_pool(PoolConfig())
 
+
+
+def _scrape(model: str) -> dict[str, float]:
+    """The pool's series of ``model`` from a fresh Prometheus registry."""
+    prometheus_client = pytest.importorskip("prometheus_client")
+    from mlx_parallm_provider.engine.prometheus import EngineCollector
+
+    registry = prometheus_client.CollectorRegistry()
+    registry.register(EngineCollector(prefix=""))
+    wanted = ("model_awake", "model_loads_total", "model_sleeps_total")
+    return {sample.name: sample.value for family in registry.collect() for sample in family.samples
+            if sample.name in wanted and sample.labels.get("model_name") == model}
