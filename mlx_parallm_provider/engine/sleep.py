@@ -9,7 +9,8 @@ generation. A request to a sleeping engine wakes it. An engine of the process's 
 (:mod:`.pool`) sleeps and wakes through the pool, so its memory budget holds.
 
 Races: a request being submitted holds :meth:`~SleepMethods._submission`, which counts it
-(the engine is not idle, so the pool does not put it to sleep) and wakes the engine first. An
+(the engine is not idle, so the pool does not put it to sleep) and wakes the engine first
+(before that, while a load waits for this engine to drain, it waits: :meth:`.ModelPool.admit`). An
 unload holds the engine's core lock throughout, so a request arriving meanwhile waits for the
 unload to finish, then wakes the engine.
 """
@@ -20,6 +21,7 @@ import contextlib
 import ctypes
 import gc
 import logging
+import threading
 from typing import Any, Iterator, Optional
 
 from .. import mlx_lm_compat
@@ -42,6 +44,7 @@ class SleepMethods:
     _reloadable: bool = True
     _submitting: int = 0
     _weight_bytes: Optional[int] = None
+    _waking_thread: Optional[int] = None  # the thread warming the engine up after a wake
 
     # -- public -----------------------------------------------------------------------------
 
@@ -137,7 +140,11 @@ class SleepMethods:
             if self._loaded is not None:
                 return
             self._adopt(registry.load(engine.model_name, dequantize=engine.config.dequantize, device=engine.config.device))
-        self._warm()
+        self._waking_thread = threading.get_ident()
+        try:
+            self._warm()
+        finally:
+            self._waking_thread = None
         logger.info("%s: awake", engine.model_name)
 
     def _warm(self) -> None:
@@ -155,6 +162,8 @@ class SleepMethods:
         """Held while a request is submitted: the engine counts as busy (the pool does not put
         it to sleep) and is awake (woken where asleep; an unload in progress is waited for)."""
         engine: Any = self
+        if self._pool is not None and threading.get_ident() != self._waking_thread:  # (a wake's warm-up is let through)
+            self._pool.admit(self)  # while a load waits for this engine to become idle, new requests wait
         with engine._core_lock:  # (an unload holds it: arrivals wait for its end)
             self._submitting += 1
         try:

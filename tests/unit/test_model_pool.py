@@ -80,6 +80,7 @@ class FakeEngine:
         self._load("wake")
 
     def begin(self) -> None:
+        self._pool.admit(self)
         with self.lock:
             self.busy += 1
         while not self.loaded:
@@ -163,6 +164,33 @@ def test_a_busy_model_is_never_put_to_sleep_the_loader_waits_then_gives_up() -> 
     c = pool.get("c")
     assert (a.state, b.state, c.state) == ("asleep", "awake", "awake")
     assert pool.stats()["models"]["c"]["waits"] == 1
+
+
+def test_a_load_is_not_starved_by_a_stream_of_requests_to_the_busy_models() -> None:
+    """Overlapping requests keep a and b busy; c's load drains the least recently used of them
+    (its new requests wait) instead of waiting for a moment when one happens to be idle."""
+    pool = make_pool(Resident(), load_wait_s=20)
+    a, b = pool.get("a"), pool.get("b")
+    stop = threading.Event()
+
+    def stream(engine: FakeEngine) -> None:
+        while not stop.is_set():
+            engine.begin()
+            time.sleep(0.01)
+            engine.end()
+
+    streams = [threading.Thread(target=stream, args=(engine,)) for engine in (a, a, b, b)]
+    for thread in streams:
+        thread.start()
+    try:
+        c = pool.get("c")
+        assert c.state == "awake"
+    finally:
+        stop.set()
+        for thread in streams:
+            thread.join()
+    stats = pool.stats()
+    assert stats["overloads"] == 0 and stats["models"]["c"]["waits"] == 1 and stats["peak_bytes"] <= stats["budget_bytes"]
 
 
 def test_a_model_larger_than_the_whole_budget_is_refused_naming_the_sizes() -> None:

@@ -8,7 +8,9 @@ first time, its measured cost after), so two loads at once cannot overshoot the 
 reservation is corrected to the measured cost once loaded. A load that does not fit puts
 the least recently used idle model to sleep (:meth:`.Engine.sleep`), never one with a request
 in flight: it waits for one to become idle up to ``load_wait_s``, then fails with
-:class:`~mlx_parallm_provider.errors.EngineOverloadedError`. With ``idle_unload_s``, a daemon
+:class:`~mlx_parallm_provider.errors.EngineOverloadedError`. Meanwhile the least recently used
+busy model drains: its new requests wait (:meth:`ModelPool.admit`) until it is asleep, so a
+stream of requests to the loaded models cannot starve the load. With ``idle_unload_s``, a daemon
 thread puts models idle that long to sleep. A request to a sleeping engine wakes it through
 the pool (:mod:`.sleep`).
 
@@ -60,6 +62,7 @@ class _Entry:
     bytes: int = 0  # counted against the budget: a reservation while loading, the measured cost once awake
     measured: Optional[int] = None  # the last measured cost: the next wake's reservation
     last_used: float = 0.0
+    draining: bool = False  # a load waits for it to become idle: new requests to it wait
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTS, 0))
 
 
@@ -186,6 +189,17 @@ class ModelPool:
                 return
             self._put_to_sleep(entry, only_if_idle=False)
 
+    def admit(self, engine: Any) -> None:
+        """Before a request to ``engine`` is counted: while a load waits for it to become
+        idle (it drains), wait (up to ``load_wait_s``) until it is asleep or no longer drained."""
+        entry = self._entry_of(engine)
+        if entry is None:
+            return
+        with self._cond:
+            deadline = self._clock() + self.config.load_wait_s
+            while entry.draining and entry.state == "awake" and self._clock() < deadline:
+                self._cond.wait(POLL_S)
+
     def touch(self, engine: Any) -> None:
         """A request was submitted to ``engine``: it is the most recently used."""
         entry = self._entry_of(engine)
@@ -249,26 +263,49 @@ class ModelPool:
         if budget is not None and nbytes > budget:
             raise ModelLoadError(f"{entry.name}: needs about {_mib(nbytes)} (weights + KV), more than the model pool's whole budget of "
                                  f"{_mib(budget)} (memory_gb={self.config.memory_gb}); raise MLX_PARALLM_POOL_MEMORY_GB or lower kv_cache_memory_gb")
-        deadline, waited = None, False
-        while budget is not None and self._accounted() + nbytes > budget:
-            victim = self._victim(exclude=entry)
-            if victim is not None:
-                self._put_to_sleep(victim)
-                continue
-            now = self._clock()
-            deadline = deadline if deadline is not None else now + self.config.load_wait_s
-            if now >= deadline:
-                entry.counts["overloads"] += 1
-                busy = sorted(e.name for e in self._entries.values() if e.bytes and e is not entry)
-                raise EngineOverloadedError(
-                    f"{entry.name}: needs {_mib(nbytes)} of the model pool's {_mib(budget)}, {_mib(self._accounted())} held by models "
-                    f"with requests in flight or loading ({', '.join(busy)}) for {self.config.load_wait_s}s; retry later or raise memory_gb")
-            if not waited:
-                entry.counts["waits"] += 1
+        deadline, waited, drained = None, False, None
+        try:
+            while budget is not None and self._accounted() + nbytes > budget:
+                victim = self._victim(exclude=entry)
+                if victim is not None:
+                    self._put_to_sleep(victim)
+                    continue
+                if drained is None or drained.state != "awake":  # new arrivals to it wait: it becomes idle
+                    if drained is not None:
+                        drained.draining = False
+                    drained = self._drain_candidate(exclude=entry)
+                    if drained is not None:
+                        drained.draining = True
+                deadline = self._wait_for_room(entry, nbytes, deadline, waited)
                 waited = True
-            self._cond.wait(min(POLL_S, deadline - now))
+        finally:
+            if drained is not None:
+                drained.draining = False
+                self._cond.notify_all()
         entry.bytes = nbytes
         self._note_peak()
+
+    def _wait_for_room(self, entry: _Entry, nbytes: int, deadline: Optional[float], waited: bool) -> float:
+        """Wait a little for a model to become idle (counted once a load); past ``load_wait_s``,
+        :class:`EngineOverloadedError`. Returns the deadline."""
+        budget = self.config.memory_bytes or 0
+        now = self._clock()
+        deadline = deadline if deadline is not None else now + self.config.load_wait_s
+        if now >= deadline:
+            entry.counts["overloads"] += 1
+            busy = sorted(e.name for e in self._entries.values() if e.bytes and e is not entry)
+            raise EngineOverloadedError(
+                f"{entry.name}: needs {_mib(nbytes)} of the model pool's {_mib(budget)}, {_mib(self._accounted())} held by models "
+                f"with requests in flight or loading ({', '.join(busy)}) for {self.config.load_wait_s}s; retry later or raise memory_gb")
+        if not waited:
+            entry.counts["waits"] += 1
+        self._cond.wait(min(POLL_S, deadline - now))
+        return deadline
+
+    def _drain_candidate(self, exclude: _Entry) -> Optional[_Entry]:
+        """The least recently used awake model that can load again (busy: a load waits for it)."""
+        awake = [e for e in self._entries.values() if e is not exclude and e.state == "awake" and e.engine is not None and e.engine._reloadable]
+        return min(awake, key=lambda e: e.last_used, default=None)
 
     def _settle(self, entry: _Entry) -> None:
         """``entry`` loaded: its measured cost counted instead of its reservation (idle models
@@ -317,7 +354,7 @@ class ModelPool:
         return slept
 
     def _mark_asleep(self, entry: _Entry) -> None:
-        entry.state, entry.bytes = "asleep", 0
+        entry.state, entry.bytes, entry.draining = "asleep", 0, False
         self._cond.notify_all()
 
     def _remeasure(self) -> None:
