@@ -126,14 +126,17 @@ class ModelPool:
                 if model not in self._entries:
                     break
                 self._cond.wait()  # another thread is loading it
-            config = config or EngineConfig.from_env()
-            entry = self._entries[model] = _Entry(model)
-            try:
-                self._reserve(entry, self._estimate(model, config))
-            except BaseException:
+            entry = self._entries[model] = _Entry(model)  # (loading: other callers for it wait)
+        config = config or EngineConfig.from_env()
+        try:
+            nbytes = self._estimate(model, config)  # (outside the lock: naming a GGUF converts it)
+            with self._cond:
+                self._reserve(entry, nbytes)
+        except BaseException:
+            with self._cond:
                 del self._entries[model]
                 self._cond.notify_all()
-                raise
+            raise
         try:
             engine = self._factory(model, config)
         except BaseException:
