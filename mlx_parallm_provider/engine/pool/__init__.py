@@ -10,7 +10,8 @@ from typing import Any, Optional
 from ...config import EngineConfig, PoolConfig
 from ..api import Engine, _live_engines
 from ..exit_guard import shut_down_at_exit
-from .model_pool import ModelPool, engine_cost, estimate_cost
+from .entry import engine_cost, estimate_cost
+from .model_pool import ModelPool
 
 __all__ = ["ModelPool", "configure_pool", "engine_cost", "estimate_cost", "get_engine", "pool_stats", "shutdown_engines"]
 

@@ -23,52 +23,17 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from ...config import EngineConfig, PoolConfig
 from ...errors import EngineOverloadedError, InvalidParameterError, ModelLoadError
-from ...models import registry
 from ..api import Engine
+from .entry import COUNTS, Entry, engine_cost, estimate_cost, mib
 
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.05
 """How often a load waiting for an idle model looks again (requests end on the worker's thread)."""
-
-COUNTS = ("loads", "wakes", "sleeps", "idle_sleeps", "waits", "overloads")
-"""Per model: first loads, wakes, sleeps (evictions, idle sleeps and :meth:`.Engine.sleep`
-calls), idle sleeps among them, loads that had to wait for room, and loads that gave up."""
-
-
-def engine_cost(engine: Any) -> int:
-    """An engine's cost in the pool: its weights' bytes plus its KV budget (the KV arrays
-    allocated so far where it has none)."""
-    memory = engine.memory_bytes()
-    budget = engine.config.kv_cache_memory_bytes
-    return memory["weights"] + (budget if budget is not None else memory["kv"])
-
-
-def estimate_cost(model: str, config: EngineConfig) -> int:
-    """A model's cost before it is loaded: its weight files' bytes plus its KV budget."""
-    return registry.estimate_nbytes(model) + (config.kv_cache_memory_bytes or 0)
-
-
-@dataclass
-class _Entry:
-    name: str
-    engine: Optional[Any] = None
-    state: str = "loading"
-    bytes: int = 0  # counted against the budget: a reservation while loading, the measured cost once awake
-    measured: Optional[int] = None  # the last measured cost: the next wake's reservation
-    last_used: float = 0.0
-    draining: bool = False  # a load waits for it to become idle: new requests to it wait
-    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTS, 0))
-
-
-def _mib(nbytes: float) -> str:
-    return f"{nbytes / 1024**2:.1f} MiB"
-
 
 class ModelPool:
     """Engines by model name, under one memory budget (see the module's docstring).
@@ -88,7 +53,7 @@ class ModelPool:
         self._config = config
         self._factory, self._estimate, self._cost, self._clock = engine_factory, estimate, cost, clock
         self.engines: dict[str, Any] = engines if engines is not None else {}
-        self._entries: dict[str, _Entry] = {}
+        self._entries: dict[str, Entry] = {}
         self._cond = threading.Condition(threading.Lock())
         self._stop = threading.Event()
         self._sweeper: Optional[threading.Thread] = None
@@ -126,7 +91,7 @@ class ModelPool:
                 if model not in self._entries:
                     break
                 self._cond.wait()  # another thread is loading it
-            entry = self._entries[model] = _Entry(model)  # (loading: other callers for it wait)
+            entry = self._entries[model] = Entry(model)  # (loading: other callers for it wait)
         config = config or EngineConfig.from_env()
         try:
             nbytes = self._estimate(model, config)  # (outside the lock: naming a GGUF converts it)
@@ -248,7 +213,7 @@ class ModelPool:
 
     # -- internals (the condition's lock held) ---------------------------------------------------
 
-    def _entry_of(self, engine: Any) -> Optional[_Entry]:
+    def _entry_of(self, engine: Any) -> Optional[Entry]:
         entry = self._entries.get(engine.model_name)
         return entry if entry is not None and entry.engine is engine else None
 
@@ -258,14 +223,14 @@ class ModelPool:
     def _note_peak(self) -> None:
         self.peak_bytes = max(self.peak_bytes, self._accounted())
 
-    def _reserve(self, entry: _Entry, nbytes: int) -> None:
+    def _reserve(self, entry: Entry, nbytes: int) -> None:
         """Count ``nbytes`` for ``entry``, first putting idle models to sleep (least recently
         used first) or waiting for one while it does not fit."""
         budget = self.config.memory_bytes
         entry.bytes = 0
         if budget is not None and nbytes > budget:
-            raise ModelLoadError(f"{entry.name}: needs about {_mib(nbytes)} (weights + KV), more than the model pool's whole budget of "
-                                 f"{_mib(budget)} (memory_gb={self.config.memory_gb}); raise MLX_PARALLM_POOL_MEMORY_GB or lower kv_cache_memory_gb")
+            raise ModelLoadError(f"{entry.name}: needs about {mib(nbytes)} (weights + KV), more than the model pool's whole budget of "
+                                 f"{mib(budget)} (memory_gb={self.config.memory_gb}); raise MLX_PARALLM_POOL_MEMORY_GB or lower kv_cache_memory_gb")
         deadline, waited, drained = None, False, None
         try:
             while budget is not None and self._accounted() + nbytes > budget:
@@ -288,7 +253,7 @@ class ModelPool:
         entry.bytes = nbytes
         self._note_peak()
 
-    def _wait_for_room(self, entry: _Entry, nbytes: int, deadline: Optional[float], waited: bool) -> float:
+    def _wait_for_room(self, entry: Entry, nbytes: int, deadline: Optional[float], waited: bool) -> float:
         """Wait a little for a model to become idle (counted once a load); past ``load_wait_s``,
         :class:`EngineOverloadedError`. Returns the deadline."""
         budget = self.config.memory_bytes or 0
@@ -298,19 +263,19 @@ class ModelPool:
             entry.counts["overloads"] += 1
             busy = sorted(e.name for e in self._entries.values() if e.bytes and e is not entry)
             raise EngineOverloadedError(
-                f"{entry.name}: needs {_mib(nbytes)} of the model pool's {_mib(budget)}, {_mib(self._accounted())} held by models "
+                f"{entry.name}: needs {mib(nbytes)} of the model pool's {mib(budget)}, {mib(self._accounted())} held by models "
                 f"with requests in flight or loading ({', '.join(busy)}) for {self.config.load_wait_s}s; retry later or raise memory_gb")
         if not waited:
             entry.counts["waits"] += 1
         self._cond.wait(min(POLL_S, deadline - now))
         return deadline
 
-    def _drain_candidate(self, exclude: _Entry) -> Optional[_Entry]:
+    def _drain_candidate(self, exclude: Entry) -> Optional[Entry]:
         """The least recently used awake model that can load again (busy: a load waits for it)."""
         awake = [e for e in self._entries.values() if e is not exclude and e.state == "awake" and e.engine is not None and e.engine._reloadable]
         return min(awake, key=lambda e: e.last_used, default=None)
 
-    def _settle(self, entry: _Entry) -> None:
+    def _settle(self, entry: Entry) -> None:
         """``entry`` loaded: its measured cost counted instead of its reservation (idle models
         put to sleep where that is more than the budget holds)."""
         entry.state = "awake"
@@ -320,22 +285,22 @@ class ModelPool:
         self._note_peak()
         self._cond.notify_all()
 
-    def _fit(self, keep: Optional[_Entry]) -> None:
+    def _fit(self, keep: Optional[Entry]) -> None:
         budget = self.config.memory_bytes
         while budget is not None and self._accounted() > budget:
             victim = self._victim(exclude=keep)
             if victim is None:
-                logger.warning("the model pool holds %s, over its budget of %s, and no other model is idle", _mib(self._accounted()), _mib(budget))
+                logger.warning("the model pool holds %s, over its budget of %s, and no other model is idle", mib(self._accounted()), mib(budget))
                 return
             self._put_to_sleep(victim)
 
-    def _victim(self, exclude: Optional[_Entry]) -> Optional[_Entry]:
+    def _victim(self, exclude: Optional[Entry]) -> Optional[Entry]:
         """The least recently used awake, idle model that can load again, or None."""
         idle = [e for e in self._entries.values() if e is not exclude and e.state == "awake" and e.engine is not None
                 and e.engine._reloadable and e.engine.is_idle]
         return min(idle, key=lambda e: e.last_used, default=None)
 
-    def _put_to_sleep(self, entry: _Entry, only_if_idle: bool = True) -> bool:
+    def _put_to_sleep(self, entry: Entry, only_if_idle: bool = True) -> bool:
         """Unload ``entry``'s engine with the lock released (arrivals for it wait on the
         engine's own lock, then wake it); False where it turned busy."""
         entry.state = "unloading"
@@ -356,7 +321,7 @@ class ModelPool:
             self._cond.notify_all()
         return slept
 
-    def _mark_asleep(self, entry: _Entry) -> None:
+    def _mark_asleep(self, entry: Entry) -> None:
         entry.state, entry.bytes, entry.draining = "asleep", 0, False
         self._cond.notify_all()
 
