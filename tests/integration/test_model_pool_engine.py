@@ -169,3 +169,26 @@ def _scrape(model: str) -> dict[str, float]:
     wanted = ("model_awake", "model_loads_total", "model_sleeps_total")
     return {sample.name: sample.value for family in registry.collect() for sample in family.samples
             if sample.name in wanted and sample.labels.get("model_name") == model}
+
+
+def test_a_private_engine_sleeps_and_wakes_without_a_pool(model_names: list[str]) -> None:
+    engine = Engine(model_names[1], CONFIG)
+    try:
+        before = engine.generate_sync(PROMPT, GREEDY).text
+        engine.sleep()
+        assert engine.state == "asleep" and engine._pool is None
+        assert engine.generate_sync(PROMPT, GREEDY).text == before and engine.state == "awake"
+    finally:
+        engine.shutdown()
+
+
+def test_the_benchmarks_sleep_and_wake_step_on_the_tiny_model(model_names: list[str]) -> None:
+    from mlx_parallm_provider.bench import model_pool as bench
+
+    shutdown_engines()
+    try:
+        result = bench._sleep_and_wake(model_names[2])
+    finally:
+        shutdown_engines()
+    assert result["cost"] == result["memory"]["weights"] + int(bench.KV_GB * 1024**3)
+    assert [(c["counted_freed"], c["same_answer"]) for c in result["cycles"]] == [(result["cost"], True)] * 2
