@@ -294,6 +294,10 @@ class Engine(EmbedMethods, SleepMethods):
             await build_off_loop(self._live_core().grammar, params)
 
     def _submit(self, prompt: Prompt, params: Optional[SamplingParams], request_id: Optional[str], sink: ResultSink, stream: bool) -> Request:
+        with self._submission():  # (counted in flight, so not put to sleep, and awake: :mod:`.sleep`)
+            return self._submit_awake(prompt, params, request_id, sink, stream)
+
+    def _submit_awake(self, prompt: Prompt, params: Optional[SamplingParams], request_id: Optional[str], sink: ResultSink, stream: bool) -> Request:
         if params is None:
             params = SamplingParams()
         elif not isinstance(params, SamplingParams):
@@ -316,25 +320,26 @@ class Engine(EmbedMethods, SleepMethods):
             arrival=now,
             deadline=None if timeout is None else now + timeout,
         )
-        with self._submission():  # (counted in flight, and awake)
-            for _ in range(2):
-                core = self._live_core()
-                if params.constraint is not None:  # one that fails within a few tokens is a 400 here
-                    core.grammar.check(params.constraint.grammar())
-                if not core.scheduler.fits_alone(request):
-                    budget = self.config.kv_cache_memory_gb
-                    raise InvalidParameterError(
-                        "max_tokens",
-                        f"prompt ({len(ids)}) + max_tokens ({params.max_tokens}) needs {request.max_kv_tokens} tokens "
-                        f"({request.max_kv_tokens * self._kv_bytes_per_token / 1024**2:.3g} MiB) of KV cache, more than "
-                        f"the engine's whole KV pool holds ({core.kv.capacity_tokens} tokens; kv_cache_memory_gb={budget})",
-                    )
-                if core.num_waiting >= self.config.max_queue:
-                    raise EngineOverloadedError(f"{core.num_waiting} requests are already waiting (max_queue={self.config.max_queue}); "
-                                                "retry later or raise EngineConfig.max_queue")
-                self.metrics.request_arrived(request.request_id)
-                if core.submit(request):
-                    return request
+        for _ in range(2):
+            core = self._live_core()
+            if params.constraint is not None:  # one that fails within a few tokens is a 400 here
+                core.grammar.check(params.constraint.grammar())
+            if not core.scheduler.fits_alone(request):
+                budget = self.config.kv_cache_memory_gb
+                raise InvalidParameterError(
+                    "max_tokens",
+                    f"prompt ({len(ids)}) + max_tokens ({params.max_tokens}) needs {request.max_kv_tokens} tokens "
+                    f"({request.max_kv_tokens * self._kv_bytes_per_token / 1024**2:.3g} MiB) of KV cache, more than "
+                    f"the engine's whole KV pool holds ({core.kv.capacity_tokens} tokens; kv_cache_memory_gb={budget})",
+                )
+            if core.num_waiting >= self.config.max_queue:
+                raise EngineOverloadedError(
+                    f"{core.num_waiting} requests are already waiting (max_queue={self.config.max_queue}); "
+                    "retry later or raise EngineConfig.max_queue"
+                )
+            self.metrics.request_arrived(request.request_id)
+            if core.submit(request):
+                return request
         raise RuntimeError("could not start the engine's core")  # pragma: no cover
 
     def _queue_room(self) -> int:
@@ -346,16 +351,22 @@ class Engine(EmbedMethods, SleepMethods):
     def _live_core(self) -> EngineCore:
         """The running core, started where there is none (the engine woken first where asleep)."""
         while True:
-            with self._core_lock:
-                if self._loaded is not None:
-                    if self._core is None or not self._core.alive:
-                        if self._core is not None:
-                            logger.warning("starting a fresh core after: %s", self._core.dead)
-                        self._core = EngineCore(self._loaded.model, self.tokenizer, self.config, self.metrics, self._kv_bytes_per_token,
-                                                vocab_size=self.vocab_size or 0, context_length=self.context_length,
-                                                model_path=getattr(self._loaded, "path", None))
-                    return self._core
-            self.wake()
+            while self._loaded is None:
+                self.wake()
+            core = self._live_core_awake()
+            if core is not None:
+                return core
+
+    def _live_core_awake(self) -> Optional[EngineCore]:
+        with self._core_lock:
+            if self._loaded is None:  # put to sleep meanwhile
+                return None
+            if self._core is None or not self._core.alive:
+                if self._core is not None:
+                    logger.warning("starting a fresh core after: %s", self._core.dead)
+                self._core = EngineCore(self._loaded.model, self.tokenizer, self.config, self.metrics, self._kv_bytes_per_token, vocab_size=self.vocab_size
+                                        or 0, context_length=self.context_length, model_path=getattr(self._loaded, "path", None))
+            return self._core
 
     def _cancel(self, request: Request) -> None:
         request.cancelled = True

@@ -35,6 +35,7 @@ logger = logging.getLogger(__name__)
 POLL_S = 0.05
 """How often a load waiting for an idle model looks again (requests end on the worker's thread)."""
 
+
 class ModelPool:
     """Engines by model name, under one memory budget (see the module's docstring).
 
