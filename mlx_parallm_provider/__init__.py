@@ -19,7 +19,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from . import _import_hook
-from .config import DeviceConfig, EngineConfig
+from .config import DeviceConfig, EngineConfig, PoolConfig
 from .errors import (
     BackendError,
     ContextWindowExceededError,
@@ -35,15 +35,29 @@ from .errors import (
 )
 
 if TYPE_CHECKING:
-    from .engine import Completion, Constraint, Delta, EmbeddingResult, Engine, EngineLike, SamplingParams, TokenLogprob, Usage, get_engine, shutdown_engines
+    from .engine import (
+        Completion,
+        Constraint,
+        Delta,
+        EmbeddingResult,
+        Engine,
+        EngineLike,
+        SamplingParams,
+        TokenLogprob,
+        Usage,
+        configure_pool,
+        get_engine,
+        pool_stats,
+        shutdown_engines,
+    )
 
 _ENGINE_NAMES = frozenset({
     "Completion", "Constraint", "Delta", "EmbeddingResult", "Engine", "EngineLike", "SamplingParams", "TokenLogprob",
-    "Usage", "get_engine", "shutdown_engines",
+    "Usage", "configure_pool", "get_engine", "pool_stats", "shutdown_engines",
 })
 """Names of :mod:`.engine` this package exports, imported on first access (they import mlx)."""
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"
 
 
 def _load_litellm_adapter() -> Any:
@@ -97,6 +111,7 @@ __all__ = [
     "MLXParallmError",
     "ModelLoadError",
     "ModelNotFoundError",
+    "PoolConfig",
     "RequestFailedError",
     "RequestTimeoutError",
     "SamplingParams",
@@ -104,8 +119,10 @@ __all__ = [
     "UnsupportedModelError",
     "Usage",
     "__version__",
+    "configure_pool",
     "get_engine",
     "litellm_handler",
+    "pool_stats",
     "register",
     "shutdown_engines",
 ]

@@ -1,8 +1,8 @@
-"""EngineConfig and DeviceConfig: every engine knob, its default and its validation, in one place.
+"""EngineConfig, DeviceConfig and PoolConfig: every engine knob, its default and its validation, in one place.
 
 Environment variables only supply defaults, and this module is the only one that reads them:
 each ``MLX_PARALLM_*`` knob is the default of one field (:data:`ENGINE_SETTINGS`,
-:data:`DEVICE_SETTINGS`), and a field given explicitly wins over its variable. A bad value in
+:data:`DEVICE_SETTINGS`, :data:`POOL_SETTINGS`), and a field given explicitly wins over its variable. A bad value in
 the environment is warned about and replaced (a typo in a replica's environment must not fail
 every request); a bad explicit value raises :class:`~.errors.InvalidParameterError`.
 :func:`cache_home`, :data:`ENGINE_CONFIG_ENV` and the compilers stay process-wide.
@@ -155,6 +155,13 @@ def _parse_int8(raw: str) -> int:
 
 def _parse_march(raw: str) -> Optional[str]:
     return None if raw == "native" else raw
+
+
+def _parse_number(raw: str) -> float:
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError("a number") from None
 
 
 DEVICE_SETTINGS: dict[str, Setting] = {
@@ -462,3 +469,56 @@ def default_blas() -> str:
 def default_dequantize() -> Optional[bool]:
     """:attr:`EngineConfig.dequantize`'s default (``MLX_PARALLM_DEQUANTIZE``), for models loaded without an engine."""
     return ENGINE_SETTINGS["dequantize"].from_env("dequantize")
+
+
+POOL_SETTINGS: dict[str, Setting] = {
+    "memory_gb": Setting(Limit("number", 0.0, optional=True, positive=True, hint="None: no budget"), "MLX_PARALLM_POOL_MEMORY_GB",
+                         None, _parse_number),
+    "idle_unload_s": Setting(Limit("number", 0.0, optional=True, positive=True, hint="None: never"), "MLX_PARALLM_POOL_IDLE_UNLOAD_S",
+                             None, _parse_number),
+    "load_wait_s": Setting(Limit("number", 0.0, 3600.0), "MLX_PARALLM_POOL_LOAD_WAIT_S", 30.0, _parse_number),
+}
+""":class:`PoolConfig`'s fields: limits, variables, built-in defaults."""
+
+
+def _pool(name: str) -> Any:
+    return field(default_factory=_env_default(POOL_SETTINGS, name))
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """The process's model pool: every engine :func:`~mlx_parallm_provider.get_engine` makes
+    (one per model name) shares one memory budget. Per process: set it with
+    :func:`~mlx_parallm_provider.configure_pool` or the variables below (read when the pool is
+    first used); the defaults keep every model loaded for the life of the process.
+
+    Attributes:
+        memory_gb: the budget for every pooled model's weights and KV pool together (a
+            model's weights: every array its modules hold; its KV: ``kv_cache_memory_gb``
+            where set, else the KV arrays allocated so far). Loading or waking a model that
+            does not fit puts the least recently used idle model to sleep first (never one
+            with requests in flight); a model larger than the whole budget is refused with
+            :class:`~mlx_parallm_provider.errors.ModelLoadError`. None: no budget.
+        idle_unload_s: a model without requests for this long is put to sleep (weights and
+            KV freed, the engine kept; the next request wakes it). None: never.
+        load_wait_s: how long a load waits for a busy model to become idle so it can be put to
+            sleep; past it the load fails with
+            :class:`~mlx_parallm_provider.errors.EngineOverloadedError`.
+    """
+
+    memory_gb: Optional[float] = _pool("memory_gb")
+    idle_unload_s: Optional[float] = _pool("idle_unload_s")
+    load_wait_s: float = _pool("load_wait_s")
+
+    def __post_init__(self) -> None:
+        for name, setting in POOL_SETTINGS.items():
+            setting.limit.check(name, getattr(self, name))
+
+    @property
+    def memory_bytes(self) -> Optional[int]:
+        """The budget in bytes, or None."""
+        return None if self.memory_gb is None else int(self.memory_gb * 1024**3)
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain dict of every setting."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}

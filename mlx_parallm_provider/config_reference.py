@@ -3,8 +3,8 @@
 Each field of :class:`.EngineConfig` and :class:`.DeviceConfig` (as ``device.<name>``) gets
 its type, default, allowed values (:data:`.config.ENGINE_SETTINGS` /
 :data:`.config.DEVICE_SETTINGS`, what the validation reads), environment variable and the
-description in its class docstring's ``Attributes:`` section; then the process-wide
-variables (:data:`.config.PROCESS_VARIABLES`)::
+description in its class docstring's ``Attributes:`` section; then the model pool's
+:class:`.PoolConfig` and the process-wide variables (:data:`.config.PROCESS_VARIABLES`)::
 
     python -m mlx_parallm_provider.config_reference --write   # rewrites docs/configuration.md
     python -m mlx_parallm_provider.config_reference           # prints it
@@ -19,7 +19,7 @@ from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from .config import DEVICE_SETTINGS, ENGINE_SETTINGS, PROCESS_VARIABLES, DeviceConfig, EngineConfig, Setting
+from .config import DEVICE_SETTINGS, ENGINE_SETTINGS, POOL_SETTINGS, PROCESS_VARIABLES, DeviceConfig, EngineConfig, PoolConfig, Setting
 
 DOC_PATH = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
 COMMAND = "python -m mlx_parallm_provider.config_reference --write"
@@ -117,6 +117,18 @@ def render() -> str:
         _markdown(re.sub(r"\s+", " ", (DeviceConfig.__doc__ or "").split("Attributes:")[0]).strip()),
         "",
         *_table(DeviceConfig, DEVICE_SETTINGS, "device."),
+        "",
+        "## PoolConfig (the process's model pool)",
+        "",
+        _markdown(re.sub(r"\s+", " ", (PoolConfig.__doc__ or "").split("Attributes:")[0]).strip()),
+        "",
+        "```python",
+        "from mlx_parallm_provider import configure_pool",
+        "",
+        "configure_pool(memory_gb=8, idle_unload_s=600)",
+        "```",
+        "",
+        *_table(PoolConfig, POOL_SETTINGS),
         "",
         "## Process-wide variables",
         "",

@@ -3,7 +3,8 @@
 Prints the device, the BLAS MLX's matmuls bind to (and whether dense layers go through a
 privately bound OpenBLAS because mlx was imported first), the CPU's vector features, the
 kernels built and in use, the model cache, the device settings an engine made now would get
-(:class:`.DeviceConfig`, from the environment) and the versions of what matters.
+(:class:`.DeviceConfig`, from the environment), the model pool's budget and the models this
+process has loaded (:mod:`.engine.pool`), and the versions of what matters.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import shutil
 import sys
 from typing import Any
 
-from .config import DeviceConfig, EngineConfig, c_compiler, cache_home
+from .config import DeviceConfig, EngineConfig, PoolConfig, c_compiler, cache_home
 from .cpu_info import cpu_model_name
 from .errors import InvalidParameterError
 
@@ -61,6 +62,23 @@ def _int8(qmatmul: Any, device: DeviceConfig) -> str:
     return f"{qmatmul.int8_path(lib)}; {f'on, {bits}-bit activations' if bits else 'off'} ({INT8_MATMUL_ENV})"
 
 
+def pool_report() -> dict[str, str]:
+    """The model pool's budget and idle unload, and each model this process loaded (name,
+    state, bytes); none where no engine was made (``mlx-parallm doctor`` is a process of its own)."""
+    pool = sys.modules.get("mlx_parallm_provider.engine.pool")
+    stats = pool.pool_stats() if pool is not None else None
+    config = PoolConfig() if stats is None else None
+    budget = stats["budget_bytes"] if stats is not None else config.memory_bytes  # type: ignore[union-attr]
+    idle = stats["idle_unload_s"] if stats is not None else config.idle_unload_s  # type: ignore[union-attr]
+    models = (stats or {}).get("models", {})
+    loaded = "; ".join(f"{name} ({m['state']}, {m['bytes'] / 1024**2:.1f} MiB)" for name, m in models.items())
+    return {
+        "model pool budget": f"{budget / 1024**3:.2f} GiB" if budget is not None else "none (MLX_PARALLM_POOL_MEMORY_GB)",
+        "model pool idle unload": f"after {idle:g} s" if idle is not None else "never (MLX_PARALLM_POOL_IDLE_UNLOAD_S)",
+        "models loaded in this process": loaded or "none",
+    }
+
+
 def report() -> dict[str, Any]:
     """Everything :func:`main` prints, as a dict."""
     import mlx.core as mx
@@ -98,6 +116,7 @@ def report() -> dict[str, Any]:
         "model cache": str(cache),
         "device settings from": source,
         **{f"device.{k}": "auto" if v is None else str(v) for k, v in device.as_dict().items()},
+        **pool_report(),
         **{f"version {k}": v for k, v in versions.items()},
     }
 

@@ -11,13 +11,13 @@ from typing import Any, Optional
 
 from ..errors import InvalidParameterError
 from ..models.lora.files import read_adapter
-from ..models.lora.slots import AdapterUse, ModelAdapters, adapters_of
+from ..models.lora.slots import AdapterUse, ModelAdapters, adapters_of, resident_adapters
 
 
 class EngineAdapters:
     """The adapter names of one engine and what its requests did with each adapter."""
 
-    def __init__(self, model: Any, max_loras: int) -> None:
+    def __init__(self, model: Optional[Any], max_loras: int) -> None:
         self._model, self._max_loras = model, max_loras
         self._names: dict[str, Path] = {}
         self._lock = threading.Lock()
@@ -26,13 +26,22 @@ class EngineAdapters:
 
     @property
     def slots(self) -> ModelAdapters:
+        if self._model is None:
+            raise RuntimeError("the engine is asleep: it has no model to hold adapters")  # (requests wake it first)
         return adapters_of(self._model, self._max_loras)
+
+    def rebind(self, model: Optional[Any]) -> None:
+        """Serve ``model`` (a wake's), or none (asleep): adapters become resident on it as
+        requests use them; the names stay registered."""
+        self._model = model
 
     def add(self, name: str, path: str | Path) -> None:
         """Register ``name`` for the adapter folder ``path`` (read and checked now)."""
         if not isinstance(name, str) or not name.strip():
             raise InvalidParameterError("lora_name", f"must be a non-empty string, got {name!r}")
-        read_adapter(path, self._model)
+        model = self._model
+        if model is not None:  # (asleep: checked when a request wakes it)
+            read_adapter(path, model)
         with self._lock:
             self._names[name] = Path(path).expanduser().resolve()
 
@@ -75,9 +84,10 @@ class EngineAdapters:
         with self._lock:
             names = {name: str(path) for name, path in sorted(self._names.items())}
             requests, tokens = dict(self.requests), dict(self.tokens)
-        slots = self.slots
-        return {"max_loras": slots.max_loras, "registered": names, "resident": slots.resident(), "loads": slots.loads,
-                "evictions": slots.evictions, "finished_requests": requests, "generation_tokens": tokens}
+        slots = resident_adapters(self._model) if self._model is not None else None
+        return {"max_loras": self._max_loras, "registered": names, "resident": slots.resident() if slots else [],
+                "loads": slots.loads if slots else 0, "evictions": slots.evictions if slots else 0,
+                "finished_requests": requests, "generation_tokens": tokens}
 
 
 class LoRAMethods:

@@ -9,7 +9,6 @@ back with ``loop.call_soon_threadsafe`` (async callers) or a thread-safe queue (
 from __future__ import annotations
 
 import asyncio
-import atexit
 import itertools
 import logging
 import queue
@@ -20,35 +19,34 @@ import weakref
 from collections.abc import Sequence
 from typing import Any, AsyncGenerator, Generator, Optional, Union
 
-from .. import mlx_lm_compat
 from .._validation import check_text
 from ..config import EngineConfig
 from ..errors import ContextWindowExceededError, EngineOverloadedError, InvalidParameterError
-from ..models import backends, registry
+from ..models import registry
 from ..models.registry import LoadedModel
 from .adapters import EngineAdapters, LoRAMethods
 from .core import EngineCore
 from .embed.api import EmbedMethods
-from .exit_guard import shut_down_at_exit
 from .fanout import POLL_S, FanOut, TaggedSink, expand
 from .grammar.probe import build_off_loop
-from .kv.budget import check_kv_settings, kv_bytes_per_token
-from .kv.support import ensure_servable
 from .metrics import EngineMetrics, prefix_stats
 from .prompt_size import PromptEncoder
 from .request import Completion, Delta, Prompt, Request, ResultSink, SamplingParams
 from .sinks import LoopSink as _LoopSink
 from .sinks import ThreadSink as _ThreadSink
+from .sleep import SleepMethods
 
 logger = logging.getLogger(__name__)
 
 
-class Engine(EmbedMethods, LoRAMethods):
+class Engine(EmbedMethods, SleepMethods, LoRAMethods):
     """One loaded model served to any number of concurrent callers, batched.
 
     Use :func:`mlx_parallm_provider.get_engine` to share one engine per model per process.
-    Besides generation it embeds texts (:meth:`embed`, :meth:`embed_sync`; see :mod:`.embed.api`) and
-    serves LoRA adapters per request (``SamplingParams(lora=...)``, :meth:`add_lora`; see :mod:`.adapters`).
+    Besides generation it embeds texts (:meth:`embed`, :meth:`embed_sync`; see :mod:`.embed.api`),
+    serves LoRA adapters per request (``SamplingParams(lora=...)``, :meth:`add_lora`; see
+    :mod:`.adapters`); :meth:`sleep` frees its weights and KV, :meth:`wake` (or the next request)
+    loads them again (:mod:`.sleep`).
 
     Args:
         model: a model name for :func:`mlx_parallm_provider.models.registry.load`
@@ -60,19 +58,16 @@ class Engine(EmbedMethods, LoRAMethods):
 
     def __init__(self, model: str = "default", config: Optional[EngineConfig] = None, *, loaded: Optional[LoadedModel] = None) -> None:
         self.config = config or EngineConfig.from_env()
-        self._loaded = loaded or registry.load(model, dequantize=self.config.dequantize, device=self.config.device)
-        backends.ensure(self._loaded.model, self.config.device)  # a model passed in unprepared gets one too
-        ensure_servable(self._loaded.model, model)
-        mlx_lm_compat.fit_grouped_query_masks(self._loaded.model)
         self.model_name = model
-        self.tokenizer = self._loaded.tokenizer
+        self._reloadable = loaded is None
+        self._adapters = EngineAdapters(None, self.config.max_loras)  # (its model: the one adopted, None asleep)
+        self._adopt(loaded or registry.load(model, dequantize=self.config.dequantize, device=self.config.device))
+        assert self._loaded is not None
+        self.tokenizer = self._loaded.tokenizer  # (kept while asleep: the same files load the same tokenizer)
         self.context_length = self._loaded.context_length
         self.vocab_size = int(self._loaded.config.get("vocab_size", 0)) or None
         self._prompts = PromptEncoder(self.encode, self.tokenizer, self.context_length)
         self.metrics = EngineMetrics()
-        check_kv_settings(self._loaded.model, self._loaded.config, self.config)
-        self._kv_bytes_per_token = kv_bytes_per_token(self._loaded.model, self._loaded.config, self.config.kv_cache_dtype)
-        self._adapters = EngineAdapters(self._loaded.model, self.config.max_loras)
         self._core_lock = threading.Lock()
         self._core: Optional[EngineCore] = None
         self._ids = itertools.count()
@@ -230,11 +225,12 @@ class Engine(EmbedMethods, LoRAMethods):
         ``prefix_cache`` (hit rate, cached tokens and bytes, evictions), ``kv_cache`` (blocks total / free / used,
         ``kv_cache_usage_perc``, preemptions, bytes), ``kv_disk`` (the disk tier's hits, bytes, evictions, skipped
         files), ``kv_tiers`` (each prefix store tier's hit tokens, bytes, evictions), ``speculation`` (n-gram drafts) and
-        ``fast_forward`` (grammar-forced tokens): None when off."""
+        ``fast_forward`` (grammar-forced tokens): None when off; ``state`` ("awake" / "asleep") and ``memory_bytes``
+        (:meth:`memory_bytes`)."""
         core = self._core
         running, waiting = (core.num_running, core.num_waiting) if core is not None and core.alive else (0, 0)
         snap = self.metrics.snapshot(running=running, waiting=waiting)
-        snap["model"] = self.model_name
+        snap["model"], snap["state"], snap["memory_bytes"] = self.model_name, self.state, self.memory_bytes()
         snap["prefix_cache"] = prefix_stats(self.config.enable_prefix_caching, core.prefix_store_stats() if core is not None else None, snap)
         snap.update(core.memory_stats(snap["cached_prompt_tokens"]) if core is not None else {"kv_cache": {"layout": "paged"}, "kv_disk": None, "kv_tiers": {}})
         snap.update(core.drafting_stats() if core is not None else {"speculation": None, "fast_forward": None})
@@ -302,6 +298,10 @@ class Engine(EmbedMethods, LoRAMethods):
             await build_off_loop(self._live_core().grammar, params)
 
     def _submit(self, prompt: Prompt, params: Optional[SamplingParams], request_id: Optional[str], sink: ResultSink, stream: bool) -> Request:
+        with self._submission():  # (counted in flight, so not put to sleep, and awake: :mod:`.sleep`)
+            return self._submit_awake(prompt, params, request_id, sink, stream)
+
+    def _submit_awake(self, prompt: Prompt, params: Optional[SamplingParams], request_id: Optional[str], sink: ResultSink, stream: bool) -> Request:
         if params is None:
             params = SamplingParams()
         elif not isinstance(params, SamplingParams):
@@ -363,7 +363,18 @@ class Engine(EmbedMethods, LoRAMethods):
         return self.config.max_queue - waiting
 
     def _live_core(self) -> EngineCore:
+        """The running core, started where there is none (the engine woken first where asleep)."""
+        while True:
+            while self._loaded is None:
+                self.wake()
+            core = self._live_core_awake()
+            if core is not None:
+                return core
+
+    def _live_core_awake(self) -> Optional[EngineCore]:
         with self._core_lock:
+            if self._loaded is None:  # put to sleep meanwhile
+                return None
             if self._core is None or not self._core.alive:
                 if self._core is not None:
                     logger.warning("starting a fresh core after: %s", self._core.dead)
@@ -379,36 +390,4 @@ class Engine(EmbedMethods, LoRAMethods):
 
 
 _live_engines: "weakref.WeakSet[Engine]" = weakref.WeakSet()
-_engines: dict[str, Engine] = {}
-_engines_lock = threading.Lock()
 
-
-def get_engine(model: str = "default", config: Optional[EngineConfig] = None) -> Engine:
-    """The process-wide engine for ``model`` (created and loaded on first use).
-
-    Every front door (LiteLLM, LangChain, direct calls, any thread or event loop) that asks
-    for the same model name shares this engine, so their requests batch together. The
-    first call's ``config`` configures it; later calls may omit it.
-    """
-    with _engines_lock:
-        engine = _engines.get(model)
-        if engine is not None:
-            if config is not None and config != engine.config:
-                raise InvalidParameterError(
-                    "config", f"the engine for {model!r} already runs with another config; call shutdown_engines() first"
-                )
-            return engine
-        engine = Engine(model, config)
-        _engines[model] = engine
-        return engine
-
-
-def shutdown_engines() -> None:
-    """Stop every engine's worker (also run at interpreter exit)."""
-    with _engines_lock:
-        _engines.clear()
-    for engine in list(_live_engines):
-        engine.shutdown()
-
-
-atexit.register(shut_down_at_exit, shutdown_engines)

@@ -158,6 +158,13 @@ class EngineCore:
         return self.dead is None and not self._stopping and self._thread.is_alive()
 
     @property
+    def idle(self) -> bool:
+        """No request queued or held (read under the inbox's lock, so one moving from the inbox
+        to the scheduler is seen in one or the other)."""
+        with self._cond:
+            return not self._inbox and not self.scheduler.all_requests()
+
+    @property
     def num_waiting(self) -> int:
         return len(self._inbox) + self.scheduler.num_waiting
 

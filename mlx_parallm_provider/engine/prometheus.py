@@ -21,6 +21,9 @@ dashboards and routers written for vLLM read it unchanged):
   ``prefix_cache_tier_hit_tokens`` (prompt tokens found there) and
   ``prefix_cache_tier_evictions`` (blocks evicted), gauge ``prefix_cache_tier_bytes``; and
   the disk tier's counter ``kv_disk_skipped_files`` (damaged or foreign files);
+- the model pool's (:mod:`.pool`): gauges ``model_memory_bytes`` (label ``kind``: ``weights``,
+  ``kv``) and ``model_awake`` (1 awake, 0 asleep), counters ``model_loads``, ``model_wakes`` and
+  ``model_sleeps`` (evictions, idle sleeps and ``Engine.sleep`` calls);
 - histograms ``time_to_first_token_seconds``, ``inter_token_latency_seconds``,
   ``request_time_per_output_token_seconds``, ``request_queue_time_seconds``.
 
@@ -128,8 +131,17 @@ class EngineCollector:
                  "generation_tokens": CounterMetricFamily(p + "lora_generation_tokens", "Tokens generated through this LoRA adapter.",
                                                           labels=adapted)}
         resident = GaugeMetricFamily(p + "lora_resident_adapters", "LoRA adapters resident on the model.", labels=labels)
+        memory = GaugeMetricFamily(p + "model_memory_bytes", "Bytes the model holds (weights, KV arrays).", labels=["model_name", "kind"])
+        awake = GaugeMetricFamily(p + "model_awake", "1 while the model is loaded, 0 asleep.", labels=labels)
+        pooled = {k: CounterMetricFamily(p + f"model_{k}", doc, labels=labels) for k, doc in POOL_COUNTERS.items()}
+        pool_models = _pool_models()
         for engine in list(self._engines()):
             name = [str(engine.model_name)]
+            for kind, value in engine.memory_bytes().items():
+                memory.add_metric([*name, kind], float(value))
+            awake.add_metric(name, 1.0 if engine.state == "awake" else 0.0)
+            for key, family in pooled.items():
+                family.add_metric(name, float(pool_models.get(engine.model_name, {}).get(key, 0)))
             lora = engine.list_loras()
             resident.add_metric(name, float(len(lora["resident"])))
             for key, family in loras.items():
@@ -161,16 +173,31 @@ class EngineCollector:
         yield from drafts.values()
         yield from tiers.values()
         yield skipped
+        yield memory
+        yield awake
+        yield from pooled.values()
         yield from loras.values()
         yield resident
         yield from histograms.values()
 
 
-def _live_engines() -> list[Any]:
-    from . import api as coordinator
+POOL_COUNTERS = {
+    "loads": "Times the model was loaded by the model pool (first loads).",
+    "wakes": "Times the model was woken (loaded again after a sleep).",
+    "sleeps": "Times the model was put to sleep (evicted, idle, or asked).",
+}
 
-    with coordinator._engines_lock:
-        return [coordinator._engines[name] for name in sorted(coordinator._engines)]
+
+def _live_engines() -> list[Any]:
+    from .pool import _pool
+
+    return _pool.list_engines()
+
+
+def _pool_models() -> dict[str, dict[str, Any]]:
+    from .pool import _pool
+
+    return _pool.stats()["models"]
 
 
 def register_collector(registry: Any = None, prefix: str = "mlx_parallm:") -> Optional[EngineCollector]:

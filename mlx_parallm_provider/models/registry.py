@@ -204,6 +204,67 @@ def load(name: str = DEFAULT_MODEL, dequantize: Optional[bool] = None, engine: b
         return loaded
 
 
+def forget(loaded: LoadedModel) -> bool:
+    """Drop ``loaded`` from the cache of :func:`load` (every key holding this very object), so
+    its weights are freed once its last user lets go of it; True if it was cached. A later
+    :func:`load` of the same name loads it again (a GGUF's conversion stays on disk)."""
+    with _registry_lock:
+        keys = [key for key, value in _models.items() if value is loaded]
+        for key in keys:
+            del _models[key]
+    return bool(keys)
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".npz", ".bin")
+
+
+def estimate_nbytes(name: str) -> int:
+    """A model's weight files' bytes (its folder's ``*.safetensors`` / ``*.gguf`` / ``*.npz`` /
+    ``*.bin``), a load's estimate before it is measured; 0 where the folder cannot be
+    resolved without a download."""
+    path = Path(name).expanduser()
+    if name != DEFAULT_MODEL and not path.exists():
+        return 0  # a repo id: not downloaded to be measured
+    try:
+        folder = resolve(name)
+    except MLXParallmError:
+        return 0
+    return sum(f.stat().st_size for f in folder.iterdir() if f.is_file() and f.name.endswith(WEIGHT_SUFFIXES))
+
+
+def module_nbytes(model: Any) -> int:
+    """Bytes of every array a model's modules hold, parameters or not (a backend's packed
+    weights held by helper objects too), each array once."""
+    import mlx.core as mx
+    import numpy as np
+
+    seen: set[int] = set()
+    total = 0
+
+    def visit(value: Any, depth: int) -> None:
+        nonlocal total
+        if isinstance(value, (mx.array, np.ndarray)):
+            if id(value) not in seen and not (isinstance(value, np.ndarray) and value.base is not None):  # (a view: counted where it is held)
+                seen.add(id(value))
+                total += int(value.nbytes)
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                visit(item, depth)
+        elif isinstance(value, dict):
+            for item in value.values():
+                visit(item, depth)
+        elif depth > 0 and hasattr(value, "__dict__") and not isinstance(value, type) and id(value) not in seen:
+            seen.add(id(value))
+            for item in vars(value).values():
+                visit(item, depth - 1)
+
+    for module in model.modules():
+        for value in [*module.values(), *vars(module).values()]:
+            if not isinstance(value, dict) or value is not module:
+                visit(value, 3)
+    return total
+
+
 def _load_uncached(name: str, dequantize: Optional[bool], engine: bool = True, device: Optional[DeviceConfig] = None) -> LoadedModel:
     import mlx_lm
 

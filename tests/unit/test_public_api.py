@@ -20,8 +20,9 @@ def test_the_package_exports_exactly_its_documented_names() -> None:
         "BackendError", "Completion", "Constraint", "ContextWindowExceededError", "Delta", "DeviceConfig",
         "EmbeddingResult", "Engine", "EngineConfig", "EngineDeadError",
         "EngineLike", "EngineOverloadedError", "InvalidParameterError", "MLXParallmError", "ModelLoadError",
-        "ModelNotFoundError", "RequestFailedError", "RequestTimeoutError", "SamplingParams", "TokenLogprob", "UnsupportedModelError",
-        "Usage", "__version__", "get_engine", "litellm_handler", "register", "shutdown_engines",
+        "ModelNotFoundError", "PoolConfig", "RequestFailedError", "RequestTimeoutError", "SamplingParams", "TokenLogprob",
+        "UnsupportedModelError", "Usage", "__version__", "configure_pool", "get_engine", "litellm_handler", "pool_stats", "register",
+        "shutdown_engines",
     ])
     for name in mlx_parallm_provider.__all__:
         assert getattr(mlx_parallm_provider, name) is not None

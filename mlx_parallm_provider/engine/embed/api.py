@@ -61,6 +61,12 @@ class EmbedMethods:
     def _submit_embedding(
         self, inputs: Any, pooling: Any, dimensions: Any, timeout: Any, request_id: Optional[str], sink: ResultSink
     ) -> EmbedRequest:
+        with self._submission():  # type: ignore[attr-defined]  (counted in flight, and the engine awake)
+            return self._submit_embedding_awake(inputs, pooling, dimensions, timeout, request_id, sink)
+
+    def _submit_embedding_awake(
+        self, inputs: Any, pooling: Any, dimensions: Any, timeout: Any, request_id: Optional[str], sink: ResultSink
+    ) -> EmbedRequest:
         engine: Any = self
         model = engine._loaded
         check_options(pooling, dimensions, model.config.get("hidden_size"))

@@ -8,7 +8,8 @@ step grows its rows, and preempts (frees a request's blocks with :meth:`preempte
 the pool runs out; the runner reads :meth:`table` to know where each row's tokens are.
 
 Prefix caching: a block is named by its tokens and the name of the prefix before it (so
-equal names mean equal prefixes, as vLLM hashes blocks). :meth:`register` names the blocks
+equal names mean equal prefixes, as vLLM hashes blocks), a LoRA adapter's chain rooted in its
+own namespace. :meth:`register` names the blocks
 a request has computed (its last, partly filled one too); :meth:`match` finds the longest
 run of whole named blocks a new prompt starts with, then the named block after them that
 shares most of its next tokens; :meth:`grow` with that hit maps the whole blocks into the
@@ -22,9 +23,7 @@ a request's tables. Sliding windows: a group whose layers attend to at most the 
 can see released by :meth:`slide`; their entries become the null block, so positions keep
 their place in the table. A prefix hit maps cached blocks into every group's table: a window
 group needs only the blocks of the window before the hit's end. (Partly shared last blocks,
-copied on write, are matched with a single group only.)
-
-A disk tier under the store (one group only): :mod:`.disk_prefixes`.
+copied on write, are matched with a single group only.) A disk tier under the store (one group only): :mod:`.disk_prefixes`.
 """
 
 from __future__ import annotations
@@ -184,9 +183,8 @@ class KVCacheManager:
     # -- prefix cache -----------------------------------------------------------------
 
     def block_keys(self, tokens: Sequence[int], blocks: int, group: int = 0, namespace: Hashable = 0) -> list[tuple[Hashable, tuple[int, ...]]]:
-        """The names of the first ``blocks`` whole blocks of ``tokens`` in ``group`` (each
-        group's blocks hold other layers: their names differ) computed under ``namespace``
-        (0: the base model; a LoRA adapter's: its KV differs, so its names do)."""
+        """The names of the first ``blocks`` whole blocks of ``tokens`` in ``group`` (each group's blocks
+        hold other layers) computed under ``namespace`` (0: the base model; else a LoRA adapter's)."""
         bs, keys = self.block_size, []
         parent = self._root(group, namespace)
         for i in range(blocks):
@@ -195,11 +193,8 @@ class KVCacheManager:
         return keys
 
     @staticmethod
-    def _root(group: int, namespace: Hashable) -> Hashable:
-        """The parent of a chain's first block."""
-        if namespace == 0:
-            return 0 if group == 0 else ("group", group)
-        return ("group", group, namespace)
+    def _root(group: int, namespace: Hashable) -> Hashable:  # (the parent of a chain's first block)
+        return (0 if group == 0 else ("group", group)) if namespace == 0 else ("group", group, namespace)
 
     def _parent(self, keys: list[tuple[Hashable, tuple[int, ...]]], namespace: Hashable = 0) -> Hashable:
         return hash(keys[-1]) if keys else self._root(0, namespace)
@@ -259,10 +254,9 @@ class KVCacheManager:
         return all(b is not None for b in found[self._first_seen(group, k) : k])
 
     def register(self, owner: Hashable, tokens: Sequence[int], computed: int, namespace: Hashable = 0) -> int:
-        """Name ``owner``'s blocks holding its first ``computed`` tokens (``tokens[:computed]``),
-        computed under ``namespace`` (see :meth:`block_keys`), the last partly filled one too
-        (one group only), so later prompts can share them; returns how many were named now.
-        (Only the base model's go to the disk tier.)"""
+        """Name ``owner``'s blocks holding its first ``computed`` tokens (``tokens[:computed]``) under
+        ``namespace`` (:meth:`block_keys`; the base model's go to the disk tier too), the last partly
+        filled one too (one group only), so later prompts can share them; returns how many were named."""
         bs, named = self.block_size, 0
         for g in range(len(self.windows)):
             table = self.table(owner, g)
