@@ -3,8 +3,8 @@
 Prints the device, the BLAS MLX's matmuls bind to (and whether dense layers go through a
 privately bound OpenBLAS because mlx was imported first), the CPU's vector features, the
 kernels built and in use, the model cache, the device settings an engine made now would get
-(:class:`.DeviceConfig`, from the environment), the model pool's budget and the models this
-process has loaded (:mod:`.engine.pool`), and the versions of what matters.
+(:class:`.DeviceConfig`, from the environment), the model pool's budget, the models and LoRA
+adapters this process has loaded (:mod:`.engine.pool`), and the versions of what matters.
 """
 
 from __future__ import annotations
@@ -72,11 +72,21 @@ def pool_report() -> dict[str, str]:
     idle = stats["idle_unload_s"] if stats is not None else config.idle_unload_s  # type: ignore[union-attr]
     models = (stats or {}).get("models", {})
     loaded = "; ".join(f"{name} ({m['state']}, {m['bytes'] / 1024**2:.1f} MiB)" for name, m in models.items())
+    adapters = "; ".join(f"{engine.model_name}: {_adapters(engine.list_loras())}" for engine in (pool._pool.list_engines() if pool else ())
+                         if engine.list_loras()["registered"] or engine.list_loras()["resident"])
     return {
         "model pool budget": f"{budget / 1024**3:.2f} GiB" if budget is not None else "none (MLX_PARALLM_POOL_MEMORY_GB)",
         "model pool idle unload": f"after {idle:g} s" if idle is not None else "never (MLX_PARALLM_POOL_IDLE_UNLOAD_S)",
         "models loaded in this process": loaded or "none",
+        "LoRA adapters in this process": adapters or "none",
     }
+
+
+def _adapters(lora: dict[str, Any]) -> str:
+    """An engine's adapters: registered names, then the adapters resident (slot, rank)."""
+    names = ", ".join(lora["registered"]) or "no names registered"
+    resident = ", ".join(f"{r['path']} (slot {r['slot']}, rank {r['rank']})" for r in lora["resident"]) or "none resident"
+    return f"{names}; {resident} of max_loras={lora['max_loras']}"
 
 
 def report() -> dict[str, Any]:

@@ -212,3 +212,19 @@ def test_an_engine_with_adapters_frees_them_asleep_and_a_request_through_one_wak
         assert engine.generate_sync(PROMPT, with_adapter).text == before and engine.state == "awake"
     finally:
         engine.shutdown()
+
+
+def test_doctor_lists_the_adapters_of_the_process_models(model_names: list[str], tmp_path: Path) -> None:
+    from lora_helpers import write_random_adapter
+    from mlx_parallm_provider import doctor, get_engine, shutdown_engines
+
+    adapter = write_random_adapter(tmp_path / "adapter", Path(model_names[0]), seed=6)
+    try:
+        engine = get_engine(model_names[0], CONFIG)
+        assert doctor.pool_report()["LoRA adapters in this process"] == "none"
+        engine.add_lora("support", adapter)
+        engine.generate_sync(PROMPT, SamplingParams(max_tokens=2, lora="support"))
+        line = doctor.pool_report()["LoRA adapters in this process"]
+        assert line.startswith(f"{model_names[0]}: support; {adapter.resolve()} (slot 1, rank 8) of max_loras=8"), line
+    finally:
+        shutdown_engines()
