@@ -11,10 +11,12 @@ its ``lora_b`` made random so that answers change: what training leaves) are wri
    generation of that prompt alone;
 2. **decode throughput**: ``--rows`` rows over 4 adapters (none, A, B, C, in turn) against
    ``--rows`` rows of the base model alone, ``--new-tokens`` each (short prompts, prefix
-   cached after the first run); the two alternate each repeat; medians and their ratio;
-3. **gathered vs grouped**: one step's updates of every adapted layer, ``--rows`` rows over 4
-   adapters: gathered per row (two ``gather_mm``, what the engine runs) against grouped by
-   adapter (rows taken per adapter, two matmuls each, put back in order).
+   cached after the first run); the two alternate each repeat; medians, their ratio, and the
+   median of each repeat's ratio (the two runs next to each other);
+3. **ways of computing the updates**: one step's updates of every adapted layer, ``--rows`` rows
+   over 4 adapters: gathered per row (two ``gather_mm``, what the engine runs off the CPU),
+   grouped by adapter (rows taken per adapter, two matmuls each, put back in order), and the
+   CPU extension's one op a layer (what the engine runs on the CPU).
 """
 
 from __future__ import annotations
@@ -133,6 +135,7 @@ def gathered_vs_grouped(loaded: Any, rows: int, repeats: int) -> dict[str, float
     """Milliseconds of one step's updates of every adapted layer: gathered per row vs grouped by adapter."""
     import mlx.core as mx
 
+    from ..models.lora.layers import _update_op
     from ..models.lora.slots import resident_adapters
 
     layers = list(resident_adapters(loaded.model)._wrapped.values())  # (the adapters the throughput run made resident)
@@ -154,9 +157,18 @@ def gathered_vs_grouped(loaded: Any, rows: int, repeats: int) -> dict[str, float
             outs.append(mx.concatenate(parts)[back])
         return outs
 
-    times: dict[str, list[float]] = {"gathered": [], "grouped": []}
+    op = _update_op()
+    flat = mx.full((rows,), 10.0)
+    ys = {id(layer): mx.zeros((rows, 1, layer.output_dims)) for layer in layers}
+    mx.eval(flat, list(ys.values()))
+
+    def one_op() -> list[mx.array]:
+        return [op(ys[id(l)], xs[id(l)], l._lora_a_t, l._lora_b, slots, flat, 1) for l in layers]
+
+    ways = [("gathered", gathered), ("grouped", grouped), *([("one op", one_op)] if op is not None else [])]
+    times: dict[str, list[float]] = {name: [] for name, _ in ways}
     for _ in range(repeats + 1):
-        for name, fn in (("gathered", gathered), ("grouped", grouped)):
+        for name, fn in ways:
             tic = time.perf_counter()
             mx.eval(fn())
             times[name].append(1000 * (time.perf_counter() - tic))
@@ -196,14 +208,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if "throughput" not in skip:
             t = throughput(args.model, loaded, adapters, args.rows, args.new_tokens, args.repeats)
             base, mixed = statistics.median(t["base"]), statistics.median(t["4 adapters"])
+            paired = statistics.median(m / b for b, m in zip(t["base"], t["4 adapters"]))
             print(f"\n## Decode throughput, {args.rows} rows x {args.new_tokens} tokens (medians of {args.repeats}, alternating)\n\n"
                   f"| rows | tokens/s | vs base |\n|---|---:|---:|\n| base model alone | {base:.1f} | 1.00x |\n"
-                  f"| 4 adapters (none, A, B, C) | {mixed:.1f} | {mixed / base:.2f}x |")
+                  f"| 4 adapters (none, A, B, C) | {mixed:.1f} | {mixed / base:.2f}x |\n\nmedian of each repeat's ratio: {paired:.2f}x")
             print("tokens/s, every repeat: " + "; ".join(f"{k} {', '.join(f'{x:.0f}' for x in v)}" for k, v in t.items()))
         if "grouping" not in skip and "throughput" not in skip:
             g = gathered_vs_grouped(loaded, args.rows, args.repeats * 4)
             print(f"\n## One step's updates of {g['layers']} adapted layers, {args.rows} rows over 4 adapters (medians)\n\n"
-                  f"| way | ms |\n|---|---:|\n| gathered per row (gather_mm) | {g['gathered']:.2f} |\n| grouped by adapter | {g['grouped']:.2f} |")
+                  f"| way | ms |\n|---|---:|\n| gathered per row (two gather_mm, the scale, the sum) | {g['gathered']:.2f} |\n"
+                  f"| grouped by adapter | {g['grouped']:.2f} |" + (f"\n| one op of the CPU extension (what the engine runs here) | "
+                                                                      f"{g['one op']:.2f} |" if "one op" in g else ""))
     return 0
 
 

@@ -6,8 +6,8 @@
 // Two mx.gather_mm, a multiply and an add cost a 32-row step of the default model ~10 ms over
 // its 112 adapted layers: MLX's CPU gather_mm runs a BLAS call per row, ~1.2 us each beside
 // its work (R x (K + N) multiply-adds, a few thousand). Here a row's update is R dot products
-// of K (16 lanes at a time), then R rows of B added in, rows shared out over the packed-weight
-// kernel's thread pool. A row of slot 0 (no adapter: its pair is zeros) is y as it is.
+// of K (8 at once, 16 lanes each), then 64 columns at a time R rows of B added in, rows shared
+// out over the packed-weight kernel's thread pool. A row of slot 0 (no adapter: its pair is zeros) is y as it is.
 #include <cstdint>
 #include <algorithm>
 #include <cstring>
@@ -41,11 +41,11 @@ struct LoRAJob {
   int64_t y_b, y_l, x_b, x_l;  // strides of y's and x's rows (each row's own elements contiguous)
 };
 
-// Rows [r0, r1) of B * L.
-void lora_rows(void* ctx, int r0, int r1) {
+// Rows [first, last) of B * L.
+void lora_rows(void* ctx, int first, int last) {
   const LoRAJob& j = *static_cast<const LoRAJob*>(ctx);
   float t[kMaxRank];
-  for (int row = r0; row < r1; row++) {
+  for (int row = first; row < last; row++) {
     int batch = row / j.L;
     uint32_t s = j.slot[batch];
     int pos = row % j.L;
@@ -58,28 +58,44 @@ void lora_rows(void* ctx, int r0, int r1) {
     const float* xr = j.x + batch * j.x_b + pos * j.x_l;
     const float* a = j.a + static_cast<size_t>(s) * j.K * j.R;
     const float* b = j.b + static_cast<size_t>(s) * j.R * j.N;
-    for (int r = 0; r < j.R; r++) {  // t = x @ A: A's rows of K (it is handed over transposed)
-      const float* ar = a + static_cast<size_t>(r) * j.K;
-      v16f acc{};
+    for (int r0 = 0; r0 < j.R; r0 += 8) {  // t = x @ A: 8 of A's rows of K at a time (A is handed over transposed)
+      int rn = std::min(8, j.R - r0);
+      v16f acc[8] = {};
       int k = 0;
-      for (; k + 16 <= j.K; k += 16) acc += *reinterpret_cast<const v16f_u*>(xr + k) * *reinterpret_cast<const v16f_u*>(ar + k);
-      float sum = 0.0f;
-      for (int l = 0; l < 16; l++) sum += acc[l];
-      for (; k < j.K; k++) sum += xr[k] * ar[k];
-      t[r] = sum;
+      for (; k + 16 <= j.K; k += 16) {
+        v16f xv = *reinterpret_cast<const v16f_u*>(xr + k);
+        for (int r = 0; r < rn; r++) acc[r] += xv * *reinterpret_cast<const v16f_u*>(a + static_cast<size_t>(r0 + r) * j.K + k);
+      }
+      for (int r = 0; r < rn; r++) {
+        const float* ar = a + static_cast<size_t>(r0 + r) * j.K;
+        float sum = 0.0f;
+        for (int l = 0; l < 16; l++) sum += acc[r][l];
+        for (int kk = k; kk < j.K; kk++) sum += xr[kk] * ar[kk];
+        t[r0 + r] = sum;
+      }
     }
     float scale = j.scale[batch];
-    static thread_local std::vector<float> z;
-    z.assign(j.N, 0.0f);
-    float* zd = z.data();
-    for (int r = 0; r < j.R; r++) {  // z = t @ B
-      float tr = t[r];
-      const float* br = b + static_cast<size_t>(r) * j.N;
-      int n = 0;
-      for (; n + 16 <= j.N; n += 16) *reinterpret_cast<v16f_u*>(zd + n) += tr * *reinterpret_cast<const v16f_u*>(br + n);
-      for (; n < j.N; n++) zd[n] += tr * br[n];
+    int n = 0;
+    for (; n + 64 <= j.N; n += 64) {  // out = y + scale * (t @ B), 64 columns at a time
+      v16f z0{}, z1{}, z2{}, z3{};
+      for (int r = 0; r < j.R; r++) {
+        const float* br = b + static_cast<size_t>(r) * j.N + n;
+        float tr = t[r];
+        z0 += tr * *reinterpret_cast<const v16f_u*>(br);
+        z1 += tr * *reinterpret_cast<const v16f_u*>(br + 16);
+        z2 += tr * *reinterpret_cast<const v16f_u*>(br + 32);
+        z3 += tr * *reinterpret_cast<const v16f_u*>(br + 48);
+      }
+      *reinterpret_cast<v16f_u*>(o + n) = *reinterpret_cast<const v16f_u*>(yr + n) + scale * z0;
+      *reinterpret_cast<v16f_u*>(o + n + 16) = *reinterpret_cast<const v16f_u*>(yr + n + 16) + scale * z1;
+      *reinterpret_cast<v16f_u*>(o + n + 32) = *reinterpret_cast<const v16f_u*>(yr + n + 32) + scale * z2;
+      *reinterpret_cast<v16f_u*>(o + n + 48) = *reinterpret_cast<const v16f_u*>(yr + n + 48) + scale * z3;
     }
-    for (int n = 0; n < j.N; n++) o[n] = yr[n] + scale * z[n];
+    for (; n < j.N; n++) {
+      float z = 0.0f;
+      for (int r = 0; r < j.R; r++) z += t[r] * b[static_cast<size_t>(r) * j.N + n];
+      o[n] = yr[n] + scale * z;
+    }
   }
 }
 
@@ -102,8 +118,10 @@ class LoRAUpdate : public CpuPrimitive<LoRAUpdate> {
                 y_rows ? y.strides(0) : int64_t{L} * N, y_rows ? y.strides(1) : int64_t{N},
                 x_rows ? x.strides(0) : int64_t{L} * K, x_rows ? x.strides(1) : int64_t{K}};
     int rows = x.shape(0) * x.shape(1);
-    int work = rows * job.R * (job.K + job.N);
-    int threads = work >= 1 << 16 ? p.threads : 1;
+    // A decode step's update is a few hundred thousand multiply-adds: waking a second thread
+    // cost more than it saved (32 rows of the default model: 0.93x); a prefill piece's pays.
+    int64_t work = static_cast<int64_t>(rows) * job.R * (job.K + job.N);
+    int threads = work >= (int64_t{1} << 22) ? p.threads : 1;
     if (threads <= 1 || rows < 2) {
       lora_rows(&job, 0, rows);
     } else {
