@@ -152,3 +152,21 @@ def paged_kernel_calls(monkeypatch: Any) -> list:
 
     monkeypatch.setattr(attention, "paged_decode_attention", counted)
     return results
+
+
+def run_clients(client: Callable[[Any], None], args: Sequence[Any], timeout: Optional[float] = None) -> list[BaseException]:
+    """``client(arg)`` on a thread each, all at once; the errors they raised."""
+    errors: list[BaseException] = []
+
+    def run(arg: Any) -> None:
+        try:
+            client(arg)
+        except BaseException as exc:  # pragma: no cover (returned to the test)
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(arg,)) for arg in args]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout)
+    return errors

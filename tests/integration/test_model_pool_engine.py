@@ -14,6 +14,7 @@ from typing import Any, Iterator
 
 import pytest
 
+from engine_helpers import run_clients
 from mlx_parallm_provider import EngineConfig, PoolConfig, SamplingParams, doctor
 from mlx_parallm_provider.engine import Engine, pool_stats, sleep
 from mlx_parallm_provider.engine.pool import ModelPool, configure_pool, get_engine, shutdown_engines
@@ -108,20 +109,12 @@ def test_three_models_in_a_budget_for_two_answer_every_request(model_names: list
     expected = engines[0].generate_sync(PROMPT, GREEDY).text  # (same weights under three names: the same answer)
     engines.append(pool.get(model_names[2], CONFIG))
     results: list[str] = []
-    errors: list[BaseException] = []
 
     def client(offset: int) -> None:
-        try:
-            for i in range(6):
-                results.append(engines[(i + offset) % 3].generate_sync(PROMPT, GREEDY).text)
-        except BaseException as exc:  # pragma: no cover (reported below)
-            errors.append(exc)
+        for i in range(6):
+            results.append(engines[(i + offset) % 3].generate_sync(PROMPT, GREEDY).text)
 
-    threads = [threading.Thread(target=client, args=(offset,)) for offset in range(3)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(120)
+    errors = run_clients(client, range(3), 120)
     stats = pool.stats()
     assert errors == [] and results == [expected] * 18
     assert stats["peak_bytes"] <= stats["budget_bytes"]

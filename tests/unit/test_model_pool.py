@@ -11,6 +11,7 @@ from typing import Any, Optional
 
 import pytest
 
+from engine_helpers import run_clients
 from mlx_parallm_provider import EngineConfig, PoolConfig
 from mlx_parallm_provider.engine.pool import ModelPool
 from mlx_parallm_provider.errors import EngineOverloadedError, InvalidParameterError, ModelLoadError
@@ -105,26 +106,18 @@ def test_racing_loads_and_requests_never_hold_more_than_the_budget() -> None:
     resident = Resident()
     pool = make_pool(resident, load_s=0.002, load_wait_s=30)
     names = [f"model-{i}" for i in range(5)]
-    errors: list[BaseException] = []
     books: list[int] = []
 
     def client(seed: int) -> None:
         rng = random.Random(seed)
-        try:
-            for _ in range(25):
-                engine = pool.get(rng.choice(names))
-                engine.begin()
-                books.append(pool.stats()["bytes"])
-                time.sleep(rng.random() * 0.002)
-                engine.end()
-        except BaseException as exc:  # pragma: no cover (reported below)
-            errors.append(exc)
+        for _ in range(25):
+            engine = pool.get(rng.choice(names))
+            engine.begin()
+            books.append(pool.stats()["bytes"])
+            time.sleep(rng.random() * 0.002)
+            engine.end()
 
-    threads = [threading.Thread(target=client, args=(seed,)) for seed in range(8)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    errors = run_clients(client, range(8))
     stats = pool.stats()
     assert errors == []
     budget = stats["budget_bytes"]
