@@ -170,3 +170,35 @@ def run_clients(client: Callable[[Any], None], args: Sequence[Any], timeout: Opt
     for thread in threads:
         thread.join(timeout)
     return errors
+
+
+class PagedPieces:
+    """``prompts`` fed to ``model`` in right-padded pieces over paged KV (the blocks of ``kv``,
+    the arrays of ``storage``; each layer's attention ``windows``, None: all tokens), as the
+    runner feeds them; each row's logits kept in ``got``."""
+
+    def __init__(self, model: Any, prompts: list[list[int]], kv: Any, storage: Any, windows: Optional[list[Optional[int]]] = None) -> None:
+        self.model, self.prompts, self.kv, self.storage, self.windows = model, prompts, kv, storage, windows
+        self.done = [0] * len(prompts)
+        self.got: list[list[mx.array]] = [[] for _ in prompts]
+
+    def run(self, rows: list[int], width: int) -> None:
+        """The next ``width`` tokens (at most) of each of ``rows`` through the model in one pass."""
+        from mlx_parallm_provider.engine.kv.paged_cache import PagedBatch
+
+        done = self.done
+        pieces = [self.prompts[b][done[b] : done[b] + width] for b in rows]
+        for b, piece in zip(rows, pieces):
+            self.kv.grow(b, done[b] + len(piece))
+        self.storage.reserve(self.kv.pool.high_water())
+        batch = PagedBatch(self.storage, [self.kv.table(b) for b in rows], [done[b] for b in rows], [len(p) for p in pieces], width,
+                           self.windows)
+        logits = self.model(mx.array([p + [0] * (width - len(p)) for p in pieces]), cache=batch.layers())
+        for i, (b, piece) in enumerate(zip(rows, pieces)):
+            self.got[b].append(logits[i, : len(piece)])
+            done[b] += len(piece)
+
+    def decode_to_the_end(self) -> None:
+        """One token a pass for every row not yet through its prompt, as decode steps run."""
+        while any(d < len(p) for d, p in zip(self.done, self.prompts)):
+            self.run([b for b, (d, p) in enumerate(zip(self.done, self.prompts)) if d < len(p)], 1)

@@ -10,7 +10,7 @@ import pytest
 from mlx.utils import tree_map
 from mlx_lm.models.cache import KVCache
 
-from engine_helpers import paged_kernel_calls
+from engine_helpers import PagedPieces, paged_kernel_calls
 from mlx_parallm_provider.engine.kv import KVCacheManager, paged_cache
 from mlx_parallm_provider.engine.kv.paged_cache import PagedBatch
 from mlx_parallm_provider.engine.kv.storage import PagedKVStorage
@@ -42,29 +42,13 @@ def test_paged_prefill_chunks_and_decode_match_mlx_lm(tiny_model, block_size, cp
     assert backends.routes_attention(model)
     prompts = [list(range(5, 5 + n)) for n in (3, 11, 40)]  # lengths spread over buckets
     kv = KVCacheManager(num_blocks=64, block_size=block_size)
-    storage = PagedKVStorage(len(model.layers), kv.pool.num_blocks, block_size)
-    done = [0] * len(prompts)
-    got: list[list[mx.array]] = [[] for _ in prompts]
-
-    def run(rows: list[int], width: int) -> None:
-        pieces = [prompts[b][done[b] : done[b] + width] for b in rows]
-        for b, piece in zip(rows, pieces):
-            kv.grow(b, done[b] + len(piece))
-        storage.reserve(kv.pool.high_water())
-        batch = PagedBatch(storage, [kv.table(b) for b in rows], [done[b] for b in rows], [len(p) for p in pieces], width)
-        tokens = mx.array([p + [0] * (width - len(p)) for p in pieces])
-        logits = model(tokens, cache=batch.layers())
-        for i, (b, piece) in enumerate(zip(rows, pieces)):
-            got[b].append(logits[i, : len(piece)])
-            done[b] += len(piece)
-
-    run([0, 1, 2], 7)  # right-padded prefill, row 0 ends inside it (narrow: through the block tables)
-    run([1, 2], 5)  # chunks continue where each row stands
-    run([2], 20)  # a wide piece (through the block tables too, where the backend has the kernel)
-    while any(done[b] < len(prompts[b]) for b in range(3)):
-        run([b for b in range(3) if done[b] < len(prompts[b])], 1)  # one token a row, like decode
+    passes = PagedPieces(model, prompts, kv, PagedKVStorage(len(model.layers), kv.pool.num_blocks, block_size))
+    passes.run([0, 1, 2], 7)  # right-padded prefill, row 0 ends inside it (narrow: through the block tables)
+    passes.run([1, 2], 5)  # chunks continue where each row stands
+    passes.run([2], 20)  # a wide piece (through the block tables too, where the backend has the kernel)
+    passes.decode_to_the_end()  # one token a row, like decode
     for b, prompt in enumerate(prompts):
-        ours = mx.concatenate(got[b])
+        ours = mx.concatenate(passes.got[b])
         assert mx.allclose(ours, _reference_logits(model, prompt), atol=1e-4).item(), b
     mode, kernel_results = cpu_ops
     ran = [r is not None for r in kernel_results]
@@ -152,28 +136,14 @@ def test_sliding_window_layers_on_blocks_match_mlx_lms_rotating_cache(tiny_gemma
     assert layer_windows(model) == [8, 8, None]
     prompts = [list(range(5, 5 + n)) for n in (3, 11, 40)]
     kv = KVCacheManager(num_blocks=64, block_size=4)
-    storage = PagedKVStorage(len(model.layers), kv.pool.num_blocks, 4)
-    done, got = [0, 0, 0], [[], [], []]
-
-    def run(rows: list[int], width: int) -> None:
-        pieces = [prompts[b][done[b] : done[b] + width] for b in rows]
-        for b, piece in zip(rows, pieces):
-            kv.grow(b, done[b] + len(piece))
-        storage.reserve(kv.pool.high_water())
-        batch = PagedBatch(storage, [kv.table(b) for b in rows], [done[b] for b in rows], [len(p) for p in pieces], width, layer_windows(model))
-        logits = model(mx.array([p + [0] * (width - len(p)) for p in pieces]), cache=batch.layers())
-        for i, (b, piece) in enumerate(zip(rows, pieces)):
-            got[b].append(logits[i, : len(piece)])
-            done[b] += len(piece)
-
-    run([0, 1, 2], 7)
-    run([1, 2], 13)  # a chunk wider than the window
-    while any(done[b] < len(prompts[b]) for b in range(3)):
-        run([b for b in range(3) if done[b] < len(prompts[b])], 1)
+    passes = PagedPieces(model, prompts, kv, PagedKVStorage(len(model.layers), kv.pool.num_blocks, 4), layer_windows(model))
+    passes.run([0, 1, 2], 7)
+    passes.run([1, 2], 13)  # a chunk wider than the window
+    passes.decode_to_the_end()
     for b, prompt in enumerate(prompts):
         cache = model.make_cache()  # mlx-lm's own: RotatingKVCache(8) for the local layers
         reference = mx.concatenate([model(mx.array([[t]]), cache=cache)[0] for t in prompt])
-        ours = mx.concatenate(got[b])
+        ours = mx.concatenate(passes.got[b])
         error = mx.abs(ours - reference).max().item()
         assert error <= 1e-4 * mx.abs(reference).max().item(), (b, error)  # float32 rounding (logits ~100)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from conftest import TINY_CONFIG, write_tiny_model
-from engine_helpers import paged_kernel_calls
+from engine_helpers import PagedPieces, paged_kernel_calls
 from mlx_parallm_provider.engine import SamplingParams
 
 # head_dim 32: quantization groups are 32 values (mx.quantize takes no smaller group).
@@ -232,7 +232,6 @@ def test_quantized_prefill_and_decode_through_the_kernel_match_the_gathered_path
     import mlx.core as mx
 
     from mlx_parallm_provider.engine.kv import KVCacheManager
-    from mlx_parallm_provider.engine.kv.paged_cache import PagedBatch
     from mlx_parallm_provider.engine.kv.storage import QUANTIZED_KV_BITS, PagedKVStorage
     from mlx_parallm_provider.models import backends
 
@@ -243,25 +242,12 @@ def test_quantized_prefill_and_decode_through_the_kernel_match_the_gathered_path
 
     def logits(backend) -> list[mx.array]:
         kv = KVCacheManager(num_blocks=64, block_size=4)
-        storage = PagedKVStorage(len(model.layers), kv.pool.num_blocks, 4, bits=QUANTIZED_KV_BITS[dtype])
-        done, got = [0, 0, 0], [[], [], []]
+        passes = PagedPieces(model, prompts, kv, PagedKVStorage(len(model.layers), kv.pool.num_blocks, 4, bits=QUANTIZED_KV_BITS[dtype]))
         with backends.using(model, backend):
-            def run(rows: list[int], width: int) -> None:
-                pieces = [prompts[b][done[b] : done[b] + width] for b in rows]
-                for b, piece in zip(rows, pieces):
-                    kv.grow(b, done[b] + len(piece))
-                storage.reserve(kv.pool.high_water())
-                batch = PagedBatch(storage, [kv.table(b) for b in rows], [done[b] for b in rows], [len(p) for p in pieces], width)
-                out = model(mx.array([p + [0] * (width - len(p)) for p in pieces]), cache=batch.layers())
-                for i, (b, piece) in enumerate(zip(rows, pieces)):
-                    got[b].append(out[i, : len(piece)])
-                    done[b] += len(piece)
-
-            run([0, 1, 2], 7)  # a right-padded prefill piece (several positions a row through the tables)
-            run([1, 2], 5)
-            while any(done[b] < len(prompts[b]) for b in range(3)):
-                run([b for b in range(3) if done[b] < len(prompts[b])], 1)  # decode steps
-        return [mx.concatenate(g) for g in got]
+            passes.run([0, 1, 2], 7)  # a right-padded prefill piece (several positions a row through the tables)
+            passes.run([1, 2], 5)
+            passes.decode_to_the_end()  # decode steps
+        return [mx.concatenate(g) for g in passes.got]
 
     ran = paged_kernel_calls(monkeypatch)
     kernel = logits(backends.of(model))
