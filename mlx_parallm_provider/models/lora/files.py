@@ -109,11 +109,11 @@ def _adaptable(model: Any, num_layers: int, keys: Optional[list[str]]) -> dict[s
             if name.rpartition(".")[0] in wrapped or not isinstance(base, (nn.Linear, nn.QuantizedLinear)):
                 continue  # (the base inside a wrapper goes by the wrapper's name)
             if keys is None or name in keys:
-                out[f"{where}.{index}.{name}"] = _dims(base)
+                out[f"{where}.{index}.{name}"] = linear_dims(base)
     return out
 
 
-def _dims(linear: Any) -> tuple[int, int]:
+def linear_dims(linear: Any) -> tuple[int, int]:
     """A linear layer's ``(input_dims, output_dims)``, whatever holds its weights."""
     source = getattr(linear, "_source", None)
     if source is not None:  # :class:`..small_batch.SmallBatchLinear`: columns of a packed weight

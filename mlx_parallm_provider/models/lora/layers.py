@@ -125,15 +125,10 @@ def _update_op() -> Optional[Callable[..., mx.array]]:
     return _op[0]
 
 
-def wrapped_blocks(block: Any) -> bool:
-    """Whether any linear layer of a decoder ``block`` is a :class:`MultiLoRALinear`."""
-    return bool(getattr(block, "_parallm_lora", False))
-
-
 def blocks_step_fused(block: Any) -> bool:
     """Whether ``block`` may take the fused one-op layer step now: none of its layers is
-    adapted, or no row of this thread's pass has an adapter."""
-    return not wrapped_blocks(block) or current_rows() is None
+    adapted (:meth:`.ModelAdapters._wrap` marks it), or no row of this thread's pass has an adapter."""
+    return not getattr(block, "_parallm_lora", False) or current_rows() is None
 
 
 def base_linear(layer: Any) -> Any:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from ...errors import EngineOverloadedError
-from .files import AdapterFiles, read_adapter
+from .files import CONFIG_FILE, WEIGHTS_FILE, AdapterFiles, linear_dims, read_adapter
 from .layers import MultiLoRALinear, base_linear
 
 _ATTRIBUTE = "_parallm_adapters"
@@ -58,8 +58,6 @@ class AdapterUse:
 
 def _stamp(path: Path) -> tuple[int, ...]:
     """The adapter folder's files' sizes and modification times (a changed file is reread)."""
-    from .files import CONFIG_FILE, WEIGHTS_FILE
-
     out: list[int] = []
     for name in (CONFIG_FILE, WEIGHTS_FILE):
         try:
@@ -124,9 +122,10 @@ class ModelAdapters:
             free = [self._resident[victim].slot]
             self._evict(victim)
         slot = free[0]
-        for name in files.pairs:
-            if name not in self._wrapped:
-                self._wrap(name)
+        unwrapped = [name for name in files.pairs if name not in self._wrapped]
+        modules = dict(self.model.named_modules()) if unwrapped else {}  # (one walk of the model for all of them)
+        for name in unwrapped:
+            self._wrap(name, modules)
         rank = max([files.rank, *(layer.rank for layer in self._wrapped.values())])
         for name, layer in self._wrapped.items():
             layer.set_slot(slot, files.pairs.get(name), slot + 1, rank)
@@ -140,15 +139,14 @@ class ModelAdapters:
             layer.set_slot(resident.slot, None, resident.slot + 1, layer.rank)
         self.evictions += 1
 
-    def _wrap(self, name: str) -> None:
-        """Put a :class:`MultiLoRALinear` in place of the linear layer at ``name``."""
-        from .files import _dims
-
+    def _wrap(self, name: str, modules: dict[str, Any]) -> None:
+        """Put a :class:`MultiLoRALinear` in place of the linear layer at ``name`` (``modules``:
+        the model's, by name)."""
         parent_name, _, leaf = name.rpartition(".")
-        parent = dict(self.model.named_modules())[parent_name]
+        parent = modules[parent_name]
         linear = base_linear(getattr(parent, leaf))
         slots = max((layer.slots for layer in self._wrapped.values()), default=1)
-        wrapper = MultiLoRALinear(linear, *_dims(linear))
+        wrapper = MultiLoRALinear(linear, *linear_dims(linear))
         if slots > 1:
             wrapper.set_slot(slots - 1, None, slots, 1)
         setattr(parent, leaf, wrapper)
