@@ -16,7 +16,7 @@ import logging
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, ClassVar, Mapping, Optional
 
 from ._validation import Limit
 from .errors import InvalidParameterError
@@ -214,8 +214,23 @@ def _device(name: str) -> Any:
     return field(default_factory=_env_default(DEVICE_SETTINGS, name))
 
 
+class _CheckedSettings:
+    """A frozen dataclass of the settings in ``_SETTINGS``, each checked against its limit when
+    made (:class:`DeviceConfig`, :class:`PoolConfig`)."""
+
+    _SETTINGS: ClassVar[dict[str, Setting]]
+
+    def __post_init__(self) -> None:
+        for name, setting in self._SETTINGS.items():
+            setting.limit.check(name, getattr(self, name))
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain dict of every setting."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}  # type: ignore[arg-type]
+
+
 @dataclass(frozen=True)
-class DeviceConfig:
+class DeviceConfig(_CheckedSettings):
     """How one engine computes on its device (the CPU kernels and their knobs).
 
     Every field's default comes from its environment variable (listed in
@@ -255,6 +270,7 @@ class DeviceConfig:
             that loads a model (the last one wins).
     """
 
+    _SETTINGS: ClassVar[dict[str, Setting]] = DEVICE_SETTINGS
     cpu_kernels: Optional[bool] = _device("cpu_kernels")
     blas: str = _device("blas")
     small_batch_rows: int = _device("small_batch_rows")
@@ -264,10 +280,6 @@ class DeviceConfig:
     float32_weights: bool = _device("float32_weights")
     kernel_march: Optional[str] = _device("kernel_march")
     amx: bool = _device("amx")
-
-    def __post_init__(self) -> None:
-        for name, setting in DEVICE_SETTINGS.items():
-            setting.limit.check(name, getattr(self, name))
 
     @classmethod
     def from_env(cls, **overrides: Any) -> "DeviceConfig":
@@ -282,9 +294,6 @@ class DeviceConfig:
             raise InvalidParameterError(where, f"has unknown DeviceConfig fields {unknown}")
         return cls(**values)
 
-    def as_dict(self) -> dict[str, Any]:
-        """Plain dict of every setting."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 @dataclass(frozen=True)
@@ -486,7 +495,7 @@ def _pool(name: str) -> Any:
 
 
 @dataclass(frozen=True)
-class PoolConfig:
+class PoolConfig(_CheckedSettings):
     """The process's model pool: every engine :func:`~mlx_parallm_provider.get_engine` makes
     (one per model name) shares one memory budget. Per process: set it with
     :func:`~mlx_parallm_provider.configure_pool` or the variables below (read when the pool is
@@ -506,19 +515,12 @@ class PoolConfig:
             :class:`~mlx_parallm_provider.errors.EngineOverloadedError`.
     """
 
+    _SETTINGS: ClassVar[dict[str, Setting]] = POOL_SETTINGS
     memory_gb: Optional[float] = _pool("memory_gb")
     idle_unload_s: Optional[float] = _pool("idle_unload_s")
     load_wait_s: float = _pool("load_wait_s")
-
-    def __post_init__(self) -> None:
-        for name, setting in POOL_SETTINGS.items():
-            setting.limit.check(name, getattr(self, name))
 
     @property
     def memory_bytes(self) -> Optional[int]:
         """The budget in bytes, or None."""
         return None if self.memory_gb is None else int(self.memory_gb * 1024**3)
-
-    def as_dict(self) -> dict[str, Any]:
-        """Plain dict of every setting."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
