@@ -326,14 +326,14 @@ class Engine(EmbedMethods, SleepMethods, LoRAMethods):
             adapter=self._adapters.acquire(params.lora),
         )
         try:
-            return self._submit_to_core(request, params)
+            return self._submit_to_core(request)
         except BaseException:
             if request.adapter is not None:
                 request.adapter.release()
             raise
 
-    def _submit_to_core(self, request: Request, params: SamplingParams) -> Request:
-        ids = request.prompt_ids
+    def _submit_to_core(self, request: Request) -> Request:
+        ids, params = request.prompt_ids, request.params
         for _ in range(2):
             core = self._live_core()
             if params.constraint is not None:  # one that fails within a few tokens is a 400 here
