@@ -124,8 +124,7 @@ class ModelPool:
             engine._reload()
             return
         with self._cond:
-            while entry.state in ("loading", "unloading"):
-                self._cond.wait()
+            self._wait_settled(entry)
             entry.last_used = self._clock()
             if entry.state == "awake" and engine.state == "awake":
                 return
@@ -145,6 +144,11 @@ class ModelPool:
             entry.counts["wakes"] += 1
             self._settle(entry)
 
+    def _wait_settled(self, entry: Any) -> None:
+        """(The lock held) until no load or unload of ``entry`` is under way."""
+        while entry.state in ("loading", "unloading"):
+            self._cond.wait()
+
     def sleep(self, engine: Any) -> None:
         """Put an engine to sleep (:meth:`.Engine.sleep`), its memory given back to the budget."""
         entry = self._entry_of(engine)
@@ -152,8 +156,7 @@ class ModelPool:
             engine._unload()
             return
         with self._cond:
-            while entry.state in ("loading", "unloading"):
-                self._cond.wait()
+            self._wait_settled(entry)
             if entry.state == "asleep":
                 return
             self._put_to_sleep(entry, only_if_idle=False)
