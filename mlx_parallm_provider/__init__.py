@@ -57,7 +57,7 @@ _ENGINE_NAMES = frozenset({
 })
 """Names of :mod:`.engine` this package exports, imported on first access (they import mlx)."""
 
-__version__ = "0.4.0"
+__version__ = "0.5.0"
 
 
 def _load_litellm_adapter() -> Any:

@@ -144,6 +144,10 @@ def _parse_blas(raw: str) -> str:
     return "off" if raw.lower() in ("off", "0", "none", "false") else "auto" if raw.lower() == "auto" else raw
 
 
+def _parse_word(raw: str) -> str:
+    return raw.strip().lower()
+
+
 def _parse_int8(raw: str) -> int:
     if raw in ("8", "16"):
         return int(raw)
@@ -164,6 +168,9 @@ def _parse_number(raw: str) -> float:
         raise ValueError("a number") from None
 
 
+PAGED_ATTENTION = ("auto", "kernel", "gather")
+"""How a GPU attends over paged KV (:attr:`DeviceConfig.paged_attention`)."""
+
 DEVICE_SETTINGS: dict[str, Setting] = {
     "cpu_kernels": Setting(Limit("bool", optional=True), "MLX_PARALLM_CPU_OPS", None, _parse_choice),
     "blas": Setting(Limit("text", words="'auto' / 'off' / a library path"), "MLX_PARALLM_BLAS", "auto", _parse_blas),
@@ -175,6 +182,7 @@ DEVICE_SETTINGS: dict[str, Setting] = {
     "kernel_march": Setting(Limit("text", optional=True, pattern=MARCH_PATTERN, words="an -march name (e.g. 'x86-64-v3') / None"),
                             "MLX_PARALLM_KERNEL_MARCH", None, _parse_march),
     "amx": Setting(Limit("bool"), "MLX_PARALLM_AMX", True, _parse_choice),
+    "paged_attention": Setting(Limit("choice", choices=PAGED_ATTENTION), "MLX_PARALLM_PAGED_ATTENTION", "auto", _parse_word),
 }
 """:class:`DeviceConfig`'s fields: limits, variables, built-in defaults."""
 
@@ -268,6 +276,10 @@ class DeviceConfig(_CheckedSettings):
         amx: the int8 path multiplies on Intel AMX tiles where the CPU and Linux give them;
             False keeps them off. Per process: the loaded kernel's state, set by each engine
             that loads a model (the last one wins).
+        paged_attention: on a GPU (Metal, CUDA), how attention reads the paged KV:
+            ``"kernel"``, this package's kernels read it through the block tables;
+            ``"gather"``, each row's blocks are copied into a rectangle for MLX's attention;
+            ``"auto"``, the kernels where their check at first use passes, else the gather.
     """
 
     _SETTINGS: ClassVar[dict[str, Setting]] = DEVICE_SETTINGS
@@ -280,6 +292,7 @@ class DeviceConfig(_CheckedSettings):
     float32_weights: bool = _device("float32_weights")
     kernel_march: Optional[str] = _device("kernel_march")
     amx: bool = _device("amx")
+    paged_attention: str = _device("paged_attention")
 
     @classmethod
     def from_env(cls, **overrides: Any) -> "DeviceConfig":

@@ -89,6 +89,33 @@ def _adapters(lora: dict[str, Any]) -> str:
     return f"{names}; {resident} of max_loras={lora['max_loras']}"
 
 
+def _device_name(mx: Any) -> str:
+    """MLX's default device and what it is (``mx.device_info``: the GPU's or CPU's name)."""
+    try:
+        info = mx.device_info()
+    except Exception:  # an MLX without it, or a device that gives none
+        info = {}
+    name = info.get("device_name") or info.get("name")
+    return f"{mx.default_device()}" + (f" ({name})" if name else "")
+
+
+def _attention(device: Any) -> dict[str, str]:
+    """The backend a model loaded now gets, and how its attention reads the paged KV: on a
+    GPU the paged kernels are compiled and checked here, as an engine does at first use."""
+    from .models import attention, backends
+
+    chosen = backends.choose(None, device)
+    if isinstance(chosen, backends.GPUKernels):
+        chosen.kernels_ready()
+        path = chosen.attention_path()
+    elif isinstance(chosen, backends.CPUKernels):
+        path = ("CPU kernel through the block tables" if attention.has_attention_step()
+                else "gather (the CPU kernels' extension is not built)")
+    else:
+        path = "gather (MLX's ops: cpu_kernels=False)"
+    return {"backend": f"{chosen.name} ({type(chosen).__name__})", "paged attention": path}
+
+
 def report() -> dict[str, Any]:
     """Everything :func:`main` prints, as a dict."""
     import mlx.core as mx
@@ -109,7 +136,8 @@ def report() -> dict[str, Any]:
     return {
         "python": sys.version.split()[0],
         "platform": platform.platform(),
-        "device": str(mx.default_device()),
+        "device": _device_name(mx),
+        **_attention(device),
         "blas": backend.blas_in_use(),
         "blas chosen": backend.chosen_blas(device.blas) or "none (blas='off', or none found)",
         "dense layers": ("OpenBLAS bound privately (mlx was imported first)" if mlx_first and ext is not None

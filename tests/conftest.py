@@ -92,11 +92,15 @@ def default_gguf() -> Path:
 
 
 @pytest.fixture(scope="session")
-def smollm_tokenizer_dir(default_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """tokenizer.json + tokenizer_config.json converted from the real GGUF."""
+def smollm_tokenizer_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tokenizer.json + tokenizer_config.json converted from the real GGUF, or the folder
+    ``--tokenizer-dir`` names (a machine without the default model: scripts/gpu_check.sh)."""
+    given = request.config.getoption("--tokenizer-dir")
+    if given:
+        return Path(given)
     from mlx_parallm_provider.models.gguf import read_gguf_tokenizer
 
-    return read_gguf_tokenizer(default_gguf, tmp_path_factory.mktemp("smollm-tokenizer"))
+    return read_gguf_tokenizer(request.getfixturevalue("default_gguf"), tmp_path_factory.mktemp("smollm-tokenizer"))
 
 
 def write_tiny_model(folder: Path, tokenizer_dir: Path, seed: int = 0, config: Optional[dict] = None) -> Path:
@@ -170,6 +174,25 @@ def fresh_litellm_engines():
     shutdown_engines()
     yield
     shutdown_engines()
+
+
+GPU_MODULES = {
+    "test_engine.py", "test_paged_engine.py", "test_litellm_engine.py", "test_langchain.py", "test_prefix_caching.py",
+    "test_shared_prefix_engine.py", "test_speculation.py", "test_constraints.py", "test_paged_forward.py",
+    "test_structured_doors.py", "test_isolation.py", "test_embeddings.py", "test_gpu_paged.py", "test_quantized_kv.py",
+}
+"""The integration modules marked ``gpu``: the engine, its doors (LiteLLM, LangChain) and its
+KV on the tiny model, none needing the CPU kernels or the default model (``slow`` tests aside)."""
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--tokenizer-dir", default=None, help="tokenizer folder of the tiny test models, instead of the default model's")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.parent.name == "integration" and item.path.name in GPU_MODULES and "slow" not in item.keywords:
+            item.add_marker(pytest.mark.gpu)
 
 
 def pytest_terminal_summary(terminalreporter) -> None:

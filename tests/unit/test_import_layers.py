@@ -168,7 +168,8 @@ def test_no_import_cycles() -> None:
 MODEL_FLOORS = (
     ("native build, cache and extension", ("models.kernel_cache", "models.qmatmul", "models.qmatmul_ext")),
     ("device (is_cpu, the BLAS)", ("models.device",)),
-    ("ops", ("models.attention", "models.cpu_ops", "models.fused_ops", "models.small_batch", "models.private_blas", "models.lora")),
+    ("ops", ("models.attention", "models.cpu_ops", "models.fused_ops", "models.small_batch", "models.private_blas", "models.lora",
+             "models.paged_kernels")),
     ("backends", ("models.backends", "models.head")),
     ("loading", ("models.backend", "models.registry", "models.gguf")),
 )

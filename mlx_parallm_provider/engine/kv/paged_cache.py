@@ -7,11 +7,11 @@ already holds, how many it brings); :meth:`PagedBatch.layers` gives one
 the row's blocks) and ``attend`` (attention through the block tables; the model's backend
 routes its attention there, passing itself: :meth:`~mlx_parallm_provider.models.backends.MLXOps.attend`).
 
-Attention reads each row's blocks. On the CPU kernels backend, one kernel call reads them
+Attention reads each row's blocks. On the CPU and GPU kernels backends, kernels read them
 through the block tables (the backend's ``paged_decode_attention``) for every pass: a decode
 step, a step verifying drafts or forced tokens, a prefill piece of any width (each position
-sees the tokens before it and computes what a decode step there would). Elsewhere (Metal,
-CUDA, kernels off, attention sinks) rows are gathered, per length bucket,
+sees the tokens before it and computes what a decode step there would). Elsewhere (MLX's
+ops, layouts or pools the kernels do not take, attention sinks) rows are gathered, per length bucket,
 into a transient rectangle (so a long row never makes short rows attend over its length),
 then attended by the backend's ``dense_attention``.
 Decoding rows whose tables start with the same cached
@@ -338,7 +338,7 @@ class PagedLayerCache:
         with attention ``sinks``, which the kernel does not take)."""
         backend = backend or _MLX_OPS
         batch, storage = self.batch, self.batch.storage
-        if sinks is None and backend.kernels:  # (asked only there: a wide pass's limits take a loop to build)
+        if sinks is None and backend.reads_pages:  # (asked only there: a wide pass's limits take a loop to build)
             quantized = {"scales": storage.scales[self.layer], "bits": storage.bits} if storage.bits else {}
             out = backend.paged_decode_attention(queries, storage.keys[self.layer], storage.values[self.layer], batch.table,
                                                    batch.limits, storage.block_size, scale, window=self.window, **quantized)

@@ -1,6 +1,7 @@
-"""One backend object per loaded model: MLX's own ops (:class:`MLXOps`) or this package's
-CPU kernels (:class:`CPUKernels`), chosen once (:func:`choose`) and installed on that model
-alone (:func:`install`), as vLLM picks one attention backend class per model.
+"""One backend object per loaded model: MLX's own ops (:class:`MLXOps`), this package's CPU
+kernels (:class:`CPUKernels`) or MLX's ops with this package's paged-attention kernels on a GPU
+(:class:`GPUKernels`), chosen once (:func:`choose`) and installed on that model alone
+(:func:`install`), as vLLM picks one attention backend class per model.
 
 :func:`install` points the model's layers at the backend (:mod:`.routing`: per instance,
 never through mlx-lm's module globals) and records it on the model (:func:`of`). A model
@@ -16,10 +17,11 @@ from typing import Any, Iterator, Optional, Union
 
 from ...config import DEVICE_SETTINGS, DeviceConfig
 from .cpu_kernels import CPUKernels
+from .gpu_kernels import GPUKernels, gpu_platform
 from .mlx_ops import MLXOps
 from .routing import route, unroute
 
-__all__ = ["CPU_OPS_ENV", "CPUKernels", "MLXOps", "choose", "ensure", "install", "of", "routes_attention", "uninstall", "using", "wants_kernels"]
+__all__ = ["CPU_OPS_ENV", "CPUKernels", "GPUKernels", "MLXOps", "choose", "ensure", "install", "of", "routes_attention", "uninstall", "using", "wants_kernels"]
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +30,7 @@ _ATTRIBUTE = "_parallm_backend"  # on the model: (backend, whether attention is 
 
 Choice = Union[None, bool, str, MLXOps]
 """What :func:`choose` takes: None (the default), True / ``"cpu"`` (the CPU kernels),
-False / ``"mlx"`` (MLX's own ops), or a backend object."""
+False / ``"mlx"`` (MLX's own ops), ``"gpu"`` (the GPU kernels), or a backend object."""
 
 
 def wants_kernels(device: Optional[DeviceConfig] = None) -> bool:
@@ -44,17 +46,20 @@ def wants_kernels(device: Optional[DeviceConfig] = None) -> bool:
 
 def choose(choice: Choice = None, device: Optional[DeviceConfig] = None) -> MLXOps:
     """A new backend for one model (see :data:`Choice`), set from ``device`` (default: the
-    environment's :class:`.DeviceConfig`)."""
+    environment's :class:`.DeviceConfig`). By default: the CPU kernels where
+    :func:`wants_kernels`, else the GPU kernels on a GPU, else MLX's ops."""
     if isinstance(choice, MLXOps):
         return choice
     device = device or DeviceConfig()
     if choice is None:
-        choice = wants_kernels(device)
+        choice = True if wants_kernels(device) else "gpu" if gpu_platform() else False
     if choice in (True, "cpu"):
         return CPUKernels(device)
+    if choice == "gpu":
+        return GPUKernels(device)
     if choice in (False, "mlx"):
         return MLXOps()
-    raise ValueError(f"unknown backend {choice!r}: expected 'cpu', 'mlx', a bool or a backend object")
+    raise ValueError(f"unknown backend {choice!r}: expected 'cpu', 'gpu', 'mlx', a bool or a backend object")
 
 
 def install(model: Any, backend: MLXOps) -> bool:

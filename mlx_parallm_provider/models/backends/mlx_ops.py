@@ -21,6 +21,9 @@ class MLXOps:
     kernels = False
     """Whether it runs this package's CPU kernels (the packed-weight matmul, the fused
     decode attention, RMSNorm and RoPE)."""
+    reads_pages = False
+    """Whether :meth:`paged_decode_attention` may read paged KV through the block tables (else
+    the caller gathers the rows' blocks without asking)."""
     head_sizes: Optional[tuple[int, int, int]] = None
     """``(multiple, largest, largest query heads per KV head)`` its decode kernels take; None: any."""
     packed_rows = 0

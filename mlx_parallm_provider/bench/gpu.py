@@ -1,0 +1,235 @@
+"""The GPU checks that are not tests: the paged kernels against the gather path (time of one
+layer's attention), greedy agreement of the engine with mlx-lm, and where a decode step's time
+goes as the rows grow. Runs on any device (the CPU too, without the kernels' timing).
+
+    python -m mlx_parallm_provider.bench.gpu --tokenizer DIR [--model DIR] [--json FILE]
+
+``--tokenizer``: a folder with ``tokenizer.json`` / ``tokenizer_config.json``; a tiny random
+llama and a ~1B-shaped random 4-bit model are built from it (:mod:`.random_model`) unless
+``--model`` names the model to measure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+import mlx.core as mx
+
+from ..models import paged_kernels
+
+PROMPTS = [
+    "Write a haiku about the sea.", "What is the capital of France?", "List three prime numbers.", "Explain recursion briefly.",
+    "Translate 'good morning' to Spanish.", "Give me a name for a cat.", "What is 17 times 23?", "Describe a rainbow in one line.",
+]
+
+
+def _timed(fn: Callable[[], Any], repeats: int = 7) -> float:
+    """Median seconds of ``fn()`` evaluated (one warm-up first)."""
+    mx.eval(fn())
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        mx.eval(fn())
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def paged_step_times(launch: paged_kernels.Launch, contexts: Sequence[int] = (1000, 4000), rows: Sequence[int] = (1, 8, 32),
+                     heads: int = 32, kv_heads: int = 8, head_dim: int = 64, block_size: int = 16, dtype: mx.Dtype = mx.bfloat16,
+                     repeats: int = 7) -> list[dict[str, Any]]:
+    """One layer's decode attention over rows of ``contexts`` tokens in shuffled blocks: the
+    kernels (``launch``) against the gather path, in ms, with their largest difference."""
+    out = []
+    for context in contexts:
+        for B in rows:
+            per_row = -(-context // block_size)
+            blocks = B * per_row + 1
+            order = mx.random.permutation(blocks)[: B * per_row].reshape(B, per_row).astype(mx.int32)
+            k_pool = mx.random.normal((blocks * block_size, kv_heads, head_dim)).astype(dtype)
+            v_pool = mx.random.normal((blocks * block_size, kv_heads, head_dim)).astype(dtype)
+            queries = mx.random.normal((B, heads, 1, head_dim)).astype(dtype)
+            lengths = mx.full((B,), context, dtype=mx.int32)
+            scale = head_dim**-0.5
+            mx.eval(order, k_pool, v_pool, queries)
+
+            def kernel():
+                return paged_kernels.paged_attention(queries, k_pool, v_pool, order, lengths, block_size, scale, launch)
+
+            def gather():
+                return paged_kernels.gathered_attention(queries, k_pool, v_pool, order, lengths, block_size, scale)
+
+            diff = mx.abs(kernel().astype(mx.float32) - gather().astype(mx.float32)).max().item()
+            k_ms, g_ms = _timed(kernel, repeats) * 1e3, _timed(gather, repeats) * 1e3
+            out.append({"context": context, "rows": B, "kernel_ms": k_ms, "gather_ms": g_ms, "gather_over_kernel": g_ms / k_ms,
+                        "max_diff": diff})
+    return out
+
+
+def _prompt_ids(tokenizer: Any, n: int) -> list[list[int]]:
+    return [tokenizer.encode(PROMPTS[i % len(PROMPTS)] + (" Again." * (i // len(PROMPTS)))) for i in range(n)]
+
+
+def agreement(model: str, prompts: int = 8, tokens: int = 32) -> dict[str, Any]:
+    """Greedy tokens of the engine (all ``prompts`` in one batch) against mlx-lm's
+    ``generate_step`` on each prompt alone (its own load of the model)."""
+    import mlx_lm
+    from mlx_lm.generate import generate_step
+
+    from ..config import EngineConfig
+    from ..engine import Engine, SamplingParams
+    from ..models import registry
+
+    loaded = registry.load(model)
+    ids = _prompt_ids(loaded.tokenizer, prompts)
+    engine = Engine("agreement", EngineConfig(max_num_seqs=max(prompts, 1)), loaded=loaded)
+    try:
+        params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+        batched = [o.token_ids for o in engine.generate_many_sync(ids, params)]
+        batch_size = engine.stats()["max_batch_size"]
+    finally:
+        engine.shutdown()
+    peer, _ = mlx_lm.load(model)
+    alone = []
+    for p in ids:
+        steps = generate_step(mx.array(p), peer, max_tokens=tokens, sampler=lambda x: mx.argmax(x, axis=-1))
+        alone.append([int(t) for t, _ in steps])
+    prefixes = []
+    for a, b in zip(batched, alone):
+        same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        prefixes.append(same)
+    return {"model": model, "rows": prompts, "tokens": tokens, "batch_size": batch_size,
+            "rows_identical": sum(a == b for a, b in zip(batched, alone)), "agreeing_prefix": prefixes}
+
+
+def step_breakdown(model: str, rows: Sequence[int] = (1, 2, 4, 8, 32, 64), tokens: int = 32,
+                   launch: Optional[paged_kernels.Launch] = None) -> list[dict[str, Any]]:
+    """Where one decode step's time goes at each row count: the engine's measured step (p50),
+    and timed alone at that size: every linear layer once (weights' matmuls and the head), the
+    attention of every layer over the rows' KV (the paged kernels where ``launch``, else the
+    gather path), sampling (argmax and a categorical draw over the vocabulary). The rest: norms,
+    RoPE, elementwise ops, Python and scheduling."""
+    import mlx.nn as nn
+
+    from ..config import EngineConfig
+    from ..engine import Engine, SamplingParams
+    from ..models import backends, registry
+
+    loaded = registry.load(model)
+    m = loaded.model
+    linears = [mod for _, mod in m.named_modules() if isinstance(mod, (nn.Linear, nn.QuantizedLinear))]
+    if getattr(backends.of(m), "kernels", False):
+        raise ValueError("the model runs the CPU kernels: the breakdown times MLX's ops (a GPU, or MLX_PARALLM_CPU_OPS=0)")
+    args = m.args if hasattr(m, "args") else None
+    heads, kv_heads = args.num_attention_heads, args.num_key_value_heads
+    head_dim = getattr(args, "head_dim", None) or args.hidden_size // heads
+    embed = m.model.embed_tokens
+    dtype = m.model.norm.weight.dtype  # the activations' dtype
+    prompt_ids = _prompt_ids(loaded.tokenizer, max(rows))
+    context = max(len(p) for p in prompt_ids) + tokens // 2
+    out = []
+    for R in rows:
+        engine = Engine("breakdown", EngineConfig(max_num_seqs=R), loaded=loaded)
+        try:
+            engine.generate_many_sync(prompt_ids[:R], SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True))
+            step_ms = engine.stats()["step_s"]["p50"] * 1e3
+        finally:
+            engine.shutdown()
+        xs = {mod.weight.shape[-1] * (32 // mod.bits if isinstance(mod, nn.QuantizedLinear) else 1) for mod in linears}
+        inputs = {d: mx.random.normal((R, 1, d)).astype(dtype) for d in xs}
+
+        def matmuls():
+            outs = [mod(inputs[mod.weight.shape[-1] * (32 // mod.bits if isinstance(mod, nn.QuantizedLinear) else 1)]) for mod in linears]
+            head = getattr(m, "lm_head", None)
+            outs.append(head(inputs[args.hidden_size]) if head is not None else embed.as_linear(inputs[args.hidden_size]))
+            return outs
+
+        block = 16
+        per_row = -(-context // block)
+        table = mx.arange(R * per_row, dtype=mx.int32).reshape(R, per_row)
+        pool = mx.random.normal((R * per_row * block, kv_heads, head_dim)).astype(dtype)
+        q = mx.random.normal((R, heads, 1, head_dim)).astype(dtype)
+        lengths = mx.full((R,), context, dtype=mx.int32)
+
+        def attention():
+            if launch is not None:
+                return [paged_kernels.paged_attention(q, pool, pool, table, lengths, block, 0.125, launch) for _ in m.layers]
+            return [paged_kernels.gathered_attention(q, pool, pool, table, lengths, block, 0.125) for _ in m.layers]
+
+        logits = mx.random.normal((R, args.vocab_size))
+
+        def sampling():
+            return [mx.argmax(logits, axis=-1), mx.random.categorical(logits / 0.7)]
+
+        parts = {"matmul_ms": _timed(matmuls, 5) * 1e3, "attention_ms": _timed(attention, 5) * 1e3, "sampling_ms": _timed(sampling, 5) * 1e3}
+        rest = step_ms - sum(parts.values())
+        out.append({"rows": R, "step_ms": step_ms, "tokens_per_s": R / step_ms * 1e3, **parts, "rest_ms": rest})
+    return out
+
+
+def _table(rows: list[dict[str, Any]]) -> str:
+    if not rows:
+        return "(none)"
+    keys = list(rows[0])
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    for r in rows:
+        lines.append("| " + " | ".join(f"{v:.3g}" if isinstance(v, float) else str(v) for v in r.values()) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokenizer", type=Path, help="tokenizer folder the random models are built from")
+    parser.add_argument("--model", help="the model of the agreement and breakdown (default: the random ~1B 4-bit one)")
+    parser.add_argument("--shape", default="1b", help="the random quantized model's shape (bench.random_model's SHAPES)")
+    parser.add_argument("--rows", default="1,2,4,8,32,64")
+    parser.add_argument("--contexts", default="1000,4000")
+    parser.add_argument("--json", type=Path, help="also write every figure here")
+    parser.add_argument("--skip", default="", help="comma-separated sections to skip: paged, agreement, breakdown")
+    args = parser.parse_args(argv)
+    from ..models.backends.gpu_kernels import MLXKernels, gpu_platform
+
+    skip = set(filter(None, args.skip.split(",")))
+    platform = gpu_platform()
+    result: dict[str, Any] = {"device": str(mx.default_device()), "platform": platform, "date": time.strftime("%Y-%m-%d")}
+    launch = MLXKernels(platform) if platform else None
+    work = Path(tempfile.mkdtemp(prefix="parallm-gpu-bench-"))
+    models: list[str] = []
+    if args.model:
+        models = [args.model]
+    elif args.tokenizer:
+        from .random_model import build
+
+        tiny = build(work / "tiny", args.tokenizer, "135m", bits=0, dtype="float32")
+        big = build(work / args.shape, args.tokenizer, args.shape, bits=4)
+        models = [str(tiny), str(big)]
+
+    def section(name: str, fn: Callable[[], Any]) -> None:
+        if name.split("_")[0] in skip:
+            return
+        start = time.perf_counter()
+        try:
+            result[name] = fn()
+        except Exception as exc:  # one section failing still reports the others
+            result[name] = {"error": f"{type(exc).__name__}: {exc}"}
+        shown = _table(result[name]) if isinstance(result[name], list) else json.dumps(result[name])
+        print(f"\n## {name} ({time.perf_counter() - start:.0f} s)\n{shown}", flush=True)
+        if args.json:
+            args.json.write_text(json.dumps(result, indent=1))
+
+    if launch is not None:
+        section("paged", lambda: paged_step_times(launch, [int(c) for c in args.contexts.split(",")]))
+    for i, model in enumerate(models):
+        section(f"agreement_{i}", lambda model=model: agreement(model))
+    if models:
+        section("breakdown", lambda: step_breakdown(models[-1], [int(r) for r in args.rows.split(",")], launch=launch))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,140 @@
+"""The GPU backend: MLX's own ops, with attention over paged KV read through the block tables
+by this package's kernels (:mod:`..paged_kernels`) instead of gathered into a copy per layer.
+
+The kernels are compiled for the backend's platform only, by MLX's ``mx.fast.cuda_kernel``
+(MLX's CUDA backend) or ``mx.fast.metal_kernel`` (Apple GPUs), when first used. That first
+use also checks them: a small random pool attended by the kernels and by the gather path must
+agree. With :attr:`.DeviceConfig.paged_attention` ``"auto"`` a kernel that fails to compile or
+to agree is logged once and the gather path is used from then on; ``"kernel"`` raises instead,
+``"gather"`` never tries them.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional, Sequence
+
+import mlx.core as mx
+
+from ...config import DeviceConfig
+from .. import paged_kernels
+from ..paged_kernels import KernelCall, Launch, body_for
+from .mlx_ops import MLXOps
+
+logger = logging.getLogger(__name__)
+
+CHECK_TOLERANCE = 2e-3
+"""Largest difference the first-use check allows between the kernels and the gather path (float32 pools)."""
+
+
+def gpu_platform() -> Optional[str]:
+    """``"metal"`` or ``"cuda"``: the GPU MLX computes on where its default device is a GPU; else None."""
+    if mx.default_device() != mx.gpu:
+        return None
+    if mx.metal.is_available():
+        return "metal"
+    cuda = getattr(mx, "cuda", None)
+    if cuda is not None and cuda.is_available():
+        return "cuda"
+    return None
+
+
+class MLXKernels:
+    """Runs :class:`~..paged_kernels.KernelCall` s through MLX's custom-kernel API of one
+    platform, each kernel made once (MLX compiles it per template, on first launch)."""
+
+    def __init__(self, platform: str) -> None:
+        if platform not in ("cuda", "metal"):
+            raise ValueError(f"no GPU kernels for platform {platform!r}: expected 'cuda' or 'metal'")
+        self.platform = platform
+        self._kernels: dict[str, Any] = {}
+
+    def __call__(self, call: KernelCall) -> mx.array:
+        kernel = self._kernels.get(call.kernel.name)
+        if kernel is None:
+            make = mx.fast.cuda_kernel if self.platform == "cuda" else mx.fast.metal_kernel
+            kernel = make(name=call.kernel.name, input_names=list(call.kernel.inputs), output_names=list(call.kernel.outputs),
+                          source=body_for(call.kernel, self.platform))
+            self._kernels[call.kernel.name] = kernel
+        return kernel(inputs=call.inputs, template=call.layout.template(), grid=(call.threads, 1, 1),
+                      threadgroup=(paged_kernels.THREADGROUP, 1, 1), output_shapes=[call.output_shape],
+                      output_dtypes=[mx.float32])[0]
+
+
+class GPUKernels(MLXOps):
+    """MLX's ops, paged attention by this package's kernels (see the module docstring).
+
+    ``launch`` runs the kernels (default: :class:`MLXKernels` for ``platform``, itself
+    :func:`gpu_platform` by default); the tests pass one that runs the same kernel text on the CPU."""
+
+    name = "gpu"
+    reads_pages = True
+
+    def __init__(self, device: Optional[DeviceConfig] = None, launch: Optional[Launch] = None, platform: Optional[str] = None) -> None:
+        self.mode = (device or DeviceConfig()).paged_attention
+        self.platform = platform or gpu_platform() or "none"
+        self._launch = launch
+        self._ready: Optional[bool] = None if self.mode != "gather" else False
+        self.failure: Optional[str] = None
+        """Why the kernels are not used (their first-use check's error), or None."""
+
+    def __repr__(self) -> str:
+        return f"GPUKernels(platform={self.platform!r}, paged_attention={self.mode!r})"
+
+    def attention_path(self) -> str:
+        """How this backend attends over paged KV, in words (for ``doctor`` and stats)."""
+        if self.mode == "gather":
+            return "gather (paged_attention='gather')"
+        if self._ready is None:
+            return f"paged kernels ({self.platform}), checked at first use"
+        return f"paged kernels ({self.platform})" if self._ready else f"gather (the paged kernels failed their check: {self.failure})"
+
+    def kernels_ready(self) -> bool:
+        """Whether the paged kernels are used: compiled and checked once (see the module docstring)."""
+        if self._ready is None:
+            try:
+                if self._launch is None:
+                    self._launch = MLXKernels(self.platform)
+                error = check_kernels(self._launch)
+            except Exception as exc:  # a compile or launch failure: the kernels are not used
+                error = f"{type(exc).__name__}: {exc}"
+            if error is not None and self.mode == "kernel":
+                raise RuntimeError(f"the paged attention kernels failed their check: {error}")
+            if error is not None:
+                logger.warning("paged attention kernels unusable on %s (%s): gathering paged KV instead", self.platform, error)
+            self._ready, self.failure = error is None, error
+        return self._ready
+
+    def paged_decode_attention(
+        self, queries: mx.array, k_pool: mx.array, v_pool: mx.array, table: mx.array, lengths: mx.array, block_size: int, scale: float,
+        window: Optional[int] = None, scales: Optional[Sequence[mx.array]] = None, bits: int = 0,
+    ) -> Optional[mx.array]:
+        """The kernels' attention (:func:`..paged_kernels.paged_attention`), or None (the caller
+        gathers): quantized pools, layouts the kernels do not take, kernels not ready."""
+        if bits or scales is not None or not paged_kernels.takes(queries, k_pool, v_pool, lengths):
+            return None
+        if not self.kernels_ready():
+            return None
+        return paged_kernels.paged_attention(queries, k_pool, v_pool, table, lengths, block_size, scale, self._launch, window=window)
+
+
+def check_kernels(launch: Launch, seed: int = 0) -> Optional[str]:
+    """Attend a small random pool (GQA, shuffled blocks, a window, a prefill piece) by the
+    kernels through ``launch`` and by the gather path; None where they agree, else what differs."""
+    key = mx.random.key(seed)
+    k1, k2, k3 = mx.random.split(key, 3)
+    heads, kv_heads, D, block = 4, 2, 32, 4
+    B, L = 3, 2
+    pool_slots = 24 * block
+    k_pool = mx.random.normal((pool_slots, kv_heads, D), key=k1)
+    v_pool = mx.random.normal((pool_slots, kv_heads, D), key=k2)
+    queries = mx.random.normal((B, heads, L, D), key=k3)
+    table = mx.array([[7, 2, 19, 4, 11], [3, 0, 0, 0, 0], [23, 9, 15, 1, 0]], dtype=mx.int32)
+    limits = mx.array([[17, 18], [2, 3], [13, 15]], dtype=mx.int32)
+    for window in (None, 5):
+        got = paged_kernels.paged_attention(queries, k_pool, v_pool, table, limits, block, 0.2, launch, window=window)
+        want = paged_kernels.gathered_attention(queries, k_pool, v_pool, table, limits, block, 0.2, window=window)
+        diff = mx.abs(got - want).max().item()
+        if not diff <= CHECK_TOLERANCE:  # (NaN too)
+            return f"differs from the gather path by {diff:.3g} (window={window})"
+    return None

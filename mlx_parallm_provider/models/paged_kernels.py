@@ -1,0 +1,228 @@
+"""Paged attention for the GPU: attention that reads K/V through the block tables, with no
+gathered copy of the rows' blocks.
+
+Two kernels whose threads never talk to each other (no shared memory, no barriers, no warp
+shuffles), so the one body text of each runs as it is under MLX's ``mx.fast.cuda_kernel``, its
+``mx.fast.metal_kernel`` and, in the tests, a C++ loop over the thread indices on the CPU
+(the same text compiled by the system compiler):
+
+1. **scores**: a thread per (row, KV head, query position, visible token) computes that
+   token's score for each query head of its KV head's group (the token's K row read once for
+   all of them), scaled; a token the position cannot see scores :data:`MASKED`;
+2. the scores' softmax, by MLX's ops in float32;
+3. **values**: a thread per (token split, row, KV head, query position, channel) sums its
+   split's probabilities times V for the group's query heads (adjacent threads read adjacent
+   channels of one V row); MLX's ``sum`` adds the splits.
+
+Each query position sees the tokens before its limit (``limits``: a row's tokens for a
+decode step; per position for a prefill piece or a verify step), and with a sliding
+``window`` only the last ``window`` of them. Pools are ``(slots, kv_heads, D)`` with slot =
+block * block_size + offset, as :mod:`...engine.kv.storage` holds them; float32, float16
+or bfloat16. Quantized pools and attention sinks are not taken (the caller gathers).
+
+:func:`paged_attention` is the whole computation over a ``launch`` callable that runs one
+:class:`KernelCall` (the backend's: :mod:`.backends.gpu_kernels`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import mlx.core as mx
+
+MASKED = -1.0e30
+"""A score no query position sees (finite: a padding position seeing nothing gets zeros, not NaN)."""
+SPLIT_TOKENS = 256
+"""Tokens one values thread sums: a 4,000-token row is 16 splits, so one row alone still fills the GPU."""
+THREADGROUP = 256
+MAX_GROUP = 16
+"""Query heads per KV head a thread keeps accumulators for."""
+POOL_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
+
+PARAMS = "params"
+"""The run-time sizes both kernels read: ``(table width M, score width T, positions L, rows B,
+split tokens, splits)``: they change every step, so they are an input, not a template constant
+(one compiled kernel per model layout, not per step)."""
+
+SCORES_BODY = """
+    constexpr int GROUP = HEADS / KV_HEADS;
+    const int M_ = params[0], T_ = params[1], L_ = params[2], B_ = params[3];
+    if (tid >= B_ * KV_HEADS * L_ * T_) return;
+    const int j = tid % T_;
+    int r = tid / T_;
+    const int l = r % L_;
+    r /= L_;
+    const int h = r % KV_HEADS;
+    const int b = r / KV_HEADS;
+    const int end = limits[b * L_ + l];
+    const int start = (WINDOW > 0 && end > WINDOW) ? end - WINDOW : 0;
+    const int t = start + j;
+    const idx_t out0 = ((idx_t)(b * HEADS + h * GROUP) * L_ + l) * T_ + j;
+    const idx_t head_stride = (idx_t)L_ * T_;
+    if (t >= end) {
+        for (int g = 0; g < GROUP; ++g) scores[out0 + g * head_stride] = -1.0e30f;
+        return;
+    }
+    const idx_t block = table[b * M_ + t / BLOCK];
+    const idx_t k0 = ((block * BLOCK + t % BLOCK) * KV_HEADS + h) * HEAD_DIM;
+    const idx_t q0 = ((idx_t)(b * HEADS + h * GROUP) * L_ + l) * HEAD_DIM;
+    const idx_t q_stride = (idx_t)L_ * HEAD_DIM;
+    float acc[GROUP];
+    for (int g = 0; g < GROUP; ++g) acc[g] = 0.0f;
+    for (int d = 0; d < HEAD_DIM; ++d) {
+        const float k = static_cast<float>(k_pool[k0 + d]);
+        for (int g = 0; g < GROUP; ++g) acc[g] += queries[q0 + g * q_stride + d] * k;
+    }
+    for (int g = 0; g < GROUP; ++g) scores[out0 + g * head_stride] = acc[g] * scale[0];
+"""
+
+VALUES_BODY = """
+    constexpr int GROUP = HEADS / KV_HEADS;
+    const int M_ = params[0], T_ = params[1], L_ = params[2], B_ = params[3], SPLIT = params[4], SPLITS = params[5];
+    if (tid >= SPLITS * B_ * KV_HEADS * L_ * HEAD_DIM) return;
+    const int d = tid % HEAD_DIM;
+    int r = tid / HEAD_DIM;
+    const int l = r % L_;
+    r /= L_;
+    const int h = r % KV_HEADS;
+    r /= KV_HEADS;
+    const int b = r % B_;
+    const int s = r / B_;
+    const int end = limits[b * L_ + l];
+    const int start = (WINDOW > 0 && end > WINDOW) ? end - WINDOW : 0;
+    const int j0 = s * SPLIT;
+    int j1 = end - start;
+    if (j1 > j0 + SPLIT) j1 = j0 + SPLIT;
+    const idx_t p0 = ((idx_t)(b * HEADS + h * GROUP) * L_ + l) * T_;
+    const idx_t head_stride = (idx_t)L_ * T_;
+    float acc[GROUP];
+    for (int g = 0; g < GROUP; ++g) acc[g] = 0.0f;
+    for (int j = j0; j < j1; ++j) {
+        const int t = start + j;
+        const idx_t block = table[b * M_ + t / BLOCK];
+        const float v = static_cast<float>(v_pool[((block * BLOCK + t % BLOCK) * KV_HEADS + h) * HEAD_DIM + d]);
+        for (int g = 0; g < GROUP; ++g) acc[g] += probs[p0 + g * head_stride + j] * v;
+    }
+    const idx_t o0 = ((((idx_t)s * B_ + b) * HEADS + h * GROUP) * L_ + l) * HEAD_DIM + d;
+    const idx_t o_stride = (idx_t)L_ * HEAD_DIM;
+    for (int g = 0; g < GROUP; ++g) partial[o0 + g * o_stride] = acc[g];
+"""
+
+
+@dataclass(frozen=True)
+class KernelSource:
+    """One kernel as MLX's ``fast.*_kernel`` takes it: inputs, outputs and body (the body
+    reads its thread's index as ``tid`` and 64-bit offsets as ``idx_t``: :func:`body_for`)."""
+
+    name: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    body: str
+
+
+SCORES = KernelSource("parallm_paged_scores", ("queries", "k_pool", "table", "limits", PARAMS, "scale"), ("scores",), SCORES_BODY)
+VALUES = KernelSource("parallm_paged_values", ("probs", "v_pool", "table", "limits", PARAMS), ("partial",), VALUES_BODY)
+
+THREAD_INDEX = {
+    "cuda": "blockIdx.x * blockDim.x + threadIdx.x",
+    "metal": "thread_position_in_grid.x",
+    "cpu": "thread_index",
+}
+"""How each place the bodies run names a thread's index in the grid (MLX launches one thread a grid index, rounded up to whole threadgroups)."""
+INDEX_TYPE = {"cuda": "long long", "metal": "long", "cpu": "long long"}  # Metal has no ``long long``; its ``long`` is 64-bit
+
+
+def body_for(kernel: KernelSource, where: str) -> str:
+    """``kernel``'s body for ``where`` (``"cuda"``, ``"metal"`` or ``"cpu"``)."""
+    return f"    typedef {INDEX_TYPE[where]} idx_t;\n    const int tid = (int)({THREAD_INDEX[where]});\n" + kernel.body
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What one compiled kernel pair is specialised for: a model layer's head layout, the
+    pool's dtype and block size, a sliding window (0: none)."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    block_size: int
+    window: int
+    dtype: mx.Dtype
+
+    def template(self) -> list[tuple[str, object]]:
+        """The template arguments both kernels take (``Tk``: the pool's element type)."""
+        return [("Tk", self.dtype), ("HEADS", self.heads), ("KV_HEADS", self.kv_heads), ("HEAD_DIM", self.head_dim),
+                ("BLOCK", self.block_size), ("WINDOW", self.window)]
+
+
+@dataclass
+class KernelCall:
+    """One launch: ``kernel`` over ``inputs`` (in ``kernel.inputs``' order), ``threads`` grid
+    indices, one output of ``output_shape`` in float32."""
+
+    kernel: KernelSource
+    layout: Layout
+    inputs: list[mx.array]
+    threads: int
+    output_shape: tuple[int, ...]
+
+
+Launch = Callable[[KernelCall], mx.array]
+
+
+def takes(queries: mx.array, k_pool: mx.array, v_pool: mx.array, lengths: mx.array) -> bool:
+    """Whether :func:`paged_attention` takes these: float pools of one shape and dtype, at most
+    :data:`MAX_GROUP` query heads per KV head, limits per row or per position."""
+    B, heads, L, D = queries.shape
+    if k_pool.ndim != 3 or k_pool.shape != v_pool.shape or k_pool.dtype != v_pool.dtype or k_pool.dtype not in POOL_DTYPES:
+        return False
+    kv_heads = k_pool.shape[1]
+    if k_pool.shape[2] != D or heads % kv_heads or heads // kv_heads > MAX_GROUP:
+        return False
+    return lengths.shape in ((B,), (B, L)) and (L == 1 or lengths.ndim == 2)
+
+
+def paged_attention(queries: mx.array, k_pool: mx.array, v_pool: mx.array, table: mx.array, lengths: mx.array, block_size: int,
+                    scale: float, launch: Launch, window: Optional[int] = None) -> mx.array:
+    """Attention of ``queries`` ``(B, heads, L, D)`` over paged K/V by the two kernels (the
+    module docstring), each run by ``launch``: ``table`` ``(B, M)`` block ids, ``lengths``
+    ``(B,)`` or ``(B, L)`` the tokens each position sees (where :func:`takes`); ``(B, heads,
+    L, D)`` in ``queries``' dtype."""
+    B, heads, L, D = queries.shape
+    M = table.shape[1]
+    T = M * block_size if not window else min(M * block_size, window)
+    splits = -(-T // SPLIT_TOKENS)
+    layout = Layout(heads, k_pool.shape[1], D, block_size, window or 0, k_pool.dtype)
+    params = mx.array([M, T, L, B, SPLIT_TOKENS, splits], dtype=mx.int32)
+    limits = lengths.reshape(B, L).astype(mx.int32) if lengths.ndim == 2 else mx.broadcast_to(lengths.reshape(B, 1), (B, L)).astype(mx.int32)
+    table = table.astype(mx.int32)
+    q = queries.astype(mx.float32)
+    kv_heads = layout.kv_heads
+    scores = launch(KernelCall(SCORES, layout, [q, k_pool, table, limits, params, mx.array([scale], dtype=mx.float32)],
+                               B * kv_heads * L * T, (B, heads, L, T)))
+    probs = mx.softmax(scores, axis=-1, precise=True)
+    partial = launch(KernelCall(VALUES, layout, [probs, v_pool, table, limits, params], splits * B * kv_heads * L * D,
+                                (splits, B, heads, L, D)))
+    return partial.sum(axis=0).astype(queries.dtype)
+
+
+def gathered_attention(queries: mx.array, k_pool: mx.array, v_pool: mx.array, table: mx.array, lengths: mx.array, block_size: int,
+                       scale: float, window: Optional[int] = None) -> mx.array:
+    """The same attention by gathering every row's blocks and MLX's ops (the reference the
+    kernels are checked against, and what :func:`paged_attention` computes)."""
+    B, heads, L, D = queries.shape
+    M = table.shape[1]
+    S = M * block_size
+    slots = (table[:, :, None] * block_size + mx.arange(block_size)[None, None, :]).reshape(B, S)
+    k = k_pool[slots].astype(mx.float32).swapaxes(1, 2)  # (B, kv_heads, S, D)
+    v = v_pool[slots].astype(mx.float32).swapaxes(1, 2)
+    limits = lengths.reshape(B, L) if lengths.ndim == 2 else mx.broadcast_to(lengths.reshape(B, 1), (B, L))
+    pos = mx.arange(S)[None, None, :]
+    end = limits[:, :, None]
+    visible = pos < end
+    if window:
+        visible = visible & (pos >= end - window)
+    mask = visible[:, None, :, :]  # (B, 1, L, S)
+    out = mx.fast.scaled_dot_product_attention(queries.astype(mx.float32), k, v, scale=scale, mask=mask)
+    return out.astype(queries.dtype)

@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Pack what scripts/gpu_check.sh needs on a GPU machine that reaches no package registry
+# (Python 3.12, x86-64 Linux, CUDA 13): MLX's CUDA build and the packages that machine lacks,
+# in two folders of at most 62 MB each, sent there in two calls back to back:
+#   .gpu/part1/  the first half of the mlx-cuda-13 wheel;
+#   .gpu/part2/  its second half, the other wheels, the rest as one site-packages tarball,
+#                and the default model's tokenizer (the tiny test models and the random
+#                ~1B model are built from it there).
+# Versions are this checkout's (.venv's). Run scripts/setup.sh --dev first.
+# A rehearsal on a CPU machine packs for its Python with MLX's CPU build instead:
+#   PACK_PYTHON=3.11 PACK_MLX_BACKEND=mlx-cpu bash scripts/gpu_pack.sh
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+PY=.venv/bin/python
+OUT=.gpu
+rm -rf "$OUT" && mkdir -p "$OUT/wheels" "$OUT/part1" "$OUT/part2" "$OUT/site"
+grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> .git/info/exclude
+
+# What the GPU machine's image already holds (its package list): not carried.
+PRESENT="absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs build certifi charset-normalizer
+click cloudpickle colorama coverage cuda-bindings cuda-core cuda-pathfinder cuda-toolkit filelock frozenlist fsspec h11 hf-xet httpcore
+httpx huggingface-hub hypothesis idna iniconfig jinja2 markdown markdown-it-py markupsafe mdurl ml-dtypes msgpack multidict networkx
+numpy packaging pathspec pillow pip pluggy prometheus-client propcache protobuf psutil pygments pyyaml pytest pytest-timeout
+python-dateutil regex requests rich safetensors sentencepiece setuptools six sympy mpmath tiktoken tokenizers tqdm transformers
+typing-extensions urllib3 wheel xxhash yarl zipp shellingham typer"
+BACKEND=${PACK_MLX_BACKEND:-mlx-cuda-13}
+PLATFORM=(--only-binary=:all: --python-version "${PACK_PYTHON:-3.12}" --implementation cp --platform any)
+for tag in manylinux1 manylinux2014 manylinux_2_17 manylinux_2_24 manylinux_2_27 manylinux_2_28 manylinux_2_31 manylinux_2_34 manylinux_2_35; do
+  PLATFORM+=(--platform "${tag}_x86_64")
+done
+"$PY" -m pip freeze --exclude-editable | grep -v ' @ ' > "$OUT/constraints.txt"
+MLX=$("$PY" -c "import importlib.metadata as m; print(m.version('mlx'))")
+"$PY" -m pip download -q "${PLATFORM[@]}" -c "$OUT/constraints.txt" -d "$OUT/wheels" \
+  "mlx==$MLX" mlx-lm litellm langchain-core llguidance gguf
+"$PY" -m pip download -q --no-deps "${PLATFORM[@]}" -d "$OUT/cuda" "$BACKEND==$MLX"
+
+norm() { echo "$1" | tr 'A-Z_.' 'a-z--'; }
+for wheel in "$OUT"/wheels/*.whl; do
+  name=$(norm "$(basename "$wheel" | cut -d- -f1)")
+  # and what no code run there imports (LiteLLM's AWS clients, langsmith's compression, transformers' kernels)
+  case " $(echo $PRESENT) boto3 botocore s3transfer jmespath zstandard kernels " in *" $name "*) rm "$wheel" ;; esac
+done
+# mlx goes as a wheel (installed beside mlx-cuda-13); the rest as one tarball of their files.
+mv "$OUT"/wheels/mlx-*.whl "$OUT/part2/"
+"$PY" -m pip install -q --no-deps --no-compile --no-index "${PLATFORM[@]}" --target "$OUT/site" "$OUT"/wheels/*.whl
+rm -rf "$OUT/site/litellm/proxy/_experimental/out" "$OUT/site/bin"  # the proxy's web UI: not served there
+find "$OUT/site" -name __pycache__ -prune -exec rm -rf {} +
+tar -C "$OUT/site" -cJf "$OUT/part2/site.tar.xz" .
+
+split -b 62000000 "$OUT"/cuda/*.whl "$OUT/mlx-cuda.part."  # each call: 64 MiB with the checkout
+mv "$OUT/mlx-cuda.part.aa" "$OUT/part1/"
+mv "$OUT"/mlx-cuda.part.a[b-z] "$OUT/part2/" 2>/dev/null || true  # (a small backend wheel is one part)
+basename "$OUT"/cuda/*.whl > "$OUT/part2/mlx-cuda.name"
+
+"$PY" - "$OUT/part2/tokenizer" <<'EOF'
+import sys
+from mlx_parallm_provider.models.gguf import read_gguf_tokenizer
+from mlx_parallm_provider.models.registry import default_gguf_path
+read_gguf_tokenizer(default_gguf_path(), sys.argv[1])
+EOF
+rm -rf "$OUT/site" "$OUT/wheels" "$OUT/cuda"
+du -sh "$OUT"/part1 "$OUT"/part2

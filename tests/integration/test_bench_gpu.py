@@ -1,0 +1,52 @@
+"""The GPU benchmark's sections and the random models it builds, run small on this machine."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from gpu_kernel_emulator import CPUKernels
+from mlx_parallm_provider.bench import gpu, random_model
+
+
+@pytest.fixture(scope="module")
+def tiny_random(smollm_tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return random_model.build(tmp_path_factory.mktemp("random-tiny"), smollm_tokenizer_dir, "tiny", bits=0, dtype="float32")
+
+
+def test_random_model_has_the_shape_quantization_and_tokenizer_asked_for(smollm_tokenizer_dir: Path, tmp_path: Path) -> None:
+    import mlx_lm
+
+    folder = random_model.build(tmp_path / "q", smollm_tokenizer_dir, "tiny", bits=4)
+    config = json.loads((folder / "config.json").read_text())
+    assert config["quantization"] == {"group_size": 64, "bits": 4} and config["num_hidden_layers"] == 2
+    model, tokenizer = mlx_lm.load(str(folder))
+    assert model.layers[0].self_attn.q_proj.bits == 4 and model.layers[0].self_attn.q_proj.scales.dtype == mx.bfloat16
+    assert config["vocab_size"] == tokenizer.vocab_size
+
+
+@pytest.mark.skipif(not CPUKernels.available(), reason="no C++ compiler")
+def test_paged_step_times_report_both_paths_and_their_agreement() -> None:
+    rows = gpu.paged_step_times(CPUKernels(), contexts=(40,), rows=(1, 3), heads=4, kv_heads=2, head_dim=16, block_size=4,
+                                dtype=mx.float32, repeats=1)
+    assert [(r["context"], r["rows"]) for r in rows] == [(40, 1), (40, 3)]
+    assert all(r["max_diff"] < 1e-4 and r["kernel_ms"] > 0 and r["gather_ms"] > 0 for r in rows)
+
+
+def test_agreement_compares_the_batched_engine_with_mlx_lm_alone(tiny_random: Path) -> None:
+    result = gpu.agreement(str(tiny_random), prompts=4, tokens=8)
+    assert result["batch_size"] == 4 and len(result["agreeing_prefix"]) == 4
+    assert result["rows_identical"] == sum(p == 8 for p in result["agreeing_prefix"])
+    assert result["rows_identical"] == 4  # float32 on both sides
+
+
+def test_step_breakdown_times_each_part_at_each_row_count(tiny_random: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MLX_PARALLM_CPU_OPS", "0")  # MLX's ops, as on a GPU
+    rows = gpu.step_breakdown(str(tiny_random), rows=(1, 4), tokens=6)
+    assert [r["rows"] for r in rows] == [1, 4]
+    for r in rows:
+        assert r["step_ms"] > 0 and r["matmul_ms"] > 0 and r["attention_ms"] > 0 and r["sampling_ms"] > 0
+        assert r["rest_ms"] == pytest.approx(r["step_ms"] - r["matmul_ms"] - r["attention_ms"] - r["sampling_ms"])

@@ -1,0 +1,185 @@
+"""The GPU paged-attention kernels against the gather path, and the GPU backend around them.
+
+On a GPU the kernels run through MLX's ``cuda_kernel`` / ``metal_kernel``; elsewhere their
+same body text runs on the CPU (``gpu_kernel_emulator``). Random pools: rows of 1 to 4,000
+tokens in shuffled blocks, GQA groups of 1 to 8, sliding windows, prefill pieces."""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import mlx.core as mx
+import pytest
+
+from gpu_kernel_emulator import CPUKernels, cuda_source, nvrtc, nvrtc_compile
+from mlx_parallm_provider.config import DeviceConfig
+from mlx_parallm_provider.engine import SamplingParams
+from mlx_parallm_provider.models import backends, paged_kernels
+from mlx_parallm_provider.models.backends.gpu_kernels import GPUKernels, MLXKernels, check_kernels, gpu_platform
+
+
+@pytest.fixture(scope="module")
+def launch():
+    """The kernels as this machine runs them: MLX's custom kernels on a GPU, else the CPU loop."""
+    platform = gpu_platform()
+    if platform is not None:
+        return MLXKernels(platform)
+    if not CPUKernels.available():
+        pytest.skip("no GPU and no C++ compiler to run the kernels' text on the CPU")
+    return CPUKernels()
+
+
+def _pool(lengths: list[int], block_size: int, kv_heads: int, D: int, dtype: mx.Dtype, seed: int, spare: int = 5):
+    """Pools holding rows of ``lengths`` tokens in shuffled blocks, and the rows' block table."""
+    key = mx.random.key(seed)
+    k1, k2, k3 = mx.random.split(key, 3)
+    counts = [-(-n // block_size) for n in lengths]
+    blocks = sum(counts) + spare
+    order = mx.random.permutation(blocks, key=k3).tolist()
+    width = max(counts)
+    table, at = [], 0
+    for c in counts:
+        table.append(order[at : at + c] + [0] * (width - c))  # a short row's unused entries point anywhere
+        at += c
+    k_pool = mx.random.normal((blocks * block_size, kv_heads, D), key=k1).astype(dtype)
+    v_pool = mx.random.normal((blocks * block_size, kv_heads, D), key=k2).astype(dtype)
+    return k_pool, v_pool, mx.array(table, dtype=mx.int32)
+
+
+CASES = [
+    # lengths, heads, kv_heads, D, block, window, dtype
+    ([1, 1000, 4000], 8, 2, 64, 16, None, mx.float16),
+    ([4000, 17, 256, 1], 8, 8, 32, 32, None, mx.float32),
+    ([3, 999, 4000], 16, 2, 64, 16, 512, mx.float16),
+    ([50, 7], 8, 1, 128, 8, 16, mx.float32),
+]
+
+
+@pytest.mark.parametrize("lengths,heads,kv_heads,D,block,window,dtype", CASES)
+def test_decode_step_equals_the_gather_path(launch, lengths, heads, kv_heads, D, block, window, dtype) -> None:
+    k_pool, v_pool, table = _pool(lengths, block, kv_heads, D, dtype, seed=len(lengths) + D)
+    queries = mx.random.normal((len(lengths), heads, 1, D), key=mx.random.key(D))
+    limits = mx.array(lengths, dtype=mx.int32)
+    got = paged_kernels.paged_attention(queries, k_pool, v_pool, table, limits, block, D**-0.5, launch, window=window)
+    want = paged_kernels.gathered_attention(queries, k_pool, v_pool, table, limits, block, D**-0.5, window=window)
+    assert got.shape == want.shape == queries.shape and got.dtype == queries.dtype
+    assert mx.abs(got - want).max().item() < 1e-4
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_prefill_piece_positions_each_see_their_own_tokens(launch, window: Optional[int]) -> None:
+    """A piece of L positions per row (a prefill chunk, a verify step): position j of a row
+    holding s tokens before the piece sees s + j + 1; a row's padding repeats its last limit."""
+    held, new = [0, 30, 5], [7, 4, 1]
+    L = max(new)
+    lengths = [s + n for s, n in zip(held, new)]
+    k_pool, v_pool, table = _pool(lengths, 4, 2, 32, mx.float32, seed=3)
+    limits = mx.array([[s + min(j, n - 1) + 1 for j in range(L)] for s, n in zip(held, new)], dtype=mx.int32)
+    queries = mx.random.normal((3, 4, L, 32), key=mx.random.key(9))
+    got = paged_kernels.paged_attention(queries, k_pool, v_pool, table, limits, 4, 0.3, launch, window=window)
+    want = paged_kernels.gathered_attention(queries, k_pool, v_pool, table, limits, 4, 0.3, window=window)
+    assert mx.abs(got - want).max().item() < 1e-4
+    # each position really differs from attending over the whole row (the limits are read)
+    whole = paged_kernels.gathered_attention(queries, k_pool, v_pool, table, mx.array(lengths, dtype=mx.int32), 4, 0.3)
+    assert mx.abs(got[0, :, 0] - whole[0, :, 0]).max().item() > 1e-3
+
+
+def test_the_first_use_check_passes_and_the_backend_takes_float_pools_only(launch) -> None:
+    assert check_kernels(launch) is None
+    backend = GPUKernels(DeviceConfig(paged_attention="auto"), launch=launch, platform="test")
+    k_pool, v_pool, table = _pool([9, 20], 4, 2, 16, mx.float32, seed=1)
+    queries = mx.random.normal((2, 4, 1, 16))
+    lengths = mx.array([9, 20], dtype=mx.int32)
+    out = backend.paged_decode_attention(queries, k_pool, v_pool, table, lengths, 4, 0.25)
+    assert out is not None and backend.attention_path() == "paged kernels (test)"
+    codes = mx.zeros((k_pool.shape[0], 2, 2), dtype=mx.uint32)  # int8 pools: the gather path dequantizes them
+    assert backend.paged_decode_attention(queries, codes, codes, table, lengths, 4, 0.25, scales=[codes] * 4, bits=8) is None
+    assert backend.paged_decode_attention(queries[:, :3], k_pool, v_pool, table, lengths, 4, 0.25) is None  # 3 heads over 2 KV heads
+
+
+def _wrong(call: paged_kernels.KernelCall) -> mx.array:
+    return mx.zeros(call.output_shape)
+
+
+def _broken(call: paged_kernels.KernelCall) -> mx.array:
+    raise RuntimeError("nvrtc: error: identifier 'idx_t' is undefined")
+
+
+@pytest.mark.parametrize("bad", [_wrong, _broken])
+def test_kernels_that_fail_their_check_fall_back_to_the_gather_path_or_raise(bad, caplog) -> None:
+    k_pool, v_pool, table = _pool([9, 20], 4, 2, 16, mx.float32, seed=1)
+    queries, lengths = mx.random.normal((2, 4, 1, 16)), mx.array([9, 20], dtype=mx.int32)
+    auto = GPUKernels(DeviceConfig(paged_attention="auto"), launch=bad, platform="test")
+    with caplog.at_level(logging.WARNING):
+        assert auto.paged_decode_attention(queries, k_pool, v_pool, table, lengths, 4, 0.25) is None
+        assert auto.paged_decode_attention(queries, k_pool, v_pool, table, lengths, 4, 0.25) is None
+    assert len([r for r in caplog.records if "unusable" in r.getMessage()]) == 1  # checked and warned once
+    assert auto.attention_path().startswith("gather (the paged kernels failed their check:")
+    strict = GPUKernels(DeviceConfig(paged_attention="kernel"), launch=bad, platform="test")
+    with pytest.raises(RuntimeError, match="failed their check"):
+        strict.paged_decode_attention(queries, k_pool, v_pool, table, lengths, 4, 0.25)
+
+
+def test_gather_setting_never_runs_the_kernels() -> None:
+    def launch(call):
+        raise AssertionError("a kernel ran")
+
+    backend = GPUKernels(DeviceConfig(paged_attention="gather"), launch=launch, platform="test")
+    k_pool, v_pool, table = _pool([9], 4, 2, 16, mx.float32, seed=1)
+    assert backend.paged_decode_attention(mx.zeros((1, 4, 1, 16)), k_pool, v_pool, table, mx.array([9]), 4, 0.25) is None
+    assert backend.attention_path() == "gather (paged_attention='gather')"
+
+
+@pytest.mark.parametrize("window", [None, 8])
+def test_engine_on_the_gpu_kernels_answers_as_the_gather_path_and_alone(tiny_model, make_engine, launch, window) -> None:
+    """Greedy, batched: the engine attending through the kernels equals MLX's ops gathering,
+    and each prompt alone; every step (prefill pieces and decode) went through the kernels.
+    ``window``: every layer sliding (``max_kv_size``)."""
+    prompts = [[1, 5 + i, 9, 30 + 3 * i, 7, 11, 200 + i, 40, 41, 42, 43][: 3 + 2 * i] for i in range(6)]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    calls: list[str] = []
+
+    def counted(call):
+        calls.append(call.kernel.name)
+        return launch(call)
+
+    with backends.using(tiny_model.model, "mlx"):
+        gathered = [o.token_ids for o in make_engine(kv_block_size=4, max_kv_size=window).generate_many_sync(prompts, params)]
+    with backends.using(tiny_model.model, GPUKernels(DeviceConfig(), launch=counted, platform="test")):
+        engine = make_engine(kv_block_size=4, max_kv_size=window)
+        together = [o.token_ids for o in engine.generate_many_sync(prompts, params)]
+        alone = [engine.generate_many_sync([p], params)[0].token_ids for p in prompts]
+    assert together == gathered == alone
+    layers = len(tiny_model.model.layers)
+    assert calls.count("parallm_paged_scores") >= layers * params.max_tokens  # every layer of every step
+
+
+PAIRS = [(paged_kernels.SCORES, [mx.float32, None, mx.int32, mx.int32, mx.int32, mx.float32]),
+         (paged_kernels.VALUES, [mx.float32, None, mx.int32, mx.int32, mx.int32])]
+
+
+@pytest.mark.skipif(nvrtc() is None, reason="NVRTC not installed (nvidia-cuda-nvrtc-cu12, nvidia-cuda-runtime-cu12)")
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])
+def test_the_cuda_source_compiles_for_sm90(dtype) -> None:
+    """The kernels exactly as MLX's ``cuda_kernel`` wraps them, compiled by NVRTC for the H200's sm_90."""
+    layout = paged_kernels.Layout(32, 8, 128, 16, 0, dtype)
+    for kernel, types in PAIRS:
+        source = cuda_source(kernel, layout, [dtype if t is None else t for t in types])
+        compiled, log, ptx = nvrtc_compile(source)
+        assert compiled and ptx > 0, log
+
+
+def test_doctor_names_the_backend_and_its_paged_attention_path(monkeypatch, launch) -> None:
+    from mlx_parallm_provider import doctor
+
+    lines = doctor.report()
+    assert lines["device"].startswith(str(mx.default_device()))
+    chosen = backends.choose()
+    assert lines["backend"] == f"{chosen.name} ({type(chosen).__name__})"
+    monkeypatch.setattr(backends, "choose", lambda choice=None, device=None: GPUKernels(device, launch=launch, platform="test"))
+    assert doctor.report()["paged attention"] == "paged kernels (test)"  # compiled and checked by doctor itself
+    monkeypatch.setattr(backends, "choose", lambda choice=None, device=None: GPUKernels(device, launch=_wrong, platform="test"))
+    assert doctor.report()["paged attention"].startswith("gather (the paged kernels failed their check: differs from the gather path")
+    monkeypatch.setattr(backends, "choose", lambda choice=None, device=None: backends.MLXOps())
+    assert doctor.report()["paged attention"] == "gather (MLX's ops: cpu_kernels=False)"
