@@ -14,7 +14,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY=.venv/bin/python
 OUT=.gpu
 rm -rf "$OUT" && mkdir -p "$OUT/wheels" "$OUT/part1" "$OUT/part2" "$OUT/site"
-grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> .git/info/exclude
+# .gpu/ is in .gitignore: the device tool carries it as an ignored path
 
 # What the GPU machine's image already holds (its package list): not carried.
 PRESENT="absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs build certifi charset-normalizer

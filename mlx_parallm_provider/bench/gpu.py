@@ -113,7 +113,9 @@ def step_breakdown(model: str, rows: Sequence[int] = (1, 2, 4, 8, 32, 64), token
     and timed alone at that size: every linear layer once (weights' matmuls and the head), the
     attention of every layer over the rows' KV (the paged kernels where ``launch``, else the
     gather path), sampling (argmax and a categorical draw over the vocabulary). The rest: norms,
-    RoPE, elementwise ops, Python and scheduling."""
+    RoPE, elementwise ops, Python and scheduling. ``dense_layers_ms``: the layers' matmuls (head
+    aside) over dequantized copies of their weights, against which a quantized matmul that
+    does not amortize its weights over the rows shows."""
     import mlx.nn as nn
 
     from ..config import EngineConfig
@@ -130,6 +132,9 @@ def step_breakdown(model: str, rows: Sequence[int] = (1, 2, 4, 8, 32, 64), token
     head_dim = getattr(args, "head_dim", None) or args.hidden_size // heads
     embed = m.model.embed_tokens
     dtype = m.model.norm.weight.dtype  # the activations' dtype
+    dense = [mx.dequantize(mod.weight, mod.scales, mod.biases, mod.group_size, mod.bits).astype(dtype) if isinstance(mod, nn.QuantizedLinear)
+             else mod.weight for mod in linears]
+    mx.eval(dense)
     prompt_ids = _prompt_ids(loaded.tokenizer, max(rows))
     context = max(len(p) for p in prompt_ids) + tokens // 2
     out = []
@@ -140,14 +145,16 @@ def step_breakdown(model: str, rows: Sequence[int] = (1, 2, 4, 8, 32, 64), token
             step_ms = engine.stats()["step_s"]["p50"] * 1e3
         finally:
             engine.shutdown()
-        xs = {mod.weight.shape[-1] * (32 // mod.bits if isinstance(mod, nn.QuantizedLinear) else 1) for mod in linears}
-        inputs = {d: mx.random.normal((R, 1, d)).astype(dtype) for d in xs}
+        inputs = {_in_dims(mod): mx.random.normal((R, 1, _in_dims(mod))).astype(dtype) for mod in linears}
 
         def matmuls():
-            outs = [mod(inputs[mod.weight.shape[-1] * (32 // mod.bits if isinstance(mod, nn.QuantizedLinear) else 1)]) for mod in linears]
+            outs = [mod(inputs[_in_dims(mod)]) for mod in linears]
             head = getattr(m, "lm_head", None)
             outs.append(head(inputs[args.hidden_size]) if head is not None else embed.as_linear(inputs[args.hidden_size]))
             return outs
+
+        def dense_matmuls():  # the same products over dequantized copies (the weights read at 16 bits)
+            return [inputs[w.shape[1]] @ w.T for w in dense]
 
         block = 16
         per_row = -(-context // block)
@@ -168,8 +175,15 @@ def step_breakdown(model: str, rows: Sequence[int] = (1, 2, 4, 8, 32, 64), token
 
         parts = {"matmul_ms": _timed(matmuls, 5) * 1e3, "attention_ms": _timed(attention, 5) * 1e3, "sampling_ms": _timed(sampling, 5) * 1e3}
         rest = step_ms - sum(parts.values())
-        out.append({"rows": R, "step_ms": step_ms, "tokens_per_s": R / step_ms * 1e3, **parts, "rest_ms": rest})
+        out.append({"rows": R, "step_ms": step_ms, "tokens_per_s": R / step_ms * 1e3, **parts, "rest_ms": rest,
+                    "dense_layers_ms": _timed(dense_matmuls, 5) * 1e3})
     return out
+
+
+def _in_dims(layer: Any) -> int:
+    import mlx.nn as nn
+
+    return layer.weight.shape[-1] * (32 // layer.bits if isinstance(layer, nn.QuantizedLinear) else 1)
 
 
 def _table(rows: list[dict[str, Any]]) -> str:

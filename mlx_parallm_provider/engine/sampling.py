@@ -3,7 +3,9 @@
 Every row of a batch keeps its own settings. Greedy rows share one batched ``argmax``;
 each sampling row draws with its own PRNG key, derived from its ``seed`` (or a random one),
 and split once per token. So a seeded request samples the same tokens whatever else is
-in the batch: no global RNG state is shared between rows.
+in the batch: no global RNG state is shared between rows. The sampling rows' keys are split
+and their draws made by one op each for the whole batch (``mx.vmap``), which gives each row
+what it would draw alone.
 """
 
 from __future__ import annotations
@@ -38,6 +40,12 @@ class RowSampler:
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         self.key = mx.random.key(seed)
 
+    @property
+    def filters(self) -> bool:
+        """Whether :meth:`filter` changes anything (top-p, min-p or top-k set)."""
+        p = self.params
+        return 0.0 < p.top_p < 1.0 or p.min_p > 0.0 or p.top_k > 0
+
     def filter(self, logprobs: mx.array) -> mx.array:
         """Apply top-p, min-p and top-k (mlx-lm's implementations) to one row's logprobs."""
         p = self.params
@@ -60,9 +68,10 @@ class RowSampler:
         self.key, key = mx.random.split(self.key)
         return key
 
-    def draw(self, logprobs: mx.array) -> mx.array:
-        """Sample one token from one row's (filtered) logprobs with this row's next key."""
-        return mx.random.categorical(self.filter(logprobs) * (1.0 / self.params.temperature), key=self.next_key())
+    def scaled(self, logprobs: mx.array) -> mx.array:
+        """One row's logprobs ``(1, vocab)`` filtered and divided by its temperature: what its draw samples from."""
+        return self.filter(logprobs) * (1.0 / self.params.temperature)
+
 
 
 def sample_batch(
@@ -165,12 +174,34 @@ def draw_tokens(logits: mx.array, samplers: Sequence[RowSampler]) -> mx.array:
     return _pick(logits - mx.logsumexp(logits, axis=-1, keepdims=True), samplers)
 
 
+_split_each = mx.vmap(mx.random.split)
+_draw_each = mx.vmap(lambda row, key: mx.argmax(row + mx.random.gumbel(row.shape, key=key)))
+"""Each row's draw (the Gumbel-max trick) with its own key: row by row or many at once, a row
+draws the same token, whatever else is drawn beside it."""
+
+
 def _pick(logprobs: mx.array, samplers: Sequence[RowSampler]) -> mx.array:
-    """Each row's token from its normalised logprobs: the arg-max, or a draw with its next key."""
+    """Each row's token from its normalised logprobs: the arg-max, or a draw with its next key.
+    The sampling rows draw together (their keys split by one op, their draws by another: on a
+    GPU a few launches a step, not several a row), each with its own key."""
     greedy = mx.argmax(logprobs, axis=-1)
-    if all(s.greedy for s in samplers):
+    drawing = [i for i, s in enumerate(samplers) if not s.greedy]
+    if not drawing:
         return greedy
-    return mx.concatenate([greedy[i : i + 1] if s.greedy else s.draw(logprobs[i : i + 1]) for i, s in enumerate(samplers)])
+    pairs = _split_each(mx.stack([samplers[i].key for i in drawing]))  # (n, 2, 2): each row's next key, its draw's key
+    plain = all(not samplers[i].filters for i in drawing)
+    if plain:
+        scales = mx.array([1.0 / samplers[i].params.temperature for i in drawing], dtype=mx.float32)
+        rows = logprobs[mx.array(drawing)] * scales[:, None].astype(logprobs.dtype)
+    else:
+        rows = mx.concatenate([samplers[i].scaled(logprobs[i : i + 1]) for i in drawing])
+    drawn = _draw_each(rows, pairs[:, 1])
+    for n, i in enumerate(drawing):
+        samplers[i].key = pairs[n, 0]
+    if len(drawing) == len(samplers):
+        return drawn.astype(greedy.dtype)
+    where = mx.array([n for n, s in enumerate(samplers) if not s.greedy], dtype=mx.int32)
+    return greedy.at[where].add(drawn.astype(greedy.dtype) - greedy[where])
 
 
 def sample_requests(logits: mx.array, requests: Sequence[Any]) -> list[SampledRow]:

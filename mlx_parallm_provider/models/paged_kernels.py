@@ -27,6 +27,7 @@ or bfloat16. Quantized pools and attention sinks are not taken (the caller gathe
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Callable, Optional
 
 import mlx.core as mx
@@ -194,17 +195,24 @@ def paged_attention(queries: mx.array, k_pool: mx.array, v_pool: mx.array, table
     T = M * block_size if not window else min(M * block_size, window)
     splits = -(-T // SPLIT_TOKENS)
     layout = Layout(heads, k_pool.shape[1], D, block_size, window or 0, k_pool.dtype)
-    params = mx.array([M, T, L, B, SPLIT_TOKENS, splits], dtype=mx.int32)
+    params = _constant((M, T, L, B, SPLIT_TOKENS, splits), mx.int32)
     limits = lengths.reshape(B, L).astype(mx.int32) if lengths.ndim == 2 else mx.broadcast_to(lengths.reshape(B, 1), (B, L)).astype(mx.int32)
     table = table.astype(mx.int32)
     q = queries.astype(mx.float32)
     kv_heads = layout.kv_heads
-    scores = launch(KernelCall(SCORES, layout, [q, k_pool, table, limits, params, mx.array([scale], dtype=mx.float32)],
+    scores = launch(KernelCall(SCORES, layout, [q, k_pool, table, limits, params, _constant((scale,), mx.float32)],
                                B * kv_heads * L * T, (B, heads, L, T)))
     probs = mx.softmax(scores, axis=-1, precise=True)
     partial = launch(KernelCall(VALUES, layout, [probs, v_pool, table, limits, params], splits * B * kv_heads * L * D,
                                 (splits, B, heads, L, D)))
     return partial.sum(axis=0).astype(queries.dtype)
+
+
+@lru_cache(maxsize=256)
+def _constant(values: tuple, dtype: mx.Dtype) -> mx.array:
+    """A small constant input, made once: every layer of a step passes the same ones, and
+    each new array would be one more copy to the device."""
+    return mx.array(values, dtype=dtype)
 
 
 def gathered_attention(queries: mx.array, k_pool: mx.array, v_pool: mx.array, table: mx.array, lengths: mx.array, block_size: int,
