@@ -70,17 +70,17 @@ INVALID_KWARGS = [
 def install_faults() -> dict[str, Any]:
     """Make requests carrying a marker stop string fail at one per-request site, and let
     the caller fail the model step once. Returns the switch for the model-step fault."""
-    real_init, real_filter = sampling_module.RowSampler.__init__, sampling_module.RowSampler.filter
+    real_init, real_filters = sampling_module.RowSampler.__init__, sampling_module.RowSampler.filters
 
     def init(self, params, grammar=None):
         if FAULT_MARKERS["set_up"] in params.stop:
             raise KeyError("injected set-up fault")
         real_init(self, params, grammar)
 
-    def filter_(self, logprobs):
+    def filters_(self):  # asked of every sampling row as its batch draws
         if FAULT_MARKERS["sample"] in self.params.stop:
             raise KeyError("injected sampling fault")
-        return real_filter(self, logprobs)
+        return real_filters.fget(self)
 
     class FaultyText(core_module.TextStream):
         def add_token(self, token_id):
@@ -89,7 +89,7 @@ def install_faults() -> dict[str, Any]:
             return super().add_token(token_id)
 
     sampling_module.RowSampler.__init__ = init
-    sampling_module.RowSampler.filter = filter_
+    sampling_module.RowSampler.filters = property(filters_)
     core_module.RowSampler = sampling_module.RowSampler
     core_module.TextStream = FaultyText
     return {"model_step": False}

@@ -189,8 +189,8 @@ def _pick(logprobs: mx.array, samplers: Sequence[RowSampler]) -> mx.array:
     if not drawing:
         return greedy
     pairs = _split_each(mx.stack([samplers[i].key for i in drawing]))  # (n, 2, 2): each row's next key, its draw's key
-    plain = all(not samplers[i].filters for i in drawing)
-    if plain:
+    filtering = [samplers[i].filters for i in drawing]  # (every row's asked: a row's fault surfaces in any batch)
+    if not any(filtering):
         scales = mx.array([1.0 / samplers[i].params.temperature for i in drawing], dtype=mx.float32)
         rows = logprobs[mx.array(drawing)] * scales[:, None].astype(logprobs.dtype)
     else:
