@@ -11,7 +11,7 @@
 # step's time goes at 1-64 rows: python -m mlx_parallm_provider.bench.gpu); sweep.json /
 # sweep.md (mlx-parallm bench, engine vs mlx-lm's batch generation, ~1B 4-bit random model,
 # chat, 64 new tokens, EOS ignored, 1/2/4/8/32/64 concurrent); tests.txt (pytest -m gpu);
-# summary.txt. Budget: ~9 minutes. Python: $PYTHON (default python3). A rehearsal on a CPU
+# summary.txt. Budget: under 10 minutes (one device call). Python: $PYTHON (default python3). A rehearsal on a CPU
 # (see gpu_pack.sh) takes a smaller model and fewer levels: SHAPE=135m LEVELS=1,2 ROWS=1,2.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -41,22 +41,23 @@ summary() { echo "$*" | tee -a "$OUT/summary.txt"; }
 summary "# GPU check $(date -u +%F) on $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null)"
 "$PY" -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device(), 'cuda', mx.cuda.is_available())" 2>&1 | tee -a "$OUT/summary.txt"
 
-timeout 60 "$PY" -m mlx_parallm_provider.cli doctor > "$OUT/doctor.txt" 2>&1
-summary "doctor rc=$? ($(grep -i 'attention' "$OUT/doctor.txt" | head -2 | tr '\n' ' '))"
+timeout 45 "$PY" -m mlx_parallm_provider.cli doctor > "$OUT/doctor.txt" 2>&1
+summary "doctor rc=$? ($(grep -E '^(device|backend|paged attention) ' "$OUT/doctor.txt" | tr -s ' ' | tr '\n' ';'))"
 
 SHAPE=${SHAPE:-1b}
-timeout 170 "$PY" -m mlx_parallm_provider.bench.gpu --tokenizer "$TOK" --shape "$SHAPE" --rows "${ROWS:-1,2,4,8,32,64}" \
-  --json "$OUT/gpu.json" > "$OUT/gpu.md" 2>&1
+MODELS=/tmp/parallm-models
+timeout 150 "$PY" -m mlx_parallm_provider.bench.gpu --tokenizer "$TOK" --shape "$SHAPE" --rows "${ROWS:-1,2,4,8,32,64}" \
+  --work "$MODELS" --json "$OUT/gpu.json" > "$OUT/gpu.md" 2>&1
 summary "bench.gpu rc=$?"
 
-MODEL=/tmp/parallm-$SHAPE
-[ -d "$MODEL" ] || "$PY" -m mlx_parallm_provider.bench.random_model --shape "$SHAPE" --bits 4 --tokenizer "$TOK" --out "$MODEL" > /dev/null
-timeout 200 "$PY" -m mlx_parallm_provider.cli bench --model "$MODEL" --systems engine,mlx-lm-batch --workload chat --max-tokens 64 \
-  --ignore-eos --concurrency "${LEVELS:-1,2,4,8,32,64}" --output-dir /tmp/parallm-sweep --no-progress > "$OUT/sweep.md" 2>&1
+[ -f "$MODELS/$SHAPE-4bit/config.json" ] || "$PY" -m mlx_parallm_provider.bench.random_model --shape "$SHAPE" --bits 4 \
+  --tokenizer "$TOK" --out "$MODELS/$SHAPE-4bit" > /dev/null
+timeout 170 "$PY" -m mlx_parallm_provider.cli bench --model "$MODELS/$SHAPE-4bit" --systems engine,mlx-lm-batch --workload chat \
+  --max-tokens 64 --ignore-eos --concurrency "${LEVELS:-1,2,4,8,32,64}" --output-dir /tmp/parallm-sweep --no-progress > "$OUT/sweep.md" 2>&1
 summary "sweep rc=$?"
 cp /tmp/parallm-sweep/results.json "$OUT/sweep.json" 2>/dev/null
 
-timeout 200 "$PY" -m pytest -m gpu -q -p no:cacheprovider --tokenizer-dir "$TOK" -o addopts="-rfE" tests/integration > "$OUT/tests.txt" 2>&1
+timeout 160 "$PY" -m pytest -m gpu -q -p no:cacheprovider --tokenizer-dir "$TOK" -o addopts="-rfE" tests/integration > "$OUT/tests.txt" 2>&1
 summary "pytest -m gpu rc=$?: $(tail -1 "$OUT/tests.txt")"
 cat "$OUT/summary.txt"
 tail -40 "$OUT/gpu.md"

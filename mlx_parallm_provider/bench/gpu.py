@@ -203,6 +203,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--shape", default="1b", help="the random quantized model's shape (bench.random_model's SHAPES)")
     parser.add_argument("--rows", default="1,2,4,8,32,64")
     parser.add_argument("--contexts", default="1000,4000")
+    parser.add_argument("--work", type=Path, help="where the random models are built (reused where already there)")
     parser.add_argument("--json", type=Path, help="also write every figure here")
     parser.add_argument("--skip", default="", help="comma-separated sections to skip: paged, agreement, breakdown")
     args = parser.parse_args(argv)
@@ -212,16 +213,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     platform = gpu_platform()
     result: dict[str, Any] = {"device": str(mx.default_device()), "platform": platform, "date": time.strftime("%Y-%m-%d")}
     launch = MLXKernels(platform) if platform else None
-    work = Path(tempfile.mkdtemp(prefix="parallm-gpu-bench-"))
+    work = args.work or Path(tempfile.mkdtemp(prefix="parallm-gpu-bench-"))
     models: list[str] = []
     if args.model:
         models = [args.model]
     elif args.tokenizer:
         from .random_model import build
 
-        tiny = build(work / "tiny", args.tokenizer, "135m", bits=0, dtype="float32")
-        big = build(work / args.shape, args.tokenizer, args.shape, bits=4)
-        models = [str(tiny), str(big)]
+        def made(name: str, shape: str, bits: int, dtype: str) -> str:
+            folder = work / name
+            return str(folder if (folder / "config.json").exists() else build(folder, args.tokenizer, shape, bits=bits, dtype=dtype))
+
+        models = [made("135m-float32", "135m", 0, "float32"), made(f"{args.shape}-4bit", args.shape, 4, "bfloat16")]
 
     def section(name: str, fn: Callable[[], Any]) -> None:
         if name.split("_")[0] in skip:
