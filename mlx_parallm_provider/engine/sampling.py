@@ -73,7 +73,6 @@ class RowSampler:
         return self.filter(logprobs) * (1.0 / self.params.temperature)
 
 
-
 def sample_batch(
     logits: mx.array,
     samplers: Sequence[RowSampler],
@@ -200,8 +199,8 @@ def _pick(logprobs: mx.array, samplers: Sequence[RowSampler]) -> mx.array:
         samplers[i].key = pairs[n, 0]
     if len(drawing) == len(samplers):
         return drawn.astype(greedy.dtype)
-    where = mx.array([n for n, s in enumerate(samplers) if not s.greedy], dtype=mx.int32)
-    return greedy.at[where].add(drawn.astype(greedy.dtype) - greedy[where])
+    where = mx.array(drawing, dtype=mx.int32)
+    return greedy.at[where].add(drawn.astype(greedy.dtype) - greedy[where])  # (the drawn tokens in their rows' places)
 
 
 def sample_requests(logits: mx.array, requests: Sequence[Any]) -> list[SampledRow]:

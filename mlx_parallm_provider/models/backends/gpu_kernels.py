@@ -82,7 +82,7 @@ class GPUKernels(MLXOps):
         return f"GPUKernels(platform={self.platform!r}, paged_attention={self.mode!r})"
 
     def attention_path(self) -> str:
-        """How this backend attends over paged KV, in words (for ``doctor`` and stats)."""
+        """How this backend attends over paged KV, in words (what ``mlx-parallm doctor`` prints)."""
         if self.mode == "gather":
             return "gather (paged_attention='gather')"
         if self._ready is None:
