@@ -98,14 +98,8 @@ class ModelPool:
             nbytes = self._estimate(model, config)  # (outside the lock: naming a GGUF converts it)
             with self._cond:
                 self._reserve(entry, nbytes)
-        except BaseException:
-            with self._cond:
-                del self._entries[model]
-                self._cond.notify_all()
-            raise
-        try:
             engine = self._factory(model, config)
-        except BaseException:
+        except BaseException:  # the entry goes, and its reservation with it
             with self._cond:
                 del self._entries[model]
                 self._cond.notify_all()
