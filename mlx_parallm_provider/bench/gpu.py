@@ -22,6 +22,7 @@ from typing import Any, Callable, Optional, Sequence
 import mlx.core as mx
 
 from ..models import paged_kernels
+from .lora import mlx_lm_greedy
 
 PROMPTS = [
     "Write a haiku about the sea.", "What is the capital of France?", "List three prime numbers.", "Explain recursion briefly.",
@@ -78,9 +79,6 @@ def _prompt_ids(tokenizer: Any, n: int) -> list[list[int]]:
 def agreement(model: str, prompts: int = 8, tokens: int = 32) -> dict[str, Any]:
     """Greedy tokens of the engine (all ``prompts`` in one batch) against mlx-lm's
     ``generate_step`` on each prompt alone (its own load of the model)."""
-    import mlx_lm
-    from mlx_lm.generate import generate_step
-
     from ..config import EngineConfig
     from ..engine import Engine, SamplingParams
     from ..models import registry
@@ -94,11 +92,7 @@ def agreement(model: str, prompts: int = 8, tokens: int = 32) -> dict[str, Any]:
         batch_size = engine.stats()["max_batch_size"]
     finally:
         engine.shutdown()
-    peer, _ = mlx_lm.load(model)
-    alone = []
-    for p in ids:
-        steps = generate_step(mx.array(p), peer, max_tokens=tokens, sampler=lambda x: mx.argmax(x, axis=-1))
-        alone.append([int(t) for t, _ in steps])
+    alone = mlx_lm_greedy(Path(model), None, ids, tokens)
     prefixes = []
     for a, b in zip(batched, alone):
         same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
@@ -112,7 +106,7 @@ def step_breakdown(model: str, rows: Sequence[int] = (1, 2, 4, 8, 32, 64), token
     """Where one decode step's time goes at each row count: the engine's measured step (p50),
     and timed alone at that size: every linear layer once (weights' matmuls and the head), the
     attention of every layer over the rows' KV (the paged kernels where ``launch``, else the
-    gather path), sampling (argmax and a categorical draw over the vocabulary). The rest: norms,
+    gather path), sampling (the engine's greedy and temperature draws over the vocabulary). The rest: norms,
     RoPE, elementwise ops, Python and scheduling. ``dense_layers_ms``: the layers' matmuls (head
     aside) over dequantized copies of their weights, against which a quantized matmul that
     does not amortize its weights over the rows shows."""
@@ -120,6 +114,7 @@ def step_breakdown(model: str, rows: Sequence[int] = (1, 2, 4, 8, 32, 64), token
 
     from ..config import EngineConfig
     from ..engine import Engine, SamplingParams
+    from ..engine.sampling import RowSampler, draw_tokens
     from ..models import backends, registry
 
     loaded = registry.load(model)
@@ -127,7 +122,7 @@ def step_breakdown(model: str, rows: Sequence[int] = (1, 2, 4, 8, 32, 64), token
     linears = [mod for _, mod in m.named_modules() if isinstance(mod, (nn.Linear, nn.QuantizedLinear))]
     if getattr(backends.of(m), "kernels", False):
         raise ValueError("the model runs the CPU kernels: the breakdown times MLX's ops (a GPU, or MLX_PARALLM_CPU_OPS=0)")
-    args = m.args if hasattr(m, "args") else None
+    args = m.args
     heads, kv_heads = args.num_attention_heads, args.num_key_value_heads
     head_dim = getattr(args, "head_dim", None) or args.hidden_size // heads
     embed = m.model.embed_tokens
@@ -169,9 +164,11 @@ def step_breakdown(model: str, rows: Sequence[int] = (1, 2, 4, 8, 32, 64), token
             return [paged_kernels.gathered_attention(q, pool, pool, table, lengths, block, 0.125) for _ in m.layers]
 
         logits = mx.random.normal((R, args.vocab_size))
+        greedy = [RowSampler(SamplingParams(temperature=0.0)) for _ in range(R)]
+        drawing = [RowSampler(SamplingParams(temperature=0.7, seed=i)) for i in range(R)]
 
-        def sampling():
-            return [mx.argmax(logits, axis=-1), mx.random.categorical(logits / 0.7)]
+        def sampling():  # the engine's own draws: every row greedy, every row at temperature 0.7
+            return [draw_tokens(logits, greedy), draw_tokens(logits, drawing)]
 
         parts = {"matmul_ms": _timed(matmuls, 5) * 1e3, "attention_ms": _timed(attention, 5) * 1e3, "sampling_ms": _timed(sampling, 5) * 1e3}
         rest = step_ms - sum(parts.values())
