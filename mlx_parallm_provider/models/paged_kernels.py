@@ -196,7 +196,7 @@ def paged_attention(queries: mx.array, k_pool: mx.array, v_pool: mx.array, table
     splits = -(-T // SPLIT_TOKENS)
     layout = Layout(heads, k_pool.shape[1], D, block_size, window or 0, k_pool.dtype)
     params = _constant((M, T, L, B, SPLIT_TOKENS, splits), mx.int32)
-    limits = lengths.reshape(B, L).astype(mx.int32) if lengths.ndim == 2 else mx.broadcast_to(lengths.reshape(B, 1), (B, L)).astype(mx.int32)
+    limits = _per_position(lengths, B, L)
     table = table.astype(mx.int32)
     q = queries.astype(mx.float32)
     kv_heads = layout.kv_heads
@@ -206,6 +206,12 @@ def paged_attention(queries: mx.array, k_pool: mx.array, v_pool: mx.array, table
     partial = launch(KernelCall(VALUES, layout, [probs, v_pool, table, limits, params], splits * B * kv_heads * L * D,
                                 (splits, B, heads, L, D)))
     return partial.sum(axis=0).astype(queries.dtype)
+
+
+def _per_position(lengths: mx.array, B: int, L: int) -> mx.array:
+    """The tokens each query position sees, ``(B, L)`` int32, from ``lengths`` per row or per position."""
+    limits = lengths.reshape(B, L) if lengths.ndim == 2 else mx.broadcast_to(lengths.reshape(B, 1), (B, L))
+    return limits.astype(mx.int32)
 
 
 @lru_cache(maxsize=256)
@@ -225,7 +231,7 @@ def gathered_attention(queries: mx.array, k_pool: mx.array, v_pool: mx.array, ta
     slots = (table[:, :, None] * block_size + mx.arange(block_size)[None, None, :]).reshape(B, S)
     k = k_pool[slots].astype(mx.float32).swapaxes(1, 2)  # (B, kv_heads, S, D)
     v = v_pool[slots].astype(mx.float32).swapaxes(1, 2)
-    limits = lengths.reshape(B, L) if lengths.ndim == 2 else mx.broadcast_to(lengths.reshape(B, 1), (B, L))
+    limits = _per_position(lengths, B, L)
     pos = mx.arange(S)[None, None, :]
     end = limits[:, :, None]
     visible = pos < end
