@@ -57,12 +57,12 @@ class EngineAdapters:
         if path is not None:
             return lora, path
         folder = Path(lora).expanduser()
-        if not folder.is_dir() and ("/" in lora or "\\" in lora):
+        if folder.is_dir():
+            return str(folder), folder
+        if "/" in lora or "\\" in lora:
             raise InvalidParameterError("lora", f"adapter {lora!r}: no such adapter folder")
-        if not folder.is_dir():
-            known = ", ".join(sorted(self._names)) or "none registered"
-            raise InvalidParameterError("lora", f"unknown adapter {lora!r}: not a registered name ({known}) nor an adapter folder")
-        return str(folder), folder
+        known = ", ".join(sorted(self._names)) or "none registered"
+        raise InvalidParameterError("lora", f"unknown adapter {lora!r}: not a registered name ({known}) nor an adapter folder")
 
     def acquire(self, lora: Optional[str]) -> Optional[AdapterUse]:
         """A request's hold on its adapter's slot (made resident where it is not), counted
