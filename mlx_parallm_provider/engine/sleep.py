@@ -18,7 +18,6 @@ unload to finish, then wakes the engine.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import gc
 import logging
 import threading
@@ -27,6 +26,7 @@ from typing import Any, Iterator, Optional
 from .. import mlx_lm_compat
 from ..errors import InvalidParameterError
 from ..models import backends, registry
+from ..models.backend import release_load_transients
 from ..models.registry import LoadedModel
 from .kv.budget import check_kv_settings, kv_bytes_per_token
 from .kv.support import ensure_servable
@@ -182,18 +182,8 @@ class SleepMethods:
 def free_memory() -> None:
     """Collect cycles still holding arrays, return MLX's cached buffers, then the C heap's free
     pages (glibc keeps them otherwise) to the system."""
-    import mlx.core as mx
-
     gc.collect()
-    mx.clear_cache()
-    _malloc_trim()
-
-
-def _malloc_trim() -> None:
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc (macOS frees its zones itself)
-        pass
+    release_load_transients()
 
 
 def _weights_nbytes(model: Any) -> int:
