@@ -40,6 +40,10 @@ THREADGROUP = 256
 MAX_GROUP = 16
 """Query heads per KV head a thread keeps accumulators for."""
 POOL_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
+MAX_SCORES = 1 << 26
+"""Scores one launch of the kernels may hold (256 MiB of float32): a longer prefill piece, or
+more rows over long contexts, is attended in parts of its positions (then rows), so the scores
+never grow with the piece times the context."""
 
 PARAMS = "params"
 """The run-time sizes both kernels read: ``(table width M, score width T, positions L, rows B,
@@ -185,19 +189,36 @@ def takes(queries: mx.array, k_pool: mx.array, v_pool: mx.array, lengths: mx.arr
 
 
 def paged_attention(queries: mx.array, k_pool: mx.array, v_pool: mx.array, table: mx.array, lengths: mx.array, block_size: int,
-                    scale: float, launch: Launch, window: Optional[int] = None) -> mx.array:
+                    scale: float, launch: Launch, window: Optional[int] = None, max_scores: int = MAX_SCORES) -> mx.array:
     """Attention of ``queries`` ``(B, heads, L, D)`` over paged K/V by the two kernels (the
     module docstring), each run by ``launch``: ``table`` ``(B, M)`` block ids, ``lengths``
     ``(B,)`` or ``(B, L)`` the tokens each position sees (where :func:`takes`); ``(B, heads,
-    L, D)`` in ``queries``' dtype."""
-    B, heads, L, D = queries.shape
+    L, D)`` in ``queries``' dtype. Parts of at most ``max_scores`` scores are attended one by one."""
+    B, heads, L, _ = queries.shape
     M = table.shape[1]
     T = M * block_size if not window else min(M * block_size, window)
+    limits = _per_position(lengths, B, L)
+    table = table.astype(mx.int32)
+    if B * heads * L * T > max_scores and (L > 1 or B > 1):
+        def part(lo: slice, rows: slice) -> mx.array:
+            return paged_attention(queries[rows, :, lo], k_pool, v_pool, table[rows], limits[rows, lo], block_size, scale,
+                                   launch, window, max_scores)
+        if L > 1:
+            half = slice(0, L // 2), slice(L // 2, L)
+            return mx.concatenate([part(lo, slice(None)) for lo in half], axis=2)
+        half = slice(0, B // 2), slice(B // 2, B)
+        return mx.concatenate([part(slice(None), rows) for rows in half], axis=0)
+    return _attend(queries, k_pool, v_pool, table, limits, block_size, scale, launch, window, T)
+
+
+def _attend(queries: mx.array, k_pool: mx.array, v_pool: mx.array, table: mx.array, limits: mx.array, block_size: int,
+            scale: float, launch: Launch, window: Optional[int], T: int) -> mx.array:
+    """One launch of each kernel over every row and position (:func:`paged_attention`'s)."""
+    B, heads, L, D = queries.shape
+    M = table.shape[1]
     splits = -(-T // SPLIT_TOKENS)
     layout = Layout(heads, k_pool.shape[1], D, block_size, window or 0, k_pool.dtype)
     params = _constant((M, T, L, B, SPLIT_TOKENS, splits), mx.int32)
-    limits = _per_position(lengths, B, L)
-    table = table.astype(mx.int32)
     q = queries.astype(mx.float32)
     kv_heads = layout.kv_heads
     scores = launch(KernelCall(SCORES, layout, [q, k_pool, table, limits, params, _constant((scale,), mx.float32)],

@@ -85,6 +85,31 @@ def test_prefill_piece_positions_each_see_their_own_tokens(launch, window: Optio
     assert mx.abs(got[0, :, 0] - whole[0, :, 0]).max().item() > 1e-3
 
 
+@pytest.mark.parametrize("L,window", [(9, None), (1, None), (9, 6)])
+def test_long_pieces_are_attended_in_parts_of_bounded_scores(launch, L: int, window: Optional[int]) -> None:
+    """Past ``max_scores`` the positions (then the rows) are attended in parts: each launch's
+    scores stay within the bound and the result is the one-launch result."""
+    held = [20, 3, 41, 0, 11]
+    lengths = [s + L for s in held]
+    k_pool, v_pool, table = _pool(lengths, 4, 2, 32, mx.float32, seed=5)
+    limits = mx.array([[s + j + 1 for j in range(L)] for s in held], dtype=mx.int32)
+    queries = mx.random.normal((len(held), 4, L, 32), key=mx.random.key(4))
+    sizes: list[int] = []
+
+    def counted(call):
+        if call.kernel is paged_kernels.SCORES:
+            sizes.append(call.output_shape[0] * call.output_shape[1] * call.output_shape[2] * call.output_shape[3])
+        return launch(call)
+
+    T = table.shape[1] * 4 if not window else window
+    bound = 4 * T * 2  # two positions of one row
+    got = paged_kernels.paged_attention(queries, k_pool, v_pool, table, limits, 4, 0.3, counted, window=window, max_scores=bound)
+    whole = paged_kernels.paged_attention(queries, k_pool, v_pool, table, limits, 4, 0.3, launch, window=window)
+    want = paged_kernels.gathered_attention(queries, k_pool, v_pool, table, limits, 4, 0.3, window=window)
+    assert len(sizes) > 1 and max(sizes) <= bound and sum(sizes) == len(held) * 4 * L * T
+    assert mx.abs(got - whole).max().item() < 1e-5 and mx.abs(got - want).max().item() < 1e-4
+
+
 def test_the_first_use_check_passes_and_the_backend_takes_float_pools_only(launch) -> None:
     assert check_kernels(launch) is None
     backend = GPUKernels(DeviceConfig(paged_attention="auto"), launch=launch, platform="test")
