@@ -92,7 +92,7 @@ def render() -> str:
     lines = [
         "# Configuration reference",
         "",
-        f"<!-- Generated from mlx_parallm_provider/config.py by `{COMMAND}`; do not edit by hand. -->",
+        f"<!-- Generated from mlx_parallm_provider/config/ by `{COMMAND}`; do not edit by hand. -->",
         "",
         "An engine's settings are an `EngineConfig`; how it computes on its device is its `device`, a",
         "`DeviceConfig`. A field's environment variable, where it has one, only gives its default: a",
