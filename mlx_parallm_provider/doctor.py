@@ -15,6 +15,7 @@ import shutil
 import sys
 from typing import Any
 
+from . import __version__
 from .config import DeviceConfig, EngineConfig, PoolConfig, c_compiler, cache_home
 from .cpu_info import cpu_model_name
 from .errors import InvalidParameterError
@@ -133,6 +134,7 @@ def report() -> dict[str, Any]:
             versions[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
             versions[name] = "not installed"
+    versions["mlx-parallm-provider"] = __version__  # the code running, installed or not (a checkout on PYTHONPATH)
     return {
         "python": sys.version.split()[0],
         "platform": platform.platform(),

@@ -184,6 +184,7 @@ def test_doctor_prints_the_backend_blas_features_kernels_cache_and_versions(caps
     assert lines["blas"] == backend.blas_in_use()
     assert lines["cpu"] == cpu_model_name(with_machine=True)
     assert lines["version mlx"] == __import__("mlx.core").core.__version__
+    assert lines["version mlx-parallm-provider"] == __import__("mlx_parallm_provider").__version__  # the code running
     if backend.is_cpu():
         from mlx_parallm_provider.models import qmatmul
 
