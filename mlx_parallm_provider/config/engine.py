@@ -10,7 +10,7 @@ from .._validation import Limit
 from ..errors import InvalidParameterError
 from .device import DeviceConfig
 from .environment import ENGINE_CONFIG_ENV, env_text
-from .settings import Setting, env_default, parse_choice
+from .settings import Setting, parse_choice, setting_field
 
 KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "float32", "int8", "int4")
 """``EngineConfig.kv_cache_dtype``'s values ("auto": the model's own K/V dtype; "int8" / "int4":
@@ -139,7 +139,7 @@ class EngineConfig:
     kv_cache_memory_gb: Optional[float] = None
     max_kv_size: Optional[int] = None
     request_timeout_s: Optional[float] = None
-    dequantize: Optional[bool] = field(default_factory=env_default(ENGINE_SETTINGS, "dequantize"))
+    dequantize: Optional[bool] = setting_field(ENGINE_SETTINGS, "dequantize")
     enable_prefix_caching: bool = True
     prefix_cache_memory_gb: float = 1.0
     kv_block_size: int = 16

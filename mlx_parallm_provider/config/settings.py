@@ -92,14 +92,10 @@ def parse_number(raw: str) -> float:
         raise ValueError("a number") from None
 
 
-def env_default(table: dict[str, Setting], name: str) -> Callable[[], Any]:
-    """A dataclass default factory: field ``name``'s value from the environment (``table[name]``)."""
-    return lambda: table[name].from_env(name)
-
-
 def setting_field(table: dict[str, Setting], name: str) -> Any:
-    """A dataclass field whose default is read from the environment when an instance is made."""
-    return field(default_factory=env_default(table, name))
+    """A dataclass field whose default ``table[name]`` reads from the environment each time an
+    instance is made."""
+    return field(default_factory=lambda: table[name].from_env(name))
 
 
 class CheckedSettings:
