@@ -30,15 +30,18 @@ PROMPTS = [
 ]
 
 
-def _timed(fn: Callable[[], Any], repeats: int = 7) -> float:
-    """Median seconds of ``fn()`` evaluated (one warm-up first)."""
-    mx.eval(fn())
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+def _timed(fns: dict[str, Callable[[], Any]], repeats: int = 7) -> dict[str, float]:
+    """Median milliseconds of each ``fn()`` evaluated (one warm-up each first), the functions
+    taking turns in every round so that the machine's drift falls on all of them alike."""
+    for fn in fns.values():
         mx.eval(fn())
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            mx.eval(fn())
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
 
 
 def paged_step_times(launch: paged_kernels.Launch, contexts: Sequence[int] = (1000, 4000), rows: Sequence[int] = (1, 8, 32),
@@ -66,7 +69,8 @@ def paged_step_times(launch: paged_kernels.Launch, contexts: Sequence[int] = (10
                 return paged_kernels.gathered_attention(queries, k_pool, v_pool, order, lengths, block_size, scale)
 
             diff = mx.abs(kernel().astype(mx.float32) - gather().astype(mx.float32)).max().item()
-            k_ms, g_ms = _timed(kernel, repeats) * 1e3, _timed(gather, repeats) * 1e3
+            ms = _timed({"kernel": kernel, "gather": gather}, repeats)
+            k_ms, g_ms = ms["kernel"], ms["gather"]
             out.append({"context": context, "rows": B, "kernel_ms": k_ms, "gather_ms": g_ms, "gather_over_kernel": g_ms / k_ms,
                         "max_diff": diff})
     return out
@@ -119,7 +123,7 @@ def step_breakdown(model: str, rows: Sequence[int] = (1, 2, 4, 8, 32, 64), token
 
     loaded = registry.load(model)
     m = loaded.model
-    linears = [mod for _, mod in m.named_modules() if isinstance(mod, (nn.Linear, nn.QuantizedLinear))]
+    linears = [mod for name, mod in m.named_modules() if isinstance(mod, (nn.Linear, nn.QuantizedLinear)) and name != "lm_head"]
     if getattr(backends.of(m), "kernels", False):
         raise ValueError("the model runs the CPU kernels: the breakdown times MLX's ops (a GPU, or MLX_PARALLM_CPU_OPS=0)")
     args = m.args
@@ -170,10 +174,11 @@ def step_breakdown(model: str, rows: Sequence[int] = (1, 2, 4, 8, 32, 64), token
         def sampling():  # the engine's own draws: every row greedy, every row at temperature 0.7
             return [draw_tokens(logits, greedy), draw_tokens(logits, drawing)]
 
-        parts = {"matmul_ms": _timed(matmuls, 5) * 1e3, "attention_ms": _timed(attention, 5) * 1e3, "sampling_ms": _timed(sampling, 5) * 1e3}
+        ms = _timed({"matmul_ms": matmuls, "attention_ms": attention, "sampling_ms": sampling, "dense_layers_ms": dense_matmuls}, 5)
+        parts = {name: ms[name] for name in ("matmul_ms", "attention_ms", "sampling_ms")}
         rest = step_ms - sum(parts.values())
         out.append({"rows": R, "step_ms": step_ms, "tokens_per_s": R / step_ms * 1e3, **parts, "rest_ms": rest,
-                    "dense_layers_ms": _timed(dense_matmuls, 5) * 1e3})
+                    "dense_layers_ms": ms["dense_layers_ms"]})
     return out
 
 
