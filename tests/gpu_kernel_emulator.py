@@ -1,6 +1,6 @@
 """The GPU paged-attention kernels' own body text, run on the CPU.
 
-:class:`CPUKernels` compiles each kernel's body (``paged_kernels.body_for(kernel, "cpu")``)
+:class:`KernelLoop` compiles each kernel's body (``paged_kernels.body_for(kernel, "cpu")``)
 into a C++ function that loops over the thread indices in the grid, the way a GPU runs one
 thread per index: the kernels' threads share nothing, so a loop computes what the GPU does.
 It is a :data:`~mlx_parallm_provider.models.paged_kernels.Launch`, so the GPU backend runs
@@ -62,7 +62,7 @@ def cuda_source(kernel: KernelSource, layout: Layout, input_dtypes: list[mx.Dtyp
             + _template_lines(layout, CUDA_TYPES) + "\n" + body_for(kernel, "cuda") + "\n}\n\n} // namespace mlx::core::cu\n")
 
 
-class CPUKernels:
+class KernelLoop:
     """A :data:`Launch` running the kernels' text on the CPU (g++, one build per kernel,
     layout and input dtypes, kept under ``directory``)."""
 

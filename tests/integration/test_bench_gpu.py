@@ -8,7 +8,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from gpu_kernel_emulator import CPUKernels
+from gpu_kernel_emulator import KernelLoop
 from mlx_parallm_provider.bench import gpu, random_model
 
 
@@ -28,9 +28,9 @@ def test_random_model_has_the_shape_quantization_and_tokenizer_asked_for(smollm_
     assert config["vocab_size"] == tokenizer.vocab_size
 
 
-@pytest.mark.skipif(not CPUKernels.available(), reason="no C++ compiler")
+@pytest.mark.skipif(not KernelLoop.available(), reason="no C++ compiler")
 def test_paged_step_times_report_both_paths_and_their_agreement() -> None:
-    rows = gpu.paged_step_times(CPUKernels(), contexts=(40,), rows=(1, 3), heads=4, kv_heads=2, head_dim=16, block_size=4,
+    rows = gpu.paged_step_times(KernelLoop(), contexts=(40,), rows=(1, 3), heads=4, kv_heads=2, head_dim=16, block_size=4,
                                 dtype=mx.float32, repeats=1)
     assert [(r["context"], r["rows"]) for r in rows] == [(40, 1), (40, 3)]
     assert all(r["max_diff"] < 1e-4 and r["kernel_ms"] > 0 and r["gather_ms"] > 0 for r in rows)

@@ -12,7 +12,7 @@ from typing import Optional
 import mlx.core as mx
 import pytest
 
-from gpu_kernel_emulator import CPUKernels, cuda_source, nvrtc, nvrtc_compile
+from gpu_kernel_emulator import KernelLoop, cuda_source, nvrtc, nvrtc_compile
 from mlx_parallm_provider.config import DeviceConfig
 from mlx_parallm_provider.engine import SamplingParams
 from mlx_parallm_provider.models import backends, paged_kernels
@@ -25,9 +25,9 @@ def launch():
     platform = gpu_platform()
     if platform is not None:
         return MLXKernels(platform)
-    if not CPUKernels.available():
+    if not KernelLoop.available():
         pytest.skip("no GPU and no C++ compiler to run the kernels' text on the CPU")
-    return CPUKernels()
+    return KernelLoop()
 
 
 def _pool(lengths: list[int], block_size: int, kv_heads: int, D: int, dtype: mx.Dtype, seed: int, spare: int = 5):
