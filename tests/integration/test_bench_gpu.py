@@ -20,7 +20,10 @@ def tiny_random(smollm_tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFac
 def test_random_model_has_the_shape_quantization_and_tokenizer_asked_for(smollm_tokenizer_dir: Path, tmp_path: Path) -> None:
     import mlx_lm
 
+    (tmp_path / "q").mkdir()
+    (tmp_path / "q" / "config.json").write_text("{")  # a build cut short before: replaced whole
     folder = random_model.build(tmp_path / "q", smollm_tokenizer_dir, "tiny", bits=4)
+    assert [p.name for p in tmp_path.iterdir()] == ["q"]  # (built beside it, then renamed)
     config = json.loads((folder / "config.json").read_text())
     assert config["quantization"] == {"group_size": 64, "bits": 4} and config["num_hidden_layers"] == 2
     model, tokenizer = mlx_lm.load(str(folder))
