@@ -70,7 +70,8 @@ class EngineConfig:
             window and a row's blocks that left it go back to the pool as it decodes.
         request_timeout_s: default per-request timeout (None: no timeout); a request's
             own ``SamplingParams.timeout`` takes precedence.
-        dequantize: dequantize weights at load (None: on the CPU device only).
+        dequantize: dequantize weights at load, computing in float32 on the CPU and in the
+            checkpoint's own 16-bit precision on a GPU (None: on the CPU device only).
         enable_prefix_caching: reuse the KV of prompt prefixes across requests (vLLM's
             name): a prefix shared by requests arriving together is prefilled once, and
             the KV of finished prompts and answers is kept for later requests (the next

@@ -52,8 +52,11 @@ def prepare_model(model: Any, dequantize: Optional[bool] = None, kernels: "Choic
     """Apply the load-time choices to a freshly loaded mlx-lm model.
 
     With ``dequantize`` (by default on the CPU device only) quantized weights are
-    dequantized and float16 / bfloat16 weights upcast, so everything computes in float32:
-    MLX's CPU half-precision matmuls are an order of magnitude slower than float32.
+    dequantized. On the CPU, float16 / bfloat16 weights are upcast too, so everything computes
+    in float32: MLX's CPU half-precision matmuls are an order of magnitude slower than float32.
+    On a GPU the dequantized weights keep the checkpoint's own precision (its scales' dtype):
+    a batched step then reads 16-bit weights once for all its rows, where a quantized matmul
+    may read them again for each.
     With ``engine`` (the model is to be served by an engine), a backend is chosen for this
     model alone (``kernels``, see :func:`.backends.choose`: by default the CPU kernels on the
     CPU device, ``device.cpu_kernels`` overriding) and installed on it, set from ``device`` (a
@@ -72,7 +75,7 @@ def prepare_model(model: Any, dequantize: Optional[bool] = None, kernels: "Choic
     if chosen is not None:
         backends.install(model, chosen)
     if should_dequantize(dequantize):
-        _compute_in_float32(model, chosen)
+        _dequantize(model, chosen, to_float32=is_cpu())
     if is_cpu():
         from .private_blas import install as install_private_blas
 
@@ -80,9 +83,9 @@ def prepare_model(model: Any, dequantize: Optional[bool] = None, kernels: "Choic
     return model
 
 
-def _compute_in_float32(model: Any, chosen: Optional["MLXOps"]) -> None:
+def _dequantize(model: Any, chosen: Optional["MLXOps"], to_float32: bool) -> None:
     """Dequantize (the backend first replacing the quantized layers it computes its own way)
-    and upcast to float32."""
+    and, ``to_float32``, upcast to float32."""
     import mlx.core as mx
     import mlx.nn as nn
     from mlx.utils import tree_flatten
@@ -94,8 +97,10 @@ def _compute_in_float32(model: Any, chosen: Optional["MLXOps"]) -> None:
             chosen.adapt_quantized(model)
         dequantize_model(model)
     half = {mx.float16, mx.bfloat16}
-    if has_quantized or any(p.dtype in half for _, p in tree_flatten(model.parameters())):
+    upcast = to_float32 and (has_quantized or any(p.dtype in half for _, p in tree_flatten(model.parameters())))
+    if upcast:
         model.set_dtype(mx.float32)
+    if has_quantized or upcast:
         mx.eval(model.parameters())
 
 
