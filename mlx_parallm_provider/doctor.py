@@ -90,8 +90,10 @@ def _adapters(lora: dict[str, Any]) -> str:
     return f"{names}; {resident} of max_loras={lora['max_loras']}"
 
 
-def _device_name(mx: Any) -> str:
+def device_name() -> str:
     """MLX's default device and what it is (``mx.device_info``: the GPU's or CPU's name)."""
+    import mlx.core as mx
+
     try:
         info = mx.device_info()
     except Exception:  # an MLX without it, or a device that gives none
@@ -119,8 +121,6 @@ def _attention(device: Any) -> dict[str, str]:
 
 def report() -> dict[str, Any]:
     """Everything :func:`main` prints, as a dict."""
-    import mlx.core as mx
-
     from .models import backend, private_blas, qmatmul, qmatmul_ext  # (first: the BLAS before mlx)
 
     device, source = device_config()
@@ -138,7 +138,7 @@ def report() -> dict[str, Any]:
     return {
         "python": sys.version.split()[0],
         "platform": platform.platform(),
-        "device": _device_name(mx),
+        "device": device_name(),
         **_attention(device),
         "blas": backend.blas_in_use(),
         "blas chosen": backend.chosen_blas(device.blas) or "none (blas='off', or none found)",

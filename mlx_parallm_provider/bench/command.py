@@ -91,6 +91,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _meta(args: argparse.Namespace, systems: list[str], levels: list[int], slo: dict[str, float]) -> dict[str, Any]:
+    from .. import __version__
+    from ..doctor import device_name
     from ..models import backend
 
     def version(dist: str) -> Optional[str]:
@@ -106,13 +108,15 @@ def _meta(args: argparse.Namespace, systems: list[str], levels: list[int], slo: 
         "request_rate": None if math.isinf(args.request_rate) else args.request_rate, "burstiness": args.burstiness,
         "slo_ms": slo, "sweep": args.sweep, "percentiles": args.percentiles,
         "llama_cpp_threads": args.llama_cpp_threads or default_threads(),
-        "machine": {"platform": platform.platform(), "machine": platform.machine(), "cpus": os.cpu_count(), "blas": backend.blas_in_use()},
-        "versions": {d: version(d) for d in ("mlx-parallm-provider", "mlx", "mlx-lm", "litellm", "langchain-core", "llama-cpp-python")},
+        "machine": {"platform": platform.platform(), "machine": platform.machine(), "cpus": os.cpu_count(), "blas": backend.blas_in_use(),
+                    "device": device_name()},
+        "versions": {"mlx-parallm-provider": __version__,  # the code running (a checkout on PYTHONPATH has no metadata)
+                     **{d: version(d) for d in ("mlx", "mlx-lm", "litellm", "langchain-core", "llama-cpp-python")}},
     }
 
 
 async def _bench(args: argparse.Namespace, systems: list[str], levels: list[int], settings: list[dict], slo: dict[str, float],
-                 out_dir: Path) -> tuple[list[dict[str, Any]], dict[str, str]]:
+                 out_dir: Path) -> tuple[list[dict[str, Any]], dict[str, str], dict[str, Any]]:
     from .. import Engine, EngineConfig
 
     engine = await asyncio.to_thread(Engine, args.model)  # the chat template and tokenizer; no worker starts
@@ -143,6 +147,7 @@ async def _bench(args: argparse.Namespace, systems: list[str], levels: list[int]
                     print(f"skipping {system}: {skipped[system]}", file=sys.stderr)
                     break
                 started.append((system, setting, runner))
+        meta = _meta(args, systems, levels, slo)  # (the BLAS is bound once an engine has loaded)
         # Level by level, every system in turn: drift in the machine's load hits all alike.
         for c in levels:
             batch = requests[c]
@@ -157,11 +162,14 @@ async def _bench(args: argparse.Namespace, systems: list[str], levels: list[int]
                     "setting_label": sweep.label(setting), "concurrency": c, "num_requests": len(batch),
                     "eos": runner.eos, "metrics": m, "samples": metrics.samples(records),
                 })
+            # The levels measured so far, kept should the run be cut short (a time limit, ^C).
+            report.write_json(out_dir / "results.json", {"meta": meta, "rows": [{k: v for k, v in r.items() if k != "order"} for r in rows],
+                                                         "skipped": skipped, "complete": False})
     finally:
         for _, _, runner in started:
             await runner.stop()
     rows.sort(key=lambda r: (r.pop("order"), r["concurrency"]))
-    return rows, skipped
+    return rows, skipped, meta
 
 
 def _best_lines(rows: list[dict[str, Any]], slo: dict[str, float], swept: bool) -> tuple[list[str], dict[str, Any]]:
@@ -202,7 +210,7 @@ def run(args: argparse.Namespace) -> int:
     out_dir = args.output_dir or Path("bench-results") / time.strftime("%Y%m%d-%H%M%S")
     out_dir.mkdir(parents=True, exist_ok=True)
     try:
-        rows, skipped = asyncio.run(_bench(args, systems, levels, settings, slo, out_dir))
+        rows, skipped, meta = asyncio.run(_bench(args, systems, levels, settings, slo, out_dir))
     except ValueError as exc:  # a bad workload, JSONL file or engine setting
         print(f"mlx-parallm bench: error: {exc}", file=sys.stderr)
         return 2
@@ -212,7 +220,7 @@ def run(args: argparse.Namespace) -> int:
     print(report.markdown_table(rows, show_goodput=bool(slo)))
     print()
     print(report.notes(rows, skipped, best_lines))
-    result = {"meta": _meta(args, systems, levels, slo), "rows": rows, "skipped": skipped, "best": best}
+    result = {"meta": meta, "rows": rows, "skipped": skipped, "best": best, "complete": True}
     report.write_json(out_dir / "results.json", result)
     written = plots.write_plots(rows, out_dir)
     if not plots.available():

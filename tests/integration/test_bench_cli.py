@@ -81,6 +81,7 @@ def test_plots_table_best_setting_and_skips(quick: tuple[dict, str, Path]) -> No
     reason = "llama-cpp-python is not installed" if importlib.util.find_spec("llama_cpp") is None else "needs a .gguf model"
     assert reason in result["skipped"]["llama-cpp"] and f"skipped llama-cpp: {result['skipped']['llama-cpp']}\n" in stdout
     assert result["meta"]["slo_ms"] == {"ttft": 60000.0, "tpot": 10000.0}
+    assert result["complete"] is True
 
 
 @pytest.mark.parametrize("args, message", [
@@ -106,6 +107,31 @@ def test_peers_that_cannot_run_are_one_line_notes(tiny_model_dir: Path, tmp_path
     for system, reason in skipped.items():
         assert "\n" not in reason and f"skipping {system}: {reason}\n" in err and f"skipped {system}: {reason}\n" in out
     assert "| engine | 1 | 1 / 0 |" in out
+
+
+def test_a_run_cut_short_keeps_the_levels_it_measured(tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """results.json is rewritten after every level, so a run stopped by a time limit keeps them."""
+    from mlx_parallm_provider import __version__
+    from mlx_parallm_provider.bench.runners import base
+
+    measure = base.Runner.run
+    levels: list[int] = []
+
+    async def cut_at_the_second_level(self, requests, offsets, max_concurrency, on_done):
+        levels.append(max_concurrency)
+        if len(levels) == 2:
+            raise RuntimeError("cut")
+        return await measure(self, requests, offsets, max_concurrency, on_done)
+
+    monkeypatch.setattr(base.Runner, "run", cut_at_the_second_level)
+    with pytest.raises(RuntimeError, match="cut"), contextlib.redirect_stdout(io.StringIO()):
+        main(["bench", "--model", str(tiny_model_dir), "--output-dir", str(tmp_path), "--no-progress", "--max-tokens", "2",
+              "--systems", "engine", "--concurrency", "1,2"])
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert result["complete"] is False
+    assert [(r["system"], r["concurrency"], r["metrics"]["completed"]) for r in result["rows"]] == [("engine", 1, 1)]
+    assert result["meta"]["versions"]["mlx-parallm-provider"] == __version__ and result["meta"]["machine"]["device"]
+    assert not list(tmp_path.glob("*.part*"))  # written beside, then renamed
 
 
 @pytest.mark.slow
