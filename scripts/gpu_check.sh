@@ -9,10 +9,14 @@
 # under its own time limit, writes to $OUT (default ./gpu-out): doctor.txt; gpu.json / gpu.md
 # (the paged kernels against the gather path, greedy agreement with mlx-lm, where a decode
 # step's time goes at 1-64 rows: python -m mlx_parallm_provider.bench.gpu); sweep.json /
-# sweep.md (mlx-parallm bench, engine vs mlx-lm's batch generation, ~1B 4-bit random model,
-# chat, 64 new tokens, EOS ignored, 1/2/4/8/32/64 concurrent); tests.txt (pytest -m gpu);
-# summary.txt. Budget: under 10 minutes (one device call). Python: $PYTHON (default python3). A rehearsal on a CPU
-# (see gpu_pack.sh) takes a smaller model and fewer levels: SHAPE=135m LEVELS=1,2 ROWS=1,2.
+# sweep.md (mlx-parallm bench, engine vs mlx-lm's batch generation and its server over HTTP,
+# ~1B 4-bit random model, chat, 64 new tokens, EOS ignored, 1/2/4/8/32/64 concurrent, the
+# engine with its weights kept quantized and dequantized at load; sweep.json holds the levels
+# done should the time limit cut it short); tests.txt (pytest -m gpu, float32 matmuls without
+# TF32); summary.txt.
+# Budget: under 10 minutes (one device call). Python: $PYTHON (default python3); the random
+# models are built in $MODELS (default /tmp/parallm-models). A rehearsal on a CPU (see
+# gpu_pack.sh) takes a smaller model and fewer levels: SHAPE=135m LEVELS=1,2 ROWS=1,2.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 STAGE=/tmp/parallm-gpu
@@ -34,31 +38,50 @@ cat "$STAGE/mlx-cuda.part.aa" $(ls .gpu/part2/mlx-cuda.part.a[b-z] 2>/dev/null) 
 SITE=$("$PY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 "$PY" -m pip install -q --no-index --no-deps --no-compile "$WHEEL" .gpu/part2/mlx-*.whl || exit 1
 tar -C "$SITE" -xJf .gpu/part2/site.tar.xz || exit 1
+# MLX compiles its CUDA kernels at run time (NVRTC) against the CUDA runtime's headers: where
+# pip's package does not put them beside it, it takes $CUDA_HOME, else /usr/local/cuda.
+if [ -z "${CUDA_HOME:-}${CUDA_PATH:-}" ]; then
+  NVCC=$(command -v nvcc || true)
+  for c in "$SITE/nvidia/cu13" /usr/local/cuda ${NVCC:+"$(dirname "$(dirname "$NVCC")")"}; do
+    [ -f "$c/include/cuda_runtime.h" ] && export CUDA_HOME=$c && break
+  done
+fi
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 LITELLM_LOCAL_MODEL_COST_MAP=True HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 TOK=$PWD/.gpu/part2/tokenizer
 summary() { echo "$*" | tee -a "$OUT/summary.txt"; }
 
 summary "# GPU check $(date -u +%F) on $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null)"
-"$PY" -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device(), 'cuda', mx.cuda.is_available())" 2>&1 | tee -a "$OUT/summary.txt"
+summary "CUDA_HOME=${CUDA_HOME:-${CUDA_PATH:-unset}}"
+# a kernel compiled here (a fused elementwise one): a missing header shows now, in one line
+timeout 60 "$PY" -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device(), 'cuda', mx.cuda.is_available(),
+  'compiled kernel', mx.compile(lambda x: mx.exp(x) * 2 + 1)(mx.zeros(4)).tolist())" 2>&1 | tail -3 | tee -a "$OUT/summary.txt"
 
 timeout 45 "$PY" -m mlx_parallm_provider.cli doctor > "$OUT/doctor.txt" 2>&1
 summary "doctor rc=$? ($(grep -E '^(device|backend|paged attention) ' "$OUT/doctor.txt" | tr -s ' ' | tr '\n' ';'))"
 
 SHAPE=${SHAPE:-1b}
-MODELS=/tmp/parallm-models
+MODELS=${MODELS:-/tmp/parallm-models}
 timeout 150 "$PY" -m mlx_parallm_provider.bench.gpu --tokenizer "$TOK" --shape "$SHAPE" --rows "${ROWS:-1,2,4,8,32,64}" \
   --work "$MODELS" --json "$OUT/gpu.json" > "$OUT/gpu.md" 2>&1
 summary "bench.gpu rc=$?"
 
 [ -f "$MODELS/$SHAPE-4bit/config.json" ] || "$PY" -m mlx_parallm_provider.bench.random_model --shape "$SHAPE" --bits 4 \
   --tokenizer "$TOK" --out "$MODELS/$SHAPE-4bit" > /dev/null
-timeout 170 "$PY" -m mlx_parallm_provider.cli bench --model "$MODELS/$SHAPE-4bit" --systems engine,mlx-lm-batch --workload chat \
-  --max-tokens 64 --ignore-eos --concurrency "${LEVELS:-1,2,4,8,32,64}" --output-dir /tmp/parallm-sweep --no-progress > "$OUT/sweep.md" 2>&1
-summary "sweep rc=$?"
+# 32 and 64 first: the levels the targets name are measured should the time limit cut the rest
+timeout 200 "$PY" -m mlx_parallm_provider.cli bench --model "$MODELS/$SHAPE-4bit" --systems engine,mlx-lm-batch,mlx-lm-server \
+  --workload chat --max-tokens 64 --ignore-eos --concurrency "${LEVELS:-32,64,1,2,4,8}" --sweep dequantize=false,true \
+  --output-dir /tmp/parallm-sweep --no-progress > "$OUT/sweep.md" 2>&1
+rc=$?
 cp /tmp/parallm-sweep/results.json "$OUT/sweep.json" 2>/dev/null
+summary "sweep rc=$rc"
+[ $rc = 0 ] || [ ! -f "$OUT/sweep.json" ] || "$PY" -c "import json, sys; from mlx_parallm_provider.bench import report
+print(report.markdown_table(json.load(open(sys.argv[1]))['rows'], False))" "$OUT/sweep.json" | tee -a "$OUT/sweep.md"  # the levels done
 
-timeout 160 "$PY" -m pytest -m gpu -q -p no:cacheprovider --tokenizer-dir "$TOK" -o addopts="-rfE" tests/integration > "$OUT/tests.txt" 2>&1
-summary "pytest -m gpu rc=$?: $(tail -1 "$OUT/tests.txt")"
+# one line per test as it ends (-v): a run the time limit cuts short still says which passed;
+# a module that cannot be imported there (a package the image lacks) skips itself alone
+NVIDIA_TF32_OVERRIDE=0 timeout 150 "$PY" -m pytest -m gpu -v -p no:cacheprovider --continue-on-collection-errors \
+  --tokenizer-dir "$TOK" -o addopts="-rfE" tests/integration > "$OUT/tests.txt" 2>&1
+summary "pytest -m gpu rc=$?: $(tail -1 "$OUT/tests.txt"); $(grep -c ' PASSED' "$OUT/tests.txt") passed, $(grep -c ' FAILED' "$OUT/tests.txt") failed"
 cat "$OUT/summary.txt"
 tail -40 "$OUT/gpu.md"
 tail -20 "$OUT/sweep.md"

@@ -8,7 +8,7 @@
 #                ~1B model are built from it there).
 # Versions are this checkout's (.venv's). Run scripts/setup.sh --dev first.
 # A rehearsal on a CPU machine packs for its Python with MLX's CPU build instead:
-#   PACK_PYTHON=3.11 PACK_MLX_BACKEND=mlx-cpu bash scripts/gpu_pack.sh
+#   PACK_PYTHON=3.12 PACK_MLX_BACKEND=mlx-cpu bash scripts/gpu_pack.sh
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY=.venv/bin/python
