@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -48,17 +48,21 @@ def build(out: Path, tokenizer: Path, shape: str = "1b", bits: int = 4, group_si
     if bits:
         nn.quantize(model, group_size=group_size, bits=bits)
         config["quantization"] = {"group_size": group_size, "bits": bits}
-    # Written beside ``out``, then renamed: a build cut short (a timeout) leaves no folder that
-    # looks whole (callers take an existing ``config.json`` for a built model).
-    part = out.with_name(f"{out.name}.part{os.getpid()}")
-    shutil.rmtree(part, ignore_errors=True)
-    part.mkdir(parents=True)
-    mx.save_safetensors(str(part / "model.safetensors"), dict(tree_flatten(model.parameters())), metadata={"format": "mlx"})
-    (part / "config.json").write_text(json.dumps(config, indent=1))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (part / name).write_bytes((tokenizer / name).read_bytes())
-    shutil.rmtree(out, ignore_errors=True)
-    part.rename(out)
+    # Written beside ``out``, then renamed (as models.gguf.convert stages its output): a build
+    # cut short (a timeout) leaves no folder that looks whole (callers take an existing
+    # ``config.json`` for a built model).
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        mx.save_safetensors(str(staging / "model.safetensors"), dict(tree_flatten(model.parameters())), metadata={"format": "mlx"})
+        (staging / "config.json").write_text(json.dumps(config, indent=1))
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            (staging / name).write_bytes((tokenizer / name).read_bytes())
+        shutil.rmtree(out, ignore_errors=True)
+        staging.rename(out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     return out
 
 

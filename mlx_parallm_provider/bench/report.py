@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import statistics
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
@@ -88,8 +87,8 @@ def sweep_ratios(rows: Sequence[Mapping[str, Any]]) -> list[str]:
 
 def write_json(path: Path, result: Mapping[str, Any]) -> Path:
     """Write the whole result (meta, rows with per-request samples, skipped, best), whole or
-    not at all (beside it first, then renamed)."""
-    part = path.with_name(f"{path.name}.part{os.getpid()}")
-    part.write_text(json.dumps(result, indent=2, default=str) + "\n")
-    os.replace(part, path)
+    not at all."""
+    from ..models.kernel_cache import write_atomic
+
+    write_atomic(path, (json.dumps(result, indent=2, default=str) + "\n").encode(), 0o644)
     return path

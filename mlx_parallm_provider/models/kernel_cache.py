@@ -71,8 +71,9 @@ def writable(folder: Path) -> bool:
     return exc is None
 
 
-def _write_atomic(target: Path, data: bytes, mode: int) -> None:
-    """Write ``target`` whole or not at all: a temporary file in its folder, fsynced, renamed."""
+def write_atomic(target: Path, data: bytes, mode: int) -> None:
+    """Write ``target`` whole or not at all: a temporary file in its folder, fsynced, renamed
+    (a kernel, its record, a benchmark's results)."""
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
     try:
         with os.fdopen(fd, "wb") as f:
@@ -100,8 +101,8 @@ def install(built: Path, target: Path) -> Optional[Path]:
     try:
         data = built.read_bytes()
         record = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-        _write_atomic(record_path(target), json.dumps(record).encode(), 0o644)  # first: a kernel never lacks its record
-        _write_atomic(target, data, 0o755)
+        write_atomic(record_path(target), json.dumps(record).encode(), 0o644)  # first: a kernel never lacks its record
+        write_atomic(target, data, 0o755)
     except OSError as exc:
         logger.warning("could not write %s (%s): native kernels are not used, MLX's ops are", target, exc)
         return None
