@@ -102,6 +102,16 @@ def device_name() -> str:
     return f"{mx.default_device()}" + (f" ({name})" if name else "")
 
 
+def kv_memory() -> str:
+    """The memory an engine's KV pool may grow into, unless ``kv_cache_memory_gb`` says."""
+    from .engine.kv.budget import FREE_MEMORY_FRACTION, available_memory
+
+    free = available_memory()
+    if free is None:
+        return "unknown: set kv_cache_memory_gb"
+    return f"{FREE_MEMORY_FRACTION:.0%} of {free[0] / 1024**3:.1f} GiB, {free[1]} (kv_cache_memory_gb sets it)"
+
+
 def _attention(device: Any) -> dict[str, str]:
     """The backend a model loaded now gets, and how its attention reads the paged KV: on a
     GPU the paged kernels are compiled and checked here, as an engine does at first use."""
@@ -140,6 +150,7 @@ def report() -> dict[str, Any]:
         "platform": platform.platform(),
         "device": device_name(),
         **_attention(device),
+        "KV pool at most": kv_memory(),
         "blas": backend.blas_in_use(),
         "blas chosen": backend.chosen_blas(device.blas) or "none (blas='off', or none found)",
         "dense layers": ("OpenBLAS bound privately (mlx was imported first)" if mlx_first and ext is not None

@@ -209,7 +209,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--json", type=Path, help="also write every figure here")
     parser.add_argument("--skip", default="", help="comma-separated sections to skip: paged, agreement, breakdown")
     args = parser.parse_args(argv)
-    from ..models.backends.gpu_kernels import MLXKernels, gpu_platform
+    from ..models.backends.gpu_kernels import MLXKernels
+    from ..models.device import gpu_platform
 
     skip = set(filter(None, args.skip.split(",")))
     platform = gpu_platform()

@@ -62,7 +62,8 @@ class EngineConfig:
         kv_cache_memory_gb: the KV block pool's size, allocated at once, prefix store
             included; requests are admitted by free blocks and the newest is preempted
             (recomputed later) when decoding rows run out. None: room for every slot at its
-            full context, at most half the memory free at start, grown as blocks are used.
+            full context, at most half the memory free at start (the GPU's on a GPU), grown
+            as blocks are used.
         max_kv_size: if set, each row attends to at most this many recent KV entries (as
             mlx-lm's ``--max-kv-size``): lower memory, longer generations, approximate
             attention past the window (batched rows keep none of the first tokens, unlike

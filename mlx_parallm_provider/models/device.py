@@ -162,3 +162,43 @@ def is_cpu() -> bool:
     import mlx.core as mx
 
     return mx.default_device().type == mx.DeviceType.cpu
+
+
+def gpu_platform() -> Optional[str]:
+    """``"metal"`` or ``"cuda"``: the GPU MLX computes on where its default device is a GPU; else None."""
+    import mlx.core as mx
+
+    if mx.default_device() != mx.gpu:
+        return None
+    if mx.metal.is_available():
+        return "metal"
+    cuda = getattr(mx, "cuda", None)
+    if cuda is not None and cuda.is_available():
+        return "cuda"
+    return None
+
+
+def gpu_memory_free() -> Optional[tuple[int, str]]:
+    """Bytes MLX can still allocate on its GPU, and how that was found; None off a GPU or
+    where MLX does not say.
+
+    CUDA: the device's free memory (``mx.device_info()``'s ``free_memory``, NVML's
+    device-wide figure where NVML loads) plus the buffers MLX keeps cached for reuse. Metal:
+    the working set Metal recommends for this GPU (its share of the unified memory) less
+    what MLX's arrays hold now. The host's free memory says nothing of either: a CUDA GPU
+    has its own, and a Mac's GPU may use only part of the RAM."""
+    import mlx.core as mx
+
+    platform = gpu_platform()
+    if platform is None:
+        return None
+    try:
+        info = mx.device_info()
+    except Exception:  # an MLX without it
+        return None
+    if platform == "cuda" and isinstance(info.get("free_memory"), int):
+        return int(info["free_memory"]) + mx.get_cache_memory(), "the CUDA GPU's free memory"
+    limit = info.get("max_recommended_working_set_size")
+    if platform == "metal" and isinstance(limit, int):
+        return max(0, int(limit) - mx.get_active_memory()), "Metal's recommended working set, less MLX's arrays"
+    return None

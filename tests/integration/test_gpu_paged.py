@@ -16,7 +16,8 @@ from gpu_kernel_emulator import KernelLoop, cuda_source, nvrtc, nvrtc_compile
 from mlx_parallm_provider.config import DeviceConfig
 from mlx_parallm_provider.engine import SamplingParams
 from mlx_parallm_provider.models import backends, paged_kernels
-from mlx_parallm_provider.models.backends.gpu_kernels import GPUKernels, MLXKernels, check_kernels, gpu_platform
+from mlx_parallm_provider.models.backends.gpu_kernels import GPUKernels, MLXKernels, check_kernels
+from mlx_parallm_provider.models.device import gpu_platform
 
 
 @pytest.fixture(scope="module")

@@ -206,3 +206,44 @@ def test_hold_gives_every_owner_its_entries_or_changes_nothing():
     assert (len(kv.table("a")), len(kv.table("b")), kv.pool.num_free) == (2, 2, 1)
     assert not kv.hold({"a": 12, "b": 12})  # 2 more wanted, 1 free
     assert (len(kv.table("a")), len(kv.table("b")), kv.pool.num_free) == (2, 2, 1)
+
+
+GIB = 1024**3
+
+
+@pytest.mark.parametrize("platform, info, held, expected_free", [
+    # CUDA: the device's own free memory, plus what MLX's cache holds for reuse (not the host's)
+    ("cuda", {"device_name": "NVIDIA H200", "free_memory": 100 * GIB, "total_memory": 140 * GIB}, {"cache": 4 * GIB}, 104 * GIB),
+    # Metal: the working set Metal recommends, less what MLX's arrays hold (the weights)
+    ("metal", {"max_recommended_working_set_size": 24 * GIB, "memory_size": 32 * GIB}, {"active": 6 * GIB}, 18 * GIB),
+])
+def test_on_a_gpu_an_unset_kv_budget_is_sized_from_the_gpus_free_memory(monkeypatch, platform, info, held, expected_free):
+    import mlx.core as mx
+
+    from mlx_parallm_provider.engine.kv import budget
+    from mlx_parallm_provider.models import device
+
+    monkeypatch.setattr(device, "gpu_platform", lambda: platform)
+    monkeypatch.setattr(mx, "device_info", lambda *a: dict(info))
+    monkeypatch.setattr(mx, "get_cache_memory", lambda: held.get("cache", 0))
+    monkeypatch.setattr(mx, "get_active_memory", lambda: held.get("active", 0))
+    monkeypatch.setattr(budget, "host_memory_available", lambda: 1000 * GIB)  # a big host: not what the GPU has
+    free, source = budget.available_memory()
+    assert free == expected_free and ("CUDA" in source if platform == "cuda" else "Metal" in source)
+    block_bytes = 1024 * 16  # 1 KiB a token, 16-token blocks
+    wanted = 10**9  # every slot at a long context: more than any memory
+    assert budget.pool_blocks(None, 1024, 16, wanted) == int(expected_free * budget.FREE_MEMORY_FRACTION) // block_bytes + 1
+    assert budget.pool_blocks(None, 1024, 16, 16 * 40) == 41  # room for what is wanted, where that is less
+    assert budget.pool_blocks(2 * GIB, 1024, 16, wanted) == 2 * GIB // block_bytes + 1  # a budget given wins
+
+
+def test_off_a_gpu_an_unset_kv_budget_is_sized_from_the_hosts_available_memory(monkeypatch):
+    from mlx_parallm_provider.engine.kv import budget
+
+    monkeypatch.setattr(budget, "gpu_memory_free", lambda: None)
+    monkeypatch.setattr(budget, "host_memory_available", lambda: 8 * GIB)
+    assert budget.available_memory() == (8 * GIB, "the memory the OS says is available")
+    assert budget.pool_blocks(None, 1024, 16, 10**9) == int(8 * GIB * budget.FREE_MEMORY_FRACTION) // (1024 * 16) + 1
+    monkeypatch.setattr(budget, "host_memory_available", lambda: None)
+    assert budget.available_memory() is None
+    assert budget.pool_blocks(None, 1024, 16, 16 * 40) == 41  # no figure: what is wanted

@@ -1,5 +1,6 @@
 """How many KV blocks an engine's pool has: from ``kv_cache_memory_gb`` when set, else
-from the machine's free memory (as vLLM sizes its pool from ``gpu_memory_utilization``)."""
+from the free memory of the device that holds it, the GPU's on a GPU (as vLLM sizes its pool
+from ``gpu_memory_utilization``)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any, Optional
 import mlx.core as mx
 
 from ...errors import InvalidParameterError
+from ...models.device import gpu_memory_free
 from .disk_tier import check_folder
 from .storage import KV_QUANT_GROUP_SIZE, QUANTIZED_KV_BITS, quantized_bytes_per_value
 
@@ -19,7 +21,18 @@ FREE_MEMORY_FRACTION = 0.5
 """Share of the memory free at start that an unset budget may grow into."""
 
 
-def available_memory_bytes() -> Optional[int]:
+def available_memory() -> Optional[tuple[int, str]]:
+    """Memory the KV pool's arrays may still take, and where that figure comes from: on a GPU
+    what MLX can allocate there (:func:`~...models.device.gpu_memory_free`), else
+    :func:`host_memory_available`; None when unknown."""
+    on_gpu = gpu_memory_free()
+    if on_gpu is not None:
+        return on_gpu
+    host = host_memory_available()
+    return None if host is None else (host, "the memory the OS says is available")
+
+
+def host_memory_available() -> Optional[int]:
     """Memory the OS says is available now (``MemAvailable``; total physical memory where
     there is no /proc), or None when unknown."""
     try:
@@ -40,17 +53,19 @@ def pool_blocks(budget_bytes: Optional[int], bytes_per_token: int, block_size: i
 
     With a budget, as many as it holds. Without one, enough for ``max_tokens_wanted``
     (every slot at its full context) but no more than :data:`FREE_MEMORY_FRACTION` of the
-    available memory; the arrays then grow only as blocks are used (:mod:`.storage`)."""
+    memory free (:func:`available_memory`: the GPU's on a GPU); the arrays then grow only as
+    blocks are used (:mod:`.storage`)."""
     block_bytes = bytes_per_token * block_size
     if budget_bytes is not None:
         return max(2, budget_bytes // block_bytes + 1)
     wanted = -(-max_tokens_wanted // block_size) + 1
-    free = available_memory_bytes()
+    free = available_memory()
     if free is not None:
-        wanted = min(wanted, max(2, int(free * FREE_MEMORY_FRACTION) // block_bytes + 1))
+        wanted = min(wanted, max(2, int(free[0] * FREE_MEMORY_FRACTION) // block_bytes + 1))
     logger.info(
-        "KV pool: %d blocks of %d tokens (%.2f GiB at most; kv_cache_memory_gb sets it)",
+        "KV pool: %d blocks of %d tokens (%.2f GiB at most, of %s: %s; kv_cache_memory_gb sets it)",
         wanted - 1, block_size, (wanted - 1) * block_bytes / 1024**3,
+        "unknown" if free is None else f"{free[0] / 1024**3:.1f} GiB", "no figure" if free is None else free[1],
     )
     return max(2, wanted)
 

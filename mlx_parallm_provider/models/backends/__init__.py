@@ -16,8 +16,9 @@ import logging
 from typing import Any, Iterator, Optional, Union
 
 from ...config import DEVICE_SETTINGS, DeviceConfig
+from ..device import gpu_platform
 from .cpu_kernels import CPUKernels
-from .gpu_kernels import GPUKernels, gpu_platform
+from .gpu_kernels import GPUKernels
 from .mlx_ops import MLXOps
 from .routing import route, unroute
 

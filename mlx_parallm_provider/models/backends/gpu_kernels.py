@@ -18,6 +18,7 @@ import mlx.core as mx
 
 from ...config import DeviceConfig
 from .. import paged_kernels
+from ..device import gpu_platform
 from ..paged_kernels import KernelCall, Launch, body_for
 from .mlx_ops import MLXOps
 
@@ -25,18 +26,6 @@ logger = logging.getLogger(__name__)
 
 CHECK_TOLERANCE = 2e-3
 """Largest difference the first-use check allows between the kernels and the gather path (float32 pools)."""
-
-
-def gpu_platform() -> Optional[str]:
-    """``"metal"`` or ``"cuda"``: the GPU MLX computes on where its default device is a GPU; else None."""
-    if mx.default_device() != mx.gpu:
-        return None
-    if mx.metal.is_available():
-        return "metal"
-    cuda = getattr(mx, "cuda", None)
-    if cuda is not None and cuda.is_available():
-        return "cuda"
-    return None
 
 
 class MLXKernels:
