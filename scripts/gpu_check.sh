@@ -42,7 +42,7 @@ tar -C "$SITE" -xJf .gpu/part2/site.tar.xz || exit 1
 # pip's package does not put them beside it, it takes $CUDA_HOME, else /usr/local/cuda.
 if [ -z "${CUDA_HOME:-}${CUDA_PATH:-}" ]; then
   NVCC=$(command -v nvcc || true)
-  for c in "$SITE/nvidia/cu13" /usr/local/cuda ${NVCC:+"$(dirname "$(dirname "$NVCC")")"}; do
+  for c in "$SITE/nvidia/cu13" "$SITE/nvidia/cuda_runtime" /usr/local/cuda ${NVCC:+"$(dirname "$(dirname "$NVCC")")"}; do
     [ -f "$c/include/cuda_runtime.h" ] && export CUDA_HOME=$c && break
   done
 fi
