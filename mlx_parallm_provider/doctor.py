@@ -112,6 +112,17 @@ def kv_memory() -> str:
     return f"{FREE_MEMORY_FRACTION:.0%} of {free[0] / 1024**3:.1f} GiB, {free[1]} (kv_cache_memory_gb sets it)"
 
 
+def _cuda_headers() -> dict[str, str]:
+    """On a CUDA GPU, the CUDA headers MLX compiles kernels against (none: why the kernels fail)."""
+    from .models.device import cuda_headers, gpu_platform
+
+    if gpu_platform() != "cuda":
+        return {}
+    found = cuda_headers()
+    return {"CUDA headers": str(found) if found is not None else
+            "none found: MLX cannot compile kernels; pip install nvidia-cuda-runtime-cu12 (CUDA 12) or set CUDA_HOME"}
+
+
 def _attention(device: Any) -> dict[str, str]:
     """The backend a model loaded now gets, and how its attention reads the paged KV: on a
     GPU the paged kernels are compiled and checked here, as an engine does at first use."""
@@ -149,6 +160,7 @@ def report() -> dict[str, Any]:
         "python": sys.version.split()[0],
         "platform": platform.platform(),
         "device": device_name(),
+        **_cuda_headers(),
         **_attention(device),
         "KV pool at most": kv_memory(),
         "blas": backend.blas_in_use(),

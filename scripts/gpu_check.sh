@@ -57,7 +57,7 @@ timeout 60 "$PY" -c "import mlx.core as mx; print('mlx', mx.__version__, mx.defa
   'compiled kernel', mx.compile(lambda x: mx.exp(x) * 2 + 1)(mx.zeros(4)).tolist())" 2>&1 | tail -3 | tee -a "$OUT/summary.txt"
 
 timeout 45 "$PY" -m mlx_parallm_provider.cli doctor > "$OUT/doctor.txt" 2>&1
-summary "doctor rc=$? ($(grep -E '^(device|backend|paged attention|KV pool at most) ' "$OUT/doctor.txt" | tr -s ' ' | tr '\n' ';'))"
+summary "doctor rc=$? ($(grep -E '^(device|CUDA headers|backend|paged attention|KV pool at most) ' "$OUT/doctor.txt" | tr -s ' ' | tr '\n' ';'))"
 
 SHAPE=${SHAPE:-1b}
 MODELS=${MODELS:-/tmp/parallm-models}

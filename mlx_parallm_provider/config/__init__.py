@@ -22,6 +22,7 @@ from .environment import (
     c_compiler,
     cache_home,
     child_environment,
+    cuda_toolkit,
     cxx_compiler,
     default_environment,
     env_choice,
@@ -33,6 +34,6 @@ from .settings import Setting
 __all__ = [
     "DEVICE_SETTINGS", "ENGINE_CONFIG_ENV", "ENGINE_SETTINGS", "HOME_ENV", "KV_CACHE_DTYPES", "MARCH_PATTERN",
     "OPENBLAS_TIMEOUT_ENV", "PAGED_ATTENTION", "POOL_SETTINGS", "PROCESS_VARIABLES", "DeviceConfig", "EngineConfig",
-    "PoolConfig", "Setting", "c_compiler", "cache_home", "child_environment", "cxx_compiler", "default_blas",
+    "PoolConfig", "Setting", "c_compiler", "cache_home", "child_environment", "cuda_toolkit", "cxx_compiler", "default_blas",
     "default_dequantize", "default_environment", "env_choice", "env_text",
 ]

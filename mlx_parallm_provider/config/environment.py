@@ -23,6 +23,9 @@ PROCESS_VARIABLES = {
                        "config of engines made without one (every engine of a LiteLLM proxy).",
     "CC": "the C compiler the kernels are built with (default ``cc``).",
     "CXX": "the C++ compiler the MLX extension is built with (default ``c++``).",
+    "CUDA_HOME": "MLX's own (or ``CUDA_PATH``): the CUDA toolkit whose ``include/`` its CUDA backend compiles "
+                 "kernels against where NVIDIA's runtime package is not installed beside it; ``mlx-parallm doctor`` "
+                 "says which headers it will find.",
     OPENBLAS_TIMEOUT_ENV: "OpenBLAS's own variable; set to 4 before OpenBLAS loads unless already set "
                           "(its threads then sleep at once after a call instead of spinning).",
 }
@@ -56,6 +59,11 @@ def c_compiler() -> str:
 def cxx_compiler() -> str:
     """The C++ compiler for the MLX extension: ``$CXX``, else ``c++``."""
     return os.environ.get("CXX") or "c++"
+
+
+def cuda_toolkit() -> Optional[str]:
+    """The CUDA toolkit folder MLX's CUDA backend is told of: ``$CUDA_HOME``, else ``$CUDA_PATH``, else None."""
+    return os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or None
 
 
 def child_environment(**overrides: str) -> dict[str, str]:

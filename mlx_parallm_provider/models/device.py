@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from ..config import DEVICE_SETTINGS, OPENBLAS_TIMEOUT_ENV, default_blas, default_environment
+from ..config import DEVICE_SETTINGS, OPENBLAS_TIMEOUT_ENV, cuda_toolkit, default_blas, default_environment
 
 logger = logging.getLogger(__name__)
 
@@ -202,3 +202,27 @@ def gpu_memory_free() -> Optional[tuple[int, str]]:
     if platform == "metal" and isinstance(limit, int):
         return max(0, int(limit) - mx.get_active_memory()), "Metal's recommended working set, less MLX's arrays"
     return None
+
+
+CUDA_RUNTIME_PACKAGES = ("cu13", "cuda_runtime")
+"""Where NVIDIA's CUDA runtime package puts its headers under ``site-packages/nvidia/``:
+``nvidia-cuda-runtime`` (CUDA 13) and ``nvidia-cuda-runtime-cu12``."""
+SYSTEM_CUDA = Path("/usr/local/cuda")
+"""The CUDA toolkit MLX falls back to on Linux."""
+
+
+def cuda_headers(site: Optional[Path] = None) -> Optional[Path]:
+    """The folder of CUDA runtime headers MLX's CUDA backend will compile its kernels (and
+    this package's) against, searched as MLX 0.32 searches: NVIDIA's runtime package in
+    ``site`` (default: the folder MLX is installed in), then :func:`~..config.cuda_toolkit`
+    (``$CUDA_HOME`` / ``$CUDA_PATH``), then ``/usr/local/cuda``. None where none holds
+    ``cuda_runtime.h``: the first GPU kernel MLX compiles then fails."""
+    if site is None:
+        import mlx
+
+        site = Path(list(mlx.__path__)[0]).parent
+    toolkit = cuda_toolkit()
+    folders = [site / "nvidia" / name for name in CUDA_RUNTIME_PACKAGES]
+    folders += [Path(toolkit)] if toolkit else []
+    folders.append(SYSTEM_CUDA)
+    return next((f / "include" for f in folders if (f / "include" / "cuda_runtime.h").is_file()), None)

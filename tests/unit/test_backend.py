@@ -222,3 +222,40 @@ def test_doctor_prints_the_backend_blas_features_kernels_cache_and_versions(caps
         if os.environ.get("MLX_PARALLM_INT8_MATMUL") is None:
             assert lines["int8 matmul"].endswith("; on, 16-bit activations (MLX_PARALLM_INT8_MATMUL)" if expected != "lanes"
                                                  else "; off (MLX_PARALLM_INT8_MATMUL)"), out
+
+
+def test_the_cuda_headers_are_found_where_mlx_looks_for_them_in_its_order(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """NVIDIA's runtime package beside MLX first, then $CUDA_HOME / $CUDA_PATH, then the
+    system toolkit; a folder without cuda_runtime.h does not count."""
+    from pathlib import Path
+
+    from mlx_parallm_provider import doctor
+    from mlx_parallm_provider.models import device
+
+    def toolkit(path: Path, headers: bool = True) -> Path:
+        (path / "include").mkdir(parents=True)
+        if headers:
+            (path / "include" / "cuda_runtime.h").write_text("// headers")
+        return path
+
+    site = tmp_path / "site-packages"
+    monkeypatch.setattr(device, "SYSTEM_CUDA", tmp_path / "no-system-cuda")
+    monkeypatch.delenv("CUDA_HOME", raising=False)
+    monkeypatch.delenv("CUDA_PATH", raising=False)
+    assert device.cuda_headers(site) is None
+    monkeypatch.setattr(device, "SYSTEM_CUDA", toolkit(tmp_path / "usr-local-cuda"))
+    assert device.cuda_headers(site) == tmp_path / "usr-local-cuda" / "include"
+    monkeypatch.setenv("CUDA_PATH", str(toolkit(tmp_path / "path-toolkit")))
+    assert device.cuda_headers(site) == tmp_path / "path-toolkit" / "include"
+    monkeypatch.setenv("CUDA_HOME", str(toolkit(tmp_path / "home-toolkit")))
+    assert device.cuda_headers(site) == tmp_path / "home-toolkit" / "include"
+    toolkit(site / "nvidia" / "cu13", headers=False)  # an empty include/ is passed over
+    assert device.cuda_headers(site) == tmp_path / "home-toolkit" / "include"
+    toolkit(site / "nvidia" / "cuda_runtime")  # nvidia-cuda-runtime-cu12
+    assert device.cuda_headers(site) == site / "nvidia" / "cuda_runtime" / "include"
+
+    # doctor says so on a CUDA GPU only
+    assert doctor._cuda_headers() == {}
+    monkeypatch.setattr(device, "gpu_platform", lambda: "cuda")
+    monkeypatch.setattr(device, "cuda_headers", lambda: None)
+    assert doctor._cuda_headers()["CUDA headers"].startswith("none found: MLX cannot compile kernels")
