@@ -9,7 +9,8 @@ shuffles), so the one body text of each runs as it is under MLX's ``mx.fast.cuda
 1. **scores**: a thread per (row, KV head, query position, visible token) computes that
    token's score for each query head of its KV head's group (the token's K row read once for
    all of them), scaled; a token the position cannot see scores :data:`MASKED`;
-2. the scores' softmax, by MLX's ops in float32;
+2. the scores' softmax, by MLX's ops in float32 (with attention ``sinks``, gpt-oss's per-head
+   logit, as one more column of each head's scores that takes its share and is dropped);
 3. **values**: a thread per (token split, row, KV head, query position, channel) sums its
    split's probabilities times V for the group's query heads (adjacent threads read adjacent
    channels of one V row); MLX's ``sum`` adds the splits.
@@ -18,7 +19,7 @@ Each query position sees the tokens before its limit (``limits``: a row's tokens
 decode step; per position for a prefill piece or a verify step), and with a sliding
 ``window`` only the last ``window`` of them. Pools are ``(slots, kv_heads, D)`` with slot =
 block * block_size + offset, as :mod:`...engine.kv.storage` holds them; float32, float16
-or bfloat16. Quantized pools and attention sinks are not taken (the caller gathers).
+or bfloat16. Quantized pools are not taken (the caller gathers).
 
 :func:`paged_attention` is the whole computation over a ``launch`` callable that runs one
 :class:`KernelCall` (the backend's: :mod:`.backends.gpu_kernels`).
@@ -189,11 +190,13 @@ def takes(queries: mx.array, k_pool: mx.array, v_pool: mx.array, lengths: mx.arr
 
 
 def paged_attention(queries: mx.array, k_pool: mx.array, v_pool: mx.array, table: mx.array, lengths: mx.array, block_size: int,
-                    scale: float, launch: Launch, window: Optional[int] = None, max_scores: int = MAX_SCORES) -> mx.array:
+                    scale: float, launch: Launch, window: Optional[int] = None, max_scores: int = MAX_SCORES,
+                    sinks: Optional[mx.array] = None) -> mx.array:
     """Attention of ``queries`` ``(B, heads, L, D)`` over paged K/V by the two kernels (the
     module docstring), each run by ``launch``: ``table`` ``(B, M)`` block ids, ``lengths``
-    ``(B,)`` or ``(B, L)`` the tokens each position sees (where :func:`takes`); ``(B, heads,
-    L, D)`` in ``queries``' dtype. Parts of at most ``max_scores`` scores are attended one by one."""
+    ``(B,)`` or ``(B, L)`` the tokens each position sees (where :func:`takes`), ``sinks``
+    ``(heads,)`` attention sinks or None; ``(B, heads, L, D)`` in ``queries``' dtype. Parts of
+    at most ``max_scores`` scores are attended one by one."""
     B, heads, L, _ = queries.shape
     M = table.shape[1]
     T = M * block_size if not window else min(M * block_size, window)
@@ -202,17 +205,17 @@ def paged_attention(queries: mx.array, k_pool: mx.array, v_pool: mx.array, table
     if B * heads * L * T > max_scores and (L > 1 or B > 1):
         def part(lo: slice, rows: slice) -> mx.array:
             return paged_attention(queries[rows, :, lo], k_pool, v_pool, table[rows], limits[rows, lo], block_size, scale,
-                                   launch, window, max_scores)
+                                   launch, window, max_scores, sinks)
         if L > 1:
             half = slice(0, L // 2), slice(L // 2, L)
             return mx.concatenate([part(lo, slice(None)) for lo in half], axis=2)
         half = slice(0, B // 2), slice(B // 2, B)
         return mx.concatenate([part(slice(None), rows) for rows in half], axis=0)
-    return _attend(queries, k_pool, v_pool, table, limits, block_size, scale, launch, window, T)
+    return _attend(queries, k_pool, v_pool, table, limits, block_size, scale, launch, window, T, sinks)
 
 
 def _attend(queries: mx.array, k_pool: mx.array, v_pool: mx.array, table: mx.array, limits: mx.array, block_size: int,
-            scale: float, launch: Launch, window: Optional[int], T: int) -> mx.array:
+            scale: float, launch: Launch, window: Optional[int], T: int, sinks: Optional[mx.array]) -> mx.array:
     """One launch of each kernel over every row and position (:func:`paged_attention`'s)."""
     B, heads, L, D = queries.shape
     M = table.shape[1]
@@ -223,7 +226,11 @@ def _attend(queries: mx.array, k_pool: mx.array, v_pool: mx.array, table: mx.arr
     kv_heads = layout.kv_heads
     scores = launch(KernelCall(SCORES, layout, [q, k_pool, table, limits, params, _constant((scale,), mx.float32)],
                                B * kv_heads * L * T, (B, heads, L, T)))
-    probs = mx.softmax(scores, axis=-1, precise=True)
+    if sinks is None:
+        probs = mx.softmax(scores, axis=-1, precise=True)
+    else:  # each head's sink logit takes a share of the softmax and gives no value
+        sink = mx.broadcast_to(sinks.astype(mx.float32).reshape(1, heads, 1, 1), (B, heads, L, 1))
+        probs = mx.softmax(mx.concatenate([scores, sink], axis=-1), axis=-1, precise=True)[..., :T]
     partial = launch(KernelCall(VALUES, layout, [probs, v_pool, table, limits, params], splits * B * kv_heads * L * D,
                                 (splits, B, heads, L, D)))
     return partial.sum(axis=0).astype(queries.dtype)
@@ -243,7 +250,7 @@ def _constant(values: tuple, dtype: mx.Dtype) -> mx.array:
 
 
 def gathered_attention(queries: mx.array, k_pool: mx.array, v_pool: mx.array, table: mx.array, lengths: mx.array, block_size: int,
-                       scale: float, window: Optional[int] = None) -> mx.array:
+                       scale: float, window: Optional[int] = None, sinks: Optional[mx.array] = None) -> mx.array:
     """The same attention by gathering every row's blocks and MLX's ops (the reference the
     kernels are checked against, and what :func:`paged_attention` computes)."""
     B, heads, L, D = queries.shape
@@ -259,5 +266,6 @@ def gathered_attention(queries: mx.array, k_pool: mx.array, v_pool: mx.array, ta
     if window:
         visible = visible & (pos >= end - window)
     mask = visible[:, None, :, :]  # (B, 1, L, S)
-    out = mx.fast.scaled_dot_product_attention(queries.astype(mx.float32), k, v, scale=scale, mask=mask)
+    extra = {} if sinks is None else {"sinks": sinks.astype(mx.float32)}
+    out = mx.fast.scaled_dot_product_attention(queries.astype(mx.float32), k, v, scale=scale, mask=mask, **extra)
     return out.astype(queries.dtype)

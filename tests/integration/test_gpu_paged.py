@@ -12,6 +12,7 @@ from typing import Optional
 import mlx.core as mx
 import pytest
 
+from conftest import TINY_CONFIG, write_tiny_model
 from gpu_kernel_emulator import KernelLoop, cuda_source, nvrtc, nvrtc_compile
 from mlx_parallm_provider.config import DeviceConfig
 from mlx_parallm_provider.engine import SamplingParams
@@ -179,6 +180,75 @@ def test_engine_on_the_gpu_kernels_answers_as_the_gather_path_and_alone(tiny_mod
     assert together == gathered == alone
     layers = len(tiny_model.model.layers)
     assert calls.count("parallm_paged_scores") >= layers * params.max_tokens  # every layer of every step
+
+
+@pytest.mark.parametrize("L,window,dtype", [(1, None, mx.float16), (1, 6, mx.float32), (5, None, mx.float32), (5, 6, mx.float16)])
+def test_attention_sinks_take_their_share_as_the_gather_path_gives_it(launch, L: int, window: Optional[int], dtype) -> None:
+    """gpt-oss's per-head sinks: the kernels' softmax with one more logit per head equals MLX's
+    attention with ``sinks=`` over the gathered blocks (decode steps and prefill pieces, GQA,
+    windows), and differs from attention without them."""
+    held = [40, 3, 17]
+    lengths = [s + L for s in held]
+    k_pool, v_pool, table = _pool(lengths, 4, 2, 32, dtype, seed=11 + L)
+    limits = mx.array([[s + j + 1 for j in range(L)] for s in held], dtype=mx.int32)
+    queries = mx.random.normal((3, 8, L, 32), key=mx.random.key(12)).astype(dtype)
+    sinks = mx.array([2.0, -1.0, 0.5, 3.0, 0.0, -4.0, 1.0, 6.0]).astype(dtype)
+    got = paged_kernels.paged_attention(queries, k_pool, v_pool, table, limits, 4, 0.3, launch, window=window, sinks=sinks)
+    want = paged_kernels.gathered_attention(queries, k_pool, v_pool, table, limits, 4, 0.3, window=window, sinks=sinks)
+    plain = paged_kernels.gathered_attention(queries, k_pool, v_pool, table, limits, 4, 0.3, window=window)
+    tolerance = 1e-4 if dtype == mx.float32 else 2e-2  # (outputs rounded to 16 bits)
+    assert mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item() < tolerance
+    assert mx.abs(got.astype(mx.float32) - plain.astype(mx.float32)).max().item() > 0.05
+    # in parts of bounded scores too
+    parts = paged_kernels.paged_attention(queries, k_pool, v_pool, table, limits, 4, 0.3, launch, window=window, sinks=sinks,
+                                          max_scores=8 * 48)
+    assert mx.abs(parts.astype(mx.float32) - got.astype(mx.float32)).max().item() < 1e-5 + (0 if dtype == mx.float32 else 1e-2)
+
+
+GPT_OSS = {  # attention sinks, YaRN, 4 experts; layer 0 slides (a window of 8), layer 1 is global
+    "model_type": "gpt_oss", "intermediate_size": 64, "num_local_experts": 4, "num_experts_per_tok": 2, "rms_norm_eps": 1e-5,
+    "sliding_window": 8, "rope_theta": 150000, "max_position_embeddings": 131072, "tie_word_embeddings": False,
+    "layer_types": ["sliding_attention", "full_attention"],
+    "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                     "original_max_position_embeddings": 4096},
+}
+"""gpt-oss's own settings over the tiny llama's sizes (as the architecture matrix builds it)."""
+
+
+def test_gpt_oss_on_the_gpu_kernels_answers_as_the_gather_path_with_its_sinks(launch, smollm_tokenizer_dir, tmp_path) -> None:
+    """A tiny gpt-oss (sinks in every layer, a sliding layer and a global one): greedy,
+    batched, through the kernels equals MLX's ops gathering, and each prompt alone; its
+    attention went through the kernels in both layers."""
+    from mlx_parallm_provider.config import EngineConfig
+    from mlx_parallm_provider.engine import Engine
+    from mlx_parallm_provider.models import registry
+
+    sizes = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
+             "bos_token_id", "eos_token_id")
+    config = {**{k: TINY_CONFIG[k] for k in sizes}, **GPT_OSS}
+    loaded = registry.load(str(write_tiny_model(tmp_path / "gpt-oss", smollm_tokenizer_dir, config=config)))
+    prompts = [[1, 5 + i, 9, 30 + 3 * i, 7, 11, 200 + i, 40, 41, 42, 43, 44, 45][: 4 + 3 * i] for i in range(4)]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    calls: list[str] = []
+
+    def counted(call):
+        calls.append(call.kernel.name)
+        return launch(call)
+
+    def run(backend) -> tuple[list[list[int]], list[list[int]]]:
+        with backends.using(loaded.model, backend):
+            engine = Engine("gpt-oss", EngineConfig(kv_block_size=4), loaded=loaded)
+            try:
+                together = [o.token_ids for o in engine.generate_many_sync(prompts, params)]
+                alone = [engine.generate_many_sync([p], params)[0].token_ids for p in prompts]
+            finally:
+                engine.shutdown()
+        return together, alone
+
+    gathered, _ = run("mlx")
+    together, alone = run(GPUKernels(DeviceConfig(), launch=counted, platform="test"))
+    assert together == gathered == alone
+    assert calls.count("parallm_paged_scores") >= 2 * params.max_tokens  # both layers, every step, sinks and all
 
 
 PAIRS = [(paged_kernels.SCORES, [mx.float32, None, mx.int32, mx.int32, mx.int32, mx.float32]),

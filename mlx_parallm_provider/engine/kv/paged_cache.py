@@ -11,7 +11,7 @@ Attention reads each row's blocks. On the CPU and GPU kernels backends, kernels 
 through the block tables (the backend's ``paged_decode_attention``) for every pass: a decode
 step, a step verifying drafts or forced tokens, a prefill piece of any width (each position
 sees the tokens before it and computes what a decode step there would). Elsewhere (MLX's
-ops, layouts or pools the kernels do not take, attention sinks) rows are gathered, per length bucket,
+ops, layouts or pools the kernels do not take, attention sinks on the CPU) rows are gathered, per length bucket,
 into a transient rectangle (so a long row never makes short rows attend over its length),
 then attended by the backend's ``dense_attention``.
 Decoding rows whose tables start with the same cached
@@ -256,7 +256,7 @@ class PagedLayerCache:
     """One layer's view of a :class:`PagedBatch` (mlx-lm's cache interface): its group's
     rows and tables, its storage slot."""
 
-    attends_sinks = True  # gpt-oss's attention sinks reach attend() (the gathered path)
+    attends_sinks = True  # gpt-oss's attention sinks reach attend() (the GPU kernels, else the gathered path)
 
     def __init__(self, batch: GroupPass, layer: int, window: Optional[int] = None) -> None:
         self.batch, self.layer, self.window = batch, layer, window  # layer: the storage slot
@@ -334,14 +334,16 @@ class PagedLayerCache:
                backend: Optional[MLXOps] = None, sinks: Optional[mx.array] = None) -> mx.array:
         """Attention of ``queries`` (B, heads, L, D) over each row's blocks by ``backend``
         (the model's; None: MLX's ops): one kernel call through the block tables where it
-        has one (a sliding-window layer's too), else per bucket over gathered blocks (always
-        with attention ``sinks``, which the kernel does not take)."""
+        has one (a sliding-window layer's too; with attention ``sinks``, the GPU kernels'
+        only), else per bucket over gathered blocks."""
         backend = backend or _MLX_OPS
         batch, storage = self.batch, self.batch.storage
-        if sinks is None and backend.reads_pages:  # (asked only there: a wide pass's limits take a loop to build)
-            quantized = {"scales": storage.scales[self.layer], "bits": storage.bits} if storage.bits else {}
+        if backend.reads_pages:  # (asked only there: a wide pass's limits take a loop to build)
+            extra = {"scales": storage.scales[self.layer], "bits": storage.bits} if storage.bits else {}
+            if sinks is not None:
+                extra["sinks"] = sinks
             out = backend.paged_decode_attention(queries, storage.keys[self.layer], storage.values[self.layer], batch.table,
-                                                   batch.limits, storage.block_size, scale, window=self.window, **quantized)
+                                                   batch.limits, storage.block_size, scale, window=self.window, **extra)
             if out is not None:
                 return out
         cascade = batch.width == 1 and self.window is None and sinks is None and batch.shared()

@@ -136,7 +136,10 @@ class CPUKernels(MLXOps):
     def paged_decode_attention(
         self, queries: mx.array, k_pool: mx.array, v_pool: mx.array, table: mx.array, lengths: mx.array, block_size: int, scale: float,
         window: Optional[int] = None, scales: Optional[Sequence[mx.array]] = None, bits: int = 0,
+        sinks: Optional[mx.array] = None,
     ) -> Optional[mx.array]:
+        if sinks is not None:  # (the CPU kernel takes no sinks: gathered)
+            return None
         return attention.paged_decode_attention(queries, k_pool, v_pool, table, lengths, block_size, scale, self.attention_threads,
                                                 window, scales, bits)
 

@@ -97,19 +97,23 @@ class GPUKernels(MLXOps):
     def paged_decode_attention(
         self, queries: mx.array, k_pool: mx.array, v_pool: mx.array, table: mx.array, lengths: mx.array, block_size: int, scale: float,
         window: Optional[int] = None, scales: Optional[Sequence[mx.array]] = None, bits: int = 0,
+        sinks: Optional[mx.array] = None,
     ) -> Optional[mx.array]:
-        """The kernels' attention (:func:`..paged_kernels.paged_attention`), or None (the caller
-        gathers): quantized pools, layouts the kernels do not take, kernels not ready."""
+        """The kernels' attention (:func:`..paged_kernels.paged_attention`, attention ``sinks``
+        included), or None (the caller gathers): quantized pools, layouts the kernels do not
+        take, kernels not ready."""
         if bits or scales is not None or not paged_kernels.takes(queries, k_pool, v_pool, lengths):
             return None
         if not self.kernels_ready():
             return None
-        return paged_kernels.paged_attention(queries, k_pool, v_pool, table, lengths, block_size, scale, self._launch, window=window)
+        return paged_kernels.paged_attention(queries, k_pool, v_pool, table, lengths, block_size, scale, self._launch, window=window,
+                                             sinks=sinks)
 
 
 def check_kernels(launch: Launch, seed: int = 0) -> Optional[str]:
-    """Attend a small random pool (GQA, shuffled blocks, a window, a prefill piece) by the
-    kernels through ``launch`` and by the gather path; None where they agree, else what differs."""
+    """Attend a small random pool (GQA, shuffled blocks, a window, a prefill piece, attention
+    sinks) by the kernels through ``launch`` and by the gather path; None where they agree,
+    else what differs."""
     key = mx.random.key(seed)
     k1, k2, k3 = mx.random.split(key, 3)
     heads, kv_heads, D, block = 4, 2, 32, 4
@@ -120,10 +124,10 @@ def check_kernels(launch: Launch, seed: int = 0) -> Optional[str]:
     queries = mx.random.normal((B, heads, L, D), key=k3)
     table = mx.array([[7, 2, 19, 4, 11], [3, 0, 0, 0, 0], [23, 9, 15, 1, 0]], dtype=mx.int32)
     limits = mx.array([[17, 18], [2, 3], [13, 15]], dtype=mx.int32)
-    for window in (None, 5):
-        got = paged_kernels.paged_attention(queries, k_pool, v_pool, table, limits, block, 0.2, launch, window=window)
-        want = paged_kernels.gathered_attention(queries, k_pool, v_pool, table, limits, block, 0.2, window=window)
+    for window, sinks in ((None, None), (5, None), (5, mx.array([0.5, -1.0, 2.0, 0.0]))):
+        got = paged_kernels.paged_attention(queries, k_pool, v_pool, table, limits, block, 0.2, launch, window=window, sinks=sinks)
+        want = paged_kernels.gathered_attention(queries, k_pool, v_pool, table, limits, block, 0.2, window=window, sinks=sinks)
         diff = mx.abs(got - want).max().item()
         if not diff <= CHECK_TOLERANCE:  # (NaN too)
-            return f"differs from the gather path by {diff:.3g} (window={window})"
+            return f"differs from the gather path by {diff:.3g} (window={window}, sinks={sinks is not None})"
     return None

@@ -70,10 +70,12 @@ class MLXOps:
     def paged_decode_attention(
         self, queries: mx.array, k_pool: mx.array, v_pool: mx.array, table: mx.array, lengths: mx.array, block_size: int, scale: float,
         window: Optional[int] = None, scales: Optional[Sequence[mx.array]] = None, bits: int = 0,
+        sinks: Optional[mx.array] = None,
     ) -> Optional[mx.array]:
         """Attention over paged KV through a fused kernel (a sliding ``window``: each position
-        sees its last ``window`` tokens; quantized pools: their ``scales`` and ``bits``), or
-        None: the caller gathers the rows' blocks (see :func:`..attention.paged_decode_attention`)."""
+        sees its last ``window`` tokens; quantized pools: their ``scales`` and ``bits``;
+        ``sinks``: gpt-oss's per-head attention sinks), or None: the caller gathers the rows'
+        blocks (see :func:`..attention.paged_decode_attention`)."""
         return None
 
     def steps_attention(self, rope: Any) -> bool:
