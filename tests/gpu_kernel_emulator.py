@@ -25,8 +25,8 @@ import numpy as np
 
 from mlx_parallm_provider.models.paged_kernels import KernelCall, KernelSource, Layout, body_for
 
-CPU_TYPES = {mx.float32: "float", mx.float16: "_Float16", mx.int32: "int32_t"}
-CUDA_TYPES = {mx.float32: "float", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.int32: "int32_t"}
+CPU_TYPES = {mx.float32: "float", mx.float16: "_Float16", mx.int32: "int32_t", mx.uint32: "uint32_t"}
+CUDA_TYPES = {mx.float32: "float", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.int32: "int32_t", mx.uint32: "uint32_t"}
 
 
 def _template_lines(layout: Layout, types: dict) -> str:
@@ -54,7 +54,7 @@ def cuda_source(kernel: KernelSource, layout: Layout, input_dtypes: list[mx.Dtyp
     """``kernel`` as MLX's ``mx.fast.cuda_kernel`` writes it (``custom_kernel.cpp``'s
     ``build_kernel``), MLX's own device header replaced by the CUDA half-precision headers
     it includes (its cooperative groups need CUDA's C++ library headers, which the bodies do not use)."""
-    header = "#include <cuda_fp16.h>\n#include <cuda_bf16.h>\ntypedef int int32_t;\n"
+    header = "#include <cuda_fp16.h>\n#include <cuda_bf16.h>\ntypedef int int32_t;\ntypedef unsigned int uint32_t;\n"
     params = [f"    const {CUDA_TYPES[t]}* {name}" for name, t in zip(kernel.inputs, input_dtypes)]
     params += [f"    float* {name}" for name in kernel.outputs]
     return (header + "namespace mlx::core::cu {\n\n"

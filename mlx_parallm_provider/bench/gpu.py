@@ -46,9 +46,11 @@ def _timed(fns: dict[str, Callable[[], Any]], repeats: int = 7) -> dict[str, flo
 
 def paged_step_times(launch: paged_kernels.Launch, contexts: Sequence[int] = (1000, 4000), rows: Sequence[int] = (1, 8, 32),
                      heads: int = 32, kv_heads: int = 8, head_dim: int = 64, block_size: int = 16, dtype: mx.Dtype = mx.bfloat16,
-                     repeats: int = 7) -> list[dict[str, Any]]:
+                     repeats: int = 7, quantized_bits: int = 8) -> list[dict[str, Any]]:
     """One layer's decode attention over rows of ``contexts`` tokens in shuffled blocks: the
-    kernels (``launch``) against the gather path, in ms, with their largest difference."""
+    kernels (``launch``) against the gather path, in ms, with their largest difference; also
+    over the same pools quantized to ``quantized_bits`` (``kv_cache_dtype="int8"``'s blocks;
+    0 or a head size not divisible by 32: not measured)."""
     out = []
     for context in contexts:
         for B in rows:
@@ -69,10 +71,23 @@ def paged_step_times(launch: paged_kernels.Launch, contexts: Sequence[int] = (10
                 return paged_kernels.gathered_attention(queries, k_pool, v_pool, order, lengths, block_size, scale)
 
             diff = mx.abs(kernel().astype(mx.float32) - gather().astype(mx.float32)).max().item()
-            ms = _timed({"kernel": kernel, "gather": gather}, repeats)
+            fns = {"kernel": kernel, "gather": gather}
+            if quantized_bits and head_dim % 32 == 0:
+                (kc, ks, kb), (vc, vs, vb) = (mx.quantize(p.astype(mx.float16), group_size=32, bits=quantized_bits) for p in (k_pool, v_pool))
+                scales = [ks, kb, vs, vb]
+                mx.eval(kc, vc, *scales)
+                fns["kernel_q"] = lambda: paged_kernels.paged_attention(queries, kc, vc, order, lengths, block_size, scale, launch,
+                                                                        scales=scales, bits=quantized_bits)
+                fns["gather_q"] = lambda: paged_kernels.gathered_attention(queries, kc, vc, order, lengths, block_size, scale,
+                                                                           scales=scales, bits=quantized_bits)
+            ms = _timed(fns, repeats)
             k_ms, g_ms = ms["kernel"], ms["gather"]
-            out.append({"context": context, "rows": B, "kernel_ms": k_ms, "gather_ms": g_ms, "gather_over_kernel": g_ms / k_ms,
-                        "max_diff": diff})
+            row = {"context": context, "rows": B, "kernel_ms": k_ms, "gather_ms": g_ms, "gather_over_kernel": g_ms / k_ms, "max_diff": diff}
+            if "kernel_q" in ms:
+                q_diff = mx.abs(fns["kernel_q"]().astype(mx.float32) - fns["gather_q"]().astype(mx.float32)).max().item()
+                row.update({f"int{quantized_bits}_kernel_ms": ms["kernel_q"], f"int{quantized_bits}_gather_ms": ms["gather_q"],
+                            f"int{quantized_bits}_max_diff": q_diff})
+            out.append(row)
     return out
 
 

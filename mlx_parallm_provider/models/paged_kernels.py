@@ -19,7 +19,8 @@ Each query position sees the tokens before its limit (``limits``: a row's tokens
 decode step; per position for a prefill piece or a verify step), and with a sliding
 ``window`` only the last ``window`` of them. Pools are ``(slots, kv_heads, D)`` with slot =
 block * block_size + offset, as :mod:`...engine.kv.storage` holds them; float32, float16
-or bfloat16. Quantized pools are not taken (the caller gathers).
+or bfloat16, or quantized (int8 / int4 blocks: ``mx.quantize``'s packed codes, with a scale
+and a bias per group of a head's channels, read and dequantized where each value is used).
 
 :func:`paged_attention` is the whole computation over a ``launch`` callable that runs one
 :class:`KernelCall` (the backend's: :mod:`.backends.gpu_kernels`).
@@ -29,7 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import mlx.core as mx
 
@@ -71,13 +72,13 @@ SCORES_BODY = """
         return;
     }
     const idx_t block = table[b * M_ + t / BLOCK];
-    const idx_t k0 = ((block * BLOCK + t % BLOCK) * KV_HEADS + h) * HEAD_DIM;
+    const idx_t row = (block * BLOCK + t % BLOCK) * KV_HEADS + h;
     const idx_t q0 = ((idx_t)(b * HEADS + h * GROUP) * L_ + l) * HEAD_DIM;
     const idx_t q_stride = (idx_t)L_ * HEAD_DIM;
     float acc[GROUP];
     for (int g = 0; g < GROUP; ++g) acc[g] = 0.0f;
     for (int d = 0; d < HEAD_DIM; ++d) {
-        const float k = static_cast<float>(k_pool[k0 + d]);
+        const float k = READ_K;
         for (int g = 0; g < GROUP; ++g) acc[g] += queries[q0 + g * q_stride + d] * k;
     }
     for (int g = 0; g < GROUP; ++g) scores[out0 + g * head_stride] = acc[g] * scale[0];
@@ -107,13 +108,25 @@ VALUES_BODY = """
     for (int j = j0; j < j1; ++j) {
         const int t = start + j;
         const idx_t block = table[b * M_ + t / BLOCK];
-        const float v = static_cast<float>(v_pool[((block * BLOCK + t % BLOCK) * KV_HEADS + h) * HEAD_DIM + d]);
+        const idx_t row = (block * BLOCK + t % BLOCK) * KV_HEADS + h;
+        const float v = READ_V;
         for (int g = 0; g < GROUP; ++g) acc[g] += probs[p0 + g * head_stride + j] * v;
     }
     const idx_t o0 = ((((idx_t)s * B_ + b) * HEADS + h * GROUP) * L_ + l) * HEAD_DIM + d;
     const idx_t o_stride = (idx_t)L_ * HEAD_DIM;
     for (int g = 0; g < GROUP; ++g) partial[o0 + g * o_stride] = acc[g];
 """
+
+
+FLOAT_READ = "static_cast<float>({x}_pool[row * HEAD_DIM + d])"
+"""Channel ``d`` of pool row ``row`` (a token's head) of a float pool."""
+QUANTIZED_READ = (
+    "(static_cast<float>(({x}_pool[row * (HEAD_DIM * BITS / 32) + d / (32 / BITS)] >> ((d % (32 / BITS)) * BITS))"
+    " & ((1u << BITS) - 1u)) * static_cast<float>({x}_scales[row * (HEAD_DIM / QGROUP) + d / QGROUP])"
+    " + static_cast<float>({x}_biases[row * (HEAD_DIM / QGROUP) + d / QGROUP]))"
+)
+"""The same of a quantized pool: ``mx.quantize``'s code (``32 / BITS`` to a word, the lowest
+bits first) times its group's scale plus its bias."""
 
 
 @dataclass(frozen=True)
@@ -127,8 +140,15 @@ class KernelSource:
     body: str
 
 
-SCORES = KernelSource("parallm_paged_scores", ("queries", "k_pool", "table", "limits", PARAMS, "scale"), ("scores",), SCORES_BODY)
-VALUES = KernelSource("parallm_paged_values", ("probs", "v_pool", "table", "limits", PARAMS), ("partial",), VALUES_BODY)
+SCORES = KernelSource("parallm_paged_scores", ("queries", "k_pool", "table", "limits", PARAMS, "scale"), ("scores",),
+                      SCORES_BODY.replace("READ_K", FLOAT_READ.format(x="k")))
+VALUES = KernelSource("parallm_paged_values", ("probs", "v_pool", "table", "limits", PARAMS), ("partial",),
+                      VALUES_BODY.replace("READ_V", FLOAT_READ.format(x="v")))
+QUANTIZED_SCORES = KernelSource("parallm_paged_scores_q", ("queries", "k_pool", "k_scales", "k_biases", "table", "limits", PARAMS, "scale"),
+                                ("scores",), SCORES_BODY.replace("READ_K", QUANTIZED_READ.format(x="k")))
+QUANTIZED_VALUES = KernelSource("parallm_paged_values_q", ("probs", "v_pool", "v_scales", "v_biases", "table", "limits", PARAMS),
+                                ("partial",), VALUES_BODY.replace("READ_V", QUANTIZED_READ.format(x="v")))
+QUANTIZED_BITS = (8, 4)
 
 THREAD_INDEX = {
     "cuda": "blockIdx.x * blockDim.x + threadIdx.x",
@@ -147,7 +167,8 @@ def body_for(kernel: KernelSource, where: str) -> str:
 @dataclass(frozen=True)
 class Layout:
     """What one compiled kernel pair is specialised for: a model layer's head layout, the
-    pool's dtype and block size, a sliding window (0: none)."""
+    pool's dtype and block size, a sliding window (0: none); quantized pools: their bits, the
+    channels a scale covers and the scales' dtype."""
 
     heads: int
     kv_heads: int
@@ -155,11 +176,15 @@ class Layout:
     block_size: int
     window: int
     dtype: mx.Dtype
+    bits: int = 0
+    group: int = 0
+    scales_dtype: Optional[mx.Dtype] = None
 
     def template(self) -> list[tuple[str, object]]:
         """The template arguments both kernels take (``Tk``: the pool's element type)."""
-        return [("Tk", self.dtype), ("HEADS", self.heads), ("KV_HEADS", self.kv_heads), ("HEAD_DIM", self.head_dim),
-                ("BLOCK", self.block_size), ("WINDOW", self.window)]
+        common = [("Tk", self.dtype), ("HEADS", self.heads), ("KV_HEADS", self.kv_heads), ("HEAD_DIM", self.head_dim),
+                  ("BLOCK", self.block_size), ("WINDOW", self.window)]
+        return common + ([("BITS", self.bits), ("QGROUP", self.group), ("Ts", self.scales_dtype)] if self.bits else [])
 
 
 @dataclass
@@ -177,26 +202,37 @@ class KernelCall:
 Launch = Callable[[KernelCall], mx.array]
 
 
-def takes(queries: mx.array, k_pool: mx.array, v_pool: mx.array, lengths: mx.array) -> bool:
-    """Whether :func:`paged_attention` takes these: float pools of one shape and dtype, at most
-    :data:`MAX_GROUP` query heads per KV head, limits per row or per position."""
+def takes(queries: mx.array, k_pool: mx.array, v_pool: mx.array, lengths: mx.array,
+          scales: Optional[Sequence[mx.array]] = None, bits: int = 0) -> bool:
+    """Whether :func:`paged_attention` takes these: pools of one shape and dtype, float or
+    quantized (``bits`` in :data:`QUANTIZED_BITS`, ``scales`` the K scales and biases then the
+    V ones, a group of channels dividing the head), at most :data:`MAX_GROUP` query heads per
+    KV head, limits per row or per position."""
     B, heads, L, D = queries.shape
-    if k_pool.ndim != 3 or k_pool.shape != v_pool.shape or k_pool.dtype != v_pool.dtype or k_pool.dtype not in POOL_DTYPES:
+    if k_pool.ndim != 3 or k_pool.shape != v_pool.shape or k_pool.dtype != v_pool.dtype:
         return False
     kv_heads = k_pool.shape[1]
-    if k_pool.shape[2] != D or heads % kv_heads or heads // kv_heads > MAX_GROUP:
+    if heads % kv_heads or heads // kv_heads > MAX_GROUP or lengths.shape not in ((B,), (B, L)) or (L > 1 and lengths.ndim != 2):
         return False
-    return lengths.shape in ((B,), (B, L)) and (L == 1 or lengths.ndim == 2)
+    if not bits and scales is None:
+        return k_pool.dtype in POOL_DTYPES and k_pool.shape[2] == D
+    if bits not in QUANTIZED_BITS or scales is None or len(scales) != 4 or k_pool.dtype != mx.uint32:
+        return False
+    groups = scales[0].shape[-1] if scales[0].ndim == 3 else 0
+    shape = (k_pool.shape[0], kv_heads, groups)
+    return (k_pool.shape[2] * 32 == D * bits and groups > 0 and D % groups == 0 and all(s.shape == shape for s in scales)
+            and len({s.dtype for s in scales}) == 1 and scales[0].dtype in POOL_DTYPES)
 
 
 def paged_attention(queries: mx.array, k_pool: mx.array, v_pool: mx.array, table: mx.array, lengths: mx.array, block_size: int,
                     scale: float, launch: Launch, window: Optional[int] = None, max_scores: int = MAX_SCORES,
-                    sinks: Optional[mx.array] = None) -> mx.array:
+                    sinks: Optional[mx.array] = None, scales: Optional[Sequence[mx.array]] = None, bits: int = 0) -> mx.array:
     """Attention of ``queries`` ``(B, heads, L, D)`` over paged K/V by the two kernels (the
     module docstring), each run by ``launch``: ``table`` ``(B, M)`` block ids, ``lengths``
     ``(B,)`` or ``(B, L)`` the tokens each position sees (where :func:`takes`), ``sinks``
-    ``(heads,)`` attention sinks or None; ``(B, heads, L, D)`` in ``queries``' dtype. Parts of
-    at most ``max_scores`` scores are attended one by one."""
+    ``(heads,)`` attention sinks or None, quantized pools' ``scales`` (K scales, K biases, V
+    scales, V biases) and ``bits``; ``(B, heads, L, D)`` in ``queries``' dtype. Parts of at
+    most ``max_scores`` scores are attended one by one."""
     B, heads, L, _ = queries.shape
     M = table.shape[1]
     T = M * block_size if not window else min(M * block_size, window)
@@ -205,33 +241,39 @@ def paged_attention(queries: mx.array, k_pool: mx.array, v_pool: mx.array, table
     if B * heads * L * T > max_scores and (L > 1 or B > 1):
         def part(lo: slice, rows: slice) -> mx.array:
             return paged_attention(queries[rows, :, lo], k_pool, v_pool, table[rows], limits[rows, lo], block_size, scale,
-                                   launch, window, max_scores, sinks)
+                                   launch, window, max_scores, sinks, scales, bits)
         if L > 1:
             half = slice(0, L // 2), slice(L // 2, L)
             return mx.concatenate([part(lo, slice(None)) for lo in half], axis=2)
         half = slice(0, B // 2), slice(B // 2, B)
         return mx.concatenate([part(slice(None), rows) for rows in half], axis=0)
-    return _attend(queries, k_pool, v_pool, table, limits, block_size, scale, launch, window, T, sinks)
+    return _attend(queries, k_pool, v_pool, table, limits, block_size, scale, launch, window, T, sinks, scales, bits)
 
 
 def _attend(queries: mx.array, k_pool: mx.array, v_pool: mx.array, table: mx.array, limits: mx.array, block_size: int,
-            scale: float, launch: Launch, window: Optional[int], T: int, sinks: Optional[mx.array]) -> mx.array:
+            scale: float, launch: Launch, window: Optional[int], T: int, sinks: Optional[mx.array],
+            scales: Optional[Sequence[mx.array]], bits: int) -> mx.array:
     """One launch of each kernel over every row and position (:func:`paged_attention`'s)."""
     B, heads, L, D = queries.shape
     M = table.shape[1]
     splits = -(-T // SPLIT_TOKENS)
-    layout = Layout(heads, k_pool.shape[1], D, block_size, window or 0, k_pool.dtype)
+    if bits:
+        layout = Layout(heads, k_pool.shape[1], D, block_size, window or 0, k_pool.dtype, bits, D // scales[0].shape[-1], scales[0].dtype)
+        (scores_kernel, values_kernel), k_in, v_in = (QUANTIZED_SCORES, QUANTIZED_VALUES), [k_pool, *scales[:2]], [v_pool, *scales[2:]]
+    else:
+        layout = Layout(heads, k_pool.shape[1], D, block_size, window or 0, k_pool.dtype)
+        (scores_kernel, values_kernel), k_in, v_in = (SCORES, VALUES), [k_pool], [v_pool]
     params = _constant((M, T, L, B, SPLIT_TOKENS, splits), mx.int32)
     q = queries.astype(mx.float32)
     kv_heads = layout.kv_heads
-    scores = launch(KernelCall(SCORES, layout, [q, k_pool, table, limits, params, _constant((scale,), mx.float32)],
+    scores = launch(KernelCall(scores_kernel, layout, [q, *k_in, table, limits, params, _constant((scale,), mx.float32)],
                                B * kv_heads * L * T, (B, heads, L, T)))
     if sinks is None:
         probs = mx.softmax(scores, axis=-1, precise=True)
     else:  # each head's sink logit takes a share of the softmax and gives no value
         sink = mx.broadcast_to(sinks.astype(mx.float32).reshape(1, heads, 1, 1), (B, heads, L, 1))
         probs = mx.softmax(mx.concatenate([scores, sink], axis=-1), axis=-1, precise=True)[..., :T]
-    partial = launch(KernelCall(VALUES, layout, [probs, v_pool, table, limits, params], splits * B * kv_heads * L * D,
+    partial = launch(KernelCall(values_kernel, layout, [probs, *v_in, table, limits, params], splits * B * kv_heads * L * D,
                                 (splits, B, heads, L, D)))
     return partial.sum(axis=0).astype(queries.dtype)
 
@@ -250,15 +292,24 @@ def _constant(values: tuple, dtype: mx.Dtype) -> mx.array:
 
 
 def gathered_attention(queries: mx.array, k_pool: mx.array, v_pool: mx.array, table: mx.array, lengths: mx.array, block_size: int,
-                       scale: float, window: Optional[int] = None, sinks: Optional[mx.array] = None) -> mx.array:
-    """The same attention by gathering every row's blocks and MLX's ops (the reference the
-    kernels are checked against, and what :func:`paged_attention` computes)."""
+                       scale: float, window: Optional[int] = None, sinks: Optional[mx.array] = None,
+                       scales: Optional[Sequence[mx.array]] = None, bits: int = 0) -> mx.array:
+    """The same attention by gathering every row's blocks (dequantized by ``mx.dequantize``,
+    in float32) and MLX's ops (the reference the kernels are checked against, and what
+    :func:`paged_attention` computes)."""
     B, heads, L, D = queries.shape
     M = table.shape[1]
     S = M * block_size
     slots = (table[:, :, None] * block_size + mx.arange(block_size)[None, None, :]).reshape(B, S)
-    k = k_pool[slots].astype(mx.float32).swapaxes(1, 2)  # (B, kv_heads, S, D)
-    v = v_pool[slots].astype(mx.float32).swapaxes(1, 2)
+    if bits:  # in float32, as the kernels dequantize
+        group = D // scales[0].shape[-1]
+        ks, kb, vs, vb = (a[slots].astype(mx.float32) for a in scales)
+        k = mx.dequantize(k_pool[slots], ks, kb, group_size=group, bits=bits)
+        v = mx.dequantize(v_pool[slots], vs, vb, group_size=group, bits=bits)
+    else:
+        k, v = k_pool[slots], v_pool[slots]
+    k = k.astype(mx.float32).swapaxes(1, 2)  # (B, kv_heads, S, D)
+    v = v.astype(mx.float32).swapaxes(1, 2)
     limits = _per_position(lengths, B, L)
     pos = mx.arange(S)[None, None, :]
     end = limits[:, :, None]

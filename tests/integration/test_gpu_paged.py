@@ -112,17 +112,74 @@ def test_long_pieces_are_attended_in_parts_of_bounded_scores(launch, L: int, win
     assert mx.abs(got - whole).max().item() < 1e-5 and mx.abs(got - want).max().item() < 1e-4
 
 
-def test_the_first_use_check_passes_and_the_backend_takes_float_pools_only(launch) -> None:
-    assert check_kernels(launch) is None
+def _quantized(k_pool: mx.array, v_pool: mx.array, bits: int) -> tuple[mx.array, mx.array, list[mx.array]]:
+    """The pools as the KV storage quantizes blocks: codes, then K scales, K biases, V scales, V biases (float16, 32 channels a group)."""
+    (kc, ks, kb), (vc, vs, vb) = (mx.quantize(p.astype(mx.float16), group_size=32, bits=bits) for p in (k_pool, v_pool))
+    return kc, vc, [ks, kb, vs, vb]
+
+
+def test_the_first_use_checks_pass_and_the_backend_takes_float_and_quantized_pools(launch) -> None:
+    assert check_kernels(launch) is None and check_kernels(launch, quantized=True) is None
     backend = GPUKernels(DeviceConfig(paged_attention="auto"), launch=launch, platform="test")
-    k_pool, v_pool, table = _pool([9, 20], 4, 2, 16, mx.float32, seed=1)
-    queries = mx.random.normal((2, 4, 1, 16))
+    k_pool, v_pool, table = _pool([9, 20], 4, 2, 32, mx.float32, seed=1)
+    queries = mx.random.normal((2, 4, 1, 32))
     lengths = mx.array([9, 20], dtype=mx.int32)
     out = backend.paged_decode_attention(queries, k_pool, v_pool, table, lengths, 4, 0.25)
     assert out is not None and backend.attention_path() == "paged kernels (test)"
-    codes = mx.zeros((k_pool.shape[0], 2, 2), dtype=mx.uint32)  # int8 pools: the gather path dequantizes them
-    assert backend.paged_decode_attention(queries, codes, codes, table, lengths, 4, 0.25, scales=[codes] * 4, bits=8) is None
+    codes_k, codes_v, scales = _quantized(k_pool, v_pool, 8)
+    quantized = backend.paged_decode_attention(queries, codes_k, codes_v, table, lengths, 4, 0.25, scales=scales, bits=8)
+    want = paged_kernels.gathered_attention(queries, codes_k, codes_v, table, lengths, 4, 0.25, scales=scales, bits=8)
+    assert quantized is not None and mx.abs(quantized - want).max().item() < 1e-4
+    assert mx.abs(quantized - out).max().item() < 0.05  # int8 blocks: close to the float pools' attention
+    # layouts the kernels do not take: the caller gathers
+    assert backend.paged_decode_attention(queries, codes_k, codes_v, table, lengths, 4, 0.25, scales=scales, bits=4) is None  # (8-bit codes)
+    assert backend.paged_decode_attention(queries, codes_k, codes_v, table, lengths, 4, 0.25, scales=scales[:3], bits=8) is None
     assert backend.paged_decode_attention(queries[:, :3], k_pool, v_pool, table, lengths, 4, 0.25) is None  # 3 heads over 2 KV heads
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("lengths,heads,kv_heads,D,block,window,L", [
+    ([1, 1000, 4000], 8, 2, 64, 16, None, 1),
+    ([3, 999, 400], 16, 2, 64, 16, 512, 1),
+    ([50, 7, 33], 8, 1, 128, 8, 16, 3),
+])
+def test_quantized_pools_are_read_through_the_block_tables_as_the_gather_path_reads_them(
+        launch, bits, lengths, heads, kv_heads, D, block, window, L) -> None:
+    """int8 / int4 blocks (``mx.quantize``'s packing), decode steps and prefill pieces, GQA,
+    windows: the kernels dequantize each value where they use it, as ``mx.dequantize`` does."""
+    k_pool, v_pool, table = _pool(lengths, block, kv_heads, D, mx.float32, seed=bits + D)
+    codes_k, codes_v, scales = _quantized(k_pool, v_pool, bits)
+    queries = mx.random.normal((len(lengths), heads, L, D), key=mx.random.key(D))
+    limits = mx.array([[n - L + j + 1 for j in range(L)] for n in lengths], dtype=mx.int32)
+    args = (queries, codes_k, codes_v, table, limits, block, D**-0.5)
+    got = paged_kernels.paged_attention(*args, launch, window=window, scales=scales, bits=bits)
+    want = paged_kernels.gathered_attention(*args, window=window, scales=scales, bits=bits)
+    assert got.shape == queries.shape and mx.abs(got - want).max().item() < 1e-4
+    floats = paged_kernels.gathered_attention(queries, k_pool, v_pool, table, limits, block, D**-0.5, window=window)
+    assert 1e-4 < mx.abs(got - floats).max().item() < (0.05 if bits == 8 else 0.5)  # quantized, and not by much
+
+
+def _quantized_kernels_broken(launch):
+    def run(call: paged_kernels.KernelCall) -> mx.array:
+        if call.kernel in (paged_kernels.QUANTIZED_SCORES, paged_kernels.QUANTIZED_VALUES):
+            raise RuntimeError("Failed to compile kernel: (a quantized one)")
+        return launch(call)
+    return run
+
+
+def test_quantized_kernels_that_fail_their_check_leave_the_float_ones_in_use(launch, caplog) -> None:
+    backend = GPUKernels(DeviceConfig(paged_attention="auto"), launch=_quantized_kernels_broken(launch), platform="test")
+    k_pool, v_pool, table = _pool([9, 20], 4, 2, 32, mx.float32, seed=1)
+    queries, lengths = mx.random.normal((2, 4, 1, 32)), mx.array([9, 20], dtype=mx.int32)
+    codes_k, codes_v, scales = _quantized(k_pool, v_pool, 8)
+    with caplog.at_level(logging.WARNING):
+        assert backend.paged_decode_attention(queries, codes_k, codes_v, table, lengths, 4, 0.25, scales=scales, bits=8) is None
+    assert backend.paged_decode_attention(queries, k_pool, v_pool, table, lengths, 4, 0.25) is not None
+    assert backend.attention_path().startswith("paged kernels (test); quantized KV gathered (its kernels failed their check:")
+    assert len([r for r in caplog.records if "quantized-KV paged attention kernels unusable" in r.getMessage()]) == 1
+    strict = GPUKernels(DeviceConfig(paged_attention="kernel"), launch=_quantized_kernels_broken(launch), platform="test")
+    with pytest.raises(RuntimeError, match="quantized-KV paged attention kernels failed their check"):
+        strict.paged_decode_attention(queries, codes_k, codes_v, table, lengths, 4, 0.25, scales=scales, bits=8)
 
 
 def _wrong(call: paged_kernels.KernelCall) -> mx.array:
@@ -251,19 +308,63 @@ def test_gpt_oss_on_the_gpu_kernels_answers_as_the_gather_path_with_its_sinks(la
     assert calls.count("parallm_paged_scores") >= 2 * params.max_tokens  # both layers, every step, sinks and all
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "int4"])
+def test_engine_with_quantized_kv_on_the_gpu_kernels_answers_as_the_gather_path(launch, smollm_tokenizer_dir, tmp_path,
+                                                                                kv_cache_dtype) -> None:
+    """Quantized KV blocks (a head of 32 channels: one quantization group): greedy, batched,
+    prefill pieces and decode steps through the quantized kernels equal MLX's ops gathering
+    and dequantizing, and each prompt alone."""
+    from mlx_parallm_provider.config import EngineConfig
+    from mlx_parallm_provider.engine import Engine
+    from mlx_parallm_provider.models import registry
+
+    loaded = registry.load(str(write_tiny_model(tmp_path / "d32", smollm_tokenizer_dir, config={**TINY_CONFIG, "head_dim": 32})))
+    prompts = [[1, 5 + i, 9, 30 + 3 * i, 7, 11, 200 + i, 40, 41, 42, 43, 44, 45][: 3 + 3 * i] for i in range(4)]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    calls: list[str] = []
+
+    def counted(call):
+        calls.append(call.kernel.name)
+        return launch(call)
+
+    def run(backend) -> tuple[list[list[int]], list[list[int]]]:
+        with backends.using(loaded.model, backend):
+            engine = Engine("d32", EngineConfig(kv_block_size=4, kv_cache_dtype=kv_cache_dtype, prefill_chunk_size=4), loaded=loaded)
+            try:
+                together = [o.token_ids for o in engine.generate_many_sync(prompts, params)]
+                alone = [engine.generate_many_sync([p], params)[0].token_ids for p in prompts]
+            finally:
+                engine.shutdown()
+        return together, alone
+
+    gathered, _ = run("mlx")
+    together, alone = run(GPUKernels(DeviceConfig(), launch=counted, platform="test"))
+    assert together == gathered == alone
+    assert calls.count(paged_kernels.QUANTIZED_SCORES.name) >= 2 * params.max_tokens  # both layers, every step
+
+
 PAIRS = [(paged_kernels.SCORES, [mx.float32, None, mx.int32, mx.int32, mx.int32, mx.float32]),
          (paged_kernels.VALUES, [mx.float32, None, mx.int32, mx.int32, mx.int32])]
+QUANTIZED_PAIRS = [(paged_kernels.QUANTIZED_SCORES, [mx.float32, mx.uint32, None, None, mx.int32, mx.int32, mx.int32, mx.float32]),
+                   (paged_kernels.QUANTIZED_VALUES, [mx.float32, mx.uint32, None, None, mx.int32, mx.int32, mx.int32])]
 
 
 @pytest.mark.skipif(nvrtc() is None, reason="NVRTC not installed (nvidia-cuda-nvrtc-cu12, nvidia-cuda-runtime-cu12)")
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])
 def test_the_cuda_source_compiles_for_sm90(dtype) -> None:
-    """The kernels exactly as MLX's ``cuda_kernel`` wraps them, compiled by NVRTC for the H200's sm_90."""
+    """The kernels exactly as MLX's ``cuda_kernel`` wraps them, compiled by NVRTC for the H200's
+    sm_90: float pools of ``dtype``, and int8 / int4 pools with ``dtype`` scales."""
     layout = paged_kernels.Layout(32, 8, 128, 16, 0, dtype)
     for kernel, types in PAIRS:
         source = cuda_source(kernel, layout, [dtype if t is None else t for t in types])
         compiled, log, ptx = nvrtc_compile(source)
         assert compiled and ptx > 0, log
+    for bits in paged_kernels.QUANTIZED_BITS:
+        layout = paged_kernels.Layout(32, 8, 128, 16, 0, mx.uint32, bits, 32, dtype)
+        for kernel, types in QUANTIZED_PAIRS:
+            source = cuda_source(kernel, layout, [dtype if t is None else t for t in types])
+            compiled, log, ptx = nvrtc_compile(source)
+            assert compiled and ptx > 0, log
 
 
 def test_doctor_names_the_backend_and_its_paged_attention_path(monkeypatch, launch) -> None:

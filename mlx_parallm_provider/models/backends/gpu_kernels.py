@@ -4,8 +4,9 @@ by this package's kernels (:mod:`..paged_kernels`) instead of gathered into a co
 The kernels are compiled for the backend's platform only, by MLX's ``mx.fast.cuda_kernel``
 (MLX's CUDA backend) or ``mx.fast.metal_kernel`` (Apple GPUs), when first used. That first
 use also checks them: a small random pool attended by the kernels and by the gather path must
-agree. With :attr:`.DeviceConfig.paged_attention` ``"auto"`` a kernel that fails to compile or
-to agree is logged once and the gather path is used from then on; ``"kernel"`` raises instead,
+agree (the quantized pools' kernels are checked apart, at the first quantized use). With
+:attr:`.DeviceConfig.paged_attention` ``"auto"`` a kernel that fails to compile or to agree is
+logged once and the gather path is used from then on; ``"kernel"`` raises instead,
 ``"gather"`` never tries them.
 """
 
@@ -63,9 +64,14 @@ class GPUKernels(MLXOps):
         self.mode = (device or DeviceConfig()).paged_attention
         self.platform = platform or gpu_platform() or "none"
         self._launch = launch
-        self._ready: Optional[bool] = None if self.mode != "gather" else False
-        self.failure: Optional[str] = None
-        """Why the kernels are not used (their first-use check's error), or None."""
+        self._ready: dict[bool, Optional[bool]] = {False: None if self.mode != "gather" else False, True: None}
+        """Whether the kernels of float pools (False) / quantized pools (True) are used; None: not checked yet."""
+        self._failures: dict[bool, Optional[str]] = {False: None, True: None}
+
+    @property
+    def failure(self) -> Optional[str]:
+        """Why the float pools' kernels are not used (their first-use check's error), or None."""
+        return self._failures[False]
 
     def __repr__(self) -> str:
         return f"GPUKernels(platform={self.platform!r}, paged_attention={self.mode!r})"
@@ -74,46 +80,53 @@ class GPUKernels(MLXOps):
         """How this backend attends over paged KV, in words (what ``mlx-parallm doctor`` prints)."""
         if self.mode == "gather":
             return "gather (paged_attention='gather')"
-        if self._ready is None:
+        if self._ready[False] is None:
             return f"paged kernels ({self.platform}), checked at first use"
-        return f"paged kernels ({self.platform})" if self._ready else f"gather (the paged kernels failed their check: {self.failure})"
+        if not self._ready[False]:
+            return f"gather (the paged kernels failed their check: {self.failure})"
+        if self._ready[True] is False:
+            return f"paged kernels ({self.platform}); quantized KV gathered (its kernels failed their check: {self._failures[True]})"
+        return f"paged kernels ({self.platform})"
 
-    def kernels_ready(self) -> bool:
-        """Whether the paged kernels are used: compiled and checked once (see the module docstring)."""
-        if self._ready is None:
+    def kernels_ready(self, quantized: bool = False) -> bool:
+        """Whether the paged kernels (of ``quantized`` pools) are used: compiled and checked
+        once (see the module docstring); the quantized pools' need the float pools' too."""
+        if quantized and not self.kernels_ready():
+            return False
+        if self._ready[quantized] is None:
             try:
                 if self._launch is None:
                     self._launch = MLXKernels(self.platform)
-                error = check_kernels(self._launch)
+                error = check_kernels(self._launch, quantized=quantized)
             except Exception as exc:  # a compile or launch failure: the kernels are not used
                 error = f"{type(exc).__name__}: {exc}"
+            what = "quantized-KV paged attention kernels" if quantized else "paged attention kernels"
             if error is not None and self.mode == "kernel":
-                raise RuntimeError(f"the paged attention kernels failed their check: {error}")
+                raise RuntimeError(f"the {what} failed their check: {error}")
             if error is not None:
-                logger.warning("paged attention kernels unusable on %s (%s): gathering paged KV instead", self.platform, error)
-            self._ready, self.failure = error is None, error
-        return self._ready
+                logger.warning("%s unusable on %s (%s): gathering paged KV instead", what, self.platform, error)
+            self._ready[quantized], self._failures[quantized] = error is None, error
+        return bool(self._ready[quantized])
 
     def paged_decode_attention(
         self, queries: mx.array, k_pool: mx.array, v_pool: mx.array, table: mx.array, lengths: mx.array, block_size: int, scale: float,
         window: Optional[int] = None, scales: Optional[Sequence[mx.array]] = None, bits: int = 0,
         sinks: Optional[mx.array] = None,
     ) -> Optional[mx.array]:
-        """The kernels' attention (:func:`..paged_kernels.paged_attention`, attention ``sinks``
-        included), or None (the caller gathers): quantized pools, layouts the kernels do not
-        take, kernels not ready."""
-        if bits or scales is not None or not paged_kernels.takes(queries, k_pool, v_pool, lengths):
-            return None
-        if not self.kernels_ready():
+        """The kernels' attention (:func:`..paged_kernels.paged_attention`: attention ``sinks``,
+        quantized pools' ``scales`` and ``bits`` included), or None (the caller gathers):
+        layouts the kernels do not take, kernels not ready."""
+        quantized = bool(bits) or scales is not None
+        if not paged_kernels.takes(queries, k_pool, v_pool, lengths, scales, bits) or not self.kernels_ready(quantized):
             return None
         return paged_kernels.paged_attention(queries, k_pool, v_pool, table, lengths, block_size, scale, self._launch, window=window,
-                                             sinks=sinks)
+                                             sinks=sinks, scales=scales, bits=bits)
 
 
-def check_kernels(launch: Launch, seed: int = 0) -> Optional[str]:
+def check_kernels(launch: Launch, seed: int = 0, quantized: bool = False) -> Optional[str]:
     """Attend a small random pool (GQA, shuffled blocks, a window, a prefill piece, attention
-    sinks) by the kernels through ``launch`` and by the gather path; None where they agree,
-    else what differs."""
+    sinks; ``quantized``: as int8 and int4 blocks instead) by the kernels through ``launch``
+    and by the gather path; None where they agree, else what differs."""
     key = mx.random.key(seed)
     k1, k2, k3 = mx.random.split(key, 3)
     heads, kv_heads, D, block = 4, 2, 32, 4
@@ -124,10 +137,18 @@ def check_kernels(launch: Launch, seed: int = 0) -> Optional[str]:
     queries = mx.random.normal((B, heads, L, D), key=k3)
     table = mx.array([[7, 2, 19, 4, 11], [3, 0, 0, 0, 0], [23, 9, 15, 1, 0]], dtype=mx.int32)
     limits = mx.array([[17, 18], [2, 3], [13, 15]], dtype=mx.int32)
-    for window, sinks in ((None, None), (5, None), (5, mx.array([0.5, -1.0, 2.0, 0.0]))):
-        got = paged_kernels.paged_attention(queries, k_pool, v_pool, table, limits, block, 0.2, launch, window=window, sinks=sinks)
-        want = paged_kernels.gathered_attention(queries, k_pool, v_pool, table, limits, block, 0.2, window=window, sinks=sinks)
+    cases = [(None, None, 0), (5, None, 0), (5, mx.array([0.5, -1.0, 2.0, 0.0]), 0)]
+    if quantized:
+        cases = [(None, None, bits) for bits in paged_kernels.QUANTIZED_BITS] + [(5, None, 4)]
+    for window, sinks, bits in cases:
+        pools, scales = [k_pool, v_pool], None
+        if bits:  # as the KV storage quantizes blocks (float16 scales and biases, 32 channels a group)
+            packed = [mx.quantize(p.astype(mx.float16), group_size=32, bits=bits) for p in pools]
+            pools, scales = [c for c, _, _ in packed], [a for _, sc, bi in packed for a in (sc, bi)]
+        args = (queries, *pools, table, limits, block, 0.2)
+        got = paged_kernels.paged_attention(*args, launch, window=window, sinks=sinks, scales=scales, bits=bits)
+        want = paged_kernels.gathered_attention(*args, window=window, sinks=sinks, scales=scales, bits=bits)
         diff = mx.abs(got - want).max().item()
         if not diff <= CHECK_TOLERANCE:  # (NaN too)
-            return f"differs from the gather path by {diff:.3g} (window={window}, sinks={sinks is not None})"
+            return f"differs from the gather path by {diff:.3g} (window={window}, sinks={sinks is not None}, bits={bits or None})"
     return None
