@@ -272,40 +272,50 @@ GPT_OSS = {  # attention sinks, YaRN, 4 experts; layer 0 slides (a window of 8),
 """gpt-oss's own settings over the tiny llama's sizes (as the architecture matrix builds it)."""
 
 
-def test_gpt_oss_on_the_gpu_kernels_answers_as_the_gather_path_with_its_sinks(launch, smollm_tokenizer_dir, tmp_path) -> None:
-    """A tiny gpt-oss (sinks in every layer, a sliding layer and a global one): greedy,
-    batched, through the kernels equals MLX's ops gathering, and each prompt alone; its
-    attention went through the kernels in both layers."""
+PROMPTS = [[1, 5 + i, 9, 30 + 3 * i, 7, 11, 200 + i, 40, 41, 42, 43, 44, 45][: 4 + 3 * i] for i in range(4)]
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+
+
+def _kernels_against_gathering(config: dict, tokenizer_dir, folder, launch, **engine_config) -> tuple[list, list, list, list[str]]:
+    """A random model of ``config`` answering :data:`PROMPTS` greedily, on an engine of
+    ``engine_config`` (4-token blocks): batched through MLX's ops gathering, then batched and
+    each alone through the GPU kernels (run by ``launch``); the kernels launched."""
     from mlx_parallm_provider.config import EngineConfig
     from mlx_parallm_provider.engine import Engine
     from mlx_parallm_provider.models import registry
 
-    sizes = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
-             "bos_token_id", "eos_token_id")
-    config = {**{k: TINY_CONFIG[k] for k in sizes}, **GPT_OSS}
-    loaded = registry.load(str(write_tiny_model(tmp_path / "gpt-oss", smollm_tokenizer_dir, config=config)))
-    prompts = [[1, 5 + i, 9, 30 + 3 * i, 7, 11, 200 + i, 40, 41, 42, 43, 44, 45][: 4 + 3 * i] for i in range(4)]
-    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    loaded = registry.load(str(write_tiny_model(folder, tokenizer_dir, config=config)))
     calls: list[str] = []
 
     def counted(call):
         calls.append(call.kernel.name)
         return launch(call)
 
-    def run(backend) -> tuple[list[list[int]], list[list[int]]]:
+    def run(backend, alone: bool) -> tuple[list[list[int]], list[list[int]]]:
         with backends.using(loaded.model, backend):
-            engine = Engine("gpt-oss", EngineConfig(kv_block_size=4), loaded=loaded)
+            engine = Engine("random", EngineConfig(kv_block_size=4, **engine_config), loaded=loaded)
             try:
-                together = [o.token_ids for o in engine.generate_many_sync(prompts, params)]
-                alone = [engine.generate_many_sync([p], params)[0].token_ids for p in prompts]
+                together = [o.token_ids for o in engine.generate_many_sync(PROMPTS, GREEDY)]
+                each = [engine.generate_many_sync([p], GREEDY)[0].token_ids for p in PROMPTS] if alone else []
             finally:
                 engine.shutdown()
-        return together, alone
+        return together, each
 
-    gathered, _ = run("mlx")
-    together, alone = run(GPUKernels(DeviceConfig(), launch=counted, platform="test"))
+    gathered, _ = run("mlx", alone=False)
+    together, alone = run(GPUKernels(DeviceConfig(), launch=counted, platform="test"), alone=True)
+    return gathered, together, alone, calls
+
+
+def test_gpt_oss_on_the_gpu_kernels_answers_as_the_gather_path_with_its_sinks(launch, smollm_tokenizer_dir, tmp_path) -> None:
+    """A tiny gpt-oss (sinks in every layer, a sliding layer and a global one): greedy,
+    batched, through the kernels equals MLX's ops gathering, and each prompt alone; its
+    attention went through the kernels in both layers."""
+    sizes = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
+             "bos_token_id", "eos_token_id")
+    config = {**{k: TINY_CONFIG[k] for k in sizes}, **GPT_OSS}
+    gathered, together, alone, calls = _kernels_against_gathering(config, smollm_tokenizer_dir, tmp_path / "gpt-oss", launch)
     assert together == gathered == alone
-    assert calls.count("parallm_paged_scores") >= 2 * params.max_tokens  # both layers, every step, sinks and all
+    assert calls.count(paged_kernels.SCORES.name) >= 2 * GREEDY.max_tokens  # both layers, every step, sinks and all
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "int4"])
@@ -314,33 +324,11 @@ def test_engine_with_quantized_kv_on_the_gpu_kernels_answers_as_the_gather_path(
     """Quantized KV blocks (a head of 32 channels: one quantization group): greedy, batched,
     prefill pieces and decode steps through the quantized kernels equal MLX's ops gathering
     and dequantizing, and each prompt alone."""
-    from mlx_parallm_provider.config import EngineConfig
-    from mlx_parallm_provider.engine import Engine
-    from mlx_parallm_provider.models import registry
-
-    loaded = registry.load(str(write_tiny_model(tmp_path / "d32", smollm_tokenizer_dir, config={**TINY_CONFIG, "head_dim": 32})))
-    prompts = [[1, 5 + i, 9, 30 + 3 * i, 7, 11, 200 + i, 40, 41, 42, 43, 44, 45][: 3 + 3 * i] for i in range(4)]
-    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-    calls: list[str] = []
-
-    def counted(call):
-        calls.append(call.kernel.name)
-        return launch(call)
-
-    def run(backend) -> tuple[list[list[int]], list[list[int]]]:
-        with backends.using(loaded.model, backend):
-            engine = Engine("d32", EngineConfig(kv_block_size=4, kv_cache_dtype=kv_cache_dtype, prefill_chunk_size=4), loaded=loaded)
-            try:
-                together = [o.token_ids for o in engine.generate_many_sync(prompts, params)]
-                alone = [engine.generate_many_sync([p], params)[0].token_ids for p in prompts]
-            finally:
-                engine.shutdown()
-        return together, alone
-
-    gathered, _ = run("mlx")
-    together, alone = run(GPUKernels(DeviceConfig(), launch=counted, platform="test"))
+    gathered, together, alone, calls = _kernels_against_gathering(
+        {**TINY_CONFIG, "head_dim": 32}, smollm_tokenizer_dir, tmp_path / "d32", launch, kv_cache_dtype=kv_cache_dtype,
+        prefill_chunk_size=4)
     assert together == gathered == alone
-    assert calls.count(paged_kernels.QUANTIZED_SCORES.name) >= 2 * params.max_tokens  # both layers, every step
+    assert calls.count(paged_kernels.QUANTIZED_SCORES.name) >= 2 * GREEDY.max_tokens  # both layers, every step
 
 
 PAIRS = [(paged_kernels.SCORES, [mx.float32, None, mx.int32, mx.int32, mx.int32, mx.float32]),
