@@ -72,9 +72,8 @@ def paged_step_times(launch: paged_kernels.Launch, contexts: Sequence[int] = (10
 
             diff = mx.abs(kernel().astype(mx.float32) - gather().astype(mx.float32)).max().item()
             fns = {"kernel": kernel, "gather": gather}
-            if quantized_bits and head_dim % 32 == 0:
-                (kc, ks, kb), (vc, vs, vb) = (mx.quantize(p.astype(mx.float16), group_size=32, bits=quantized_bits) for p in (k_pool, v_pool))
-                scales = [ks, kb, vs, vb]
+            if quantized_bits and head_dim % paged_kernels.QUANTIZED_GROUP == 0:
+                kc, vc, scales = paged_kernels.quantize_pools(k_pool, v_pool, quantized_bits)
                 mx.eval(kc, vc, *scales)
                 fns["kernel_q"] = lambda: paged_kernels.paged_attention(queries, kc, vc, order, lengths, block_size, scale, launch,
                                                                         scales=scales, bits=quantized_bits)

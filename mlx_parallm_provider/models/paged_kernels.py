@@ -149,6 +149,8 @@ QUANTIZED_SCORES = KernelSource("parallm_paged_scores_q", ("queries", "k_pool", 
 QUANTIZED_VALUES = KernelSource("parallm_paged_values_q", ("probs", "v_pool", "v_scales", "v_biases", "table", "limits", PARAMS),
                                 ("partial",), VALUES_BODY.replace("READ_V", QUANTIZED_READ.format(x="v")))
 QUANTIZED_BITS = (8, 4)
+QUANTIZED_GROUP = 32
+"""Channels sharing a scale and bias in the pools :func:`quantize_pools` makes (the KV storage's group)."""
 
 THREAD_INDEX = {
     "cuda": "blockIdx.x * blockDim.x + threadIdx.x",
@@ -276,6 +278,14 @@ def _attend(queries: mx.array, k_pool: mx.array, v_pool: mx.array, table: mx.arr
     partial = launch(KernelCall(values_kernel, layout, [probs, *v_in, table, limits, params], splits * B * kv_heads * L * D,
                                 (splits, B, heads, L, D)))
     return partial.sum(axis=0).astype(queries.dtype)
+
+
+def quantize_pools(k_pool: mx.array, v_pool: mx.array, bits: int) -> tuple[mx.array, mx.array, list[mx.array]]:
+    """Float pools quantized as the KV storage quantizes blocks (``mx.quantize`` of their
+    float16 values, :data:`QUANTIZED_GROUP` channels a group): the K codes, the V codes, and
+    the ``scales`` :func:`paged_attention` takes (K scales, K biases, V scales, V biases)."""
+    (kc, ks, kb), (vc, vs, vb) = (mx.quantize(p.astype(mx.float16), group_size=QUANTIZED_GROUP, bits=bits) for p in (k_pool, v_pool))
+    return kc, vc, [ks, kb, vs, vb]
 
 
 def _per_position(lengths: mx.array, B: int, L: int) -> mx.array:

@@ -112,12 +112,6 @@ def test_long_pieces_are_attended_in_parts_of_bounded_scores(launch, L: int, win
     assert mx.abs(got - whole).max().item() < 1e-5 and mx.abs(got - want).max().item() < 1e-4
 
 
-def _quantized(k_pool: mx.array, v_pool: mx.array, bits: int) -> tuple[mx.array, mx.array, list[mx.array]]:
-    """The pools as the KV storage quantizes blocks: codes, then K scales, K biases, V scales, V biases (float16, 32 channels a group)."""
-    (kc, ks, kb), (vc, vs, vb) = (mx.quantize(p.astype(mx.float16), group_size=32, bits=bits) for p in (k_pool, v_pool))
-    return kc, vc, [ks, kb, vs, vb]
-
-
 def test_the_first_use_checks_pass_and_the_backend_takes_float_and_quantized_pools(launch) -> None:
     assert check_kernels(launch) is None and check_kernels(launch, quantized=True) is None
     backend = GPUKernels(DeviceConfig(paged_attention="auto"), launch=launch, platform="test")
@@ -126,7 +120,7 @@ def test_the_first_use_checks_pass_and_the_backend_takes_float_and_quantized_poo
     lengths = mx.array([9, 20], dtype=mx.int32)
     out = backend.paged_decode_attention(queries, k_pool, v_pool, table, lengths, 4, 0.25)
     assert out is not None and backend.attention_path() == "paged kernels (test)"
-    codes_k, codes_v, scales = _quantized(k_pool, v_pool, 8)
+    codes_k, codes_v, scales = paged_kernels.quantize_pools(k_pool, v_pool, 8)
     quantized = backend.paged_decode_attention(queries, codes_k, codes_v, table, lengths, 4, 0.25, scales=scales, bits=8)
     want = paged_kernels.gathered_attention(queries, codes_k, codes_v, table, lengths, 4, 0.25, scales=scales, bits=8)
     assert quantized is not None and mx.abs(quantized - want).max().item() < 1e-4
@@ -148,7 +142,7 @@ def test_quantized_pools_are_read_through_the_block_tables_as_the_gather_path_re
     """int8 / int4 blocks (``mx.quantize``'s packing), decode steps and prefill pieces, GQA,
     windows: the kernels dequantize each value where they use it, as ``mx.dequantize`` does."""
     k_pool, v_pool, table = _pool(lengths, block, kv_heads, D, mx.float32, seed=bits + D)
-    codes_k, codes_v, scales = _quantized(k_pool, v_pool, bits)
+    codes_k, codes_v, scales = paged_kernels.quantize_pools(k_pool, v_pool, bits)
     queries = mx.random.normal((len(lengths), heads, L, D), key=mx.random.key(D))
     limits = mx.array([[n - L + j + 1 for j in range(L)] for n in lengths], dtype=mx.int32)
     args = (queries, codes_k, codes_v, table, limits, block, D**-0.5)
@@ -171,7 +165,7 @@ def test_quantized_kernels_that_fail_their_check_leave_the_float_ones_in_use(lau
     backend = GPUKernels(DeviceConfig(paged_attention="auto"), launch=_quantized_kernels_broken(launch), platform="test")
     k_pool, v_pool, table = _pool([9, 20], 4, 2, 32, mx.float32, seed=1)
     queries, lengths = mx.random.normal((2, 4, 1, 32)), mx.array([9, 20], dtype=mx.int32)
-    codes_k, codes_v, scales = _quantized(k_pool, v_pool, 8)
+    codes_k, codes_v, scales = paged_kernels.quantize_pools(k_pool, v_pool, 8)
     with caplog.at_level(logging.WARNING):
         assert backend.paged_decode_attention(queries, codes_k, codes_v, table, lengths, 4, 0.25, scales=scales, bits=8) is None
     assert backend.paged_decode_attention(queries, k_pool, v_pool, table, lengths, 4, 0.25) is not None
@@ -324,6 +318,9 @@ def test_engine_with_quantized_kv_on_the_gpu_kernels_answers_as_the_gather_path(
     """Quantized KV blocks (a head of 32 channels: one quantization group): greedy, batched,
     prefill pieces and decode steps through the quantized kernels equal MLX's ops gathering
     and dequantizing, and each prompt alone."""
+    from mlx_parallm_provider.engine.kv.storage import KV_QUANT_GROUP_SIZE
+
+    assert paged_kernels.QUANTIZED_GROUP == KV_QUANT_GROUP_SIZE  # the check's and the benchmark's pools are the storage's
     gathered, together, alone, calls = _kernels_against_gathering(
         {**TINY_CONFIG, "head_dim": 32}, smollm_tokenizer_dir, tmp_path / "d32", launch, kv_cache_dtype=kv_cache_dtype,
         prefill_chunk_size=4)

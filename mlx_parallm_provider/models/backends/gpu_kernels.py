@@ -141,11 +141,8 @@ def check_kernels(launch: Launch, seed: int = 0, quantized: bool = False) -> Opt
     if quantized:
         cases = [(None, None, bits) for bits in paged_kernels.QUANTIZED_BITS] + [(5, None, 4)]
     for window, sinks, bits in cases:
-        pools, scales = [k_pool, v_pool], None
-        if bits:  # as the KV storage quantizes blocks (float16 scales and biases, 32 channels a group)
-            packed = [mx.quantize(p.astype(mx.float16), group_size=32, bits=bits) for p in pools]
-            pools, scales = [c for c, _, _ in packed], [a for _, sc, bi in packed for a in (sc, bi)]
-        args = (queries, *pools, table, limits, block, 0.2)
+        k, v, scales = paged_kernels.quantize_pools(k_pool, v_pool, bits) if bits else (k_pool, v_pool, None)
+        args = (queries, k, v, table, limits, block, 0.2)
         got = paged_kernels.paged_attention(*args, launch, window=window, sinks=sinks, scales=scales, bits=bits)
         want = paged_kernels.gathered_attention(*args, window=window, sinks=sinks, scales=scales, bits=bits)
         diff = mx.abs(got - want).max().item()
