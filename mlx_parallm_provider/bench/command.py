@@ -132,7 +132,7 @@ async def _bench(args: argparse.Namespace, systems: list[str], levels: list[int]
     }
     options = RunnerOptions(model=args.model, temperature=args.temperature, ignore_eos=args.ignore_eos, workdir=out_dir,
                             url=args.url, api_key=args.api_key, served_model=args.served_model,
-                            llama_cpp_threads=args.llama_cpp_threads)
+                            llama_cpp_threads=args.llama_cpp_threads, max_concurrency=max(levels))
     rows: list[dict[str, Any]] = []
     skipped: dict[str, str] = {}
     started: list[tuple[str, dict, Any]] = []

@@ -113,12 +113,20 @@ def litellm_proxy(model: str, folder: Path) -> Server:
     return start(command, env, port, "/health/liveliness", folder / "litellm-proxy.log", api_key=key)
 
 
-def mlx_lm_server(model_dir: Path, folder: Path) -> Server:
-    """``mlx_lm.server`` on the model folder, with the same BLAS as this package loads."""
+MLX_LM_DECODE_CONCURRENCY = 32
+"""``mlx_lm.server``'s own ``--decode-concurrency`` (requests it decodes at once)."""
+
+
+def mlx_lm_server(model_dir: Path, folder: Path, concurrency: Optional[int] = None) -> Server:
+    """``mlx_lm.server`` on the model folder, with the same BLAS as this package loads,
+    decoding at least ``concurrency`` requests at once (its default, 32, where fewer: a
+    wider run would otherwise queue behind its cap, as a llama-server with too few slots)."""
     port = free_port()
+    decode = max(MLX_LM_DECODE_CONCURRENCY, concurrency or 0)
     # Importing the package first preloads OpenBLAS for MLX's CPU backend, as for the engine.
     bootstrap = "import sys, mlx_parallm_provider; from mlx_lm.server import main; sys.exit(main())"
-    command = [sys.executable, "-c", bootstrap, "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port), "--log-level", "WARNING"]
+    command = [sys.executable, "-c", bootstrap, "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port), "--log-level", "WARNING",
+               "--decode-concurrency", str(decode)]
     return start(command, child_environment(), port, "/health", folder / "mlx-lm-server.log")
 
 

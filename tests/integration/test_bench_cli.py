@@ -154,3 +154,37 @@ def test_counts_must_be_positive(capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit):
         main(["bench", "--max-tokens", "0"])
     assert "expected an integer >= 1" in capsys.readouterr().err
+
+
+def test_mlx_lm_peers_decode_the_whole_wave_at_once(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """mlx-lm caps a batch at 32 rows by default: a wave of 40 would decode as 32 then 8,
+    and its server would queue past 32; the peers are given the run's width instead."""
+    import asyncio
+
+    from mlx_parallm_provider.bench import servers
+    from mlx_parallm_provider.bench.runners import RunnerOptions, make_runner
+    from mlx_parallm_provider.bench.workloads import BenchRequest
+
+    runner = make_runner("mlx-lm-batch", RunnerOptions(model=str(tiny_model_dir), ignore_eos=True))
+    asyncio.run(runner.start())
+    model, widths = runner.model, []
+
+    class Counting:  # the model as BatchGenerator calls it: records each decode step's rows
+        def __getattr__(self, name: str):
+            return getattr(model, name)
+
+        def __call__(self, inputs, *args, **kwargs):
+            if inputs.shape[1] == 1:
+                widths.append(inputs.shape[0])
+            return model(inputs, *args, **kwargs)
+
+    runner.model = Counting()
+    requests = [BenchRequest([{"role": "user", "content": "hi"}], 12, prompt_ids=[1, 2 + i % 5, 3]) for i in range(40)]
+    records, _ = asyncio.run(runner.timed(requests, [0.0] * 40, None, None))
+    assert [r.output_tokens for r in records] == [12] * 40 and max(widths) == 40
+
+    commands: list[list[str]] = []
+    monkeypatch.setattr(servers, "start", lambda command, *args, **kwargs: commands.append(command))
+    for widest, decoded in ((64, "64"), (8, "32"), (None, "32")):  # mlx-lm's own 32 where the runs are narrower
+        make_runner("mlx-lm-server", RunnerOptions(model=str(tiny_model_dir), max_concurrency=widest)).launch()
+        assert commands[-1][commands[-1].index("--decode-concurrency") + 1] == decoded

@@ -22,8 +22,8 @@ DESCRIPTIONS = {
     "langchain": "ChatMLXParallm.astream (in process)",
     "litellm-proxy": "LiteLLM proxy over HTTP (started on loopback)",
     "mlx-lm": "mlx_lm.stream_generate, one request at a time",
-    "mlx-lm-batch": "mlx_lm.batch_generate, waves of the concurrency",
-    "mlx-lm-server": "mlx_lm.server over HTTP (started on loopback)",
+    "mlx-lm-batch": "mlx_lm.batch_generate, waves of the concurrency, each decoded as one batch",
+    "mlx-lm-server": "mlx_lm.server over HTTP (started on loopback), decoding the widest run's requests at once",
     "llama-cpp": "llama-cpp-python, one context, a sequence per concurrent request",
     "llama-server": "llama.cpp's llama-server (xllamacpp) over HTTP, a slot per concurrent request (started on loopback)",
     "http": "OpenAI-compatible server at --url",
@@ -42,6 +42,8 @@ class RunnerOptions:
     api_key: Optional[str] = None
     served_model: Optional[str] = None
     llama_cpp_threads: Optional[int] = None
+    max_concurrency: Optional[int] = None
+    """The widest run's requests in flight: mlx-lm's server decodes that many at once."""
 
 
 def make_runner(system: str, options: RunnerOptions, config: Optional[EngineConfig] = None) -> Runner:
@@ -75,7 +77,7 @@ def make_runner(system: str, options: RunnerOptions, config: Optional[EngineConf
     if system == "mlx-lm-server":
         from ...models.registry import resolve
 
-        return OpenAIHTTP(system, "default_model", o.temperature, launch=lambda: servers.mlx_lm_server(resolve(o.model), o.workdir))
+        return OpenAIHTTP(system, "default_model", o.temperature, launch=lambda: servers.mlx_lm_server(resolve(o.model), o.workdir, o.max_concurrency))
     if system == "http":
         if not o.url:
             raise SkipSystem("system 'http' needs --url")

@@ -72,7 +72,9 @@ class MlxLmSequential(_MlxLmPeer, OneAtATime):
 
 class MlxLmBatch(_MlxLmPeer):
     """``mlx_lm.batch_generate``: not streamed (no TTFT / TPOT / ITL) and given whole waves
-    of ``max_concurrency`` prompts (all at once without a cap), so arrival times are ignored."""
+    of ``max_concurrency`` prompts (all at once without a cap), so arrival times are ignored;
+    each wave is decoded as one batch (``BatchGenerator``'s ``completion_batch_size``, 32 by
+    default, would split a wider wave in two)."""
 
     def _generate(self, requests: Sequence[BenchRequest]) -> list[list[int]]:
         from mlx_lm import batch_generate
@@ -80,6 +82,7 @@ class MlxLmBatch(_MlxLmPeer):
         out = batch_generate(
             self.model, self.tokenizer, [r.prompt_ids for r in requests],
             max_tokens=[r.max_tokens for r in requests], return_token_ids=True, sampler=self.sampler(),
+            completion_batch_size=len(requests),
         )
         return out.token_ids
 
