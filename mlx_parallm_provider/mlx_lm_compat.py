@@ -42,11 +42,16 @@ def fit_grouped_query_masks(model: Any) -> int:
     """Give ``model``'s attention layers of the :data:`GROUPED_SCORE_MODULES` that group
     query heads (``repeats > 1``) a subclass that adds the repeats' axis to a batch mask, so
     batches of rows of different lengths run (mlx-lm 0.32's gemma2 raises a broadcast error
-    at any such batch). Per instance: the mlx-lm class and other models are untouched.
-    Returns the number of layers changed."""
+    at any such batch). Per instance: the mlx-lm class and other models are untouched; a layer
+    routed through its backend (:mod:`.models.backends.softcapped`) runs none of that code and
+    is left as it is. Returns the number of layers changed."""
+    from .models.backends.routing import routed_backend
+
     changed = 0
     for _, layer in model.named_modules() if hasattr(model, "named_modules") else ():
         cls = type(layer)
+        if routed_backend(layer) is not None:
+            continue
         if cls.__module__ in GROUPED_SCORE_MODULES and cls.__name__ == "Attention" and getattr(layer, "repeats", 1) > 1:
             layer.__class__ = _fitted_class(cls)
             changed += 1

@@ -10,7 +10,8 @@ shuffles), so the one body text of each runs as it is under MLX's ``mx.fast.cuda
    token's score for each query head of its KV head's group (the token's K row read once for
    all of them), scaled; a token the position cannot see scores :data:`MASKED`;
 2. the scores' softmax, by MLX's ops in float32 (with attention ``sinks``, gpt-oss's per-head
-   logit, as one more column of each head's scores that takes its share and is dropped);
+   logit, as one more column of each head's scores that takes its share and is dropped; with a
+   ``softcap``, gemma2's, each visible score ``s`` becomes ``softcap * tanh(s / softcap)`` first);
 3. **values**: a thread per (token split, row, KV head, query position, channel) sums its
    split's probabilities times V for the group's query heads (adjacent threads read adjacent
    channels of one V row); MLX's ``sum`` adds the splits.
@@ -33,6 +34,8 @@ from functools import lru_cache
 from typing import Callable, Optional, Sequence
 
 import mlx.core as mx
+
+from .softcap import softcapped_attention
 
 MASKED = -1.0e30
 """A score no query position sees (finite: a padding position seeing nothing gets zeros, not NaN)."""
@@ -228,13 +231,14 @@ def takes(queries: mx.array, k_pool: mx.array, v_pool: mx.array, lengths: mx.arr
 
 def paged_attention(queries: mx.array, k_pool: mx.array, v_pool: mx.array, table: mx.array, lengths: mx.array, block_size: int,
                     scale: float, launch: Launch, window: Optional[int] = None, max_scores: int = MAX_SCORES,
-                    sinks: Optional[mx.array] = None, scales: Optional[Sequence[mx.array]] = None, bits: int = 0) -> mx.array:
+                    sinks: Optional[mx.array] = None, scales: Optional[Sequence[mx.array]] = None, bits: int = 0,
+                    softcap: Optional[float] = None) -> mx.array:
     """Attention of ``queries`` ``(B, heads, L, D)`` over paged K/V by the two kernels (the
     module docstring), each run by ``launch``: ``table`` ``(B, M)`` block ids, ``lengths``
     ``(B,)`` or ``(B, L)`` the tokens each position sees (where :func:`takes`), ``sinks``
     ``(heads,)`` attention sinks or None, quantized pools' ``scales`` (K scales, K biases, V
-    scales, V biases) and ``bits``; ``(B, heads, L, D)`` in ``queries``' dtype. Parts of at
-    most ``max_scores`` scores are attended one by one."""
+    scales, V biases) and ``bits``, ``softcap`` the scores' cap or None; ``(B, heads, L, D)``
+    in ``queries``' dtype. Parts of at most ``max_scores`` scores are attended one by one."""
     B, heads, L, _ = queries.shape
     M = table.shape[1]
     T = M * block_size if not window else min(M * block_size, window)
@@ -243,18 +247,18 @@ def paged_attention(queries: mx.array, k_pool: mx.array, v_pool: mx.array, table
     if B * heads * L * T > max_scores and (L > 1 or B > 1):
         def part(lo: slice, rows: slice) -> mx.array:
             return paged_attention(queries[rows, :, lo], k_pool, v_pool, table[rows], limits[rows, lo], block_size, scale,
-                                   launch, window, max_scores, sinks, scales, bits)
+                                   launch, window, max_scores, sinks, scales, bits, softcap)
         if L > 1:
             half = slice(0, L // 2), slice(L // 2, L)
             return mx.concatenate([part(lo, slice(None)) for lo in half], axis=2)
         half = slice(0, B // 2), slice(B // 2, B)
         return mx.concatenate([part(slice(None), rows) for rows in half], axis=0)
-    return _attend(queries, k_pool, v_pool, table, limits, block_size, scale, launch, window, T, sinks, scales, bits)
+    return _attend(queries, k_pool, v_pool, table, limits, block_size, scale, launch, window, T, sinks, scales, bits, softcap)
 
 
 def _attend(queries: mx.array, k_pool: mx.array, v_pool: mx.array, table: mx.array, limits: mx.array, block_size: int,
             scale: float, launch: Launch, window: Optional[int], T: int, sinks: Optional[mx.array],
-            scales: Optional[Sequence[mx.array]], bits: int) -> mx.array:
+            scales: Optional[Sequence[mx.array]], bits: int, softcap: Optional[float]) -> mx.array:
     """One launch of each kernel over every row and position (:func:`paged_attention`'s)."""
     B, heads, L, D = queries.shape
     M = table.shape[1]
@@ -270,6 +274,8 @@ def _attend(queries: mx.array, k_pool: mx.array, v_pool: mx.array, table: mx.arr
     kv_heads = layout.kv_heads
     scores = launch(KernelCall(scores_kernel, layout, [q, *k_in, table, limits, params, _constant((scale,), mx.float32)],
                                B * kv_heads * L * T, (B, heads, L, T)))
+    if softcap:  # (a position's unseen tokens keep their MASKED score: capped, they would count)
+        scores = mx.where(scores > MASKED / 2, mx.tanh(scores / softcap) * softcap, scores)
     if sinks is None:
         probs = mx.softmax(scores, axis=-1, precise=True)
     else:  # each head's sink logit takes a share of the softmax and gives no value
@@ -303,7 +309,7 @@ def _constant(values: tuple, dtype: mx.Dtype) -> mx.array:
 
 def gathered_attention(queries: mx.array, k_pool: mx.array, v_pool: mx.array, table: mx.array, lengths: mx.array, block_size: int,
                        scale: float, window: Optional[int] = None, sinks: Optional[mx.array] = None,
-                       scales: Optional[Sequence[mx.array]] = None, bits: int = 0) -> mx.array:
+                       scales: Optional[Sequence[mx.array]] = None, bits: int = 0, softcap: Optional[float] = None) -> mx.array:
     """The same attention by gathering every row's blocks (dequantized by ``mx.dequantize``,
     in float32) and MLX's ops (the reference the kernels are checked against, and what
     :func:`paged_attention` computes)."""
@@ -327,6 +333,9 @@ def gathered_attention(queries: mx.array, k_pool: mx.array, v_pool: mx.array, ta
     if window:
         visible = visible & (pos >= end - window)
     mask = visible[:, None, :, :]  # (B, 1, L, S)
+    if softcap:
+        return softcapped_attention(queries.astype(mx.float32), k, v, scale, mask, softcap).astype(queries.dtype)
     extra = {} if sinks is None else {"sinks": sinks.astype(mx.float32)}
     out = mx.fast.scaled_dot_product_attention(queries.astype(mx.float32), k, v, scale=scale, mask=mask, **extra)
     return out.astype(queries.dtype)
+

@@ -13,8 +13,7 @@ them: architectures x checks):
 * this package's CPU kernels (the default backend on the CPU) == MLX's own ops;
 * a JSON schema through the constrained path: the output parses and validates;
 * prefix caching on == off for a request sharing a long prefix with an earlier one;
-* the attention is routed through the paged KV's ``attend``, or every row's blocks are
-  gathered for a model computing it itself (:data:`GATHERED`).
+* the attention is routed through the paged KV's ``attend`` (gemma2's softcapped attention too).
 """
 
 from __future__ import annotations
@@ -109,16 +108,15 @@ QUANTIZED = {
 BFLOAT16 = {"llama3_rope_bf16": "llama3_rope"}  # Llama 3.2's mlx-community folders are bf16
 ARCHITECTURES = sorted([*CONFIGS, *QUANTIZED, *BFLOAT16])
 
-# Every architecture runs on KV blocks. Its attention is routed through the blocks' attend()
+# Every architecture runs on KV blocks, its attention routed through the blocks' attend()
 # (gemma3's and gpt_oss's sliding-window layers gather each query's window; gpt_oss's sinks
-# reach the gathered attention; gemma3 (the wrapper) and smollm3 are routed through the module
-# their layers come from), except where the model computes attention itself: gemma2's
-# softcapped scores, which get every row's blocks gathered per layer. In ONE place:
-GATHERED = {"gemma2"}
+# and gemma2's softcap reach the gathered attention; gemma3 (the wrapper) and smollm3 are
+# routed through the module their layers come from; gemma2's attention, which computes its
+# softcapped scores itself, is replaced by one calling attend()).
 
 # Architectures whose decode steps the CPU kernels' fused attention never runs (on == off holds
-# trivially there, so the check asserts that too): gemma2 computes its softcapped scores
-# itself, attention with sinks (gpt_oss) takes MLX's attention over the gathered blocks.
+# trivially there, so the check asserts that too): attention with a softcap (gemma2) or sinks
+# (gpt_oss) takes MLX's attention over the gathered blocks.
 NO_DECODE_KERNEL = {"gemma2", "gpt_oss"}
 
 MAX_TOKENS = 10
@@ -384,6 +382,6 @@ def test_prefix_caching_on_equals_off(arch: Arch) -> None:
     assert on[1].usage.cached_tokens > 0 and off[1].usage.cached_tokens == 0  # the second really reused the prefix
 
 
-def test_attention_is_routed_unless_the_model_computes_it(arch: Arch) -> None:
+def test_attention_is_routed_through_the_blocks(arch: Arch) -> None:
     arch.alone()  # (the engine's worker exists once it has run)
-    assert arch.engine()._core.runner.gathered == (arch.name in GATHERED)  # noqa: SLF001
+    assert not arch.engine()._core.runner.gathered  # noqa: SLF001

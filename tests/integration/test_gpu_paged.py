@@ -256,6 +256,42 @@ def test_attention_sinks_take_their_share_as_the_gather_path_gives_it(launch, L:
     assert mx.abs(parts.astype(mx.float32) - got.astype(mx.float32)).max().item() < 1e-5 + (0 if dtype == mx.float32 else 1e-2)
 
 
+@pytest.mark.parametrize("L,window,dtype", [(1, None, mx.float16), (1, 6, mx.float32), (5, None, mx.float32), (5, 6, mx.float16)])
+def test_a_softcap_caps_the_scores_as_gemma2_caps_them(launch, L: int, window: Optional[int], dtype) -> None:
+    """gemma2's ``softcap * tanh(score / softcap)`` between the kernels equals the same
+    attention written out here in numpy over each row's tokens (decode steps and prefill
+    pieces, GQA, windows), equals the gather path's, and differs from attention without it."""
+    import numpy as np
+
+    held, heads, kv_heads, D, block, cap, scale = [40, 3, 17], 8, 2, 32, 4, 1.5, 0.3
+    lengths = [s + L for s in held]
+    k_pool, v_pool, table = _pool(lengths, block, kv_heads, D, dtype, seed=21 + L)
+    limits = mx.array([[s + j + 1 for j in range(L)] for s in held], dtype=mx.int32)
+    queries = mx.random.normal((3, heads, L, D), key=mx.random.key(22)).astype(dtype)
+    args = (queries, k_pool, v_pool, table, limits, block, scale)
+    got = paged_kernels.paged_attention(*args, launch, window=window, softcap=cap).astype(mx.float32)
+    q, k, v = (np.array(a.astype(mx.float32)) for a in (queries, k_pool, v_pool))
+    want = np.zeros(got.shape, dtype=np.float32)
+    for b in range(3):
+        slots = [table[b, t // block].item() * block + t % block for t in range(lengths[b])]
+        for j in range(L):
+            end = held[b] + j + 1
+            seen = slots[max(0, end - window) if window else 0 : end]
+            for h in range(heads):
+                g = h // (heads // kv_heads)
+                scores = cap * np.tanh(k[seen, g] @ q[b, h, j] * scale / cap)
+                p = np.exp(scores - scores.max())
+                want[b, h, j] = (p / p.sum()) @ v[seen, g]
+    tolerance = 1e-4 if dtype == mx.float32 else 3e-2  # (outputs rounded to 16 bits)
+    assert np.abs(np.array(got) - want).max() < tolerance
+    gathered = paged_kernels.gathered_attention(*args, window=window, softcap=cap).astype(mx.float32)
+    assert mx.abs(got - gathered).max().item() < tolerance
+    plain = paged_kernels.paged_attention(*args, launch, window=window).astype(mx.float32)
+    assert mx.abs(got - plain).max().item() > 0.05
+    parts = paged_kernels.paged_attention(*args, launch, window=window, softcap=cap, max_scores=8 * 48)  # in parts of bounded scores
+    assert mx.abs(parts.astype(mx.float32) - got).max().item() < 1e-5 + (0 if dtype == mx.float32 else 1e-2)
+
+
 GPT_OSS = {  # attention sinks, YaRN, 4 experts; layer 0 slides (a window of 8), layer 1 is global
     "model_type": "gpt_oss", "intermediate_size": 64, "num_local_experts": 4, "num_experts_per_tok": 2, "rms_norm_eps": 1e-5,
     "sliding_window": 8, "rope_theta": 150000, "max_position_embeddings": 131072, "tie_word_embeddings": False,
@@ -270,10 +306,12 @@ PROMPTS = [[1, 5 + i, 9, 30 + 3 * i, 7, 11, 200 + i, 40, 41, 42, 43, 44, 45][: 4
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
 
-def _kernels_against_gathering(config: dict, tokenizer_dir, folder, launch, **engine_config) -> tuple[list, list, list, list[str]]:
-    """A random model of ``config`` answering :data:`PROMPTS` greedily, on an engine of
-    ``engine_config`` (4-token blocks): batched through MLX's ops gathering, then batched and
-    each alone through the GPU kernels (run by ``launch``); the kernels launched."""
+def _kernels_against_gathering(config: dict, tokenizer_dir, folder, launch, params: SamplingParams = GREEDY,
+                               read=lambda output: output.token_ids, **engine_config) -> tuple[list, list, list, list[str]]:
+    """A random model of ``config`` answering :data:`PROMPTS` (``params``: greedily), on an
+    engine of ``engine_config`` (4-token blocks): batched through MLX's ops gathering, then
+    batched and each alone through the GPU kernels (run by ``launch``), what ``read`` takes
+    of each answer (its token ids); the kernels launched."""
     from mlx_parallm_provider.config import EngineConfig
     from mlx_parallm_provider.engine import Engine
     from mlx_parallm_provider.models import registry
@@ -289,8 +327,8 @@ def _kernels_against_gathering(config: dict, tokenizer_dir, folder, launch, **en
         with backends.using(loaded.model, backend):
             engine = Engine("random", EngineConfig(kv_block_size=4, **engine_config), loaded=loaded)
             try:
-                together = [o.token_ids for o in engine.generate_many_sync(PROMPTS, GREEDY)]
-                each = [engine.generate_many_sync([p], GREEDY)[0].token_ids for p in PROMPTS] if alone else []
+                together = [read(o) for o in engine.generate_many_sync(PROMPTS, params)]
+                each = [read(engine.generate_many_sync([p], params)[0]) for p in PROMPTS] if alone else []
             finally:
                 engine.shutdown()
         return together, each
@@ -310,6 +348,35 @@ def test_gpt_oss_on_the_gpu_kernels_answers_as_the_gather_path_with_its_sinks(la
     gathered, together, alone, calls = _kernels_against_gathering(config, smollm_tokenizer_dir, tmp_path / "gpt-oss", launch)
     assert together == gathered == alone
     assert calls.count(paged_kernels.SCORES.name) >= 2 * GREEDY.max_tokens  # both layers, every step, sinks and all
+
+
+GEMMA2 = {"model_type": "gemma2", "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "query_pre_attn_scalar": 16,
+          "attn_logit_softcapping": 0.5, "final_logit_softcapping": 30.0}
+"""gemma2's own settings over the tiny llama's sizes, its scores capped hard (at 0.5)."""
+
+
+def test_gemma2_on_the_gpu_kernels_answers_as_the_gather_path_with_its_softcap(launch, smollm_tokenizer_dir, tmp_path) -> None:
+    """A tiny gemma2 (its attention computes softcapped scores itself; routed, it hands the
+    cap to the blocks' attend()): greedy, batched, prefill pieces and decode steps through the
+    kernels equal MLX's ops over the gathered blocks, and each prompt alone, in every layer;
+    the answers' logprobs differ from the same model's with a cap that changes nothing."""
+    sizes = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
+             "bos_token_id", "eos_token_id", "intermediate_size")
+    config = {**{k: TINY_CONFIG[k] for k in sizes}, **GEMMA2}
+    gathered, together, alone, calls = _kernels_against_gathering(config, smollm_tokenizer_dir, tmp_path / "gemma2", launch,
+                                                                  prefill_chunk_size=4)
+    assert together == gathered == alone
+    assert calls.count(paged_kernels.SCORES.name) >= 2 * GREEDY.max_tokens  # both layers, every step
+    logprobs = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=True)
+
+    def read(output) -> list[float]:
+        return [round(t.logprob, 4) for t in output.logprobs]
+
+    capped = _kernels_against_gathering(config, smollm_tokenizer_dir, tmp_path / "gemma2", launch, logprobs, read)
+    uncapped = _kernels_against_gathering({**config, "attn_logit_softcapping": 1e6}, smollm_tokenizer_dir, tmp_path / "uncapped",
+                                          launch, logprobs, read)
+    assert uncapped[1] != capped[1]  # through the kernels
+    assert uncapped[0] != capped[0]  # gathered
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "int4"])

@@ -74,3 +74,15 @@ def test_grouped_query_masks_are_fitted_per_instance_and_batches_match_rows_alon
     assert type(other.model.layers[0].self_attn).__module__ == "mlx_lm.models.gemma2"
     assert _matches_rows_alone(model, three) and _matches_rows_alone(model, two)
     assert _matches_rows_alone(ungrouped, three)
+
+
+def test_a_gemma2_routed_through_its_backend_needs_no_fitted_masks() -> None:
+    """Routed, gemma2's attention is the backend's (which takes (B, 1, L, S) masks as they
+    come): nothing is fitted, and a batch matches its rows alone."""
+    from mlx_parallm_provider.models.backends import MLXOps, install
+
+    model = _gemma2(kv_heads=2)
+    assert install(model, MLXOps())
+    routed = type(model.model.layers[0].self_attn)
+    assert mlx_lm_compat.fit_grouped_query_masks(model) == 0 and type(model.model.layers[0].self_attn) is routed
+    assert _matches_rows_alone(model, [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16]])

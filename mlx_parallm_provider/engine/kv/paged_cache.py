@@ -11,7 +11,7 @@ Attention reads each row's blocks. On the CPU and GPU kernels backends, kernels 
 through the block tables (the backend's ``paged_decode_attention``) for every pass: a decode
 step, a step verifying drafts or forced tokens, a prefill piece of any width (each position
 sees the tokens before it and computes what a decode step there would). Elsewhere (MLX's
-ops, layouts or pools the kernels do not take, attention sinks on the CPU) rows are gathered, per length bucket,
+ops, layouts or pools the kernels do not take, attention sinks or a softcap on the CPU) rows are gathered, per length bucket,
 into a transient rectangle (so a long row never makes short rows attend over its length),
 then attended by the backend's ``dense_attention``.
 Decoding rows whose tables start with the same cached
@@ -21,7 +21,7 @@ tokens by log-sum-exp (cascade attention, :func:`..cascade.cascade_attention`). 
 with a sliding window (gemma3's local layers) attends only to the tokens its queries can
 see: the last ``window`` before each query, as mlx-lm's ``RotatingKVCache`` and its windowed
 mask give them (the kernel skips the rest; gathering takes only those). A model that computes
-attention itself (``gathered``: gemma2's softcapped scores) gets every row's keys and values
+attention itself (``gathered``: an architecture whose attention is not routed) gets every row's keys and values
 from ``update_and_fetch``, gathered layer by layer into one transient rectangle, and their
 mask from ``make_mask``, as mlx-lm's batch cache gives them. Nothing outlives the pass but
 the blocks. With groups of layers (:mod:`.groups`: gemma3's local and global layers), each
@@ -231,7 +231,7 @@ def _length_buckets(totals: Sequence[int]) -> list[list[int]]:
 
 
 def _attend_tiled(backend: MLXOps, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: mx.array,
-                  sinks: Optional[mx.array] = None) -> mx.array:
+                  sinks: Optional[mx.array] = None, softcap: Optional[float] = None) -> mx.array:
     """``backend.dense_attention`` over tiles of the query positions, each within
     :data:`TILE_SCORES`. Each tile's queries depend on the previous tile's output
     (``mx.depends``), so MLX computes the tiles one after another, freeing each one's
@@ -240,7 +240,7 @@ def _attend_tiled(backend: MLXOps, queries: mx.array, keys: mx.array, values: mx
     the middle of a step (at interpreter exit that aborts the process)."""
     B, heads, L, _ = queries.shape
     tile = max(1, TILE_SCORES // max(1, B * heads * keys.shape[2]))
-    extra = {} if sinks is None else {"sinks": sinks}
+    extra = {k: v for k, v in (("sinks", sinks), ("softcap", softcap)) if v is not None}
     if L <= tile:
         return backend.dense_attention(queries, keys, values, scale=scale, mask=mask, **extra)
     outs: list[mx.array] = []
@@ -257,6 +257,7 @@ class PagedLayerCache:
     rows and tables, its storage slot."""
 
     attends_sinks = True  # gpt-oss's attention sinks reach attend() (the GPU kernels, else the gathered path)
+    attends_softcap = True  # so does gemma2's softcap (its routed attention: models.backends.softcapped)
 
     def __init__(self, batch: GroupPass, layer: int, window: Optional[int] = None) -> None:
         self.batch, self.layer, self.window = batch, layer, window  # layer: the storage slot
@@ -331,22 +332,24 @@ class PagedLayerCache:
         return out
 
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Optional[Any],
-               backend: Optional[MLXOps] = None, sinks: Optional[mx.array] = None) -> mx.array:
+               backend: Optional[MLXOps] = None, sinks: Optional[mx.array] = None, softcap: Optional[float] = None) -> mx.array:
         """Attention of ``queries`` (B, heads, L, D) over each row's blocks by ``backend``
         (the model's; None: MLX's ops): one kernel call through the block tables where it
-        has one (a sliding-window layer's too; with attention ``sinks``, the GPU kernels'
-        only), else per bucket over gathered blocks."""
+        has one (a sliding-window layer's too; with attention ``sinks`` or a ``softcap``, the
+        GPU kernels' only), else per bucket over gathered blocks."""
         backend = backend or _MLX_OPS
         batch, storage = self.batch, self.batch.storage
         if backend.reads_pages:  # (asked only there: a wide pass's limits take a loop to build)
             extra = {"scales": storage.scales[self.layer], "bits": storage.bits} if storage.bits else {}
             if sinks is not None:
                 extra["sinks"] = sinks
+            if softcap is not None:
+                extra["softcap"] = softcap
             out = backend.paged_decode_attention(queries, storage.keys[self.layer], storage.values[self.layer], batch.table,
                                                    batch.limits, storage.block_size, scale, window=self.window, **extra)
             if out is not None:
                 return out
-        cascade = batch.width == 1 and self.window is None and sinks is None and batch.shared()
+        cascade = batch.width == 1 and self.window is None and sinks is None and softcap is None and batch.shared()
         outs = []
         buckets = self.batch.own_buckets() if cascade else self.batch.buckets(self.window)
         prefixes = [(self._prefix(blocks), rows) for blocks, rows in batch.shared()] if cascade else []
@@ -359,7 +362,7 @@ class PagedLayerCache:
                 if groups:
                     outs.append(cascade_attention(q, k.swapaxes(1, 2), v.swapaxes(1, 2), scale, bucket.mask, groups, exp=backend.exp))
                     continue
-            outs.append(_attend_tiled(backend, q, k.swapaxes(1, 2), v.swapaxes(1, 2), scale, bucket.mask, sinks))
+            outs.append(_attend_tiled(backend, q, k.swapaxes(1, 2), v.swapaxes(1, 2), scale, bucket.mask, sinks, softcap))
         if len(outs) == 1:
             return outs[0]
         order = [b for bucket in buckets for b in bucket.rows]

@@ -12,8 +12,8 @@ from ...errors import UnsupportedModelError
 
 def unsupported_reason(model: Any) -> Optional[str]:
     """Why ``model`` cannot run on paged KV (so cannot be served), or None if it can. A model
-    whose attention is not routed through its backend (a module computing it itself, such as
-    gemma2's softcapped scores) gets every row's blocks gathered per layer
+    whose attention is not routed through its backend (a module computing it itself that
+    :mod:`...models.backends.routing` does not know) gets every row's blocks gathered per layer
     (:class:`.paged_cache.PagedBatch`'s ``gathered``), as mlx-lm's batch cache gives them."""
     if not hasattr(model, "layers"):
         return "the model has no layers list"

@@ -120,9 +120,9 @@ class CPUKernels(MLXOps):
                 self.activation_bits = setting or 8
 
     def dense_attention(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Optional[Any],
-                        sinks: Optional[mx.array] = None) -> mx.array:
-        if sinks is not None:  # (the kernels and cpu_ops' formulation take none)
-            return super().dense_attention(queries, keys, values, scale, mask, sinks)
+                        sinks: Optional[mx.array] = None, softcap: Optional[float] = None) -> mx.array:
+        if sinks is not None or softcap is not None:  # (the kernels and cpu_ops' formulation take neither)
+            return super().dense_attention(queries, keys, values, scale, mask, sinks, softcap)
         out = self.decode_attention(queries, keys, values, scale, mask)
         if out is not None:
             return out
@@ -136,9 +136,9 @@ class CPUKernels(MLXOps):
     def paged_decode_attention(
         self, queries: mx.array, k_pool: mx.array, v_pool: mx.array, table: mx.array, lengths: mx.array, block_size: int, scale: float,
         window: Optional[int] = None, scales: Optional[Sequence[mx.array]] = None, bits: int = 0,
-        sinks: Optional[mx.array] = None,
+        sinks: Optional[mx.array] = None, softcap: Optional[float] = None,
     ) -> Optional[mx.array]:
-        if sinks is not None:  # (the CPU kernel takes no sinks: gathered)
+        if sinks is not None or softcap is not None:  # (the CPU kernel takes neither: gathered)
             return None
         return attention.paged_decode_attention(queries, k_pool, v_pool, table, lengths, block_size, scale, self.attention_threads,
                                                 window, scales, bits)

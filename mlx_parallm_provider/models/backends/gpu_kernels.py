@@ -111,22 +111,22 @@ class GPUKernels(MLXOps):
     def paged_decode_attention(
         self, queries: mx.array, k_pool: mx.array, v_pool: mx.array, table: mx.array, lengths: mx.array, block_size: int, scale: float,
         window: Optional[int] = None, scales: Optional[Sequence[mx.array]] = None, bits: int = 0,
-        sinks: Optional[mx.array] = None,
+        sinks: Optional[mx.array] = None, softcap: Optional[float] = None,
     ) -> Optional[mx.array]:
         """The kernels' attention (:func:`..paged_kernels.paged_attention`: attention ``sinks``,
-        quantized pools' ``scales`` and ``bits`` included), or None (the caller gathers):
-        layouts the kernels do not take, kernels not ready."""
+        quantized pools' ``scales`` and ``bits``, a ``softcap`` included), or None (the caller
+        gathers): layouts the kernels do not take, kernels not ready."""
         quantized = bool(bits) or scales is not None
         if not paged_kernels.takes(queries, k_pool, v_pool, lengths, scales, bits) or not self.kernels_ready(quantized):
             return None
         return paged_kernels.paged_attention(queries, k_pool, v_pool, table, lengths, block_size, scale, self._launch, window=window,
-                                             sinks=sinks, scales=scales, bits=bits)
+                                             sinks=sinks, scales=scales, bits=bits, softcap=softcap)
 
 
 def check_kernels(launch: Launch, seed: int = 0, quantized: bool = False) -> Optional[str]:
     """Attend a small random pool (GQA, shuffled blocks, a window, a prefill piece, attention
-    sinks; ``quantized``: as int8 and int4 blocks instead) by the kernels through ``launch``
-    and by the gather path; None where they agree, else what differs."""
+    sinks, a softcap; ``quantized``: as int8 and int4 blocks instead) by the kernels through
+    ``launch`` and by the gather path; None where they agree, else what differs."""
     key = mx.random.key(seed)
     k1, k2, k3 = mx.random.split(key, 3)
     heads, kv_heads, D, block = 4, 2, 32, 4
@@ -137,15 +137,17 @@ def check_kernels(launch: Launch, seed: int = 0, quantized: bool = False) -> Opt
     queries = mx.random.normal((B, heads, L, D), key=k3)
     table = mx.array([[7, 2, 19, 4, 11], [3, 0, 0, 0, 0], [23, 9, 15, 1, 0]], dtype=mx.int32)
     limits = mx.array([[17, 18], [2, 3], [13, 15]], dtype=mx.int32)
-    cases = [(None, None, 0), (5, None, 0), (5, mx.array([0.5, -1.0, 2.0, 0.0]), 0)]
+    cases = [(None, None, 0, None), (5, None, 0, None), (5, mx.array([0.5, -1.0, 2.0, 0.0]), 0, None), (None, None, 0, 1.5)]
     if quantized:
-        cases = [(None, None, bits) for bits in paged_kernels.QUANTIZED_BITS] + [(5, None, 4)]
-    for window, sinks, bits in cases:
+        cases = [(None, None, bits, None) for bits in paged_kernels.QUANTIZED_BITS] + [(5, None, 4, None)]
+    for window, sinks, bits, softcap in cases:
         k, v, scales = paged_kernels.quantize_pools(k_pool, v_pool, bits) if bits else (k_pool, v_pool, None)
         args = (queries, k, v, table, limits, block, 0.2)
-        got = paged_kernels.paged_attention(*args, launch, window=window, sinks=sinks, scales=scales, bits=bits)
-        want = paged_kernels.gathered_attention(*args, window=window, sinks=sinks, scales=scales, bits=bits)
+        extra = {"window": window, "sinks": sinks, "scales": scales, "bits": bits, "softcap": softcap}
+        got = paged_kernels.paged_attention(*args, launch, **extra)
+        want = paged_kernels.gathered_attention(*args, **extra)
         diff = mx.abs(got - want).max().item()
         if not diff <= CHECK_TOLERANCE:  # (NaN too)
-            return f"differs from the gather path by {diff:.3g} (window={window}, sinks={sinks is not None}, bits={bits or None})"
+            return (f"differs from the gather path by {diff:.3g} (window={window}, sinks={sinks is not None}, bits={bits or None}, "
+                    f"softcap={softcap})")
     return None

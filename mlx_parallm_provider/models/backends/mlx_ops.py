@@ -7,6 +7,7 @@ from typing import Any, Optional, Sequence, Union
 
 import mlx.core as mx
 
+from ..softcap import softcapped_attention
 from .routing import mlx_lm_attention, mlx_lm_swiglu
 
 
@@ -42,12 +43,21 @@ class MLXOps:
 
     # -- attention ----------------------------------------------------------------------
 
-    def attend(self, queries: Any, keys: Any, values: Any, cache: Any, scale: float, mask: Optional[Any], sinks: Optional[Any] = None) -> Any:
+    def attend(self, queries: Any, keys: Any, values: Any, cache: Any, scale: float, mask: Optional[Any], sinks: Optional[Any] = None,
+               softcap: Optional[float] = None) -> Any:
         """mlx-lm's ``scaled_dot_product_attention`` as the model's layers call it: the
         cache's own ``attend(queries, keys, values, scale=, mask=, backend=)`` where it has
         one (with ``sinks=`` where the cache declares ``attends_sinks``), mlx-lm's function
-        for quantized caches and for attention sinks elsewhere, else :meth:`dense_attention`."""
+        for quantized caches and for attention sinks elsewhere, else :meth:`dense_attention`.
+        ``softcap`` (gemma2's routed attention, :mod:`.softcapped`): the cache's ``attend``
+        with ``softcap=`` where it declares ``attends_softcap``, else :meth:`dense_attention`."""
         own = getattr(cache, "attend", None)
+        if softcap is not None:
+            if own is not None and getattr(cache, "attends_softcap", False):
+                return own(queries, keys, values, scale=scale, mask=mask, backend=self, softcap=softcap)
+            if hasattr(cache, "bits"):  # mlx-lm's quantized cache: (codes, scales, biases) each
+                keys, values = (mx.dequantize(*kv, group_size=cache.group_size, bits=cache.bits) for kv in (keys, values))
+            return self.dense_attention(queries, keys, values, scale=scale, mask=mask, softcap=softcap)
         if sinks is not None and own is not None and getattr(cache, "attends_sinks", False):
             return own(queries, keys, values, scale=scale, mask=mask, backend=self, sinks=sinks)
         if sinks is not None or hasattr(cache, "bits"):
@@ -57,10 +67,13 @@ class MLXOps:
         return self.dense_attention(queries, keys, values, scale=scale, mask=mask)
 
     def dense_attention(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Optional[Any],
-                        sinks: Optional[mx.array] = None) -> mx.array:
+                        sinks: Optional[mx.array] = None, softcap: Optional[float] = None) -> mx.array:
         """Plain attention: ``queries`` (B, heads, L, D) over ``keys`` / ``values`` (B,
         kv_heads, S, D), ``mask`` as mlx-lm passes it (None, ``"causal"`` or an array);
-        ``sinks`` (heads,): gpt-oss's per-head logit that takes a share of the softmax."""
+        ``sinks`` (heads,): gpt-oss's per-head logit that takes a share of the softmax;
+        ``softcap``: gemma2's cap on the scores (:func:`..softcap.softcapped_attention`)."""
+        if softcap is not None:
+            return softcapped_attention(queries, keys, values, scale, mask, softcap)
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
 
     def decode_attention(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Optional[Any]) -> Optional[mx.array]:
@@ -70,12 +83,13 @@ class MLXOps:
     def paged_decode_attention(
         self, queries: mx.array, k_pool: mx.array, v_pool: mx.array, table: mx.array, lengths: mx.array, block_size: int, scale: float,
         window: Optional[int] = None, scales: Optional[Sequence[mx.array]] = None, bits: int = 0,
-        sinks: Optional[mx.array] = None,
+        sinks: Optional[mx.array] = None, softcap: Optional[float] = None,
     ) -> Optional[mx.array]:
         """Attention over paged KV through a fused kernel (a sliding ``window``: each position
         sees its last ``window`` tokens; quantized pools: their ``scales`` and ``bits``;
-        ``sinks``: gpt-oss's per-head attention sinks), or None: the caller gathers the rows'
-        blocks (see :func:`..attention.paged_decode_attention`)."""
+        ``sinks``: gpt-oss's per-head attention sinks; ``softcap``: gemma2's cap on the
+        scores), or None: the caller gathers the rows' blocks (see
+        :func:`..attention.paged_decode_attention`)."""
         return None
 
     def steps_attention(self, rope: Any) -> bool:

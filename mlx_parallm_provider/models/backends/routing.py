@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional
 from ..attention import mlx_lm_attention, mlx_lm_swiglu
 from .attention_step import fusable, stepping
 from .layer_step import fusable_block, stepping_block
+from .softcapped import attending, softcapped
 
 _ORIGINAL = "_parallm_original_class"  # on a routed subclass: the mlx-lm class it derives from
 _BACKEND = "_parallm_backend"  # on a routed subclass: the backend its methods call
@@ -75,7 +76,10 @@ def _subclass(cls: type, backend: Any, namespaces: dict[str, Optional[dict[str, 
         if called:
             body[name] = _rebound(fn, namespace)
             calls |= called
-    if fusable(cls) and "scaled_dot_product_attention" in calls and hasattr(backend, "steps_attention"):
+    if softcapped(cls):  # (gemma2: its own scores, now the backend's attention)
+        body["__call__"] = attending(backend)
+        calls.add("scaled_dot_product_attention")
+    elif fusable(cls) and "scaled_dot_product_attention" in calls and hasattr(backend, "steps_attention"):
         body["__call__"] = stepping(body["__call__"], backend)  # (a decode step's attention as one op, where it can)
     elif fusable_block(cls) and hasattr(backend, "layer_step"):
         body["__call__"] = stepping_block(body.get("__call__", cls.__call__), backend)  # (a whole layer's step, where it can)
@@ -87,8 +91,9 @@ def _subclass(cls: type, backend: Any, namespaces: dict[str, Optional[dict[str, 
 
 def route(model: Any, backend: Any) -> bool:
     """Make ``model``'s layers call ``backend.attend`` and ``backend.swiglu`` where the mlx-lm
-    module defining their code calls mlx-lm's functions by those names (replacing an earlier
-    backend's routing). Returns whether its attention now goes through ``backend.attend`` (if
+    module defining their code calls mlx-lm's functions by those names, and gemma2's attention
+    call ``backend.attend`` with its softcap (:mod:`.softcapped`), replacing an earlier
+    backend's routing. Returns whether its attention now goes through ``backend.attend`` (if
     not, caches' ``attend`` methods are never used)."""
     if not hasattr(model, "named_modules"):  # not an mlx.nn.Module: nothing to route
         return False
