@@ -34,6 +34,7 @@ from __future__ import annotations
 from typing import Any, Optional, Sequence
 
 import mlx.core as mx
+import numpy as np
 
 from ...models.attention import fits_step
 from ...models.backends import MLXOps
@@ -195,12 +196,13 @@ class _Bucket:
         self.rows = rows
         self.index = None if rows == list(range(len(totals))) else mx.array(rows, dtype=mx.int32)
         longest = max(totals[b] - firsts[b] for b in rows)
-        slots = []
-        for b in rows:
-            table = tables[b]
-            row = [table[t // bs] * bs + t % bs for t in range(firsts[b], totals[b])]
-            slots.append(row + [NULL_BLOCK * bs] * (longest - len(row)))
-        self.slots = mx.array(slots, dtype=mx.int32)
+        blocks = np.full((len(rows), max(len(tables[b]) for b in rows)), NULL_BLOCK, dtype=np.int64)
+        for i, b in enumerate(rows):
+            blocks[i, : len(tables[b])] = tables[b]
+        tokens = np.array([firsts[b] for b in rows])[:, None] + np.arange(longest)[None, :]  # each row's, padded
+        real = tokens < np.array([totals[b] for b in rows])[:, None]
+        held = np.take_along_axis(blocks, np.where(real, tokens // bs, 0), axis=1)
+        self.slots = mx.array(np.where(real, held * bs + tokens % bs, NULL_BLOCK * bs).astype(np.int32))
         key = mx.array([firsts[b] for b in rows])[:, None, None] + mx.arange(longest)[None, None, :]  # positions (B, 1, S)
         start = mx.array([starts[b] for b in rows])[:, None, None]
         total = mx.array([totals[b] for b in rows])[:, None, None]
