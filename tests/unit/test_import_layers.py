@@ -169,7 +169,7 @@ MODEL_FLOORS = (
     ("native build, cache and extension", ("models.kernel_cache", "models.qmatmul", "models.qmatmul_ext")),
     ("device (is_cpu, the BLAS)", ("models.device",)),
     ("ops", ("models.attention", "models.cpu_ops", "models.fused_ops", "models.small_batch", "models.private_blas", "models.lora",
-             "models.paged_kernels")),
+             "models.paged_kernels", "models.softcap")),
     ("backends", ("models.backends", "models.head")),
     ("loading", ("models.backend", "models.registry", "models.gguf")),
 )
