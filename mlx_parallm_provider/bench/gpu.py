@@ -127,7 +127,8 @@ def step_breakdown(model: str, rows: Sequence[int] = (1, 2, 4, 8, 32, 64), token
     gather path), sampling (the engine's greedy and temperature draws over the vocabulary). The rest: norms,
     RoPE, elementwise ops, Python and scheduling. ``dense_layers_ms``: the layers' matmuls (head
     aside) over dequantized copies of their weights, against which a quantized matmul that
-    does not amortize its weights over the rows shows."""
+    does not amortize its weights over the rows shows. ``graph_ms``: the host's time to build
+    one decode step's forward graph (median; near ``step_ms``, the step waits on the host)."""
     import mlx.nn as nn
 
     from ..config import EngineConfig
@@ -154,10 +155,14 @@ def step_breakdown(model: str, rows: Sequence[int] = (1, 2, 4, 8, 32, 64), token
     for R in rows:
         engine = Engine("breakdown", EngineConfig(max_num_seqs=R), loaded=loaded)
         try:
+            engine.generate_many_sync(prompt_ids[:1], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))  # (its worker)
+            builds = _timing_forwards(engine._core.runner)  # noqa: SLF001
             engine.generate_many_sync(prompt_ids[:R], SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True))
             step_ms = engine.stats()["step_s"]["p50"] * 1e3
         finally:
             engine.shutdown()
+        decode_builds = [t for rows_in, width, t in builds if rows_in == R and width == 1]
+        graph_ms = statistics.median(decode_builds) * 1e3 if decode_builds else None
         inputs = {_in_dims(mod): mx.random.normal((R, 1, _in_dims(mod))).astype(dtype) for mod in linears}
 
         def matmuls():
@@ -192,8 +197,25 @@ def step_breakdown(model: str, rows: Sequence[int] = (1, 2, 4, 8, 32, 64), token
         parts = {name: ms[name] for name in ("matmul_ms", "attention_ms", "sampling_ms")}
         rest = step_ms - sum(parts.values())
         out.append({"rows": R, "step_ms": step_ms, "tokens_per_s": R / step_ms * 1e3, **parts, "rest_ms": rest,
-                    "dense_layers_ms": ms["dense_layers_ms"]})
+                    "dense_layers_ms": ms["dense_layers_ms"], "graph_ms": graph_ms})
     return out
+
+
+def _timing_forwards(runner: Any) -> list[tuple[int, int, float]]:
+    """Time each forward pass ``runner`` builds from now on (this runner's only): ``(rows,
+    width, seconds)`` of Python and MLX building the pass's graph, evaluating nothing (the
+    host's share of a step, which overlaps the device's work on the step before)."""
+    timings: list[tuple[int, int, float]] = []
+    build = runner.forward
+
+    def forward(rows: list, pieces: list, starts: list, *args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        out = build(rows, pieces, starts, *args, **kwargs)
+        timings.append((len(rows), max(len(p) for p in pieces), time.perf_counter() - start))
+        return out
+
+    runner.forward = forward
+    return timings
 
 
 def _in_dims(layer: Any) -> int:

@@ -57,3 +57,4 @@ def test_step_breakdown_times_each_part_at_each_row_count(tiny_random: Path, mon
     for r in rows:
         assert r["step_ms"] > 0 and r["matmul_ms"] > 0 and r["attention_ms"] > 0 and r["sampling_ms"] > 0
         assert r["rest_ms"] == pytest.approx(r["step_ms"] - r["matmul_ms"] - r["attention_ms"] - r["sampling_ms"])
+        assert 0 < r["graph_ms"] < 10 * r["step_ms"]  # the decode steps' forwards at this row count were timed
