@@ -43,7 +43,8 @@ SPLIT_TOKENS = 256
 """Tokens one values thread sums: a 4,000-token row is 16 splits, so one row alone still fills the GPU."""
 THREADGROUP = 256
 MAX_GROUP = 16
-"""Query heads per KV head a thread keeps accumulators for."""
+"""Query heads per KV head a thread keeps accumulators for (more, and the group is attended in
+parts of at most this many: each part reads the K/V rows again)."""
 POOL_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 MAX_SCORES = 1 << 26
 """Scores one launch of the kernels may hold (256 MiB of float32): a longer prefill piece, or
@@ -211,13 +212,13 @@ def takes(queries: mx.array, k_pool: mx.array, v_pool: mx.array, lengths: mx.arr
           scales: Optional[Sequence[mx.array]] = None, bits: int = 0) -> bool:
     """Whether :func:`paged_attention` takes these: pools of one shape and dtype, float or
     quantized (``bits`` in :data:`QUANTIZED_BITS`, ``scales`` the K scales and biases then the
-    V ones, a group of channels dividing the head), at most :data:`MAX_GROUP` query heads per
-    KV head, limits per row or per position."""
+    V ones, a group of channels dividing the head), whole groups of query heads per KV head,
+    limits per row or per position."""
     B, heads, L, D = queries.shape
     if k_pool.ndim != 3 or k_pool.shape != v_pool.shape or k_pool.dtype != v_pool.dtype:
         return False
     kv_heads = k_pool.shape[1]
-    if heads % kv_heads or heads // kv_heads > MAX_GROUP or lengths.shape not in ((B,), (B, L)) or (L > 1 and lengths.ndim != 2):
+    if heads % kv_heads or lengths.shape not in ((B,), (B, L)) or (L > 1 and lengths.ndim != 2):
         return False
     if not bits and scales is None:
         return k_pool.dtype in POOL_DTYPES and k_pool.shape[2] == D
@@ -239,11 +240,24 @@ def paged_attention(queries: mx.array, k_pool: mx.array, v_pool: mx.array, table
     ``(heads,)`` attention sinks or None, quantized pools' ``scales`` (K scales, K biases, V
     scales, V biases) and ``bits``, ``softcap`` the scores' cap or None; ``(B, heads, L, D)``
     in ``queries``' dtype. Parts of at most ``max_scores`` scores are attended one by one."""
-    B, heads, L, _ = queries.shape
+    B, heads, L, D = queries.shape
     M = table.shape[1]
     T = M * block_size if not window else min(M * block_size, window)
     limits = _per_position(lengths, B, L)
     table = table.astype(mx.int32)
+    kv_heads = k_pool.shape[1]
+    group = heads // kv_heads
+    if group > MAX_GROUP:  # each KV head's query heads in parts of at most MAX_GROUP
+        grouped = queries.reshape(B, kv_heads, group, L, D)
+        outs = []
+        for lo in range(0, group, MAX_GROUP):
+            part = slice(lo, min(lo + MAX_GROUP, group))
+            n = part.stop - lo
+            part_sinks = None if sinks is None else sinks.reshape(kv_heads, group)[:, part].reshape(-1)
+            out = paged_attention(grouped[:, :, part].reshape(B, kv_heads * n, L, D), k_pool, v_pool, table, limits, block_size,
+                                  scale, launch, window, max_scores, part_sinks, scales, bits, softcap)
+            outs.append(out.reshape(B, kv_heads, n, L, D))
+        return mx.concatenate(outs, axis=2).reshape(B, heads, L, D)
     if B * heads * L * T > max_scores and (L > 1 or B > 1):
         def part(lo: slice, rows: slice) -> mx.array:
             return paged_attention(queries[rows, :, lo], k_pool, v_pool, table[rows], limits[rows, lo], block_size, scale,

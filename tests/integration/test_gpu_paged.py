@@ -292,6 +292,24 @@ def test_a_softcap_caps_the_scores_as_gemma2_caps_them(launch, L: int, window: O
     assert mx.abs(parts.astype(mx.float32) - got).max().item() < 1e-5 + (0 if dtype == mx.float32 else 1e-2)
 
 
+@pytest.mark.parametrize("heads,kv_heads,L,window", [(48, 1, 1, None), (40, 2, 3, 6), (71, 1, 1, 5)])
+def test_groups_of_more_query_heads_than_a_thread_holds_are_attended_in_parts(launch, heads, kv_heads, L, window) -> None:
+    """More than MAX_GROUP query heads per KV head (multi-query models: 48 or 71 heads on one KV
+    head): the group is attended in parts, each head as the gather path attends it, sinks
+    and a softcap per head included."""
+    held = [40, 3, 17]
+    k_pool, v_pool, table = _pool([s + L for s in held], 4, kv_heads, 32, mx.float32, seed=31 + heads)
+    limits = mx.array([[s + j + 1 for j in range(L)] for s in held], dtype=mx.int32)
+    queries = mx.random.normal((3, heads, L, 32), key=mx.random.key(32))
+    sinks = mx.random.normal((heads,), key=mx.random.key(33))
+    assert heads // kv_heads > paged_kernels.MAX_GROUP and paged_kernels.takes(queries, k_pool, v_pool, limits)
+    args = (queries, k_pool, v_pool, table, limits, 4, 0.3)
+    for extra in ({}, {"sinks": sinks}, {"softcap": 1.5}):
+        got = paged_kernels.paged_attention(*args, launch, window=window, **extra)
+        want = paged_kernels.gathered_attention(*args, window=window, **extra)
+        assert mx.abs(got - want).max().item() < 1e-4, extra
+
+
 GPT_OSS = {  # attention sinks, YaRN, 4 experts; layer 0 slides (a window of 8), layer 1 is global
     "model_type": "gpt_oss", "intermediate_size": 64, "num_local_experts": 4, "num_experts_per_tok": 2, "rms_norm_eps": 1e-5,
     "sliding_window": 8, "rope_theta": 150000, "max_position_embeddings": 131072, "tie_word_embeddings": False,
