@@ -288,7 +288,7 @@ def _attend(queries: mx.array, k_pool: mx.array, v_pool: mx.array, table: mx.arr
     kv_heads = layout.kv_heads
     scores = launch(KernelCall(scores_kernel, layout, [q, *k_in, table, limits, params, _constant((scale,), mx.float32)],
                                B * kv_heads * L * T, (B, heads, L, T)))
-    if softcap:  # (a position's unseen tokens keep their MASKED score: capped, they would count)
+    if softcap is not None:  # (a position's unseen tokens keep their MASKED score: capped, they would count)
         scores = mx.where(scores > MASKED / 2, mx.tanh(scores / softcap) * softcap, scores)
     if sinks is None:
         probs = mx.softmax(scores, axis=-1, precise=True)
@@ -347,7 +347,7 @@ def gathered_attention(queries: mx.array, k_pool: mx.array, v_pool: mx.array, ta
     if window:
         visible = visible & (pos >= end - window)
     mask = visible[:, None, :, :]  # (B, 1, L, S)
-    if softcap:
+    if softcap is not None:
         return softcapped_attention(queries.astype(mx.float32), k, v, scale, mask, softcap).astype(queries.dtype)
     extra = {} if sinks is None else {"sinks": sinks.astype(mx.float32)}
     out = mx.fast.scaled_dot_product_attention(queries.astype(mx.float32), k, v, scale=scale, mask=mask, **extra)
