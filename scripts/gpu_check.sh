@@ -61,7 +61,9 @@ summary "doctor rc=$? ($(grep -E '^(device|CUDA headers|backend|paged attention|
 
 SHAPE=${SHAPE:-1b}
 MODELS=${MODELS:-/tmp/parallm-models}
-timeout 150 "$PY" -m mlx_parallm_provider.bench.gpu --tokenizer "$TOK" --shape "$SHAPE" --rows "${ROWS:-1,2,4,8,32,64}" \
+# float32 in full float32 (MLX multiplies it in TF32 on a GPU by default): the agreement of the
+# float32 model with mlx-lm compares what the CPU would; the bfloat16 timings are the same either way
+MLX_ENABLE_TF32=0 NVIDIA_TF32_OVERRIDE=0 timeout 150 "$PY" -m mlx_parallm_provider.bench.gpu --tokenizer "$TOK" --shape "$SHAPE" --rows "${ROWS:-1,2,4,8,32,64}" \
   --work "$MODELS" --json "$OUT/gpu.json" > "$OUT/gpu.md" 2>&1
 summary "bench.gpu rc=$?"
 
@@ -79,7 +81,7 @@ print(report.markdown_table(json.load(open(sys.argv[1]))['rows'], False))" "$OUT
 
 # one line per test as it ends (-v): a run the time limit cuts short still says which passed;
 # a module that cannot be imported there (a package the image lacks) skips itself alone
-NVIDIA_TF32_OVERRIDE=0 timeout 150 "$PY" -m pytest -m gpu -v -p no:cacheprovider --continue-on-collection-errors \
+MLX_ENABLE_TF32=0 NVIDIA_TF32_OVERRIDE=0 timeout 150 "$PY" -m pytest -m gpu -v -p no:cacheprovider --continue-on-collection-errors \
   --tokenizer-dir "$TOK" -o addopts="-rfE" tests/integration > "$OUT/tests.txt" 2>&1
 summary "pytest -m gpu rc=$?: $(tail -1 "$OUT/tests.txt"); $(grep -c ' PASSED' "$OUT/tests.txt") passed, $(grep -c ' FAILED' "$OUT/tests.txt") failed"
 cat "$OUT/summary.txt"

@@ -323,10 +323,13 @@ def _constant(values: tuple, dtype: mx.Dtype) -> mx.array:
 
 def gathered_attention(queries: mx.array, k_pool: mx.array, v_pool: mx.array, table: mx.array, lengths: mx.array, block_size: int,
                        scale: float, window: Optional[int] = None, sinks: Optional[mx.array] = None,
-                       scales: Optional[Sequence[mx.array]] = None, bits: int = 0, softcap: Optional[float] = None) -> mx.array:
+                       scales: Optional[Sequence[mx.array]] = None, bits: int = 0, softcap: Optional[float] = None,
+                       exact: bool = False) -> mx.array:
     """The same attention by gathering every row's blocks (dequantized by ``mx.dequantize``,
     in float32) and MLX's ops (the reference the kernels are checked against, and what
-    :func:`paged_attention` computes)."""
+    :func:`paged_attention` computes). ``exact``: products and sums by elementwise ops and
+    reductions, never a matmul, which MLX runs in TF32 on CUDA and Metal by default
+    (``MLX_ENABLE_TF32``): about 3 significant digits, where the kernels compute in float32."""
     B, heads, L, D = queries.shape
     M = table.shape[1]
     S = M * block_size
@@ -347,9 +350,32 @@ def gathered_attention(queries: mx.array, k_pool: mx.array, v_pool: mx.array, ta
     if window:
         visible = visible & (pos >= end - window)
     mask = visible[:, None, :, :]  # (B, 1, L, S)
+    if exact:
+        return _exact_attention(queries.astype(mx.float32), k, v, scale, mask, sinks, softcap).astype(queries.dtype)
     if softcap is not None:
         return softcapped_attention(queries.astype(mx.float32), k, v, scale, mask, softcap).astype(queries.dtype)
     extra = {} if sinks is None else {"sinks": sinks.astype(mx.float32)}
     out = mx.fast.scaled_dot_product_attention(queries.astype(mx.float32), k, v, scale=scale, mask=mask, **extra)
     return out.astype(queries.dtype)
 
+
+def _exact_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: mx.array,
+                     sinks: Optional[mx.array], softcap: Optional[float]) -> mx.array:
+    """Attention of float32 ``queries`` (B, heads, L, D) over ``keys`` / ``values`` (B,
+    kv_heads, S, D) seen where ``mask`` (B, 1, L, S), by broadcast products and sums (small
+    inputs only: it holds every product)."""
+    B, heads, L, D = queries.shape
+    kv_heads = keys.shape[1]
+    group = heads // kv_heads
+    q = queries.reshape(B, kv_heads, group, L, 1, D)
+    scores = (q * keys[:, :, None, None]).sum(axis=-1) * scale  # (B, kv_heads, group, L, S)
+    if softcap is not None:
+        scores = mx.tanh(scores / softcap) * softcap
+    scores = mx.where(mask[:, :, None], scores, MASKED)
+    if sinks is not None:
+        sink = mx.broadcast_to(sinks.astype(mx.float32).reshape(1, kv_heads, group, 1, 1), (*scores.shape[:-1], 1))
+        probs = mx.softmax(mx.concatenate([scores, sink], axis=-1), axis=-1, precise=True)[..., :-1]
+    else:
+        probs = mx.softmax(scores, axis=-1, precise=True)
+    out = (probs[..., None] * values[:, :, None, None]).sum(axis=-2)  # (B, kv_heads, group, L, D)
+    return out.reshape(B, heads, L, D)

@@ -131,6 +131,58 @@ def test_the_first_use_checks_pass_and_the_backend_takes_float_and_quantized_poo
     assert backend.paged_decode_attention(queries[:, :3], k_pool, v_pool, table, lengths, 4, 0.25) is None  # 3 heads over 2 KV heads
 
 
+def _tf32(x: mx.array) -> mx.array:
+    """``x`` in float32 with TF32's 10-bit mantissa (the low 13 bits dropped), as a GPU's
+    tensor cores read a float32 matmul's inputs under MLX's default ``MLX_ENABLE_TF32=1``."""
+    return mx.view(mx.view(x.astype(mx.float32), mx.uint32) & mx.array(0xFFFFE000, dtype=mx.uint32), mx.float32)
+
+
+def _tf32_attention(q, k, v, scale, mask=None, sinks=None):
+    """MLX's attention as its fallback computes it on a GPU in float32 by default: two
+    matmuls, each over inputs rounded to TF32."""
+    B, heads, L, D = q.shape
+    kv_heads = k.shape[1]
+    group = heads // kv_heads
+    scores = _tf32(q * scale).reshape(B, kv_heads, group, L, D) @ _tf32(k)[:, :, None].swapaxes(-1, -2)
+    scores = mx.where(mask[:, :, None], scores, -1e30)
+    if sinks is not None:
+        sink = mx.broadcast_to(sinks.reshape(1, kv_heads, group, 1, 1), (*scores.shape[:-1], 1))
+        probs = mx.softmax(mx.concatenate([scores, sink], axis=-1), axis=-1, precise=True)[..., :-1]
+    else:
+        probs = mx.softmax(scores, axis=-1, precise=True)
+    return (_tf32(probs) @ _tf32(v)[:, :, None]).reshape(B, heads, L, D)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_the_first_use_check_holds_where_mlxs_float32_matmuls_run_in_tf32(launch, monkeypatch, seed: int) -> None:
+    """On a GPU MLX multiplies float32 in TF32 by default, so attention gathered and attended
+    by its ops differs from the kernels' float32 by ~2-4e-3 on the check's pool, past its
+    tolerance: the check compares with the exact reference instead, and passes; against MLX's
+    attention rounded so it would have failed (and the kernels gone unused)."""
+    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", _tf32_attention)
+    assert check_kernels(launch, seed=seed) is None
+    rounded = paged_kernels.gathered_attention
+    monkeypatch.setattr(paged_kernels, "gathered_attention", lambda *args, exact=False, **kwargs: rounded(*args, **kwargs))
+    assert "differs from the gather path" in check_kernels(launch, seed=seed)
+
+
+@pytest.mark.parametrize("extra", [{}, {"window": 6}, {"softcap": 1.5}, {"bits": 4}, {"sinks": True}])
+def test_the_exact_reference_is_the_gather_path_without_matmuls(extra: dict) -> None:
+    """``gathered_attention(exact=True)`` (products and sums, no matmul) computes what the
+    gather path computes: GQA, prefill positions, a window, a softcap, int4 pools, sinks."""
+    k_pool, v_pool, table = _pool([40, 3, 17], 4, 2, 32, mx.float32, seed=41)
+    limits = mx.array([[s + j + 1 for j in range(3)] for s in (37, 0, 14)], dtype=mx.int32)
+    queries = mx.random.normal((3, 8, 3, 32), key=mx.random.key(42))
+    if extra.get("sinks"):
+        extra = {"sinks": mx.random.normal((8,), key=mx.random.key(43))}
+    if extra.get("bits"):
+        k_pool, v_pool, scales = paged_kernels.quantize_pools(k_pool, v_pool, extra["bits"])
+        extra = {**extra, "scales": scales}
+    args = (queries, k_pool, v_pool, table, limits, 4, 0.3)
+    exact = paged_kernels.gathered_attention(*args, **extra, exact=True)
+    assert mx.abs(exact - paged_kernels.gathered_attention(*args, **extra)).max().item() < 1e-5
+
+
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("lengths,heads,kv_heads,D,block,window,L", [
     ([1, 1000, 4000], 8, 2, 64, 16, None, 1),
