@@ -288,16 +288,23 @@ def _attend(queries: mx.array, k_pool: mx.array, v_pool: mx.array, table: mx.arr
     kv_heads = layout.kv_heads
     scores = launch(KernelCall(scores_kernel, layout, [q, *k_in, table, limits, params, _constant((scale,), mx.float32)],
                                B * kv_heads * L * T, (B, heads, L, T)))
-    if softcap is not None:  # (a position's unseen tokens keep their MASKED score: capped, they would count)
-        scores = mx.where(scores > MASKED / 2, mx.tanh(scores / softcap) * softcap, scores)
-    if sinks is None:
-        probs = mx.softmax(scores, axis=-1, precise=True)
-    else:  # each head's sink logit takes a share of the softmax and gives no value
-        sink = mx.broadcast_to(sinks.astype(mx.float32).reshape(1, heads, 1, 1), (B, heads, L, 1))
-        probs = mx.softmax(mx.concatenate([scores, sink], axis=-1), axis=-1, precise=True)[..., :T]
+    probs = _probabilities(scores, sinks, softcap)
     partial = launch(KernelCall(values_kernel, layout, [probs, *v_in, table, limits, params], splits * B * kv_heads * L * D,
                                 (splits, B, heads, L, D)))
     return partial.sum(axis=0).astype(queries.dtype)
+
+
+def _probabilities(scores: mx.array, sinks: Optional[mx.array], softcap: Optional[float]) -> mx.array:
+    """The softmax of float32 ``scores`` ``(B, heads, L, T)`` whose unseen tokens score
+    :data:`MASKED`: each seen score capped first (``softcap``), each head's sink logit taking
+    a share and giving no value (``sinks``, ``(heads,)``)."""
+    if softcap is not None:  # (unseen tokens keep their MASKED score: capped, they would count)
+        scores = mx.where(scores > MASKED / 2, mx.tanh(scores / softcap) * softcap, scores)
+    if sinks is None:
+        return mx.softmax(scores, axis=-1, precise=True)
+    B, heads, L, T = scores.shape
+    sink = mx.broadcast_to(sinks.astype(mx.float32).reshape(1, heads, 1, 1), (B, heads, L, 1))
+    return mx.softmax(mx.concatenate([scores, sink], axis=-1), axis=-1, precise=True)[..., :T]
 
 
 def quantize_pools(k_pool: mx.array, v_pool: mx.array, bits: int) -> tuple[mx.array, mx.array, list[mx.array]]:
@@ -367,15 +374,10 @@ def _exact_attention(queries: mx.array, keys: mx.array, values: mx.array, scale:
     B, heads, L, D = queries.shape
     kv_heads = keys.shape[1]
     group = heads // kv_heads
+    S = keys.shape[2]
     q = queries.reshape(B, kv_heads, group, L, 1, D)
     scores = (q * keys[:, :, None, None]).sum(axis=-1) * scale  # (B, kv_heads, group, L, S)
-    if softcap is not None:
-        scores = mx.tanh(scores / softcap) * softcap
-    scores = mx.where(mask[:, :, None], scores, MASKED)
-    if sinks is not None:
-        sink = mx.broadcast_to(sinks.astype(mx.float32).reshape(1, kv_heads, group, 1, 1), (*scores.shape[:-1], 1))
-        probs = mx.softmax(mx.concatenate([scores, sink], axis=-1), axis=-1, precise=True)[..., :-1]
-    else:
-        probs = mx.softmax(scores, axis=-1, precise=True)
+    scores = mx.where(mask, scores.reshape(B, heads, L, S), MASKED)
+    probs = _probabilities(scores, sinks, softcap).reshape(B, kv_heads, group, L, S)
     out = (probs[..., None] * values[:, :, None, None]).sum(axis=-2)  # (B, kv_heads, group, L, D)
     return out.reshape(B, heads, L, D)
