@@ -203,7 +203,7 @@ class _Bucket:
         real = tokens < np.array([totals[b] for b in rows])[:, None]
         held = np.take_along_axis(blocks, np.where(real, tokens // bs, 0), axis=1)
         self.slots = mx.array(np.where(real, held * bs + tokens % bs, NULL_BLOCK * bs).astype(np.int32))
-        key = mx.array([firsts[b] for b in rows])[:, None, None] + mx.arange(longest)[None, None, :]  # positions (B, 1, S)
+        key = mx.array(tokens.astype(np.int32))[:, None, :]  # positions (B, 1, S)
         start = mx.array([starts[b] for b in rows])[:, None, None]
         total = mx.array([totals[b] for b in rows])[:, None, None]
         if width == 1:  # the one query sits at total - 1: every gathered key is within its window
