@@ -126,18 +126,12 @@ def _cuda_headers() -> dict[str, str]:
 def _attention(device: Any) -> dict[str, str]:
     """The backend a model loaded now gets, and how its attention reads the paged KV: on a
     GPU the paged kernels are compiled and checked here, as an engine does at first use."""
-    from .models import attention, backends
+    from .models import backends
 
     chosen = backends.choose(None, device)
     if isinstance(chosen, backends.GPUKernels):
         chosen.kernels_ready()
-        path = chosen.attention_path()
-    elif isinstance(chosen, backends.CPUKernels):
-        path = ("CPU kernel through the block tables" if attention.has_attention_step()
-                else "gather (the CPU kernels' extension is not built)")
-    else:
-        path = "gather (MLX's ops: cpu_kernels=False)"
-    return {"backend": f"{chosen.name} ({type(chosen).__name__})", "paged attention": path}
+    return {"backend": f"{chosen.name} ({type(chosen).__name__})", "paged attention": chosen.attention_path()}
 
 
 def report() -> dict[str, Any]:

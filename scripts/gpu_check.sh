@@ -13,7 +13,7 @@
 # ~1B 4-bit random model, chat, 64 new tokens, EOS ignored, 1/2/4/8/32/64 concurrent, the
 # engine with its weights kept quantized and dequantized at load; sweep.json holds the levels
 # done should the time limit cut it short); tests.txt (pytest -m gpu, float32 matmuls without
-# TF32); summary.txt.
+# TF32); summary.txt (with the attention path the sweep's engine ran with).
 # Budget: under 10 minutes (one device call). Python: $PYTHON (default python3); the random
 # models are built in $MODELS (default /tmp/parallm-models). A rehearsal on a CPU (see
 # gpu_pack.sh) takes a smaller model and fewer levels: SHAPE=135m LEVELS=1,2 ROWS=1,2.
@@ -77,7 +77,9 @@ rc=$?
 cp /tmp/parallm-sweep/results.json "$OUT/sweep.json" 2>/dev/null
 summary "sweep rc=$rc"
 [ $rc = 0 ] || [ ! -f "$OUT/sweep.json" ] || "$PY" -c "import json, sys; from mlx_parallm_provider.bench import report
-print(report.markdown_table(json.load(open(sys.argv[1]))['rows'], False))" "$OUT/sweep.json" | tee -a "$OUT/sweep.md"  # the levels done
+rows = json.load(open(sys.argv[1]))['rows']; print(report.markdown_table(rows, False))
+print(''.join(f'- {line}\n' for line in report.attention_lines(rows)))" "$OUT/sweep.json" | tee -a "$OUT/sweep.md"  # the levels done
+grep -E '^- engine \(.*attention: ' "$OUT/sweep.md" | sort -u | tee -a "$OUT/summary.txt"  # kernels used, or why not
 
 # one line per test as it ends (-v): a run the time limit cuts short still says which passed;
 # a module that cannot be imported there (a package the image lacks) skips itself alone

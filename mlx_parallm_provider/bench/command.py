@@ -156,7 +156,8 @@ async def _bench(args: argparse.Namespace, systems: list[str], levels: list[int]
                 with Progress(len(batch), f"{system} {sweep.label(setting)} c={c}", enabled=not args.no_progress) as tick:
                     records, duration = await runner.run(batch, offsets, c, tick)
                 m = metrics.compute(records, duration, slo, args.percentiles)
-                m.update({"max_decode_batch": None, "peak_memory_mb": None, "peak_rss_mb": None, **runner.run_info()})
+                m.update({"max_decode_batch": None, "peak_memory_mb": None, "peak_rss_mb": None, "backend": None, "attention": None,
+                          **runner.run_info()})
                 rows.append({
                     "order": order, "system": system, "description": DESCRIPTIONS[system], "setting": setting,
                     "setting_label": sweep.label(setting), "concurrency": c, "num_requests": len(batch),

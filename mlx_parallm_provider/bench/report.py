@@ -52,11 +52,26 @@ def notes(rows: Sequence[Mapping[str, Any]], skipped: Mapping[str, str], best_li
                 out.append(f"- {r['system']} ({r['setting_label']}, concurrency {r['concurrency']}) {kind.replace('_', ' ')}: "
                            f"{accepted} of {drafted} draft tokens accepted ({accepted / drafted:.0%}), "
                            f"{accepted / r['num_requests']:.1f} a request")
+    out += [f"- {line}" for line in attention_lines(rows)]
     out += [f"- {line}" for line in sweep_ratios(rows)]
     out += [f"- {line}" for line in best_lines]
     out.append("- peak MB: MLX peak memory for in-process systems, the server's peak RSS for servers started here; "
                "max batch: largest decode batch from engine.stats() (llama-cpp: most sequences in one llama_decode)")
     return "\n".join(out)
+
+
+def attention_lines(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """For each of this package's systems (and setting): its model's backend and how that read
+    the paged KV, as ``Engine.stats()`` said after each run (every path seen, should it change)."""
+    seen: dict[tuple[str, str], list[str]] = {}
+    for r in rows:
+        m = r["metrics"]
+        if m.get("attention"):
+            paths = seen.setdefault((r["system"], r["setting_label"]), [])
+            path = f"{m.get('backend')} backend, attention: {m['attention']}"
+            if path not in paths:
+                paths.append(path)
+    return [f"{system} ({label}): {'; then '.join(paths)}" for (system, label), paths in seen.items()]
 
 
 def sweep_ratios(rows: Sequence[Mapping[str, Any]]) -> list[str]:

@@ -22,7 +22,7 @@ from typing import Any, AsyncGenerator, Generator, Optional, Union
 from .._validation import check_text
 from ..config import EngineConfig
 from ..errors import ContextWindowExceededError, EngineOverloadedError, InvalidParameterError
-from ..models import registry
+from ..models import backends, registry
 from ..models.registry import LoadedModel
 from .adapters import EngineAdapters, LoRAMethods
 from .core import EngineCore
@@ -225,8 +225,9 @@ class Engine(EmbedMethods, SleepMethods, LoRAMethods):
         ``prefix_cache`` (hit rate, cached tokens and bytes, evictions), ``kv_cache`` (blocks total / free / used,
         ``kv_cache_usage_perc``, preemptions, bytes), ``kv_disk`` (the disk tier's hits, bytes, evictions, skipped
         files), ``kv_tiers`` (each prefix store tier's hit tokens, bytes, evictions), ``speculation`` (n-gram drafts) and
-        ``fast_forward`` (grammar-forced tokens): None when off; ``state`` ("awake" / "asleep") and ``memory_bytes``
-        (:meth:`memory_bytes`)."""
+        ``fast_forward`` (grammar-forced tokens): None when off; ``backend`` (the model's backend: "cpu", "gpu",
+        "mlx") and ``attention`` (how it reads the paged KV, e.g. "paged kernels (cuda)", or "gather (...)" with
+        why); ``state`` ("awake" / "asleep") and ``memory_bytes`` (:meth:`memory_bytes`)."""
         core = self._core
         running, waiting = (core.num_running, core.num_waiting) if core is not None and core.alive else (0, 0)
         snap = self.metrics.snapshot(running=running, waiting=waiting)
@@ -234,6 +235,8 @@ class Engine(EmbedMethods, SleepMethods, LoRAMethods):
         snap["prefix_cache"] = prefix_stats(self.config.enable_prefix_caching, core.prefix_store_stats() if core is not None else None, snap)
         snap.update(core.memory_stats(snap["cached_prompt_tokens"]) if core is not None else {"kv_cache": {"layout": "paged"}, "kv_disk": None, "kv_tiers": {}})
         snap.update(core.drafting_stats() if core is not None else {"speculation": None, "fast_forward": None})
+        loaded = self._loaded
+        snap.update(backends.describe(loaded.model) if loaded is not None else {"backend": None, "attention": None})
         snap["lora"] = self._adapters.stats()
         return snap
 

@@ -17,7 +17,7 @@ from mlx_parallm_provider.cli import main
 METRICS = {
     "completed", "failed", "failures", "duration_s", "total_input_tokens", "total_output_tokens", "request_throughput",
     "request_goodput", "output_throughput", "total_token_throughput", "max_concurrent_requests", "ttft_ms", "tpot_ms",
-    "itl_ms", "e2el_ms", "max_decode_batch", "peak_memory_mb", "peak_rss_mb",
+    "itl_ms", "e2el_ms", "max_decode_batch", "peak_memory_mb", "peak_rss_mb", "backend", "attention",
 }
 STREAMED = ("engine", "litellm", "langchain", "mlx-lm")
 OURS = ("engine", "litellm", "langchain")
@@ -34,8 +34,11 @@ def quick(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tup
     return json.loads((out / "results.json").read_text()), stdout.getvalue(), out
 
 
-def test_every_system_setting_and_level_has_every_metric(quick: tuple[dict, str, Path]) -> None:
-    result, _, _ = quick
+def test_every_system_setting_and_level_has_every_metric(quick: tuple[dict, str, Path], tiny_model_dir: Path) -> None:
+    from mlx_parallm_provider.models import backends, registry
+
+    result, stdout, _ = quick
+    ours = backends.describe(registry.load(str(tiny_model_dir)).model)  # what the engine systems' stats() say
     rows = result["rows"]
     seen = {(r["system"], r["setting_label"], r["concurrency"]) for r in rows}
     expected = {(s, f"max_num_seqs={q}", c) for s in OURS for q in (2, 4) for c in (1, 4)}
@@ -51,6 +54,9 @@ def test_every_system_setting_and_level_has_every_metric(quick: tuple[dict, str,
         if r["system"] == "engine" and sys.platform == "linux":
             assert m["peak_rss_mb"] > 0  # the benchmark process's own, from /proc
         assert len(r["samples"]["e2el_ms"]) == r["num_requests"]
+        described = ours if r["system"] in OURS else {"backend": None, "attention": None}  # (none for the peers)
+        assert (m["backend"], m["attention"]) == (described["backend"], described["attention"]), r["system"]
+    assert f"- engine (max_num_seqs=2): {ours['backend']} backend, attention: {ours['attention']}" in stdout
     for level in (1, 4):  # the same prompts everywhere: every system counts the same prompt tokens
         assert len({r["metrics"]["total_input_tokens"] for r in rows if r["concurrency"] == level}) == 1
 

@@ -251,6 +251,18 @@ def test_kernels_that_fail_their_check_fall_back_to_the_gather_path_or_raise(bad
         strict.paged_decode_attention(queries, k_pool, v_pool, table, lengths, 4, 0.25)
 
 
+def test_an_engine_whose_kernels_fail_their_check_gathers_and_its_stats_say_why(tiny_model, make_engine) -> None:
+    prompts, params = [[1, 5, 9, 30], [1, 6, 9]], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    with backends.using(tiny_model.model, "mlx"):
+        gathered = [o.token_ids for o in make_engine(kv_block_size=4).generate_many_sync(prompts, params)]
+    with backends.using(tiny_model.model, GPUKernels(DeviceConfig(), launch=_wrong, platform="test")):
+        engine = make_engine(kv_block_size=4)
+        assert [o.token_ids for o in engine.generate_many_sync(prompts, params)] == gathered
+        stats = engine.stats()
+    assert stats["backend"] == "gpu"
+    assert stats["attention"].startswith("gather (the paged kernels failed their check: differs from the gather path by ")
+
+
 def test_gather_setting_never_runs_the_kernels() -> None:
     def launch(call):
         raise AssertionError("a kernel ran")
@@ -275,11 +287,15 @@ def test_engine_on_the_gpu_kernels_answers_as_the_gather_path_and_alone(tiny_mod
         return launch(call)
 
     with backends.using(tiny_model.model, "mlx"):
-        gathered = [o.token_ids for o in make_engine(kv_block_size=4, max_kv_size=window).generate_many_sync(prompts, params)]
+        engine = make_engine(kv_block_size=4, max_kv_size=window)
+        gathered = [o.token_ids for o in engine.generate_many_sync(prompts, params)]
+        assert (engine.stats()["backend"], engine.stats()["attention"]) == ("mlx", "gather (MLX's ops)")
     with backends.using(tiny_model.model, GPUKernels(DeviceConfig(), launch=counted, platform="test")):
         engine = make_engine(kv_block_size=4, max_kv_size=window)
+        assert engine.stats()["attention"] == "paged kernels (test), checked at first use"
         together = [o.token_ids for o in engine.generate_many_sync(prompts, params)]
         alone = [engine.generate_many_sync([p], params)[0].token_ids for p in prompts]
+        assert (engine.stats()["backend"], engine.stats()["attention"]) == ("gpu", "paged kernels (test)")
     assert together == gathered == alone
     layers = len(tiny_model.model.layers)
     assert calls.count("parallm_paged_scores") >= layers * params.max_tokens  # every layer of every step
@@ -501,4 +517,4 @@ def test_doctor_names_the_backend_and_its_paged_attention_path(monkeypatch, laun
     monkeypatch.setattr(backends, "choose", lambda choice=None, device=None: GPUKernels(device, launch=_wrong, platform="test"))
     assert doctor.report()["paged attention"].startswith("gather (the paged kernels failed their check: differs from the gather path")
     monkeypatch.setattr(backends, "choose", lambda choice=None, device=None: backends.MLXOps())
-    assert doctor.report()["paged attention"] == "gather (MLX's ops: cpu_kernels=False)"
+    assert doctor.report()["paged attention"] == "gather (MLX's ops)"

@@ -259,3 +259,20 @@ def test_the_cuda_headers_are_found_where_mlx_looks_for_them_in_its_order(tmp_pa
     monkeypatch.setattr(device, "gpu_platform", lambda: "cuda")
     monkeypatch.setattr(device, "cuda_headers", lambda: None)
     assert doctor._cuda_headers()["CUDA headers"].startswith("none found: MLX cannot compile kernels")
+
+
+def test_describe_names_a_models_backend_and_how_its_attention_reads_the_paged_kv(tiny_model_dir) -> None:
+    """What ``Engine.stats()`` reports: the CPU kernels' path (what doctor prints for them),
+    MLX's ops gathering, and a model no backend was installed on (its own attention code)."""
+    import mlx_lm
+
+    from mlx_parallm_provider.models import attention, backends
+
+    model, _ = mlx_lm.load(str(tiny_model_dir))
+    assert backends.describe(model) == {"backend": None, "attention": "gather (the model's own attention code)"}
+    with backends.using(model, "cpu"):
+        cpu_path = "CPU kernel through the block tables" if attention.has_attention_step() else "gather (the CPU kernels' extension is not built)"
+        assert backends.describe(model) == {"backend": "cpu", "attention": cpu_path}
+    with backends.using(model, "mlx"):
+        assert backends.describe(model) == {"backend": "mlx", "attention": "gather (MLX's ops)"}
+    assert backends.describe(model)["backend"] is None  # given back as it was

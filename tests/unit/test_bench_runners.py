@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+from typing import Optional
 
 import httpx
 import pytest
@@ -245,3 +246,23 @@ def test_the_report_gives_each_settings_median_against_the_first_settings() -> N
         "engine, concurrency 64, output tok/s against speculative=None (600.0): speculative=ngram 0.99x (594.0)",
     ]
     assert report.sweep_ratios(rows[:1]) == [] and lines[0] in report.notes(rows, {}, [])
+
+
+def test_the_report_names_the_attention_path_each_setting_of_the_engine_ran_with() -> None:
+    from mlx_parallm_provider.bench import report
+
+    def row(system: str, label: str, concurrency: int, attention: Optional[str]) -> dict:
+        metrics = {"failures": {}, "output_throughput": 1.0}
+        if attention is not None:
+            metrics.update(backend="gpu", attention=attention)
+        return {"system": system, "setting_label": label, "concurrency": concurrency, "num_requests": 8, "metrics": metrics}
+
+    kernels, failed = "paged kernels (cuda)", "gather (the paged kernels failed their check: differs from the gather path by 0.1)"
+    rows = [row("engine", "dequantize=False", 1, kernels), row("engine", "dequantize=True", 1, failed),
+            row("engine", "dequantize=False", 64, kernels), row("engine", "dequantize=True", 64, kernels),
+            row("mlx-lm-batch", "defaults", 1, None)]
+    assert report.attention_lines(rows) == [
+        f"engine (dequantize=False): gpu backend, attention: {kernels}",
+        f"engine (dequantize=True): gpu backend, attention: {failed}; then gpu backend, attention: {kernels}",
+    ]
+    assert f"- engine (dequantize=False): gpu backend, attention: {kernels}" in report.notes(rows, {}, [])

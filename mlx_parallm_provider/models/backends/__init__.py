@@ -22,7 +22,8 @@ from .gpu_kernels import GPUKernels
 from .mlx_ops import MLXOps
 from .routing import route, unroute
 
-__all__ = ["CPU_OPS_ENV", "CPUKernels", "GPUKernels", "MLXOps", "choose", "ensure", "install", "of", "routes_attention", "uninstall", "using", "wants_kernels"]
+__all__ = ["CPU_OPS_ENV", "CPUKernels", "GPUKernels", "MLXOps", "choose", "describe", "ensure", "install", "of", "routes_attention", "uninstall",
+           "using", "wants_kernels"]
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +106,15 @@ def routes_attention(model: Any) -> bool:
     """Whether ``model``'s attention goes through its backend, hence through caches' ``attend``
     (what the paged KV and shared prefixes need)."""
     return getattr(model, _ATTRIBUTE, (None, False))[1]
+
+
+def describe(model: Any) -> dict[str, Optional[str]]:
+    """``{"backend": ..., "attention": ...}``: the name of ``model``'s backend (None without
+    one) and how its attention reads paged KV, in words (``Engine.stats()``)."""
+    backend = of(model)
+    if backend is None or not routes_attention(model):
+        return {"backend": getattr(backend, "name", None), "attention": "gather (the model's own attention code)"}
+    return {"backend": backend.name, "attention": backend.attention_path()}
 
 
 @contextlib.contextmanager

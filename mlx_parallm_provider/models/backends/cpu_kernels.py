@@ -119,6 +119,11 @@ class CPUKernels(MLXOps):
             if not self.activation_bits:
                 self.activation_bits = setting or 8
 
+    def attention_path(self) -> str:
+        if not attention.has_attention_step():
+            return "gather (the CPU kernels' extension is not built)"
+        return "CPU kernel through the block tables"
+
     def dense_attention(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Optional[Any],
                         sinks: Optional[mx.array] = None, softcap: Optional[float] = None) -> mx.array:
         if sinks is not None or softcap is not None:  # (the kernels and cpu_ops' formulation take neither)

@@ -41,6 +41,10 @@ class MLXOps:
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 
+    def attention_path(self) -> str:
+        """How this backend attends over paged KV, in words (``mlx-parallm doctor``, ``Engine.stats()``)."""
+        return "gather (MLX's ops)"
+
     # -- attention ----------------------------------------------------------------------
 
     def attend(self, queries: Any, keys: Any, values: Any, cache: Any, scale: float, mask: Optional[Any], sinks: Optional[Any] = None,
