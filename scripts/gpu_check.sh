@@ -14,9 +14,12 @@
 # engine with its weights kept quantized and dequantized at load; sweep.json holds the levels
 # done should the time limit cut it short); tests.txt (pytest -m gpu, float32 matmuls without
 # TF32); summary.txt (with the attention path the sweep's engine ran with).
-# Budget: under 10 minutes (one device call). Python: $PYTHON (default python3); the random
-# models are built in $MODELS (default /tmp/parallm-models). A rehearsal on a CPU (see
-# gpu_pack.sh) takes a smaller model and fewer levels: SHAPE=135m LEVELS=1,2 ROWS=1,2.
+# Budget: $BUDGET seconds (default 570, under one device call's 10 minutes) from the start of
+# "run": each stage's time limit is cut to what is left, keeping the later stages' shares, so a
+# slow stage shortens the next rather than losing the summary at the end. Python: $PYTHON
+# (default python3); the random models are built in $MODELS (default /tmp/parallm-models). A
+# rehearsal on a CPU (see gpu_pack.sh) takes a smaller model and fewer levels: SHAPE=135m
+# LEVELS=1,2 ROWS=1,2 (and BUDGET=900: MLX's CPU is slow at bfloat16).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 STAGE=/tmp/parallm-gpu
@@ -49,33 +52,36 @@ fi
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 LITELLM_LOCAL_MODEL_COST_MAP=True HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 TOK=$PWD/.gpu/part2/tokenizer
 summary() { echo "$*" | tee -a "$OUT/summary.txt"; }
+BUDGET=${BUDGET:-570}
+# limit CAP KEEP: CAP seconds, or fewer so that KEEP seconds remain for the stages after it
+limit() { local l=$((BUDGET - SECONDS - $2)); [ $l -lt $1 ] || l=$1; [ $l -gt 10 ] || l=10; echo $l; }
 
 summary "# GPU check $(date -u +%F) on $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null)"
-summary "CUDA_HOME=${CUDA_HOME:-${CUDA_PATH:-unset}}"
+summary "CUDA_HOME=${CUDA_HOME:-${CUDA_PATH:-unset}}; installed in $SECONDS s"
 # a kernel compiled here (a fused elementwise one): a missing header shows now, in one line
-timeout 60 "$PY" -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device(), 'cuda', mx.cuda.is_available(),
+T=$SECONDS; timeout "$(limit 60 400)" "$PY" -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device(), 'cuda', mx.cuda.is_available(),
   'compiled kernel', mx.compile(lambda x: mx.exp(x) * 2 + 1)(mx.zeros(4)).tolist())" 2>&1 | tail -3 | tee -a "$OUT/summary.txt"
 
-timeout 45 "$PY" -m mlx_parallm_provider.cli doctor > "$OUT/doctor.txt" 2>&1
-summary "doctor rc=$? ($(grep -E '^(device|CUDA headers|backend|paged attention|KV pool at most) ' "$OUT/doctor.txt" | tr -s ' ' | tr '\n' ';'))"
+T=$SECONDS; timeout "$(limit 45 400)" "$PY" -m mlx_parallm_provider.cli doctor > "$OUT/doctor.txt" 2>&1
+summary "doctor rc=$? in $((SECONDS - T)) s ($(grep -E '^(device|CUDA headers|backend|paged attention|KV pool at most) ' "$OUT/doctor.txt" | tr -s ' ' | tr '\n' ';'))"
 
 SHAPE=${SHAPE:-1b}
 MODELS=${MODELS:-/tmp/parallm-models}
 # float32 in full float32 (MLX multiplies it in TF32 on a GPU by default): the agreement of the
 # float32 model with mlx-lm compares what the CPU would; the bfloat16 timings are the same either way
-MLX_ENABLE_TF32=0 NVIDIA_TF32_OVERRIDE=0 timeout 150 "$PY" -m mlx_parallm_provider.bench.gpu --tokenizer "$TOK" --shape "$SHAPE" --rows "${ROWS:-1,2,4,8,32,64}" \
+T=$SECONDS; MLX_ENABLE_TF32=0 NVIDIA_TF32_OVERRIDE=0 timeout "$(limit 150 300)" "$PY" -m mlx_parallm_provider.bench.gpu --tokenizer "$TOK" --shape "$SHAPE" --rows "${ROWS:-1,2,4,8,32,64}" \
   --work "$MODELS" --json "$OUT/gpu.json" > "$OUT/gpu.md" 2>&1
-summary "bench.gpu rc=$?"
+summary "bench.gpu rc=$? in $((SECONDS - T)) s"
 
 [ -f "$MODELS/$SHAPE-4bit/config.json" ] || "$PY" -m mlx_parallm_provider.bench.random_model --shape "$SHAPE" --bits 4 \
   --tokenizer "$TOK" --out "$MODELS/$SHAPE-4bit" > /dev/null
 # 32 and 64 first: the levels the targets name are measured should the time limit cut the rest
-timeout 200 "$PY" -m mlx_parallm_provider.cli bench --model "$MODELS/$SHAPE-4bit" --systems engine,mlx-lm-batch,mlx-lm-server \
+T=$SECONDS; timeout "$(limit 200 110)" "$PY" -m mlx_parallm_provider.cli bench --model "$MODELS/$SHAPE-4bit" --systems engine,mlx-lm-batch,mlx-lm-server \
   --workload chat --max-tokens 64 --ignore-eos --concurrency "${LEVELS:-32,64,1,2,4,8}" --sweep dequantize=false,true \
   --output-dir /tmp/parallm-sweep --no-progress > "$OUT/sweep.md" 2>&1
 rc=$?
 cp /tmp/parallm-sweep/results.json "$OUT/sweep.json" 2>/dev/null
-summary "sweep rc=$rc"
+summary "sweep rc=$rc in $((SECONDS - T)) s"
 [ $rc = 0 ] || [ ! -f "$OUT/sweep.json" ] || "$PY" -c "import json, sys; from mlx_parallm_provider.bench import report
 rows = json.load(open(sys.argv[1]))['rows']; print(report.markdown_table(rows, False))
 print(''.join(f'- {line}\n' for line in report.attention_lines(rows)))" "$OUT/sweep.json" | tee -a "$OUT/sweep.md"  # the levels done
@@ -83,9 +89,9 @@ grep -E '^- engine \(.*attention: ' "$OUT/sweep.md" | sort -u | tee -a "$OUT/sum
 
 # one line per test as it ends (-v): a run the time limit cuts short still says which passed;
 # a module that cannot be imported there (a package the image lacks) skips itself alone
-MLX_ENABLE_TF32=0 NVIDIA_TF32_OVERRIDE=0 timeout 150 "$PY" -m pytest -m gpu -v -p no:cacheprovider --continue-on-collection-errors \
+T=$SECONDS; MLX_ENABLE_TF32=0 NVIDIA_TF32_OVERRIDE=0 timeout "$(limit 150 5)" "$PY" -m pytest -m gpu -v -p no:cacheprovider --continue-on-collection-errors \
   --tokenizer-dir "$TOK" -o addopts="-rfE" tests/integration > "$OUT/tests.txt" 2>&1
-summary "pytest -m gpu rc=$?: $(tail -1 "$OUT/tests.txt"); $(grep -c ' PASSED' "$OUT/tests.txt") passed, $(grep -c ' FAILED' "$OUT/tests.txt") failed"
+summary "pytest -m gpu rc=$? in $((SECONDS - T)) s: $(tail -1 "$OUT/tests.txt"); $(grep -c ' PASSED' "$OUT/tests.txt") passed, $(grep -c ' FAILED' "$OUT/tests.txt") failed"
 cat "$OUT/summary.txt"
 tail -40 "$OUT/gpu.md"
 tail -20 "$OUT/sweep.md"

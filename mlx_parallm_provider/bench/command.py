@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..config import default_environment, env_text
-from . import metrics, plots, report, sweep, workloads
+from . import metrics, plots, report, servers, sweep, workloads
 from .arrivals import arrival_offsets
 from .progress import Progress
 from .runners import DESCRIPTIONS, OURS, SYSTEMS, RunnerOptions, SkipSystem, make_runner
@@ -211,7 +211,9 @@ def run(args: argparse.Namespace) -> int:
     out_dir = args.output_dir or Path("bench-results") / time.strftime("%Y%m%d-%H%M%S")
     out_dir.mkdir(parents=True, exist_ok=True)
     try:
-        rows, skipped, meta = asyncio.run(_bench(args, systems, levels, settings, slo, out_dir))
+        note = f"mlx-parallm bench: stopped by SIGTERM, and the servers it started; the levels measured are in {out_dir / 'results.json'}"
+        with servers.stopped_on_sigterm(note):
+            rows, skipped, meta = asyncio.run(_bench(args, systems, levels, settings, slo, out_dir))
     except ValueError as exc:  # a bad workload, JSONL file or engine setting
         print(f"mlx-parallm bench: error: {exc}", file=sys.stderr)
         return 2

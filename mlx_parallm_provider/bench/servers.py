@@ -3,6 +3,7 @@ proxy serving this package, ``mlx_lm.server`` and llama.cpp's ``llama-server``."
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -14,7 +15,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import httpx
 
@@ -22,6 +23,10 @@ from ..config import child_environment
 from .runners.base import SkipSystem
 
 START_LIMIT_S = 300.0
+
+# Started here and not yet stopped, by process id: each runs in its own session, which a signal
+# to this process does not reach, so SIGTERM passes on to them (see stopped_on_sigterm).
+_running: dict[int, "Server"] = {}
 
 
 def peak_rss_mb(pid: "int | str" = "self") -> Optional[float]:
@@ -53,12 +58,40 @@ class Server:
         """SIGTERM the server's process group, then SIGKILL it if it lingers."""
         for sig, wait_s in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
             if self.process.poll() is not None:
-                return
+                break
             try:
                 os.killpg(self.process.pid, sig)
                 self.process.wait(timeout=wait_s)
             except (ProcessLookupError, subprocess.TimeoutExpired):
                 continue
+        _running.pop(self.process.pid, None)
+
+
+@contextlib.contextmanager
+def stopped_on_sigterm(note: str = "") -> Iterator[None]:
+    """While inside (in the main thread), a SIGTERM to this process (a time limit, a process
+    manager) is sent on to the process group of every server started here and not yet
+    stopped, ``note`` goes to stderr, and this process then ends by the signal as it would
+    have. Elsewhere SIGTERM keeps its handler."""
+
+    def pass_on(signum: int, frame: object) -> None:
+        for pid in list(_running):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signum)
+        if note:
+            print(note, file=sys.stderr, flush=True)
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+    try:
+        previous = signal.signal(signal.SIGTERM, pass_on)
+    except ValueError:  # not the main thread: signals are not ours to handle
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def free_port() -> int:
@@ -73,10 +106,11 @@ def start(command: list[str], env: dict[str, str], port: int, health_path: str, 
     base_url = f"http://127.0.0.1:{port}"
     with log.open("wb") as out:
         process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-    server = Server(process, base_url, api_key, log)
+    server = _running[process.pid] = Server(process, base_url, api_key, log)
     deadline = time.monotonic() + START_LIMIT_S
     while time.monotonic() < deadline:
         if process.poll() is not None:
+            _running.pop(process.pid, None)
             tail = log.read_text(errors="replace").strip().splitlines()[-1:] or ["no output"]
             raise SkipSystem(f"{command[0]} exited with {process.returncode} ({tail[0][:200]}; log: {log})")
         try:

@@ -140,6 +140,51 @@ def test_a_server_that_exits_is_skipped_with_its_last_log_line(tmp_path) -> None
         servers.start(command, {}, servers.free_port(), "/health", tmp_path / "server.log")
 
 
+SIGTERM_MID_RUN = """
+import os, signal, sys, time
+from pathlib import Path
+from mlx_parallm_provider.bench import servers
+folder = Path(sys.argv[1])
+with servers.stopped_on_sigterm("stopped, and the servers"):
+    started = []
+    for name in ("a", "b"):
+        port = servers.free_port()
+        started.append(servers.start([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1", "--directory", str(folder)],
+                                     {}, port, "/", folder / f"{name}.log"))
+    started[0].stop()  # stopped already: nothing to pass on to
+    print(*(s.process.pid for s in started), flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(30)
+print("not reached")
+"""
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
+def test_sigterm_is_passed_on_to_the_servers_started_and_then_ends_the_run(tmp_path) -> None:
+    """A time limit's SIGTERM reaches the servers too (each in its own session), then ends the
+    run as the signal would: no server is left holding the machine for what runs next."""
+    import subprocess
+    import time
+
+    done = subprocess.run([sys.executable, "-c", SIGTERM_MID_RUN, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == -15, done.stderr
+    assert "not reached" not in done.stdout and "stopped, and the servers" in done.stderr
+    pids = [int(p) for p in done.stdout.split()]
+    assert len(pids) == 2
+    deadline = time.monotonic() + 20
+    while any(_running(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_running(p) for p in pids)
+
+
 def test_llama_server_skips_with_one_line_when_xllamacpp_is_not_installed(monkeypatch: pytest.MonkeyPatch) -> None:
     import importlib.util
 
