@@ -13,7 +13,8 @@
 # ~1B 4-bit random model, chat, 64 new tokens, EOS ignored, 1/2/4/8/32/64 concurrent, the
 # engine with its weights kept quantized and dequantized at load; sweep.json holds the levels
 # done should the time limit cut it short); tests.txt (pytest -m gpu, float32 matmuls without
-# TF32); summary.txt (with the attention path the sweep's engine ran with).
+# TF32); summary.txt (with the attention path the sweep's engine ran with); with the time
+# left, profile.txt / profile.md (py-spy over the engine serving 64 concurrent requests).
 # Budget: $BUDGET seconds (default 570, under one device call's 10 minutes) from the start of
 # "run": each stage's time limit is cut to what is left, keeping the later stages' shares, so a
 # slow stage shortens the next rather than losing the summary at the end. Python: $PYTHON
@@ -92,6 +93,21 @@ grep -E '^- engine \(.*attention: ' "$OUT/sweep.md" | sort -u | tee -a "$OUT/sum
 T=$SECONDS; MLX_ENABLE_TF32=0 NVIDIA_TF32_OVERRIDE=0 timeout "$(limit 150 5)" "$PY" -m pytest -m gpu -v -p no:cacheprovider --continue-on-collection-errors \
   --tokenizer-dir "$TOK" -o addopts="-rfE" tests/integration > "$OUT/tests.txt" 2>&1
 summary "pytest -m gpu rc=$? in $((SECONDS - T)) s: $(tail -1 "$OUT/tests.txt"); $(grep -c ' PASSED' "$OUT/tests.txt") passed, $(grep -c ' FAILED' "$OUT/tests.txt") failed"
+# Where the engine's time goes, with the time left only: py-spy over the engine serving
+# $PROFILE_LEVEL (64) concurrent requests, every thread, its waits on the GPU included
+SPY_WHEEL=$(ls .gpu/part2/py_spy-*.whl 2>/dev/null | head -1)
+left=$((BUDGET - SECONDS))
+if [ -n "$SPY_WHEEL" ] && [ $left -ge 40 ] && "$PY" -c "import sys, zipfile; z = zipfile.ZipFile(sys.argv[1])
+open(sys.argv[2], 'wb').write(z.read(next(n for n in z.namelist() if n.endswith('/scripts/py-spy'))))" "$SPY_WHEEL" "$STAGE/py-spy"; then
+  chmod +x "$STAGE/py-spy"
+  LEVEL=${PROFILE_LEVEL:-64}
+  T=$SECONDS; timeout -s INT -k 10 $((left - 15)) "$STAGE/py-spy" record --idle --threads --nonblocking --format raw -o "$OUT/profile.txt" -- \
+    "$PY" -m mlx_parallm_provider.cli bench --model "$MODELS/$SHAPE-4bit" --systems engine --workload chat --max-tokens 128 --ignore-eos \
+    --concurrency "$LEVEL" --num-prompts $((3 * LEVEL)) --output-dir /tmp/parallm-profile --no-progress > "$OUT/profile.log" 2>&1
+  summary "profile rc=$? in $((SECONDS - T)) s: $(grep -m1 -E '^\| engine \|' "$OUT/profile.log")"
+  "$PY" -m mlx_parallm_provider.bench.spy_summary "$OUT/profile.txt" > "$OUT/profile.md" 2>&1
+fi
 cat "$OUT/summary.txt"
 tail -40 "$OUT/gpu.md"
 tail -20 "$OUT/sweep.md"
+head -60 "$OUT/profile.md" 2>/dev/null

@@ -4,8 +4,8 @@
 # in two folders of at most 62 MB each, sent there in two calls back to back:
 #   .gpu/part1/  the first half of the mlx-cuda-13 wheel;
 #   .gpu/part2/  its second half, the other wheels, the rest as one site-packages tarball,
-#                and the default model's tokenizer (the tiny test models and the random
-#                ~1B model are built from it there).
+#                py-spy's wheel (a profiler: one binary), and the default model's tokenizer
+#                (the tiny test models and the random ~1B model are built from it there).
 # Versions are this checkout's (.venv's). Run scripts/setup.sh --dev first.
 # A rehearsal on a CPU machine packs for its Python with MLX's CPU build instead:
 #   PACK_PYTHON=3.12 PACK_MLX_BACKEND=mlx-cpu bash scripts/gpu_pack.sh
@@ -33,6 +33,7 @@ MLX=$("$PY" -c "import importlib.metadata as m; print(m.version('mlx'))")
 "$PY" -m pip download -q "${PLATFORM[@]}" -c "$OUT/constraints.txt" -d "$OUT/wheels" \
   "mlx==$MLX" mlx-lm litellm langchain-core llguidance gguf
 "$PY" -m pip download -q --no-deps "${PLATFORM[@]}" -d "$OUT/cuda" "$BACKEND==$MLX"
+"$PY" -m pip download -q --no-deps "${PLATFORM[@]}" -c "$OUT/constraints.txt" -d "$OUT/part2" py-spy
 
 norm() { echo "$1" | tr 'A-Z_.' 'a-z--'; }
 for wheel in "$OUT"/wheels/*.whl; do
@@ -59,4 +60,10 @@ from mlx_parallm_provider.models.registry import default_gguf_path
 read_gguf_tokenizer(default_gguf_path(), sys.argv[1])
 EOF
 rm -rf "$OUT/site" "$OUT/wheels" "$OUT/cuda"
-du -sh "$OUT"/part1 "$OUT"/part2
+# each call carries one part and the checkout (tracked and untracked files git does not ignore)
+tree=$(git ls-files -co --exclude-standard -z | du --files0-from=- -cb | tail -1 | cut -f1)
+for part in part1 part2; do
+  size=$(( $(du -sb "$OUT/$part" | cut -f1) + tree ))
+  echo "$part with the checkout: $size bytes (a call carries at most 67108864)"
+  [ "$size" -le 67108864 ] || { echo "$part is too large to carry with the checkout" >&2; exit 1; }
+done
