@@ -14,7 +14,9 @@
 # engine with its weights kept quantized and dequantized at load; sweep.json holds the levels
 # done should the time limit cut it short); tests.txt (pytest -m gpu, float32 matmuls without
 # TF32); summary.txt (with the attention path the sweep's engine ran with); with the time
-# left, profile.txt / profile.md (py-spy over the engine serving 64 concurrent requests).
+# left, profile.txt.gz (py-spy over the engine serving 64 concurrent requests; its summary by
+# thread is printed: python -m mlx_parallm_provider.bench.spy_summary). 8 files: as many as
+# come back from the device.
 # Budget: $BUDGET seconds (default 570, under one device call's 10 minutes) from the start of
 # "run": each stage's time limit is cut to what is left, keeping the later stages' shares, so a
 # slow stage shortens the next rather than losing the summary at the end. Python: $PYTHON
@@ -101,13 +103,14 @@ if [ -n "$SPY_WHEEL" ] && [ $left -ge 40 ] && "$PY" -c "import sys, zipfile; z =
 open(sys.argv[2], 'wb').write(z.read(next(n for n in z.namelist() if n.endswith('/scripts/py-spy'))))" "$SPY_WHEEL" "$STAGE/py-spy"; then
   chmod +x "$STAGE/py-spy"
   LEVEL=${PROFILE_LEVEL:-64}
-  T=$SECONDS; timeout -s INT -k 10 $((left - 15)) "$STAGE/py-spy" record --idle --threads --nonblocking --format raw -o "$OUT/profile.txt" -- \
+  T=$SECONDS; timeout -s INT -k 10 $((left - 15)) "$STAGE/py-spy" record --idle --threads --nonblocking --format raw -o "$STAGE/profile.txt" -- \
     "$PY" -m mlx_parallm_provider.cli bench --model "$MODELS/$SHAPE-4bit" --systems engine --workload chat --max-tokens 128 --ignore-eos \
-    --concurrency "$LEVEL" --num-prompts $((3 * LEVEL)) --output-dir /tmp/parallm-profile --no-progress > "$OUT/profile.log" 2>&1
-  summary "profile rc=$? in $((SECONDS - T)) s: $(grep -m1 -E '^\| engine \|' "$OUT/profile.log")"
-  "$PY" -m mlx_parallm_provider.bench.spy_summary "$OUT/profile.txt" > "$OUT/profile.md" 2>&1
+    --concurrency "$LEVEL" --num-prompts $((3 * LEVEL)) --output-dir /tmp/parallm-profile --no-progress > "$STAGE/profile.log" 2>&1
+  summary "profile rc=$? in $((SECONDS - T)) s: $(grep -m1 -E '^\| engine \|' "$STAGE/profile.log")"
+  "$PY" -m mlx_parallm_provider.bench.spy_summary "$STAGE/profile.txt" > "$STAGE/profile.md" 2>&1
+  gzip -c "$STAGE/profile.txt" > "$OUT/profile.txt.gz"  # (at most 8 files come back: profile.md is made from it)
 fi
 cat "$OUT/summary.txt"
 tail -40 "$OUT/gpu.md"
 tail -20 "$OUT/sweep.md"
-head -60 "$OUT/profile.md" 2>/dev/null
+head -60 "$STAGE/profile.md" 2>/dev/null

@@ -2,7 +2,7 @@
 functions its samples fall in (inclusive: anywhere on the stack) and end in (self).
 
     py-spy record --idle --threads --format raw -o profile.txt -- python -m ...
-    python -m mlx_parallm_provider.bench.spy_summary profile.txt [--top 25]
+    python -m mlx_parallm_provider.bench.spy_summary profile.txt [--top 25]   # or profile.txt.gz
 
 With ``--idle`` a thread's waits count too (the engine's worker waiting on the GPU shows as
 the call that waits), so each thread's shares add up to its wall time sampled.
@@ -11,6 +11,7 @@ the call that waits), so each thread's shares add up to its wall time sampled.
 from __future__ import annotations
 
 import argparse
+import gzip
 import re
 from collections import Counter
 from dataclasses import dataclass, field
@@ -79,10 +80,11 @@ def markdown(threads: dict[str, ThreadProfile], top: int = 25, min_share: float 
 
 def main(argv: "list[str] | None" = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("raw", type=Path, help="py-spy record --format raw output")
+    parser.add_argument("raw", type=Path, help="py-spy record --format raw output (gzipped: a name ending .gz)")
     parser.add_argument("--top", type=int, default=25, help="functions listed per thread and table")
     args = parser.parse_args(argv)
-    with args.raw.open(errors="replace") as lines:
+    opener = gzip.open if args.raw.suffix == ".gz" else open
+    with opener(args.raw, "rt", errors="replace") as lines:
         print(markdown(parse(lines), args.top))
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gzip
+
 from mlx_parallm_provider.bench.spy_summary import main, markdown, parse
 
 RAW = """\
@@ -37,5 +39,8 @@ def test_the_table_lists_the_engine_worker_first_then_busy_threads_and_own_code_
     assert "selectors" not in text
     raw = tmp_path / "profile.txt"
     raw.write_text(RAW)
-    main([str(raw), "--top", "2"])
-    assert capsys.readouterr().out.strip() == text.strip()
+    with gzip.open(tmp_path / "profile.txt.gz", "wt") as packed:
+        packed.write(RAW)
+    for path in (raw, tmp_path / "profile.txt.gz"):
+        main([str(path), "--top", "2"])
+        assert capsys.readouterr().out.strip() == text.strip()
