@@ -62,7 +62,7 @@ limit() { local l=$((BUDGET - SECONDS - $2)); [ $l -lt $1 ] || l=$1; [ $l -gt 10
 summary "# GPU check $(date -u +%F) on $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null)"
 summary "CUDA_HOME=${CUDA_HOME:-${CUDA_PATH:-unset}}; installed in $SECONDS s"
 # a kernel compiled here (a fused elementwise one): a missing header shows now, in one line
-T=$SECONDS; timeout "$(limit 60 400)" "$PY" -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device(), 'cuda', mx.cuda.is_available(),
+timeout "$(limit 60 400)" "$PY" -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device(), 'cuda', mx.cuda.is_available(),
   'compiled kernel', mx.compile(lambda x: mx.exp(x) * 2 + 1)(mx.zeros(4)).tolist())" 2>&1 | tail -3 | tee -a "$OUT/summary.txt"
 
 T=$SECONDS; timeout "$(limit 45 400)" "$PY" -m mlx_parallm_provider.cli doctor > "$OUT/doctor.txt" 2>&1
