@@ -106,9 +106,12 @@ open(sys.argv[2], 'wb').write(z.read(next(n for n in z.namelist() if n.endswith(
   T=$SECONDS; timeout -s INT -k 10 $((left - 15)) "$STAGE/py-spy" record --idle --threads --nonblocking --format raw -o "$STAGE/profile.txt" -- \
     "$PY" -m mlx_parallm_provider.cli bench --model "$MODELS/$SHAPE-4bit" --systems engine --workload chat --max-tokens 128 --ignore-eos \
     --concurrency "$LEVEL" --num-prompts $((3 * LEVEL)) --output-dir /tmp/parallm-profile --no-progress > "$STAGE/profile.log" 2>&1
-  summary "profile rc=$? in $((SECONDS - T)) s: $(grep -m1 -E '^\| engine \|' "$STAGE/profile.log")"
-  "$PY" -m mlx_parallm_provider.bench.spy_summary "$STAGE/profile.txt" > "$STAGE/profile.md" 2>&1
-  gzip -c "$STAGE/profile.txt" > "$OUT/profile.txt.gz"  # (at most 8 files come back: profile.md is made from it)
+  rc=$?  # the engine's row, or why py-spy or the run failed
+  summary "profile rc=$rc in $((SECONDS - T)) s: $(grep -m1 -E '^\| engine \|' "$STAGE/profile.log" || grep -v '^py-spy>' "$STAGE/profile.log" | grep . | tail -1)"
+  if [ -s "$STAGE/profile.txt" ]; then
+    "$PY" -m mlx_parallm_provider.bench.spy_summary "$STAGE/profile.txt" > "$STAGE/profile.md" 2>&1
+    gzip -c "$STAGE/profile.txt" > "$OUT/profile.txt.gz"  # (at most 8 files come back: profile.md is made from it)
+  fi
 fi
 cat "$OUT/summary.txt"
 tail -40 "$OUT/gpu.md"
