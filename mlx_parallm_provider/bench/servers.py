@@ -25,7 +25,7 @@ from .runners.base import SkipSystem
 START_LIMIT_S = 300.0
 
 # Started here and not yet stopped, by process id: each runs in its own session, which a signal
-# to this process does not reach, so SIGTERM passes on to them (see stopped_on_sigterm).
+# to this process does not reach, so SIGTERM and ^C pass on to them (see stopped_on_signal).
 _running: dict[int, "Server"] = {}
 
 
@@ -68,30 +68,32 @@ class Server:
 
 
 @contextlib.contextmanager
-def stopped_on_sigterm(note: str = "") -> Iterator[None]:
-    """While inside (in the main thread), a SIGTERM to this process (a time limit, a process
-    manager) is sent on to the process group of every server started here and not yet
-    stopped, ``note`` goes to stderr, and this process then ends by the signal as it would
-    have. Elsewhere SIGTERM keeps its handler."""
+def stopped_on_signal(note: str = "") -> Iterator[None]:
+    """While inside (in the main thread), SIGTERM (a time limit, a process manager) or SIGINT
+    (^C) ends this process as it would have, the servers started here and not yet stopped
+    first: each runs in its own session, which neither signal reaches, so each process group
+    is sent SIGTERM, and ``note`` goes to stderr. Outside, the signals keep their handlers."""
 
     def pass_on(signum: int, frame: object) -> None:
         for pid in list(_running):
             with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pid, signum)
+                os.killpg(pid, signal.SIGTERM)
         if note:
-            print(note, file=sys.stderr, flush=True)
+            print(f"{note} ({signal.Signals(signum).name})", file=sys.stderr, flush=True)
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
 
+    ours = (signal.SIGTERM, signal.SIGINT)
     try:
-        previous = signal.signal(signal.SIGTERM, pass_on)
+        previous = {sig: signal.signal(sig, pass_on) for sig in ours}
     except ValueError:  # not the main thread: signals are not ours to handle
         yield
         return
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def free_port() -> int:

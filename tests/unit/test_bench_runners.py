@@ -140,12 +140,12 @@ def test_a_server_that_exits_is_skipped_with_its_last_log_line(tmp_path) -> None
         servers.start(command, {}, servers.free_port(), "/health", tmp_path / "server.log")
 
 
-SIGTERM_MID_RUN = """
+SIGNAL_MID_RUN = """
 import os, signal, sys, time
 from pathlib import Path
 from mlx_parallm_provider.bench import servers
 folder = Path(sys.argv[1])
-with servers.stopped_on_sigterm("stopped, and the servers"):
+with servers.stopped_on_signal("stopped, and the servers"):
     started = []
     for name in ("a", "b"):
         port = servers.free_port()
@@ -153,7 +153,7 @@ with servers.stopped_on_sigterm("stopped, and the servers"):
                                      {}, port, "/", folder / f"{name}.log"))
     started[0].stop()  # stopped already: nothing to pass on to
     print(*(s.process.pid for s in started), flush=True)
-    os.kill(os.getpid(), signal.SIGTERM)
+    os.kill(os.getpid(), int(sys.argv[2]))
     time.sleep(30)
 print("not reached")
 """
@@ -168,21 +168,35 @@ def _running(pid: int) -> bool:
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
-def test_sigterm_is_passed_on_to_the_servers_started_and_then_ends_the_run(tmp_path) -> None:
-    """A time limit's SIGTERM reaches the servers too (each in its own session), then ends the
-    run as the signal would: no server is left holding the machine for what runs next."""
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_signal_is_passed_on_to_the_servers_started_and_then_ends_the_run(sig: str, tmp_path) -> None:
+    """A time limit's SIGTERM or a ^C reaches the servers too (each in its own session), then
+    ends the run as the signal would: no server is left holding the machine for what runs next."""
+    import signal
     import subprocess
     import time
 
-    done = subprocess.run([sys.executable, "-c", SIGTERM_MID_RUN, str(tmp_path)], capture_output=True, text=True, timeout=120)
-    assert done.returncode == -15, done.stderr
-    assert "not reached" not in done.stdout and "stopped, and the servers" in done.stderr
+    number = signal.Signals[sig].value
+    done = subprocess.run([sys.executable, "-c", SIGNAL_MID_RUN, str(tmp_path), str(number)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == -number, done.stderr
+    assert "not reached" not in done.stdout and f"stopped, and the servers ({sig})" in done.stderr
     pids = [int(p) for p in done.stdout.split()]
     assert len(pids) == 2
     deadline = time.monotonic() + 20
     while any(_running(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(_running(p) for p in pids)
+
+
+def test_the_signals_handlers_are_put_back_after_the_run() -> None:
+    import signal
+
+    from mlx_parallm_provider.bench import servers
+
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    with servers.stopped_on_signal():
+        assert all(signal.getsignal(s) is not handler for s, handler in before.items())
+    assert {s: signal.getsignal(s) for s in before} == before
 
 
 def test_llama_server_skips_with_one_line_when_xllamacpp_is_not_installed(monkeypatch: pytest.MonkeyPatch) -> None:
