@@ -23,7 +23,7 @@ _THREAD = re.compile(r"thread \((\w+)\)(?::\s*(.*))?$")
 #: inclusive shares are listed for the functions of these packages (outer frames such as the
 #: thread's bootstrap hold every sample and say nothing)
 OWN_CODE = ("mlx_parallm_provider/", "mlx_lm/")
-ENGINE_THREAD = "mlx-parallm-worker"  # the engine's step loop (engine/core.py)
+ENGINE_THREAD = "mlx-parallm-worker"  # engine.core.WORKER_THREAD_NAME, not imported: that loads MLX
 
 
 @dataclass

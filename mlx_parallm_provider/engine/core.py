@@ -45,6 +45,8 @@ from .scheduler import Scheduler
 logger = logging.getLogger(__name__)
 
 
+WORKER_THREAD_NAME = "mlx-parallm-worker"  # what profilers show for the step loop's thread
+
 class EngineCore:
     """Runs the step loop on its own thread. Other threads only call :meth:`submit`,
     :meth:`wake`, :meth:`stop` and read the counters."""
@@ -85,7 +87,7 @@ class EngineCore:
         self._stopping = False
         self._stop_deadline: Optional[float] = None
         self.dead: Optional[BaseException] = None
-        self._thread = threading.Thread(target=self._run, name="mlx-parallm-worker", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=WORKER_THREAD_NAME, daemon=True)
         register(self)
         self._thread.start()
 

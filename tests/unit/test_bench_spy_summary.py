@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import gzip
 
-from mlx_parallm_provider.bench.spy_summary import main, markdown, parse
+from mlx_parallm_provider.bench.spy_summary import ENGINE_THREAD, main, markdown, parse
 
 RAW = """\
 thread (7): mlx-parallm-worker;_run (mlx_parallm_provider/c.py:190);step (mlx_parallm_provider/c.py:209);run (mlx_lm/r.py:40);eval (mlx_lm/x.py:3) 60
@@ -44,3 +44,9 @@ def test_the_table_lists_the_engine_worker_first_then_busy_threads_and_own_code_
     for path in (raw, tmp_path / "profile.txt.gz"):
         main([str(path), "--top", "2"])
         assert capsys.readouterr().out.strip() == text.strip()
+
+
+def test_the_thread_put_first_is_the_engines_step_loop() -> None:
+    from mlx_parallm_provider.engine.core import WORKER_THREAD_NAME
+
+    assert ENGINE_THREAD == WORKER_THREAD_NAME
