@@ -25,8 +25,15 @@ import numpy as np
 
 from mlx_parallm_provider.models.paged_kernels import KernelCall, KernelSource, Layout, body_for
 
-CPU_TYPES = {mx.float32: "float", mx.float16: "_Float16", mx.int32: "int32_t", mx.uint32: "uint32_t"}
+CPU_TYPES = {mx.float32: "float", mx.float16: "_Float16", mx.bfloat16: "parallm_bf16", mx.int32: "int32_t", mx.uint32: "uint32_t"}
 CUDA_TYPES = {mx.float32: "float", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.int32: "int32_t", mx.uint32: "uint32_t"}
+
+
+BF16 = (
+    "struct parallm_bf16 {\n  uint16_t bits;\n  operator float() const {\n"
+    "    uint32_t u = uint32_t(bits) << 16;\n    float f;\n    std::memcpy(&f, &u, sizeof f);\n    return f;\n  }\n};\n"
+)
+"""bfloat16 for a C++ compiler without one (GCC before 13): its bits, read as float32's upper half."""
 
 
 def _template_lines(layout: Layout, types: dict) -> str:
@@ -41,8 +48,8 @@ def cpu_source(kernel: KernelSource, layout: Layout, input_dtypes: list[mx.Dtype
     params = [f"const {CPU_TYPES[t]}* {name}" for name, t in zip(kernel.inputs, input_dtypes)]
     params += [f"float* {name}" for name in kernel.outputs]
     return (
-        "#include <cstdint>\n#include <cmath>\n"
-        f'extern "C" void run({", ".join(params)}, long long threads) {{\n'
+        "#include <cstdint>\n#include <cmath>\n#include <cstring>\n" + BF16
+        + f'extern "C" void run({", ".join(params)}, long long threads) {{\n'
         + _template_lines(layout, CPU_TYPES)
         + "  auto thread = [&](long long thread_index) {\n"
         + body_for(kernel, "cpu")
@@ -90,7 +97,7 @@ class KernelLoop:
         return lib
 
     def __call__(self, call: KernelCall) -> mx.array:
-        arrays = [np.ascontiguousarray(np.array(a)) for a in call.inputs]
+        arrays = [np.ascontiguousarray(np.array(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a)) for a in call.inputs]
         dtypes = [a.dtype for a in call.inputs]
         lib = self._lib(cpu_source(call.kernel, call.layout, dtypes))
         out = np.zeros(call.output_shape, dtype=np.float32)

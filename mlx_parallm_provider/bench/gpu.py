@@ -12,6 +12,7 @@ llama and a ~1B-shaped random 4-bit model are built from it (:mod:`.random_model
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import statistics
 import tempfile
@@ -128,7 +129,8 @@ def step_breakdown(model: str, rows: Sequence[int] = (1, 2, 4, 8, 32, 64), token
     RoPE, elementwise ops, Python and scheduling. ``dense_layers_ms``: the layers' matmuls (head
     aside) over dequantized copies of their weights, against which a quantized matmul that
     does not amortize its weights over the rows shows. ``graph_ms``: the host's time to build
-    one decode step's forward graph (median; near ``step_ms``, the step waits on the host)."""
+    one decode step's forward graph (median; near ``step_ms``, the step waits on the host);
+    ``graph_nodes``: the ops in that graph (each one the host builds, most a launch on a GPU)."""
     import mlx.nn as nn
 
     from ..config import EngineConfig
@@ -161,8 +163,9 @@ def step_breakdown(model: str, rows: Sequence[int] = (1, 2, 4, 8, 32, 64), token
             step_ms = engine.stats()["step_s"]["p50"] * 1e3
         finally:
             engine.shutdown()
-        decode_builds = [t for rows_in, width, t in builds if rows_in == R and width == 1]
-        graph_ms = statistics.median(decode_builds) * 1e3 if decode_builds else None
+        decode_builds = [(t, nodes) for rows_in, width, t, nodes in builds if rows_in == R and width == 1]
+        graph_ms = statistics.median(t for t, _ in decode_builds) * 1e3 if decode_builds else None
+        graph_nodes = next((nodes for _, nodes in decode_builds if nodes is not None), None)
         inputs = {_in_dims(mod): mx.random.normal((R, 1, _in_dims(mod))).astype(dtype) for mod in linears}
 
         def matmuls():
@@ -197,25 +200,38 @@ def step_breakdown(model: str, rows: Sequence[int] = (1, 2, 4, 8, 32, 64), token
         parts = {name: ms[name] for name in ("matmul_ms", "attention_ms", "sampling_ms")}
         rest = step_ms - sum(parts.values())
         out.append({"rows": R, "step_ms": step_ms, "tokens_per_s": R / step_ms * 1e3, **parts, "rest_ms": rest,
-                    "dense_layers_ms": ms["dense_layers_ms"], "graph_ms": graph_ms})
+                    "dense_layers_ms": ms["dense_layers_ms"], "graph_ms": graph_ms, "graph_nodes": graph_nodes})
     return out
 
 
-def _timing_forwards(runner: Any) -> list[tuple[int, int, float]]:
+def _timing_forwards(runner: Any) -> list[tuple[int, int, float, Optional[int]]]:
     """Time each forward pass ``runner`` builds from now on (this runner's only): ``(rows,
-    width, seconds)`` of Python and MLX building the pass's graph, evaluating nothing (the
-    host's share of a step, which overlaps the device's work on the step before)."""
-    timings: list[tuple[int, int, float]] = []
+    width, seconds, ops)`` of Python and MLX building the pass's graph, evaluating nothing (the
+    host's share of a step, which overlaps the device's work on the step before); ``ops``: the
+    ops in that graph, counted (after the timing) in the first pass of each rows and width, else None."""
+    timings: list[tuple[int, int, float, Optional[int]]] = []
+    counted: set[tuple[int, int]] = set()
     build = runner.forward
 
     def forward(rows: list, pieces: list, starts: list, *args: Any, **kwargs: Any) -> Any:
         start = time.perf_counter()
         out = build(rows, pieces, starts, *args, **kwargs)
-        timings.append((len(rows), max(len(p) for p in pieces), time.perf_counter() - start))
+        seconds = time.perf_counter() - start
+        shape = (len(rows), max(len(p) for p in pieces))
+        nodes = None if shape in counted else graph_nodes(out)
+        counted.add(shape)
+        timings.append((*shape, seconds, nodes))
         return out
 
     runner.forward = forward
     return timings
+
+
+def graph_nodes(*outputs: mx.array) -> int:
+    """The ops (primitives) in the unevaluated graph computing ``outputs``."""
+    dot = io.StringIO()
+    mx.export_to_dot(dot, *outputs)
+    return dot.getvalue().count("shape=rectangle")
 
 
 def _in_dims(layer: Any) -> int:

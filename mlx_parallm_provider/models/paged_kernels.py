@@ -260,7 +260,8 @@ def paged_attention(queries: mx.array, k_pool: mx.array, v_pool: mx.array, table
         return mx.concatenate(outs, axis=2).reshape(B, heads, L, D)
     if B * heads * L * T > max_scores and (L > 1 or B > 1):
         def part(lo: slice, rows: slice) -> mx.array:
-            return paged_attention(queries[rows, :, lo], k_pool, v_pool, table[rows], limits[rows, lo], block_size, scale,
+            seen = limits[rows] if limits.ndim == 1 else limits[rows, lo]
+            return paged_attention(queries[rows, :, lo], k_pool, v_pool, table[rows], seen, block_size, scale,
                                    launch, window, max_scores, sinks, scales, bits, softcap)
         if L > 1:
             half = slice(0, L // 2), slice(L // 2, L)
@@ -316,7 +317,10 @@ def quantize_pools(k_pool: mx.array, v_pool: mx.array, bits: int) -> tuple[mx.ar
 
 
 def _per_position(lengths: mx.array, B: int, L: int) -> mx.array:
-    """The tokens each query position sees, ``(B, L)`` int32, from ``lengths`` per row or per position."""
+    """The tokens each query position sees, ``(B, L)`` int32, from ``lengths`` per row or per
+    position (one position a row: ``(B,)``, which the kernels index alike, with no op to build)."""
+    if L == 1 and lengths.shape == (B,):
+        return lengths.astype(mx.int32)
     limits = lengths.reshape(B, L) if lengths.ndim == 2 else mx.broadcast_to(lengths.reshape(B, 1), (B, L))
     return limits.astype(mx.int32)
 
@@ -350,7 +354,7 @@ def gathered_attention(queries: mx.array, k_pool: mx.array, v_pool: mx.array, ta
         k, v = k_pool[slots], v_pool[slots]
     k = k.astype(mx.float32).swapaxes(1, 2)  # (B, kv_heads, S, D)
     v = v.astype(mx.float32).swapaxes(1, 2)
-    limits = _per_position(lengths, B, L)
+    limits = _per_position(lengths, B, L).reshape(B, L)
     pos = mx.arange(S)[None, None, :]
     end = limits[:, :, None]
     visible = pos < end

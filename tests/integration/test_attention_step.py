@@ -15,11 +15,10 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
+from attention_step_helpers import fused_then_apart, prefilled
 from conftest import TINY_CONFIG, write_tiny_model
 from mlx_parallm_provider.engine import SamplingParams
-from mlx_parallm_provider.engine.kv import KVCacheManager
 from mlx_parallm_provider.engine.kv.paged_cache import PagedBatch
-from mlx_parallm_provider.engine.kv.storage import PagedKVStorage
 from mlx_parallm_provider.models import attention, backend, backends, fused_ops, registry
 from mlx_parallm_provider.models.backends import layer_step
 
@@ -77,64 +76,6 @@ def _fused_off(monkeypatch) -> None:
     monkeypatch.setattr(attention, "has_attention_step", lambda: False)
 
 
-def _copy(storage: PagedKVStorage) -> PagedKVStorage:
-    """A storage with its own copies of ``storage``'s arrays (the fused step writes in place)."""
-    twin = PagedKVStorage(storage.num_layers, storage.num_blocks, storage.block_size, dtype=storage.dtype, bits=storage.bits)
-    twin._blocks, twin.compute_dtype = storage.physical_blocks, storage.compute_dtype
-    twin.keys = [mx.array(np.array(a)) for a in storage.keys]
-    twin.values = [mx.array(np.array(a)) for a in storage.values]
-    if storage.bits:
-        twin.scales = [[mx.array(np.array(a)) for a in layer] for layer in storage.scales]
-    return twin
-
-
-def _prefilled(model, prompts, block_size, dtype, bits=None):
-    kv = KVCacheManager(num_blocks=64, block_size=block_size)
-    storage = PagedKVStorage(len(model.layers), kv.pool.num_blocks, block_size, dtype=dtype, bits=bits)
-    for b, prompt in enumerate(prompts):
-        kv.grow(b, len(prompt) + 4)
-    storage.reserve(kv.pool.high_water())
-    batch = PagedBatch(storage, [kv.table(b) for b in range(len(prompts))], [0] * len(prompts), [len(p) for p in prompts],
-                       max(map(len, prompts)))
-    width = max(map(len, prompts))
-    mx.eval(model(mx.array([p + [0] * (width - len(p)) for p in prompts]), cache=batch.layers()))
-    mx.eval(storage.arrays())
-    return kv, storage
-
-
-def _fused_then_apart(model, dtype, width: int, turn_off, bits=None) -> None:
-    """A step of three rows (3 + 17 + 40 tokens held; ``width`` new ones a row at most) with
-    the fused ops, then, ``turn_off()`` called, the same step over a copy of the KV: the same
-    logits and the same KV written, bit for bit."""
-    prompts = [list(range(7, 7 + n)) for n in (3, 17, 40)]
-    kv, storage = _prefilled(model, prompts, 4, dtype, bits)
-    new = [[11 + i for i in range(max(1, width - b))] for b in range(len(prompts))]  # rows of up to `width` tokens
-    tokens = mx.array([row + [0] * (width - len(row)) for row in new])
-    for b, prompt in enumerate(prompts):
-        kv.grow(b, len(prompt) + width)
-    storage.reserve(kv.pool.high_water())
-
-    def step(store: PagedKVStorage) -> mx.array:
-        batch = PagedBatch(store, [kv.table(b) for b in range(len(prompts))], [len(p) for p in prompts],
-                           [len(row) for row in new], width)
-        logits = model(tokens, cache=batch.layers())
-        mx.eval(logits, store.arrays())
-        return logits
-
-    apart = _copy(storage)
-    fused = step(storage)
-    turn_off()
-    separate = step(apart)
-    for b, row in enumerate(new):
-        assert mx.array_equal(fused[b, : len(row)], separate[b, : len(row)]).item(), b
-    # (The null block, slots [0, 4), takes padding's writes and is never read: the layer op
-    # writes its padding as its row's last real token, the separate ops as the pad token.)
-    # (Quantized pools: the codes, scales and biases the step writes are mx.quantize's.)
-    assert len(storage.arrays()) == len(apart.arrays()) == len(model.layers) * (6 if bits else 2)
-    for mine, theirs in zip(storage.arrays(), apart.arrays()):
-        assert mine.dtype == theirs.dtype and mx.array_equal(mine[4:], theirs[4:]).item()
-
-
 @pytest.mark.parametrize("dtype", [None, mx.float16], ids=["float32-pools", "float16-pools"])
 @pytest.mark.parametrize("width", [1, 3, 24], ids=["decode", "verify", "prefill"])
 def test_a_fused_step_gives_the_logits_and_kv_of_the_separate_ops(rope_model, steps, monkeypatch, dtype, width):
@@ -144,7 +85,7 @@ def test_a_fused_step_gives_the_logits_and_kv_of_the_separate_ops(rope_model, st
         assert len(steps) == layers
         _fused_off(monkeypatch)
 
-    _fused_then_apart(rope_model.model, dtype, width, turn_off)
+    fused_then_apart(rope_model.model, dtype, width, turn_off)
     assert len(steps) == layers  # (the separate ops ran)
 
 
@@ -160,7 +101,7 @@ def test_a_fused_step_over_quantized_pools_gives_the_logits_and_kv_of_the_separa
         assert len(steps) == layers
         _fused_off(monkeypatch)
 
-    _fused_then_apart(wide_rope_model.model, None, width, turn_off, bits)
+    fused_then_apart(wide_rope_model.model, None, width, turn_off, bits)
     assert len(steps) == layers
 
 
@@ -200,7 +141,7 @@ def test_the_step_quantizes_as_mx_quantize_does_bit_for_bit() -> None:
 
 def test_prefill_pieces_of_any_width_fuse(rope_model, steps):
     model = rope_model.model
-    kv, storage = _prefilled(model, [[1, 2, 3, 4, 5], [6, 7]], 4, None)
+    kv, storage = prefilled(model, [[1, 2, 3, 4, 5], [6, 7]], 4, None)
     assert steps == []  # (the pools did not exist before this first pass)
 
     def piece(width: int) -> None:
@@ -289,7 +230,7 @@ def test_a_layer_as_one_op_gives_the_logits_and_kv_of_its_ops(packed_model, laye
         assert len(layers) == count and steps == []  # whole layers, no separate attention step
         _layers_off(packed_model, monkeypatch)
 
-    _fused_then_apart(packed_model, dtype, width, turn_off)
+    fused_then_apart(packed_model, dtype, width, turn_off)
     assert len(layers) == count and len(steps) == count  # (each layer's own ops ran)
 
 
@@ -305,14 +246,14 @@ def test_a_layer_as_one_op_over_quantized_pools_gives_the_logits_and_kv_of_its_o
         assert len(layers) == count and steps == []
         _layers_off(wide_packed_model, monkeypatch)
 
-    _fused_then_apart(wide_packed_model, None, width, turn_off, bits)
+    fused_then_apart(wide_packed_model, None, width, turn_off, bits)
     assert len(layers) == count and len(steps) == count
 
 
 def test_steps_of_more_rows_than_the_panels_take_keep_the_layers_ops(packed_model, layers, steps):
     model = packed_model
     prompts = [[1 + b, 2, 3] for b in range(9)]
-    kv, storage = _prefilled(model, prompts, 4, None)
+    kv, storage = prefilled(model, prompts, 4, None)
     for b in range(9):
         kv.grow(b, 3 + 15)
     storage.reserve(kv.pool.high_water())

@@ -58,3 +58,11 @@ def test_step_breakdown_times_each_part_at_each_row_count(tiny_random: Path, mon
         assert r["step_ms"] > 0 and r["matmul_ms"] > 0 and r["attention_ms"] > 0 and r["sampling_ms"] > 0
         assert r["rest_ms"] == pytest.approx(r["step_ms"] - r["matmul_ms"] - r["attention_ms"] - r["sampling_ms"])
         assert 0 < r["graph_ms"] < 10 * r["step_ms"]  # the decode steps' forwards at this row count were timed
+        assert isinstance(r["graph_nodes"], int) and r["graph_nodes"] > 0  # and one of them counted
+
+
+def test_graph_nodes_counts_the_ops_not_yet_evaluated() -> None:
+    held = mx.ones((2, 3))
+    mx.eval(held)
+    assert gpu.graph_nodes(mx.exp(held)) == 1
+    assert gpu.graph_nodes(mx.exp(held) + held, held * 2) == 4  # exp, add; the scalar's broadcast, multiply

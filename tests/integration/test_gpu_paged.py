@@ -12,6 +12,7 @@ from typing import Optional
 import mlx.core as mx
 import pytest
 
+from attention_step_helpers import fused_then_apart, prefilled
 from conftest import TINY_CONFIG, write_tiny_model
 from gpu_kernel_emulator import KernelLoop, cuda_source, nvrtc, nvrtc_compile
 from mlx_parallm_provider.config import DeviceConfig
@@ -55,6 +56,7 @@ CASES = [
     ([4000, 17, 256, 1], 8, 8, 32, 32, None, mx.float32),
     ([3, 999, 4000], 16, 2, 64, 16, 512, mx.float16),
     ([50, 7], 8, 1, 128, 8, 16, mx.float32),
+    ([3, 999, 4000], 8, 2, 64, 16, 512, mx.bfloat16),
 ]
 
 
@@ -301,6 +303,107 @@ def test_engine_on_the_gpu_kernels_answers_as_the_gather_path_and_alone(tiny_mod
     assert calls.count("parallm_paged_scores") >= layers * params.max_tokens  # every layer of every step
 
 
+@pytest.fixture(scope="module")
+def gpu_model(tiny_model_dir, launch):
+    """A fresh tiny llama on the GPU backend, its kernels run by ``launch``."""
+    from mlx_parallm_provider.models import registry
+
+    loaded = registry._load_uncached(str(tiny_model_dir), None)
+    backends.install(loaded.model, GPUKernels(DeviceConfig(), launch=launch, platform="test"))
+    return loaded
+
+
+@pytest.fixture
+def gpu_steps(gpu_model, monkeypatch) -> list[int]:
+    """Grows by one at each of the GPU backend's attention steps."""
+    backend = backends.of(gpu_model.model)
+    steps: list[int] = []
+    step = backend.paged_attention_step
+
+    def counted(*args, **kwargs):
+        steps.append(1)
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(backend, "paged_attention_step", counted)
+    return steps
+
+
+def _gpu_steps_off(gpu_model, monkeypatch) -> None:
+    monkeypatch.setattr(backends.of(gpu_model.model), "steps_attention", lambda rope: False)
+
+
+@pytest.mark.parametrize("dtype", [None, mx.float16, mx.bfloat16], ids=["float32-pools", "float16-pools", "bfloat16-pools"])
+@pytest.mark.parametrize("width", [1, 3, 24], ids=["decode", "verify", "prefill"])
+def test_the_gpu_attention_step_gives_the_logits_and_kv_of_mlx_lms_attention(gpu_model, gpu_steps, monkeypatch, dtype, width) -> None:
+    """The GPU backend's attention step (fewer ops: reshapes, RoPE, the K/V scattered into the
+    pools, the kernels) against mlx-lm's attention code over the same cache and kernels: the
+    same logits and the same KV written, bit for bit."""
+    layers = len(gpu_model.model.layers)
+
+    def turn_off() -> None:
+        assert len(gpu_steps) == layers
+        _gpu_steps_off(gpu_model, monkeypatch)
+
+    fused_then_apart(gpu_model.model, dtype, width, turn_off)
+    assert len(gpu_steps) == layers  # (mlx-lm's code ran the second step)
+
+
+def test_the_gpu_attention_step_builds_fewer_ops_than_mlx_lms_attention(gpu_model, gpu_steps, monkeypatch) -> None:
+    """A decode step's graph through the step against through mlx-lm's attention code (the
+    host builds each op; a GPU launches most): at least 6 fewer a layer. (The kernels are
+    stood for by an op of their inputs: run on the CPU, they would evaluate the graph.)"""
+    from mlx_parallm_provider.bench.gpu import graph_nodes
+    from mlx_parallm_provider.engine.kv.paged_cache import PagedBatch
+
+    model = gpu_model.model
+    prompts = [list(range(7, 7 + n)) for n in (3, 17, 40)]
+    kv, storage = prefilled(model, prompts, 4, mx.bfloat16)  # (the kernels checked and used)
+    monkeypatch.setattr(backends.of(model), "_launch",
+                        lambda call: mx.depends([mx.zeros(call.output_shape, mx.float32)], list(call.inputs))[0])
+
+    def ops() -> int:
+        batch = PagedBatch(storage, [kv.table(b) for b in range(3)], [len(p) for p in prompts], [1, 1, 1], 1)
+        nodes = graph_nodes(model(mx.array([[11], [12], [13]]), cache=batch.layers()))
+        mx.eval(storage.arrays())  # (else the next step's graph holds this one's writes)
+        return nodes
+
+    stepped = ops()
+    assert len(gpu_steps) == len(model.layers)
+    _gpu_steps_off(gpu_model, monkeypatch)
+    assert ops() >= stepped + 6 * len(model.layers)  # (7 here: 6 transposes, a reshape)
+
+
+def test_the_gpu_attention_step_is_not_taken_where_its_kernels_are_not(gpu_model, gpu_steps) -> None:
+    """Quantized pools (their kernels are reached through mlx-lm's code), and query heads that
+    are no whole group of each KV head: mlx-lm's code runs, and gathers where it must."""
+    backend = backends.of(gpu_model.model)
+    pool = mx.zeros((16, 2, 32))
+    assert backend.fits_attention_step(4, pool, None, 0) and backend.fits_attention_step(2, pool.astype(mx.bfloat16), None, 0)
+    assert not backend.fits_attention_step(3, pool, None, 0)
+    assert not backend.fits_attention_step(4, mx.zeros((16, 2, 8), mx.uint32), [mx.zeros((16, 2, 1), mx.float16)] * 4, 8)
+    gather = GPUKernels(DeviceConfig(paged_attention="gather"), launch=lambda call: None, platform="test")
+    assert not gather.steps_attention(None)
+
+
+def test_an_engine_on_the_gpu_backend_decodes_the_same_tokens_with_its_attention_step_and_without(
+        gpu_model, gpu_steps, make_engine, monkeypatch) -> None:
+    """Greedy, batched, with n-gram drafts verified: the same tokens through the GPU backend's
+    attention step as through mlx-lm's attention code."""
+    prompts = [[1, 5, 9, 14, 2, 5, 9, 14, 2, 5][: 4 + i] for i in range(5)]  # repeats: n-gram drafts get verified
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+    def tokens() -> list[list[int]]:
+        engine = make_engine(gpu_model.model, kv_block_size=4, speculative="ngram")
+        return [o.token_ids for o in engine.generate_many_sync(prompts, params)]
+
+    stepped = tokens()
+    ran = len(gpu_steps)
+    assert ran >= len(gpu_model.model.layers) * params.max_tokens // 2  # decode and verify steps took it
+    _gpu_steps_off(gpu_model, monkeypatch)
+    assert tokens() == stepped
+    assert len(gpu_steps) == ran
+
+
 @pytest.mark.parametrize("L,window,dtype", [(1, None, mx.float16), (1, 6, mx.float32), (5, None, mx.float32), (5, 6, mx.float16)])
 def test_attention_sinks_take_their_share_as_the_gather_path_gives_it(launch, L: int, window: Optional[int], dtype) -> None:
     """gpt-oss's per-head sinks: the kernels' softmax with one more logit per head equals MLX's
@@ -463,6 +566,35 @@ def test_gemma2_on_the_gpu_kernels_answers_as_the_gather_path_with_its_softcap(l
                                           launch, logprobs, read)
     assert uncapped[1] != capped[1]  # through the kernels
     assert uncapped[0] != capped[0]  # gathered
+
+
+STEPPED = {
+    "qwen2": {**TINY_CONFIG, "model_type": "qwen2", "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": True},
+    "llama3_rope": {**TINY_CONFIG, "max_position_embeddings": 131072,
+                    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                     "original_max_position_embeddings": 8192}},
+}
+"""Models whose attention the GPU backend's step takes besides the tiny llama: q/k/v with
+biases (qwen2), a RoPE of scaled frequencies (Llama 3's)."""
+
+
+@pytest.mark.parametrize("name", sorted(STEPPED))
+def test_models_through_the_gpu_attention_step_answer_as_the_gather_path(launch, smollm_tokenizer_dir, tmp_path, monkeypatch,
+                                                                        name: str) -> None:
+    """Greedy, batched, prefill pieces and decode steps through the GPU backend's attention
+    step equal mlx-lm's attention over the gathered blocks, and each prompt alone."""
+    steps: list[int] = []
+    step = GPUKernels.paged_attention_step
+
+    def counted(self, *args, **kwargs):
+        steps.append(1)
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(GPUKernels, "paged_attention_step", counted)
+    gathered, together, alone, calls = _kernels_against_gathering(STEPPED[name], smollm_tokenizer_dir, tmp_path / name, launch,
+                                                                  prefill_chunk_size=4)
+    assert together == gathered == alone
+    assert len(steps) >= 2 * GREEDY.max_tokens and calls.count(paged_kernels.SCORES.name) >= len(steps)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "int4"])

@@ -36,7 +36,6 @@ from typing import Any, Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
-from ...models.attention import fits_step
 from ...models.backends import MLXOps
 from .block_pool import NULL_BLOCK
 from .cascade import SharedPrefix, cascade_attention
@@ -296,14 +295,14 @@ class PagedLayerCache:
         k, v = self.batch.storage.read(self.layer, self.batch.whole(self.window).slots)  # (B, S, kv_heads, D)
         return k.swapaxes(1, 2), v.swapaxes(1, 2)
 
-    def can_attend_step(self, heads: int, width: int) -> bool:
+    def can_attend_step(self, heads: int, width: int, backend: MLXOps) -> bool:
         """Whether :meth:`attend_step` takes this layer's step of ``heads`` query heads and
-        ``width`` positions a row: rows attended through the block tables (no sliding window),
-        pools the kernel reads (quantized ones too: the step writes them as :meth:`PagedKVStorage.write` does)."""
+        ``width`` positions a row by ``backend``: rows attended through the block tables (no
+        sliding window), pools its step takes (:meth:`.MLXOps.fits_attention_step`)."""
         batch, storage = self.batch, self.batch.storage
         pool = storage.keys[self.layer]
-        return (self.window is None and width == batch.width and pool is not None
-                and not batch.batch.gathered and fits_step(heads, pool, storage.scales[self.layer], storage.bits))
+        return (self.window is None and width == batch.width and pool is not None and not batch.batch.gathered
+                and backend.fits_attention_step(heads, pool, storage.scales[self.layer], storage.bits or 0))
 
     def step_inputs(self) -> tuple[Any, ...]:
         """What a fused step reads and writes (where :meth:`can_attend_step`): ``(k_pool,
@@ -330,7 +329,10 @@ class PagedLayerCache:
         quantized = {"scales": scales} if scales else {}
         out = backend.paged_attention_step(queries, keys, values, k_pool, v_pool, slots, table, limits, offset, heads, rope,
                                            block_size, scale, **quantized)
-        self.wrote(out)
+        if backend.step_writes_in_place:
+            self.wrote(out)
+        else:  # (its scatters replaced the storage's arrays: their later readers see the writes)
+            self.written = True
         return out
 
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Optional[Any],

@@ -50,7 +50,7 @@ def stepping(original: Callable[..., Any], backend: Any) -> Callable[..., Any]:
 
     def __call__(self: Any, x: Any, mask: Optional[Any] = None, cache: Optional[Any] = None) -> Any:
         can = getattr(cache, "can_attend_step", None)
-        if can is not None and backend.steps_attention(self.rope) and can(self.n_heads, x.shape[1]):
+        if can is not None and backend.steps_attention(self.rope) and can(self.n_heads, x.shape[1], backend):
             out = cache.attend_step(self.q_proj(x), self.k_proj(x), self.v_proj(x), self.n_heads, self.rope, self.scale, backend)
             return self.o_proj(out)
         return original(self, x, mask, cache)

@@ -151,6 +151,9 @@ class CPUKernels(MLXOps):
     def steps_attention(self, rope: Any) -> bool:
         return getattr(rope, "inv_freq", None) is not None and attention.has_attention_step()
 
+    def fits_attention_step(self, heads: int, k_pool: mx.array, scales: Optional[Sequence[mx.array]], bits: int) -> bool:
+        return attention.fits_step(heads, k_pool, scales, bits)
+
     def paged_attention_step(self, queries: mx.array, keys: mx.array, values: mx.array, k_pool: mx.array, v_pool: mx.array,
                              slots: mx.array, table: mx.array, limits: mx.array, offset: mx.array, heads: int, rope: Any,
                              block_size: int, scale: float, scales: Optional[Sequence[mx.array]] = None) -> mx.array:
@@ -167,7 +170,7 @@ class CPUKernels(MLXOps):
         if id(block) not in self._plans:  # (the backend belongs to one model: its blocks live as long)
             self._plans[id(block)] = layer_step.plan_of(block)
         plan, attn = self._plans[id(block)], block.self_attn
-        if plan is None or not self.steps_attention(attn.rope) or not can(attn.n_heads, x.shape[1]):
+        if plan is None or not self.steps_attention(attn.rope) or not can(attn.n_heads, x.shape[1], self):
             return None
         if plan.copies and rows > self.packed_rows and not self.int8_matmul:
             return None  # (those rows multiply by the float32 copies, through OpenBLAS)

@@ -59,6 +59,7 @@ class GPUKernels(MLXOps):
 
     name = "gpu"
     reads_pages = True
+    step_writes_in_place = False
 
     def __init__(self, device: Optional[DeviceConfig] = None, launch: Optional[Launch] = None, platform: Optional[str] = None) -> None:
         self.mode = (device or DeviceConfig()).paged_attention
@@ -121,6 +122,35 @@ class GPUKernels(MLXOps):
             return None
         return paged_kernels.paged_attention(queries, k_pool, v_pool, table, lengths, block_size, scale, self._launch, window=window,
                                              sinks=sinks, scales=scales, bits=bits, softcap=softcap)
+
+    def steps_attention(self, rope: Any) -> bool:
+        return self.kernels_ready()  # (mlx-lm's RoPE modules all take per-row offsets)
+
+    def fits_attention_step(self, heads: int, k_pool: mx.array, scales: Optional[Sequence[mx.array]], bits: int) -> bool:
+        return not bits and scales is None and k_pool.dtype in paged_kernels.POOL_DTYPES and heads % k_pool.shape[1] == 0
+
+    def paged_attention_step(self, queries: mx.array, keys: mx.array, values: mx.array, k_pool: mx.array, v_pool: mx.array,
+                             slots: mx.array, table: mx.array, limits: mx.array, offset: mx.array, heads: int, rope: Any,
+                             block_size: int, scale: float, scales: Optional[Sequence[mx.array]] = None) -> mx.array:
+        """mlx-lm's attention from its projections on, with fewer ops: its layout changes
+        (one position a row: reshapes alone), RoPE, the K/V writes by indexed assignment to
+        the storage's pools, and the kernels' attention through the block tables."""
+        B, L, _ = queries.shape
+        kv_heads, D = k_pool.shape[1], k_pool.shape[2]
+        q = rope(_by_head(queries, heads, D), offset=offset)
+        k = rope(_by_head(keys, kv_heads, D), offset=offset)
+        k_pool[slots] = (k.reshape(B, kv_heads, D) if L == 1 else k.swapaxes(1, 2).reshape(B * L, kv_heads, D)).astype(k_pool.dtype)
+        v_pool[slots] = values.reshape(B * L, kv_heads, D).astype(v_pool.dtype)
+        out = self.paged_decode_attention(q, k_pool, v_pool, table, limits, block_size, scale)
+        if out is None:  # (steps_attention and fits_attention_step said the kernels take it)
+            raise RuntimeError("the paged kernels did not take a step they were asked to")
+        return out.reshape(B, L, heads * D) if L == 1 else out.swapaxes(1, 2).reshape(B, L, heads * D)
+
+
+def _by_head(x: mx.array, heads: int, D: int) -> mx.array:
+    """A projection ``(B, L, heads * D)`` as ``(B, heads, L, D)``."""
+    B, L, _ = x.shape
+    return x.reshape(B, heads, 1, D) if L == 1 else x.reshape(B, L, heads, D).swapaxes(1, 2)
 
 
 def check_kernels(launch: Launch, seed: int = 0, quantized: bool = False) -> Optional[str]:

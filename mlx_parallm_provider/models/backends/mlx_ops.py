@@ -96,8 +96,18 @@ class MLXOps:
         :func:`..attention.paged_decode_attention`)."""
         return None
 
+    step_writes_in_place = True
+    """Whether :meth:`paged_attention_step` writes the pools' memory in place (an op MLX does
+    not see writing: the pools' later readers are then ordered after it), rather than by
+    indexed assignment to the pools it is handed (MLX's scatter, which replaces them)."""
+
     def steps_attention(self, rope: Any) -> bool:
         """Whether :meth:`paged_attention_step` takes a step of an attention whose RoPE is ``rope``."""
+        return False
+
+    def fits_attention_step(self, heads: int, k_pool: mx.array, scales: Optional[Sequence[mx.array]], bits: int) -> bool:
+        """Whether :meth:`paged_attention_step` takes ``heads`` query heads over ``k_pool``
+        ``(slots, kv_heads, D)`` (quantized pools: their ``scales`` and ``bits``)."""
         return False
 
     def paged_attention_step(self, queries: mx.array, keys: mx.array, values: mx.array, k_pool: mx.array, v_pool: mx.array,
@@ -105,10 +115,11 @@ class MLXOps:
                              block_size: int, scale: float, scales: Optional[Sequence[mx.array]] = None) -> mx.array:
         """A decode or verify step's attention block as one op (see
         :mod:`.attention_step`): ``queries`` (B, L, heads * D) and ``keys`` rotated by
-        ``rope`` at positions ``offset[b] + j``, the new keys and values written in place into
-        the pools at ``slots``, then attention over the block ``table`` up to ``limits`` (as
+        ``rope`` at positions ``offset[b] + j``, the new keys and values written into the pools
+        at ``slots`` (see :attr:`step_writes_in_place`), then attention over the block ``table`` up to ``limits`` (as
         :meth:`paged_decode_attention`); (B, L, heads * D). ``scales``: quantized pools' (their
-        codes, scales and biases written as the storage writes them). Only where :meth:`steps_attention`."""
+        codes, scales and biases written as the storage writes them). Only where :meth:`steps_attention`
+        and :meth:`fits_attention_step`."""
         raise NotImplementedError(f"{type(self).__name__} has no fused attention step")
 
     def layer_step(self, block: Any, x: mx.array, cache: Any) -> Optional[mx.array]:
