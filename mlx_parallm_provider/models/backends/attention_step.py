@@ -10,6 +10,10 @@ cache's ``can_attend_step``), the routed attention hands the projections to the 
 ``attend_step`` (one kernel: RoPE, the K/V writes, paged attention) and the result to
 ``o_proj``; everywhere else (other RoPE kinds, sliding windows, MLX's ops) it runs mlx-lm's
 code as routed. Both compute the same numbers, bit for bit.
+
+On a GPU (:class:`.GPUKernels`) the same seam takes the step with fewer MLX ops instead of
+one: reshapes where mlx-lm transposes, RoPE, the K/V scattered into the pools, the paged
+attention kernels (each op is the host's work to build and mostly a launch).
 """
 
 from __future__ import annotations

@@ -37,6 +37,10 @@ class MLXOps:
     """Those activations' bits with ``int8_matmul``: 8 (int8) or 16 (two int8 planes)."""
     float32_weights = False
     """Quantized layers keep float32 copies of their weights for large steps (:mod:`..small_batch`)."""
+    step_writes_in_place = True
+    """Whether :meth:`paged_attention_step` writes the pools' memory in place (an op MLX does
+    not see writing: the pools' later readers are then ordered after it), rather than by
+    indexed assignment to the pools it is handed (MLX's scatter, which replaces them)."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
@@ -96,11 +100,6 @@ class MLXOps:
         :func:`..attention.paged_decode_attention`)."""
         return None
 
-    step_writes_in_place = True
-    """Whether :meth:`paged_attention_step` writes the pools' memory in place (an op MLX does
-    not see writing: the pools' later readers are then ordered after it), rather than by
-    indexed assignment to the pools it is handed (MLX's scatter, which replaces them)."""
-
     def steps_attention(self, rope: Any) -> bool:
         """Whether :meth:`paged_attention_step` takes a step of an attention whose RoPE is ``rope``."""
         return False
@@ -113,8 +112,8 @@ class MLXOps:
     def paged_attention_step(self, queries: mx.array, keys: mx.array, values: mx.array, k_pool: mx.array, v_pool: mx.array,
                              slots: mx.array, table: mx.array, limits: mx.array, offset: mx.array, heads: int, rope: Any,
                              block_size: int, scale: float, scales: Optional[Sequence[mx.array]] = None) -> mx.array:
-        """A decode or verify step's attention block as one op (see
-        :mod:`.attention_step`): ``queries`` (B, L, heads * D) and ``keys`` rotated by
+        """A decode or verify step's attention block as one op, or as few as the backend can
+        (see :mod:`.attention_step`): ``queries`` (B, L, heads * D) and ``keys`` rotated by
         ``rope`` at positions ``offset[b] + j``, the new keys and values written into the pools
         at ``slots`` (see :attr:`step_writes_in_place`), then attention over the block ``table`` up to ``limits`` (as
         :meth:`paged_decode_attention`); (B, L, heads * D). ``scales``: quantized pools' (their
