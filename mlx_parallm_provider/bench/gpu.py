@@ -208,19 +208,21 @@ def _timing_forwards(runner: Any) -> list[tuple[int, int, float, Optional[int]]]
     """Time each forward pass ``runner`` builds from now on (this runner's only): ``(rows,
     width, seconds, ops)`` of Python and MLX building the pass's graph, evaluating nothing (the
     host's share of a step, which overlaps the device's work on the step before); ``ops``: the
-    ops in that graph, counted (after the timing) in the first pass of each rows and width, else None."""
+    ops in that graph, counted (after the timing) in the first decode pass (width 1) of each
+    row count, else None."""
     timings: list[tuple[int, int, float, Optional[int]]] = []
-    counted: set[tuple[int, int]] = set()
+    counted: set[int] = set()
     build = runner.forward
 
     def forward(rows: list, pieces: list, starts: list, *args: Any, **kwargs: Any) -> Any:
         start = time.perf_counter()
         out = build(rows, pieces, starts, *args, **kwargs)
         seconds = time.perf_counter() - start
-        shape = (len(rows), max(len(p) for p in pieces))
-        nodes = None if shape in counted else graph_nodes(out)
-        counted.add(shape)
-        timings.append((*shape, seconds, nodes))
+        width = max(len(p) for p in pieces)
+        nodes = graph_nodes(out) if width == 1 and len(rows) not in counted else None
+        if nodes is not None:
+            counted.add(len(rows))
+        timings.append((len(rows), width, seconds, nodes))
         return out
 
     runner.forward = forward

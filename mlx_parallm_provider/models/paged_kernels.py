@@ -243,7 +243,8 @@ def paged_attention(queries: mx.array, k_pool: mx.array, v_pool: mx.array, table
     B, heads, L, D = queries.shape
     M = table.shape[1]
     T = M * block_size if not window else min(M * block_size, window)
-    limits = _per_position(lengths, B, L)
+    # one position a row: the row's limit is the position's, as the kernels index it (no op to build)
+    limits = lengths.astype(mx.int32) if L == 1 and lengths.shape == (B,) else _per_position(lengths, B, L)
     table = table.astype(mx.int32)
     kv_heads = k_pool.shape[1]
     group = heads // kv_heads
@@ -317,10 +318,7 @@ def quantize_pools(k_pool: mx.array, v_pool: mx.array, bits: int) -> tuple[mx.ar
 
 
 def _per_position(lengths: mx.array, B: int, L: int) -> mx.array:
-    """The tokens each query position sees, ``(B, L)`` int32, from ``lengths`` per row or per
-    position (one position a row: ``(B,)``, which the kernels index alike, with no op to build)."""
-    if L == 1 and lengths.shape == (B,):
-        return lengths.astype(mx.int32)
+    """The tokens each query position sees, ``(B, L)`` int32, from ``lengths`` per row or per position."""
     limits = lengths.reshape(B, L) if lengths.ndim == 2 else mx.broadcast_to(lengths.reshape(B, 1), (B, L))
     return limits.astype(mx.int32)
 
@@ -354,7 +352,7 @@ def gathered_attention(queries: mx.array, k_pool: mx.array, v_pool: mx.array, ta
         k, v = k_pool[slots], v_pool[slots]
     k = k.astype(mx.float32).swapaxes(1, 2)  # (B, kv_heads, S, D)
     v = v.astype(mx.float32).swapaxes(1, 2)
-    limits = _per_position(lengths, B, L).reshape(B, L)
+    limits = _per_position(lengths, B, L)
     pos = mx.arange(S)[None, None, :]
     end = limits[:, :, None]
     visible = pos < end
