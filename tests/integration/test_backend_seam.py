@@ -115,6 +115,15 @@ def test_switching_and_removing_a_backend_on_one_model(tiny_model) -> None:
     assert module.scaled_dot_product_attention is attention.mlx_lm_attention
 
 
+def test_only_a_backend_with_a_layer_op_wraps_the_decoder_layers(tiny_model) -> None:
+    block = tiny_model.model.layers[0]
+    with backends.using(tiny_model.model, "mlx"):
+        assert backends.routing.routed_backend(block) is None  # its class is mlx-lm's own: nothing to call through
+    with backends.using(tiny_model.model, "cpu") as cpu:
+        assert cpu.steps_layers and backends.routing.routed_backend(block) is cpu
+        assert type(block).__call__.__wrapped__ is type(block).__mro__[1].__call__
+
+
 @pytest.mark.parametrize("choice", ["cpu", "mlx"])
 def test_greedy_batched_equals_one_at_a_time_on_each_backend(tiny_model, make_engine, choice: str) -> None:
     from mlx_parallm_provider.engine import SamplingParams

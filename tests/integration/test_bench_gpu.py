@@ -32,13 +32,14 @@ def test_random_model_has_the_shape_quantization_and_tokenizer_asked_for(smollm_
 
 
 @pytest.mark.skipif(not KernelLoop.available(), reason="no C++ compiler")
-def test_paged_step_times_report_both_paths_and_their_agreement() -> None:
-    rows = gpu.paged_step_times(KernelLoop(), contexts=(40,), rows=(1, 3), heads=4, kv_heads=2, head_dim=32, block_size=4,
+def test_paged_step_times_report_both_paths_and_their_agreement(tmp_path: Path) -> None:
+    kernels = KernelLoop(tmp_path)
+    rows = gpu.paged_step_times(kernels, contexts=(40,), rows=(1, 3), heads=4, kv_heads=2, head_dim=32, block_size=4,
                                 dtype=mx.float32, repeats=1)
     assert [(r["context"], r["rows"]) for r in rows] == [(40, 1), (40, 3)]
     assert all(r["max_diff"] < 1e-4 and r["kernel_ms"] > 0 and r["gather_ms"] > 0 for r in rows)
     assert all(r["int8_max_diff"] < 1e-3 and r["int8_kernel_ms"] > 0 and r["int8_gather_ms"] > 0 for r in rows)  # int8 blocks too
-    narrow = gpu.paged_step_times(KernelLoop(), contexts=(40,), rows=(1,), heads=4, kv_heads=2, head_dim=16, block_size=4,
+    narrow = gpu.paged_step_times(kernels, contexts=(40,), rows=(1,), heads=4, kv_heads=2, head_dim=16, block_size=4,
                                   dtype=mx.float32, repeats=1)
     assert "int8_kernel_ms" not in narrow[0]  # a head of 16 channels is not quantized in groups of 32
 

@@ -23,14 +23,14 @@ from mlx_parallm_provider.models.device import gpu_platform
 
 
 @pytest.fixture(scope="module")
-def launch():
+def launch(tmp_path_factory: pytest.TempPathFactory):
     """The kernels as this machine runs them: MLX's custom kernels on a GPU, else the CPU loop."""
     platform = gpu_platform()
     if platform is not None:
         return MLXKernels(platform)
     if not KernelLoop.available():
         pytest.skip("no GPU and no C++ compiler to run the kernels' text on the CPU")
-    return KernelLoop()
+    return KernelLoop(tmp_path_factory.mktemp("kernels"))
 
 
 def _pool(lengths: list[int], block_size: int, kv_heads: int, D: int, dtype: mx.Dtype, seed: int, spare: int = 5):

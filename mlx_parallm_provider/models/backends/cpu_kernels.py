@@ -100,6 +100,7 @@ class CPUKernels(MLXOps):
     name = "cpu"
     kernels = True
     reads_pages = True
+    steps_layers = True
     head_sizes = (16, attention.MAX_HEAD_DIM, attention.MAX_GROUP)
 
     def __post_init__(self) -> None:

@@ -37,6 +37,9 @@ class MLXOps:
     """Those activations' bits with ``int8_matmul``: 8 (int8) or 16 (two int8 planes)."""
     float32_weights = False
     """Quantized layers keep float32 copies of their weights for large steps (:mod:`..small_batch`)."""
+    steps_layers = False
+    """Whether :meth:`layer_step` may take a decoder layer's whole step (else the layers keep
+    their own ``__call__``, with no wrapper to ask)."""
     step_writes_in_place = True
     """Whether :meth:`paged_attention_step` writes the pools' memory in place (an op MLX does
     not see writing: the pools' later readers are then ordered after it), rather than by

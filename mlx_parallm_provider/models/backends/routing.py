@@ -81,7 +81,7 @@ def _subclass(cls: type, backend: Any, namespaces: dict[str, Optional[dict[str, 
         calls.add("scaled_dot_product_attention")
     elif fusable(cls) and "scaled_dot_product_attention" in calls and hasattr(backend, "steps_attention"):
         body["__call__"] = stepping(body["__call__"], backend)  # (a decode step's attention as one op, where it can)
-    elif fusable_block(cls) and hasattr(backend, "layer_step"):
+    elif fusable_block(cls) and getattr(backend, "steps_layers", False):
         body["__call__"] = stepping_block(body.get("__call__", cls.__call__), backend)  # (a whole layer's step, where it can)
     if not body:
         return cls, calls
