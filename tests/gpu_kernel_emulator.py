@@ -23,7 +23,7 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
-from mlx_parallm_provider.models.paged_kernels import KernelCall, KernelSource, Layout, body_for
+from mlx_parallm_provider.models.paged_kernels import MASKED, SCORES, VALUES, KernelCall, KernelSource, Layout, body_for
 
 CPU_TYPES = {mx.float32: "float", mx.float16: "_Float16", mx.bfloat16: "parallm_bf16", mx.int32: "int32_t", mx.uint32: "uint32_t"}
 CUDA_TYPES = {mx.float32: "float", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.int32: "int32_t", mx.uint32: "uint32_t"}
@@ -105,6 +105,39 @@ class KernelLoop:
         lib.run(*args)
         self.launches += 1
         return mx.array(out)
+
+
+def mlx_ops_launch(call: KernelCall) -> mx.array:
+    """A :data:`Launch` giving the float kernels' outputs by MLX's ops on their inputs (the
+    whole sum in the first split): nothing is evaluated, so a traced (compiled) step runs
+    them on the CPU, as MLX's custom kernels run in one on a GPU."""
+    lay = call.layout
+    if call.kernel.name not in (SCORES.name, VALUES.name):
+        raise NotImplementedError(f"{call.kernel.name}: float pools only")
+    H, KVH, BS, W = lay.heads, lay.kv_heads, lay.block_size, lay.window
+    G = H // KVH
+    if call.kernel.name == SCORES.name:
+        queries, pool, table, limits = call.inputs[:4]
+        B, _, L, T = call.output_shape
+    else:
+        probs, pool, table, limits = call.inputs[:4]
+        _, B, _, L, _ = call.output_shape
+        T = probs.shape[-1]
+    end = limits.reshape(B, L)
+    start = mx.maximum(end - W, 0) if W else mx.zeros_like(end)
+    t = start[..., None] + mx.arange(T)[None, None, :]  # (B, L, T): each score's token
+    seen = t < end[..., None]
+    t = mx.where(seen, t, 0)
+    blocks = mx.take_along_axis(mx.broadcast_to(table[:, None, :], (B, L, table.shape[1])), t // BS, axis=2)
+    rows = pool[blocks * BS + t % BS].astype(mx.float32)  # (B, L, T, KVH, D)
+    rows = rows.transpose(0, 3, 1, 2, 4)[:, :, None]  # (B, KVH, 1, L, T, D)
+    if call.kernel.name == SCORES.name:
+        q = queries.reshape(B, KVH, G, L, 1, -1)
+        scores = (q * rows).sum(-1) * call.inputs[5]
+        return mx.where(seen[:, None, None], scores, MASKED).reshape(B, H, L, T)
+    p = (probs.reshape(B, KVH, G, L, T) * seen[:, None, None])[..., None]
+    out = (p * rows).sum(-2).reshape(1, B, H, L, -1)
+    return mx.concatenate([out, mx.zeros((call.output_shape[0] - 1, *out.shape[1:]), mx.float32)])
 
 
 def nvrtc() -> Optional[tuple[ctypes.CDLL, Path]]:

@@ -157,6 +157,7 @@ async def _bench(args: argparse.Namespace, systems: list[str], levels: list[int]
                     records, duration = await runner.run(batch, offsets, c, tick)
                 m = metrics.compute(records, duration, slo, args.percentiles)
                 m.update({"max_decode_batch": None, "peak_memory_mb": None, "peak_rss_mb": None, "backend": None, "attention": None,
+                          "decode": None,
                           **runner.run_info()})
                 rows.append({
                     "order": order, "system": system, "description": DESCRIPTIONS[system], "setting": setting,

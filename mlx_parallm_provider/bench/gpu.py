@@ -12,6 +12,7 @@ llama and a ~1B-shaped random 4-bit model are built from it (:mod:`.random_model
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import io
 import json
 import statistics
@@ -130,7 +131,9 @@ def step_breakdown(model: str, rows: Sequence[int] = (1, 2, 4, 8, 32, 64), token
     aside) over dequantized copies of their weights, against which a quantized matmul that
     does not amortize its weights over the rows shows. ``graph_ms``: the host's time to build
     one decode step's forward graph (median; near ``step_ms``, the step waits on the host);
-    ``graph_nodes``: the ops in that graph (each one the host builds, most a launch on a GPU)."""
+    ``graph_nodes``: the ops in that graph (each one the host builds, most a launch on a GPU).
+    ``decode``: how the engine's decode steps ran (``Engine.stats()``); where ``"compiled"``,
+    ``uncompiled_step_ms`` is the p50 step of the same run with ``compile_decode`` off."""
     import mlx.nn as nn
 
     from ..config import EngineConfig
@@ -154,15 +157,28 @@ def step_breakdown(model: str, rows: Sequence[int] = (1, 2, 4, 8, 32, 64), token
     prompt_ids = _prompt_ids(loaded.tokenizer, max(rows))
     context = max(len(p) for p in prompt_ids) + tokens // 2
     out = []
-    for R in rows:
+    backend = backends.of(m)
+
+    def engine_step(R: int, compiled: bool = True) -> tuple[float, list, Optional[str]]:
+        """The engine's p50 step at ``R`` rows, its forwards' build times, how its decode steps ran."""
+        device = getattr(backend, "device", None)
+        if not compiled and device is not None:  # (the backend's setting, for this engine alone)
+            backend.device = dataclasses.replace(device, compile_decode=False)
         engine = Engine("breakdown", EngineConfig(max_num_seqs=R), loaded=loaded)
         try:
             engine.generate_many_sync(prompt_ids[:1], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))  # (its worker)
             builds = _timing_forwards(engine._core.runner)  # noqa: SLF001
             engine.generate_many_sync(prompt_ids[:R], SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True))
-            step_ms = engine.stats()["step_s"]["p50"] * 1e3
+            stats = engine.stats()
+            return stats["step_s"]["p50"] * 1e3, builds, stats["decode"]
         finally:
             engine.shutdown()
+            if device is not None:
+                backend.device = device
+
+    for R in rows:
+        step_ms, builds, decode = engine_step(R)
+        uncompiled_ms = engine_step(R, compiled=False)[0] if decode == "compiled" else None
         decode_builds = [(t, nodes) for rows_in, width, t, nodes in builds if rows_in == R and width == 1]
         graph_ms = statistics.median(t for t, _ in decode_builds) * 1e3 if decode_builds else None
         graph_nodes = next((nodes for _, nodes in decode_builds if nodes is not None), None)
@@ -200,7 +216,8 @@ def step_breakdown(model: str, rows: Sequence[int] = (1, 2, 4, 8, 32, 64), token
         parts = {name: ms[name] for name in ("matmul_ms", "attention_ms", "sampling_ms")}
         rest = step_ms - sum(parts.values())
         out.append({"rows": R, "step_ms": step_ms, "tokens_per_s": R / step_ms * 1e3, **parts, "rest_ms": rest,
-                    "dense_layers_ms": ms["dense_layers_ms"], "graph_ms": graph_ms, "graph_nodes": graph_nodes})
+                    "dense_layers_ms": ms["dense_layers_ms"], "graph_ms": graph_ms, "graph_nodes": graph_nodes, "decode": decode,
+                    "uncompiled_step_ms": uncompiled_ms})
     return out
 
 

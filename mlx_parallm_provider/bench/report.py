@@ -68,7 +68,7 @@ def attention_lines(rows: Sequence[Mapping[str, Any]]) -> list[str]:
         m = r["metrics"]
         if m.get("attention"):
             paths = seen.setdefault((r["system"], r["setting_label"]), [])
-            path = f"{m.get('backend')} backend, attention: {m['attention']}"
+            path = f"{m.get('backend')} backend, attention: {m['attention']}" + (f", decode steps {m['decode']}" if m.get("decode") else "")
             if path not in paths:
                 paths.append(path)
     return [f"{system} ({label}): {'; then '.join(paths)}" for (system, label), paths in seen.items()]

@@ -26,6 +26,7 @@ DEVICE_SETTINGS: dict[str, Setting] = {
                             "MLX_PARALLM_KERNEL_MARCH", None, parse_march),
     "amx": Setting(Limit("bool"), "MLX_PARALLM_AMX", True, parse_choice),
     "paged_attention": Setting(Limit("choice", choices=PAGED_ATTENTION), "MLX_PARALLM_PAGED_ATTENTION", "auto", parse_word),
+    "compile_decode": Setting(Limit("bool", optional=True), "MLX_PARALLM_COMPILE_DECODE", None, parse_choice),
 }
 """:class:`DeviceConfig`'s fields: limits, variables, built-in defaults."""
 
@@ -77,6 +78,12 @@ class DeviceConfig(CheckedSettings):
             ``"kernel"``, this package's kernels read it through the block tables;
             ``"gather"``, each row's blocks are copied into a rectangle for MLX's attention;
             ``"auto"``, the kernels where their check at first use passes, else the gather.
+        compile_decode: a decode step's forward pass runs as one compiled MLX function
+            (``mx.compile``, one trace per padded row count and block-table width), so the
+            host replays its graph instead of building it in Python each step. None: where
+            the GPU's paged kernels take every layer's attention (no sliding windows; rows
+            with a LoRA adapter step uncompiled); True: tried wherever the pass allows;
+            False: never.
     """
 
     _SETTINGS: ClassVar[dict[str, Setting]] = DEVICE_SETTINGS
@@ -90,6 +97,7 @@ class DeviceConfig(CheckedSettings):
     kernel_march: Optional[str] = _field("kernel_march")
     amx: bool = _field("amx")
     paged_attention: str = _field("paged_attention")
+    compile_decode: Optional[bool] = _field("compile_decode")
 
     @classmethod
     def from_env(cls, **overrides: Any) -> "DeviceConfig":

@@ -158,7 +158,7 @@ class Engine(EmbedMethods, SleepMethods, LoRAMethods):
 
         try:
             while True:
-                run.submit_ready(lambda index: TaggedSink(put, index, loop.is_closed))
+                run.submit_ready(lambda index: TaggedSink(put, index, loop.is_closed, loop, inbox.put_nowait))
                 if run.done:
                     return run.results
                 if run.waiting_for_room:  # poll (no wait_for: it can drop a result it cancels)
@@ -227,7 +227,8 @@ class Engine(EmbedMethods, SleepMethods, LoRAMethods):
         files), ``kv_tiers`` (each prefix store tier's hit tokens, bytes, evictions), ``speculation`` (n-gram drafts) and
         ``fast_forward`` (grammar-forced tokens): None when off; ``backend`` (the model's backend: "cpu", "gpu",
         "mlx") and ``attention`` (how it reads the paged KV, e.g. "paged kernels (cuda)", or "gather (...)" with
-        why); ``state`` ("awake" / "asleep") and ``memory_bytes`` (:meth:`memory_bytes`)."""
+        why); ``decode`` (how its decode steps' forward runs: "compiled", or "uncompiled (...)" with
+        why; None before the first); ``state`` ("awake" / "asleep") and ``memory_bytes`` (:meth:`memory_bytes`)."""
         core = self._core
         running, waiting = (core.num_running, core.num_waiting) if core is not None and core.alive else (0, 0)
         snap = self.metrics.snapshot(running=running, waiting=waiting)
@@ -237,6 +238,7 @@ class Engine(EmbedMethods, SleepMethods, LoRAMethods):
         snap.update(core.drafting_stats() if core is not None else {"speculation": None, "fast_forward": None})
         loaded = self._loaded
         snap.update(backends.describe(loaded.model) if loaded is not None else {"backend": None, "attention": None})
+        snap["decode"] = core.runner.decode_path() if core is not None else None
         snap["lora"] = self._adapters.stats()
         return snap
 

@@ -29,7 +29,7 @@ from typing import Any, Callable, Optional
 
 from ..config import EngineConfig
 from ..errors import EngineDeadError
-from .detokenize import TextStream
+from .detokenize import TextStream, direct_decoder
 from .drafting import Drafting
 from .embed.request import EmbedRequest
 from .exit_guard import register, wait_for_native_exit
@@ -41,6 +41,7 @@ from .request import Request
 from .runner import ModelRunner
 from .sampling import RowSampler
 from .scheduler import Scheduler
+from .sinks import deliver_all
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +66,7 @@ class EngineCore:
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
+        self.decoder = direct_decoder(tokenizer)  # (the requests' text streams decode through it)
         self.config = config
         self.metrics = metrics
         self.clock = clock
@@ -209,8 +211,7 @@ class EngineCore:
         self._reap()
         plan = self.scheduler.schedule()
         out = self.runner.run(plan)
-        for request, result in self.scheduler.update(plan, out):
-            self._deliver(request, result)
+        deliver_all(self.scheduler.update(plan, out), self._deliver)
         return True
 
     def _take_arrivals(self) -> bool:
@@ -248,7 +249,7 @@ class EngineCore:
         try:
             request.state = RowState(
                 sampler=RowSampler(request.params, self.grammar if request.params.constraint else None),
-                text=TextStream(self.tokenizer, request.params.stop, request.prompt_ids),
+                text=TextStream(self.decoder, request.params.stop, request.prompt_ids),
                 logprobs=[] if request.params.logprobs else None,
             )
         except Exception as exc:

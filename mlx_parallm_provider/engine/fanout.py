@@ -55,15 +55,22 @@ def expand(
 
 class TaggedSink(ResultSink):
     """Hands ``(index, item)`` to a queue shared by all requests of one call;
-    ``abandoned`` says when that queue's reader is gone (its event loop closed)."""
+    ``abandoned`` says when that queue's reader is gone (its event loop closed). With
+    ``loop``, ``on_loop`` is that queue's own put, called on the loop's thread
+    (:meth:`put_on_loop`)."""
 
-    def __init__(self, put: Callable[[object], None], index: int, abandoned: Callable[[], bool] = lambda: False) -> None:
+    def __init__(self, put: Callable[[object], None], index: int, abandoned: Callable[[], bool] = lambda: False,
+                 loop: Any = None, on_loop: Optional[Callable[[object], None]] = None) -> None:
         self._put = put
         self.index = index
         self._abandoned = abandoned
+        self.loop, self._on_loop = (loop, on_loop) if on_loop is not None else (None, None)
 
     def put(self, item: object) -> None:
         self._put((self.index, item))
+
+    def put_on_loop(self, item: object) -> None:
+        self._on_loop((self.index, item))  # type: ignore[misc]
 
     def abandoned(self) -> bool:
         return self._abandoned()

@@ -13,6 +13,8 @@ from ..errors import InvalidParameterError, RequestTimeoutError
 from .grammar.constraint import Constraint
 
 if TYPE_CHECKING:
+    import asyncio
+
     from ..models.lora.slots import AdapterUse
 
 Prompt = Union[str, list[int]]
@@ -172,8 +174,17 @@ class ResultSink:
     requests), then a final :class:`Completion`, or an exception. Implementations hand
     items to the caller's event loop or thread."""
 
+    loop: Optional["asyncio.AbstractEventLoop"] = None
+    """The event loop the results go to, where :meth:`put_on_loop` hands them over on it (a
+    step's results for one loop then go in one call, :func:`.sinks.deliver_all`); None: by
+    :meth:`put` alone."""
+
     def put(self, item: object) -> None:  # pragma: no cover - interface
         raise NotImplementedError
+
+    def put_on_loop(self, item: object) -> None:
+        """Hand ``item`` over, called on :attr:`loop`'s thread."""
+        raise NotImplementedError(f"{type(self).__name__} delivers by put() alone")
 
     def abandoned(self) -> bool:
         """True once nobody can receive the results (the caller's event loop is closed): the

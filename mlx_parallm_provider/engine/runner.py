@@ -21,6 +21,8 @@ import mlx.core as mx
 from ..models import backends
 from ..models.head import split_head
 from ..models.lora.layers import rows_using
+from . import compiled_step
+from .compiled_step import CompiledDecode
 from .decode_ahead import DecodeAhead
 from .drafting.verify import verify_drafts
 from .embed.forward import embed_step
@@ -69,6 +71,8 @@ class ModelRunner:
         self.ragged = False
         self.ahead = DecodeAhead(self) if decode_ahead else None
         self.kv = KVStep()  # the step's (see run())
+        self._compiled: Optional[CompiledDecode] = None  # made at the first decode step where it applies
+        self.compiled_off: Optional[str] = None  # why decode steps run uncompiled (None: not known yet, or compiled)
 
     def run(self, plan: StepPlan) -> StepOutput:
         """Execute ``plan``: its chunk, its prefill batch, its embeddings, then its decode rows."""
@@ -134,9 +138,17 @@ class ModelRunner:
         model, over the rows' blocks (``tokens``: the pieces as an array, ``(B, width)``, given
         instead); the logits, ``(B, width, vocab)`` (``hidden``: the final hidden states
         instead, where :attr:`split`). Narrow passes (decode, verify steps, short prefill
-        pieces) attend through the block tables (see :class:`.PagedBatch`)."""
+        pieces) attend through the block tables (see :class:`.PagedBatch`); a decode pass
+        whose rows use no LoRA adapter runs compiled where it can (:mod:`.compiled_step`)."""
         width = max(len(p) for p in pieces)
         tables: list[Any] = [[self.kv.tables[id(r)][g] for r in rows] for g in range(self.num_groups)]
+        if width == 1 and not hidden and not any(r.adapter for r in rows):
+            compiled = self._compiled_decode()
+            if compiled is not None:
+                out = compiled(tokens if tokens is not None else mx.array(pieces), starts, tables[0])
+                if out is not None:
+                    return out
+                self.compiled_off = compiled.off
         batch = PagedBatch(self.storage, tables[0] if self.groups is None else tables, starts, [len(p) for p in pieces], width,
                            self.windows, self.gathered, self.groups)
         if tokens is None:
@@ -147,6 +159,21 @@ class ModelRunner:
         if width > 1:
             self.ragged = all(c.ragged for c in caches)
         return out
+
+    def decode_path(self) -> Optional[str]:
+        """How decode steps' forward runs: ``"compiled"``, ``"uncompiled (why)"``, or None before the first."""
+        if self._compiled is not None and self._compiled.off is None:
+            return "compiled"
+        return f"uncompiled ({self.compiled_off})" if self.compiled_off is not None else None
+
+    def _compiled_decode(self) -> Optional[CompiledDecode]:
+        """The compiled decode forward, made where it applies (:mod:`.compiled_step`); None elsewhere."""
+        if self._compiled is None and self.compiled_off is None:
+            why = compiled_step.applies(self.model, self.storage, self.windows, self.groups is not None, self.gathered)
+            if why is None:
+                self._compiled = CompiledDecode(self.model, self.storage, self.pad_id)
+            self.compiled_off = why
+        return self._compiled if self._compiled is not None and self._compiled.off is None else None
 
     def logits_where_asked(self, rows: list[Request], pieces: list[list[int]], starts: list[int]) -> "SpotLogits":
         """:meth:`forward`'s pass, evaluated (the KV written), its logits computed only at the

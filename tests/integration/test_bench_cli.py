@@ -18,6 +18,7 @@ METRICS = {
     "completed", "failed", "failures", "duration_s", "total_input_tokens", "total_output_tokens", "request_throughput",
     "request_goodput", "output_throughput", "total_token_throughput", "max_concurrent_requests", "ttft_ms", "tpot_ms",
     "itl_ms", "e2el_ms", "max_decode_batch", "peak_memory_mb", "peak_rss_mb", "backend", "attention",
+    "decode",
 }
 STREAMED = ("engine", "litellm", "langchain", "mlx-lm")
 OURS = ("engine", "litellm", "langchain")
@@ -56,6 +57,7 @@ def test_every_system_setting_and_level_has_every_metric(quick: tuple[dict, str,
         assert len(r["samples"]["e2el_ms"]) == r["num_requests"]
         described = ours if r["system"] in OURS else {"backend": None, "attention": None}  # (none for the peers)
         assert (m["backend"], m["attention"]) == (described["backend"], described["attention"]), r["system"]
+        assert m["decode"] == ("uncompiled (the backend has no GPU paged kernels)" if r["system"] in OURS else None)
     assert f"- engine (max_num_seqs=2): {ours['backend']} backend, attention: {ours['attention']}" in stdout
     for level in (1, 4):  # the same prompts everywhere: every system counts the same prompt tokens
         assert len({r["metrics"]["total_input_tokens"] for r in rows if r["concurrency"] == level}) == 1

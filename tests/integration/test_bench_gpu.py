@@ -8,7 +8,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from gpu_kernel_emulator import KernelLoop
+from gpu_kernel_emulator import KernelLoop, mlx_ops_launch
 from mlx_parallm_provider.bench import gpu, random_model
 
 
@@ -60,6 +60,19 @@ def test_step_breakdown_times_each_part_at_each_row_count(tiny_random: Path, mon
         assert r["rest_ms"] == pytest.approx(r["step_ms"] - r["matmul_ms"] - r["attention_ms"] - r["sampling_ms"])
         assert 0 < r["graph_ms"] < 10 * r["step_ms"]  # the decode steps' forwards at this row count were timed
         assert isinstance(r["graph_nodes"], int) and r["graph_nodes"] > 0  # and one of them counted
+        assert r["decode"] == "uncompiled (the backend has no GPU paged kernels)" and r["uncompiled_step_ms"] is None
+
+
+def test_step_breakdown_times_compiled_decode_steps_against_uncompiled_ones(tiny_random: Path) -> None:
+    from mlx_parallm_provider.config import DeviceConfig
+    from mlx_parallm_provider.models import backends, registry
+    from mlx_parallm_provider.models.backends.gpu_kernels import GPUKernels
+
+    backend = GPUKernels(DeviceConfig(), launch=mlx_ops_launch, platform="test")  # (the kernels by MLX's ops: traceable)
+    with backends.using(registry.load(str(tiny_random)).model, backend):
+        rows = gpu.step_breakdown(str(tiny_random), rows=(3,), tokens=6)
+    assert rows[0]["decode"] == "compiled" and rows[0]["uncompiled_step_ms"] > 0 and rows[0]["graph_nodes"] > 0
+    assert backend.device.compile_decode is None  # (turned off for the uncompiled run alone)
 
 
 def test_graph_nodes_counts_the_ops_not_yet_evaluated() -> None:

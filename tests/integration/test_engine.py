@@ -133,6 +133,27 @@ def test_callers_from_several_event_loops_batch_together(make_engine) -> None:
     assert engine.stats()["max_batch_size"] >= 16
 
 
+def test_concurrent_streams_get_each_step_in_one_wake_up_of_their_loop(make_engine) -> None:
+    engine = make_engine()
+    prompts = mixed_prompts(8)
+    params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0)
+    expected = [engine.generate_sync(p, params) for p in prompts]
+
+    async def collect(prompt: str) -> list[int]:
+        return [t async for delta in engine.stream(prompt, params) for t in delta.token_ids]
+
+    async def main() -> tuple[list[list[int]], list[str]]:
+        loop = asyncio.get_running_loop()
+        handed, real = [], loop.call_soon_threadsafe
+        loop.call_soon_threadsafe = lambda cb, *a, **k: handed.append(getattr(cb, "__name__", "")) or real(cb, *a, **k)
+        return await asyncio.gather(*(collect(p) for p in prompts)), handed
+
+    streamed, handed = run(main())
+    assert streamed == [e.token_ids for e in expected]
+    deliveries = [name for name in handed if name in ("_hand_over", "put_nowait")]
+    assert 0 < len(deliveries) <= 12 + 4  # a call a step (and a first token or two apart), not one a token a row: 96
+
+
 def test_cancel_one_stream_leaves_others_untouched(make_engine) -> None:
     engine = make_engine()
     prompts = mixed_prompts(8)

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import random
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from mlx_parallm_provider.engine.detokenize import IncrementalDetokenizer, StopStringMatcher, TextStream
+from mlx_parallm_provider.engine.detokenize import IncrementalDetokenizer, StopStringMatcher, TextStream, direct_decoder
 
 FFFD = "\ufffd"
 
@@ -112,6 +113,36 @@ def test_mlx_lm_tokenizer_wrapper(hf_tokenizer: Any) -> None:
     wrapper = tokenizer_utils.TokenizerWrapper(hf_tokenizer)
     ids = hf_tokenizer.encode(TEXTS["mixed"])
     assert "".join(stream(IncrementalDetokenizer(wrapper), ids)) == TEXTS["mixed"]
+
+
+def test_the_direct_decoder_decodes_as_the_tokenizer_does(smollm_tokenizer_dir: Path) -> None:
+    tokenizer_utils = pytest.importorskip("mlx_lm.tokenizer_utils")
+    wrapper = tokenizer_utils.load(smollm_tokenizer_dir)
+    for tokenizer in (wrapper, wrapper._tokenizer):
+        direct = direct_decoder(tokenizer)
+        assert direct is not tokenizer  # (its Rust tokenizer, called directly)
+        rng = random.Random(0)
+        special = sorted(wrapper._tokenizer.all_special_ids)
+        for _ in range(300):
+            ids = [rng.choice(special) if rng.random() < 0.2 else rng.randrange(wrapper.vocab_size) for _ in range(rng.randint(1, 6))]
+            for skip in (False, True):
+                assert direct.decode(ids, skip_special_tokens=skip) == tokenizer.decode(ids, skip_special_tokens=skip), ids
+        ids = tokenizer.encode(TEXTS["mixed"])
+        assert "".join(stream(IncrementalDetokenizer(direct), ids)) == "".join(stream(IncrementalDetokenizer(tokenizer), ids))
+
+
+def test_the_direct_decoder_is_the_tokenizer_where_its_decode_does_more(hf_tokenizer: Any) -> None:
+    transformers = pytest.importorskip("transformers")
+    cleaning = transformers.PreTrainedTokenizerFast(tokenizer_object=hf_tokenizer.backend_tokenizer, clean_up_tokenization_spaces=True)
+
+    class OwnDecode(transformers.PreTrainedTokenizerFast):
+        def decode(self, *args: Any, **kwargs: Any) -> str:
+            return super().decode(*args, **kwargs).upper()
+
+    own = OwnDecode(tokenizer_object=hf_tokenizer.backend_tokenizer, clean_up_tokenization_spaces=False)
+    byte = ByteTokenizer()
+    assert direct_decoder(hf_tokenizer) is not hf_tokenizer
+    assert direct_decoder(cleaning) is cleaning and direct_decoder(own) is own and direct_decoder(byte) is byte
 
 
 def test_split_character_is_held_until_complete() -> None:

@@ -71,7 +71,7 @@ class _OnSharedEngine(Runner):
 
         stats = self.engine.stats()
         info = {"max_decode_batch": stats.get("max_batch_size"), "peak_memory_mb": mlx_peak_mb(), "peak_rss_mb": peak_rss_mb(),
-                "backend": stats.get("backend"), "attention": stats.get("attention")}
+                "backend": stats.get("backend"), "attention": stats.get("attention"), "decode": stats.get("decode")}
         for kind, (drafted, accepted) in draft_counts(stats).items():
             drafted -= self._drafts_before.get(kind, (0, 0))[0]
             accepted -= self._drafts_before.get(kind, (0, 0))[1]

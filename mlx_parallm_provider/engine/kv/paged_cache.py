@@ -34,10 +34,10 @@ from __future__ import annotations
 from typing import Any, Optional, Sequence
 
 import mlx.core as mx
-import numpy as np
 
 from ...models.backends import MLXOps
 from .block_pool import NULL_BLOCK
+from .buckets import Bucket, length_buckets
 from .cascade import SharedPrefix, cascade_attention
 from .groups import LayerGroups
 from .storage import PagedKVStorage
@@ -45,8 +45,6 @@ from .storage import PagedKVStorage
 _MLX_OPS = MLXOps()
 MIN_SHARED_BLOCKS = 4
 """Decoding rows that share at least this many leading blocks attend to them as one cascade."""
-BUCKET_RATIO = 2
-"""Rows attend in buckets whose longest row is at most this many times their shortest."""
 
 TILE_SCORES = 1 << 20
 """A gathered prefill (no paged kernel) attends in tiles of queries holding at most this
@@ -55,6 +53,10 @@ The softmax's intermediates are each as large as the scores: untiled, a 512-toke
 over a 2,000-token row held ~280 MB at once on the default model, three times that row's
 whole KV; in tiles ~80 MB, and the chunk ran faster (12.1 vs 17.7 s for the 2,000 tokens
 on a 2-core Zen 3)."""
+
+
+class NotTraceable(RuntimeError):
+    """A pass built from arrays was asked for what only its rows' lists give."""
 
 
 class PagedBatch:
@@ -89,6 +91,23 @@ class PagedBatch:
         self.lengths = mx.array(self.totals, dtype=mx.int32)
         self.passes = [GroupPass(self, t, starts, lengths) for t in ([tables] if groups is None else tables)]
 
+    @classmethod
+    def of_arrays(cls, storage: PagedKVStorage, offset: mx.array, lengths: mx.array, write_slots: mx.array,
+                  table: mx.array) -> "PagedBatch":
+        """A decode pass (one position a row, one group of layers, no sliding window) whose
+        rows come as arrays, not lists: ``offset`` ``(B,)`` each row's position, ``lengths``
+        ``(B,)`` its tokens after the step, ``write_slots`` ``(B,)`` where its new K/V go,
+        ``table`` ``(B, M)`` its blocks (a compiled step's inputs, :mod:`...compiled_step`).
+        It attends through the block tables only: what would be built from the rows' lists
+        (gathered buckets, shared prefixes) raises :class:`NotTraceable`."""
+        batch = cls.__new__(cls)
+        batch.storage, batch.width, batch.gathered = storage, 1, False
+        batch.groups = LayerGroups.single(storage.num_layers)
+        batch.windows = [None] * storage.num_layers
+        batch.totals, batch.offset, batch.lengths = [], offset, lengths
+        batch.passes = [GroupPass.of_arrays(batch, write_slots, table)]
+        return batch
+
     def layers(self) -> list["PagedLayerCache"]:
         """One cache object per layer, for ``model(tokens, cache=...)``."""
         return [PagedLayerCache(self.passes[g], slot, self.windows[layer]) for layer, (g, slot) in enumerate(self.groups.places)]
@@ -109,7 +128,7 @@ class GroupPass:
         storage.check(max(writes, default=0))
         self.write_slots = mx.array(writes, dtype=mx.int32)
         self._rows = (tables, starts, lengths)
-        self._buckets: dict[Any, list[_Bucket]] = {}
+        self._buckets: dict[Any, list[Bucket]] = {}
         self._shared: Optional[list[tuple[list[int], list[int]]]] = None
         longest = max((len(t) for t in tables), default=0)
         # For the paged decode kernel: block tables padded with the null block.
@@ -117,27 +136,42 @@ class GroupPass:
         self.lengths = batch.lengths
         self._limits: Optional[mx.array] = batch.lengths if width == 1 else None
 
+    @classmethod
+    def of_arrays(cls, batch: PagedBatch, write_slots: mx.array, table: mx.array) -> "GroupPass":
+        """(:meth:`PagedBatch.of_arrays`) the pass's one group, its rows as arrays only."""
+        group = cls.__new__(cls)
+        group.batch, group.storage, group.width, group.totals = batch, batch.storage, 1, batch.totals
+        group.write_slots, group.table, group.lengths, group._limits = write_slots, table, batch.lengths, batch.lengths
+        group._rows, group._buckets, group._shared = None, {}, None
+        return group
+
+    def _lists(self) -> tuple[Sequence[Sequence[int]], Sequence[int], Sequence[int]]:
+        """The rows' tables, starts and lengths as lists."""
+        if self._rows is None:
+            raise NotTraceable("a pass built from arrays (a compiled step) attends through the block tables only")
+        return self._rows
+
     @property
     def limits(self) -> mx.array:
         """The tokens each query position sees, ``(B,)`` for one position a row, else ``(B,
         width)`` (padding positions: their row's last real one's); built on first use (a
         gathered pass never asks)."""
         if self._limits is None:
-            _, starts, lengths = self._rows
+            _, starts, lengths = self._lists()
             self._limits = mx.array([[s + min(j, max(n, 1) - 1) + 1 for j in range(self.width)] for s, n in zip(starts, lengths)],
                                     dtype=mx.int32)
         return self._limits
 
-    def buckets(self, window: Optional[int] = None) -> list["_Bucket"]:
+    def buckets(self, window: Optional[int] = None) -> list["Bucket"]:
         """Rows grouped by the length they attend over, each with its slots and mask, for
         layers of ``window`` (built on first use: the paged decode kernel reads block tables
         and needs none)."""
         if window not in self._buckets:
-            tables, starts, lengths = self._rows
+            tables, starts, lengths = self._lists()
             firsts = [0 if window is None else max(0, s - window + 1) for s in starts]
             spans = [t - f for t, f in zip(self.totals, firsts)]
-            self._buckets[window] = [_Bucket(idx, tables, starts, firsts, self.totals, self.width, self.storage.block_size, window)
-                                     for idx in _length_buckets(spans)]
+            self._buckets[window] = [Bucket(idx, tables, starts, firsts, self.totals, self.width, self.storage.block_size, window)
+                                     for idx in length_buckets(spans)]
         return self._buckets[window]
 
     def shared(self) -> list[tuple[list[int], list[int]]]:
@@ -145,7 +179,7 @@ class GroupPass:
         tables start with the same :data:`MIN_SHARED_BLOCKS` blocks or more (whole blocks
         before every such row's query)."""
         if self._shared is None:
-            tables, starts, _ = self._rows
+            tables, starts, _ = self._lists()
             by_first: dict[int, list[int]] = {}
             for b, table in enumerate(tables):
                 if table and table[0] != NULL_BLOCK:
@@ -163,73 +197,28 @@ class GroupPass:
             self._shared = groups
         return self._shared
 
-    def own_buckets(self) -> list["_Bucket"]:
+    def own_buckets(self) -> list["Bucket"]:
         """Decode rows by length bucket over their own tokens: those after the shared
         prefix of their :meth:`shared` group, every token for the others."""
         if "own" not in self._buckets:
-            tables, starts, _ = self._rows
+            tables, starts, _ = self._lists()
             firsts = [0] * len(tables)
             for blocks, rows in self.shared():
                 for b in rows:
                     firsts[b] = len(blocks) * self.storage.block_size
             spans = [t - f for t, f in zip(self.totals, firsts)]
-            self._buckets["own"] = [_Bucket(idx, tables, starts, firsts, self.totals, self.width, self.storage.block_size)
-                                    for idx in _length_buckets(spans)]
+            self._buckets["own"] = [Bucket(idx, tables, starts, firsts, self.totals, self.width, self.storage.block_size)
+                                    for idx in length_buckets(spans)]
         return self._buckets["own"]
 
-    def whole(self, window: Optional[int] = None) -> "_Bucket":
+    def whole(self, window: Optional[int] = None) -> "Bucket":
         """Every row in one bucket, in order (what a model attending itself is given)."""
         key = ("whole", window)
         if key not in self._buckets:
-            tables, starts, _ = self._rows
+            tables, starts, _ = self._lists()
             firsts = [0 if window is None else max(0, s - window + 1) for s in starts]
-            self._buckets[key] = [_Bucket(list(range(len(tables))), tables, starts, firsts, self.totals, self.width, self.storage.block_size, window)]
+            self._buckets[key] = [Bucket(list(range(len(tables))), tables, starts, firsts, self.totals, self.width, self.storage.block_size, window)]
         return self._buckets[key][0]
-
-class _Bucket:
-    """Rows attended together: the slots of the tokens ``firsts[b]:totals[b]`` of each
-    (padded to the bucket's longest span) and their mask."""
-
-    def __init__(self, rows: list[int], tables: Sequence[Sequence[int]], starts: Sequence[int], firsts: Sequence[int],
-                 totals: Sequence[int], width: int, bs: int, window: Optional[int] = None) -> None:
-        self.rows = rows
-        self.index = None if rows == list(range(len(totals))) else mx.array(rows, dtype=mx.int32)
-        longest = max(totals[b] - firsts[b] for b in rows)
-        blocks = np.full((len(rows), max(len(tables[b]) for b in rows)), NULL_BLOCK, dtype=np.int64)
-        for i, b in enumerate(rows):
-            blocks[i, : len(tables[b])] = tables[b]
-        tokens = np.array([firsts[b] for b in rows])[:, None] + np.arange(longest)[None, :]  # each row's, padded
-        real = tokens < np.array([totals[b] for b in rows])[:, None]
-        held = np.take_along_axis(blocks, np.where(real, tokens // bs, 0), axis=1)
-        self.slots = mx.array(np.where(real, held * bs + tokens % bs, NULL_BLOCK * bs).astype(np.int32))
-        key = mx.array(tokens.astype(np.int32))[:, None, :]  # positions (B, 1, S)
-        start = mx.array([starts[b] for b in rows])[:, None, None]
-        total = mx.array([totals[b] for b in rows])[:, None, None]
-        if width == 1:  # the one query sits at total - 1: every gathered key is within its window
-            self.mask = (key < total)[:, None]  # (B, 1, 1, S)
-        else:
-            # Query i of row b sits at start_b + i; queries past the row's end (padding)
-            # see the row's real keys only, so they never attend to nothing.
-            query = mx.minimum(start + mx.arange(width)[None, :, None], total - 1)
-            seen = (key <= query) & (key < total)
-            if window is not None:
-                seen = seen & (key > query - window)
-            self.mask = seen[:, None]  # (B, 1, L, S)
-
-
-def _length_buckets(totals: Sequence[int]) -> list[list[int]]:
-    """Rows grouped so that no row attends over more than ``BUCKET_RATIO`` times its length."""
-    order = sorted(range(len(totals)), key=lambda b: totals[b])
-    buckets: list[list[int]] = []
-    for b in order:
-        if buckets and totals[b] <= BUCKET_RATIO * max(totals[buckets[-1][0]], 1):
-            buckets[-1].append(b)
-        else:
-            buckets.append([b])
-    if len(buckets) == 1:
-        return [list(range(len(totals)))]
-    return buckets
-
 
 def _attend_tiled(backend: MLXOps, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: mx.array,
                   sinks: Optional[mx.array] = None, softcap: Optional[float] = None) -> mx.array:

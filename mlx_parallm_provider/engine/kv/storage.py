@@ -100,6 +100,17 @@ class PagedKVStorage:
         """Every array the storage holds (what a step's evaluation waits for)."""
         return [a for layer in range(self.num_layers) for a in self.layer_arrays(layer)]
 
+    def set_arrays(self, arrays: list[mx.array]) -> None:
+        """Replace every array (as :meth:`arrays` lists them) by ``arrays``, of the same shapes."""
+        at = 0
+        for layer in range(self.num_layers):
+            n = len(self.layer_arrays(layer))
+            if n:
+                self._set_layer_arrays(layer, list(arrays[at : at + n]))
+                at += n
+        if at != len(arrays):
+            raise ValueError(f"{len(arrays)} arrays for storage holding {at}")
+
     @property
     def physical_blocks(self) -> int:
         """Blocks the arrays hold now (or will hold when created)."""

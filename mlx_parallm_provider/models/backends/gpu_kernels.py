@@ -62,7 +62,8 @@ class GPUKernels(MLXOps):
     step_writes_in_place = False
 
     def __init__(self, device: Optional[DeviceConfig] = None, launch: Optional[Launch] = None, platform: Optional[str] = None) -> None:
-        self.mode = (device or DeviceConfig()).paged_attention
+        self.device = device or DeviceConfig()
+        self.mode = self.device.paged_attention
         self.platform = platform or gpu_platform() or "none"
         self._launch = launch
         self._ready: dict[bool, Optional[bool]] = {False: None if self.mode != "gather" else False, True: None}
