@@ -61,6 +61,28 @@ def test_compiled_decode_steps_give_the_tokens_of_uncompiled_ones(tiny_model, ma
     assert {shape[0] for shape in traces} <= {8, 4, 2, 1}
 
 
+def test_compiled_steps_answer_as_uncompiled_through_preemption_prefix_sharing_and_drafts(tiny_model, make_engine) -> None:
+    """A pool too small for the batch (rows preempted and recomputed), prompts sharing cached
+    prefix blocks, n-gram drafts verified (verify steps uncompiled, decode steps compiled):
+    the same greedy tokens compiled and uncompiled."""
+    shared = [7, 8, 9, 10] * 3
+    prompts = [shared + [100 + i, 50 + 2 * i][: 1 + i % 2] for i in range(8)] + [[1, 5, 9, 14, 2, 5, 9, 14, 2, 5]]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    budget = 24 * 4 * 2 * 2 * 2 * 16 * 4 / 1024**3  # 24 blocks of 4 tokens of the tiny llama's KV
+
+    def tokens(**device) -> tuple[list[list[int]], dict, object]:
+        with backends.using(tiny_model.model, _gpu(**device)):
+            engine = make_engine(kv_block_size=4, kv_cache_memory_gb=budget, enable_prefix_caching=True, speculative="ngram")
+            out = [o.token_ids for o in engine.generate_many_sync(prompts, params)]
+            return out, engine.stats(), engine._core.runner
+
+    plain, _, _ = tokens(compile_decode=False)
+    compiled, stats, runner = tokens()
+    assert compiled == plain
+    assert stats["kv_cache"]["num_preemptions"] > 0 and stats["prefix_cache"]["hit_rate"] > 0 and stats["decode"] == "compiled"
+    assert runner._compiled.calls > 0
+
+
 def test_rows_with_a_lora_adapter_step_uncompiled(tiny_model, make_engine, tiny_model_dir, tmp_path) -> None:
     """Rows with adapters (their per-row state is no input of a trace) step uncompiled; once
     they have left, the rows without one step compiled; every row's tokens as uncompiled."""

@@ -319,6 +319,8 @@ class KVCacheManager:
         up to ``window_ends[owner]`` where given; the others exactly, see :meth:`fit`) if the
         pool can hold them all (:meth:`can_hold`); False, nothing changed, if it cannot."""
         ends = window_ends or {}
+        if len(self.windows) == 1 and self.windows[0] is None:  # (a decode step's rows mostly hold their blocks already)
+            wanted = {o: n for o, n in wanted.items() if o in ends or not self._holds_exactly(o, n)}
         if not self.can_hold(wanted, ends):
             return False
         for owner, tokens in wanted.items():
@@ -327,6 +329,12 @@ class KVCacheManager:
             else:
                 self.fit(owner, tokens)
         return True
+
+    def _holds_exactly(self, owner: Hashable, tokens: int) -> bool:
+        """(One group, no window) whether ``owner``'s table holds just the blocks of ``tokens``
+        entries: :meth:`fit` would change nothing."""
+        tables = self._tables.get(owner)
+        return tables is not None and len(tables[0]) == blocks_for(tokens, self.block_size)
 
     def fit(self, owner: Hashable, tokens: int) -> None:
         """Make ``owner``'s tables hold exactly the blocks ``tokens`` entries need: grown, or
