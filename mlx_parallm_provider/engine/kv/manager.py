@@ -48,8 +48,7 @@ class KVCacheManager:
         num_blocks: blocks in the pool, the null block included.
         block_size: tokens per block.
         max_cached_blocks: the most blocks the prefix cache names (None: no bound but the pool).
-        window: the most recent tokens every layer attends to (None: some layer attends to
-            every token, and no block is released early); one group of layers.
+        window: the most recent tokens every layer of one group attends to (None: all of them).
         windows: instead of ``window``, each group's window (:class:`.groups.LayerGroups`):
             a request has a table per group.
         disk: the prefix store's disk tier (one group of layers only).
@@ -72,8 +71,7 @@ class KVCacheManager:
 
     @property
     def capacity_tokens(self) -> int:
-        """The most KV entries the pool can hold (all requests together), counting a token
-        once for all groups."""
+        """The most KV entries the pool can hold (all requests together; a token once for all groups)."""
         return self.pool.num_usable * self.block_size // len(self.windows)
 
     @property
@@ -92,9 +90,8 @@ class KVCacheManager:
         return self.pool.max_cached or self.pool.num_usable
 
     def for_step(self, owners: Sequence[Hashable]) -> KVStep:
-        """What the runner needs of KV memory for a step over ``owners``' rows: their tables,
-        the queued block copies (their sources let go now), and the blocks the arrays must
-        hold now and may come to hold."""
+        """What the runner needs of KV memory for a step over ``owners``' rows: their tables, the
+        queued block copies (sources let go now), the blocks the arrays must and may come to hold."""
         groups = range(len(self.windows))
         tables = {o: [self.table(o, g) for g in groups] for o in owners}
         high = self.pool.high_water()
@@ -319,8 +316,9 @@ class KVCacheManager:
         up to ``window_ends[owner]`` where given; the others exactly, see :meth:`fit`) if the
         pool can hold them all (:meth:`can_hold`); False, nothing changed, if it cannot."""
         ends = window_ends or {}
-        if len(self.windows) == 1 and self.windows[0] is None:  # (a decode step's rows mostly hold their blocks already)
-            wanted = {o: n for o, n in wanted.items() if o in ends or not self._holds_exactly(o, n)}
+        if len(self.windows) == 1 and self.windows[0] is None:  # (rows holding just their blocks: fit() would change nothing)
+            tables, bs = self._tables, self.block_size
+            wanted = {o: n for o, n in wanted.items() if o in ends or o not in tables or len(tables[o][0]) != blocks_for(n, bs)}
         if not self.can_hold(wanted, ends):
             return False
         for owner, tokens in wanted.items():
@@ -329,12 +327,6 @@ class KVCacheManager:
             else:
                 self.fit(owner, tokens)
         return True
-
-    def _holds_exactly(self, owner: Hashable, tokens: int) -> bool:
-        """(One group, no window) whether ``owner``'s table holds just the blocks of ``tokens``
-        entries: :meth:`fit` would change nothing."""
-        tables = self._tables.get(owner)
-        return tables is not None and len(tables[0]) == blocks_for(tokens, self.block_size)
 
     def fit(self, owner: Hashable, tokens: int) -> None:
         """Make ``owner``'s tables hold exactly the blocks ``tokens`` entries need: grown, or
