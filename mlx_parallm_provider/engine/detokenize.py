@@ -10,9 +10,7 @@ The engine's worker turns each sampled token into text as it is generated. Two p
 * Stop strings may span several tokens. :class:`StopStringMatcher` holds back text that
   could still become a stop string, so a stop string is never streamed.
 
-:class:`TextStream` chains both for one request. A fast Hugging Face tokenizer is called
-through its Rust decoder (:func:`direct_decoder`), which also decodes a step's windows of
-every row in one call ahead of them (:meth:`TextStream.windows_for`, ``prefetch``).
+:class:`TextStream` chains both for one request.
 
 mlx-lm ships streaming detokenizers (``mlx_lm.tokenizer_utils``) but they are not reused:
 ``NaiveStreamingDetokenizer`` re-decodes every token since the last newline at each step
@@ -46,27 +44,13 @@ class Decoder(Protocol):
 
 
 class _RustDecoder:
-    """A fast HF tokenizer's ``decode``, called on its Rust tokenizer directly; a step's
-    windows can be decoded ahead in one call (:meth:`prefetch`)."""
+    """A fast HF tokenizer's ``decode``, called on its Rust tokenizer directly."""
 
     def __init__(self, backend: Any) -> None:
         self._backend = backend
-        self._ahead: dict[tuple[int, ...], str] = {}
-        self.hits = 0  # decodes answered by a prefetch (for tests and stats)
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
-        if not skip_special_tokens:
-            text = self._ahead.pop(tuple(token_ids), None)
-            if text is not None:
-                self.hits += 1
-                return text
         return self._backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
-
-    def prefetch(self, windows: list[list[int]]) -> None:
-        """Decode ``windows`` (without skipping special tokens) in one call, which leaves the
-        GIL to other threads while it runs; each later :meth:`decode` of one of them takes
-        its text. What the last prefetch left unused is dropped."""
-        self._ahead = dict(zip(map(tuple, windows), self._backend.decode_batch(windows, skip_special_tokens=False))) if windows else {}
 
 
 def direct_decoder(tokenizer: Any) -> Decoder:
@@ -156,15 +140,6 @@ class IncrementalDetokenizer:
         if not complete and pending < self._max_pending:
             return ""
         return self._advance(new_text[len(prefix_text) :])
-
-    def windows_for(self, token_id: int) -> list[list[int]]:
-        """The ids lists :meth:`add_token` of ``token_id`` would decode now (none where it
-        skips special tokens: see :meth:`_RustDecoder.prefetch`)."""
-        if self._decode_kwargs:
-            return []
-        ids = [*self._ids[self._prefix_offset :], int(token_id)]
-        prefix = self._ids[self._prefix_offset : self._read_offset] if self._prefix_text is None else []
-        return [prefix, ids] if prefix else [ids]
 
     def add_tokens(self, token_ids: Iterable[int]) -> str:
         """Consume several tokens; return the concatenated text they complete."""
@@ -286,15 +261,6 @@ class TextStream:
         )
         self.matcher = StopStringMatcher(stop)
         self._parts: list[str] = []
-
-    @property
-    def decoder(self) -> Decoder:
-        """What the stream decodes with."""
-        return self.detokenizer._tokenizer
-
-    def windows_for(self, token_id: int) -> list[list[int]]:
-        """The ids lists :meth:`add_token` of ``token_id`` would decode now."""
-        return [] if self.matcher.stopped else self.detokenizer.windows_for(token_id)
 
     def add_token(self, token_id: int) -> tuple[str, bool]:
         """Consume one token; return (new text to stream, whether a stop string hit)."""

@@ -6,7 +6,7 @@ request; no MLX here."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Collection, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Collection, Optional
 
 from .detokenize import TextStream
 from .request import Completion, Delta, Request, Usage
@@ -91,23 +91,6 @@ def take_token(request: Request, row: SampledRow, eos_ids: Collection[int], toke
             logprobs=state.logprobs,
         )
     return None, None
-
-
-def prefetch_text(sampled: Sequence[tuple[Request, Sequence[SampledRow]]]) -> None:
-    """Decode the text of every row taking one new token in one call of their decoder, where
-    it decodes ahead (:func:`.detokenize.direct_decoder`'s), before :func:`take_token` takes
-    the rows one by one: one call a step instead of one or two a row, and it leaves the GIL
-    to the callers' threads while it runs."""
-    ahead: dict[int, tuple[Any, list[list[int]]]] = {}
-    for request, rows in sampled:
-        state = request.state
-        if len(rows) != 1 or rows[0].error is not None or state is None:
-            continue
-        decoder = state.text.decoder
-        if hasattr(decoder, "prefetch"):
-            ahead.setdefault(id(decoder), (decoder, []))[1].extend(state.text.windows_for(rows[0].token))
-    for decoder, windows in ahead.values():
-        decoder.prefetch(windows)
 
 
 def _delta(request: Request, text: str, finish: Optional[str], end: int) -> Delta:

@@ -47,7 +47,7 @@ from ..errors import MLXParallmError, as_request_error
 from .embed.request import EmbedRequest, plan_embeddings
 from .kv import KVCacheManager
 from .kv.prefix_match import waits_for_sharer
-from .output import prefetch_text, take_token
+from .output import take_token
 from .plan import StepOutput, StepPlan
 from .request import Request
 from .sampled import plain_row
@@ -167,7 +167,6 @@ class Scheduler:
                 self.drafting.verified(decoded, plan.verify, out, plan.pipelined)
         if self.metrics is not None:
             self.metrics.record_tokens(r.request_id for r, rows in out.sampled for row in rows if row.error is None)
-        prefetch_text(out.sampled)
         for request, rows in out.sampled:
             results.extend(self._take(request, rows))
         for request in out.embedded:

@@ -131,27 +131,6 @@ def test_the_direct_decoder_decodes_as_the_tokenizer_does(smollm_tokenizer_dir: 
         assert "".join(stream(IncrementalDetokenizer(direct), ids)) == "".join(stream(IncrementalDetokenizer(tokenizer), ids))
 
 
-def test_streams_decoding_a_step_ahead_in_one_call_give_the_same_text(smollm_tokenizer_dir: Path) -> None:
-    """Eight streams sharing one decoder (two of them the same tokens), each step's windows
-    decoded ahead in one batch: the text of streams decoding alone, every decode but the
-    duplicates' taken from the batch."""
-    tokenizer_utils = pytest.importorskip("mlx_lm.tokenizer_utils")
-    wrapper = tokenizer_utils.load(smollm_tokenizer_dir)
-    direct = direct_decoder(wrapper)
-    rng = random.Random(1)
-    texts = [TEXTS[name] for name in TEXTS] + ["x" * 3 + "🍕", TEXTS["mixed"]]
-    rows = [wrapper.encode(t) + [rng.randrange(wrapper.vocab_size) for _ in range(5)] for t in texts]
-    alone = [TextStream(wrapper, ["ok"], prompt_ids=[1, 2, 3]) for _ in rows]
-    ahead = [TextStream(direct, ["ok"], prompt_ids=[1, 2, 3]) for _ in rows]
-    for step in range(max(len(r) for r in rows)):
-        live = [b for b, r in enumerate(rows) if step < len(r)]
-        direct.prefetch([w for b in live for w in ahead[b].windows_for(rows[b][step])])
-        for b in live:
-            assert ahead[b].add_token(rows[b][step]) == alone[b].add_token(rows[b][step])
-    assert [s.finish() for s in ahead] == [s.finish() for s in alone] and [s.text for s in ahead] == [s.text for s in alone]
-    assert direct.hits >= sum(len(r) for r in rows) - len(rows[-1]) - 1
-
-
 def test_the_direct_decoder_is_the_tokenizer_where_its_decode_does_more(hf_tokenizer: Any) -> None:
     transformers = pytest.importorskip("transformers")
     cleaning = transformers.PreTrainedTokenizerFast(tokenizer_object=hf_tokenizer.backend_tokenizer, clean_up_tokenization_spaces=True)
