@@ -88,14 +88,14 @@ class CompiledDecode:
         storage = self.storage
         if self.off is not None or storage.keys[0] is None:
             return None
-        B, bs = len(starts), storage.block_size
+        B = len(starts)
         rows, width = padded_rows(B), padded_width(max(len(t) for t in tables))
         pad = rows - B
-        slots = [t[s // bs] * bs + s % bs for t, s in zip(tables, starts)] + [NULL_BLOCK * bs] * pad
-        storage.check(max(slots))
-        table = mx.array([list(t) + [NULL_BLOCK] * (width - len(t)) for t in tables] + [[NULL_BLOCK] * width] * pad, dtype=mx.int32)
-        offset = mx.array(list(starts) + [0] * pad, dtype=mx.int32)
-        lengths = mx.array([s + 1 for s in starts] + [1] * pad, dtype=mx.int32)
+        # The pass's arrays as an uncompiled pass builds them, over the padded rows (a padding
+        # row: a table of null blocks, position 0, so it writes and reads the null block's slot 0).
+        padded = [list(t) + [NULL_BLOCK] * (width - len(t)) for t in tables] + [[NULL_BLOCK] * width] * pad
+        eager = PagedBatch(storage, padded, list(starts) + [0] * pad, [1] * rows, 1)
+        group = eager.passes[0]
         tokens = tokens.astype(mx.int32)
         if pad:
             tokens = mx.concatenate([tokens, mx.full((pad, 1), self.pad_id, dtype=mx.int32)])
@@ -103,10 +103,10 @@ class CompiledDecode:
             self._fn, self._blocks, self._checked = mx.compile(self._forward), storage.physical_blocks, set()
         before = storage.arrays()
         try:
-            out, *arrays = self._fn(tokens, offset, lengths, mx.array(slots, dtype=mx.int32), table, *before)
-            storage.set_arrays(arrays)
+            out, *written = self._fn(tokens, eager.offset, eager.lengths, group.write_slots, group.table, *before)
+            storage.set_arrays(written)
             if (rows, width) not in self._checked:  # a first replay of this shape: evaluated here, where it can fail alone
-                mx.eval(out, *arrays)
+                mx.eval(out, *written)
                 self._checked.add((rows, width))
         except Exception as exc:
             storage.set_arrays(before)
@@ -118,13 +118,11 @@ class CompiledDecode:
 
     def _forward(self, tokens: mx.array, offset: mx.array, lengths: mx.array, slots: mx.array, table: mx.array,
                  *arrays: mx.array) -> tuple[mx.array, ...]:
-        """(Traced) the model over a pass built from the arrays; the logits and the KV arrays after its writes."""
+        """(Traced) the model over a pass built from the arrays; the logits and the KV arrays
+        after its writes. (It leaves the storage holding the trace's arrays: the caller puts the
+        replay's outputs there, or, where it failed, the arrays from before.)"""
         storage = self.storage
-        held = storage.arrays()
         storage.set_arrays(list(arrays))
-        try:
-            batch = PagedBatch.of_arrays(storage, offset, lengths, slots, table)
-            logits = self.model(tokens, cache=batch.layers())
-            return (logits, *storage.arrays())
-        finally:
-            storage.set_arrays(held)  # (the caller sets the replay's outputs)
+        batch = PagedBatch.of_arrays(storage, offset, lengths, slots, table)
+        logits = self.model(tokens, cache=batch.layers())
+        return (logits, *storage.arrays())

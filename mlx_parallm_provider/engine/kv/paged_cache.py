@@ -220,6 +220,7 @@ class GroupPass:
             self._buckets[key] = [Bucket(list(range(len(tables))), tables, starts, firsts, self.totals, self.width, self.storage.block_size, window)]
         return self._buckets[key][0]
 
+
 def _attend_tiled(backend: MLXOps, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: mx.array,
                   sinks: Optional[mx.array] = None, softcap: Optional[float] = None) -> mx.array:
     """``backend.dense_attention`` over tiles of the query positions, each within
