@@ -5,8 +5,8 @@ stream (~60 us), made ~120 times a step by a 30-layer model. ``kernels/qmatmul_e
 the same C function in an ``mlx::core::Primitive`` (CPU only) that MLX schedules like its own
 ops. The same module holds RMSNorm and RoPE as single CPU ops (``kernels/norm_rope.cpp``,
 used by :mod:`.fused_ops`) and SwiGLU (``kernels/swiglu.cpp``, used by the CPU backend). It is a C++ extension bound with nanobind,
-compiled on first use with ``$CXX`` (else
-``c++``) against the installed MLX and cached next to the C kernel, keyed by sources, flags,
+compiled on first use with ``$CXX`` (else ``c++``; its sources side by side, one a CPU)
+against the installed MLX and cached next to the C kernel, keyed by sources, flags,
 compiler, MLX version and CPU, and checked before loading (:mod:`.kernel_cache`);
 ``scripts/setup.sh`` builds it at install.
 
@@ -18,9 +18,11 @@ keep the ctypes path. ``python -m mlx_parallm_provider.models.qmatmul_ext`` buil
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import importlib.util
 import logging
+import os
 import platform
 import shutil
 import subprocess
@@ -48,27 +50,45 @@ SOURCES = (SOURCE, SOURCE.with_name("norm_rope.cpp"), SOURCE.with_name("swiglu.c
 HEADERS = tuple(SOURCE.with_name(name) for name in ("cpu_primitive.h", "fast_exp.h", "rope.h", "attention_step.h", "lane_sums.h"))
 """What the primitives share; part of the cache key."""
 MODULE = "mlx_parallm_qmatmul_ext"  # NB_MODULE's name in the source
-_CXX_FLAGS = ["-std=c++20", "-O3", "-shared", "-fPIC", "-fvisibility=hidden", "-fno-strict-aliasing", "-DNDEBUG", "-DNB_COMPACT_ASSERTIONS", "-DNB_DOMAIN=mlx"]
+_CXX_FLAGS = ["-std=c++20", "-O3", "-fPIC", "-fvisibility=hidden", "-fno-strict-aliasing", "-DNDEBUG", "-DNB_COMPACT_ASSERTIONS", "-DNB_DOMAIN=mlx"]
 
 
 def _mlx_dir() -> Path:
     return Path(mx.__file__).resolve().parent
 
 
-def _command(compiler: str, c_object: Path, output: Path) -> Optional[list[str]]:
-    """The compile-and-link command, or None without nanobind."""
+def _commands(compiler: str, cc: str, scratch: Path, output: Path) -> Optional[tuple[list[list[str]], list[str]]]:
+    """One compile command a source (the C kernel first), then the link command; None
+    without nanobind."""
     try:
         import nanobind
     except ImportError:
         return None
     nb, mlx_dir = Path(nanobind.source_dir()).parent, _mlx_dir()
     includes = [sysconfig.get_paths()["include"], nb / "include", nb / "ext" / "robin_map" / "include", mlx_dir / "include"]
+    cxx = [compiler, *_CXX_FLAGS, *qmatmul.native_flags(compiler), *[f"-I{p}" for p in includes]]
+    sources = [*SOURCES, nb / "src" / "nb_combined.cpp"]
+    objects = [scratch / f"{i}-{source.stem}.o" for i, source in enumerate([qmatmul.SOURCE, *sources])]
+    compiles = [[cc, *qmatmul.c_flags(cc), "-c", str(qmatmul.SOURCE), "-o", str(objects[0])]]
+    compiles += [[*cxx, "-c", str(source), "-o", str(obj)] for source, obj in zip(sources, objects[1:])]
     lib = mlx_dir / "lib"
-    return [
-        compiler, *_CXX_FLAGS, *qmatmul.native_flags(compiler), *[f"-I{p}" for p in includes], *map(str, SOURCES), str(nb / "src" / "nb_combined.cpp"),
-        str(c_object),
-        f"-L{lib}", "-lmlx", f"-Wl,-rpath,{lib}", "-pthread", "-o", str(output),
-    ]
+    link = [compiler, "-shared", *map(str, objects), f"-L{lib}", "-lmlx", f"-Wl,-rpath,{lib}", "-pthread", "-o", str(output)]
+    return compiles, link
+
+
+def _run(command: list[str]) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run(command, capture_output=True, text=True)
+    except OSError as exc:
+        return subprocess.CompletedProcess(command, 1, "", str(exc))
+
+
+def _compile_all(commands: list[list[str]]) -> Optional[subprocess.CompletedProcess]:
+    """Run the compile commands side by side, one a CPU; the first that failed, or None."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    with concurrent.futures.ThreadPoolExecutor(max(1, min(cpus, len(commands)))) as pool:
+        results = list(pool.map(_run, commands))
+    return next((result for result in results if result.returncode != 0), None)
 
 
 def build(compiler: Optional[str] = None) -> Optional[Path]:
@@ -80,20 +100,20 @@ def build(compiler: Optional[str] = None) -> Optional[Path]:
         logger.info("no C/C++ compiler (%s, %s): small-batch matmuls keep the ctypes kernel", cc, compiler)
         return None
     with tempfile.TemporaryDirectory() as scratch:
-        c_object, built = Path(scratch) / "qmatmul.o", Path(scratch) / "ext.so"
-        command = _command(compiler, c_object, built)
-        if command is None:
-            logger.info("nanobind is not installed: small-batch matmuls keep the ctypes kernel")
-            return None
+        built = Path(scratch) / "ext.so"
         try:
-            c_command = [cc, *qmatmul.c_flags(cc), "-c", str(qmatmul.SOURCE), "-o", str(c_object)]
+            commands = _commands(compiler, cc, Path(scratch), built)
+            if commands is None:
+                logger.info("nanobind is not installed: small-batch matmuls keep the ctypes kernel")
+                return None
             versions = [subprocess.run([c, "--version"], capture_output=True, text=True).stdout for c in (cc, compiler)]
         except OSError as exc:
             logger.info("compiler unusable (%s): small-batch matmuls keep the ctypes kernel", exc)
             return None
         import nanobind
 
-        parts = [*(s.read_text() for s in (*SOURCES, *HEADERS)), qmatmul.source_text(), *_CXX_FLAGS, *c_command[1:-4], *versions,
+        compiles, link = commands
+        parts = [*(s.read_text() for s in (*SOURCES, *HEADERS)), qmatmul.source_text(), *_CXX_FLAGS, *compiles[0][1:-4], *versions,
                  mx.__version__, str(_mlx_dir()), nanobind.__version__, platform.machine(), qmatmul.cpu_signature()]
         key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
         target = qmatmul.cache_dir() / f"qmatmul_ext-{key}{sysconfig.get_config_var('EXT_SUFFIX') or '.so'}"
@@ -101,14 +121,13 @@ def build(compiler: Optional[str] = None) -> Optional[Path]:
             return target
         if not kernel_cache.writable(target.parent):
             return None
-        for step in (c_command, command):
-            try:
-                result = subprocess.run(step, capture_output=True, text=True)
-            except OSError as exc:
-                result = subprocess.CompletedProcess(step, 1, "", str(exc))
-            if result.returncode != 0:
-                logger.warning("could not build %s (small-batch matmuls keep the ctypes kernel):\n%s", SOURCE.name, result.stderr[-2000:])
-                return None
+        failed = _compile_all(compiles)
+        if failed is None:
+            failed = _run(link)
+            failed = failed if failed.returncode != 0 else None
+        if failed is not None:
+            logger.warning("could not build %s (small-batch matmuls keep the ctypes kernel):\n%s", SOURCE.name, failed.stderr[-2000:])
+            return None
         return kernel_cache.install(built, target)  # atomic, with its record: a loader finds a whole file or none
 
 
