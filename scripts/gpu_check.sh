@@ -91,8 +91,9 @@ print(''.join(f'- {line}\n' for line in report.attention_lines(rows)))" "$OUT/sw
 grep -E '^- engine \(.*attention: ' "$OUT/sweep.md" | sort -u | tee -a "$OUT/summary.txt"  # kernels used, or why not
 
 # one line per test as it ends (-v): a run the time limit cuts short still says which passed;
-# a module that cannot be imported there (a package the image lacks) skips itself alone
-T=$SECONDS; MLX_ENABLE_TF32=0 NVIDIA_TF32_OVERRIDE=0 timeout "$(limit 150 5)" "$PY" -m pytest -m gpu -v -p no:cacheprovider --continue-on-collection-errors \
+# a module that cannot be imported there (a package the image lacks) skips itself alone; LangSmith's
+# pytest plugin (installed with langchain-core) is left out: no test needs it, and it imports xxhash
+T=$SECONDS; MLX_ENABLE_TF32=0 NVIDIA_TF32_OVERRIDE=0 timeout "$(limit 150 5)" "$PY" -m pytest -m gpu -v -p no:cacheprovider -p no:langsmith_plugin --continue-on-collection-errors \
   --tokenizer-dir "$TOK" -o addopts="-rfE" tests/integration > "$OUT/tests.txt" 2>&1
 summary "pytest -m gpu rc=$? in $((SECONDS - T)) s: $(tail -1 "$OUT/tests.txt"); $(grep -c ' PASSED' "$OUT/tests.txt") passed, $(grep -c ' FAILED' "$OUT/tests.txt") failed"
 # Where the engine's time goes, with the time left only: py-spy over the engine serving

@@ -10,6 +10,7 @@ under vLLM's metric names.
 from __future__ import annotations
 
 import bisect
+import itertools
 import threading
 import time
 from collections import deque
@@ -29,18 +30,25 @@ LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5,
 
 @dataclass
 class Histogram:
-    """Cumulative counts of samples at or under each bound of :data:`LATENCY_BUCKETS`,
-    their sum and their count (Prometheus' histogram shape)."""
+    """Samples counted by the first bound of :data:`LATENCY_BUCKETS` at or over them (one
+    count a sample: observed once a token a row), their sum and their count; :attr:`buckets`
+    gives Prometheus' cumulative counts."""
 
-    buckets: list[int]
+    counts: list[int]
     sum: float = 0.0
     count: int = 0
 
     def observe(self, value: float) -> None:
         self.sum += value
         self.count += 1
-        for i in range(bisect.bisect_left(LATENCY_BUCKETS, value), len(LATENCY_BUCKETS)):
-            self.buckets[i] += 1
+        i = bisect.bisect_left(LATENCY_BUCKETS, value)
+        if i < len(self.counts):
+            self.counts[i] += 1
+
+    @property
+    def buckets(self) -> list[int]:
+        """The samples at or under each bound of :data:`LATENCY_BUCKETS`."""
+        return list(itertools.accumulate(self.counts))
 
 # Token counts recorded closer together than this share one sliding-window bucket.
 _RATE_RESOLUTION_S = 0.01
@@ -208,7 +216,7 @@ class EngineMetrics:
     def histograms(self) -> dict[str, Histogram]:
         """A copy of every latency history's cumulative histogram since start or reset."""
         with self._lock:
-            return {name: Histogram(list(h.buckets), h.sum, h.count) for name, h in self._histograms.items()}
+            return {name: Histogram(list(h.counts), h.sum, h.count) for name, h in self._histograms.items()}
 
     @property
     def num_tracked(self) -> int:
