@@ -13,7 +13,7 @@ import bisect
 import itertools
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -38,12 +38,13 @@ class Histogram:
     sum: float = 0.0
     count: int = 0
 
-    def observe(self, value: float) -> None:
-        self.sum += value
-        self.count += 1
+    def observe(self, value: float, times: int = 1) -> None:
+        """Count ``value``, ``times`` over."""
+        self.sum += value * times
+        self.count += times
         i = bisect.bisect_left(LATENCY_BUCKETS, value)
         if i < len(self.counts):
-            self.counts[i] += 1
+            self.counts[i] += times
 
     @property
     def buckets(self) -> list[int]:
@@ -172,11 +173,24 @@ class EngineMetrics:
         """One token was generated for each request (one call per decode step)."""
         now = self._clock()
         events: list[tuple[str, float]] = []
+        gaps: Counter[float] = Counter()  # inter-token latencies (the rows of one step mostly share theirs)
         with self._lock:
             count = 0
+            requests = self._requests
             for rid in request_ids:
                 count += 1
-                self._token_for(rid, now, events)
+                req = requests.get(rid)
+                if req is None:  # never announced: count it, but there is nothing to time against
+                    continue
+                if req.first_token is None:
+                    req.first_token = now
+                    self._add("ttft_s", now - req.arrival, events)
+                else:
+                    gaps[now - req.last_token] += 1
+                req.last_token = now
+                req.num_tokens += 1
+            for gap, times in gaps.items():
+                self._add("itl_s", gap, events, times)
             if count:
                 self._generated_tokens += count
                 self._add_to_window(now, count)
@@ -260,23 +274,11 @@ class EngineMetrics:
 
     # -- internals (lock held) --------------------------------------------------------------
 
-    def _token_for(self, rid: Hashable, now: float, events: list[tuple[str, float]]) -> None:
-        req = self._requests.get(rid)
-        if req is None:  # never announced: count it, but there is nothing to time against
-            return
-        if req.first_token is None:
-            req.first_token = now
-            self._add("ttft_s", now - req.arrival, events)
-        else:
-            assert req.last_token is not None
-            self._add("itl_s", now - req.last_token, events)
-        req.last_token = now
-        req.num_tokens += 1
-
-    def _add(self, name: str, value: float, events: list[tuple[str, float]]) -> None:
-        self._history[name].append(value)
-        self._histograms[name].observe(value)
-        events.append((name, value))
+    def _add(self, name: str, value: float, events: list[tuple[str, float]], times: int = 1) -> None:
+        self._history[name].extend([value] * times)
+        self._histograms[name].observe(value, times)
+        if self._listeners:
+            events.extend([(name, value)] * times)
 
     def _add_to_window(self, now: float, count: int) -> None:
         events = self._token_events

@@ -198,3 +198,22 @@ def test_latencies_fill_cumulative_histograms(metrics: EngineMetrics, clock: Fak
     assert itl.count == 1 and itl.buckets == [1 if b >= 0.03 else 0 for b in LATENCY_BUCKETS]
     metrics.reset()
     assert metrics.histograms()["ttft_s"].count == 0
+
+
+def test_a_steps_rows_sharing_a_gap_count_once_each(metrics: EngineMetrics, clock: FakeClock) -> None:
+    """Rows of one step mostly share their inter-token latency: each is still one sample, in
+    the history, the histogram and what listeners hear."""
+    heard: list[float] = []
+    metrics.add_listener(lambda name, value: heard.append(value) if name == "itl_s" else None)
+    for rid in "abc":
+        metrics.request_arrived(rid)
+    for t, rows in ((1.0, "ab"), (1.02, "abc"), (1.1, "ab"), (1.15, "abc")):
+        clock.t = t
+        metrics.record_tokens(rows)
+    gaps = [1.02 - 1.0] * 2 + [1.1 - 1.02] * 2 + [1.15 - 1.1] * 2 + [1.15 - 1.02]  # (as the clock's times subtract)
+    assert sorted(metrics._history["itl_s"]) == pytest.approx(sorted(gaps))
+    assert sorted(heard) == pytest.approx(sorted(gaps))
+    itl = metrics.histograms()["itl_s"]
+    assert itl.count == 7 and itl.sum == pytest.approx(sum(gaps))
+    assert itl.buckets == [sum(g <= b for g in gaps) for b in LATENCY_BUCKETS]
+    assert metrics.snapshot()["generated_tokens"] == 10
