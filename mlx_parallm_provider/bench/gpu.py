@@ -133,7 +133,12 @@ def step_breakdown(model: str, rows: Sequence[int] = (1, 2, 4, 8, 32, 64), token
     one decode step's forward graph (median; near ``step_ms``, the step waits on the host);
     ``graph_nodes``: the ops in that graph (each one the host builds, most a launch on a GPU).
     ``decode``: how the engine's decode steps ran (``Engine.stats()``); where ``"compiled"``,
-    ``uncompiled_step_ms`` is the p50 step of the same run with ``compile_decode`` off."""
+    ``uncompiled_step_ms`` is the p50 step of the same run with ``compile_decode`` off.
+    ``core_step_ms``: the engine's whole step at full width (p50: scheduling, the forward,
+    the tokens taken and delivered), against ``mlx_lm_step_ms``, one step of mlx-lm's
+    ``BatchGenerator`` decoding the same prompts as one batch (p50 of ``next()`` after its
+    prefill, on the weights ``mlx-parallm bench``'s mlx-lm peers get); ``vs_mlx_lm``: their ratio (over 1: the
+    engine's decode steps are the faster)."""
     import mlx.nn as nn
 
     from ..config import EngineConfig
@@ -159,8 +164,9 @@ def step_breakdown(model: str, rows: Sequence[int] = (1, 2, 4, 8, 32, 64), token
     out = []
     backend = backends.of(m)
 
-    def engine_step(R: int, compiled: bool = True) -> tuple[float, list, Optional[str]]:
-        """The engine's p50 step at ``R`` rows, its forwards' build times, how its decode steps ran."""
+    def engine_step(R: int, compiled: bool = True) -> tuple[float, list, Optional[str], Optional[float]]:
+        """The engine's p50 step at ``R`` rows, its forwards' build times, how its decode steps
+        ran, its whole steps' p50 at full width."""
         device = getattr(backend, "device", None)
         if not compiled and device is not None:  # (the backend's setting, for this engine alone)
             backend.device = dataclasses.replace(device, compile_decode=False)
@@ -168,16 +174,19 @@ def step_breakdown(model: str, rows: Sequence[int] = (1, 2, 4, 8, 32, 64), token
         try:
             engine.generate_many_sync(prompt_ids[:1], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))  # (its worker)
             builds = _timing_forwards(engine._core.runner)  # noqa: SLF001
+            steps = _timing_steps(engine._core, R)  # noqa: SLF001
             engine.generate_many_sync(prompt_ids[:R], SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True))
             stats = engine.stats()
-            return stats["step_s"]["p50"] * 1e3, builds, stats["decode"]
+            return stats["step_s"]["p50"] * 1e3, builds, stats["decode"], statistics.median(steps) * 1e3 if steps else None
         finally:
             engine.shutdown()
             if device is not None:
                 backend.device = device
 
+    peer = _mlx_lm_model(model)
     for R in rows:
-        step_ms, builds, decode = engine_step(R)
+        step_ms, builds, decode, core_ms = engine_step(R)
+        peer_ms = mlx_lm_step_ms(peer, prompt_ids[:R], tokens)
         uncompiled_ms = engine_step(R, compiled=False)[0] if decode == "compiled" else None
         decode_builds = [(t, nodes) for rows_in, width, t, nodes in builds if rows_in == R and width == 1]
         graph_ms = statistics.median(t for t, _ in decode_builds) * 1e3 if decode_builds else None
@@ -217,8 +226,58 @@ def step_breakdown(model: str, rows: Sequence[int] = (1, 2, 4, 8, 32, 64), token
         rest = step_ms - sum(parts.values())
         out.append({"rows": R, "step_ms": step_ms, "tokens_per_s": R / step_ms * 1e3, **parts, "rest_ms": rest,
                     "dense_layers_ms": ms["dense_layers_ms"], "graph_ms": graph_ms, "graph_nodes": graph_nodes, "decode": decode,
-                    "uncompiled_step_ms": uncompiled_ms})
+                    "uncompiled_step_ms": uncompiled_ms, "core_step_ms": core_ms, "mlx_lm_step_ms": peer_ms,
+                    "vs_mlx_lm": peer_ms / core_ms if core_ms and peer_ms else None})
     return out
+
+
+def _mlx_lm_model(model_dir: str) -> Any:
+    """The model as ``mlx-parallm bench``'s mlx-lm peers get it: the engine's weights (as
+    loaded for it: dequantized on the CPU), running mlx-lm's own code."""
+    from ..models import registry
+
+    return registry.load(model_dir, engine=False).model
+
+
+def mlx_lm_step_ms(model: Any, prompts: list[list[int]], tokens: int) -> Optional[float]:
+    """mlx-lm's ``BatchGenerator`` decoding ``prompts`` as one batch, greedy, ``tokens`` each,
+    no stop tokens: the p50 wall time of its decode steps (``next()``) with every row in, after
+    the prefill; None when too few steps ran."""
+    from mlx_lm.generate import BatchGenerator
+
+    generator = BatchGenerator(model, stop_tokens=None, completion_batch_size=len(prompts), prefill_batch_size=len(prompts))
+    try:
+        generator.insert(prompts, [tokens] * len(prompts))
+        generator.next_generated()  # the prefill and each row's first token
+        times = []
+        while True:
+            start = time.perf_counter()
+            responses = generator.next_generated()
+            if len(responses) < len(prompts):  # (a row ended at this step)
+                break
+            times.append(time.perf_counter() - start)
+    finally:
+        generator.close()
+    return statistics.median(times) * 1e3 if times else None
+
+
+def _timing_steps(core: Any, rows: int) -> list[float]:
+    """Time each step of engine ``core`` from now on while ``rows`` requests run (this core's
+    only): the whole step, as its worker runs it."""
+    times: list[float] = []
+    step = core.step
+
+    def timed() -> Any:
+        full = core.scheduler.num_running == rows
+        start = time.perf_counter()
+        try:
+            return step()
+        finally:
+            if full:
+                times.append(time.perf_counter() - start)
+
+    core.step = timed
+    return times
 
 
 def _timing_forwards(runner: Any) -> list[tuple[int, int, float, Optional[int]]]:

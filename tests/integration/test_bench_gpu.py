@@ -61,6 +61,14 @@ def test_step_breakdown_times_each_part_at_each_row_count(tiny_random: Path, mon
         assert 0 < r["graph_ms"] < 10 * r["step_ms"]  # the decode steps' forwards at this row count were timed
         assert isinstance(r["graph_nodes"], int) and r["graph_nodes"] > 0  # and one of them counted
         assert r["decode"] == "uncompiled (the backend has no GPU paged kernels)" and r["uncompiled_step_ms"] is None
+        assert r["core_step_ms"] >= r["step_ms"] * 0.5 and r["mlx_lm_step_ms"] > 0  # the whole step; mlx-lm's at the same rows
+        assert r["vs_mlx_lm"] == pytest.approx(r["mlx_lm_step_ms"] / r["core_step_ms"])
+
+
+def test_mlx_lm_steps_are_timed_while_every_row_decodes(tiny_random: Path) -> None:
+    model = gpu._mlx_lm_model(str(tiny_random))
+    assert gpu.mlx_lm_step_ms(model, [[1, 2, 3], [4, 5, 6, 7, 8]], tokens=6) > 0
+    assert gpu.mlx_lm_step_ms(model, [[1, 2, 3]], tokens=1) is None  # its only token comes with the prefill: no step
 
 
 def test_step_breakdown_times_compiled_decode_steps_against_uncompiled_ones(tiny_random: Path) -> None:
