@@ -30,9 +30,9 @@ LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5,
 
 @dataclass
 class Histogram:
-    """Samples counted by the first bound of :data:`LATENCY_BUCKETS` at or over them (one
-    count a sample: observed once a token a row), their sum and their count; :attr:`buckets`
-    gives Prometheus' cumulative counts."""
+    """Samples counted in their bucket (the first bound of :data:`LATENCY_BUCKETS` at or over
+    each; past the last bound, in none), their sum and their count; :attr:`buckets` gives
+    Prometheus' cumulative counts."""
 
     counts: list[int]
     sum: float = 0.0
