@@ -293,7 +293,8 @@ def _attend(queries: mx.array, k_pool: mx.array, v_pool: mx.array, table: mx.arr
     probs = _probabilities(scores, sinks, softcap)
     partial = launch(KernelCall(values_kernel, layout, [probs, *v_in, table, limits, params], splits * B * kv_heads * L * D,
                                 (splits, B, heads, L, D)))
-    return partial.sum(axis=0).astype(queries.dtype)
+    summed = partial.squeeze(0) if splits == 1 else partial.sum(axis=0)  # (one split: a view, no reduction to launch)
+    return summed.astype(queries.dtype)
 
 
 def _probabilities(scores: mx.array, sinks: Optional[mx.array], softcap: Optional[float]) -> mx.array:
