@@ -83,7 +83,7 @@ SCORES_BODY = """
     for (int g = 0; g < GROUP; ++g) acc[g] = 0.0f;
     for (int d = 0; d < HEAD_DIM; ++d) {
         const float k = READ_K;
-        for (int g = 0; g < GROUP; ++g) acc[g] += queries[q0 + g * q_stride + d] * k;
+        for (int g = 0; g < GROUP; ++g) acc[g] += static_cast<float>(queries[q0 + g * q_stride + d]) * k;
     }
     for (int g = 0; g < GROUP; ++g) scores[out0 + g * head_stride] = acc[g] * scale[0];
 """
@@ -286,9 +286,8 @@ def _attend(queries: mx.array, k_pool: mx.array, v_pool: mx.array, table: mx.arr
         layout = Layout(heads, k_pool.shape[1], D, block_size, window or 0, k_pool.dtype)
         (scores_kernel, values_kernel), k_in, v_in = (SCORES, VALUES), [k_pool], [v_pool]
     params = _constant((M, T, L, B, SPLIT_TOKENS, splits), mx.int32)
-    q = queries.astype(mx.float32)
     kv_heads = layout.kv_heads
-    scores = launch(KernelCall(scores_kernel, layout, [q, *k_in, table, limits, params, _constant((scale,), mx.float32)],
+    scores = launch(KernelCall(scores_kernel, layout, [queries, *k_in, table, limits, params, _constant((scale,), mx.float32)],
                                B * kv_heads * L * T, (B, heads, L, T)))
     probs = _probabilities(scores, sinks, softcap)
     partial = launch(KernelCall(values_kernel, layout, [probs, *v_in, table, limits, params], splits * B * kv_heads * L * D,

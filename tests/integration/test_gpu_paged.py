@@ -71,6 +71,19 @@ def test_decode_step_equals_the_gather_path(launch, lengths, heads, kv_heads, D,
     assert mx.abs(got - want).max().item() < 1e-4
 
 
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+def test_queries_in_the_models_dtype_are_read_as_their_float32_values(launch, dtype) -> None:
+    """The scores kernel reads 16-bit queries itself (no float32 copy of them is made first):
+    bit for bit the attention their float32 values give (one split and two)."""
+    lengths = [3, 300, 40]
+    k_pool, v_pool, table = _pool(lengths, 16, 2, 64, dtype, seed=5)
+    queries = mx.random.normal((3, 8, 1, 64), key=mx.random.key(5)).astype(dtype)
+    limits = mx.array(lengths, dtype=mx.int32)
+    got = paged_kernels.paged_attention(queries, k_pool, v_pool, table, limits, 16, 0.125, launch)
+    want = paged_kernels.paged_attention(queries.astype(mx.float32), k_pool, v_pool, table, limits, 16, 0.125, launch)
+    assert got.dtype == dtype and mx.array_equal(got, want.astype(dtype)).item()
+
+
 @pytest.mark.parametrize("window", [None, 6])
 def test_prefill_piece_positions_each_see_their_own_tokens(launch, window: Optional[int]) -> None:
     """A piece of L positions per row (a prefill chunk, a verify step): position j of a row
@@ -613,9 +626,9 @@ def test_engine_with_quantized_kv_on_the_gpu_kernels_answers_as_the_gather_path(
     assert calls.count(paged_kernels.QUANTIZED_SCORES.name) >= 2 * GREEDY.max_tokens  # both layers, every step
 
 
-PAIRS = [(paged_kernels.SCORES, [mx.float32, None, mx.int32, mx.int32, mx.int32, mx.float32]),
+PAIRS = [(paged_kernels.SCORES, [None, None, mx.int32, mx.int32, mx.int32, mx.float32]),  # (queries in the model's dtype)
          (paged_kernels.VALUES, [mx.float32, None, mx.int32, mx.int32, mx.int32])]
-QUANTIZED_PAIRS = [(paged_kernels.QUANTIZED_SCORES, [mx.float32, mx.uint32, None, None, mx.int32, mx.int32, mx.int32, mx.float32]),
+QUANTIZED_PAIRS = [(paged_kernels.QUANTIZED_SCORES, [None, mx.uint32, None, None, mx.int32, mx.int32, mx.int32, mx.float32]),
                    (paged_kernels.QUANTIZED_VALUES, [mx.float32, mx.uint32, None, None, mx.int32, mx.int32, mx.int32])]
 
 
@@ -623,7 +636,7 @@ QUANTIZED_PAIRS = [(paged_kernels.QUANTIZED_SCORES, [mx.float32, mx.uint32, None
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])
 def test_the_cuda_source_compiles_for_sm90(dtype) -> None:
     """The kernels exactly as MLX's ``cuda_kernel`` wraps them, compiled by NVRTC for the H200's
-    sm_90: float pools of ``dtype``, and int8 / int4 pools with ``dtype`` scales."""
+    sm_90: queries and float pools of ``dtype``, and int8 / int4 pools with ``dtype`` scales."""
     layout = paged_kernels.Layout(32, 8, 128, 16, 0, dtype)
     for kernel, types in PAIRS:
         source = cuda_source(kernel, layout, [dtype if t is None else t for t in types])
