@@ -137,8 +137,8 @@ def step_breakdown(model: str, rows: Sequence[int] = (1, 2, 4, 8, 32, 64), token
     ``core_step_ms``: the engine's whole step at full width (p50: scheduling, the forward,
     the tokens taken and delivered), against ``mlx_lm_step_ms``, one step of mlx-lm's
     ``BatchGenerator`` decoding the same prompts as one batch (p50 of ``next()`` after its
-    prefill, on the weights ``mlx-parallm bench``'s mlx-lm peers get); ``vs_mlx_lm``: their ratio (over 1: the
-    engine's decode steps are the faster)."""
+    prefill, on the weights ``mlx-parallm bench``'s mlx-lm peers get); ``vs_mlx_lm``: their
+    ratio (over 1: the engine's decode steps are the faster)."""
     import mlx.nn as nn
 
     from ..config import EngineConfig
