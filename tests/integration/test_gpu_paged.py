@@ -127,6 +127,19 @@ def test_long_pieces_are_attended_in_parts_of_bounded_scores(launch, L: int, win
     assert mx.abs(got - whole).max().item() < 1e-5 and mx.abs(got - want).max().item() < 1e-4
 
 
+def test_the_first_use_check_fails_kernels_that_misread_16_bit_queries(launch) -> None:
+    """A 16-bit model's queries and pools run kernels compiled for them: the check attends
+    float16 and bfloat16 ones too, so a misreading there is caught at first use."""
+    import dataclasses
+
+    def misread(call):
+        if call.kernel.name == paged_kernels.SCORES.name and call.inputs[0].dtype != mx.float32:
+            call = dataclasses.replace(call, inputs=[call.inputs[0] * 0, *call.inputs[1:]])
+        return launch(call)
+
+    assert "float16 queries and pools" in check_kernels(misread)
+
+
 def test_the_first_use_checks_pass_and_the_backend_takes_float_and_quantized_pools(launch) -> None:
     assert check_kernels(launch) is None and check_kernels(launch, quantized=True) is None
     backend = GPUKernels(DeviceConfig(paged_attention="auto"), launch=launch, platform="test")

@@ -27,6 +27,10 @@ logger = logging.getLogger(__name__)
 
 CHECK_TOLERANCE = 2e-3
 """Largest difference the first-use check allows between the kernels and the gather path (float32 pools)."""
+CHECK_TOLERANCE_16BIT = 0.03
+"""The same for float16 / bfloat16 queries and pools: both paths round their float32 result to
+16 bits, which can part them by one unit in the last place (1/64 at 2); a misread value parts
+them by the value's size."""
 
 
 class MLXKernels:
@@ -156,8 +160,9 @@ def _by_head(x: mx.array, heads: int, D: int) -> mx.array:
 
 def check_kernels(launch: Launch, seed: int = 0, quantized: bool = False) -> Optional[str]:
     """Attend a small random pool (GQA, shuffled blocks, a window, a prefill piece, attention
-    sinks, a softcap; ``quantized``: as int8 and int4 blocks instead) by the kernels through
-    ``launch`` and by the gather path; None where they agree, else what differs."""
+    sinks, a softcap, then float16 and bfloat16 queries and pools as a 16-bit model gives them;
+    ``quantized``: as int8 and int4 blocks instead) by the kernels through ``launch`` and by the
+    gather path; None where they agree, else what differs."""
     key = mx.random.key(seed)
     k1, k2, k3 = mx.random.split(key, 3)
     heads, kv_heads, D, block = 4, 2, 32, 4
@@ -181,4 +186,9 @@ def check_kernels(launch: Launch, seed: int = 0, quantized: bool = False) -> Opt
         if not diff <= CHECK_TOLERANCE:  # (NaN too)
             return (f"differs from the gather path by {diff:.3g} (window={window}, sinks={sinks is not None}, bits={bits or None}, "
                     f"softcap={softcap})")
+    for dtype in () if quantized else (mx.float16, mx.bfloat16):  # (each its own compiled kernels)
+        args = (queries.astype(dtype), k_pool.astype(dtype), v_pool.astype(dtype), table, limits, block, 0.2)
+        diff = mx.abs(paged_kernels.paged_attention(*args, launch) - paged_kernels.gathered_attention(*args, exact=True)).max().item()
+        if not diff <= CHECK_TOLERANCE_16BIT:
+            return f"differs from the gather path by {diff:.3g} ({dtype} queries and pools)"
     return None
