@@ -174,24 +174,21 @@ def check_kernels(launch: Launch, seed: int = 0, quantized: bool = False) -> Opt
     queries = mx.random.normal((B, heads, L, D), key=k3)
     table = mx.array([[7, 2, 19, 4, 11], [3, 0, 0, 0, 0], [23, 9, 15, 1, 0]], dtype=mx.int32)
     limits = mx.array([[17, 18], [2, 3], [13, 15]], dtype=mx.int32)
-    cases = [(None, None, 0, None), (5, None, 0, None), (5, mx.array([0.5, -1.0, 2.0, 0.0]), 0, None), (None, None, 0, 1.5)]
+    f32 = mx.float32
+    cases = [(None, None, 0, None, f32), (5, None, 0, None, f32), (5, mx.array([0.5, -1.0, 2.0, 0.0]), 0, None, f32), (None, None, 0, 1.5, f32),
+             (None, None, 0, None, mx.float16), (None, None, 0, None, mx.bfloat16)]  # (each dtype its own compiled kernels)
     if quantized:
-        cases = [(None, None, bits, None) for bits in paged_kernels.QUANTIZED_BITS] + [(5, None, 4, None)]
-    for window, sinks, bits, softcap in cases:
-        k, v, scales = paged_kernels.quantize_pools(k_pool, v_pool, bits) if bits else (k_pool, v_pool, None)
-        args = (queries, k, v, table, limits, block, 0.2)
+        cases = [(None, None, bits, None, f32) for bits in paged_kernels.QUANTIZED_BITS] + [(5, None, 4, None, f32)]
+    for window, sinks, bits, softcap, dtype in cases:
+        q, k, v = (a.astype(dtype) for a in (queries, k_pool, v_pool))
+        k, v, scales = paged_kernels.quantize_pools(k, v, bits) if bits else (k, v, None)
+        args = (q, k, v, table, limits, block, 0.2)
         extra = {"window": window, "sinks": sinks, "scales": scales, "bits": bits, "softcap": softcap}
-        got = paged_kernels.paged_attention(*args, launch, **extra)
-        want = paged_kernels.gathered_attention(*args, **extra, exact=True)  # (not TF32, as a matmul would be on the GPU)
-        diff = mx.abs(got - want).max().item()
-        if not diff <= CHECK_TOLERANCE:  # (NaN too)
-            return (f"differs from the gather path by {diff:.3g} (window={window}, sinks={sinks is not None}, bits={bits or None}, "
-                    f"softcap={softcap})")
-    for dtype in () if quantized else (mx.float16, mx.bfloat16):  # (each its own compiled kernels)
-        args = (queries.astype(dtype), k_pool.astype(dtype), v_pool.astype(dtype), table, limits, block, 0.2)
-        got, want = (a.astype(mx.float32) for a in (paged_kernels.paged_attention(*args, launch),
-                                                    paged_kernels.gathered_attention(*args, exact=True)))
+        got = paged_kernels.paged_attention(*args, launch, **extra).astype(f32)
+        want = paged_kernels.gathered_attention(*args, **extra, exact=True).astype(f32)  # (not TF32, as a matmul would be on the GPU)
         diff = mx.abs(got - want)
-        if not mx.all(diff <= CHECK_TOLERANCE_16BIT * (1 + mx.abs(want))).item():  # (NaN too)
-            return f"differs from the gather path by {diff.max().item():.3g} ({dtype} queries and pools)"
+        limit = CHECK_TOLERANCE if dtype == f32 else CHECK_TOLERANCE_16BIT * (1 + mx.abs(want))
+        if not mx.all(diff <= limit).item():  # (NaN too)
+            return (f"differs from the gather path by {diff.max().item():.3g} (window={window}, sinks={sinks is not None}, bits={bits or None}, "
+                    f"softcap={softcap}, {dtype} queries and pools)")
     return None
