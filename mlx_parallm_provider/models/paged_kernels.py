@@ -343,15 +343,19 @@ def gathered_attention(queries: mx.array, k_pool: mx.array, v_pool: mx.array, ta
     M = table.shape[1]
     S = M * block_size
     slots = (table[:, :, None] * block_size + mx.arange(block_size)[None, None, :]).reshape(B, S)
+
+    def by_head(a: mx.array) -> mx.array:  # (kv_heads, B, S, ...): gathered head by head, as the engine's gather path reads
+        return a.swapaxes(0, 1)[:, slots]
+
     if bits:  # in float32, as the kernels dequantize
         group = D // scales[0].shape[-1]
-        ks, kb, vs, vb = (a[slots].astype(mx.float32) for a in scales)
-        k = mx.dequantize(k_pool[slots], ks, kb, group_size=group, bits=bits)
-        v = mx.dequantize(v_pool[slots], vs, vb, group_size=group, bits=bits)
+        ks, kb, vs, vb = (by_head(a).astype(mx.float32) for a in scales)
+        k = mx.dequantize(by_head(k_pool), ks, kb, group_size=group, bits=bits)
+        v = mx.dequantize(by_head(v_pool), vs, vb, group_size=group, bits=bits)
     else:
-        k, v = k_pool[slots], v_pool[slots]
-    k = k.astype(mx.float32).swapaxes(1, 2)  # (B, kv_heads, S, D)
-    v = v.astype(mx.float32).swapaxes(1, 2)
+        k, v = by_head(k_pool), by_head(v_pool)
+    k = k.astype(mx.float32).swapaxes(0, 1)  # (B, kv_heads, S, D)
+    v = v.astype(mx.float32).swapaxes(0, 1)
     limits = _per_position(lengths, B, L)
     pos = mx.arange(S)[None, None, :]
     end = limits[:, :, None]

@@ -282,8 +282,7 @@ class PagedLayerCache:
         self.batch.storage.write(self.layer, self.batch.write_slots, flat_k, flat_v)
         if not self.batch.batch.gathered:
             return keys, values
-        k, v = self.batch.storage.read(self.layer, self.batch.whole(self.window).slots)  # (B, S, kv_heads, D)
-        return k.swapaxes(1, 2), v.swapaxes(1, 2)
+        return self.batch.storage.read_heads(self.layer, self.batch.whole(self.window).slots)
 
     def can_attend_step(self, heads: int, width: int, backend: MLXOps) -> bool:
         """Whether :meth:`attend_step` takes this layer's step of ``heads`` query heads and
@@ -348,15 +347,15 @@ class PagedLayerCache:
         buckets = self.batch.own_buckets() if cascade else self.batch.buckets(self.window)
         prefixes = [(self._prefix(blocks), rows) for blocks, rows in batch.shared()] if cascade else []
         for bucket in buckets:
-            k, v = self.batch.storage.read(self.layer, bucket.slots)  # (b, S, kv_heads, D)
+            k, v = self.batch.storage.read_heads(self.layer, bucket.slots)  # (b, kv_heads, S, D)
             q = queries if bucket.index is None else queries[bucket.index]
             if cascade:
                 where = {b: i for i, b in enumerate(bucket.rows)}
                 groups = [(p, mx.array([where[b] for b in rows if b in where])) for p, rows in prefixes if any(b in where for b in rows)]
                 if groups:
-                    outs.append(cascade_attention(q, k.swapaxes(1, 2), v.swapaxes(1, 2), scale, bucket.mask, groups, exp=backend.exp))
+                    outs.append(cascade_attention(q, k, v, scale, bucket.mask, groups, exp=backend.exp))
                     continue
-            outs.append(_attend_tiled(backend, q, k.swapaxes(1, 2), v.swapaxes(1, 2), scale, bucket.mask, sinks, softcap))
+            outs.append(_attend_tiled(backend, q, k, v, scale, bucket.mask, sinks, softcap))
         if len(outs) == 1:
             return outs[0]
         order = [b for bucket in buckets for b in bucket.rows]
@@ -366,8 +365,8 @@ class PagedLayerCache:
     def _prefix(self, blocks: list[int]) -> SharedPrefix:
         """This layer's K and V of ``blocks`` (a shared prefix), ``(1, kv_heads, tokens, D)``."""
         storage = self.batch.storage
-        k, v = storage.read(self.layer, storage.block_slots(blocks))
-        return SharedPrefix(k.swapaxes(0, 1)[None], v.swapaxes(0, 1)[None], ())
+        k, v = storage.read_heads(self.layer, storage.block_slots(blocks))
+        return SharedPrefix(k[None], v[None], ())
 
     def is_trimmable(self) -> bool:
         return False
