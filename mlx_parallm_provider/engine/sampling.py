@@ -141,7 +141,7 @@ def _sample_rows(
         mx.eval(tokens)
         return [SampledRow(token=t) for t in tokens.tolist()]
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    tokens = _pick(logprobs, samplers)
+    tokens = _pick(logits, samplers, logprobs)
 
     extras: dict[int, Any] = {}
     for i in wants:
@@ -166,11 +166,11 @@ def _sample_rows(
 
 def draw_tokens(logits: mx.array, samplers: Sequence[RowSampler]) -> mx.array:
     """Each row's next token as a lazy ``(B,)`` array, for rows with no logits processors,
-    grammar or logprobs: the arg-max for greedy rows (of the logits themselves when every row
-    is greedy: no normalisation pass), a draw with the row's next key for the others."""
+    grammar or logprobs: the arg-max for greedy rows, a draw with the row's next key for the
+    others (:func:`_pick`)."""
     if all(s.greedy for s in samplers):
         return mx.argmax(logits, axis=-1)
-    return _pick(logits - mx.logsumexp(logits, axis=-1, keepdims=True), samplers)
+    return _pick(logits, samplers)
 
 
 _split_each = mx.vmap(mx.random.split)
@@ -179,11 +179,15 @@ _draw_each = mx.vmap(lambda row, key: mx.argmax(row + mx.random.gumbel(row.shape
 draws the same token, whatever else is drawn beside it."""
 
 
-def _pick(logprobs: mx.array, samplers: Sequence[RowSampler]) -> mx.array:
-    """Each row's token from its normalised logprobs: the arg-max, or a draw with its next key.
-    The sampling rows draw together (their keys split by one op, their draws by another: on a
-    GPU a few launches a step, not several a row), each with its own key."""
-    greedy = mx.argmax(logprobs, axis=-1)
+def _pick(logits: mx.array, samplers: Sequence[RowSampler], logprobs: Optional[mx.array] = None) -> mx.array:
+    """Each row's token: the arg-max, or a draw with its next key. The sampling rows draw
+    together (their keys split by one op, their draws by another: on a GPU a few launches a
+    step, not several a row), each with its own key. A row that filters (top-p, min-p,
+    top-k) draws from its normalised ``logprobs`` (computed here where not given); the others
+    from the logits themselves, the same draw (the Gumbel-max arg-max does not move when a
+    row's values shift alike) without a normalisation pass over the vocabulary, whether or
+    not a row beside them filters or wants logprobs."""
+    greedy = mx.argmax(logits, axis=-1)
     drawing = [i for i, s in enumerate(samplers) if not s.greedy]
     if not drawing:
         return greedy
@@ -191,9 +195,11 @@ def _pick(logprobs: mx.array, samplers: Sequence[RowSampler]) -> mx.array:
     filtering = [samplers[i].filters for i in drawing]  # (every row's asked: a row's fault surfaces in any batch)
     if not any(filtering):
         scales = mx.array([1.0 / samplers[i].params.temperature for i in drawing], dtype=mx.float32)
-        rows = logprobs[mx.array(drawing)] * scales[:, None].astype(logprobs.dtype)
+        rows = logits[mx.array(drawing)] * scales[:, None].astype(logits.dtype)
     else:
-        rows = mx.concatenate([samplers[i].scaled(logprobs[i : i + 1]) for i in drawing])
+        if logprobs is None:
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        rows = mx.concatenate([samplers[i].scaled((logprobs if f else logits)[i : i + 1]) for i, f in zip(drawing, filtering)])
     drawn = _draw_each(rows, pairs[:, 1])
     for n, i in enumerate(drawing):
         samplers[i].key = pairs[n, 0]

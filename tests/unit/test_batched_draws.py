@@ -37,3 +37,23 @@ def test_draws_follow_the_tempered_softmax_and_respect_top_k() -> None:
     assert np.abs(counts / n - expected).max() < 0.03  # ~4 standard errors at n = 3,000
     top2 = RowSampler(SamplingParams(temperature=T, seed=8, top_k=2))
     assert {draw_tokens(logits, [top2]).item() for _ in range(200)} == {0, 1}
+
+
+def test_a_plain_row_draws_alike_beside_rows_that_want_logprobs_or_filter() -> None:
+    """Plain rows draw from the logits themselves (no normalisation pass); a row beside one
+    that wants logprobs or filters (so the batch is normalised) still draws what it draws alone."""
+    from mlx_parallm_provider.engine.sampling import sample_batch
+
+    # bfloat16, as a 16-bit model's: normalised or not, its values round apart by ~1/16, enough
+    # to move some draws; not normalised, far from logprobs.
+    logits = (mx.random.normal((3, 4096), key=mx.random.key(3)) * 4 + 7).astype(mx.bfloat16)
+    for seed in range(40):
+        plain = dict(temperature=0.9, seed=seed)
+        together = [RowSampler(SamplingParams(**plain)), RowSampler(SamplingParams(temperature=0.9, seed=99, logprobs=True)),
+                    RowSampler(SamplingParams(temperature=0.9, seed=98, top_p=0.9))]
+        rows = sample_batch(logits, together, [None] * 3)
+        alone = draw_tokens(logits[:1], [RowSampler(SamplingParams(**plain))]).item()
+        assert rows[0].token == alone and rows[0].error is None
+        assert rows[1].logprob is not None and rows[1].logprob <= 0.0  # (its logprob, normalised)
+    greedy = sample_batch(logits, [RowSampler(SamplingParams(temperature=0.0)), *together[1:]], [None] * 3)
+    assert greedy[0].token == mx.argmax(logits[0]).item()
