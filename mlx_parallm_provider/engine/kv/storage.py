@@ -225,9 +225,9 @@ class PagedKVStorage:
     def read_heads(self, layer: int, slots: mx.array) -> tuple[mx.array, mx.array]:
         """K and V at ``slots`` (shape ``(..., S)``) head by head: ``(..., kv_heads, S,
         head_dim)`` as attention takes them, each head's ``S`` tokens one contiguous matrix.
-        (The same as :meth:`read` with its tokens and heads axes swapped, gathered in that
-        order: MLX's CPU attention over the swapped view of :meth:`read`'s copies it per
-        head again, ~3x the time of the attention itself.)"""
+        (:meth:`read`'s values with its tokens and heads axes swapped, gathered in that order:
+        MLX's CPU attention over a swapped view of :meth:`read`'s result copies it again,
+        head by head, ~3x the attention's own time at 32 rows.)"""
         k, v = self._read(layer, lambda a: a.swapaxes(0, 1)[:, slots])  # (kv_heads, ..., S, D)
         return mx.moveaxis(k, 0, -3), mx.moveaxis(v, 0, -3)
 
