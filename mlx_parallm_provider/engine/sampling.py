@@ -183,10 +183,10 @@ def _pick(logits: mx.array, samplers: Sequence[RowSampler], logprobs: Optional[m
     """Each row's token: the arg-max, or a draw with its next key. The sampling rows draw
     together (their keys split by one op, their draws by another: on a GPU a few launches a
     step, not several a row), each with its own key. A row that filters (top-p, min-p,
-    top-k) draws from its normalised ``logprobs`` (computed here where not given); the others
-    from the logits themselves, the same draw (the Gumbel-max arg-max does not move when a
-    row's values shift alike) without a normalisation pass over the vocabulary, whether or
-    not a row beside them filters or wants logprobs."""
+    top-k) draws from its normalised ``logprobs`` (where not given, computed here for the rows
+    that filter alone); the others from the logits themselves, the same draw (the Gumbel-max
+    arg-max does not move when a row's values shift alike) without a normalisation pass over
+    the vocabulary, whether or not a row beside them filters or wants logprobs."""
     greedy = mx.argmax(logits, axis=-1)
     drawing = [i for i, s in enumerate(samplers) if not s.greedy]
     if not drawing:
@@ -197,9 +197,14 @@ def _pick(logits: mx.array, samplers: Sequence[RowSampler], logprobs: Optional[m
         scales = mx.array([1.0 / samplers[i].params.temperature for i in drawing], dtype=mx.float32)
         rows = logits[mx.array(drawing)] * scales[:, None].astype(logits.dtype)
     else:
+        which = [i for i, f in zip(drawing, filtering) if f]
         if logprobs is None:
-            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        rows = mx.concatenate([samplers[i].scaled((logprobs if f else logits)[i : i + 1]) for i, f in zip(drawing, filtering)])
+            part = logits[mx.array(which)]
+            part = part - mx.logsumexp(part, axis=-1, keepdims=True)
+            normalised = {i: part[n : n + 1] for n, i in enumerate(which)}
+        else:
+            normalised = {i: logprobs[i : i + 1] for i in which}
+        rows = mx.concatenate([samplers[i].scaled(normalised[i] if f else logits[i : i + 1]) for i, f in zip(drawing, filtering)])
     drawn = _draw_each(rows, pairs[:, 1])
     for n, i in enumerate(drawing):
         samplers[i].key = pairs[n, 0]
