@@ -29,6 +29,7 @@ from typing import Any, Callable, Optional
 
 from ..config import EngineConfig
 from ..errors import EngineDeadError
+from ..models import backends
 from .detokenize import TextStream, direct_decoder
 from .drafting import Drafting
 from .embed.request import EmbedRequest
@@ -248,7 +249,8 @@ class EngineCore:
             return
         try:
             request.state = RowState(
-                sampler=RowSampler(request.params, self.grammar if request.params.constraint else None),
+                sampler=RowSampler(request.params, self.grammar if request.params.constraint else None,
+                                   draw=getattr(backends.of(self.model), "gumbel_draw", None)),
                 text=TextStream(self.decoder, request.params.stop, request.prompt_ids),
                 logprobs=[] if request.params.logprobs else None,
             )

@@ -266,10 +266,10 @@ def test_each_fault_site_fails_one_request_alone(make_engine, monkeypatch, site)
     if site == "set_up":
         real_init = sampling_module.RowSampler.__init__
 
-        def init(self, params, grammar=None):
+        def init(self, params, grammar=None, **kwargs):
             if marker in params.stop:
                 raise KeyError("set-up fault")
-            real_init(self, params, grammar)
+            real_init(self, params, grammar, **kwargs)
 
         monkeypatch.setattr(sampling_module.RowSampler, "__init__", init)
     elif site == "sample":

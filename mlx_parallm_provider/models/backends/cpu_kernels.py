@@ -7,6 +7,7 @@ the CPU device for attention, SwiGLU, RMSNorm, RoPE and small-batch matmuls.
 * SwiGLU and the cascade attention's ``exp``: :mod:`..cpu_ops`' arithmetic ``exp``;
 * RMSNorm and RoPE (float32): the extension's fused ops, in the modules
   :mod:`..fused_ops` installs;
+* sampled rows' draws: the extension's Gumbel-max op (MLX's noise bit for bit, ~6x faster);
 * linear layers of a quantized checkpoint: steps of at most :attr:`CPUKernels.packed_rows`
   rows multiply by the packed weights (:mod:`..small_batch`), larger ones by float32 copies;
   with :attr:`CPUKernels.int8_matmul` (the default on CPUs with AVX-512 VNNI), every row count
@@ -180,6 +181,12 @@ class CPUKernels(MLXOps):
         cache.wrote(out, ragged=True)
         return out
 
+    def gumbel_draw(self, rows: mx.array, keys: mx.array) -> Optional[mx.array]:
+        ext = _fused()
+        if not hasattr(ext, "gumbel_draw") or rows.dtype != mx.float32 or rows.ndim != 2 or keys.dtype != mx.uint32:
+            return None
+        return ext.gumbel_draw(rows, keys, self.qmatmul_threads)  # MLX's noise, bit for bit: the tokens MLX's draw gives
+
     def exp(self, x: mx.array) -> mx.array:
         return cpu_ops.fast_exp(x)
 
@@ -222,6 +229,6 @@ class CPUKernels(MLXOps):
 
 
 def _fused() -> Any:
-    """The extension where it builds with the fused norm and RoPE ops (and SwiGLU), else None."""
+    """The extension where it builds with the fused norm and RoPE ops (and SwiGLU, the draws), else None."""
     ext = attention._extension()
     return ext if ext is not None and hasattr(ext, "rope") else None

@@ -129,6 +129,12 @@ class MLXOps:
         block's own code."""
         return None
 
+    def gumbel_draw(self, rows: mx.array, keys: mx.array) -> Optional[mx.array]:
+        """Sampled rows' Gumbel-max draws as one op: each row's ``argmax(rows[i] +
+        mx.random.gumbel(rows[i].shape, key=keys[i]))``, ``(n,)`` uint32, for ``rows`` ``(n,
+        vocab)`` and ``keys`` ``(n, 2)``; or None: the engine draws with MLX's ops."""
+        return None
+
     # -- elementwise ----------------------------------------------------------------------
 
     def exp(self, x: mx.array) -> mx.array:

@@ -40,6 +40,7 @@ mx::array rms_norm_op(const mx::array& x, const mx::array& w, float eps);
 mx::array rope_op(const mx::array& x, int dims, bool traditional, float scale, const mx::array& offset,
                   const mx::array& inv_freq);
 mx::array swiglu_op(const mx::array& gate, const mx::array& x);  // swiglu.cpp
+mx::array gumbel_draw_op(const mx::array& rows, const mx::array& keys, int threads);  // gumbel_draw.cpp
 mx::array lora_update_op(const mx::array& y, const mx::array& x, const mx::array& a, const mx::array& b,
                          const mx::array& slot, const mx::array& scale, int threads);  // lora_update.cpp
 mx::array decode_attention_op(const mx::array& q, const mx::array& k, const mx::array& v, float scale,
@@ -164,7 +165,7 @@ mx::array qmatmul_op(const mx::array& x, const mx::array& w, const mx::array& sc
 }  // namespace
 
 NB_MODULE(mlx_parallm_qmatmul_ext, m) {
-  m.doc() = "qmatmul.c's kernel, RMSNorm, RoPE, SwiGLU and decode attention as MLX primitives (CPU)";
+  m.doc() = "qmatmul.c's kernel, RMSNorm, RoPE, SwiGLU, Gumbel-max draws and decode attention as MLX primitives (CPU)";
   m.def("qmatmul", &qmatmul_op, "x"_a, "w"_a, "scales"_a, "biases"_a, "bits"_a, "group_size"_a, "threads"_a = 1,
         "gemm"_a = false, "int8"_a = 0,
         "x (..., K) @ W.T for W affine-quantized as MLX packs it, float32 out: at most 64 rows of x through "
@@ -178,6 +179,9 @@ NB_MODULE(mlx_parallm_qmatmul_ext, m) {
         "inv_freq (dims / 2,) float32 as the fallback computes it.");
   m.def("swiglu", &mlx_parallm::swiglu_op, "gate"_a, "x"_a,
         "silu(gate) * x for float32 gate and x of one shape, as one CPU op (exp from a polynomial, rel. error < 3e-7).");
+  m.def("gumbel_draw", &mlx_parallm::gumbel_draw_op, "rows"_a, "keys"_a, "threads"_a = 1,
+        "Each row's argmax(rows[i] + mx.random.gumbel((V,), key=keys[i])) for float32 rows (n, V) and uint32 keys (n, 2), "
+        "as one CPU op: MLX's noise bit for bit up to its logs' last bits. uint32 out, (n,).");
   m.def("decode_attention", &mlx_parallm::decode_attention_op, "q"_a, "k"_a, "v"_a, "scale"_a, "mask"_a = nb::none(),
         "threads"_a = 1,
         "Attention of q (B, H, 1, D) over k, v (B, KVH, S, D) under mask (None, or (1 or B, S) bool / additive), "
