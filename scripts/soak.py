@@ -72,10 +72,10 @@ def install_faults() -> dict[str, Any]:
     the caller fail the model step once. Returns the switch for the model-step fault."""
     real_init, real_filters = sampling_module.RowSampler.__init__, sampling_module.RowSampler.filters
 
-    def init(self, params, grammar=None):
+    def init(self, params, grammar=None, **kwargs):
         if FAULT_MARKERS["set_up"] in params.stop:
             raise KeyError("injected set-up fault")
-        real_init(self, params, grammar)
+        real_init(self, params, grammar, **kwargs)
 
     def filters_(self):  # asked of every sampling row as its batch draws
         if FAULT_MARKERS["sample"] in self.params.stop:

@@ -7,7 +7,7 @@ the CPU device for attention, SwiGLU, RMSNorm, RoPE and small-batch matmuls.
 * SwiGLU and the cascade attention's ``exp``: :mod:`..cpu_ops`' arithmetic ``exp``;
 * RMSNorm and RoPE (float32): the extension's fused ops, in the modules
   :mod:`..fused_ops` installs;
-* sampled rows' draws: the extension's Gumbel-max op (MLX's noise bit for bit, ~6x faster);
+* sampled rows' draws: the extension's Gumbel-max op (MLX's noise bit for bit, ~10x faster);
 * linear layers of a quantized checkpoint: steps of at most :attr:`CPUKernels.packed_rows`
   rows multiply by the packed weights (:mod:`..small_batch`), larger ones by float32 copies;
   with :attr:`CPUKernels.int8_matmul` (the default on CPUs with AVX-512 VNNI), every row count
