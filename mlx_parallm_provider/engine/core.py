@@ -250,7 +250,7 @@ class EngineCore:
         try:
             request.state = RowState(
                 sampler=RowSampler(request.params, self.grammar if request.params.constraint else None,
-                                   draw=getattr(backends.of(self.model), "gumbel_draw", None)),
+                                   ops=backends.of(self.model)),
                 text=TextStream(self.decoder, request.params.stop, request.prompt_ids),
                 logprobs=[] if request.params.logprobs else None,
             )

@@ -5,8 +5,9 @@ each sampling row draws with its own PRNG key, derived from its ``seed`` (or a r
 and split once per token. So a seeded request samples the same tokens whatever else is
 in the batch: no global RNG state is shared between rows. The sampling rows' keys are split
 and their draws made by one op each for the whole batch (``mx.vmap``), which gives each row
-what it would draw alone. The engine's backend may draw them by one op of its own
-(:meth:`.MLXOps.gumbel_draw`: the CPU kernels' is ~10x faster and draws the same tokens).
+what it would draw alone. The engine's backend may filter and draw them by ops of its own
+(:meth:`.MLXOps.filter_rows`, :meth:`.MLXOps.gumbel_draw`: the CPU kernels', many times faster,
+keep and draw the tokens mlx-lm's filters and MLX's draw do, but where rounding decides a tie).
 """
 
 from __future__ import annotations
@@ -27,13 +28,13 @@ LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 class RowSampler:
     """Sampling state of one request: its logits processors, filters and PRNG key.
 
-    ``draw``: the engine's backend's batched Gumbel-max draw (:meth:`.MLXOps.gumbel_draw`),
-    used where it takes the rows; None: MLX's ops."""
+    ``ops``: the engine's model's backend, whose batched filters and draw
+    (:meth:`.MLXOps.filter_rows`, :meth:`.MLXOps.gumbel_draw`) take the rows where they can;
+    None: mlx-lm's filters and MLX's ops."""
 
-    def __init__(self, params: SamplingParams, grammar: Optional[GrammarTokenizer] = None,
-                 draw: Optional[Callable[[mx.array, mx.array], Optional[mx.array]]] = None) -> None:
+    def __init__(self, params: SamplingParams, grammar: Optional[GrammarTokenizer] = None, ops: Optional[Any] = None) -> None:
         self.params = params
-        self.draw = draw
+        self.ops = ops
         self.grammar = grammar
         self.matcher = RowMatcher(params.constraint, grammar) if params.constraint is not None and grammar else None
         self.processors: list[LogitsProcessor] = make_logits_processors(
@@ -76,7 +77,11 @@ class RowSampler:
 
     def scaled(self, logprobs: mx.array) -> mx.array:
         """One row's logprobs ``(1, vocab)`` filtered and divided by its temperature: what its draw samples from."""
-        return self.filter(logprobs) * (1.0 / self.params.temperature)
+        return self.scale(self.filter(logprobs))
+
+    def scale(self, values: mx.array) -> mx.array:
+        """``values`` divided by this row's temperature."""
+        return values * (1.0 / self.params.temperature)
 
 
 def sample_batch(
@@ -185,10 +190,21 @@ _draw_each = mx.vmap(lambda row, key: mx.argmax(row + mx.random.gumbel(row.shape
 draws the same token, whatever else is drawn beside it."""
 
 
-def _draw(rows: mx.array, keys: mx.array, backend_draw: Optional[Callable[[mx.array, mx.array], Optional[mx.array]]]) -> mx.array:
+def _draw(rows: mx.array, keys: mx.array, ops: Optional[Any]) -> mx.array:
     """The rows' draws (:data:`_draw_each`'s tokens) by the backend's op where it takes them."""
-    drawn = backend_draw(rows, keys) if backend_draw is not None else None
+    drawn = ops.gumbel_draw(rows, keys) if ops is not None else None
     return drawn if drawn is not None else _draw_each(rows, keys)
+
+
+def _filtered(logprobs: list[mx.array], samplers: list[RowSampler], ops: Optional[Any]) -> list[mx.array]:
+    """Each row's logprobs ``(1, vocab)`` through its filters (:meth:`RowSampler.filter`), by
+    the backend's op for all of them where it takes them."""
+    if ops is not None:
+        p = [s.params for s in samplers]
+        got = ops.filter_rows(mx.concatenate(logprobs), [x.top_p for x in p], [x.min_p for x in p], [x.top_k for x in p])
+        if got is not None:
+            return [got[n : n + 1] for n in range(len(samplers))]
+    return [s.filter(lp) for s, lp in zip(samplers, logprobs)]
 
 
 def _pick(logits: mx.array, samplers: Sequence[RowSampler], logprobs: Optional[mx.array] = None) -> mx.array:
@@ -203,6 +219,7 @@ def _pick(logits: mx.array, samplers: Sequence[RowSampler], logprobs: Optional[m
     drawing = [i for i, s in enumerate(samplers) if not s.greedy]
     if not drawing:
         return greedy
+    ops = samplers[drawing[0]].ops
     pairs = _split_each(mx.stack([samplers[i].key for i in drawing]))  # (n, 2, 2): each row's next key, its draw's key
     filtering = [samplers[i].filters for i in drawing]  # (every row's asked: a row's fault surfaces in any batch)
     if not any(filtering):
@@ -213,11 +230,12 @@ def _pick(logits: mx.array, samplers: Sequence[RowSampler], logprobs: Optional[m
         if logprobs is None:
             part = logits[mx.array(which)]
             part = part - mx.logsumexp(part, axis=-1, keepdims=True)
-            normalised = {i: part[n : n + 1] for n, i in enumerate(which)}
+            normalised = [part[n : n + 1] for n in range(len(which))]
         else:
-            normalised = {i: logprobs[i : i + 1] for i in which}
-        rows = mx.concatenate([samplers[i].scaled(normalised[i] if f else logits[i : i + 1]) for i, f in zip(drawing, filtering)])
-    drawn = _draw(rows, pairs[:, 1], samplers[drawing[0]].draw)
+            normalised = [logprobs[i : i + 1] for i in which]
+        filtered = dict(zip(which, _filtered(normalised, [samplers[i] for i in which], ops)))
+        rows = mx.concatenate([samplers[i].scale(filtered[i] if f else logits[i : i + 1]) for i, f in zip(drawing, filtering)])
+    drawn = _draw(rows, pairs[:, 1], ops)
     for n, i in enumerate(drawing):
         samplers[i].key = pairs[n, 0]
     if len(drawing) == len(samplers):

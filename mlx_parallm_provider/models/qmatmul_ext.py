@@ -5,7 +5,7 @@ stream (~60 us), made ~120 times a step by a 30-layer model. ``kernels/qmatmul_e
 the same C function in an ``mlx::core::Primitive`` (CPU only) that MLX schedules like its own
 ops. The same module holds RMSNorm and RoPE as single CPU ops (``kernels/norm_rope.cpp``,
 used by :mod:`.fused_ops`), SwiGLU (``kernels/swiglu.cpp``) and the sampled rows' draws
-(``kernels/gumbel_draw.cpp``), both used by the CPU backend. It is a C++ extension bound with nanobind,
+(``kernels/sampling.cpp``), both used by the CPU backend. It is a C++ extension bound with nanobind,
 compiled on first use with ``$CXX`` (else ``c++``; its sources side by side, one a CPU)
 against the installed MLX and cached next to the C kernel, keyed by sources, flags,
 compiler, MLX version and CPU, and checked before loading (:mod:`.kernel_cache`);
@@ -48,7 +48,7 @@ SOURCE = Path(__file__).with_name("kernels") / "qmatmul_ext.cpp"
 #: the sampled rows' Gumbel-max draws (:meth:`.backends.CPUKernels.gumbel_draw`).
 SOURCES = (SOURCE, SOURCE.with_name("norm_rope.cpp"), SOURCE.with_name("swiglu.cpp"), SOURCE.with_name("decode_attention.cpp"),
            SOURCE.with_name("blas_matmul.cpp"),
-           SOURCE.with_name("decoder_layer.cpp"), SOURCE.with_name("lora_update.cpp"), SOURCE.with_name("gumbel_draw.cpp"))
+           SOURCE.with_name("decoder_layer.cpp"), SOURCE.with_name("lora_update.cpp"), SOURCE.with_name("sampling.cpp"))
 HEADERS = tuple(SOURCE.with_name(name) for name in ("cpu_primitive.h", "fast_exp.h", "rope.h", "attention_step.h", "lane_sums.h"))
 """What the primitives share; part of the cache key."""
 MODULE = "mlx_parallm_qmatmul_ext"  # NB_MODULE's name in the source

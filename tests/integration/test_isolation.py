@@ -134,14 +134,14 @@ def test_top_k_is_checked_against_the_vocabulary(make_engine) -> None:
 
 
 def test_a_row_whose_sampling_fails_fails_alone(make_engine, monkeypatch) -> None:
-    real_filter = sampling_module.RowSampler.filter
+    real_filters = sampling_module.RowSampler.filters
 
-    def filter_(self, logprobs):
+    def filters_(self):  # asked of every drawing row, whichever ops filter and draw
         if self.params.min_p == 0.125:  # the marked request
             raise ValueError("sampler bug")
-        return real_filter(self, logprobs)
+        return real_filters.fget(self)
 
-    monkeypatch.setattr(sampling_module.RowSampler, "filter", filter_)
+    monkeypatch.setattr(sampling_module.RowSampler, "filters", property(filters_))
     engine = make_engine()
     expected = _expected(engine)
     seeded = SamplingParams(max_tokens=8, temperature=1.0, seed=7, ignore_eos=True)

@@ -7,7 +7,8 @@ the CPU device for attention, SwiGLU, RMSNorm, RoPE and small-batch matmuls.
 * SwiGLU and the cascade attention's ``exp``: :mod:`..cpu_ops`' arithmetic ``exp``;
 * RMSNorm and RoPE (float32): the extension's fused ops, in the modules
   :mod:`..fused_ops` installs;
-* sampled rows' draws: the extension's Gumbel-max op (MLX's noise bit for bit, ~10x faster);
+* sampled rows: their top-p / min-p / top-k filters and their Gumbel-max draw, one extension
+  op each for a step's rows (mlx-lm's filters and MLX's draw, many times faster);
 * linear layers of a quantized checkpoint: steps of at most :attr:`CPUKernels.packed_rows`
   rows multiply by the packed weights (:mod:`..small_batch`), larger ones by float32 copies;
   with :attr:`CPUKernels.int8_matmul` (the default on CPUs with AVX-512 VNNI), every row count
@@ -19,6 +20,7 @@ Without a compiler (no extension) every method falls back to :class:`.MLXOps`.
 from __future__ import annotations
 
 import logging
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, Union
@@ -180,6 +182,14 @@ class CPUKernels(MLXOps):
                                       self.qmatmul_threads, self.packed_rows, self.activation_bits if self.int8_matmul else 0)
         cache.wrote(out, ragged=True)
         return out
+
+    def filter_rows(self, logprobs: mx.array, top_p: Sequence[float], min_p: Sequence[float], top_k: Sequence[int]) -> Optional[mx.array]:
+        ext = _fused()
+        if not hasattr(ext, "filter_rows") or logprobs.dtype != mx.float32 or logprobs.ndim != 2:
+            return None
+        # (top_p and log(min_p) as float32, as mlx-lm's float32 arithmetic takes them)
+        params = mx.array([[p, math.log(m) if m > 0.0 else -math.inf, k] for p, m, k in zip(top_p, min_p, top_k)], dtype=mx.float32)
+        return ext.filter_rows(logprobs, params, self.qmatmul_threads)
 
     def gumbel_draw(self, rows: mx.array, keys: mx.array) -> Optional[mx.array]:
         ext = _fused()

@@ -129,6 +129,13 @@ class MLXOps:
         block's own code."""
         return None
 
+    def filter_rows(self, logprobs: mx.array, top_p: Sequence[float], min_p: Sequence[float], top_k: Sequence[int]) -> Optional[mx.array]:
+        """Sampled rows' filters as one op: mlx-lm's ``apply_top_p``, ``apply_min_p`` and
+        ``apply_top_k``, in that order, over each row of ``logprobs`` ``(n, vocab)`` with its
+        own settings (off: ``top_p`` 1, ``min_p`` 0, ``top_k`` 0); or None: the engine filters
+        each row with mlx-lm's functions."""
+        return None
+
     def gumbel_draw(self, rows: mx.array, keys: mx.array) -> Optional[mx.array]:
         """Sampled rows' Gumbel-max draws as one op: each row's ``argmax(rows[i] +
         mx.random.gumbel(rows[i].shape, key=keys[i]))``, ``(n,)`` uint32, for ``rows`` ``(n,

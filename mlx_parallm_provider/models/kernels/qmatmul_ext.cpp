@@ -40,7 +40,8 @@ mx::array rms_norm_op(const mx::array& x, const mx::array& w, float eps);
 mx::array rope_op(const mx::array& x, int dims, bool traditional, float scale, const mx::array& offset,
                   const mx::array& inv_freq);
 mx::array swiglu_op(const mx::array& gate, const mx::array& x);  // swiglu.cpp
-mx::array gumbel_draw_op(const mx::array& rows, const mx::array& keys, int threads);  // gumbel_draw.cpp
+mx::array gumbel_draw_op(const mx::array& rows, const mx::array& keys, int threads);  // sampling.cpp
+mx::array filter_rows_op(const mx::array& logprobs, const mx::array& params, int threads);  // sampling.cpp
 mx::array lora_update_op(const mx::array& y, const mx::array& x, const mx::array& a, const mx::array& b,
                          const mx::array& slot, const mx::array& scale, int threads);  // lora_update.cpp
 mx::array decode_attention_op(const mx::array& q, const mx::array& k, const mx::array& v, float scale,
@@ -182,6 +183,10 @@ NB_MODULE(mlx_parallm_qmatmul_ext, m) {
   m.def("gumbel_draw", &mlx_parallm::gumbel_draw_op, "rows"_a, "keys"_a, "threads"_a = 1,
         "Each row's argmax(rows[i] + mx.random.gumbel((V,), key=keys[i])) for float32 rows (n, V) and uint32 keys (n, 2), "
         "as one CPU op: MLX's noise bit for bit up to its logs' last bits. uint32 out, (n,).");
+  m.def("filter_rows", &mlx_parallm::filter_rows_op, "logprobs"_a, "params"_a, "threads"_a = 1,
+        "mlx-lm's apply_top_p, apply_min_p and apply_top_k, in that order, over each row of float32 logprobs (n, V), "
+        "params (n, 3) float32: top_p (off outside (0, 1)), log(min_p) (-inf: off), top_k (off outside (0, V)), as one "
+        "CPU op. float32 out, the filtered tokens -inf.");
   m.def("decode_attention", &mlx_parallm::decode_attention_op, "q"_a, "k"_a, "v"_a, "scale"_a, "mask"_a = nb::none(),
         "threads"_a = 1,
         "Attention of q (B, H, 1, D) over k, v (B, KVH, S, D) under mask (None, or (1 or B, S) bool / additive), "

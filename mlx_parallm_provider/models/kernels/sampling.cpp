@@ -1,4 +1,13 @@
-// The Gumbel-max draw of sampled rows as one CPU op: argmax(row + gumbel noise), each row with
+// Sampled rows' ops (CPU): their top-p / min-p / top-k filters, and their Gumbel-max draw.
+//
+// The filters are mlx-lm's apply_top_p, apply_min_p and apply_top_k, in that order, over each row's
+// logprobs. mlx-lm's top-p sorts the whole vocabulary (MLX's CPU sort: ~5 ms a row of 49,152
+// tokens; 32 rows with top_p took ~170 ms, more than the rest of their step); here a radix sort
+// orders only the tokens whose probability can move a float32 sum, and their masses are added
+// in mlx-lm's order: the tokens kept are mlx-lm's, but where its exp and this one round a
+// token's mass apart right at the edge of the nucleus (seen only at top_p = 0.999999).
+//
+// The draw: argmax(row + gumbel noise), each row with
 // its own PRNG key, the noise bit for bit what MLX's mx.random.gumbel(row.shape, key=key) makes.
 //
 // On x86 MLX's CPU draws a row's noise ~6 ns an element for the random bits (threefry, one
@@ -9,6 +18,8 @@
 // time through a cephes-style log (error ~1 ulp against MLX's): a row draws what MLX's draw gives
 // it, but where two candidates' noisy scores tie within rounding.
 #include <algorithm>
+#include <cmath>
+#include <cstring>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -209,6 +220,158 @@ class GumbelDrawCPU : public mx::Primitive {
 };
 
 }  // namespace
+
+namespace {
+
+// Float32 values as uint32 keys whose ascending order is the values' descending order.
+inline uint32_t descending_key(float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, 4);
+  return (u & 0x80000000u) ? u : ~u & 0x7fffffffu;  // negatives as they are, positives flipped below them
+}
+
+inline float from_descending_key(uint32_t k) {
+  uint32_t u = (k & 0x80000000u) ? k : ~k & 0x7fffffffu;
+  float v;
+  std::memcpy(&v, &u, 4);
+  return v;
+}
+
+// Ascending LSD radix sort of 32-bit keys, 8 bits a pass.
+void radix_sort(std::vector<uint32_t>& keys, std::vector<uint32_t>& spare) {
+  spare.resize(keys.size());
+  for (int shift = 0; shift < 32; shift += 8) {
+    size_t count[257] = {0};
+    for (uint32_t k : keys) count[((k >> shift) & 0xff) + 1]++;
+    for (int d = 0; d < 256; d++) count[d + 1] += count[d];
+    for (uint32_t k : keys) spare[count[(k >> shift) & 0xff]++] = k;
+    keys.swap(spare);
+  }
+}
+
+// One row of mlx-lm's filters, in place. top_p in (0, 1) on; log_min_p: log(min_p) (float32) or
+// -inf (off); top_k in (0, V) on.
+void filter_row(float* row, int V, float top_p, float log_min_p, int top_k, std::vector<float>& scratch,
+                std::vector<uint32_t>& keys, std::vector<uint32_t>& spare) {
+  const float neg_inf = -__builtin_inff();
+  if (top_p > 0.0f && top_p < 1.0f) {
+    // mlx-lm: ascending sort, mass_above = reverse exclusive cumsum of exp (added from the largest
+    // down, in float32), total = mass_above[0] + the smallest; a token is dropped where the mass
+    // above it reaches top_p * total. A probability below half a unit in the last place of the
+    // largest never changes a float32 sum that starts with the largest, so only the tokens within
+    // 18 of the largest logprob are sorted (exp(-18) < 2^-25) and added, in mlx-lm's order.
+    float top = *std::max_element(row, row + V);
+    if (!(top > neg_inf)) return;  // (no finite logprob: nothing to keep apart)
+    const float cut = top - 18.0f;
+    keys.clear();
+    for (int i = 0; i < V; i++) {
+      if (row[i] >= cut) keys.push_back(descending_key(row[i]));
+    }
+    radix_sort(keys, spare);
+    scratch.resize(keys.size());
+    float total = 0.0f;
+    for (size_t j = 0; j < keys.size(); j++) total += scratch[j] = std::exp(from_descending_key(keys[j]));
+    const float limit = top_p * total;
+    float mass = 0.0f, threshold = top;
+    for (size_t j = 0; j < keys.size() && mass < limit; j++) {
+      threshold = from_descending_key(keys[j]);
+      mass += scratch[j];
+    }
+    for (int i = 0; i < V; i++) {
+      if (row[i] < threshold) row[i] = neg_inf;
+    }
+  }
+  if (log_min_p > neg_inf) {
+    float top = *std::max_element(row, row + V);
+    float floor = top + log_min_p;
+    for (int i = 0; i < V; i++) {
+      if (row[i] < floor) row[i] = neg_inf;
+    }
+  }
+  if (top_k > 0 && top_k < V) {  // the k largest; of tokens tied with the k-th, the first ones
+    scratch.assign(row, row + V);
+    std::nth_element(scratch.begin(), scratch.begin() + (top_k - 1), scratch.end(), std::greater<float>());
+    const float kth = scratch[top_k - 1];
+    int ties = top_k - static_cast<int>(std::count_if(row, row + V, [kth](float v) { return v > kth; }));
+    for (int i = 0; i < V; i++) {
+      if (row[i] > kth) continue;
+      if (row[i] == kth && ties > 0) {
+        ties--;
+        continue;
+      }
+      row[i] = neg_inf;
+    }
+  }
+}
+
+struct FilterJob {
+  const float* in;
+  const float* params;  // (n, 3): top_p, log(min_p), top_k
+  float* out;
+  int V;
+};
+
+void filter_rows(void* ctx, int i0, int i1) {
+  const FilterJob& job = *static_cast<const FilterJob*>(ctx);
+  std::vector<float> scratch;
+  std::vector<uint32_t> keys, spare;
+  for (int i = i0; i < i1; i++) {
+    float* row = job.out + static_cast<int64_t>(i) * job.V;
+    std::copy(job.in + static_cast<int64_t>(i) * job.V, job.in + static_cast<int64_t>(i + 1) * job.V, row);
+    const float* p = job.params + 3 * i;
+    filter_row(row, job.V, p[0], p[1], static_cast<int>(p[2]), scratch, keys, spare);
+  }
+}
+
+class FilterRowsCPU : public mx::Primitive {
+ public:
+  FilterRowsCPU(mx::Stream stream, int threads) : mx::Primitive(stream), threads(threads) {}
+
+  int threads;
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    auto& out = outputs[0];
+    auto& encoder = cpu_encoder(stream(), inputs, out);
+    encoder.dispatch([rows = mx::array::unsafe_weak_copy(inputs[0]), params = mx::array::unsafe_weak_copy(inputs[1]),
+                      out = mx::array::unsafe_weak_copy(out), threads = threads]() mutable {
+      std::vector<char> row_copy, param_copy;
+      FilterJob job{reinterpret_cast<const float*>(row_major(rows, row_copy)),
+                    reinterpret_cast<const float*>(row_major(params, param_copy)), out.data<float>(), rows.shape(1)};
+      int n = rows.shape(0), use = std::min(threads, n);
+      if (use <= 1) {
+        filter_rows(&job, 0, n);
+      } else {
+        qm_parallel_for(n, use, filter_rows, &job);
+      }
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("FilterRowsCPU has no GPU implementation (CPU only)");
+  }
+
+  const char* name() const override { return "FilterRowsCPU"; }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {inputs[0].shape()}; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return threads == static_cast<const FilterRowsCPU&>(other).threads;
+  }
+};
+
+}  // namespace
+
+// mlx-lm's apply_top_p, apply_min_p and apply_top_k, in that order, over each row of logprobs (n,
+// V) float32, with params (n, 3) float32: top_p (off outside (0, 1)), log(min_p) (-inf: off),
+// top_k (off outside (0, V)). Returns (n, V) float32, the filtered tokens -inf.
+mx::array filter_rows_op(const mx::array& logprobs, const mx::array& params, int threads) {
+  if (logprobs.dtype() != mx::float32 || logprobs.ndim() != 2 || logprobs.shape(1) < 1 || params.dtype() != mx::float32 ||
+      params.shape() != mx::Shape{logprobs.shape(0), 3}) {
+    throw std::invalid_argument("filter_rows: logprobs must be float32 (n, V) and params float32 (n, 3)");
+  }
+  return mx::array(logprobs.shape(), mx::float32, std::make_shared<FilterRowsCPU>(cpu_stream(), std::max(threads, 1)),
+                   {logprobs, params});
+}
 
 // Each row's argmax(rows[i] + mx.random.gumbel((V,), key=keys[i])): rows (n, V) float32, keys
 // (n, 2) uint32. Returns (n,) uint32.

@@ -1,0 +1,155 @@
+"""The CPU kernels' sampled-row ops (``kernels/sampling.cpp``): the Gumbel-max draw gives the
+tokens MLX's own draw gives (the same noise bits, the same ties), the filters keep the tokens
+mlx-lm's top-p, min-p and top-k keep; the engine's sampled rows go through them."""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import pytest
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+
+from mlx_parallm_provider.engine.request import SamplingParams
+from mlx_parallm_provider.engine.sampling import RowSampler, draw_tokens
+from mlx_parallm_provider.models import qmatmul_ext
+from mlx_parallm_provider.models.backends import CPUKernels
+
+ext = qmatmul_ext.load()
+pytestmark = pytest.mark.skipif(not hasattr(ext, "filter_rows"), reason="the MLX extension does not build here")
+
+mlx_draw = mx.vmap(lambda row, key: mx.argmax(row + mx.random.gumbel(row.shape, key=key)))
+
+
+@pytest.mark.parametrize("vocab", [1, 2, 31, 32, 33, 1001, 49152])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_it_draws_what_mlx_draws(vocab: int, threads: int) -> None:
+    """Even and odd vocabularies (MLX lays a key's words out by halves, the middle one last
+    for odd widths), tails shorter than the 16 lanes, more threads than rows or fewer."""
+    for seed in range(3):
+        rows = mx.random.normal((5, vocab), key=mx.random.key(seed)) * (4.0 if seed else 0.2)
+        keys = mx.random.split(mx.random.key(100 + seed), 5)
+        assert ext.gumbel_draw(rows, keys, threads).tolist() == mlx_draw(rows, keys).tolist()
+
+
+def test_ties_infinities_and_nans_as_mlx_takes_them() -> None:
+    keys = mx.random.split(mx.random.key(7), 3)
+    inf, nan = float("inf"), float("nan")
+    for vocab in (1, 5, 40):
+        nans = mx.random.normal((3, vocab), key=mx.random.key(vocab))
+        nans[1, vocab // 2] = nan
+        nans[2, vocab - 1] = nan
+        nans[2, 0] = nan
+        one = mx.full((3, vocab), -inf)
+        one[:, vocab - 1] = 0.0
+        for rows in (mx.full((3, vocab), -inf), mx.zeros((3, vocab)), mx.full((3, vocab), 1e30), nans, one):
+            assert ext.gumbel_draw(rows, keys).tolist() == mlx_draw(rows, keys).tolist()
+
+
+def test_it_refuses_what_it_does_not_take() -> None:
+    keys = mx.random.split(mx.random.key(0), 2)
+    with pytest.raises(ValueError, match="float32"):
+        ext.gumbel_draw(mx.zeros((2, 8), dtype=mx.bfloat16), keys)
+    with pytest.raises(ValueError, match="uint32"):
+        ext.gumbel_draw(mx.zeros((2, 8)), keys[:1])
+    with pytest.raises(ValueError, match="params"):
+        ext.filter_rows(mx.zeros((2, 8)), mx.zeros((3, 3)))
+    backend = CPUKernels()
+    assert backend.gumbel_draw(mx.zeros((2, 8), dtype=mx.bfloat16), keys) is None  # (the engine draws with MLX's ops)
+    assert backend.gumbel_draw(mx.zeros((2, 8)), keys) is not None
+    assert backend.filter_rows(mx.zeros((2, 8), dtype=mx.bfloat16), [0.9] * 2, [0.0] * 2, [0] * 2) is None
+
+
+FILTERS = [(0.9, 0.0, 0), (0.5, 0.0, 0), (0.99, 0.0, 0), (0.1, 0.0, 0), (1.0, 0.05, 0), (1.0, 0.2, 0), (1.0, 0.0, 40),
+           (1.0, 0.0, 1), (0.8, 0.05, 20), (0.95, 0.0, 5), (1.0, 0.0, 0)]
+"""(top_p, min_p, top_k): each alone, together, and none."""
+
+
+def _mlx_lm_filters(logprobs: mx.array, top_p: float, min_p: float, top_k: int) -> mx.array:
+    if 0.0 < top_p < 1.0:
+        logprobs = apply_top_p(logprobs, top_p)
+    if min_p > 0.0:
+        logprobs = apply_min_p(logprobs, min_p)
+    if 0 < top_k < logprobs.shape[-1]:
+        logprobs = apply_top_k(logprobs, top_k)
+    return logprobs
+
+
+@pytest.mark.parametrize("vocab", [7, 100, 4096, 49152])
+def test_the_filters_keep_what_mlx_lms_keep(vocab: int) -> None:
+    """Flat and peaked rows (the nucleus from a few tokens to most of the vocabulary), the
+    kept tokens' logprobs unchanged: the same rows as mlx-lm's functions give, bit for bit."""
+    backend = CPUKernels()
+    for seed in range(3):
+        for spread in (0.5, 3.0, 12.0):
+            x = mx.random.normal((len(FILTERS), vocab), key=mx.random.key(seed)) * spread
+            logprobs = x - mx.logsumexp(x, axis=-1, keepdims=True)
+            got = backend.filter_rows(logprobs, *map(list, zip(*FILTERS)))
+            for n, settings in enumerate(FILTERS):
+                assert mx.array_equal(got[n : n + 1], _mlx_lm_filters(logprobs[n : n + 1], *settings)).item(), (seed, spread, settings)
+
+
+def test_the_filters_take_rows_that_are_partly_minus_infinity() -> None:
+    """Rows a grammar or a logit bias masked: -inf logprobs stay out, every setting."""
+    backend = CPUKernels()
+    x = mx.random.normal((len(FILTERS), 300), key=mx.random.key(5)) * 3
+    x = mx.where(mx.arange(300)[None] % 3 == 0, -math.inf, x)
+    logprobs = x - mx.logsumexp(x, axis=-1, keepdims=True)
+    got = backend.filter_rows(logprobs, *map(list, zip(*FILTERS)))
+    for n, settings in enumerate(FILTERS):
+        assert mx.array_equal(got[n : n + 1], _mlx_lm_filters(logprobs[n : n + 1], *settings)).item(), settings
+
+
+def test_samplers_with_the_backends_ops_sample_as_mlx_does() -> None:
+    """Batched rows (plain, filtering, greedy) through the backend's filters and draw: the
+    tokens mlx-lm's filters and MLX's ops give, step after step, and what each row draws alone."""
+    calls = []
+
+    class Counted(CPUKernels):
+        def gumbel_draw(self, rows: mx.array, keys: mx.array):
+            calls.append(("draw", rows.shape[0]))
+            return super().gumbel_draw(rows, keys)
+
+        def filter_rows(self, logprobs, top_p, min_p, top_k):
+            calls.append(("filter", logprobs.shape[0]))
+            return super().filter_rows(logprobs, top_p, min_p, top_k)
+
+    backend = Counted()
+
+    settings = [dict(temperature=0.7, seed=1), dict(temperature=0.0), dict(temperature=1.2, seed=3, top_p=0.9),
+                dict(temperature=1.0, seed=4, top_k=7), dict(temperature=0.5, seed=5)]
+    logits = mx.random.normal((len(settings), 3001), key=mx.random.key(1)) * 3
+    kernel = [RowSampler(SamplingParams(**s), ops=backend) for s in settings]
+    plain = [RowSampler(SamplingParams(**s)) for s in settings]
+    alone = [RowSampler(SamplingParams(**s), ops=backend) for s in settings]
+    for _ in range(5):
+        got = draw_tokens(logits, kernel).tolist()
+        assert got == draw_tokens(logits, plain).tolist()
+        assert got == [draw_tokens(logits[i : i + 1], [s]).item() for i, s in enumerate(alone)]
+    assert calls[:2] == [("filter", 2), ("draw", len(settings) - 1)]  # the filtering rows, the drawing rows (not the greedy one)
+
+
+@pytest.mark.parametrize("filters", [{}, {"top_p": 0.9, "top_k": 30}], ids=["plain", "top-p-top-k"])
+def test_the_engine_samples_through_its_backend(make_engine, monkeypatch: pytest.MonkeyPatch, filters: dict) -> None:
+    """A seeded sampled request answers the same whether the CPU kernels filter and draw or
+    mlx-lm's filters and MLX's ops do, and the kernels did."""
+    params = SamplingParams(temperature=0.9, seed=11, max_tokens=12, ignore_eos=True, **filters)
+    prompts = [[1, 2, 3, 4], [5, 6, 7], [8, 9, 10, 11, 12]]
+    used = []
+    draw, filter_rows = CPUKernels.gumbel_draw, CPUKernels.filter_rows
+
+    def counted_draw(self, rows, keys):
+        used.append("draw")
+        return draw(self, rows, keys)
+
+    def counted_filter(self, *args):
+        used.append("filter")
+        return filter_rows(self, *args)
+
+    monkeypatch.setattr(CPUKernels, "gumbel_draw", counted_draw)
+    monkeypatch.setattr(CPUKernels, "filter_rows", counted_filter)
+    with_kernels = [c.token_ids for c in make_engine().generate_many_sync(prompts, params)]
+    assert "draw" in used and ("filter" in used) == bool(filters)
+    monkeypatch.setattr(CPUKernels, "gumbel_draw", lambda self, rows, keys: None)
+    monkeypatch.setattr(CPUKernels, "filter_rows", lambda self, *args: None)
+    assert [c.token_ids for c in make_engine().generate_many_sync(prompts, params)] == with_kernels
