@@ -13,7 +13,7 @@ keep and draw the tokens mlx-lm's filters and MLX's draw do, but where rounding 
 from __future__ import annotations
 
 import random
-from typing import Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
@@ -21,6 +21,9 @@ from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logi
 from .grammar.guided import GrammarTokenizer, RowMatcher, apply_bitmask, grammar_bitmask, only_tokens
 from .request import SamplingParams
 from .sampled import SampledRow
+
+if TYPE_CHECKING:
+    from ..models.backends import MLXOps
 
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 
@@ -32,7 +35,7 @@ class RowSampler:
     (:meth:`.MLXOps.filter_rows`, :meth:`.MLXOps.gumbel_draw`) take the rows where they can;
     None: mlx-lm's filters and MLX's ops."""
 
-    def __init__(self, params: SamplingParams, grammar: Optional[GrammarTokenizer] = None, ops: Optional[Any] = None) -> None:
+    def __init__(self, params: SamplingParams, grammar: Optional[GrammarTokenizer] = None, ops: Optional["MLXOps"] = None) -> None:
         self.params = params
         self.ops = ops
         self.grammar = grammar
@@ -190,13 +193,13 @@ _draw_each = mx.vmap(lambda row, key: mx.argmax(row + mx.random.gumbel(row.shape
 draws the same token, whatever else is drawn beside it."""
 
 
-def _draw(rows: mx.array, keys: mx.array, ops: Optional[Any]) -> mx.array:
+def _draw(rows: mx.array, keys: mx.array, ops: Optional["MLXOps"]) -> mx.array:
     """The rows' draws (:data:`_draw_each`'s tokens) by the backend's op where it takes them."""
     drawn = ops.gumbel_draw(rows, keys) if ops is not None else None
     return drawn if drawn is not None else _draw_each(rows, keys)
 
 
-def _filtered(logprobs: list[mx.array], samplers: list[RowSampler], ops: Optional[Any]) -> list[mx.array]:
+def _filtered(logprobs: list[mx.array], samplers: list[RowSampler], ops: Optional["MLXOps"]) -> list[mx.array]:
     """Each row's logprobs ``(1, vocab)`` through its filters (:meth:`RowSampler.filter`), by
     the backend's op for all of them where it takes them."""
     if ops is not None:

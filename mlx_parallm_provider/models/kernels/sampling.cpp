@@ -323,39 +323,29 @@ void filter_rows(void* ctx, int i0, int i1) {
   }
 }
 
-class FilterRowsCPU : public mx::Primitive {
- public:
-  FilterRowsCPU(mx::Stream stream, int threads) : mx::Primitive(stream), threads(threads) {}
-
+struct FilterParams {
   int threads;
+  bool operator==(const FilterParams& o) const { return threads == o.threads; }
+};
 
-  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    auto& out = outputs[0];
-    auto& encoder = cpu_encoder(stream(), inputs, out);
-    encoder.dispatch([rows = mx::array::unsafe_weak_copy(inputs[0]), params = mx::array::unsafe_weak_copy(inputs[1]),
-                      out = mx::array::unsafe_weak_copy(out), threads = threads]() mutable {
-      std::vector<char> row_copy, param_copy;
-      FilterJob job{reinterpret_cast<const float*>(row_major(rows, row_copy)),
-                    reinterpret_cast<const float*>(row_major(params, param_copy)), out.data<float>(), rows.shape(1)};
-      int n = rows.shape(0), use = std::min(threads, n);
-      if (use <= 1) {
-        filter_rows(&job, 0, n);
-      } else {
-        qm_parallel_for(n, use, filter_rows, &job);
-      }
-    });
-  }
-
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("FilterRowsCPU has no GPU implementation (CPU only)");
-  }
+class FilterRowsCPU : public CpuPrimitive<FilterRowsCPU> {
+ public:
+  FilterRowsCPU(mx::Stream stream, FilterParams p) : CpuPrimitive(stream), params(p) {}
 
   const char* name() const override { return "FilterRowsCPU"; }
 
-  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {inputs[0].shape()}; }
+  FilterParams params;
 
-  bool is_equivalent(const mx::Primitive& other) const override {
-    return threads == static_cast<const FilterRowsCPU&>(other).threads;
+  static void run(const std::vector<mx::array>& in, mx::array& out, const FilterParams& prm) {
+    std::vector<char> row_copy, param_copy;
+    FilterJob job{reinterpret_cast<const float*>(row_major(in[0], row_copy)),
+                  reinterpret_cast<const float*>(row_major(in[1], param_copy)), out.data<float>(), in[0].shape(1)};
+    int n = in[0].shape(0), use = std::min(prm.threads, n);
+    if (use <= 1) {
+      filter_rows(&job, 0, n);
+    } else {
+      qm_parallel_for(n, use, filter_rows, &job);
+    }
   }
 };
 
@@ -369,7 +359,7 @@ mx::array filter_rows_op(const mx::array& logprobs, const mx::array& params, int
       params.shape() != mx::Shape{logprobs.shape(0), 3}) {
     throw std::invalid_argument("filter_rows: logprobs must be float32 (n, V) and params float32 (n, 3)");
   }
-  return mx::array(logprobs.shape(), mx::float32, std::make_shared<FilterRowsCPU>(cpu_stream(), std::max(threads, 1)),
+  return mx::array(logprobs.shape(), mx::float32, std::make_shared<FilterRowsCPU>(cpu_stream(), FilterParams{std::max(threads, 1)}),
                    {logprobs, params});
 }
 
