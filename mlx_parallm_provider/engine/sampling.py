@@ -78,10 +78,6 @@ class RowSampler:
         self.key, key = mx.random.split(self.key)
         return key
 
-    def scaled(self, logprobs: mx.array) -> mx.array:
-        """One row's logprobs ``(1, vocab)`` filtered and divided by its temperature: what its draw samples from."""
-        return self.scale(self.filter(logprobs))
-
     def scale(self, values: mx.array) -> mx.array:
         """``values`` divided by this row's temperature."""
         return values * (1.0 / self.params.temperature)

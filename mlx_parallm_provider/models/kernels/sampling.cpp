@@ -22,7 +22,6 @@
 #include <cstring>
 #include <cstdint>
 #include <stdexcept>
-#include <string>
 #include <vector>
 
 #include "cpu_primitive.h"
@@ -175,53 +174,6 @@ void draw_rows(void* ctx, int i0, int i1) {
   for (int i = i0; i < i1; i++) r.out[i] = draw_row(r.rows + static_cast<int64_t>(i) * r.V, r.V, r.keys[2 * i], r.keys[2 * i + 1]);
 }
 
-struct DrawParams {
-  int threads;
-  bool operator==(const DrawParams& o) const { return threads == o.threads; }
-};
-
-class GumbelDrawCPU : public mx::Primitive {
- public:
-  GumbelDrawCPU(mx::Stream stream, DrawParams p) : mx::Primitive(stream), params(p) {}
-
-  DrawParams params;
-
-  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    auto& out = outputs[0];
-    auto& encoder = cpu_encoder(stream(), inputs, out);
-    encoder.dispatch([rows = mx::array::unsafe_weak_copy(inputs[0]), keys = mx::array::unsafe_weak_copy(inputs[1]),
-                      out = mx::array::unsafe_weak_copy(out), p = params]() mutable {
-      std::vector<char> row_copy, key_copy;
-      const float* r = reinterpret_cast<const float*>(row_major(rows, row_copy));
-      const uint32_t* k = reinterpret_cast<const uint32_t*>(row_major(keys, key_copy));
-      int n = rows.shape(0), V = rows.shape(1);
-      uint32_t* o = out.data<uint32_t>();
-      Rows ctx{r, k, o, V};
-      int threads = std::min(p.threads, n);
-      if (threads <= 1) {
-        draw_rows(&ctx, 0, n);
-      } else {
-        qm_parallel_for(n, threads, draw_rows, &ctx);  // (the packed-weight kernel's pool of helpers)
-      }
-    });
-  }
-
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("GumbelDrawCPU has no GPU implementation (CPU only)");
-  }
-
-  const char* name() const override { return "GumbelDrawCPU"; }
-
-  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {{inputs[0].shape(0)}}; }
-
-  bool is_equivalent(const mx::Primitive& other) const override {
-    return params == static_cast<const GumbelDrawCPU&>(other).params;
-  }
-};
-
-}  // namespace
-
-namespace {
 
 // Float32 values as uint32 keys whose ascending order is the values' descending order.
 inline uint32_t descending_key(float v) {
@@ -323,29 +275,43 @@ void filter_rows(void* ctx, int i0, int i1) {
   }
 }
 
-struct FilterParams {
+// What both primitives are equivalent by: the threads they share rows over.
+struct Threads {
   int threads;
-  bool operator==(const FilterParams& o) const { return threads == o.threads; }
+  bool operator==(const Threads& o) const { return threads == o.threads; }
 };
 
 class FilterRowsCPU : public CpuPrimitive<FilterRowsCPU> {
  public:
-  FilterRowsCPU(mx::Stream stream, FilterParams p) : CpuPrimitive(stream), params(p) {}
+  FilterRowsCPU(mx::Stream stream, Threads p) : CpuPrimitive(stream), params(p) {}
 
   const char* name() const override { return "FilterRowsCPU"; }
 
-  FilterParams params;
+  Threads params;
 
-  static void run(const std::vector<mx::array>& in, mx::array& out, const FilterParams& prm) {
+  static void run(const std::vector<mx::array>& in, mx::array& out, const Threads& prm) {
     std::vector<char> row_copy, param_copy;
     FilterJob job{reinterpret_cast<const float*>(row_major(in[0], row_copy)),
                   reinterpret_cast<const float*>(row_major(in[1], param_copy)), out.data<float>(), in[0].shape(1)};
-    int n = in[0].shape(0), use = std::min(prm.threads, n);
-    if (use <= 1) {
-      filter_rows(&job, 0, n);
-    } else {
-      qm_parallel_for(n, use, filter_rows, &job);
-    }
+    qm_parallel_for(in[0].shape(0), prm.threads, filter_rows, &job);  // (on this thread alone where one would do)
+  }
+};
+
+class GumbelDrawCPU : public CpuPrimitive<GumbelDrawCPU> {
+ public:
+  GumbelDrawCPU(mx::Stream stream, Threads p) : CpuPrimitive(stream), params(p) {}
+
+  const char* name() const override { return "GumbelDrawCPU"; }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {{inputs[0].shape(0)}}; }
+
+  Threads params;
+
+  static void run(const std::vector<mx::array>& in, mx::array& out, const Threads& prm) {
+    std::vector<char> row_copy, key_copy;
+    Rows job{reinterpret_cast<const float*>(row_major(in[0], row_copy)), reinterpret_cast<const uint32_t*>(row_major(in[1], key_copy)),
+             out.data<uint32_t>(), in[0].shape(1)};
+    qm_parallel_for(in[0].shape(0), prm.threads, draw_rows, &job);
   }
 };
 
@@ -359,7 +325,7 @@ mx::array filter_rows_op(const mx::array& logprobs, const mx::array& params, int
       params.shape() != mx::Shape{logprobs.shape(0), 3}) {
     throw std::invalid_argument("filter_rows: logprobs must be float32 (n, V) and params float32 (n, 3)");
   }
-  return mx::array(logprobs.shape(), mx::float32, std::make_shared<FilterRowsCPU>(cpu_stream(), FilterParams{std::max(threads, 1)}),
+  return mx::array(logprobs.shape(), mx::float32, std::make_shared<FilterRowsCPU>(cpu_stream(), Threads{std::max(threads, 1)}),
                    {logprobs, params});
 }
 
@@ -370,7 +336,7 @@ mx::array gumbel_draw_op(const mx::array& rows, const mx::array& keys, int threa
       keys.shape() != mx::Shape{rows.shape(0), 2}) {
     throw std::invalid_argument("gumbel_draw: rows must be float32 (n, V) and keys uint32 (n, 2)");
   }
-  return mx::array({rows.shape(0)}, mx::uint32, std::make_shared<GumbelDrawCPU>(cpu_stream(), DrawParams{std::max(threads, 1)}),
+  return mx::array({rows.shape(0)}, mx::uint32, std::make_shared<GumbelDrawCPU>(cpu_stream(), Threads{std::max(threads, 1)}),
                    {rows, keys});
 }
 
