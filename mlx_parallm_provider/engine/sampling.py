@@ -5,9 +5,10 @@ each sampling row draws with its own PRNG key, derived from its ``seed`` (or a r
 and split once per token. So a seeded request samples the same tokens whatever else is
 in the batch: no global RNG state is shared between rows. The sampling rows' keys are split
 and their draws made by one op each for the whole batch (``mx.vmap``), which gives each row
-what it would draw alone. The engine's backend may filter and draw them by ops of its own
-(:meth:`.MLXOps.filter_rows`, :meth:`.MLXOps.gumbel_draw`: the CPU kernels', many times faster,
-keep and draw the tokens mlx-lm's filters and MLX's draw do, but where rounding decides a tie).
+what it would draw alone. The engine's backend may normalise, filter and draw them by ops of its own
+(:meth:`.MLXOps.log_softmax`, :meth:`.MLXOps.filter_rows`, :meth:`.MLXOps.gumbel_draw`: the CPU
+kernels', many times faster, give the logprobs MLX's ops give and keep and draw the tokens
+mlx-lm's filters and MLX's draw do, but where rounding decides a draw's tie).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 class RowSampler:
     """Sampling state of one request: its logits processors, filters and PRNG key.
 
-    ``ops``: the engine's model's backend, whose batched filters and draw
+    ``ops``: the engine's model's backend, whose batched log-softmax, filters and draw
     (:meth:`.MLXOps.filter_rows`, :meth:`.MLXOps.gumbel_draw`) take the rows where they can;
     None: mlx-lm's filters and MLX's ops."""
 
@@ -150,7 +151,7 @@ def _sample_rows(
         tokens = draw_tokens(logits, samplers)
         mx.eval(tokens)
         return [SampledRow(token=t) for t in tokens.tolist()]
-    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    logprobs = _log_softmax(logits, next((s.ops for s in samplers), None))
     tokens = _pick(logits, samplers, logprobs)
 
     extras: dict[int, Any] = {}
@@ -195,6 +196,12 @@ def _draw(rows: mx.array, keys: mx.array, ops: Optional["MLXOps"]) -> mx.array:
     return drawn if drawn is not None else _draw_each(rows, keys)
 
 
+def _log_softmax(rows: mx.array, ops: Optional["MLXOps"]) -> mx.array:
+    """``rows - logsumexp(rows)`` row by row, by the backend's op where it takes them."""
+    got = ops.log_softmax(rows) if ops is not None else None
+    return got if got is not None else rows - mx.logsumexp(rows, axis=-1, keepdims=True)
+
+
 def _filtered(logprobs: list[mx.array], samplers: list[RowSampler], ops: Optional["MLXOps"]) -> list[mx.array]:
     """Each row's logprobs ``(1, vocab)`` through its filters (:meth:`RowSampler.filter`), by
     the backend's op for all of them where it takes them."""
@@ -227,8 +234,7 @@ def _pick(logits: mx.array, samplers: Sequence[RowSampler], logprobs: Optional[m
     else:
         which = [i for i, f in zip(drawing, filtering) if f]
         if logprobs is None:
-            part = logits[mx.array(which)]
-            part = part - mx.logsumexp(part, axis=-1, keepdims=True)
+            part = _log_softmax(logits[mx.array(which)], ops)
             normalised = [part[n : n + 1] for n in range(len(which))]
         else:
             normalised = [logprobs[i : i + 1] for i in which]

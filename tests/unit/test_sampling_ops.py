@@ -1,10 +1,12 @@
-"""The CPU kernels' sampled-row ops (``kernels/sampling.cpp``): the Gumbel-max draw gives the
-tokens MLX's own draw gives (the same noise bits, the same ties), the filters keep the tokens
-mlx-lm's top-p, min-p and top-k keep; the engine's sampled rows go through them."""
+"""The CPU kernels' sampled-row ops (``kernels/sampling.cpp``): the log-softmax gives MLX's
+logprobs bit for bit, the Gumbel-max draw gives the tokens MLX's own draw gives (the same noise
+bits, the same ties), the filters keep the tokens mlx-lm's top-p, min-p and top-k keep; the
+engine's sampled rows go through them."""
 
 from __future__ import annotations
 
 import math
+import sys
 
 import mlx.core as mx
 import pytest
@@ -60,8 +62,37 @@ def test_it_refuses_what_it_does_not_take() -> None:
     assert backend.filter_rows(mx.zeros((2, 8), dtype=mx.bfloat16), [0.9] * 2, [0.0] * 2, [0] * 2) is None
 
 
-FILTERS = [(0.9, 0.0, 0), (0.5, 0.0, 0), (0.99, 0.0, 0), (0.1, 0.0, 0), (1.0, 0.05, 0), (1.0, 0.2, 0), (1.0, 0.0, 40),
-           (1.0, 0.0, 1), (0.8, 0.05, 20), (0.95, 0.0, 5), (1.0, 0.0, 0)]
+mlx_log_softmax = pytest.mark.skipif(sys.platform == "darwin", reason="MLX's CPU adds a row's exps 8 at a time on macOS")
+
+
+@mlx_log_softmax
+@pytest.mark.parametrize("vocab", [1, 15, 16, 17, 1001, 49152])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_the_log_softmax_is_mlxs(vocab: int, threads: int) -> None:
+    """Rows of every width against 16 lanes, shifted and spread so that exp meets its whole
+    range (underflow below -88 included), 1 to 17 rows (eight at a time, and the rest): the
+    logprobs MLX's ``x - logsumexp(x)`` gives, bit for bit."""
+    for seed, (rows, spread, shift) in enumerate([(1, 1.0, 0.0), (5, 0.01, 100.0), (9, 30.0, -50.0), (17, 300.0, 7.0), (3, 3.0, 1e6)]):
+        x = mx.random.normal((rows, vocab), key=mx.random.key(seed)) * spread + shift
+        want = x - mx.logsumexp(x, axis=-1, keepdims=True)
+        assert mx.array_equal(ext.log_softmax(x, threads), want).item(), (rows, spread, shift)
+
+
+@mlx_log_softmax
+def test_the_log_softmax_takes_infinities_and_nans_as_mlx_does() -> None:
+    inf, nan = math.inf, math.nan
+    rows = mx.array([[-inf] * 5, [inf, 0, 1, 2, 3], [nan, 1, 2, 3, 4], [0, -inf, 3, -inf, 1], [1e30, -1e30, 0, 0, 0], [88.5, 0, -88.5, -100, 3]])
+    want = rows - mx.logsumexp(rows, axis=-1, keepdims=True)
+    assert mx.array_equal(ext.log_softmax(rows), want, equal_nan=True).item()
+    backend = CPUKernels()
+    assert backend.log_softmax(rows.astype(mx.bfloat16)) is None  # (the engine normalises with MLX's ops)
+    assert mx.array_equal(backend.log_softmax(rows), want, equal_nan=True).item()
+    with pytest.raises(ValueError, match="float32"):
+        ext.log_softmax(mx.zeros((2, 8), dtype=mx.float16))
+
+
+FILTERS = [(0.9, 0.0, 0), (0.5, 0.0, 0), (0.99, 0.0, 0), (0.999999, 0.0, 0), (0.1, 0.0, 0), (1.0, 0.05, 0), (1.0, 0.2, 0),
+           (1.0, 0.0, 40), (1.0, 0.0, 1), (0.8, 0.05, 20), (0.95, 0.0, 5), (1.0, 0.0, 0)]
 """(top_p, min_p, top_k): each alone, together, and none."""
 
 
@@ -114,6 +145,10 @@ def test_samplers_with_the_backends_ops_sample_as_mlx_does() -> None:
             calls.append(("filter", logprobs.shape[0]))
             return super().filter_rows(logprobs, top_p, min_p, top_k)
 
+        def log_softmax(self, rows):
+            calls.append(("normalise", rows.shape[0]))
+            return super().log_softmax(rows)
+
     backend = Counted()
 
     settings = [dict(temperature=0.7, seed=1), dict(temperature=0.0), dict(temperature=1.2, seed=3, top_p=0.9),
@@ -126,30 +161,39 @@ def test_samplers_with_the_backends_ops_sample_as_mlx_does() -> None:
         got = draw_tokens(logits, kernel).tolist()
         assert got == draw_tokens(logits, plain).tolist()
         assert got == [draw_tokens(logits[i : i + 1], [s]).item() for i, s in enumerate(alone)]
-    assert calls[:2] == [("filter", 2), ("draw", len(settings) - 1)]  # the filtering rows, the drawing rows (not the greedy one)
+    # the filtering rows normalised and filtered, the drawing rows (not the greedy one) drawn
+    assert calls[:3] == [("normalise", 2), ("filter", 2), ("draw", len(settings) - 1)]
 
 
-@pytest.mark.parametrize("filters", [{}, {"top_p": 0.9, "top_k": 30}], ids=["plain", "top-p-top-k"])
+@pytest.mark.parametrize("filters", [{}, {"top_p": 0.9, "top_k": 30}, {"top_p": 0.8, "logprobs": True, "top_logprobs": 3}],
+                         ids=["plain", "top-p-top-k", "top-p-logprobs"])
 def test_the_engine_samples_through_its_backend(make_engine, monkeypatch: pytest.MonkeyPatch, filters: dict) -> None:
-    """A seeded sampled request answers the same whether the CPU kernels filter and draw or
-    mlx-lm's filters and MLX's ops do, and the kernels did."""
+    """A seeded sampled request answers the same (tokens and logprobs) whether the CPU kernels
+    normalise, filter and draw or MLX's ops and mlx-lm's filters do, and the kernels did."""
     params = SamplingParams(temperature=0.9, seed=11, max_tokens=12, ignore_eos=True, **filters)
     prompts = [[1, 2, 3, 4], [5, 6, 7], [8, 9, 10, 11, 12]]
     used = []
-    draw, filter_rows = CPUKernels.gumbel_draw, CPUKernels.filter_rows
+    ops = ("gumbel_draw", "filter_rows", "log_softmax")
 
-    def counted_draw(self, rows, keys):
-        used.append("draw")
-        return draw(self, rows, keys)
+    def counted(name):
+        method = getattr(CPUKernels, name)
 
-    def counted_filter(self, *args):
-        used.append("filter")
-        return filter_rows(self, *args)
+        def call(self, *args):
+            used.append(name)
+            return method(self, *args)
+        return call
 
-    monkeypatch.setattr(CPUKernels, "gumbel_draw", counted_draw)
-    monkeypatch.setattr(CPUKernels, "filter_rows", counted_filter)
-    with_kernels = [c.token_ids for c in make_engine().generate_many_sync(prompts, params)]
-    assert "draw" in used and ("filter" in used) == bool(filters)
-    monkeypatch.setattr(CPUKernels, "gumbel_draw", lambda self, rows, keys: None)
-    monkeypatch.setattr(CPUKernels, "filter_rows", lambda self, *args: None)
-    assert [c.token_ids for c in make_engine().generate_many_sync(prompts, params)] == with_kernels
+    def answers():
+        out = make_engine().generate_many_sync(prompts, params)
+        return [(c.token_ids, [(t.logprob, t.top_logprobs) for t in c.logprobs or []]) for c in out]
+
+    for name in ops:
+        monkeypatch.setattr(CPUKernels, name, counted(name))
+    with_kernels = answers()
+    filtering = "top_p" in filters
+    normalising = filtering and sys.platform != "darwin"
+    assert set(used) == {"gumbel_draw", *(["filter_rows"] if filtering else []), *(["log_softmax"] if normalising else [])}
+    assert bool(with_kernels[0][1]) == bool(filters.get("logprobs"))
+    for name in ops:
+        monkeypatch.setattr(CPUKernels, name, lambda self, *args: None)
+    assert answers() == with_kernels

@@ -7,8 +7,9 @@ the CPU device for attention, SwiGLU, RMSNorm, RoPE and small-batch matmuls.
 * SwiGLU and the cascade attention's ``exp``: :mod:`..cpu_ops`' arithmetic ``exp``;
 * RMSNorm and RoPE (float32): the extension's fused ops, in the modules
   :mod:`..fused_ops` installs;
-* sampled rows: their top-p / min-p / top-k filters and their Gumbel-max draw, one extension
-  op each for a step's rows (mlx-lm's filters and MLX's draw, many times faster);
+* sampled rows: their log-softmax (where MLX's CPU exp is scalar), their top-p / min-p / top-k
+  filters and their Gumbel-max draw, one extension op each for a step's rows (MLX's
+  log-softmax, mlx-lm's filters and MLX's draw, many times faster);
 * linear layers of a quantized checkpoint: steps of at most :attr:`CPUKernels.packed_rows`
   rows multiply by the packed weights (:mod:`..small_batch`), larger ones by float32 copies;
   with :attr:`CPUKernels.int8_matmul` (the default on CPUs with AVX-512 VNNI), every row count
@@ -22,6 +23,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, Union
 
@@ -182,6 +184,13 @@ class CPUKernels(MLXOps):
                                       self.qmatmul_threads, self.packed_rows, self.activation_bits if self.int8_matmul else 0)
         cache.wrote(out, ragged=True)
         return out
+
+    def log_softmax(self, rows: mx.array) -> Optional[mx.array]:
+        ext = _fused()
+        # (MLX's CPU runs 8 floats a SIMD step on macOS, so it adds its exps in another order there)
+        if not hasattr(ext, "log_softmax") or sys.platform == "darwin" or rows.dtype != mx.float32 or rows.ndim != 2:
+            return None
+        return ext.log_softmax(rows, self.qmatmul_threads)
 
     def filter_rows(self, logprobs: mx.array, top_p: Sequence[float], min_p: Sequence[float], top_k: Sequence[int]) -> Optional[mx.array]:
         ext = _fused()

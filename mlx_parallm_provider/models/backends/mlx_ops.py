@@ -129,6 +129,11 @@ class MLXOps:
         block's own code."""
         return None
 
+    def log_softmax(self, rows: mx.array) -> Optional[mx.array]:
+        """``rows - mx.logsumexp(rows, axis=-1, keepdims=True)`` for ``rows`` ``(n, vocab)`` as
+        one op giving what MLX's ops give; or None: the engine computes it with MLX's ops."""
+        return None
+
     def filter_rows(self, logprobs: mx.array, top_p: Sequence[float], min_p: Sequence[float], top_k: Sequence[int]) -> Optional[mx.array]:
         """Sampled rows' filters as one op: mlx-lm's ``apply_top_p``, ``apply_min_p`` and
         ``apply_top_k``, in that order, over each row of ``logprobs`` ``(n, vocab)`` with its

@@ -1,11 +1,15 @@
-// Sampled rows' ops (CPU): their top-p / min-p / top-k filters, and their Gumbel-max draw.
+// Sampled rows' ops (CPU): their log-softmax, their top-p / min-p / top-k filters, and their Gumbel-max draw.
+//
+// The log-softmax is MLX's CPU x - logsumexp(x) where MLX's float SIMD width is 1 (x86, Linux ARM), bit for bit:
+// MLX's exp there (mlx/backend/cpu/simd/math.h: a polynomial whose steps are fused multiply-adds) goes
+// ~14 ns an element, a 32-row log-softmax over a 49,152-token vocabulary ~23 ms; here its exps go 16
+// lanes at a time and only their sum keeps MLX's order (one float32 add after another).
 //
 // The filters are mlx-lm's apply_top_p, apply_min_p and apply_top_k, in that order, over each row's
 // logprobs. mlx-lm's top-p sorts the whole vocabulary (MLX's CPU sort: ~5 ms a row of 49,152
 // tokens; 32 rows with top_p took ~170 ms, more than the rest of their step); here a radix sort
 // orders only the tokens whose probability can move a float32 sum, and their masses are added
-// in mlx-lm's order: the tokens kept are mlx-lm's, but where its exp and this one round a
-// token's mass apart right at the edge of the nucleus (seen only at top_p = 0.999999).
+// in mlx-lm's order, each mass MLX's exp: the tokens kept are mlx-lm's.
 //
 // The draw: argmax(row + gumbel noise), each row with
 // its own PRNG key, the noise bit for bit what MLX's mx.random.gumbel(row.shape, key=key) makes.
@@ -23,6 +27,12 @@
 #include <cstdint>
 #include <stdexcept>
 #include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#elif defined(__aarch64__)
+#include <arm_neon.h>
+#endif
 
 #include "cpu_primitive.h"
 #include "fast_exp.h"  // (the 16-lane vector types)
@@ -98,6 +108,122 @@ inline v16f gumbel16(v16f u) {
   v16i zero = u == 0.0f;
   v16f g = -log16(-log16(zero ? v16f{} + 1.0f : u));
   return zero ? v16f{} - __builtin_inff() : g;
+}
+
+// a * b + c in 16 lanes, each rounded once (as std::fma).
+inline v16f fma16(v16f a, v16f b, v16f c) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<v16f>(_mm512_fmadd_ps(reinterpret_cast<__m512>(a), reinterpret_cast<__m512>(b), reinterpret_cast<__m512>(c)));
+#elif defined(__FMA__)
+  v16f r;
+  for (int h = 0; h < 16; h += 8) {
+    _mm256_storeu_ps(reinterpret_cast<float*>(&r) + h, _mm256_fmadd_ps(_mm256_loadu_ps(reinterpret_cast<float*>(&a) + h),
+                                                                    _mm256_loadu_ps(reinterpret_cast<float*>(&b) + h),
+                                                                    _mm256_loadu_ps(reinterpret_cast<float*>(&c) + h)));
+  }
+  return r;
+#elif defined(__aarch64__)
+  v16f r;
+  for (int q = 0; q < 16; q += 4) {
+    vst1q_f32(reinterpret_cast<float*>(&r) + q, vfmaq_f32(vld1q_f32(reinterpret_cast<float*>(&c) + q), vld1q_f32(reinterpret_cast<float*>(&a) + q),
+                                                          vld1q_f32(reinterpret_cast<float*>(&b) + q)));
+  }
+  return r;
+#else
+  v16f r;
+  for (int l = 0; l < 16; l++) r[l] = __builtin_fmaf(a[l], b[l], c[l]);
+  return r;
+#endif
+}
+
+// MLX's CPU exp where its float SIMD width is 1, bit for bit: x log2(e) split into n = floor(. + 0.5)
+// (MLX adds the 0.5 in double, so exactly) and f, 2^n times a degree-6 polynomial in f evaluated by
+// fused multiply-adds; NaN stays, above 88 +inf, below -88 0.
+inline v16f mlx_exp16(v16f in) {
+  const v16f x = in * 1.442695f;
+  const v16f t = __builtin_convertvector(__builtin_convertvector(x, v16i), v16f);  // (toward zero; lanes out of range are replaced below)
+  const v16f down = t > x ? t - 1.0f : t;
+  const v16f n = x - down >= 0.5f ? down + 1.0f : down;
+  const v16f f = x - n;
+  const float c[6] = {1.339887440266574e-3f, 9.618437357674640e-3f, 5.550332471162809e-2f, 2.402264791363012e-1f,
+                      6.931472028550421e-1f, 1.000000000000000f};
+  v16f p = v16f{} + 1.535336188319500e-4f;
+  for (float k : c) p = fma16(p, f, v16f{} + k);
+  v16i bits = (__builtin_convertvector(n, v16i) + 127) << 23;
+  v16f r = reinterpret_cast<v16f&>(bits) * p;
+  r = in != in ? in : r;
+  r = in > 88.0f ? v16f{} + __builtin_inff() : r;
+  return in < -88.0f ? v16f{} : r;
+}
+
+// MLX's exp of n floats (as mlx_exp16), out[i] = exp(in[i] - shift).
+void mlx_exp(const float* in, float* out, int n, float shift) {
+  int i = 0;
+  for (; i + 16 <= n; i += 16) *reinterpret_cast<v16f_u*>(out + i) = mlx_exp16(*reinterpret_cast<const v16f_u*>(in + i) - shift);
+  const int rest = n - i;  // (0 to 15)
+  if (rest > 0) {
+    float x[16] = {}, e[16];
+    for (int l = 0; l < rest; l++) x[l] = in[i + l] - shift;
+    *reinterpret_cast<v16f_u*>(e) = mlx_exp16(*reinterpret_cast<const v16f_u*>(x));
+    for (int l = 0; l < rest && l < 16; l++) out[i + l] = e[l];
+  }
+}
+
+// A row's maximum, NaN if it holds one (as MLX's CPU maximum takes them).
+float row_max(const float* in, int V) {
+  v16f top = v16f{} - __builtin_inff();
+  v16i nan = v16i{};
+  int i = 0;
+  for (; i + 16 <= V; i += 16) {
+    v16f x = *reinterpret_cast<const v16f_u*>(in + i);
+    nan |= x != x;
+    top = x > top ? x : top;
+  }
+  float m = -__builtin_inff();
+  bool any_nan = false;
+  for (int l = 0; l < 16; l++) m = top[l] > m ? top[l] : m, any_nan |= nan[l] != 0;
+  for (; i < V; i++) m = in[i] > m ? in[i] : m, any_nan |= in[i] != in[i];
+  return any_nan ? __builtin_nanf("") : m;
+}
+
+struct SoftmaxJob {
+  const float* in;
+  float* out;
+  int V;
+};
+
+// Rows' x - logsumexp(x) as MLX's CPU computes it: the maximum, the exps of x - max added one after
+// another from the first, log(sum) + max (the max itself where infinite). Eight rows at a time, so
+// their eight sums' adds, each row's in order, overlap.
+void log_softmax_rows(void* ctx, int i0, int i1) {
+  const SoftmaxJob& job = *static_cast<const SoftmaxJob*>(ctx);
+  const int V = job.V;
+  constexpr int G = 8;
+  for (int g = i0; g < i1; g += G) {
+    const int n = std::min(G, i1 - g);
+    const float* in = job.in + static_cast<int64_t>(g) * V;
+    float* out = job.out + static_cast<int64_t>(g) * V;
+    float top[G], sum[G] = {};
+    for (int r = 0; r < n; r++) {
+      top[r] = row_max(in + static_cast<int64_t>(r) * V, V);
+      mlx_exp(in + static_cast<int64_t>(r) * V, out + static_cast<int64_t>(r) * V, V, top[r]);
+    }
+    if (n == G) {
+      for (int i = 0; i < V; i++) {
+        for (int r = 0; r < G; r++) sum[r] += out[static_cast<int64_t>(r) * V + i];
+      }
+    } else {
+      for (int i = 0; i < V; i++) {
+        for (int r = 0; r < n; r++) sum[r] += out[static_cast<int64_t>(r) * V + i];
+      }
+    }
+    for (int r = 0; r < n; r++) {
+      const float lse = std::isinf(top[r]) ? top[r] : std::log(sum[r]) + top[r];
+      const float* x = in + static_cast<int64_t>(r) * V;
+      float* y = out + static_cast<int64_t>(r) * V;
+      for (int i = 0; i < V; i++) y[i] = x[i] - lse;
+    }
+  }
 }
 
 // The best score of 16 lanes so far and its index, where scores come in index order lane by lane
@@ -221,8 +347,10 @@ void filter_row(float* row, int V, float top_p, float log_min_p, int top_k, std:
     }
     radix_sort(keys, spare);
     scratch.resize(keys.size());
+    for (size_t j = 0; j < keys.size(); j++) scratch[j] = from_descending_key(keys[j]);
+    mlx_exp(scratch.data(), scratch.data(), static_cast<int>(scratch.size()), 0.0f);  // (mlx-lm's masses: mx.exp)
     float total = 0.0f;
-    for (size_t j = 0; j < keys.size(); j++) total += scratch[j] = std::exp(from_descending_key(keys[j]));
+    for (float mass : scratch) total += mass;
     const float limit = top_p * total;
     float mass = 0.0f, threshold = top;
     for (size_t j = 0; j < keys.size() && mass < limit; j++) {
@@ -297,6 +425,21 @@ class FilterRowsCPU : public CpuPrimitive<FilterRowsCPU> {
   }
 };
 
+class LogSoftmaxCPU : public CpuPrimitive<LogSoftmaxCPU> {
+ public:
+  LogSoftmaxCPU(mx::Stream stream, Threads p) : CpuPrimitive(stream), params(p) {}
+
+  const char* name() const override { return "LogSoftmaxCPU"; }
+
+  Threads params;
+
+  static void run(const std::vector<mx::array>& in, mx::array& out, const Threads& prm) {
+    std::vector<char> row_copy;
+    SoftmaxJob job{reinterpret_cast<const float*>(row_major(in[0], row_copy)), out.data<float>(), in[0].shape(1)};
+    qm_parallel_for(in[0].shape(0), prm.threads, log_softmax_rows, &job);
+  }
+};
+
 class GumbelDrawCPU : public CpuPrimitive<GumbelDrawCPU> {
  public:
   GumbelDrawCPU(mx::Stream stream, Threads p) : CpuPrimitive(stream), params(p) {}
@@ -327,6 +470,15 @@ mx::array filter_rows_op(const mx::array& logprobs, const mx::array& params, int
   }
   return mx::array(logprobs.shape(), mx::float32, std::make_shared<FilterRowsCPU>(cpu_stream(), Threads{std::max(threads, 1)}),
                    {logprobs, params});
+}
+
+// Each row's x - logsumexp(x) for rows (n, V) float32, as MLX's CPU computes it where its float SIMD width
+// is 1. Returns (n, V) float32.
+mx::array log_softmax_op(const mx::array& rows, int threads) {
+  if (rows.dtype() != mx::float32 || rows.ndim() != 2 || rows.shape(1) < 1) {
+    throw std::invalid_argument("log_softmax: rows must be float32 (n, V)");
+  }
+  return mx::array(rows.shape(), mx::float32, std::make_shared<LogSoftmaxCPU>(cpu_stream(), Threads{std::max(threads, 1)}), {rows});
 }
 
 // Each row's argmax(rows[i] + mx.random.gumbel((V,), key=keys[i])): rows (n, V) float32, keys
