@@ -5,10 +5,11 @@ each sampling row draws with its own PRNG key, derived from its ``seed`` (or a r
 and split once per token. So a seeded request samples the same tokens whatever else is
 in the batch: no global RNG state is shared between rows. The sampling rows' keys are split
 and their draws made by one op each for the whole batch (``mx.vmap``), which gives each row
-what it would draw alone. The engine's backend may normalise, filter and draw them by ops of its own
-(:meth:`.MLXOps.log_softmax`, :meth:`.MLXOps.filter_rows`, :meth:`.MLXOps.gumbel_draw`: the CPU
-kernels', many times faster, give the logprobs MLX's ops give and keep and draw the tokens
-mlx-lm's filters and MLX's draw do, but where rounding decides a draw's tie).
+what it would draw alone. The engine's backend may normalise, filter and draw them, and rank
+their top logprobs, by ops of its own (:meth:`.MLXOps.log_softmax`, :meth:`.MLXOps.filter_rows`,
+:meth:`.MLXOps.gumbel_draw`, :meth:`.MLXOps.top_tokens`: the CPU kernels', many times faster,
+give the logprobs MLX's ops give and keep and draw the tokens mlx-lm's filters and MLX's draw
+do, but where rounding decides a draw's tie).
 """
 
 from __future__ import annotations
@@ -154,16 +155,12 @@ def _sample_rows(
     logprobs = _log_softmax(logits, next((s.ops for s in samplers), None))
     tokens = _pick(logits, samplers, logprobs)
 
+    best = _best_tokens(logprobs, [i for i in wants if samplers[i].params.top_logprobs], samplers)
     extras: dict[int, Any] = {}
     for i in wants:
-        k = samplers[i].params.top_logprobs
         row = logprobs[i]
         chosen = row[tokens[i]]
-        if k:
-            top_ids = mx.argpartition(-row, kth=k - 1)[:k]
-            extras[i] = (chosen, top_ids, row[top_ids])
-        else:
-            extras[i] = (chosen, None, None)
+        extras[i] = (chosen, best[i], row[best[i]]) if i in best else (chosen, None, None)
     mx.eval(tokens, extras)
     token_list = tokens.tolist()
     out = [SampledRow(token=t) for t in token_list]
@@ -173,6 +170,19 @@ def _sample_rows(
             pairs = sorted(zip(top_ids.tolist(), top_lp.tolist()), key=lambda p: -p[1])
             out[i].top = pairs
     return out
+
+
+def _best_tokens(logprobs: mx.array, rows: list[int], samplers: Sequence[RowSampler]) -> dict[int, mx.array]:
+    """Each of ``rows``' ``top_logprobs`` most likely tokens: by the backend's op for all of
+    them where it takes them (the most likely first), else by MLX's ``argpartition`` row by row."""
+    if not rows:
+        return {}
+    ks = [samplers[i].params.top_logprobs for i in rows]
+    ops = samplers[rows[0]].ops
+    got = ops.top_tokens(logprobs[mx.array(rows)], max(ks)) if ops is not None else None
+    if got is not None:
+        return {i: got[n, :k] for n, (i, k) in enumerate(zip(rows, ks))}
+    return {i: mx.argpartition(-logprobs[i], kth=k - 1)[:k] for i, k in zip(rows, ks)}
 
 
 def draw_tokens(logits: mx.array, samplers: Sequence[RowSampler]) -> mx.array:

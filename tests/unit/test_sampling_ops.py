@@ -91,6 +91,29 @@ def test_the_log_softmax_takes_infinities_and_nans_as_mlx_does() -> None:
         ext.log_softmax(mx.zeros((2, 8), dtype=mx.float16))
 
 
+@pytest.mark.parametrize("vocab", [1, 5, 20, 1001, 49152])
+def test_the_top_tokens_are_the_rows_largest(vocab: int) -> None:
+    """Each row's k largest values, largest first, ties to the lower index, NaN last: a
+    sort's answer (and the values MLX's argpartition picks)."""
+    rows = mx.random.normal((6, vocab), key=mx.random.key(vocab)) * 3
+    rows = mx.where(mx.arange(vocab)[None] % 7 == 3, -math.inf, rows)
+    rows[1] = mx.round(rows[1])  # (many ties)
+    rows[2, vocab // 2] = math.nan
+    rows[3] = 0.0
+    orders = [sorted(range(vocab), key=lambda i: (math.isnan(row[i]), -row[i] if not math.isnan(row[i]) else 0, i))
+              for row in rows.tolist()]
+    for k in sorted({1, min(5, vocab), min(20, vocab), vocab}):
+        got = CPUKernels().top_tokens(rows, k)
+        for n, row in enumerate(rows.tolist()):
+            assert got[n].tolist() == orders[n][:k], (n, k)
+            if n != 2:
+                want = mx.sort(mx.take(mx.array(row), mx.argpartition(-mx.array(row), kth=k - 1)[:k]))
+                assert mx.array_equal(mx.sort(mx.take(mx.array(row), got[n])), want).item()
+    assert CPUKernels().top_tokens(rows, vocab + 1) is None  # (MLX's argpartition refuses it, as before)
+    with pytest.raises(ValueError, match="k must"):
+        ext.top_tokens(rows, 0)
+
+
 FILTERS = [(0.9, 0.0, 0), (0.5, 0.0, 0), (0.99, 0.0, 0), (0.999999, 0.0, 0), (0.1, 0.0, 0), (1.0, 0.05, 0), (1.0, 0.2, 0),
            (1.0, 0.0, 40), (1.0, 0.0, 1), (0.8, 0.05, 20), (0.95, 0.0, 5), (1.0, 0.0, 0)]
 """(top_p, min_p, top_k): each alone, together, and none."""
@@ -173,7 +196,7 @@ def test_the_engine_samples_through_its_backend(make_engine, monkeypatch: pytest
     params = SamplingParams(temperature=0.9, seed=11, max_tokens=12, ignore_eos=True, **filters)
     prompts = [[1, 2, 3, 4], [5, 6, 7], [8, 9, 10, 11, 12]]
     used = []
-    ops = ("gumbel_draw", "filter_rows", "log_softmax")
+    ops = ("gumbel_draw", "filter_rows", "log_softmax", "top_tokens")
 
     def counted(name):
         method = getattr(CPUKernels, name)
@@ -191,8 +214,9 @@ def test_the_engine_samples_through_its_backend(make_engine, monkeypatch: pytest
         monkeypatch.setattr(CPUKernels, name, counted(name))
     with_kernels = answers()
     filtering = "top_p" in filters
-    normalising = filtering and sys.platform != "darwin"
-    assert set(used) == {"gumbel_draw", *(["filter_rows"] if filtering else []), *(["log_softmax"] if normalising else [])}
+    ranking = bool(filters.get("top_logprobs"))
+    assert set(used) == {"gumbel_draw", *(["filter_rows"] if filtering else []), *(["log_softmax"] if filtering or filters.get("logprobs") else []),
+                         *(["top_tokens"] if ranking else [])}
     assert bool(with_kernels[0][1]) == bool(filters.get("logprobs"))
     for name in ops:
         monkeypatch.setattr(CPUKernels, name, lambda self, *args: None)

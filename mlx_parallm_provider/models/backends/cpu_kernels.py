@@ -8,8 +8,8 @@ the CPU device for attention, SwiGLU, RMSNorm, RoPE and small-batch matmuls.
 * RMSNorm and RoPE (float32): the extension's fused ops, in the modules
   :mod:`..fused_ops` installs;
 * sampled rows: their log-softmax (where MLX's CPU exp is scalar), their top-p / min-p / top-k
-  filters and their Gumbel-max draw, one extension op each for a step's rows (MLX's
-  log-softmax, mlx-lm's filters and MLX's draw, many times faster);
+  filters, their Gumbel-max draw and their top logprobs' tokens, one extension op each for a
+  step's rows (MLX's log-softmax, mlx-lm's filters and MLX's draw, many times faster);
 * linear layers of a quantized checkpoint: steps of at most :attr:`CPUKernels.packed_rows`
   rows multiply by the packed weights (:mod:`..small_batch`), larger ones by float32 copies;
   with :attr:`CPUKernels.int8_matmul` (the default on CPUs with AVX-512 VNNI), every row count
@@ -191,6 +191,12 @@ class CPUKernels(MLXOps):
         if not hasattr(ext, "log_softmax") or sys.platform == "darwin" or rows.dtype != mx.float32 or rows.ndim != 2:
             return None
         return ext.log_softmax(rows, self.qmatmul_threads)
+
+    def top_tokens(self, rows: mx.array, k: int) -> Optional[mx.array]:
+        ext = _fused()
+        if not hasattr(ext, "top_tokens") or rows.dtype != mx.float32 or rows.ndim != 2 or not 1 <= k <= rows.shape[1]:
+            return None
+        return ext.top_tokens(rows, k, self.qmatmul_threads)
 
     def filter_rows(self, logprobs: mx.array, top_p: Sequence[float], min_p: Sequence[float], top_k: Sequence[int]) -> Optional[mx.array]:
         ext = _fused()

@@ -134,6 +134,12 @@ class MLXOps:
         one op giving what MLX's ops give; or None: the engine computes it with MLX's ops."""
         return None
 
+    def top_tokens(self, rows: mx.array, k: int) -> Optional[mx.array]:
+        """Each row's ``k`` largest values' indices as one op, ``(n, k)``, the largest first (of
+        equal values the lower index first); or None: the engine takes MLX's ``argpartition``
+        row by row."""
+        return None
+
     def filter_rows(self, logprobs: mx.array, top_p: Sequence[float], min_p: Sequence[float], top_k: Sequence[int]) -> Optional[mx.array]:
         """Sampled rows' filters as one op: mlx-lm's ``apply_top_p``, ``apply_min_p`` and
         ``apply_top_k``, in that order, over each row of ``logprobs`` ``(n, vocab)`` with its

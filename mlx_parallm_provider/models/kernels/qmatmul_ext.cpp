@@ -43,6 +43,7 @@ mx::array swiglu_op(const mx::array& gate, const mx::array& x);  // swiglu.cpp
 mx::array gumbel_draw_op(const mx::array& rows, const mx::array& keys, int threads);  // sampling.cpp
 mx::array filter_rows_op(const mx::array& logprobs, const mx::array& params, int threads);  // sampling.cpp
 mx::array log_softmax_op(const mx::array& rows, int threads);  // sampling.cpp
+mx::array top_tokens_op(const mx::array& rows, int k, int threads);  // sampling.cpp
 mx::array lora_update_op(const mx::array& y, const mx::array& x, const mx::array& a, const mx::array& b,
                          const mx::array& slot, const mx::array& scale, int threads);  // lora_update.cpp
 mx::array decode_attention_op(const mx::array& q, const mx::array& k, const mx::array& v, float scale,
@@ -191,6 +192,9 @@ NB_MODULE(mlx_parallm_qmatmul_ext, m) {
   m.def("log_softmax", &mlx_parallm::log_softmax_op, "rows"_a, "threads"_a = 1,
         "rows - mx.logsumexp(rows, axis=-1, keepdims=True) for float32 rows (n, V), as one CPU op: bit for bit what "
         "MLX's CPU gives where its float SIMD width is 1 (x86, Linux ARM). float32 out.");
+  m.def("top_tokens", &mlx_parallm::top_tokens_op, "rows"_a, "k"_a, "threads"_a = 1,
+        "Each row's k largest values' indices for float32 rows (n, V), 1 <= k <= V, as one CPU op: (n, k) uint32, the "
+        "largest first, of equal values the lower index first, NaN after every number.");
   m.def("decode_attention", &mlx_parallm::decode_attention_op, "q"_a, "k"_a, "v"_a, "scale"_a, "mask"_a = nb::none(),
         "threads"_a = 1,
         "Attention of q (B, H, 1, D) over k, v (B, KVH, S, D) under mask (None, or (1 or B, S) bool / additive), "

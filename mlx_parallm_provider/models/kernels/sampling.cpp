@@ -1,4 +1,5 @@
-// Sampled rows' ops (CPU): their log-softmax, their top-p / min-p / top-k filters, and their Gumbel-max draw.
+// Sampled rows' ops (CPU): their log-softmax, their top-p / min-p / top-k filters, their Gumbel-max draw, and
+// the most likely tokens of rows that want top logprobs.
 //
 // The log-softmax is MLX's CPU x - logsumexp(x) where MLX's float SIMD width is 1 (x86, Linux ARM), bit for bit:
 // MLX's exp there (mlx/backend/cpu/simd/math.h: a polynomial whose steps are fused multiply-adds) goes
@@ -327,10 +328,35 @@ void radix_sort(std::vector<uint32_t>& keys, std::vector<uint32_t>& spare) {
   }
 }
 
+// A token's rank as a 64-bit key, smaller for a likelier token: its value's descending_key, then its
+// index (of equal values the lower index first; -0 ties +0), NaN after every number.
+inline uint64_t token_key(float v, int i) {
+  const uint32_t rank = v != v ? 0xffffffffu : descending_key(v == 0.0f ? 0.0f : v);
+  return (static_cast<uint64_t>(rank) << 32) | static_cast<uint32_t>(i);
+}
+
+// A row's k likeliest tokens' keys (token_key), the likeliest first, in `heap`: the k smallest keys
+// kept in a max-heap as the row is scanned.
+void best_keys(const float* row, int V, int k, std::vector<uint64_t>& heap) {
+  heap.clear();
+  for (int i = 0; i < V; i++) {
+    const uint64_t key = token_key(row[i], i);
+    if (static_cast<int>(heap.size()) < k) {
+      heap.push_back(key);
+      std::push_heap(heap.begin(), heap.end());
+    } else if (key < heap.front()) {
+      std::pop_heap(heap.begin(), heap.end());
+      heap.back() = key;
+      std::push_heap(heap.begin(), heap.end());
+    }
+  }
+  std::sort_heap(heap.begin(), heap.end());
+}
+
 // One row of mlx-lm's filters, in place. top_p in (0, 1) on; log_min_p: log(min_p) (float32) or
 // -inf (off); top_k in (0, V) on.
 void filter_row(float* row, int V, float top_p, float log_min_p, int top_k, std::vector<float>& scratch,
-                std::vector<uint32_t>& keys, std::vector<uint32_t>& spare) {
+                std::vector<uint32_t>& keys, std::vector<uint32_t>& spare, std::vector<uint64_t>& heap) {
   const float neg_inf = -__builtin_inff();
   if (top_p > 0.0f && top_p < 1.0f) {
     // mlx-lm: ascending sort, mass_above = reverse exclusive cumsum of exp (added from the largest
@@ -369,17 +395,10 @@ void filter_row(float* row, int V, float top_p, float log_min_p, int top_k, std:
     }
   }
   if (top_k > 0 && top_k < V) {  // the k largest; of tokens tied with the k-th, the first ones
-    scratch.assign(row, row + V);
-    std::nth_element(scratch.begin(), scratch.begin() + (top_k - 1), scratch.end(), std::greater<float>());
-    const float kth = scratch[top_k - 1];
-    int ties = top_k - static_cast<int>(std::count_if(row, row + V, [kth](float v) { return v > kth; }));
+    best_keys(row, V, top_k, heap);
+    const uint64_t last = heap.back();
     for (int i = 0; i < V; i++) {
-      if (row[i] > kth) continue;
-      if (row[i] == kth && ties > 0) {
-        ties--;
-        continue;
-      }
-      row[i] = neg_inf;
+      if (token_key(row[i], i) > last) row[i] = neg_inf;
     }
   }
 }
@@ -395,29 +414,48 @@ void filter_rows(void* ctx, int i0, int i1) {
   const FilterJob& job = *static_cast<const FilterJob*>(ctx);
   std::vector<float> scratch;
   std::vector<uint32_t> keys, spare;
+  std::vector<uint64_t> heap;
   for (int i = i0; i < i1; i++) {
     float* row = job.out + static_cast<int64_t>(i) * job.V;
     std::copy(job.in + static_cast<int64_t>(i) * job.V, job.in + static_cast<int64_t>(i + 1) * job.V, row);
     const float* p = job.params + 3 * i;
-    filter_row(row, job.V, p[0], p[1], static_cast<int>(p[2]), scratch, keys, spare);
+    filter_row(row, job.V, p[0], p[1], static_cast<int>(p[2]), scratch, keys, spare, heap);
   }
 }
 
-// What both primitives are equivalent by: the threads they share rows over.
-struct Threads {
+struct TopJob {
+  const float* in;
+  uint32_t* out;
+  int V, k;
+};
+
+// Rows' k likeliest tokens (best_keys' indices).
+void top_rows(void* ctx, int i0, int i1) {
+  const TopJob& job = *static_cast<const TopJob*>(ctx);
+  std::vector<uint64_t> heap;
+  for (int i = i0; i < i1; i++) {
+    best_keys(job.in + static_cast<int64_t>(i) * job.V, job.V, job.k, heap);
+    uint32_t* out = job.out + static_cast<int64_t>(i) * job.k;
+    for (int j = 0; j < job.k; j++) out[j] = static_cast<uint32_t>(heap[j]);
+  }
+}
+
+// What the primitives are equivalent by: the threads they share rows over (and how many tokens a row's best are).
+struct RowOpParams {
   int threads;
-  bool operator==(const Threads& o) const { return threads == o.threads; }
+  int k = 0;  // (top_tokens' k)
+  bool operator==(const RowOpParams& o) const { return threads == o.threads && k == o.k; }
 };
 
 class FilterRowsCPU : public CpuPrimitive<FilterRowsCPU> {
  public:
-  FilterRowsCPU(mx::Stream stream, Threads p) : CpuPrimitive(stream), params(p) {}
+  FilterRowsCPU(mx::Stream stream, RowOpParams p) : CpuPrimitive(stream), params(p) {}
 
   const char* name() const override { return "FilterRowsCPU"; }
 
-  Threads params;
+  RowOpParams params;
 
-  static void run(const std::vector<mx::array>& in, mx::array& out, const Threads& prm) {
+  static void run(const std::vector<mx::array>& in, mx::array& out, const RowOpParams& prm) {
     std::vector<char> row_copy, param_copy;
     FilterJob job{reinterpret_cast<const float*>(row_major(in[0], row_copy)),
                   reinterpret_cast<const float*>(row_major(in[1], param_copy)), out.data<float>(), in[0].shape(1)};
@@ -427,30 +465,47 @@ class FilterRowsCPU : public CpuPrimitive<FilterRowsCPU> {
 
 class LogSoftmaxCPU : public CpuPrimitive<LogSoftmaxCPU> {
  public:
-  LogSoftmaxCPU(mx::Stream stream, Threads p) : CpuPrimitive(stream), params(p) {}
+  LogSoftmaxCPU(mx::Stream stream, RowOpParams p) : CpuPrimitive(stream), params(p) {}
 
   const char* name() const override { return "LogSoftmaxCPU"; }
 
-  Threads params;
+  RowOpParams params;
 
-  static void run(const std::vector<mx::array>& in, mx::array& out, const Threads& prm) {
+  static void run(const std::vector<mx::array>& in, mx::array& out, const RowOpParams& prm) {
     std::vector<char> row_copy;
     SoftmaxJob job{reinterpret_cast<const float*>(row_major(in[0], row_copy)), out.data<float>(), in[0].shape(1)};
     qm_parallel_for(in[0].shape(0), prm.threads, log_softmax_rows, &job);
   }
 };
 
+class TopTokensCPU : public CpuPrimitive<TopTokensCPU> {
+ public:
+  TopTokensCPU(mx::Stream stream, RowOpParams p) : CpuPrimitive(stream), params(p) {}
+
+  const char* name() const override { return "TopTokensCPU"; }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {{inputs[0].shape(0), params.k}}; }
+
+  RowOpParams params;
+
+  static void run(const std::vector<mx::array>& in, mx::array& out, const RowOpParams& prm) {
+    std::vector<char> row_copy;
+    TopJob job{reinterpret_cast<const float*>(row_major(in[0], row_copy)), out.data<uint32_t>(), in[0].shape(1), prm.k};
+    qm_parallel_for(in[0].shape(0), prm.threads, top_rows, &job);
+  }
+};
+
 class GumbelDrawCPU : public CpuPrimitive<GumbelDrawCPU> {
  public:
-  GumbelDrawCPU(mx::Stream stream, Threads p) : CpuPrimitive(stream), params(p) {}
+  GumbelDrawCPU(mx::Stream stream, RowOpParams p) : CpuPrimitive(stream), params(p) {}
 
   const char* name() const override { return "GumbelDrawCPU"; }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {{inputs[0].shape(0)}}; }
 
-  Threads params;
+  RowOpParams params;
 
-  static void run(const std::vector<mx::array>& in, mx::array& out, const Threads& prm) {
+  static void run(const std::vector<mx::array>& in, mx::array& out, const RowOpParams& prm) {
     std::vector<char> row_copy, key_copy;
     Rows job{reinterpret_cast<const float*>(row_major(in[0], row_copy)), reinterpret_cast<const uint32_t*>(row_major(in[1], key_copy)),
              out.data<uint32_t>(), in[0].shape(1)};
@@ -468,7 +523,7 @@ mx::array filter_rows_op(const mx::array& logprobs, const mx::array& params, int
       params.shape() != mx::Shape{logprobs.shape(0), 3}) {
     throw std::invalid_argument("filter_rows: logprobs must be float32 (n, V) and params float32 (n, 3)");
   }
-  return mx::array(logprobs.shape(), mx::float32, std::make_shared<FilterRowsCPU>(cpu_stream(), Threads{std::max(threads, 1)}),
+  return mx::array(logprobs.shape(), mx::float32, std::make_shared<FilterRowsCPU>(cpu_stream(), RowOpParams{std::max(threads, 1)}),
                    {logprobs, params});
 }
 
@@ -478,7 +533,20 @@ mx::array log_softmax_op(const mx::array& rows, int threads) {
   if (rows.dtype() != mx::float32 || rows.ndim() != 2 || rows.shape(1) < 1) {
     throw std::invalid_argument("log_softmax: rows must be float32 (n, V)");
   }
-  return mx::array(rows.shape(), mx::float32, std::make_shared<LogSoftmaxCPU>(cpu_stream(), Threads{std::max(threads, 1)}), {rows});
+  return mx::array(rows.shape(), mx::float32, std::make_shared<LogSoftmaxCPU>(cpu_stream(), RowOpParams{std::max(threads, 1)}), {rows});
+}
+
+// Each row's k most likely tokens for rows (n, V) float32, 1 <= k <= V: (n, k) uint32, the most likely
+// first, of equal values the lower index first.
+mx::array top_tokens_op(const mx::array& rows, int k, int threads) {
+  if (rows.dtype() != mx::float32 || rows.ndim() != 2 || rows.shape(1) < 1) {
+    throw std::invalid_argument("top_tokens: rows must be float32 (n, V)");
+  }
+  if (k < 1 || k > rows.shape(1)) {
+    throw std::invalid_argument("top_tokens: k must be from 1 to the rows' width");
+  }
+  return mx::array({rows.shape(0), k}, mx::uint32, std::make_shared<TopTokensCPU>(cpu_stream(), RowOpParams{std::max(threads, 1), k}),
+                   {rows});
 }
 
 // Each row's argmax(rows[i] + mx.random.gumbel((V,), key=keys[i])): rows (n, V) float32, keys
@@ -488,7 +556,7 @@ mx::array gumbel_draw_op(const mx::array& rows, const mx::array& keys, int threa
       keys.shape() != mx::Shape{rows.shape(0), 2}) {
     throw std::invalid_argument("gumbel_draw: rows must be float32 (n, V) and keys uint32 (n, 2)");
   }
-  return mx::array({rows.shape(0)}, mx::uint32, std::make_shared<GumbelDrawCPU>(cpu_stream(), Threads{std::max(threads, 1)}),
+  return mx::array({rows.shape(0)}, mx::uint32, std::make_shared<GumbelDrawCPU>(cpu_stream(), RowOpParams{std::max(threads, 1)}),
                    {rows, keys});
 }
 
