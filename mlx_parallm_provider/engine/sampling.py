@@ -15,7 +15,7 @@ do, but where rounding decides a draw's tie).
 from __future__ import annotations
 
 import random
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Sequence
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
@@ -28,6 +28,20 @@ if TYPE_CHECKING:
     from ..models.backends import MLXOps
 
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
+History = Callable[[], Sequence[int]]
+"""A row's tokens so far (prompt, output), at least its last :data:`PENALTY_CONTEXT`."""
+
+
+PENALTY_CONTEXT = 20
+"""How many of a row's last tokens its penalties count (mlx-lm's default)."""
+
+
+class Penalties(NamedTuple):
+    """A row's repetition, presence and frequency penalties (off: 1, 0, 0)."""
+
+    repetition: float = 1.0
+    presence: float = 0.0
+    frequency: float = 0.0
 
 
 class RowSampler:
@@ -42,12 +56,20 @@ class RowSampler:
         self.ops = ops
         self.grammar = grammar
         self.matcher = RowMatcher(params.constraint, grammar) if params.constraint is not None and grammar else None
+        penalties = Penalties(params.repetition_penalty, params.presence_penalty, params.frequency_penalty)
+        self.penalties = penalties if penalties != Penalties() else None
         self.processors: list[LogitsProcessor] = make_logits_processors(
             logit_bias=params.logit_bias,
             repetition_penalty=params.repetition_penalty if params.repetition_penalty != 1.0 else None,
+            repetition_context_size=PENALTY_CONTEXT,
             presence_penalty=params.presence_penalty or None,
+            presence_context_size=PENALTY_CONTEXT,
             frequency_penalty=params.frequency_penalty or None,
+            frequency_context_size=PENALTY_CONTEXT,
         )
+        """mlx-lm's processors for this row (logit bias, then its penalties): what the step
+        computes, the bias row by row, the penalties for all rows at once (:func:`_penalised`)."""
+        self.bias = self.processors[:1] if params.logit_bias else []
         self.greedy = params.temperature == 0.0
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         self.key = mx.random.key(seed)
@@ -88,13 +110,13 @@ class RowSampler:
 def sample_batch(
     logits: mx.array,
     samplers: Sequence[RowSampler],
-    contexts: Sequence[Optional[Callable[[], mx.array]]],
+    contexts: Sequence[Optional[History]],
     tokens_left: Optional[Sequence[int]] = None,
 ) -> list[SampledRow]:
     """Pick the next token of every row of ``logits`` (shape ``[B, vocab]``).
 
-    ``contexts[i]`` returns row i's token history (prompt + output) for its penalties; it
-    is only called for rows that have logits processors. ``tokens_left[i]``: row i's budget
+    ``contexts[i]`` returns row i's tokens so far (prompt + output, or only their last
+    :data:`PENALTY_CONTEXT`) for its penalties; it is only called for rows that have them. ``tokens_left[i]``: row i's budget
     including this token (a constrained JSON row is steered to close near its end). A row
     whose processors, filters or draw fail gets a :class:`SampledRow` with ``error`` set;
     every other row is sampled as if it were alone, so one bad row never costs its
@@ -121,19 +143,19 @@ def sample_batch(
 def _sample_rows(
     logits: mx.array,
     samplers: Sequence[RowSampler],
-    contexts: Sequence[Optional[Callable[[], mx.array]]],
+    contexts: Sequence[Optional[History]],
 ) -> list[SampledRow]:
-    if any(s.processors for s in samplers):
+    if any(s.bias for s in samplers):
         rows = []
         for i, sampler in enumerate(samplers):
             row = logits[i : i + 1]
-            if sampler.processors:
+            if sampler.bias:
                 sampler.check_width(row.shape[-1])
-                history = contexts[i]()
-                for processor in sampler.processors:
-                    row = processor(history, row)
+                row = sampler.bias[0](None, row)
             rows.append(row)
         logits = mx.concatenate(rows, axis=0)
+    if any(s.penalties for s in samplers):
+        logits = _penalised(logits, [s.penalties for s in samplers], contexts)
     wants = [i for i, s in enumerate(samplers) if s.params.logprobs]
     if any(s.matcher is not None for s in samplers):
         grammar = next(s.grammar for s in samplers if s.matcher is not None)
@@ -206,21 +228,55 @@ def _draw(rows: mx.array, keys: mx.array, ops: Optional["MLXOps"]) -> mx.array:
     return drawn if drawn is not None else _draw_each(rows, keys)
 
 
+def _penalised(logits: mx.array, penalties: Sequence[Optional[Penalties]], contexts: Sequence[Optional[History]]) -> mx.array:
+    """The rows' penalties, each kind for all rows by one gather and one scatter (mlx-lm's
+    processors' arithmetic and order, so each row's logits are what its processors give it
+    alone): over each row's last :data:`PENALTY_CONTEXT` tokens, the repetition penalty
+    divides a positive logit and multiplies a negative one, the presence penalty is taken
+    once from a token's logit, the frequency penalty once for each time the token occurs.
+    Rows without a kind take its identity (1 or 0), a row's padding repeats its last token."""
+    tails = [list(contexts[i]())[-PENALTY_CONTEXT:] if p else [] for i, p in enumerate(penalties)]
+    width = max(map(len, tails))
+    if not width:
+        return logits
+    if max(max(t, default=0) for t in tails) >= logits.shape[-1]:  # (MLX does not bounds-check: it would reach other rows)
+        raise ValueError(f"a penalised token id is outside the model's {logits.shape[-1]} logits")
+    ids = mx.array([t + t[-1:] * (width - len(t)) if t else [0] * width for t in tails], dtype=mx.int32)
+    off = Penalties()
+
+    def per_row(kind: str) -> Optional[mx.array]:
+        values = [getattr(p, kind) if p and t else getattr(off, kind) for p, t in zip(penalties, tails)]
+        if all(v == getattr(off, kind) for v in values):
+            return None
+        return mx.array(values, dtype=mx.float32)[:, None].astype(logits.dtype)
+
+    if (k := per_row("repetition")) is not None:
+        picked = mx.take_along_axis(logits, ids, axis=1)
+        logits = mx.put_along_axis(logits, ids, mx.where(picked < 0, picked * k, picked / k), axis=1)
+    if (k := per_row("presence")) is not None:
+        logits = mx.put_along_axis(logits, ids, mx.take_along_axis(logits, ids, axis=1) - k, axis=1)
+    if (k := per_row("frequency")) is not None:
+        counted = mx.array([[j < len(t) for j in range(width)] for t in tails])
+        amounts = mx.where(counted, k, mx.zeros_like(k))
+        logits = logits.at[mx.arange(logits.shape[0])[:, None], ids].subtract(amounts)
+    return logits
+
+
 def _log_softmax(rows: mx.array, ops: Optional["MLXOps"]) -> mx.array:
     """``rows - logsumexp(rows)`` row by row, by the backend's op where it takes them."""
     got = ops.log_softmax(rows) if ops is not None else None
     return got if got is not None else rows - mx.logsumexp(rows, axis=-1, keepdims=True)
 
 
-def _filtered(logprobs: list[mx.array], samplers: list[RowSampler], ops: Optional["MLXOps"]) -> list[mx.array]:
-    """Each row's logprobs ``(1, vocab)`` through its filters (:meth:`RowSampler.filter`), by
-    the backend's op for all of them where it takes them."""
+def _filtered(logprobs: mx.array, samplers: list[RowSampler], ops: Optional["MLXOps"]) -> mx.array:
+    """Rows of logprobs ``(n, vocab)`` through their filters (:meth:`RowSampler.filter`): by
+    the backend's op for all of them where it takes them, else row by row."""
     if ops is not None:
         p = [s.params for s in samplers]
-        got = ops.filter_rows(mx.concatenate(logprobs), [x.top_p for x in p], [x.min_p for x in p], [x.top_k for x in p])
+        got = ops.filter_rows(logprobs, [x.top_p for x in p], [x.min_p for x in p], [x.top_k for x in p])
         if got is not None:
-            return [got[n : n + 1] for n in range(len(samplers))]
-    return [s.filter(lp) for s, lp in zip(samplers, logprobs)]
+            return got
+    return mx.concatenate([s.filter(logprobs[n : n + 1]) for n, s in enumerate(samplers)])
 
 
 def _pick(logits: mx.array, samplers: Sequence[RowSampler], logprobs: Optional[mx.array] = None) -> mx.array:
@@ -236,31 +292,39 @@ def _pick(logits: mx.array, samplers: Sequence[RowSampler], logprobs: Optional[m
     if not drawing:
         return greedy
     ops = samplers[drawing[0]].ops
-    pairs = _split_each(mx.stack([samplers[i].key for i in drawing]))  # (n, 2, 2): each row's next key, its draw's key
     filtering = [samplers[i].filters for i in drawing]  # (every row's asked: a row's fault surfaces in any batch)
-    if not any(filtering):
-        scales = mx.array([1.0 / samplers[i].params.temperature for i in drawing], dtype=mx.float32)
-        rows = logits[mx.array(drawing)] * scales[:, None].astype(logits.dtype)
-    else:
-        which = [i for i, f in zip(drawing, filtering) if f]
-        if logprobs is None:
-            part = _log_softmax(logits[mx.array(which)], ops)
-            normalised = [part[n : n + 1] for n in range(len(which))]
-        else:
-            normalised = [logprobs[i : i + 1] for i in which]
-        filtered = dict(zip(which, _filtered(normalised, [samplers[i] for i in which], ops)))
-        rows = mx.concatenate([samplers[i].scale(filtered[i] if f else logits[i : i + 1]) for i, f in zip(drawing, filtering)])
-    drawn = _draw(rows, pairs[:, 1], ops)
-    for n, i in enumerate(drawing):
+    which = [i for i, f in zip(drawing, filtering) if f]
+    order = which + [i for i, f in zip(drawing, filtering) if not f]  # (the filtering rows first, in one block)
+    pairs = _split_each(mx.stack([samplers[i].key for i in order]))  # (n, 2, 2): each row's next key, its draw's key
+    parts = []
+    if which:
+        part = _log_softmax(logits[mx.array(which)], ops) if logprobs is None else logprobs[mx.array(which)]
+        parts.append(_filtered(part, [samplers[i] for i in which], ops))
+    if len(order) > len(which):
+        parts.append(logits[mx.array(order[len(which) :])])
+    rows = parts[0] if len(parts) == 1 else mx.concatenate(parts)
+    scales = mx.array([1.0 / samplers[i].params.temperature for i in order], dtype=mx.float32)
+    drawn = _draw(rows * scales[:, None].astype(rows.dtype), pairs[:, 1], ops)
+    for n, i in enumerate(order):
         samplers[i].key = pairs[n, 0]
-    if len(drawing) == len(samplers):
+    if order == list(range(len(samplers))):
         return drawn.astype(greedy.dtype)
-    where = mx.array(drawing, dtype=mx.int32)
+    where = mx.array(order, dtype=mx.int32)
     return greedy.at[where].add(drawn.astype(greedy.dtype) - greedy[where])  # (the drawn tokens in their rows' places)
 
 
 def sample_requests(logits: mx.array, requests: Sequence[Any]) -> list[SampledRow]:
     """:func:`sample_batch` for decoding requests (``logits`` ``(B, vocab)``, one row each):
     their samplers, their tokens so far as the processors' context, their budgets left."""
-    contexts = [lambda r=r: mx.array(r.prompt_ids + r.output_ids) for r in requests]
+    contexts = [lambda r=r: last_tokens(r.prompt_ids, r.output_ids) for r in requests]
     return sample_batch(logits, [r.state.sampler for r in requests], contexts, [r.params.max_tokens - len(r.output_ids) for r in requests])
+
+
+def last_tokens(*parts: Sequence[int]) -> list[int]:
+    """The last :data:`PENALTY_CONTEXT` tokens of ``parts`` joined (what a row's penalties count)."""
+    out: list[int] = []
+    for part in reversed(parts):
+        out[:0] = part[max(0, len(part) - (PENALTY_CONTEXT - len(out))) :]
+        if len(out) >= PENALTY_CONTEXT:
+            break
+    return out

@@ -18,7 +18,7 @@ import mlx.core as mx
 from ..grammar.guided import fill_bitmask, only_tokens
 from ..plan import Drafted, Verify
 from ..sampled import SampledRow
-from ..sampling import draw_tokens, sample_batch, sample_requests
+from ..sampling import draw_tokens, last_tokens, sample_batch, sample_requests
 from .forced import can_fast_forward
 
 
@@ -139,9 +139,9 @@ class _Walk:
             self.took(SampledRow(error=exc))
         return not self.done
 
-    def history(self) -> mx.array:
-        """The tokens before position :attr:`j` (prompt, output, the draft's), for penalties."""
-        return mx.array(self.request.prompt_ids + self.request.output_ids + self.draft[: self.j])
+    def history(self) -> list[int]:
+        """The last tokens before position :attr:`j` (prompt, output, the draft's), for penalties."""
+        return last_tokens(self.request.prompt_ids, self.request.output_ids, self.draft[: self.j])
 
     def took(self, row: SampledRow) -> None:
         """Position :attr:`j`'s token (or error): the walk goes on past it, or ends."""
