@@ -177,34 +177,33 @@ def _sample_rows(
     logprobs = _log_softmax(logits, next((s.ops for s in samplers), None))
     tokens = _pick(logits, samplers, logprobs)
 
-    best = _best_tokens(logprobs, [i for i in wants if samplers[i].params.top_logprobs], samplers)
-    extras: dict[int, Any] = {}
-    for i in wants:
-        row = logprobs[i]
-        chosen = row[tokens[i]]
-        extras[i] = (chosen, best[i], row[best[i]]) if i in best else (chosen, None, None)
-    mx.eval(tokens, extras)
-    token_list = tokens.tolist()
-    out = [SampledRow(token=t) for t in token_list]
-    for i, (chosen, top_ids, top_lp) in extras.items():
-        out[i].logprob = chosen.item()
-        if top_ids is not None:
-            pairs = sorted(zip(top_ids.tolist(), top_lp.tolist()), key=lambda p: -p[1])
-            out[i].top = pairs
+    wanted = mx.array(wants)
+    chosen = mx.take_along_axis(logprobs[wanted], tokens[wanted][:, None], axis=-1)
+    ranked = [i for i in wants if samplers[i].params.top_logprobs]
+    best = _best_tokens(logprobs, ranked, samplers)
+    mx.eval(tokens, chosen, best)
+    out = [SampledRow(token=t) for t in tokens.tolist()]
+    for i, (logprob,) in zip(wants, chosen.tolist()):
+        out[i].logprob = logprob
+    if best is not None:
+        for i, ids, values in zip(ranked, *(a.tolist() for a in best)):
+            out[i].top = sorted(zip(ids, values), key=lambda p: -p[1])[: samplers[i].params.top_logprobs]
     return out
 
 
-def _best_tokens(logprobs: mx.array, rows: list[int], samplers: Sequence[RowSampler]) -> dict[int, mx.array]:
-    """Each of ``rows``' ``top_logprobs`` most likely tokens: by the backend's op for all of
-    them where it takes them (the most likely first), else by MLX's ``argpartition`` row by row."""
+def _best_tokens(logprobs: mx.array, rows: list[int], samplers: Sequence[RowSampler]) -> Optional[tuple[mx.array, mx.array]]:
+    """The ``rows``' most likely tokens, as many for each as the most any of them asks
+    (``top_logprobs``), and their logprobs, each ``(len(rows), k)``: by the backend's op where
+    it takes them (the most likely first), else by MLX's ``argpartition`` (in no order)."""
     if not rows:
-        return {}
-    ks = [samplers[i].params.top_logprobs for i in rows]
+        return None
+    part = logprobs[mx.array(rows)]
+    k = max(samplers[i].params.top_logprobs for i in rows)
     ops = samplers[rows[0]].ops
-    got = ops.top_tokens(logprobs[mx.array(rows)], max(ks)) if ops is not None else None
-    if got is not None:
-        return {i: got[n, :k] for n, (i, k) in enumerate(zip(rows, ks))}
-    return {i: mx.argpartition(-logprobs[i], kth=k - 1)[:k] for i, k in zip(rows, ks)}
+    ids = ops.top_tokens(part, k) if ops is not None else None
+    if ids is None:
+        ids = mx.argpartition(-part, kth=k - 1, axis=-1)[:, :k]
+    return ids, mx.take_along_axis(part, ids, axis=-1)
 
 
 def draw_tokens(logits: mx.array, samplers: Sequence[RowSampler]) -> mx.array:
