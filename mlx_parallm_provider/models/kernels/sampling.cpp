@@ -336,10 +336,11 @@ inline uint64_t token_key(float v, int i) {
 }
 
 // A row's k likeliest tokens' keys (token_key), the likeliest first, in `heap`: the k smallest keys
-// kept in a max-heap as the row is scanned.
+// kept in a max-heap as the row is scanned. Once the heap is full, 16 tokens at a time are let past
+// unless one beats its worst value (a later token equal to it has a higher index: no better).
 void best_keys(const float* row, int V, int k, std::vector<uint64_t>& heap) {
   heap.clear();
-  for (int i = 0; i < V; i++) {
+  auto offer = [&](int i) {
     const uint64_t key = token_key(row[i], i);
     if (static_cast<int>(heap.size()) < k) {
       heap.push_back(key);
@@ -349,7 +350,20 @@ void best_keys(const float* row, int V, int k, std::vector<uint64_t>& heap) {
       heap.back() = key;
       std::push_heap(heap.begin(), heap.end());
     }
+  };
+  int i = 0;
+  for (; i < V && static_cast<int>(heap.size()) < k; i++) offer(i);
+  for (; i + 16 <= V; i += 16) {
+    if ((heap.front() >> 32) != 0xffffffffu) {  // (the worst kept is a number, not NaN)
+      const float worst = from_descending_key(static_cast<uint32_t>(heap.front() >> 32));
+      const v16i better = *reinterpret_cast<const v16f_u*>(row + i) > worst;
+      int any = 0;
+      for (int l = 0; l < 16; l++) any |= better[l];
+      if (!any) continue;
+    }
+    for (int l = 0; l < 16; l++) offer(i + l);
   }
+  for (; i < V; i++) offer(i);
   std::sort_heap(heap.begin(), heap.end());
 }
 
