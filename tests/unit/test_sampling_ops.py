@@ -144,6 +144,19 @@ def test_the_filters_keep_what_mlx_lms_keep(vocab: int) -> None:
                 assert mx.array_equal(got[n : n + 1], _mlx_lm_filters(logprobs[n : n + 1], *settings)).item(), (seed, spread, settings)
 
 
+@pytest.mark.parametrize("shift", [-6.0, -0.3, 2.0])
+def test_top_p_keeps_mlx_lms_tokens_of_rows_that_do_not_sum_to_one(shift: float) -> None:
+    """Logprobs shifted (their masses summing to ~0.0025, ~0.74, ~7.4): the tokens that can
+    move the sum are chosen by the largest alone where the sum stays below 1/2."""
+    backend = CPUKernels()
+    x = mx.random.normal((4, 49152), key=mx.random.key(9)) * mx.array([[0.5], [3.0], [8.0], [20.0]])
+    logprobs = x - mx.logsumexp(x, axis=-1, keepdims=True) + shift
+    for top_p in (0.5, 0.9, 0.999999):
+        got = backend.filter_rows(logprobs, [top_p] * 4, [0.0] * 4, [0] * 4)
+        for n in range(4):
+            assert mx.array_equal(got[n : n + 1], apply_top_p(logprobs[n : n + 1], top_p)).item(), (top_p, n)
+
+
 def test_the_filters_take_rows_that_are_partly_minus_infinity() -> None:
     """Rows a grammar or a logit bias masked: -inf logprobs stay out, every setting."""
     backend = CPUKernels()

@@ -316,14 +316,17 @@ inline float from_descending_key(uint32_t k) {
   return v;
 }
 
-// Ascending LSD radix sort of 32-bit keys, 8 bits a pass.
+// Ascending LSD radix sort of 32-bit keys, 11 bits a pass (a pass whose digit all keys share skipped).
 void radix_sort(std::vector<uint32_t>& keys, std::vector<uint32_t>& spare) {
   spare.resize(keys.size());
-  for (int shift = 0; shift < 32; shift += 8) {
-    size_t count[257] = {0};
-    for (uint32_t k : keys) count[((k >> shift) & 0xff) + 1]++;
-    for (int d = 0; d < 256; d++) count[d + 1] += count[d];
-    for (uint32_t k : keys) spare[count[(k >> shift) & 0xff]++] = k;
+  constexpr int bits = 11, buckets = 1 << bits;
+  std::vector<size_t> count(buckets + 1);
+  for (int shift = 0; shift < 32; shift += bits) {
+    std::fill(count.begin(), count.end(), 0);
+    for (uint32_t k : keys) count[((k >> shift) & (buckets - 1)) + 1]++;
+    if (std::find(count.begin() + 1, count.end(), keys.size()) != count.end()) continue;  // (one digit: in order already)
+    for (int d = 0; d < buckets; d++) count[d + 1] += count[d];
+    for (uint32_t k : keys) spare[count[(k >> shift) & (buckets - 1)]++] = k;
     keys.swap(spare);
   }
 }
@@ -375,22 +378,38 @@ void filter_row(float* row, int V, float top_p, float log_min_p, int top_k, std:
   if (top_p > 0.0f && top_p < 1.0f) {
     // mlx-lm: ascending sort, mass_above = reverse exclusive cumsum of exp (added from the largest
     // down, in float32), total = mass_above[0] + the smallest; a token is dropped where the mass
-    // above it reaches top_p * total. A probability below half a unit in the last place of the
-    // largest never changes a float32 sum that starts with the largest, so only the tokens within
-    // 18 of the largest logprob are sorted (exp(-18) < 2^-25) and added, in mlx-lm's order.
-    float top = *std::max_element(row, row + V);
-    if (!(top > neg_inf)) return;  // (no finite logprob: nothing to keep apart)
-    const float cut = top - 18.0f;
-    keys.clear();
-    for (int i = 0; i < V; i++) {
-      if (row[i] >= cut) keys.push_back(descending_key(row[i]));
+    // above it reaches top_p * total. A probability below half a unit in the last place of a
+    // float32 sum never changes it, so only the tokens that can are sorted and added, in mlx-lm's
+    // order: those within 18 of the largest logprob (exp(-18) < 2^-25, and the sum starts with
+    // the largest), and of normalised logprobs, only those above -17.5 (exp(-17.5) < 2^-25,
+    // half the unit of a sum from 1/2 up: checked, else the first cut).
+    v16f tops = v16f{} + neg_inf;
+    int at = 0;
+    for (; at + 16 <= V; at += 16) {
+      v16f x = *reinterpret_cast<const v16f_u*>(row + at);
+      tops = x > tops ? x : tops;  // (NaN never taken)
     }
-    radix_sort(keys, spare);
-    scratch.resize(keys.size());
-    for (size_t j = 0; j < keys.size(); j++) scratch[j] = from_descending_key(keys[j]);
-    mlx_exp(scratch.data(), scratch.data(), static_cast<int>(scratch.size()), 0.0f);  // (mlx-lm's masses: mx.exp)
+    float top = neg_inf;
+    for (int l = 0; l < 16; l++) top = tops[l] > top ? tops[l] : top;
+    for (; at < V; at++) top = row[at] > top ? row[at] : top;
+    if (!(top > neg_inf)) return;  // (no finite logprob: nothing to keep apart)
     float total = 0.0f;
-    for (float mass : scratch) total += mass;
+    for (float cut : {std::max(top - 18.0f, -17.5f), top - 18.0f}) {
+      keys.resize(V);
+      size_t n = 0;
+      for (int i = 0; i < V; i++) {  // (branch-free: most tokens of a row are on either side at random)
+        keys[n] = descending_key(row[i]);
+        n += row[i] >= cut;
+      }
+      keys.resize(n);
+      radix_sort(keys, spare);
+      scratch.resize(keys.size());
+      for (size_t j = 0; j < keys.size(); j++) scratch[j] = from_descending_key(keys[j]);
+      mlx_exp(scratch.data(), scratch.data(), static_cast<int>(scratch.size()), 0.0f);  // (mlx-lm's masses: mx.exp)
+      total = 0.0f;
+      for (float mass : scratch) total += mass;
+      if (total >= 0.5f || cut == top - 18.0f) break;
+    }
     const float limit = top_p * total;
     float mass = 0.0f, threshold = top;
     for (size_t j = 0; j < keys.size() && mass < limit; j++) {
