@@ -14,11 +14,12 @@ do, but where rounding decides a draw's tie).
 
 from __future__ import annotations
 
+import math
 import random
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Sequence
 
 import mlx.core as mx
-from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
+from mlx_lm.sample_utils import apply_top_k, apply_top_p, make_logits_processors
 
 from .grammar.guided import GrammarTokenizer, RowMatcher, apply_bitmask, grammar_bitmask, only_tokens
 from .request import SamplingParams
@@ -49,7 +50,7 @@ class RowSampler:
 
     ``ops``: the engine's model's backend, whose batched log-softmax, filters and draw
     (:meth:`.MLXOps.filter_rows`, :meth:`.MLXOps.gumbel_draw`) take the rows where they can;
-    None: mlx-lm's filters and MLX's ops."""
+    None: MLX's ops and mlx-lm's filters (:func:`filter_rows`)."""
 
     def __init__(self, params: SamplingParams, grammar: Optional[GrammarTokenizer] = None, ops: Optional["MLXOps"] = None) -> None:
         self.params = params
@@ -76,20 +77,9 @@ class RowSampler:
 
     @property
     def filters(self) -> bool:
-        """Whether :meth:`filter` changes anything (top-p, min-p or top-k set)."""
+        """Whether the row filters its tokens (top-p, min-p or top-k set)."""
         p = self.params
         return 0.0 < p.top_p < 1.0 or p.min_p > 0.0 or p.top_k > 0
-
-    def filter(self, logprobs: mx.array) -> mx.array:
-        """Apply top-p, min-p and top-k (mlx-lm's implementations) to one row's logprobs."""
-        p = self.params
-        if 0.0 < p.top_p < 1.0:
-            logprobs = apply_top_p(logprobs, p.top_p)
-        if p.min_p > 0.0:
-            logprobs = apply_min_p(logprobs, p.min_p)
-        if 0 < p.top_k < logprobs.shape[-1]:  # top_k >= vocabulary keeps every token
-            logprobs = apply_top_k(logprobs, p.top_k)
-        return logprobs
 
     def check_width(self, vocab: int) -> None:
         """Refuse a logit bias outside the logits: MLX does not bounds-check that index."""
@@ -268,14 +258,40 @@ def _log_softmax(rows: mx.array, ops: Optional["MLXOps"]) -> mx.array:
 
 
 def _filtered(logprobs: mx.array, samplers: list[RowSampler], ops: Optional["MLXOps"]) -> mx.array:
-    """Rows of logprobs ``(n, vocab)`` through their filters (:meth:`RowSampler.filter`): by
-    the backend's op for all of them where it takes them, else row by row."""
+    """Rows of logprobs ``(n, vocab)`` through their filters: by the backend's op where it
+    takes them, else :func:`filter_rows`."""
+    params = [s.params for s in samplers]
     if ops is not None:
-        p = [s.params for s in samplers]
-        got = ops.filter_rows(logprobs, [x.top_p for x in p], [x.min_p for x in p], [x.top_k for x in p])
+        got = ops.filter_rows(logprobs, [p.top_p for p in params], [p.min_p for p in params], [p.top_k for p in params])
         if got is not None:
             return got
-    return mx.concatenate([s.filter(logprobs[n : n + 1]) for n, s in enumerate(samplers)])
+    return filter_rows(logprobs, params)
+
+
+def filter_rows(logprobs: mx.array, params: Sequence[SamplingParams]) -> mx.array:
+    """mlx-lm's ``apply_top_p``, ``apply_min_p`` and ``apply_top_k``, in that order, over rows
+    of logprobs ``(n, vocab)`` with their own settings, as one batch of ops (on a GPU a few
+    launches, not a few a row): each filter over every row, its setting a column (top-k: one
+    call for each ``k``), where a row does not set it, the row kept as it was. Each row's
+    values are those mlx-lm's functions give it alone."""
+    out = logprobs
+
+    def where(on: list[bool], filtered: mx.array) -> mx.array:
+        return filtered if all(on) else mx.where(mx.array(on)[:, None], filtered, out)
+
+    def column(values: list[float]) -> mx.array:
+        return mx.array(values, dtype=mx.float32)[:, None]
+
+    on = [0.0 < p.top_p < 1.0 for p in params]
+    if any(on):
+        out = where(on, apply_top_p(out, column([p.top_p if o else 1.0 for p, o in zip(params, on)])))
+    on = [p.min_p > 0.0 for p in params]
+    if any(on):  # (apply_min_p's arithmetic, its log(min_p) a column)
+        floor = mx.max(out, axis=-1, keepdims=True) + column([math.log(p.min_p) if o else 0.0 for p, o in zip(params, on)]).astype(out.dtype)
+        out = where(on, mx.where(out < floor, -float("inf"), out))
+    for k in sorted({p.top_k for p in params if 0 < p.top_k < out.shape[-1]}):  # (top_k >= vocabulary keeps every token)
+        out = where([p.top_k == k for p in params], apply_top_k(out, k))
+    return out
 
 
 def _pick(logits: mx.array, samplers: Sequence[RowSampler], logprobs: Optional[mx.array] = None) -> mx.array:

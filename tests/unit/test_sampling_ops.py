@@ -144,6 +144,24 @@ def test_the_filters_keep_what_mlx_lms_keep(vocab: int) -> None:
                 assert mx.array_equal(got[n : n + 1], _mlx_lm_filters(logprobs[n : n + 1], *settings)).item(), (seed, spread, settings)
 
 
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_mlx_ops_filter_a_batch_as_mlx_lm_filters_each_row(dtype) -> None:
+    """Without the backend's op (a GPU): every setting in one batch of MLX ops, each row what
+    mlx-lm's functions give it alone, bit for bit."""
+    from mlx_parallm_provider.engine.sampling import filter_rows
+
+    params = [SamplingParams(temperature=1.0, top_p=p, min_p=m, top_k=k) for p, m, k in FILTERS]
+    for seed, spread in enumerate((0.5, 3.0, 12.0)):
+        x = (mx.random.normal((len(FILTERS), 3001), key=mx.random.key(seed)) * spread).astype(dtype)
+        logprobs = x - mx.logsumexp(x, axis=-1, keepdims=True)
+        got = filter_rows(logprobs, params)
+        assert got.dtype == dtype
+        for n, settings in enumerate(FILTERS):
+            assert mx.array_equal(got[n : n + 1], _mlx_lm_filters(logprobs[n : n + 1], *settings)).item(), (spread, settings)
+        for n in (1, 6, 7):  # (one setting alone, in a batch of one)
+            assert mx.array_equal(filter_rows(logprobs[n : n + 1], params[n : n + 1]), got[n : n + 1]).item()
+
+
 @pytest.mark.parametrize("shift", [-6.0, -0.3, 2.0])
 def test_top_p_keeps_mlx_lms_tokens_of_rows_that_do_not_sum_to_one(shift: float) -> None:
     """Logprobs shifted (their masses summing to ~0.0025, ~0.74, ~7.4): the tokens that can

@@ -144,7 +144,7 @@ class MLXOps:
         """Sampled rows' filters as one op: mlx-lm's ``apply_top_p``, ``apply_min_p`` and
         ``apply_top_k``, in that order, over each row of ``logprobs`` ``(n, vocab)`` with its
         own settings (off: ``top_p`` 1, ``min_p`` 0, ``top_k`` 0); or None: the engine filters
-        each row with mlx-lm's functions."""
+        them with mlx-lm's functions (:func:`...engine.sampling.filter_rows`)."""
         return None
 
     def gumbel_draw(self, rows: mx.array, keys: mx.array) -> Optional[mx.array]:
