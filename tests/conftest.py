@@ -183,7 +183,8 @@ GPU_MODULES = {
     "test_attention_routing.py",
 }
 """The integration modules marked ``gpu``: the engine, its doors (LiteLLM, LangChain) and its
-KV on the tiny model, none needing the CPU kernels or the default model (``slow`` tests aside)."""
+KV on the tiny model, none needing the CPU kernels or the default model (``slow`` tests aside).
+(Unit modules of that kind mark themselves.)"""
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -1,14 +1,19 @@
 """Sampling rows draw together (one key split and one draw op for the batch) and each gets
-what it draws alone; the draws follow the softmax of logprobs / temperature."""
+what it draws alone; the draws follow the softmax of logprobs / temperature; their filters,
+without the backend's op, are one batch of MLX ops that gives each row what mlx-lm's
+functions give it alone. No CPU kernel: scripts/gpu_check.sh runs these on a GPU."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 from mlx_parallm_provider.engine.request import SamplingParams
-from mlx_parallm_provider.engine.sampling import RowSampler, draw_tokens
+from mlx_parallm_provider.engine.sampling import RowSampler, draw_tokens, filter_rows
+
+pytestmark = pytest.mark.gpu
 
 ROWS = [dict(temperature=0.7, seed=1), dict(temperature=0.0, seed=2), dict(temperature=1.3, seed=3),
         dict(temperature=0.9, seed=4, top_k=5), dict(temperature=1.0, seed=5, top_p=0.8), dict(temperature=2.0, seed=6)]
@@ -57,3 +62,34 @@ def test_a_plain_row_draws_alike_beside_rows_that_want_logprobs_or_filter() -> N
         assert rows[1].logprob is not None and rows[1].logprob <= 0.0  # (its logprob, normalised)
     greedy = sample_batch(logits, [RowSampler(SamplingParams(temperature=0.0)), *together[1:]], [None] * 3)
     assert greedy[0].token == mx.argmax(logits[0]).item()
+
+
+FILTERS = [(0.9, 0.0, 0), (0.5, 0.0, 0), (0.99, 0.0, 0), (0.999999, 0.0, 0), (0.1, 0.0, 0), (1.0, 0.05, 0), (1.0, 0.2, 0),
+           (1.0, 0.0, 40), (1.0, 0.0, 1), (0.8, 0.05, 20), (0.95, 0.0, 5), (1.0, 0.0, 0)]
+"""(top_p, min_p, top_k): each alone, together, and none."""
+
+
+def mlx_lm_filters(logprobs: mx.array, top_p: float, min_p: float, top_k: int) -> mx.array:
+    if 0.0 < top_p < 1.0:
+        logprobs = apply_top_p(logprobs, top_p)
+    if min_p > 0.0:
+        logprobs = apply_min_p(logprobs, min_p)
+    if 0 < top_k < logprobs.shape[-1]:
+        logprobs = apply_top_k(logprobs, top_k)
+    return logprobs
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_mlx_ops_filter_a_batch_asmlx_lm_filters_each_row(dtype) -> None:
+    """Without the backend's op (a GPU): every setting in one batch of MLX ops, each row what
+    mlx-lm's functions give it alone, bit for bit."""
+    params = [SamplingParams(temperature=1.0, top_p=p, min_p=m, top_k=k) for p, m, k in FILTERS]
+    for seed, spread in enumerate((0.5, 3.0, 12.0)):
+        x = (mx.random.normal((len(FILTERS), 3001), key=mx.random.key(seed)) * spread).astype(dtype)
+        logprobs = x - mx.logsumexp(x, axis=-1, keepdims=True)
+        got = filter_rows(logprobs, params)
+        assert got.dtype == dtype
+        for n, settings in enumerate(FILTERS):
+            assert mx.array_equal(got[n : n + 1], mlx_lm_filters(logprobs[n : n + 1], *settings)).item(), (spread, settings)
+        for n in (1, 6, 7):  # (one setting alone, in a batch of one)
+            assert mx.array_equal(filter_rows(logprobs[n : n + 1], params[n : n + 1]), got[n : n + 1]).item()

@@ -1,5 +1,6 @@
 """A step's penalties, applied to all its rows at once, give each row the logits mlx-lm's own
-processors give it alone (the same arithmetic, bit for bit), over its last tokens only."""
+processors give it alone (the same arithmetic, bit for bit), over its last tokens only. No CPU
+kernel: scripts/gpu_check.sh runs these on a GPU."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import pytest
 from mlx_parallm_provider.engine import sampling
 from mlx_parallm_provider.engine.request import SamplingParams
 from mlx_parallm_provider.engine.sampling import PENALTY_CONTEXT, RowSampler, last_tokens, sample_batch
+
+pytestmark = pytest.mark.gpu
 
 ROWS = [  # (penalties, tokens so far)
     ({}, [5, 6, 7]),

@@ -10,7 +10,8 @@ import sys
 
 import mlx.core as mx
 import pytest
-from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+from mlx_lm.sample_utils import apply_top_p
+from test_batched_draws import FILTERS, mlx_lm_filters
 
 from mlx_parallm_provider.engine.request import SamplingParams
 from mlx_parallm_provider.engine.sampling import RowSampler, draw_tokens
@@ -115,21 +116,6 @@ def test_the_top_tokens_are_the_rows_largest(vocab: int) -> None:
         ext.top_tokens(rows, 0)
 
 
-FILTERS = [(0.9, 0.0, 0), (0.5, 0.0, 0), (0.99, 0.0, 0), (0.999999, 0.0, 0), (0.1, 0.0, 0), (1.0, 0.05, 0), (1.0, 0.2, 0),
-           (1.0, 0.0, 40), (1.0, 0.0, 1), (0.8, 0.05, 20), (0.95, 0.0, 5), (1.0, 0.0, 0)]
-"""(top_p, min_p, top_k): each alone, together, and none."""
-
-
-def _mlx_lm_filters(logprobs: mx.array, top_p: float, min_p: float, top_k: int) -> mx.array:
-    if 0.0 < top_p < 1.0:
-        logprobs = apply_top_p(logprobs, top_p)
-    if min_p > 0.0:
-        logprobs = apply_min_p(logprobs, min_p)
-    if 0 < top_k < logprobs.shape[-1]:
-        logprobs = apply_top_k(logprobs, top_k)
-    return logprobs
-
-
 @pytest.mark.parametrize("vocab", [7, 100, 4096, 49152])
 def test_the_filters_keep_what_mlx_lms_keep(vocab: int) -> None:
     """Flat and peaked rows (the nucleus from a few tokens to most of the vocabulary), the
@@ -141,25 +127,7 @@ def test_the_filters_keep_what_mlx_lms_keep(vocab: int) -> None:
             logprobs = x - mx.logsumexp(x, axis=-1, keepdims=True)
             got = backend.filter_rows(logprobs, *map(list, zip(*FILTERS)))
             for n, settings in enumerate(FILTERS):
-                assert mx.array_equal(got[n : n + 1], _mlx_lm_filters(logprobs[n : n + 1], *settings)).item(), (seed, spread, settings)
-
-
-@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
-def test_mlx_ops_filter_a_batch_as_mlx_lm_filters_each_row(dtype) -> None:
-    """Without the backend's op (a GPU): every setting in one batch of MLX ops, each row what
-    mlx-lm's functions give it alone, bit for bit."""
-    from mlx_parallm_provider.engine.sampling import filter_rows
-
-    params = [SamplingParams(temperature=1.0, top_p=p, min_p=m, top_k=k) for p, m, k in FILTERS]
-    for seed, spread in enumerate((0.5, 3.0, 12.0)):
-        x = (mx.random.normal((len(FILTERS), 3001), key=mx.random.key(seed)) * spread).astype(dtype)
-        logprobs = x - mx.logsumexp(x, axis=-1, keepdims=True)
-        got = filter_rows(logprobs, params)
-        assert got.dtype == dtype
-        for n, settings in enumerate(FILTERS):
-            assert mx.array_equal(got[n : n + 1], _mlx_lm_filters(logprobs[n : n + 1], *settings)).item(), (spread, settings)
-        for n in (1, 6, 7):  # (one setting alone, in a batch of one)
-            assert mx.array_equal(filter_rows(logprobs[n : n + 1], params[n : n + 1]), got[n : n + 1]).item()
+                assert mx.array_equal(got[n : n + 1], mlx_lm_filters(logprobs[n : n + 1], *settings)).item(), (seed, spread, settings)
 
 
 @pytest.mark.parametrize("shift", [-6.0, -0.3, 2.0])
@@ -183,7 +151,7 @@ def test_the_filters_take_rows_that_are_partly_minus_infinity() -> None:
     logprobs = x - mx.logsumexp(x, axis=-1, keepdims=True)
     got = backend.filter_rows(logprobs, *map(list, zip(*FILTERS)))
     for n, settings in enumerate(FILTERS):
-        assert mx.array_equal(got[n : n + 1], _mlx_lm_filters(logprobs[n : n + 1], *settings)).item(), settings
+        assert mx.array_equal(got[n : n + 1], mlx_lm_filters(logprobs[n : n + 1], *settings)).item(), settings
 
 
 def test_samplers_with_the_backends_ops_sample_as_mlx_does() -> None:
