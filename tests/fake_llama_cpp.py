@@ -122,6 +122,15 @@ class FakeLlamaCpp:
     def llama_sampler_init_temp(self, t: float) -> str:
         return f"temp={t}"
 
+    def llama_sampler_init_top_k(self, k: int) -> str:
+        return f"top_k={k}"
+
+    def llama_sampler_init_top_p(self, p: float, min_keep: int) -> str:
+        return f"top_p={p}"
+
+    def llama_sampler_init_min_p(self, p: float, min_keep: int) -> str:
+        return f"min_p={p}"
+
     def llama_sampler_init_dist(self, seed: int) -> str:
         return f"dist={seed}"
 

@@ -28,11 +28,31 @@ from ..config import default_environment, env_text
 from . import metrics, plots, report, servers, sweep, workloads
 from .arrivals import arrival_offsets
 from .progress import Progress
-from .runners import DESCRIPTIONS, OURS, SYSTEMS, RunnerOptions, SkipSystem, make_runner
+from .runners import DESCRIPTIONS, OURS, SYSTEMS, RunnerOptions, Sampling, SkipSystem, make_runner
 from .runners.llama_cpp import default_threads
 
 DEFAULT_SYSTEMS = ("engine", "litellm", "langchain", "mlx-lm", "mlx-lm-batch", "mlx-lm-server", "llama-cpp")
 QUICK_SYSTEMS = ("engine", "litellm", "langchain", "mlx-lm", "mlx-lm-batch", "llama-cpp")
+
+
+def _fraction(low_open: bool) -> Any:
+    """A float in (0, 1] (``low_open``) or [0, 1], for argparse."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not (0.0 < value <= 1.0 if low_open else 0.0 <= value <= 1.0):
+            raise argparse.ArgumentTypeError(f"expected a number in {'(0, 1]' if low_open else '[0, 1]'}, got {value}")
+        return value
+
+    return parse
+
+
+def _count(text: str) -> int:
+    """An integer >= 0, for argparse."""
+    return 0 if text.strip() == "0" else _positive_int(text)
 
 
 def _positive_int(text: str) -> int:
@@ -72,6 +92,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       "http; default: none sent, i.e. auto); 'required' makes every answer a constrained tool call")
     a("--max-tokens", type=_positive_int, help="new tokens per request (default 64; 8 with --quick)")
     a("--temperature", type=float, default=0.0)
+    a("--top-p", type=_fraction(low_open=True), default=1.0, help="nucleus filter of every request (default 1: off)")
+    a("--top-k", type=_count, default=0, help="keep each step's k likeliest tokens (default 0: off)")
+    a("--min-p", type=_fraction(low_open=False), default=0.0, help="drop tokens below min_p x the likeliest's probability (default 0: off)")
     a("--ignore-eos", action="store_true", help="generate max-tokens every time (systems that can; the EOS column says)")
     a("--max-prompt-len", type=_positive_int, default=1024, help="longest prompt of the 'long' workload, in tokens")
     a("--concurrency", "--max-concurrency", type=_int_list, help="most requests in flight, one run per level (default 1,8,32; 1,4 with --quick)")
@@ -104,7 +127,8 @@ def _meta(args: argparse.Namespace, systems: list[str], levels: list[int], slo: 
     return {
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "model": args.model, "workload": args.workload,
         "systems": systems, "concurrency": levels, "num_prompts": args.num_prompts, "n": args.n,
-        "max_tokens": args.max_tokens, "tool_choice": args.tool_choice, "temperature": args.temperature, "ignore_eos": args.ignore_eos,
+        "max_tokens": args.max_tokens, "tool_choice": args.tool_choice, "temperature": args.temperature,
+        "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p, "ignore_eos": args.ignore_eos,
         "request_rate": None if math.isinf(args.request_rate) else args.request_rate, "burstiness": args.burstiness,
         "slo_ms": slo, "sweep": args.sweep, "percentiles": args.percentiles,
         "llama_cpp_threads": args.llama_cpp_threads or default_threads(),
@@ -130,7 +154,8 @@ async def _bench(args: argparse.Namespace, systems: list[str], levels: list[int]
         )
         for c in levels
     }
-    options = RunnerOptions(model=args.model, temperature=args.temperature, ignore_eos=args.ignore_eos, workdir=out_dir,
+    sampling = Sampling(args.temperature, args.top_p, args.top_k, args.min_p)
+    options = RunnerOptions(model=args.model, sampling=sampling, ignore_eos=args.ignore_eos, workdir=out_dir,
                             url=args.url, api_key=args.api_key, served_model=args.served_model,
                             llama_cpp_threads=args.llama_cpp_threads, max_concurrency=max(levels))
     rows: list[dict[str, Any]] = []
@@ -219,7 +244,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"mlx-parallm bench: error: {exc}", file=sys.stderr)
         return 2
     best_lines, best = _best_lines(rows, slo, swept=len(settings) > 1 or (swept_levels is not None and len(levels) > 1))
-    print(f"model={args.model} workload={args.workload} max_tokens={args.max_tokens} temperature={args.temperature} "
+    filters = "".join(f" {name}={value}" for name, value in Sampling(args.temperature, args.top_p, args.top_k, args.min_p).filters().items())
+    print(f"model={args.model} workload={args.workload} max_tokens={args.max_tokens} temperature={args.temperature}{filters} "
           f"request_rate={args.request_rate} burstiness={args.burstiness} cpus={os.cpu_count()}\n")
     print(report.markdown_table(rows, show_goodput=bool(slo)))
     print()

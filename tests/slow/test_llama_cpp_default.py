@@ -16,6 +16,7 @@ import pytest
 llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (the [llama-cpp] extra)")
 
 from mlx_parallm_provider.bench import workloads  # noqa: E402
+from mlx_parallm_provider.bench.runners import Sampling  # noqa: E402
 from mlx_parallm_provider.bench.runners.llama_cpp import LlamaCpp  # noqa: E402
 from mlx_parallm_provider.engine import Engine  # noqa: E402
 
@@ -29,7 +30,7 @@ def renderer() -> workloads.ChatRenderer:
 
 
 def _runner(ignore_eos: bool = False) -> LlamaCpp:
-    runner = LlamaCpp("llama-cpp", "default", 0.0, ignore_eos=ignore_eos)
+    runner = LlamaCpp("llama-cpp", "default", Sampling(), ignore_eos=ignore_eos)
     asyncio.run(runner.start())
     return runner
 

@@ -14,7 +14,7 @@ from typing import Any, Optional
 import pytest
 
 from fake_llama_cpp import EOS, FakeLlamaCpp
-from mlx_parallm_provider.bench.runners import RunnerOptions, SkipSystem, make_runner
+from mlx_parallm_provider.bench.runners import RunnerOptions, Sampling, SkipSystem, make_runner
 from mlx_parallm_provider.bench.runners.llama_batch import BatchScheduler, Job, LlamaDecodeError
 from mlx_parallm_provider.bench.workloads import BenchRequest
 
@@ -128,9 +128,12 @@ def test_a_failed_decode_fails_its_requests_and_frees_their_sequences() -> None:
 
 def test_temperature_gives_each_sequence_a_sampling_chain() -> None:
     lib = FakeLlamaCpp()
-    s = scheduler(lib, n_seq_max=1, temperature=0.7, seed=3)
+    s = scheduler(lib, n_seq_max=1, sampling=Sampling(0.7), seed=3)
     assert s._sampler() == ["temp=0.7", "dist=3"]
     assert scheduler(lib, n_seq_max=1)._sampler() == ["greedy"]
+    filtered = scheduler(lib, n_seq_max=1, sampling=Sampling(0.7, top_p=0.9, top_k=20, min_p=0.05), seed=3)
+    assert filtered._sampler() == ["top_k=20", "top_p=0.9", "min_p=0.05", "temp=0.7", "dist=3"]  # (llama-server's order)
+    assert scheduler(lib, n_seq_max=1, sampling=Sampling(0.0, top_p=0.9))._sampler() == ["greedy"]
 
 
 def test_stopping_fails_what_is_still_queued_or_running() -> None:

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from mlx_parallm_provider.bench.metrics import RequestRecord
-from mlx_parallm_provider.bench.runners import RunnerOptions, SkipSystem, make_runner
+from mlx_parallm_provider.bench.runners import RunnerOptions, Sampling, SkipSystem, make_runner
 from mlx_parallm_provider.bench.runners.http import OpenAIHTTP, normalize_base_url
 from mlx_parallm_provider.bench.runners.llama_cpp import gguf_path
 from mlx_parallm_provider.bench.workloads import AGENT_TOOLS, BenchRequest, build
@@ -25,7 +25,7 @@ def _sse(*chunks: dict) -> bytes:
     return b"".join(f"data: {json.dumps(c)}\n\n".encode() for c in chunks) + b"data: [DONE]\n\n"
 
 
-def _send(handler, request: BenchRequest = REQUEST, **runner_options) -> tuple[RequestRecord, list[dict]]:
+def _send(handler, request: BenchRequest = REQUEST, sampling: Sampling = Sampling(), **runner_options) -> tuple[RequestRecord, list[dict]]:
     bodies: list[dict] = []
 
     def recording(req: httpx.Request) -> httpx.Response:
@@ -34,7 +34,7 @@ def _send(handler, request: BenchRequest = REQUEST, **runner_options) -> tuple[R
         return handler(req)
 
     async def main() -> RequestRecord:
-        runner = OpenAIHTTP("http", "served", 0.0, base_url="http://server/v1", api_key="k", **runner_options)
+        runner = OpenAIHTTP("http", "served", sampling, base_url="http://server/v1", api_key="k", **runner_options)
         await runner.start()
         runner.client = httpx.AsyncClient(base_url=runner.base_url, headers=runner.client.headers, transport=httpx.MockTransport(recording))
         record = RequestRecord()
@@ -45,6 +45,30 @@ def _send(handler, request: BenchRequest = REQUEST, **runner_options) -> tuple[R
         return record
 
     return asyncio.run(main()), bodies
+
+
+def test_the_body_carries_the_sampling_filters_that_are_on_or_all_of_them() -> None:
+    ok = lambda r: httpx.Response(200, content=_sse({"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 1}}))  # noqa: E731
+    [body] = _send(ok)[1]
+    assert body["temperature"] == 0.0 and not {"top_p", "top_k", "min_p"} & set(body)  # (not OpenAI's own, unless asked)
+    [body] = _send(ok, sampling=Sampling(0.7, top_p=0.9, top_k=20))[1]
+    assert (body["temperature"], body["top_p"], body["top_k"]) == (0.7, 0.9, 20) and "min_p" not in body
+    [body] = _send(ok, sampling=Sampling(0.7, min_p=0.1), explicit_filters=True)[1]  # (llama-server: its defaults off)
+    assert (body["top_p"], body["top_k"], body["min_p"]) == (1.0, 0, 0.1)
+
+
+@pytest.mark.parametrize("filters", [{"top_k": 1}, {"top_p": 0.3}, {"min_p": 0.99}])
+def test_mlx_lm_peers_sample_with_the_filters(filters: dict) -> None:
+    """At a high temperature, a filter that keeps only the likeliest token makes every draw it."""
+    import mlx.core as mx
+
+    from mlx_parallm_provider.bench.runners.mlx_lm import MlxLmBatch
+
+    logprobs = mx.log(mx.softmax(mx.array([[0.0, 5.0, 1.0, 4.9]]), axis=-1))
+    hot = MlxLmBatch("mlx-lm-batch", "default", Sampling(5.0), False).sampler()
+    assert len({hot(logprobs).item() for _ in range(60)}) > 1
+    filtered = MlxLmBatch("mlx-lm-batch", "default", Sampling(5.0, **filters), False).sampler()
+    assert {filtered(logprobs).item() for _ in range(60)} == {1}
 
 
 def test_stream_chunks_and_usage_are_recorded() -> None:
@@ -208,6 +232,7 @@ def test_llama_server_skips_with_one_line_when_xllamacpp_is_not_installed(monkey
     with pytest.raises(SkipSystem) as info:
         asyncio.run(runner.start())
     assert "xllamacpp" in str(info.value) and "\n" not in str(info.value)
+    assert runner.explicit_filters  # (its own default filters off unless asked for)
 
 
 def test_llama_server_sizes_a_server_per_run_for_its_concurrency_and_longest_request(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
@@ -269,7 +294,7 @@ def test_the_report_prints_each_runs_draft_acceptance_from_its_timed_requests() 
 def test_in_process_runs_count_the_drafts_of_their_timed_requests_only(tiny_model) -> None:
     from mlx_parallm_provider.bench.runners.inprocess import EngineRunner
 
-    runner = EngineRunner("engine", "tiny", EngineConfig(speculative="ngram"), 0.0, True)
+    runner = EngineRunner("engine", "tiny", EngineConfig(speculative="ngram"), Sampling(), True)
 
     class Stats:
         def __init__(self) -> None:

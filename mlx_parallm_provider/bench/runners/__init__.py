@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Optional
 
 from ...config import EngineConfig
-from .base import OneAtATime, Runner, SkipSystem
+from .base import OneAtATime, Runner, Sampling, SkipSystem
 
 #: this package's front doors: engine settings (sweeps) apply to these
 OURS = ("engine", "litellm", "langchain", "litellm-proxy")
@@ -35,7 +35,7 @@ class RunnerOptions:
     """What every runner may need."""
 
     model: str
-    temperature: float = 0.0
+    sampling: Sampling = Sampling()
     ignore_eos: bool = False
     workdir: Path = Path(".")
     url: Optional[str] = None
@@ -54,35 +54,35 @@ def make_runner(system: str, options: RunnerOptions, config: Optional[EngineConf
         from .inprocess import EngineRunner, LangChainRunner, LiteLLMRunner
 
         cls = {"engine": EngineRunner, "litellm": LiteLLMRunner, "langchain": LangChainRunner}[system]
-        return cls(system, o.model, config, o.temperature, o.ignore_eos)
+        return cls(system, o.model, config, o.sampling, o.ignore_eos)
     if system in ("mlx-lm", "mlx-lm-batch"):
         from .mlx_lm import MlxLmBatch, MlxLmSequential
 
-        return (MlxLmSequential if system == "mlx-lm" else MlxLmBatch)(system, o.model, o.temperature, o.ignore_eos)
+        return (MlxLmSequential if system == "mlx-lm" else MlxLmBatch)(system, o.model, o.sampling, o.ignore_eos)
     if system == "llama-cpp":
         from .llama_cpp import LlamaCpp
 
-        return LlamaCpp(system, o.model, o.temperature, o.ignore_eos, o.llama_cpp_threads)
+        return LlamaCpp(system, o.model, o.sampling, o.ignore_eos, o.llama_cpp_threads)
     if system == "llama-server":
         from .llama_server import LlamaServer
 
-        return LlamaServer(system, o.model, o.temperature, o.ignore_eos, o.llama_cpp_threads, o.workdir)
+        return LlamaServer(system, o.model, o.sampling, o.ignore_eos, o.llama_cpp_threads, o.workdir)
     from .. import servers
     from .http import OpenAIHTTP
 
     if system == "litellm-proxy":
         if config != EngineConfig():
             raise SkipSystem("the proxy runs its engine with the default EngineConfig (settings are not passed to it)")
-        return OpenAIHTTP(system, "bench", o.temperature, launch=lambda: servers.litellm_proxy(o.model, o.workdir), ignore_eos=o.ignore_eos)
+        return OpenAIHTTP(system, "bench", o.sampling, launch=lambda: servers.litellm_proxy(o.model, o.workdir), ignore_eos=o.ignore_eos)
     if system == "mlx-lm-server":
         from ...models.registry import resolve
 
-        return OpenAIHTTP(system, "default_model", o.temperature, launch=lambda: servers.mlx_lm_server(resolve(o.model), o.workdir, o.max_concurrency))
+        return OpenAIHTTP(system, "default_model", o.sampling, launch=lambda: servers.mlx_lm_server(resolve(o.model), o.workdir, o.max_concurrency))
     if system == "http":
         if not o.url:
             raise SkipSystem("system 'http' needs --url")
-        return OpenAIHTTP(system, o.served_model or o.model, o.temperature, base_url=o.url, api_key=o.api_key)
+        return OpenAIHTTP(system, o.served_model or o.model, o.sampling, base_url=o.url, api_key=o.api_key)
     raise ValueError(f"unknown system {system!r}: expected one of {', '.join(SYSTEMS)}")
 
 
-__all__ = ["DESCRIPTIONS", "OURS", "PEERS", "SYSTEMS", "OneAtATime", "Runner", "RunnerOptions", "SkipSystem", "make_runner"]
+__all__ = ["DESCRIPTIONS", "OURS", "PEERS", "SYSTEMS", "OneAtATime", "Runner", "RunnerOptions", "Sampling", "SkipSystem", "make_runner"]

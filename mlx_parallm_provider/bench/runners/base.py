@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional, Sequence
 
 from ..arrivals import drive
@@ -14,6 +14,24 @@ from ..workloads import BenchRequest
 
 #: called once per finished request (the progress bar)
 OnDone = Optional[Callable[[], None]]
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How every request of a benchmark samples: its temperature and filters (off: ``top_p``
+    1, ``top_k`` 0, ``min_p`` 0)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+
+    def filters(self, explicit: bool = False) -> dict[str, Any]:
+        """The filters for a request's body or keywords, by the names vLLM, llama-server and
+        mlx-lm's server take: those that are on, or (``explicit``) all of them, so a server
+        with filters of its own by default (llama-server) applies these instead."""
+        off = Sampling()
+        return {name: getattr(self, name) for name in ("top_p", "top_k", "min_p") if explicit or getattr(self, name) != getattr(off, name)}
 
 
 class SkipSystem(Exception):

@@ -11,7 +11,7 @@ import httpx
 
 from ..metrics import RequestRecord
 from ..workloads import BenchRequest
-from .base import Runner
+from .base import Runner, Sampling
 
 
 class HTTPFailure(Exception):
@@ -38,15 +38,18 @@ class OpenAIHTTP(Runner):
             :class:`~mlx_parallm_provider.bench.servers.Server`.
         ignore_eos: send ``"ignore_eos": true`` (a vLLM extension that this package's LiteLLM
             provider, hence its proxy, accepts; plain OpenAI servers reject or drop it).
+        explicit_filters: send every filter, off ones included (see :meth:`.Sampling.filters`);
+            else only those that are on (``top_k`` and ``min_p`` are not OpenAI's).
     """
 
-    def __init__(self, name: str, served_model: str, temperature: float, *, base_url: Optional[str] = None,
-                 api_key: Optional[str] = None, launch: Optional[Callable[[], Any]] = None, ignore_eos: bool = False) -> None:
+    def __init__(self, name: str, served_model: str, sampling: Sampling, *, base_url: Optional[str] = None,
+                 api_key: Optional[str] = None, launch: Optional[Callable[[], Any]] = None, ignore_eos: bool = False,
+                 explicit_filters: bool = False) -> None:
         super().__init__(name)
         self.ignore_eos = ignore_eos
         self.eos = "ignored" if ignore_eos else "honoured"
         self.served_model = served_model
-        self.temperature = temperature
+        self.sampling, self.explicit_filters = sampling, explicit_filters
         self.base_url = normalize_base_url(base_url) if base_url else None
         self.api_key = api_key
         self.launch = launch
@@ -77,7 +80,8 @@ class OpenAIHTTP(Runner):
         assert self.client is not None, "start() first"
         body: dict[str, Any] = {
             "model": self.served_model, "messages": request.messages, "max_tokens": request.max_tokens,
-            "temperature": self.temperature, "stream": True, "stream_options": {"include_usage": True},
+            "temperature": self.sampling.temperature, **self.sampling.filters(self.explicit_filters),
+            "stream": True, "stream_options": {"include_usage": True},
         }
         if request.tools:
             body["tools"] = request.tools

@@ -14,7 +14,7 @@ from typing import Any, Optional
 from ... import EngineConfig, SamplingParams, get_engine, shutdown_engines
 from ..metrics import RequestRecord
 from ..workloads import BenchRequest
-from .base import Runner
+from .base import Runner, Sampling
 
 
 def reset_mlx_peak() -> None:
@@ -44,11 +44,11 @@ def draft_counts(stats: dict[str, Any]) -> dict[str, tuple[int, int]]:
 
 
 class _OnSharedEngine(Runner):
-    def __init__(self, name: str, model: str, config: EngineConfig, temperature: float, ignore_eos: bool) -> None:
+    def __init__(self, name: str, model: str, config: EngineConfig, sampling: Sampling, ignore_eos: bool) -> None:
         super().__init__(name)
         self.model = model
         self.config = config
-        self.temperature = temperature
+        self.sampling = sampling
         self.ignore_eos = ignore_eos
         self.eos = "ignored" if ignore_eos else "honoured"
         self.engine: Any = None
@@ -87,7 +87,8 @@ class EngineRunner(_OnSharedEngine):
     """``Engine.stream`` on the rendered prompt's token ids."""
 
     async def send(self, request: BenchRequest, record: RequestRecord) -> None:
-        params = SamplingParams(max_tokens=request.max_tokens, temperature=self.temperature, ignore_eos=self.ignore_eos)
+        params = SamplingParams(max_tokens=request.max_tokens, temperature=self.sampling.temperature, ignore_eos=self.ignore_eos,
+                                **self.sampling.filters())
         async for delta in self.engine.stream(request.prompt_ids, params):
             if delta.token_ids:
                 record.add_chunk()
@@ -116,7 +117,7 @@ class LiteLLMRunner(_OnSharedEngine):
                 extra["tool_choice"] = request.tool_choice
         stream = await litellm.acompletion(
             model=f"mlx-parallm/{self.model}", messages=request.messages, max_tokens=request.max_tokens,
-            temperature=self.temperature, stream=True, stream_options={"include_usage": True}, **extra,
+            temperature=self.sampling.temperature, stream=True, stream_options={"include_usage": True}, **self.sampling.filters(), **extra,
         )
         async for chunk in stream:
             if chunk.choices and (chunk.choices[0].delta.content or chunk.choices[0].delta.tool_calls):
@@ -139,7 +140,8 @@ class LangChainRunner(_OnSharedEngine):
 
         key = json.dumps([request.max_tokens, request.tools, request.tool_choice])
         if key not in self._chats:
-            chat: Any = ChatMLXParallm(model=self.model, max_tokens=request.max_tokens, temperature=self.temperature, ignore_eos=self.ignore_eos)
+            chat: Any = ChatMLXParallm(model=self.model, max_tokens=request.max_tokens, temperature=self.sampling.temperature,
+                                       ignore_eos=self.ignore_eos, **self.sampling.filters())
             self._chats[key] = (chat.bind_tools(request.tools, **({"tool_choice": request.tool_choice} if request.tool_choice else {}))
                                 if request.tools else chat)
         return self._chats[key]

@@ -20,6 +20,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
+from .base import Sampling
+
 
 class LlamaDecodeError(RuntimeError):
     """``llama_decode`` failed; the requests of that batch fail with it."""
@@ -57,10 +59,10 @@ class BatchScheduler:
     """
 
     def __init__(self, lib: Any, ctx: Any, vocab: Any, *, n_seq_max: int, n_batch: int, n_ctx_seq: int,
-                 temperature: float = 0.0, ignore_eos: bool = False, seed: int = 0) -> None:
+                 sampling: Sampling = Sampling(), ignore_eos: bool = False, seed: int = 0) -> None:
         self.lib, self.ctx, self.vocab = lib, ctx, vocab
         self.n_seq_max, self.n_batch, self.n_ctx_seq = n_seq_max, n_batch, n_ctx_seq
-        self.temperature, self.ignore_eos, self.seed = temperature, ignore_eos, seed
+        self.sampling, self.ignore_eos, self.seed = sampling, ignore_eos, seed
         self.memory = lib.llama_get_memory(ctx)
         self.batch = lib.llama_batch_init(n_batch, 0, 1)
         self.pending: "queue.Queue[Optional[Job]]" = queue.Queue()
@@ -195,10 +197,17 @@ class BatchScheduler:
     def _sampler(self) -> Any:
         lib = self.lib
         chain = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())
-        if self.temperature <= 0:
+        s = self.sampling
+        if s.temperature <= 0:
             lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_greedy())
-        else:
-            lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_temp(self.temperature))
+        else:  # (llama.cpp's order: the filters, then the temperature, then the draw)
+            if s.top_k > 0:
+                lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_top_k(s.top_k))
+            if s.top_p < 1.0:
+                lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_top_p(s.top_p, 1))
+            if s.min_p > 0.0:
+                lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_min_p(s.min_p, 1))
+            lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_temp(s.temperature))
             lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_dist(self.seed))
         return chain
 

@@ -17,7 +17,7 @@ from typing import Any, Optional, Sequence
 
 from ..metrics import RequestRecord
 from ..workloads import BenchRequest
-from .base import OnDone, Runner, SkipSystem
+from .base import OnDone, Runner, Sampling, SkipSystem
 from .llama_batch import BatchScheduler, Job, serve_in_thread
 
 #: llama.cpp's limit on sequences per context (LLAMA_MAX_SEQ); more requests queue
@@ -46,6 +46,7 @@ REQUIRED = (
     "llama_backend_init", "llama_model_load_from_file", "llama_model_get_vocab", "llama_model_n_ctx_train",
     "llama_init_from_model", "llama_get_memory", "llama_memory_seq_rm", "llama_batch_init", "llama_decode",
     "llama_sampler_chain_init", "llama_sampler_init_greedy", "llama_sampler_sample", "llama_vocab_is_eog",
+    "llama_sampler_init_top_k", "llama_sampler_init_top_p", "llama_sampler_init_min_p",
 )
 
 
@@ -67,11 +68,11 @@ class LlamaCpp(Runner):
     waiting request takes the sequence of one that finished. Greedy at temperature 0; EOS is
     any end-of-generation token of the vocabulary (not counted as output)."""
 
-    def __init__(self, name: str, model: str, temperature: float, ignore_eos: bool = False, threads: Optional[int] = None) -> None:
+    def __init__(self, name: str, model: str, sampling: Sampling, ignore_eos: bool = False, threads: Optional[int] = None) -> None:
         super().__init__(name)
         self.threads = threads or default_threads()
         self.model_name = model
-        self.temperature = temperature
+        self.sampling = sampling
         self.ignore_eos = ignore_eos
         self.eos = "ignored" if ignore_eos else "honoured"
         self.lib: Any = None
@@ -127,7 +128,7 @@ class LlamaCpp(Runner):
         if not self.ctx:
             raise RuntimeError(f"llama.cpp could not create a context of {n_ctx} tokens for {width} sequences")
         self.scheduler = BatchScheduler(lib, self.ctx, self.vocab, n_seq_max=width, n_batch=n_ctx,
-                                        n_ctx_seq=self.n_ctx_train or n_ctx, temperature=self.temperature,
+                                        n_ctx_seq=self.n_ctx_train or n_ctx, sampling=self.sampling,
                                         ignore_eos=self.ignore_eos)
         self._thread = serve_in_thread(self.scheduler)
 

@@ -11,7 +11,7 @@ from typing import Any, Optional, Sequence
 
 from ..metrics import RequestRecord
 from ..workloads import BenchRequest
-from .base import OnDone, SkipSystem
+from .base import OnDone, Sampling, SkipSystem
 from .http import OpenAIHTTP
 from .llama_cpp import MAX_SEQUENCES, default_threads, gguf_path
 
@@ -24,9 +24,10 @@ class LlamaServer(OpenAIHTTP):
     """``llama-server`` on the model's GGUF, ``threads`` threads (default: one per two CPUs,
     as llama-cpp-python's), a fresh server per run (its peak RSS is the run's)."""
 
-    def __init__(self, name: str, model: str, temperature: float, ignore_eos: bool = False, threads: Optional[int] = None,
+    def __init__(self, name: str, model: str, sampling: Sampling, ignore_eos: bool = False, threads: Optional[int] = None,
                  workdir: Path = Path(".")) -> None:
-        super().__init__(name, "bench", temperature, ignore_eos=ignore_eos)
+        # (llama-server filters with top_k 40, top_p 0.95, min_p 0.05 unless told otherwise)
+        super().__init__(name, "bench", sampling, ignore_eos=ignore_eos, explicit_filters=True)
         self.model_name, self.workdir = model, workdir
         self.threads = threads or default_threads()
         self.gguf: Optional[Path] = None

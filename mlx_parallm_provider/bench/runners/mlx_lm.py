@@ -17,7 +17,7 @@ from typing import Any, Optional, Sequence
 
 from ..metrics import RequestRecord
 from ..workloads import BenchRequest
-from .base import OnDone, OneAtATime, Runner
+from .base import OnDone, OneAtATime, Runner, Sampling
 from .inprocess import mlx_peak_mb, reset_mlx_peak
 
 
@@ -25,10 +25,10 @@ class _MlxLmPeer(Runner):
     """Loads the model through the package's registry (the engine's weights, running mlx-lm's
     own code), with a tokenizer copy that has no EOS ids when EOS is ignored."""
 
-    def __init__(self, name: str, model: str, temperature: float, ignore_eos: bool) -> None:
+    def __init__(self, name: str, model: str, sampling: Sampling, ignore_eos: bool) -> None:
         super().__init__(name)
         self.model_name = model
-        self.temperature = temperature
+        self.sampling = sampling
         self.ignore_eos = ignore_eos
         self.eos = "ignored" if ignore_eos else "honoured"
         self.model: Any = None
@@ -56,7 +56,8 @@ class _MlxLmPeer(Runner):
     def sampler(self) -> Any:
         from mlx_lm.sample_utils import make_sampler
 
-        return make_sampler(temp=self.temperature)
+        s = self.sampling
+        return make_sampler(temp=s.temperature, top_p=s.top_p if s.top_p < 1.0 else 0.0, min_p=s.min_p, top_k=s.top_k)
 
 
 class MlxLmSequential(_MlxLmPeer, OneAtATime):

@@ -473,78 +473,73 @@ void top_rows(void* ctx, int i0, int i1) {
   }
 }
 
-// What the primitives are equivalent by: the threads they share rows over (and how many tokens a row's best are).
+// Which of the sampled rows' ops a RowOpCPU runs.
+enum class RowOp { filter, log_softmax, top_tokens, draw };
+
+// What a RowOpCPU is equivalent by: its op, the threads it shares rows over, top_tokens' k.
 struct RowOpParams {
+  RowOp op;
   int threads;
-  int k = 0;  // (top_tokens' k)
-  bool operator==(const RowOpParams& o) const { return threads == o.threads && k == o.k; }
+  int k = 0;
+  bool operator==(const RowOpParams& o) const { return op == o.op && threads == o.threads && k == o.k; }
 };
 
-class FilterRowsCPU : public CpuPrimitive<FilterRowsCPU> {
+// The sampled rows' ops as one CPU primitive: in[0] the rows (n, V) float32, in[1] the filters'
+// settings or the draws' keys; the rows shared over the threads (on the calling thread alone where
+// one would do).
+class RowOpCPU : public CpuPrimitive<RowOpCPU> {
  public:
-  FilterRowsCPU(mx::Stream stream, RowOpParams p) : CpuPrimitive(stream), params(p) {}
+  RowOpCPU(mx::Stream stream, RowOpParams p) : CpuPrimitive(stream), params(p) {}
 
-  const char* name() const override { return "FilterRowsCPU"; }
+  const char* name() const override {
+    static const char* const names[] = {"FilterRowsCPU", "LogSoftmaxCPU", "TopTokensCPU", "GumbelDrawCPU"};
+    return names[static_cast<int>(params.op)];
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    const int n = inputs[0].shape(0);
+    switch (params.op) {
+      case RowOp::top_tokens: return {{n, params.k}};
+      case RowOp::draw: return {{n}};
+      default: return {inputs[0].shape()};
+    }
+  }
 
   RowOpParams params;
 
-  static void run(const std::vector<mx::array>& in, mx::array& out, const RowOpParams& prm) {
-    std::vector<char> row_copy, param_copy;
-    FilterJob job{reinterpret_cast<const float*>(row_major(in[0], row_copy)),
-                  reinterpret_cast<const float*>(row_major(in[1], param_copy)), out.data<float>(), in[0].shape(1)};
-    qm_parallel_for(in[0].shape(0), prm.threads, filter_rows, &job);  // (on this thread alone where one would do)
+  static void run(const std::vector<mx::array>& in, mx::array& out, const RowOpParams& p) {
+    std::vector<char> row_copy, extra_copy;
+    const float* rows = reinterpret_cast<const float*>(row_major(in[0], row_copy));
+    const int n = in[0].shape(0), V = in[0].shape(1);
+    switch (p.op) {
+      case RowOp::filter: {
+        FilterJob job{rows, reinterpret_cast<const float*>(row_major(in[1], extra_copy)), out.data<float>(), V};
+        qm_parallel_for(n, p.threads, filter_rows, &job);
+        break;
+      }
+      case RowOp::log_softmax: {
+        SoftmaxJob job{rows, out.data<float>(), V};
+        qm_parallel_for(n, p.threads, log_softmax_rows, &job);
+        break;
+      }
+      case RowOp::top_tokens: {
+        TopJob job{rows, out.data<uint32_t>(), V, p.k};
+        qm_parallel_for(n, p.threads, top_rows, &job);
+        break;
+      }
+      case RowOp::draw: {
+        Rows job{rows, reinterpret_cast<const uint32_t*>(row_major(in[1], extra_copy)), out.data<uint32_t>(), V};
+        qm_parallel_for(n, p.threads, draw_rows, &job);
+        break;
+      }
+    }
   }
 };
 
-class LogSoftmaxCPU : public CpuPrimitive<LogSoftmaxCPU> {
- public:
-  LogSoftmaxCPU(mx::Stream stream, RowOpParams p) : CpuPrimitive(stream), params(p) {}
-
-  const char* name() const override { return "LogSoftmaxCPU"; }
-
-  RowOpParams params;
-
-  static void run(const std::vector<mx::array>& in, mx::array& out, const RowOpParams& prm) {
-    std::vector<char> row_copy;
-    SoftmaxJob job{reinterpret_cast<const float*>(row_major(in[0], row_copy)), out.data<float>(), in[0].shape(1)};
-    qm_parallel_for(in[0].shape(0), prm.threads, log_softmax_rows, &job);
-  }
-};
-
-class TopTokensCPU : public CpuPrimitive<TopTokensCPU> {
- public:
-  TopTokensCPU(mx::Stream stream, RowOpParams p) : CpuPrimitive(stream), params(p) {}
-
-  const char* name() const override { return "TopTokensCPU"; }
-
-  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {{inputs[0].shape(0), params.k}}; }
-
-  RowOpParams params;
-
-  static void run(const std::vector<mx::array>& in, mx::array& out, const RowOpParams& prm) {
-    std::vector<char> row_copy;
-    TopJob job{reinterpret_cast<const float*>(row_major(in[0], row_copy)), out.data<uint32_t>(), in[0].shape(1), prm.k};
-    qm_parallel_for(in[0].shape(0), prm.threads, top_rows, &job);
-  }
-};
-
-class GumbelDrawCPU : public CpuPrimitive<GumbelDrawCPU> {
- public:
-  GumbelDrawCPU(mx::Stream stream, RowOpParams p) : CpuPrimitive(stream), params(p) {}
-
-  const char* name() const override { return "GumbelDrawCPU"; }
-
-  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {{inputs[0].shape(0)}}; }
-
-  RowOpParams params;
-
-  static void run(const std::vector<mx::array>& in, mx::array& out, const RowOpParams& prm) {
-    std::vector<char> row_copy, key_copy;
-    Rows job{reinterpret_cast<const float*>(row_major(in[0], row_copy)), reinterpret_cast<const uint32_t*>(row_major(in[1], key_copy)),
-             out.data<uint32_t>(), in[0].shape(1)};
-    qm_parallel_for(in[0].shape(0), prm.threads, draw_rows, &job);
-  }
-};
+mx::array row_op(mx::Shape shape, mx::Dtype dtype, RowOpParams p, std::vector<mx::array> inputs) {
+  p.threads = std::max(p.threads, 1);
+  return mx::array(std::move(shape), dtype, std::make_shared<RowOpCPU>(cpu_stream(), p), std::move(inputs));
+}
 
 }  // namespace
 
@@ -556,8 +551,7 @@ mx::array filter_rows_op(const mx::array& logprobs, const mx::array& params, int
       params.shape() != mx::Shape{logprobs.shape(0), 3}) {
     throw std::invalid_argument("filter_rows: logprobs must be float32 (n, V) and params float32 (n, 3)");
   }
-  return mx::array(logprobs.shape(), mx::float32, std::make_shared<FilterRowsCPU>(cpu_stream(), RowOpParams{std::max(threads, 1)}),
-                   {logprobs, params});
+  return row_op(logprobs.shape(), mx::float32, {RowOp::filter, threads}, {logprobs, params});
 }
 
 // Each row's x - logsumexp(x) for rows (n, V) float32, as MLX's CPU computes it where its float SIMD width
@@ -566,7 +560,7 @@ mx::array log_softmax_op(const mx::array& rows, int threads) {
   if (rows.dtype() != mx::float32 || rows.ndim() != 2 || rows.shape(1) < 1) {
     throw std::invalid_argument("log_softmax: rows must be float32 (n, V)");
   }
-  return mx::array(rows.shape(), mx::float32, std::make_shared<LogSoftmaxCPU>(cpu_stream(), RowOpParams{std::max(threads, 1)}), {rows});
+  return row_op(rows.shape(), mx::float32, {RowOp::log_softmax, threads}, {rows});
 }
 
 // Each row's k most likely tokens for rows (n, V) float32, 1 <= k <= V: (n, k) uint32, the most likely
@@ -578,8 +572,7 @@ mx::array top_tokens_op(const mx::array& rows, int k, int threads) {
   if (k < 1 || k > rows.shape(1)) {
     throw std::invalid_argument("top_tokens: k must be from 1 to the rows' width");
   }
-  return mx::array({rows.shape(0), k}, mx::uint32, std::make_shared<TopTokensCPU>(cpu_stream(), RowOpParams{std::max(threads, 1), k}),
-                   {rows});
+  return row_op({rows.shape(0), k}, mx::uint32, {RowOp::top_tokens, threads, k}, {rows});
 }
 
 // Each row's argmax(rows[i] + mx.random.gumbel((V,), key=keys[i])): rows (n, V) float32, keys
@@ -589,8 +582,7 @@ mx::array gumbel_draw_op(const mx::array& rows, const mx::array& keys, int threa
       keys.shape() != mx::Shape{rows.shape(0), 2}) {
     throw std::invalid_argument("gumbel_draw: rows must be float32 (n, V) and keys uint32 (n, 2)");
   }
-  return mx::array({rows.shape(0)}, mx::uint32, std::make_shared<GumbelDrawCPU>(cpu_stream(), RowOpParams{std::max(threads, 1)}),
-                   {rows, keys});
+  return row_op({rows.shape(0)}, mx::uint32, {RowOp::draw, threads}, {rows, keys});
 }
 
 }  // namespace mlx_parallm
