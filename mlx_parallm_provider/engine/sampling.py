@@ -106,8 +106,9 @@ def sample_batch(
     """Pick the next token of every row of ``logits`` (shape ``[B, vocab]``).
 
     ``contexts[i]`` returns row i's tokens so far (prompt + output, or only their last
-    :data:`PENALTY_CONTEXT`) for its penalties; it is only called for rows that have them. ``tokens_left[i]``: row i's budget
-    including this token (a constrained JSON row is steered to close near its end). A row
+    :data:`PENALTY_CONTEXT`) for its penalties; it is only called for rows that have them.
+    ``tokens_left[i]``: row i's budget including this token (a constrained JSON row is
+    steered to close near its end). A row
     whose processors, filters or draw fail gets a :class:`SampledRow` with ``error`` set;
     every other row is sampled as if it were alone, so one bad row never costs its
     neighbours their token.
@@ -274,23 +275,22 @@ def filter_rows(logprobs: mx.array, params: Sequence[SamplingParams]) -> mx.arra
     launches, not a few a row): each filter over every row, its setting a column (top-k: one
     call for each ``k``), where a row does not set it, the row kept as it was. Each row's
     values are those mlx-lm's functions give it alone."""
-    out = logprobs
-
-    def where(on: list[bool], filtered: mx.array) -> mx.array:
-        return filtered if all(on) else mx.where(mx.array(on)[:, None], filtered, out)
+    def merged(on: list[bool], filtered: mx.array, before: mx.array) -> mx.array:
+        return filtered if all(on) else mx.where(mx.array(on)[:, None], filtered, before)
 
     def column(values: list[float]) -> mx.array:
         return mx.array(values, dtype=mx.float32)[:, None]
 
+    out = logprobs
     on = [0.0 < p.top_p < 1.0 for p in params]
     if any(on):
-        out = where(on, apply_top_p(out, column([p.top_p if o else 1.0 for p, o in zip(params, on)])))
+        out = merged(on, apply_top_p(out, column([p.top_p if o else 1.0 for p, o in zip(params, on)])), out)
     on = [p.min_p > 0.0 for p in params]
     if any(on):  # (apply_min_p's arithmetic, its log(min_p) a column)
         floor = mx.max(out, axis=-1, keepdims=True) + column([math.log(p.min_p) if o else 0.0 for p, o in zip(params, on)]).astype(out.dtype)
-        out = where(on, mx.where(out < floor, -float("inf"), out))
+        out = merged(on, mx.where(out < floor, -float("inf"), out), out)
     for k in sorted({p.top_k for p in params if 0 < p.top_k < out.shape[-1]}):  # (top_k >= vocabulary keeps every token)
-        out = where([p.top_k == k for p in params], apply_top_k(out, k))
+        out = merged([p.top_k == k for p in params], apply_top_k(out, k), out)
     return out
 
 
