@@ -39,6 +39,22 @@ class ScriptedModel:
         return mx.where(mx.arange(self.vocab_size)[None, None] == nxt[..., None], 100.0, -100.0).astype(logits.dtype)
 
 
+class EchoingModel:
+    """Wraps a real model and lifts each position's input token to ``margin`` above that
+    position's best logit: a greedy row without penalties repeats its last token, one whose
+    penalties count that token moves on."""
+
+    def __init__(self, inner: Any, margin: float) -> None:
+        self.inner = inner
+        self.layers = inner.layers
+        self.margin = margin
+
+    def __call__(self, inputs: mx.array, cache: Any = None) -> mx.array:
+        logits = self.inner(inputs, cache=cache)
+        echoed = mx.arange(logits.shape[-1])[None, None] == inputs[..., None]
+        return mx.where(echoed, mx.max(logits, axis=-1, keepdims=True) + self.margin, logits)
+
+
 class TokenCostModel:
     """Wraps a real model and sleeps ``seconds_per_token`` for every input token of each
     forward, so a long prefill takes long enough to observe what happens meanwhile.

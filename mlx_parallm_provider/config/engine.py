@@ -113,7 +113,8 @@ class EngineConfig:
             forward pass with the token they decode, instead of one step each (output unchanged, see :mod:`~mlx_parallm_provider.engine.fast_forward`).
         async_scheduling: while a decode step computes, build and queue the next one on its
             still-lazy tokens (vLLM's ``async_scheduling``), where the tokens cannot differ:
-            rows without penalties, bias, grammar or logprobs (greedy or seeded alike), no prompt that could be admitted, no n-gram drafts to
+            rows without grammar or logprobs (greedy or seeded alike; penalties count the
+            token still on the device), no prompt that could be admitted, no n-gram drafts to
             verify at that step
             (:mod:`~mlx_parallm_provider.engine.decode_ahead`).
         stream_interval: a streaming request gets a delta every this many tokens (its first

@@ -9,8 +9,8 @@ building its graph.
 
 The scheduler decides where the result cannot differ from plain steps and says so in the
 plan (:attr:`.StepPlan.pipelined`, :attr:`.StepPlan.ahead`, with KV room for the token ahead
-held): every row's token is the arg-max or a draw with its own key
-(:func:`~.sampling.plain_row`), n-gram drafts would not be verified at that step, nothing
+held): every row's token is the arg-max or a draw with its own key, after its logit bias and
+penalties (the token of step t counted as the last of a row's history: :func:`~.sampled.ahead_row`), n-gram drafts would not be verified at that step, nothing
 else could be planned, and a row whose step-t token is its last by ``max_tokens`` is left
 out. A step computed ahead and not used (the next plan is not pipelined; a row that cannot be
 decoded so joined; a draw failed) puts the rows' PRNG keys back, so a seeded row draws the same
@@ -27,7 +27,7 @@ import mlx.core as mx
 
 from .request import Request
 from .sampled import SampledRow
-from .sampling import draw_tokens
+from .sampling import draw_requests
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ class DecodeAhead:
                 self.steps += 1
             rows = [r for r in rows if id(r) not in index]
         if rows:  # (rows that joined since)
-            parts.append((rows, draw_tokens(self.runner.decode(rows), [r.state.sampler for r in rows])))
+            parts.append((rows, draw_requests(self.runner.decode(rows), rows)))
         rows = [r for part, _ in parts for r in part]
         tokens = parts[0][1] if len(parts) == 1 else mx.concatenate([t for _, t in parts])
         mx.async_eval(tokens)
@@ -102,7 +102,7 @@ class DecodeAhead:
             going = [rows[i] for i in on]
             keys = [r.state.sampler.key for r in going]
             last = tokens if len(going) == len(rows) else tokens[mx.array(on)]
-            drawn = draw_tokens(self.runner.decode_ahead(going, last), [r.state.sampler for r in going])
+            drawn = draw_requests(self.runner.decode_ahead(going, last), going, pending=last)
             mx.async_eval(drawn)
             self.pending = (going, drawn, keys)
         return rows, [[SampledRow(token=t)] for t in tokens.tolist()]

@@ -136,17 +136,7 @@ def _sample_rows(
     samplers: Sequence[RowSampler],
     contexts: Sequence[Optional[History]],
 ) -> list[SampledRow]:
-    if any(s.bias for s in samplers):
-        rows = []
-        for i, sampler in enumerate(samplers):
-            row = logits[i : i + 1]
-            if sampler.bias:
-                sampler.check_width(row.shape[-1])
-                row = sampler.bias[0](None, row)
-            rows.append(row)
-        logits = mx.concatenate(rows, axis=0)
-    if any(s.penalties for s in samplers):
-        logits = _penalised(logits, [s.penalties for s in samplers], contexts)
+    logits = processed(logits, samplers, contexts)
     wants = [i for i, s in enumerate(samplers) if s.params.logprobs]
     if any(s.matcher is not None for s in samplers):
         grammar = next(s.grammar for s in samplers if s.matcher is not None)
@@ -218,24 +208,49 @@ def _draw(rows: mx.array, keys: mx.array, ops: Optional["MLXOps"]) -> mx.array:
     return drawn if drawn is not None else _draw_each(rows, keys)
 
 
-def _penalised(logits: mx.array, penalties: Sequence[Optional[Penalties]], contexts: Sequence[Optional[History]]) -> mx.array:
+def processed(logits: mx.array, samplers: Sequence[RowSampler], contexts: Sequence[Optional[History]],
+              pending: Optional[mx.array] = None) -> mx.array:
+    """The rows' logits ``(B, vocab)`` through their logits processors, as mlx-lm's give each
+    row alone: each row's logit bias, then the penalties of all rows at once
+    (:func:`_penalised`). ``pending``: ``(B,)`` tokens drawn after the contexts end and not yet
+    on the host (a step decoded ahead), each row's last token."""
+    if any(s.bias for s in samplers):
+        rows = []
+        for i, sampler in enumerate(samplers):
+            row = logits[i : i + 1]
+            if sampler.bias:
+                sampler.check_width(row.shape[-1])
+                row = sampler.bias[0](None, row)
+            rows.append(row)
+        logits = mx.concatenate(rows, axis=0)
+    if any(s.penalties for s in samplers):
+        logits = _penalised(logits, [s.penalties for s in samplers], contexts, pending)
+    return logits
+
+
+def _penalised(logits: mx.array, penalties: Sequence[Optional[Penalties]], contexts: Sequence[Optional[History]],
+               pending: Optional[mx.array] = None) -> mx.array:
     """The rows' penalties, each kind for all rows by one gather and one scatter (mlx-lm's
     processors' arithmetic and order, so each row's logits are what its processors give it
-    alone): over each row's last :data:`PENALTY_CONTEXT` tokens, the repetition penalty
-    divides a positive logit and multiplies a negative one, the presence penalty is taken
-    once from a token's logit, the frequency penalty once for each time the token occurs.
-    Rows without a kind take its identity (1 or 0), a row's padding repeats its last token."""
-    tails = [list(contexts[i]())[-PENALTY_CONTEXT:] if p else [] for i, p in enumerate(penalties)]
+    alone): over each row's last :data:`PENALTY_CONTEXT` tokens (the ``pending`` one last,
+    where given), the repetition penalty divides a positive logit and multiplies a negative
+    one, the presence penalty is taken once from a token's logit, the frequency penalty once
+    for each time the token occurs. Rows without a kind take its identity (1 or 0), a row's
+    padding repeats its first token."""
+    known = PENALTY_CONTEXT - (pending is not None)
+    tails = [list(contexts[i]())[-known:] if p else [] for i, p in enumerate(penalties)]
     width = max(map(len, tails))
-    if not width:
+    if not width and pending is None:
         return logits
     if max(max(t, default=0) for t in tails) >= logits.shape[-1]:  # (MLX does not bounds-check: it would reach other rows)
         raise ValueError(f"a penalised token id is outside the model's {logits.shape[-1]} logits")
-    ids = mx.array([t + t[-1:] * (width - len(t)) if t else [0] * width for t in tails], dtype=mx.int32)
+    ids = mx.array([t[:1] * (width - len(t)) + t if t else [0] * width for t in tails], dtype=mx.int32).reshape(len(tails), width)
+    if pending is not None:
+        ids = mx.concatenate([ids, pending.astype(mx.int32)[:, None]], axis=1)
     off = Penalties()
 
     def per_row(kind: str) -> Optional[mx.array]:
-        values = [getattr(p, kind) if p and t else getattr(off, kind) for p, t in zip(penalties, tails)]
+        values = [getattr(p, kind) if p and (t or pending is not None) else getattr(off, kind) for p, t in zip(penalties, tails)]
         if all(v == getattr(off, kind) for v in values):
             return None
         return mx.array(values, dtype=mx.float32)[:, None].astype(logits.dtype)
@@ -246,7 +261,7 @@ def _penalised(logits: mx.array, penalties: Sequence[Optional[Penalties]], conte
     if (k := per_row("presence")) is not None:
         logits = mx.put_along_axis(logits, ids, mx.take_along_axis(logits, ids, axis=1) - k, axis=1)
     if (k := per_row("frequency")) is not None:
-        counted = mx.array([[j < len(t) for j in range(width)] for t in tails])
+        counted = mx.array([[j >= width - len(t) for j in range(width)] + [True] * (pending is not None) for t in tails])
         amounts = mx.where(counted, k, mx.zeros_like(k))
         logits = logits.at[mx.arange(logits.shape[0])[:, None], ids].subtract(amounts)
     return logits
@@ -333,6 +348,16 @@ def sample_requests(logits: mx.array, requests: Sequence[Any]) -> list[SampledRo
     their samplers, their tokens so far as the processors' context, their budgets left."""
     contexts = [lambda r=r: last_tokens(r.prompt_ids, r.output_ids) for r in requests]
     return sample_batch(logits, [r.state.sampler for r in requests], contexts, [r.params.max_tokens - len(r.output_ids) for r in requests])
+
+
+def draw_requests(logits: mx.array, requests: Sequence[Any], pending: Optional[mx.array] = None) -> mx.array:
+    """Each decoding request's next token as a lazy ``(B,)`` array, for rows whose token needs
+    no work on the host (:func:`~.sampled.ahead_row`): their logits through their processors
+    (:func:`processed`; ``pending``: the tokens of the step before, not yet on the host), then
+    :func:`draw_tokens`."""
+    samplers = [r.state.sampler for r in requests]
+    contexts = [lambda r=r: last_tokens(r.prompt_ids, r.output_ids) for r in requests]
+    return draw_tokens(processed(logits, samplers, contexts, pending), samplers)
 
 
 def last_tokens(*parts: Sequence[int]) -> list[int]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
+from engine_helpers import EchoingModel
 from mlx_parallm_provider.engine import SamplingParams
 
 
@@ -62,16 +63,57 @@ def test_rows_ending_by_a_stop_token_or_string_while_the_next_step_runs_ahead(ma
     assert _steps_ahead(on) > 0
 
 
-def test_rows_that_need_more_than_the_argmax_decode_plainly(make_engine) -> None:
+def test_rows_that_need_the_host_between_steps_decode_plainly(make_engine) -> None:
     prompts = _prompts(3)
     logprobs = [SamplingParams(max_tokens=12, ignore_eos=True, logprobs=True)] * 3
     on, off = _both(make_engine)
     assert _together(on, prompts, logprobs) == _together(off, prompts, logprobs)
     assert _steps_ahead(on) == 0
     mixed = [SamplingParams(max_tokens=12, ignore_eos=True), SamplingParams(max_tokens=12, temperature=0.8, seed=7),
-             SamplingParams(max_tokens=12, ignore_eos=True, repetition_penalty=1.3)]
+             SamplingParams(max_tokens=12, ignore_eos=True, logprobs=True)]
     assert _together(on, prompts, mixed) == _together(off, prompts, mixed)
     assert _steps_ahead(on) == 0
+
+
+def test_rows_with_penalties_and_a_logit_bias_decode_ahead_as_plain_steps_sample_them(make_engine, tiny_model) -> None:
+    """The step ahead counts the step's own token, not yet on the host, in each row's
+    penalties (a model that repeats a row's last token unless a penalty counts it): greedy
+    and seeded rows with each penalty (a history shorter than the penalties' window too), a
+    logit bias, and a row without, get the tokens of plain steps, alone or batched, and a row
+    arriving meanwhile changes nothing."""
+    prompts = [[5, 6, 7], *_prompts(5)[1:]]
+    params = [SamplingParams(max_tokens=40, ignore_eos=True, repetition_penalty=1.5),
+              SamplingParams(max_tokens=40, ignore_eos=True, frequency_penalty=1.2, presence_penalty=0.4),
+              SamplingParams(max_tokens=40, temperature=0.9, seed=3, ignore_eos=True, presence_penalty=1.5, top_k=20),
+              SamplingParams(max_tokens=40, ignore_eos=True, logit_bias={110: 3.0, 111: -100.0}),
+              SamplingParams(max_tokens=40, ignore_eos=True)]
+    on, off = _both(make_engine, EchoingModel(tiny_model.model, margin=0.5))
+    expected = _together(off, prompts, params)
+    assert _together(on, prompts, params) == expected and _steps_ahead(on) > 20
+    plain, penalised = expected[-1][0], [t for t, _, _ in expected[:3]]
+    assert len(set(plain[1:])) == 1 and all(len(set(t)) > 20 for t in penalised)  # (the penalties moved the rows on)
+    assert [on.generate_sync(p, q).token_ids for p, q in zip(prompts, params)] == [t for t, _, _ in expected]
+    late = SamplingParams(max_tokens=8, ignore_eos=True, presence_penalty=2.0)
+
+    async def joined(engine):
+        arrived = asyncio.Event()
+
+        async def row(p, q):
+            got = []
+            async for d in engine.stream(p, q):
+                got += d.token_ids
+                if len(got) >= 10:
+                    arrived.set()
+            return got
+
+        async def late_row():
+            await arrived.wait()
+            return (await engine.generate(prompts[0], late)).token_ids
+
+        return await asyncio.gather(*(row(p, q) for p, q in zip(prompts, params)), late_row())
+
+    got = asyncio.run(joined(on))
+    assert got[: len(params)] == [t for t, _, _ in expected] and got == asyncio.run(joined(off))
 
 
 def test_seeded_rows_draw_the_same_tokens_ahead_and_when_a_step_ahead_is_dropped(make_engine) -> None:
