@@ -102,9 +102,9 @@ class EngineConfig:
             deleted.
         speculative: ``"ngram"``: rows draft up to ``num_speculative_tokens`` tokens a step
             from their own prompt + output (prompt lookup) and verify them in one forward
-            pass, while at most ``speculative_max_batch`` rows decode and none has penalties,
-            a logit bias, a constraint or logprobs; greedy and sampled
-            rows alike give the tokens they give without. None: off.
+            pass, while at most ``speculative_max_batch`` rows decode and none has a
+            constraint or logprobs; greedy and sampled rows alike (penalties and logit bias
+            included) give the tokens they give without. None: off.
         num_speculative_tokens: most draft tokens per row and step.
         speculative_max_batch: speculate (and fast-forward) only while at most this many
             rows decode (8: measured, fast-forward of tool calls paid at 1, 2, 4 and 8 rows

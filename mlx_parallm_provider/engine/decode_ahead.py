@@ -10,7 +10,8 @@ building its graph.
 The scheduler decides where the result cannot differ from plain steps and says so in the
 plan (:attr:`.StepPlan.pipelined`, :attr:`.StepPlan.ahead`, with KV room for the token ahead
 held): every row's token is the arg-max or a draw with its own key, after its logit bias and
-penalties (the token of step t counted as the last of a row's history: :func:`~.sampled.ahead_row`), n-gram drafts would not be verified at that step, nothing
+penalties (the token of step t counted as the last of a row's history:
+:func:`~.sampled.plain_row`), n-gram drafts would not be verified at that step, nothing
 else could be planned, and a row whose step-t token is its last by ``max_tokens`` is left
 out. A step computed ahead and not used (the next plan is not pipelined; a row that cannot be
 decoded so joined; a draw failed) puts the rows' PRNG keys back, so a seeded row draws the same

@@ -1,6 +1,5 @@
 """What sampling gives a row (:class:`SampledRow`), and the questions about a row that policy
-asks without MLX: whether its next token needs only its logits and key (:func:`plain_row`), or
-nothing the host must do (:func:`ahead_row`)."""
+asks without MLX: whether its next token needs no work on the host (:func:`plain_row`)."""
 
 from __future__ import annotations
 
@@ -24,15 +23,10 @@ class SampledRow:
 
 
 def plain_row(request: Any) -> bool:
-    """Whether a row's next token needs nothing but its logits and its own PRNG key: no logits
-    processors, no grammar, no logprobs. Only such rows verify n-gram drafts."""
-    return ahead_row(request) and not request.state.sampler.processors
-
-
-def ahead_row(request: Any) -> bool:
-    """Whether a row's next token can be drawn with no work on the host between steps: its
-    logits through its logit bias and penalties (what they count can be on the device), its
-    own PRNG key; no grammar, no logprobs. Only such rows decode ahead."""
+    """Whether a row's next token needs no work on the host between steps: its logits through
+    its logit bias and penalties (over tokens the step itself has: a token still on the
+    device, a draft), its own PRNG key; no grammar, no logprobs. Only such rows decode ahead
+    or verify n-gram drafts."""
     sampler = request.state.sampler if request.state is not None else None
     return sampler is not None and sampler.matcher is None and not request.params.logprobs
 

@@ -352,7 +352,7 @@ def sample_requests(logits: mx.array, requests: Sequence[Any]) -> list[SampledRo
 
 def draw_requests(logits: mx.array, requests: Sequence[Any], pending: Optional[mx.array] = None) -> mx.array:
     """Each decoding request's next token as a lazy ``(B,)`` array, for rows whose token needs
-    no work on the host (:func:`~.sampled.ahead_row`): their logits through their processors
+    no work on the host (:func:`~.sampled.plain_row`): their logits through their processors
     (:func:`processed`; ``pending``: the tokens of the step before, not yet on the host), then
     :func:`draw_tokens`."""
     samplers = [r.state.sampler for r in requests]

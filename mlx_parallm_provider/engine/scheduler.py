@@ -50,7 +50,7 @@ from .kv.prefix_match import waits_for_sharer
 from .output import take_token
 from .plan import StepOutput, StepPlan
 from .request import Request
-from .sampled import ahead_row
+from .sampled import plain_row
 
 logger = logging.getLogger(__name__)
 
@@ -345,7 +345,7 @@ class Scheduler:
         rows = plan.decode
         would_verify = self.drafting.would_verify if self.drafting is not None else (lambda rows: False)
         covered = [r for r in rows if id(r) in self._ahead]
-        plan.pipelined = self.decode_ahead and all(ahead_row(r) for r in rows) and bool(covered or not would_verify(rows))
+        plan.pipelined = self.decode_ahead and all(plain_row(r) for r in rows) and bool(covered or not would_verify(rows))
         if not plan.pipelined:
             plan.verify = self.drafting.plan(rows) if self.drafting is not None else None
             return

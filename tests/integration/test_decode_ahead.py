@@ -32,6 +32,29 @@ def _together(engine, prompts, params):
     return [(c.token_ids, c.text, c.finish_reason) for c in asyncio.run(main())]
 
 
+def _with_a_late_row(engine, prompts, params, late_prompt, late_params) -> list[list[int]]:
+    """The rows streamed together, and one more request arriving once a row has 10 tokens
+    (while they decode ahead); every row's tokens, the late one's last."""
+    async def main():
+        arrived = asyncio.Event()
+
+        async def row(p, q):
+            got = []
+            async for d in engine.stream(p, q):
+                got += d.token_ids
+                if len(got) >= 10:
+                    arrived.set()
+            return got
+
+        async def late_row():
+            await arrived.wait()
+            return (await engine.generate(late_prompt, late_params)).token_ids
+
+        return await asyncio.gather(*(row(p, q) for p, q in zip(prompts, params)), late_row())
+
+    return asyncio.run(main())
+
+
 def test_batched_greedy_rows_get_the_tokens_of_plain_steps(make_engine) -> None:
     prompts = _prompts(6)
     params = [SamplingParams(max_tokens=3 + 5 * i, ignore_eos=True) for i in range(6)]  # rows leave one by one
@@ -93,27 +116,9 @@ def test_rows_with_penalties_and_a_logit_bias_decode_ahead_as_plain_steps_sample
     plain, penalised = expected[-1][0], [t for t, _, _ in expected[:3]]
     assert len(set(plain[1:])) == 1 and all(len(set(t)) > 20 for t in penalised)  # (the penalties moved the rows on)
     assert [on.generate_sync(p, q).token_ids for p, q in zip(prompts, params)] == [t for t, _, _ in expected]
-    late = SamplingParams(max_tokens=8, ignore_eos=True, presence_penalty=2.0)
-
-    async def joined(engine):
-        arrived = asyncio.Event()
-
-        async def row(p, q):
-            got = []
-            async for d in engine.stream(p, q):
-                got += d.token_ids
-                if len(got) >= 10:
-                    arrived.set()
-            return got
-
-        async def late_row():
-            await arrived.wait()
-            return (await engine.generate(prompts[0], late)).token_ids
-
-        return await asyncio.gather(*(row(p, q) for p, q in zip(prompts, params)), late_row())
-
-    got = asyncio.run(joined(on))
-    assert got[: len(params)] == [t for t, _, _ in expected] and got == asyncio.run(joined(off))
+    late = (prompts[0], SamplingParams(max_tokens=8, ignore_eos=True, presence_penalty=2.0))
+    got = _with_a_late_row(on, prompts, params, *late)
+    assert got[: len(params)] == [t for t, _, _ in expected] and got == _with_a_late_row(off, prompts, params, *late)
 
 
 def test_seeded_rows_draw_the_same_tokens_ahead_and_when_a_step_ahead_is_dropped(make_engine) -> None:
@@ -126,27 +131,9 @@ def test_seeded_rows_draw_the_same_tokens_ahead_and_when_a_step_ahead_is_dropped
     expected = _together(off, prompts[:3], seeded)
     assert _together(on, prompts[:3], seeded) == expected and _steps_ahead(on) > 10
     assert [on.generate_sync(p, q).token_ids for p, q in zip(prompts, seeded)] == [t for t, _, _ in expected]
-    late = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=True)
-
-    async def joined(engine):
-        arrived = asyncio.Event()
-
-        async def seeded_row(p, q):
-            got = []
-            async for d in engine.stream(p, q):
-                got += d.token_ids
-                if len(got) >= 10:
-                    arrived.set()
-            return got
-
-        async def late_row():
-            await arrived.wait()  # arrives while the seeded rows decode ahead
-            return (await engine.generate(prompts[3], late)).token_ids
-
-        return await asyncio.gather(*(seeded_row(p, q) for p, q in zip(prompts, seeded)), late_row())
-
-    got = asyncio.run(joined(on))
-    assert got[:3] == [t for t, _, _ in expected] and got == asyncio.run(joined(off))
+    late = (prompts[3], SamplingParams(max_tokens=6, ignore_eos=True, logprobs=True))
+    got = _with_a_late_row(on, prompts, seeded, *late)
+    assert got[:3] == [t for t, _, _ in expected] and got == _with_a_late_row(off, prompts, seeded, *late)
 
 
 def test_requests_joining_and_leaving_mid_stream(make_engine) -> None:

@@ -13,7 +13,7 @@ import asyncio
 
 import pytest
 
-from engine_helpers import scrape
+from engine_helpers import EchoingModel, scrape
 from mlx_parallm_provider.engine import SamplingParams
 from mlx_parallm_provider.engine.drafting import ngram as speculation
 from mlx_parallm_provider.engine.sampled import plain_row
@@ -136,7 +136,7 @@ def test_seeded_sampled_rows_speculate_and_draw_what_they_draw_without(make_engi
 
 def test_rows_that_cannot_speculate_decode_as_before_beside_those_that_can(make_engine, plain, _speculating) -> None:
     engine = _speculating(make_engine)
-    sampled = SamplingParams(max_tokens=24, temperature=0.8, seed=7, ignore_eos=True, repetition_penalty=1.1)  # penalties: no drafts
+    sampled = SamplingParams(max_tokens=24, temperature=0.8, seed=7, ignore_eos=True, logprobs=True)  # logprobs: no drafts
     sampled_alone = engine.generate_sync(PROMPTS[1], sampled).token_ids
 
     async def mixed():
@@ -145,3 +145,27 @@ def test_rows_that_cannot_speculate_decode_as_before_beside_those_that_can(make_
     results = asyncio.run(mixed())
     assert results[0].token_ids == sampled_alone  # seeded sampling: reproducible
     assert [r.token_ids for r in results[1:]] == [r.token_ids for r in plain]
+
+
+def test_rows_with_penalties_or_a_logit_bias_speculate_and_answer_as_without(make_engine, tiny_model, _speculating) -> None:
+    """Each drafted position's penalties count the tokens before it, drafts included (a model
+    that repeats a row's last token unless a penalty counts it): greedy and seeded rows with
+    penalties, and a row with a logit bias, give the tokens they give without speculation,
+    alone and batched."""
+    params = [SamplingParams(max_tokens=24, ignore_eos=True, repetition_penalty=1.5),
+              SamplingParams(max_tokens=24, ignore_eos=True, frequency_penalty=1.2, presence_penalty=0.3),
+              SamplingParams(max_tokens=24, temperature=0.8, seed=5, ignore_eos=True, presence_penalty=1.5),
+              SamplingParams(max_tokens=24, ignore_eos=True, logit_bias={300: 2.0})]
+    model = EchoingModel(tiny_model.model, margin=0.5)
+    off = make_engine(model)
+    expected = [off.generate_sync(p, s).token_ids for p, s in zip(PROMPTS, params)]
+    assert all(len(set(t)) > 12 for t in expected[:3])  # (the penalties moved the rows on)
+    _speculating.truth.update({tuple(tiny_model.tokenizer.encode(p)[-4:]): e for p, e in zip(PROMPTS, expected)})
+    engine = make_engine(model, speculative="ngram", num_speculative_tokens=4, speculative_max_batch=8)
+    assert [engine.generate_sync(p, s).token_ids for p, s in zip(PROMPTS, params)] == expected
+
+    async def batched():
+        return await asyncio.gather(*(engine.generate(p, s) for p, s in zip(PROMPTS, params)))
+
+    assert [r.token_ids for r in asyncio.run(batched())] == expected
+    assert engine.stats()["speculation"]["speculative_steps"] > 0

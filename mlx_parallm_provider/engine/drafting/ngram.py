@@ -15,9 +15,9 @@ exactly what it would draw without speculation, and a seeded request gives the s
 with speculation on or off. Rejected drafts' KV needs no undo: the scheduler fits the row's
 blocks to its tokens at the next step, and their slots are written over.
 
-Only rows whose next token depends on its logits alone speculate: no logits processors (bias,
-penalties: they depend on the tokens before), no constraint (grammar fast-forward has those),
-no logprobs asked (:func:`~..sampling.plain_row`). A step verifies drafts only when
+Only rows whose next token needs no work on the host speculate: no constraint (grammar
+fast-forward has those), no logprobs asked (:func:`~..sampled.plain_row`); a row's logit bias
+and penalties apply at each position, over the tokens before it, drafts included. A step verifies drafts only when
 every running row can and the batch is small (a large batch is compute-bound, and drafts
 would only add work), and only as many drafts as pay: :meth:`NgramProposer.plan` picks
 the number ``k`` that maximises expected tokens per second, from the measured time of a
@@ -206,7 +206,7 @@ class NgramProposer:
 
     def plan(self, rows: Sequence[Any]) -> int:
         """How many drafts a row verifies this step (0: decode plainly): few rows, all plain
-        (:func:`~..sampling.plain_row`), one with a draft, and the width expected to give the
+        (:func:`~..sampled.plain_row`), one with a draft, and the width expected to give the
         most tokens a second (:func:`.step_times.best_width`), the plain step a verify step
         delays counted."""
         if not (0 < len(rows) <= self.max_batch and any(r.draft for r in rows) and all(plain_row(r) for r in rows)):

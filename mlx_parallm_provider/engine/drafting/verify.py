@@ -18,7 +18,7 @@ import mlx.core as mx
 from ..grammar.guided import fill_bitmask, only_tokens
 from ..plan import Drafted, Verify
 from ..sampled import SampledRow
-from ..sampling import draw_tokens, last_tokens, sample_batch, sample_requests
+from ..sampling import draw_tokens, last_tokens, processed, sample_batch, sample_requests
 from .forced import can_fast_forward
 
 
@@ -34,13 +34,19 @@ def verify_drafts(runner: Any, rows: Sequence[Any], verify: Verify) -> tuple[lis
 
 def verify_lookups(runner: Any, rows: Sequence[Any], k: int) -> tuple[list[list[SampledRow]], list[Drafted]]:
     """One forward over each row's last token and its first ``k`` drafts (n-gram drafts of
-    plain rows); what each row emits (its choice at every position up to the first
+    plain rows: each position's logits through the row's bias and penalties as a plain step
+    there would take them); what each row emits (its choice at every position up to the first
     rejected draft) and what its drafts came to."""
     drafts = [list(r.draft[:k]) for r in rows]
     spots = runner.logits_where_asked(list(rows), [[r.output_ids[-1], *d] for r, d in zip(rows, drafts)],
                                       [r.num_tokens - 1 for r in rows])
     firsts = [sum(len(d) + 1 for d in drafts[:i]) for i in range(len(rows))]  # each row's first position's
     logits = spots.at([(i, j) for i, d in enumerate(drafts) for j in range(len(d) + 1)])  # real positions only
+    samplers = [r.state.sampler for r, d in zip(rows, drafts) for _ in range(len(d) + 1)]
+    if any(s.processors for s in samplers):  # each position's bias and penalties, over the tokens before it
+        contexts = [lambda r=r, before=d[:j]: last_tokens(r.prompt_ids, r.output_ids, before)
+                    for r, d in zip(rows, drafts) for j in range(len(d) + 1)]
+        logits = processed(logits, samplers, contexts)
     greedy = mx.argmax(logits, axis=-1)
     draws = {i: _draws(r.state.sampler, logits[firsts[i] : firsts[i] + len(drafts[i]) + 1]) for i, r in enumerate(rows)
              if not r.state.sampler.greedy}
