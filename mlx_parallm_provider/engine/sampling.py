@@ -69,8 +69,8 @@ class RowSampler:
             frequency_context_size=PENALTY_CONTEXT,
         )
         """mlx-lm's processors for this row (logit bias, then its penalties): what the step
-        computes, the bias row by row, the penalties for all rows at once (:func:`_penalised`)."""
-        self.bias = self.processors[:1] if params.logit_bias else []
+        computes for all its rows at once (:func:`processed`)."""
+        self.bias = bool(params.logit_bias)
         self.greedy = params.temperature == 0.0
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         self.key = mx.random.key(seed)
@@ -211,21 +211,27 @@ def _draw(rows: mx.array, keys: mx.array, ops: Optional["MLXOps"]) -> mx.array:
 def processed(logits: mx.array, samplers: Sequence[RowSampler], contexts: Sequence[Optional[History]],
               pending: Optional[mx.array] = None) -> mx.array:
     """The rows' logits ``(B, vocab)`` through their logits processors, as mlx-lm's give each
-    row alone: each row's logit bias, then the penalties of all rows at once
-    (:func:`_penalised`). ``pending``: ``(B,)`` tokens drawn after the contexts end and not yet
-    on the host (a step decoded ahead), each row's last token."""
+    row alone: the rows' logit biases, then their penalties, each for all rows at once
+    (:func:`_biased`, :func:`_penalised`). ``pending``: ``(B,)`` tokens drawn after the
+    contexts end and not yet on the host (a step decoded ahead), each row's last token."""
     if any(s.bias for s in samplers):
-        rows = []
-        for i, sampler in enumerate(samplers):
-            row = logits[i : i + 1]
-            if sampler.bias:
-                sampler.check_width(row.shape[-1])
-                row = sampler.bias[0](None, row)
-            rows.append(row)
-        logits = mx.concatenate(rows, axis=0)
+        logits = _biased(logits, samplers)
     if any(s.penalties for s in samplers):
         logits = _penalised(logits, [s.penalties for s in samplers], contexts, pending)
     return logits
+
+
+def _biased(logits: mx.array, samplers: Sequence[RowSampler]) -> mx.array:
+    """The rows' logit biases by one scatter-add (mlx-lm's processor's: the biases as float32
+    added at their tokens); a row's padding adds 0 to token 0."""
+    for sampler in samplers:
+        if sampler.bias:
+            sampler.check_width(logits.shape[-1])
+    pairs = [list(s.params.logit_bias.items()) if s.bias else [] for s in samplers]
+    width = max(map(len, pairs))
+    ids = mx.array([[t for t, _ in p] + [0] * (width - len(p)) for p in pairs], dtype=mx.int32)
+    values = mx.array([[v for _, v in p] + [0.0] * (width - len(p)) for p in pairs], dtype=mx.float32)
+    return logits.at[mx.arange(logits.shape[0])[:, None], ids].add(values)
 
 
 def _penalised(logits: mx.array, penalties: Sequence[Optional[Penalties]], contexts: Sequence[Optional[History]],

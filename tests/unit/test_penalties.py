@@ -1,6 +1,6 @@
-"""A step's penalties, applied to all its rows at once, give each row the logits mlx-lm's own
-processors give it alone (the same arithmetic, bit for bit), over its last tokens only. No CPU
-kernel: scripts/gpu_check.sh runs these on a GPU."""
+"""A step's logit biases and penalties, applied to all its rows at once, give each row the
+logits mlx-lm's own processors give it alone (the same arithmetic, bit for bit), the penalties
+over its last tokens only. No CPU kernel: scripts/gpu_check.sh runs these on a GPU."""
 
 from __future__ import annotations
 
@@ -13,8 +13,10 @@ from mlx_parallm_provider.engine.sampling import PENALTY_CONTEXT, RowSampler, la
 
 pytestmark = pytest.mark.gpu
 
-ROWS = [  # (penalties, tokens so far)
+ROWS = [  # (logits processors, tokens so far)
     ({}, [5, 6, 7]),
+    ({"logit_bias": {0: 2.5, 17: -100.0, 90: 0.75}}, [1, 2]),
+    ({"logit_bias": {3: 1.0}, "repetition_penalty": 1.4}, [3, 3, 4]),
     ({"repetition_penalty": 1.3}, [3, 3, 9, 1, 3]),
     ({"presence_penalty": 0.5}, list(range(40, 90))),  # (only the last 20 count)
     ({"frequency_penalty": 0.7, "repetition_penalty": 0.8}, [2, 2, 2, 4, 4, 11]),
@@ -26,18 +28,18 @@ ROWS = [  # (penalties, tokens so far)
 
 def _alone(logits: mx.array, sampler: RowSampler, tokens: list[int]) -> mx.array:
     """The row through mlx-lm's processors, given its whole history as they take it."""
-    for processor in sampler.processors:
-        if tokens:  # (mlx-lm's processors index by an empty history wrongly: they skip it)
+    for n, processor in enumerate(sampler.processors):
+        if tokens or (n == 0 and sampler.bias):  # (the bias needs no history; the penalties skip an empty one)
             logits = processor(mx.array(tokens), logits)
     return logits
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
-def test_batched_penalties_are_mlx_lms_row_by_row(dtype) -> None:
+def test_batched_processors_are_mlx_lms_row_by_row(dtype) -> None:
     logits = (mx.random.normal((len(ROWS), 128), key=mx.random.key(3)) * 4).astype(dtype)
     samplers = [RowSampler(SamplingParams(**p)) for p, _ in ROWS]
     contexts = [lambda t=t: t for _, t in ROWS]
-    got = sampling._penalised(logits, [s.penalties for s in samplers], contexts)
+    got = sampling.processed(logits, samplers, contexts)
     assert got.dtype == dtype
     want = mx.concatenate([_alone(logits[i : i + 1], s, t) for i, (s, (_, t)) in enumerate(zip(samplers, ROWS))])
     assert mx.array_equal(got, want).item()
