@@ -1,6 +1,7 @@
 """Verify steps of rows with penalties or a logit bias: each drafted position's logits go
 through the row's processors over the tokens before it, drafts included, so a row keeps the
-drafts, and emits the tokens, that plain steps give it (greedy and seeded rows alike)."""
+drafts, and emits the tokens, that plain steps give it (greedy and seeded rows alike). No CPU
+kernel: scripts/gpu_check.sh runs these on a GPU."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from mlx_parallm_provider.engine.drafting.verify import verify_lookups
 from mlx_parallm_provider.engine.request import SamplingParams
 from mlx_parallm_provider.engine.runner import SpotLogits
 from mlx_parallm_provider.engine.sampling import RowSampler, last_tokens, sample_batch
+
+pytestmark = pytest.mark.gpu
 
 VOCAB, K = 40, 5
 PARAMS = [SamplingParams(repetition_penalty=1.8), SamplingParams(presence_penalty=1.0, frequency_penalty=0.8),
