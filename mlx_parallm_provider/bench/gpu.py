@@ -138,12 +138,14 @@ def step_breakdown(model: str, rows: Sequence[int] = (1, 2, 4, 8, 32, 64), token
     the tokens taken and delivered), against ``mlx_lm_step_ms``, one step of mlx-lm's
     ``BatchGenerator`` decoding the same prompts as one batch (p50 of ``next()`` after its
     prefill, on the weights ``mlx-parallm bench``'s mlx-lm peers get); ``vs_mlx_lm``: their
-    ratio (over 1: the engine's decode steps are the faster)."""
+    ratio (over 1: the engine's decode steps are the faster). ``chat_sampling_ms``: a step's
+    whole sampling with every row as chat clients often ask (temperature 0.7, top_p 0.9,
+    repetition_penalty 1.1: the batched filters and penalties), beside ``sampling_ms``."""
     import mlx.nn as nn
 
     from ..config import EngineConfig
     from ..engine import Engine, SamplingParams
-    from ..engine.sampling import RowSampler, draw_tokens
+    from ..engine.sampling import RowSampler, draw_tokens, sample_batch
     from ..models import backends, registry
 
     loaded = registry.load(model)
@@ -221,13 +223,20 @@ def step_breakdown(model: str, rows: Sequence[int] = (1, 2, 4, 8, 32, 64), token
         def sampling():  # the engine's own draws: every row greedy, every row at temperature 0.7
             return [draw_tokens(logits, greedy), draw_tokens(logits, drawing)]
 
-        ms = _timed({"matmul_ms": matmuls, "attention_ms": attention, "sampling_ms": sampling, "dense_layers_ms": dense_matmuls}, 5)
+        chat = [RowSampler(SamplingParams(temperature=0.7, top_p=0.9, repetition_penalty=1.1, seed=i)) for i in range(R)]
+        histories = [lambda i=i: list(range(100 + i, 140 + i)) for i in range(R)]
+
+        def chat_sampling():
+            return mx.array([row.token for row in sample_batch(logits, chat, histories)])
+
+        ms = _timed({"matmul_ms": matmuls, "attention_ms": attention, "sampling_ms": sampling, "dense_layers_ms": dense_matmuls,
+                     "chat_sampling_ms": chat_sampling}, 5)
         parts = {name: ms[name] for name in ("matmul_ms", "attention_ms", "sampling_ms")}
         rest = step_ms - sum(parts.values())
         out.append({"rows": R, "step_ms": step_ms, "tokens_per_s": R / step_ms * 1e3, **parts, "rest_ms": rest,
                     "dense_layers_ms": ms["dense_layers_ms"], "graph_ms": graph_ms, "graph_nodes": graph_nodes, "decode": decode,
                     "uncompiled_step_ms": uncompiled_ms, "core_step_ms": core_ms, "mlx_lm_step_ms": peer_ms,
-                    "vs_mlx_lm": peer_ms / core_ms if core_ms and peer_ms else None})
+                    "vs_mlx_lm": peer_ms / core_ms if core_ms and peer_ms else None, "chat_sampling_ms": ms["chat_sampling_ms"]})
     return out
 
 
