@@ -100,9 +100,12 @@ class DecoderLayerCPU : public CpuPrimitive<DecoderLayerCPU> {
       x = gathered.data();
     }
     // The weights' (bytes, scales, biases) at in[3 + 3 * i], each multiplied as QMatmul does.
+    // The kernel is the one QMatmul picks for the whole pass, padding included (B * L rows), not
+    // for the real rows alone: the few-row kernel and the panels add a row's products in
+    // different orders (on AVX2), and the layer's outputs are its separate ops', bit for bit.
     auto matmul = [&](int i, const float* a, int k, float* y) {
       const auto &w = in[3 + 3 * i], &s = in[4 + 3 * i], &b = in[5 + 3 * i];
-      auto kernel = prm.int8 == 16 ? qmatmul_x16 : prm.int8 ? qmatmul_int8 : rows <= prm.packed_rows ? qmatmul : qgemm_panels;  // (as QMatmul picks)
+      auto kernel = prm.int8 == 16 ? qmatmul_x16 : prm.int8 ? qmatmul_int8 : B * L <= prm.packed_rows ? qmatmul : qgemm_panels;
       if (kernel(a, rows, k, w.data<uint8_t>(), s.data<float>(), b.data<float>(), w.shape(0), prm.bits[i], prm.groups[i], y,
                  prm.matmul_threads) != 0)
         throw std::runtime_error("decoder_layer: kernel failed (out of memory?)");
