@@ -19,7 +19,7 @@ import random
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Sequence
 
 import mlx.core as mx
-from mlx_lm.sample_utils import apply_top_k, apply_top_p, make_logits_processors
+from mlx_lm.sample_utils import apply_top_k, apply_top_p
 
 from .grammar.guided import GrammarTokenizer, RowMatcher, apply_bitmask, grammar_bitmask, only_tokens
 from .request import SamplingParams
@@ -28,7 +28,6 @@ from .sampled import SampledRow
 if TYPE_CHECKING:
     from ..models.backends import MLXOps
 
-LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 History = Callable[[], Sequence[int]]
 """A row's tokens so far (prompt, output), at least its last :data:`PENALTY_CONTEXT`."""
 
@@ -59,21 +58,16 @@ class RowSampler:
         self.matcher = RowMatcher(params.constraint, grammar) if params.constraint is not None and grammar else None
         penalties = Penalties(params.repetition_penalty, params.presence_penalty, params.frequency_penalty)
         self.penalties = penalties if penalties != Penalties() else None
-        self.processors: list[LogitsProcessor] = make_logits_processors(
-            logit_bias=params.logit_bias,
-            repetition_penalty=params.repetition_penalty if params.repetition_penalty != 1.0 else None,
-            repetition_context_size=PENALTY_CONTEXT,
-            presence_penalty=params.presence_penalty or None,
-            presence_context_size=PENALTY_CONTEXT,
-            frequency_penalty=params.frequency_penalty or None,
-            frequency_context_size=PENALTY_CONTEXT,
-        )
-        """mlx-lm's processors for this row (logit bias, then its penalties): what the step
-        computes for all its rows at once (:func:`processed`)."""
         self.bias = bool(params.logit_bias)
         self.greedy = params.temperature == 0.0
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         self.key = mx.random.key(seed)
+
+    @property
+    def processes(self) -> bool:
+        """Whether the row's logits go through a logit bias or penalties (:func:`processed`:
+        mlx-lm's logits processors' arithmetic, for all of a step's rows at once)."""
+        return self.bias or self.penalties is not None
 
     @property
     def filters(self) -> bool:
@@ -142,7 +136,7 @@ def _sample_rows(
         grammar = next(s.grammar for s in samplers if s.matcher is not None)
         matchers = [s.matcher for s in samplers]
         bitmask = grammar_bitmask(logits, matchers, grammar)
-        plain = not wants and all(m is not None for m in matchers) and not any(s.processors for s in samplers)
+        plain = not wants and all(m is not None for m in matchers) and not any(s.processes for s in samplers)
         forced = only_tokens(bitmask, logits.shape[-1]) if plain else None
         if forced is not None:  # each row's one allowed token: what its draw gives, without the draw's ops
             mx.eval(logits)  # (the step's forward still runs to its end here, as a drawn token waits for it)
@@ -188,9 +182,9 @@ def _best_tokens(logprobs: mx.array, rows: list[int], samplers: Sequence[RowSamp
 
 
 def draw_tokens(logits: mx.array, samplers: Sequence[RowSampler]) -> mx.array:
-    """Each row's next token as a lazy ``(B,)`` array, for rows with no logits processors,
-    grammar or logprobs: the arg-max for greedy rows, a draw with the row's next key for the
-    others (:func:`_pick`)."""
+    """Each row's next token as a lazy ``(B,)`` array, for rows with no grammar or logprobs
+    (``logits`` already through their bias and penalties, :func:`processed`): the arg-max for
+    greedy rows, a draw with the row's next key for the others (:func:`_pick`)."""
     if all(s.greedy for s in samplers):
         return mx.argmax(logits, axis=-1)
     return _pick(logits, samplers)
@@ -352,8 +346,7 @@ def _pick(logits: mx.array, samplers: Sequence[RowSampler], logprobs: Optional[m
 def sample_requests(logits: mx.array, requests: Sequence[Any]) -> list[SampledRow]:
     """:func:`sample_batch` for decoding requests (``logits`` ``(B, vocab)``, one row each):
     their samplers, their tokens so far as the processors' context, their budgets left."""
-    contexts = [lambda r=r: last_tokens(r.prompt_ids, r.output_ids) for r in requests]
-    return sample_batch(logits, [r.state.sampler for r in requests], contexts, [r.params.max_tokens - len(r.output_ids) for r in requests])
+    return sample_batch(logits, [r.state.sampler for r in requests], _histories(requests), [r.params.max_tokens - len(r.output_ids) for r in requests])
 
 
 def draw_requests(logits: mx.array, requests: Sequence[Any], pending: Optional[mx.array] = None) -> mx.array:
@@ -362,8 +355,12 @@ def draw_requests(logits: mx.array, requests: Sequence[Any], pending: Optional[m
     (:func:`processed`; ``pending``: the tokens of the step before, not yet on the host), then
     :func:`draw_tokens`."""
     samplers = [r.state.sampler for r in requests]
-    contexts = [lambda r=r: last_tokens(r.prompt_ids, r.output_ids) for r in requests]
-    return draw_tokens(processed(logits, samplers, contexts, pending), samplers)
+    return draw_tokens(processed(logits, samplers, _histories(requests), pending), samplers)
+
+
+def _histories(requests: Sequence[Any]) -> list[History]:
+    """Each decoding request's tokens so far, for its penalties (:func:`last_tokens`)."""
+    return [lambda r=r: last_tokens(r.prompt_ids, r.output_ids) for r in requests]
 
 
 def last_tokens(*parts: Sequence[int]) -> list[int]:

@@ -103,7 +103,7 @@ class _Matcher:
 def _looking_up(tokens: list[int], repeat: int = 3) -> SimpleNamespace:
     """A constrained row whose prompt ends with a repeat of its first ``repeat`` tokens (its
     lookups find a draft, of that many tokens' kind of match)."""
-    sampler = SimpleNamespace(matcher=_Matcher(), processors=[])
+    sampler = SimpleNamespace(matcher=_Matcher(), processes=False)
     return SimpleNamespace(draft=[], state=SimpleNamespace(sampler=sampler), params=SimpleNamespace(max_tokens=50, logprobs=False),
                            prompt_ids=tokens + tokens[:repeat], output_ids=[], finished=False, request_id="r")
 

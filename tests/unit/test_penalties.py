@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 import pytest
+from mlx_lm.sample_utils import make_logits_processors
 
 from mlx_parallm_provider.engine import sampling
 from mlx_parallm_provider.engine.request import SamplingParams
@@ -26,9 +27,23 @@ ROWS = [  # (logits processors, tokens so far)
 ]
 
 
+def _processors(params: SamplingParams) -> list:
+    """mlx-lm's logits processors for ``params`` (logit bias, then the penalties), counting
+    the last :data:`PENALTY_CONTEXT` tokens."""
+    return make_logits_processors(
+        logit_bias=params.logit_bias,
+        repetition_penalty=params.repetition_penalty if params.repetition_penalty != 1.0 else None,
+        repetition_context_size=PENALTY_CONTEXT,
+        presence_penalty=params.presence_penalty or None,
+        presence_context_size=PENALTY_CONTEXT,
+        frequency_penalty=params.frequency_penalty or None,
+        frequency_context_size=PENALTY_CONTEXT,
+    )
+
+
 def _alone(logits: mx.array, sampler: RowSampler, tokens: list[int]) -> mx.array:
     """The row through mlx-lm's processors, given its whole history as they take it."""
-    for n, processor in enumerate(sampler.processors):
+    for n, processor in enumerate(_processors(sampler.params)):
         if tokens or (n == 0 and sampler.bias):  # (the bias needs no history; the penalties skip an empty one)
             logits = processor(mx.array(tokens), logits)
     return logits

@@ -43,7 +43,7 @@ def verify_lookups(runner: Any, rows: Sequence[Any], k: int) -> tuple[list[list[
     firsts = [sum(len(d) + 1 for d in drafts[:i]) for i in range(len(rows))]  # each row's first position's
     logits = spots.at([(i, j) for i, d in enumerate(drafts) for j in range(len(d) + 1)])  # real positions only
     samplers = [r.state.sampler for r, d in zip(rows, drafts) for _ in range(len(d) + 1)]
-    if any(s.processors for s in samplers):  # each position's bias and penalties, over the tokens before it
+    if any(s.processes for s in samplers):  # each position's bias and penalties, over the tokens before it
         contexts = [lambda r=r, before=d[:j]: last_tokens(r.prompt_ids, r.output_ids, before)
                     for r, d in zip(rows, drafts) for j in range(len(d) + 1)]
         logits = processed(logits, samplers, contexts)
@@ -127,7 +127,7 @@ class _Walk:
         self.left = request.params.max_tokens - len(request.output_ids)
         self.mark = self.matcher.mark()
         self.j, self.out, self.done = 0, [], False
-        self.without_logits = not self.sampler.processors and not request.params.logprobs
+        self.without_logits = not self.sampler.processes and not request.params.logprobs
 
     def advance(self) -> bool:
         """Take the positions whose one allowed token needs no logits; whether the walk now
