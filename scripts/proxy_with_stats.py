@@ -6,7 +6,8 @@ real proxy (running / waiting rows, tokens generated) from outside.
 
 Arguments are the ``litellm`` command's. The file is replaced atomically every 50 ms:
 ``{"<model name>": {...engine.stats()...}, "_process": {"mlx_active_mb": ..., "time": ...}}``
-(``time`` is the wall clock of the write, so a reader can tell a stale file). SIGUSR1 writes
+(``time`` is the wall clock just before the stats were read: the file lags the engine by up to
+its period, so a reader that needs the state after some moment waits for a later ``time``). SIGUSR1 writes
 every thread's stack to stderr (the proxy log), for a test that finds the engine stuck.
 """
 
@@ -26,8 +27,9 @@ def _publish(path: str, period_s: float = 0.05) -> None:
 
     while True:
         try:
+            taken = time.time()
             stats: dict = {name: engine.stats() for name, engine in list(coordinator._engines.items())}
-            stats["_process"] = {"time": time.time()}
+            stats["_process"] = {"time": taken}
             if "mlx.core" in sys.modules:
                 import mlx.core as mx
 

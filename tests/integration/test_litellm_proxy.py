@@ -50,12 +50,24 @@ class Proxy:
     stats_file: Path
     pid: int
 
-    def stats(self) -> dict[str, Any]:
-        """The proxy's engine stats (published by scripts/proxy_with_stats.py), or {}."""
+    def stats(self, after: float = 0.0) -> dict[str, Any]:
+        """The proxy's engine stats (published by scripts/proxy_with_stats.py), or {}; with
+        ``after`` (a wall-clock time), {} unless they were read after it. The file lags the
+        engine by up to ~50 ms, longer than the tiny model takes to start a burst of rows."""
         try:
-            return next((v for k, v in json.loads(self.stats_file.read_text()).items() if not k.startswith("_")), {})
+            published = json.loads(self.stats_file.read_text())
         except (FileNotFoundError, json.JSONDecodeError):
             return {}
+        if published.get("_process", {}).get("time", 0.0) <= after:
+            return {}
+        return next((v for k, v in published.items() if not k.startswith("_")), {})
+
+    def stats_since(self, moment: float, wait_s: float = 30.0) -> dict[str, Any]:
+        """The first stats read after ``moment`` (waiting up to ``wait_s`` for them), or {}."""
+        deadline = time.monotonic() + wait_s
+        while not (stats := self.stats(after=moment)) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return stats
 
     def stats_age_s(self) -> float:
         """Seconds since the stats file was last written (inf before the first write)."""
@@ -263,18 +275,16 @@ def _assert_rows_freed(proxy: Proxy, generated_at_hangup: int, tokens_if_not_fre
     Rows nobody cancels finish their tokens within seconds on the tiny model, which the
     token count catches; the wait is long only so that a loaded machine does not fail it.
     On failure the message has the stats seen each second and the proxy's thread stacks."""
-    deadline, history, last = time.monotonic() + 60, [], 0.0
-    def busy() -> bool:
-        stats = proxy.stats()
-        return bool(stats.get("running", 1) or stats.get("waiting", 1))
-
-    while busy() and time.monotonic() < deadline:
-        if time.monotonic() - last >= 1.0:
-            last, stats = time.monotonic(), proxy.stats()
-            history.append((stats.get("running"), stats.get("waiting"), stats.get("generated_tokens"), round(proxy.stats_age_s(), 2)))
+    left, deadline, history, last = time.time(), time.monotonic() + 60, [], 0.0
+    # Only stats read after the clients left count: an older file can show none of the rows yet.
+    stats = proxy.stats(after=left)
+    while (not stats or stats["running"] or stats["waiting"]) and time.monotonic() < deadline:
+        if stats and time.monotonic() - last >= 1.0:
+            last = time.monotonic()
+            history.append((stats["running"], stats["waiting"], stats["generated_tokens"], round(proxy.stats_age_s(), 2)))
         time.sleep(0.05)
-    stats = proxy.stats()
-    if stats["running"] or stats["waiting"]:
+        stats = proxy.stats(after=left)
+    if not stats or stats["running"] or stats["waiting"]:
         pytest.fail(f"rows still held a minute after the clients left: (running, waiting, generated, stats age s) "
                     f"each second {history}; generated at hang-up {generated_at_hangup}\n{proxy.stacks()}")
     assert stats["generated_tokens"] - generated_at_hangup < tokens_if_not_freed // 4, (generated_at_hangup, stats)
@@ -295,7 +305,7 @@ def test_dropped_streams_free_their_rows(proxy: Proxy) -> None:
                         break  # leave after the first line: the connection closes
 
             await asyncio.gather(*(one() for _ in range(n)))
-            return proxy.stats().get("generated_tokens", 0)
+            return proxy.stats_since(time.time()).get("generated_tokens", 0)
 
     _assert_rows_freed(proxy, asyncio.run(drop()), n * 400)
 
