@@ -50,6 +50,11 @@ def _fraction(low_open: bool) -> Any:
     return parse
 
 
+def _sampling(args: argparse.Namespace) -> Sampling:
+    """How every request of the run samples (--temperature, --top-p, --top-k, --min-p)."""
+    return Sampling(args.temperature, args.top_p, args.top_k, args.min_p)
+
+
 def _count(text: str) -> int:
     """An integer >= 0, for argparse."""
     return 0 if text.strip() == "0" else _positive_int(text)
@@ -154,8 +159,7 @@ async def _bench(args: argparse.Namespace, systems: list[str], levels: list[int]
         )
         for c in levels
     }
-    sampling = Sampling(args.temperature, args.top_p, args.top_k, args.min_p)
-    options = RunnerOptions(model=args.model, sampling=sampling, ignore_eos=args.ignore_eos, workdir=out_dir,
+    options = RunnerOptions(model=args.model, sampling=_sampling(args), ignore_eos=args.ignore_eos, workdir=out_dir,
                             url=args.url, api_key=args.api_key, served_model=args.served_model,
                             llama_cpp_threads=args.llama_cpp_threads, max_concurrency=max(levels))
     rows: list[dict[str, Any]] = []
@@ -244,7 +248,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"mlx-parallm bench: error: {exc}", file=sys.stderr)
         return 2
     best_lines, best = _best_lines(rows, slo, swept=len(settings) > 1 or (swept_levels is not None and len(levels) > 1))
-    filters = "".join(f" {name}={value}" for name, value in Sampling(args.temperature, args.top_p, args.top_k, args.min_p).filters().items())
+    filters = "".join(f" {name}={value}" for name, value in _sampling(args).filters().items())
     print(f"model={args.model} workload={args.workload} max_tokens={args.max_tokens} temperature={args.temperature}{filters} "
           f"request_rate={args.request_rate} burstiness={args.burstiness} cpus={os.cpu_count()}\n")
     print(report.markdown_table(rows, show_goodput=bool(slo)))
