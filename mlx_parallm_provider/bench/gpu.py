@@ -129,7 +129,9 @@ def step_breakdown(model: str, rows: Sequence[int] = (1, 2, 4, 8, 32, 64), token
     gather path), sampling (the engine's greedy and temperature draws over the vocabulary). The rest: norms,
     RoPE, elementwise ops, Python and scheduling. ``dense_layers_ms``: the layers' matmuls (head
     aside) over dequantized copies of their weights, against which a quantized matmul that
-    does not amortize its weights over the rows shows. ``graph_ms``: the host's time to build
+    does not amortize its weights over the rows shows. ``unfolded_matmul_ms``: ``matmul_ms``'s
+    products as mlx-lm's own layers compute them, ``(rows, 1, K)`` (on MLX's CUDA backend, one
+    problem per row), where the GPU backend folds a step's rows into one matrix. ``graph_ms``: the host's time to build
     one decode step's forward graph (median; near ``step_ms``, the step waits on the host);
     ``graph_nodes``: the ops in that graph (each one the host builds, most a launch on a GPU).
     ``decode``: how the engine's decode steps ran (``Engine.stats()``); where ``"compiled"``,
@@ -195,10 +197,11 @@ def step_breakdown(model: str, rows: Sequence[int] = (1, 2, 4, 8, 32, 64), token
         graph_nodes = next((nodes for _, nodes in decode_builds if nodes is not None), None)
         inputs = {_in_dims(mod): mx.random.normal((R, 1, _in_dims(mod))).astype(dtype) for mod in linears}
 
-        def matmuls():
-            outs = [mod(inputs[_in_dims(mod)]) for mod in linears]
+        def matmuls(own: bool = False):  # (own: as mlx-lm's own layers multiply, the rows not folded by the backend)
+            call = _unfolded if own else (lambda mod, x: mod(x))
+            outs = [call(mod, inputs[_in_dims(mod)]) for mod in linears]
             head = getattr(m, "lm_head", None)
-            outs.append(head(inputs[args.hidden_size]) if head is not None else embed.as_linear(inputs[args.hidden_size]))
+            outs.append(call(head, inputs[args.hidden_size]) if head is not None else _as_linear(embed, inputs[args.hidden_size], own))
             return outs
 
         def dense_matmuls():  # the same products over dequantized copies (the weights read at 16 bits)
@@ -230,11 +233,12 @@ def step_breakdown(model: str, rows: Sequence[int] = (1, 2, 4, 8, 32, 64), token
             return mx.array([row.token for row in sample_batch(logits, chat, histories)])
 
         ms = _timed({"matmul_ms": matmuls, "attention_ms": attention, "sampling_ms": sampling, "dense_layers_ms": dense_matmuls,
-                     "chat_sampling_ms": chat_sampling}, 5)
+                     "chat_sampling_ms": chat_sampling, "unfolded_matmul_ms": lambda: matmuls(own=True)}, 5)
         parts = {name: ms[name] for name in ("matmul_ms", "attention_ms", "sampling_ms")}
         rest = step_ms - sum(parts.values())
         out.append({"rows": R, "step_ms": step_ms, "tokens_per_s": R / step_ms * 1e3, **parts, "rest_ms": rest,
-                    "dense_layers_ms": ms["dense_layers_ms"], "graph_ms": graph_ms, "graph_nodes": graph_nodes, "decode": decode,
+                    "dense_layers_ms": ms["dense_layers_ms"], "unfolded_matmul_ms": ms["unfolded_matmul_ms"], "graph_ms": graph_ms,
+                    "graph_nodes": graph_nodes, "decode": decode,
                     "uncompiled_step_ms": uncompiled_ms, "core_step_ms": core_ms, "mlx_lm_step_ms": peer_ms,
                     "vs_mlx_lm": peer_ms / core_ms if core_ms and peer_ms else None, "chat_sampling_ms": ms["chat_sampling_ms"]})
     return out
@@ -312,6 +316,21 @@ def _timing_forwards(runner: Any) -> list[tuple[int, int, float, Optional[int]]]
 
     runner.forward = forward
     return timings
+
+
+def _unfolded(layer: Any, x: mx.array) -> mx.array:
+    """``layer(x)`` as mlx-lm's own layer computes it: a quantized layer's product over ``x``
+    as it is, its rows not folded into one matrix by the backend's routing (:mod:`..models.backends.folded_rows`)."""
+    import mlx.nn as nn
+
+    return nn.QuantizedLinear.__call__(layer, x) if isinstance(layer, nn.QuantizedLinear) else layer(x)
+
+
+def _as_linear(embed: Any, x: mx.array, own: bool) -> mx.array:
+    """The tied head's product (``own``: as mlx-lm's own embedding computes it, see :func:`_unfolded`)."""
+    import mlx.nn as nn
+
+    return nn.QuantizedEmbedding.as_linear(embed, x) if own and isinstance(embed, nn.QuantizedEmbedding) else embed.as_linear(x)
 
 
 def graph_nodes(*outputs: mx.array) -> int:

@@ -65,6 +65,7 @@ class GPUKernels(MLXOps):
     name = "gpu"
     reads_pages = True
     step_writes_in_place = False
+    folds_rows = True
 
     def __init__(self, device: Optional[DeviceConfig] = None, launch: Optional[Launch] = None, platform: Optional[str] = None) -> None:
         self.device = device or DeviceConfig()

@@ -40,6 +40,10 @@ class MLXOps:
     steps_layers = False
     """Whether :meth:`layer_step` may take a decoder layer's whole step (else the layers keep
     their own ``__call__``, with no wrapper to ask)."""
+    folds_rows = False
+    """Whether the model's quantized linear layers (and a quantized embedding used as the
+    output head) multiply a step's rows as one ``(rows, K)`` matrix rather than as one
+    problem per row, as MLX's CUDA backend takes ``(rows, 1, K)`` (:mod:`.folded_rows`)."""
     step_writes_in_place = True
     """Whether :meth:`paged_attention_step` writes the pools' memory in place (an op MLX does
     not see writing: the pools' later readers are then ordered after it), rather than by

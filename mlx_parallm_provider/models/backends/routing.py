@@ -7,7 +7,9 @@ class whose methods calling those names are the same code objects run over a cop
 defining module's globals in which the names are the backend's methods (the defining module:
 the layer's class's or a base class's, whatever module the model's top class comes from).
 The module itself, its classes, and every other model loaded from it (the benchmark's mlx-lm
-peers, a user's own model) are untouched.
+peers, a user's own model) are untouched. Where the backend :attr:`~.MLXOps.folds_rows`, the
+model's quantized linear layers (and a quantized embedding's ``as_linear``) get such a subclass
+too, multiplying a step's rows as one matrix (:mod:`.folded_rows`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any, Callable, Optional
 
 from ..attention import mlx_lm_attention, mlx_lm_swiglu
 from .attention_step import fusable, stepping
+from .folded_rows import folded_methods
 from .layer_step import fusable_block, stepping_block
 from .softcapped import attending, softcapped
 
@@ -83,6 +86,8 @@ def _subclass(cls: type, backend: Any, namespaces: dict[str, Optional[dict[str, 
         body["__call__"] = stepping(body["__call__"], backend)  # (a decode step's attention as one op, where it can)
     elif fusable_block(cls) and getattr(backend, "steps_layers", False):
         body["__call__"] = stepping_block(body.get("__call__", cls.__call__), backend)  # (a whole layer's step, where it can)
+    if getattr(backend, "folds_rows", False):
+        body.update(folded_methods(cls))  # (quantized products over a step's rows as one matrix)
     if not body:
         return cls, calls
     body.update({_ORIGINAL: cls, _BACKEND: backend, "__module__": cls.__module__, "__qualname__": cls.__qualname__})
