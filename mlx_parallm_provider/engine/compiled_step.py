@@ -17,12 +17,17 @@ It applies (:func:`applies`) where every layer attends through the block tables 
 backend's kernels, writing the KV by MLX's own scatters (the GPU kernels' backend), with no
 sliding windows or groups of layers, to steps whose rows use no LoRA adapter (the rows'
 adapters are not an input: such a step runs uncompiled).
-A pass that turns out not to be traceable (a layer that would gather) or a first replay that
-fails turns it off for the engine, logged; the step then runs uncompiled, as it would have.
+Before its first step, a pass of the same rows is traced and replayed over scratch KV arrays
+(the null block alone): a pass that turns out not to be traceable (a layer that would gather)
+or a kernel that fails on the device turns it off for the engine there, logged, the KV arrays
+untouched; steps then run uncompiled, as they would have. A real step is never evaluated
+while the arrays from before it are held (MLX would then copy every KV array whole to write a
+few slots).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any, Optional, Sequence
 
@@ -79,7 +84,7 @@ class CompiledDecode:
         self.calls = 0
         self._fn: Any = None
         self._blocks = -1  # the KV arrays' blocks the compiled function was made for
-        self._checked: set[tuple[int, int]] = set()  # shapes whose first replay was evaluated
+        self._checked = False  # whether a pass was traced and replayed on scratch arrays
 
     def __call__(self, tokens: mx.array, starts: Sequence[int], tables: Sequence[Sequence[int]]) -> Optional[mx.array]:
         """The logits ``(B, 1, vocab)`` of one decode step of ``tokens`` ``(B, 1)`` at
@@ -91,6 +96,8 @@ class CompiledDecode:
         B = len(starts)
         rows, width = padded_rows(B), padded_width(max(len(t) for t in tables))
         pad = rows - B
+        if not self._checked and not self._check(rows, width):
+            return None
         # The pass's arrays as an uncompiled pass builds them, over the padded rows (a padding
         # row: a table of null blocks, position 0, so it writes and reads the null block's slot 0).
         padded = [list(t) + [NULL_BLOCK] * (width - len(t)) for t in tables] + [[NULL_BLOCK] * width] * pad
@@ -100,28 +107,47 @@ class CompiledDecode:
         if pad:
             tokens = mx.concatenate([tokens, mx.full((pad, 1), self.pad_id, dtype=mx.int32)])
         if storage.physical_blocks != self._blocks:  # (a new shape of every KV array: the old traces are done with)
-            self._fn, self._blocks, self._checked = mx.compile(self._forward), storage.physical_blocks, set()
+            self._fn, self._blocks = mx.compile(functools.partial(self._forward, storage)), storage.physical_blocks
         before = storage.arrays()
-        try:
+        try:  # (traced or replayed: nothing is evaluated, so holding the arrays from before copies nothing)
             out, *written = self._fn(tokens, eager.offset, eager.lengths, group.write_slots, group.table, *before)
-            storage.set_arrays(written)
-            if (rows, width) not in self._checked:  # a first replay of this shape: evaluated here, where it can fail alone
-                mx.eval(out, *written)
-                self._checked.add((rows, width))
         except Exception as exc:
             storage.set_arrays(before)
-            self.off = f"{type(exc).__name__}: {exc}"
-            logger.warning("decode steps run uncompiled: %s", self.off)
+            self._turn_off(exc)
             return None
+        storage.set_arrays(written)
         self.calls += 1
         return out[:B] if pad else out
 
-    def _forward(self, tokens: mx.array, offset: mx.array, lengths: mx.array, slots: mx.array, table: mx.array,
-                 *arrays: mx.array) -> tuple[mx.array, ...]:
-        """(Traced) the model over a pass built from the arrays; the logits and the KV arrays
-        after its writes. (It leaves the storage holding the trace's arrays: the caller puts the
-        replay's outputs there, or, where it failed, the arrays from before.)"""
-        storage = self.storage
+    def _check(self, rows: int, width: int) -> bool:
+        """Trace a pass of ``rows`` rows and tables ``width`` blocks wide over scratch arrays
+        (of the null block alone) and evaluate its replay, where a pass that cannot be traced
+        or a kernel failing on the device shows without touching the KV arrays; whether it ran.
+        (The real pools are never evaluated holding their arrays from before: MLX would copy
+        every one of them whole to write a few slots.)"""
+        scratch = self.storage.scratch(NULL_BLOCK + 1)
+        eager = PagedBatch(scratch, [[NULL_BLOCK] * width] * rows, [0] * rows, [1] * rows, 1)
+        group = eager.passes[0]
+        try:
+            tried = mx.compile(functools.partial(self._forward, scratch))
+            out, *written = tried(mx.full((rows, 1), self.pad_id, dtype=mx.int32), eager.offset, eager.lengths, group.write_slots,
+                                  group.table, *scratch.arrays())
+            mx.eval(out, *written)
+        except Exception as exc:
+            self._turn_off(exc)
+            return False
+        self._checked = True
+        return True
+
+    def _turn_off(self, exc: Exception) -> None:
+        self.off = f"{type(exc).__name__}: {exc}"
+        logger.warning("decode steps run uncompiled: %s", self.off)
+
+    def _forward(self, storage: PagedKVStorage, tokens: mx.array, offset: mx.array, lengths: mx.array, slots: mx.array,
+                 table: mx.array, *arrays: mx.array) -> tuple[mx.array, ...]:
+        """(Traced) the model over a pass of ``storage`` built from the arrays; the logits and
+        the KV arrays after its writes. (It leaves ``storage`` holding the trace's arrays: the
+        caller puts the replay's outputs there, or, where it failed, the arrays from before.)"""
         storage.set_arrays(list(arrays))
         batch = PagedBatch.of_arrays(storage, offset, lengths, slots, table)
         logits = self.model(tokens, cache=batch.layers())

@@ -51,7 +51,7 @@ def test_compiled_decode_steps_give_the_tokens_of_uncompiled_ones(tiny_model, ma
     once per shape."""
     traces = []
     forward = CompiledDecode._forward
-    monkeypatch.setattr(CompiledDecode, "_forward", lambda self, *a: traces.append(a[0].shape) or forward(self, *a))
+    monkeypatch.setattr(CompiledDecode, "_forward", lambda self, storage, *a: traces.append(a[0].shape) or forward(self, storage, *a))
     plain, runner = _run(tiny_model, make_engine, _gpu(compile_decode=False), async_scheduling=ahead)
     assert runner._compiled is None and runner.decode_path() == "uncompiled (compile_decode is off)" and not traces
     compiled, runner = _run(tiny_model, make_engine, _gpu(), async_scheduling=ahead)
@@ -59,6 +59,25 @@ def test_compiled_decode_steps_give_the_tokens_of_uncompiled_ones(tiny_model, ma
     assert runner.decode_path() == "compiled" and runner._compiled.calls >= max(p.max_tokens for p in PARAMS) - 2
     assert 0 < len(traces) <= len(set(traces)) * 3  # (a shape traced again only when the KV arrays grew)
     assert {shape[0] for shape in traces} <= {8, 4, 2, 1}
+
+
+def test_compiled_steps_write_the_kv_arrays_without_copying_them(tiny_model, make_engine) -> None:
+    """A preallocated pool of ~16 MiB a KV array: the first steps of new shapes (1, 2, then 4
+    padded rows), their checks and prefills, hold no copy of any KV array at any time (MLX
+    copies an array whole to write a few slots where the graph holds it as it was)."""
+    budget = 32768 * 4 * 2 * 2 * 2 * 16 * 4 / 1024**3  # 32,768 blocks of 4 tokens of the tiny llama's KV
+    with backends.using(tiny_model.model, _gpu()):
+        engine = make_engine(kv_block_size=4, kv_cache_memory_gb=budget)
+        engine.generate_many_sync(PROMPTS[:1], PARAMS[0])  # (the pools made)
+        storage = engine._core.runner.storage
+        assert min(a.nbytes for a in storage.arrays()) >= 16 * 1024**2
+        mx.synchronize()
+        held = mx.get_active_memory()
+        mx.reset_peak_memory()
+        tokens = [o.token_ids for o in engine.generate_many_sync(PROMPTS[:3], PARAMS[:3])]
+        mx.synchronize()
+        assert mx.get_peak_memory() - held < 4 * 1024**2
+        assert engine.stats()["decode"] == "compiled" and all(len(t) == p.max_tokens for t, p in zip(tokens, PARAMS))
 
 
 def test_compiled_steps_answer_as_uncompiled_through_preemption_prefix_sharing_and_drafts(tiny_model, make_engine) -> None:
@@ -114,10 +133,10 @@ def test_a_pass_that_cannot_be_traced_turns_compiling_off_and_steps_run_uncompil
     assert "decode steps run uncompiled" in caplog.text
 
 
-def test_a_first_replay_that_fails_leaves_the_kv_as_it_was(tiny_model, make_engine, monkeypatch, caplog) -> None:
-    """A replay failing when first evaluated (a kernel failing on the device): the KV arrays
-    are put back as they were, and that step and the later ones run uncompiled, with the
-    same tokens."""
+def test_a_check_that_fails_on_the_device_turns_compiling_off_before_the_kv_is_touched(tiny_model, make_engine, monkeypatch,
+                                                                                        caplog) -> None:
+    """The first compiled pass, traced and replayed on scratch arrays, failing when evaluated
+    (a kernel failing on the device): every step runs uncompiled, with the same tokens."""
     from mlx_parallm_provider.engine import compiled_step
 
     plain, _ = _run(tiny_model, make_engine, _gpu(compile_decode=False))

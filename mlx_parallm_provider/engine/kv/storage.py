@@ -111,6 +111,17 @@ class PagedKVStorage:
         if at != len(arrays):
             raise ValueError(f"{len(arrays)} arrays for storage holding {at}")
 
+    def scratch(self, blocks: int) -> "PagedKVStorage":
+        """A storage like this one (layers, block size, dtypes, quantization) whose arrays hold
+        ``blocks`` blocks of zeros: where a pass can be tried without touching these arrays."""
+        twin = PagedKVStorage(self.num_layers, blocks, self.block_size, preallocate=True, dtype=self.dtype, bits=self.bits)
+        twin.compute_dtype = self.compute_dtype
+        for layer in range(self.num_layers):
+            arrays = self.layer_arrays(layer)
+            if arrays:
+                twin._set_layer_arrays(layer, [mx.zeros((blocks * self.block_size, *a.shape[1:]), a.dtype) for a in arrays])
+        return twin
+
     @property
     def physical_blocks(self) -> int:
         """Blocks the arrays hold now (or will hold when created)."""
@@ -187,9 +198,13 @@ class PagedKVStorage:
         if not pairs or self.keys[0] is None:
             return
         src, dst = self.block_slots([s for s, _ in pairs]), self.block_slots([d for _, d in pairs])
-        for layer in range(self.num_layers):
-            for a in self.layer_arrays(layer):
-                a[dst] = a[src]
+        arrays = self.arrays()
+        taken = [a[src] for a in arrays]
+        # Gathered first: a pool its own write also reads cannot be written in place (MLX then
+        # copies the whole array to write a few slots: every layer's pools, at every copy).
+        mx.eval(taken)
+        for a, t in zip(arrays, taken):
+            a[dst] = t
 
     def saved_blocks(self, saves: list[tuple[int, bytes]]) -> list[tuple[bytes, BlockData]]:
         """Copies of the K/V of each ``(block, name)`` of ``saves`` in every layer (each layer's
