@@ -2,7 +2,7 @@
 writes an array in place only where nothing else reads it in the same graph, else it copies
 the whole array first. A copy of every layer's pools to write a few blocks costs a large
 pool's whole size in memory and time (a GPU's pool: gigabytes), so these tests watch MLX's
-peak memory."""
+peak memory. No CPU kernel: scripts/gpu_check.sh runs these on a GPU."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import mlx.core as mx
 import pytest
 
 from mlx_parallm_provider.engine.kv.storage import PagedKVStorage
+
+pytestmark = pytest.mark.gpu
 
 BLOCKS, BLOCK_SIZE = 8192, 16
 
