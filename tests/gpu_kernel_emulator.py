@@ -140,6 +140,19 @@ def mlx_ops_launch(call: KernelCall) -> mx.array:
     return mx.concatenate([out, mx.zeros((call.output_shape[0] - 1, *out.shape[1:]), mx.float32)])
 
 
+def traceable_gpu_backend(**device):
+    """The GPU backend as this machine runs it, where a decode step can be traced (compiled):
+    MLX's custom kernels on a GPU, else :func:`mlx_ops_launch`; ``device``: its
+    :class:`~mlx_parallm_provider.config.DeviceConfig` settings."""
+    from mlx_parallm_provider.config import DeviceConfig
+    from mlx_parallm_provider.models.backends.gpu_kernels import GPUKernels, MLXKernels
+    from mlx_parallm_provider.models.device import gpu_platform
+
+    platform = gpu_platform()
+    launch = MLXKernels(platform) if platform is not None else mlx_ops_launch
+    return GPUKernels(DeviceConfig(**device), launch=launch, platform=platform or "test")
+
+
 def nvrtc() -> Optional[tuple[ctypes.CDLL, Path]]:
     """NVRTC and the CUDA headers (``nvidia-cuda-nvrtc-cu12`` and ``nvidia-cuda-runtime-cu12``), or None where not installed."""
     try:

@@ -198,10 +198,11 @@ def step_breakdown(model: str, rows: Sequence[int] = (1, 2, 4, 8, 32, 64), token
         inputs = {_in_dims(mod): mx.random.normal((R, 1, _in_dims(mod))).astype(dtype) for mod in linears}
 
         def matmuls(own: bool = False):  # (own: as mlx-lm's own layers multiply, the rows not folded by the backend)
-            call = _unfolded if own else (lambda mod, x: mod(x))
-            outs = [call(mod, inputs[_in_dims(mod)]) for mod in linears]
+            call = _unrouted if own else (lambda layer, method, x: getattr(layer, method)(x))
+            outs = [call(mod, "__call__", inputs[_in_dims(mod)]) for mod in linears]
             head = getattr(m, "lm_head", None)
-            outs.append(call(head, inputs[args.hidden_size]) if head is not None else _as_linear(embed, inputs[args.hidden_size], own))
+            x = inputs[args.hidden_size]
+            outs.append(call(head, "__call__", x) if head is not None else call(embed, "as_linear", x))
             return outs
 
         def dense_matmuls():  # the same products over dequantized copies (the weights read at 16 bits)
@@ -318,19 +319,12 @@ def _timing_forwards(runner: Any) -> list[tuple[int, int, float, Optional[int]]]
     return timings
 
 
-def _unfolded(layer: Any, x: mx.array) -> mx.array:
-    """``layer(x)`` as mlx-lm's own layer computes it: a quantized layer's product over ``x``
-    as it is, its rows not folded into one matrix by the backend's routing (:mod:`..models.backends.folded_rows`)."""
-    import mlx.nn as nn
+def _unrouted(layer: Any, method: str, x: mx.array) -> mx.array:
+    """``layer``'s ``method`` over ``x`` as mlx-lm's own layer computes it: its class's before
+    the backend's routing (which folds a quantized product's rows: :mod:`..models.backends.folded_rows`)."""
+    from ..models.backends.routing import original_class
 
-    return nn.QuantizedLinear.__call__(layer, x) if isinstance(layer, nn.QuantizedLinear) else layer(x)
-
-
-def _as_linear(embed: Any, x: mx.array, own: bool) -> mx.array:
-    """The tied head's product (``own``: as mlx-lm's own embedding computes it, see :func:`_unfolded`)."""
-    import mlx.nn as nn
-
-    return nn.QuantizedEmbedding.as_linear(embed, x) if own and isinstance(embed, nn.QuantizedEmbedding) else embed.as_linear(x)
+    return getattr(original_class(layer), method)(layer, x)
 
 
 def graph_nodes(*outputs: mx.array) -> int:

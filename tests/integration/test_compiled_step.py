@@ -12,13 +12,11 @@ import logging
 import mlx.core as mx
 import pytest
 
-from gpu_kernel_emulator import mlx_ops_launch
-from mlx_parallm_provider.config import DeviceConfig
+from gpu_kernel_emulator import traceable_gpu_backend
 from mlx_parallm_provider.engine import SamplingParams
 from mlx_parallm_provider.engine.compiled_step import CompiledDecode, padded_rows, padded_width
 from mlx_parallm_provider.models import backends
-from mlx_parallm_provider.models.backends.gpu_kernels import GPUKernels, MLXKernels
-from mlx_parallm_provider.models.device import gpu_platform
+from mlx_parallm_provider.models.backends.gpu_kernels import GPUKernels
 
 pytestmark = pytest.mark.gpu
 
@@ -26,10 +24,7 @@ PROMPTS = [[1, 5 + i, 9, 30 + 3 * i, 7, 11, 200 + i, 40, 41, 42, 43][: 3 + 2 * i
 PARAMS = [SamplingParams(max_tokens=6 + 3 * i, temperature=0.0, ignore_eos=True) for i in range(6)]  # rows leave one by one
 
 
-def _gpu(**device) -> GPUKernels:
-    platform = gpu_platform()
-    launch = MLXKernels(platform) if platform is not None else mlx_ops_launch
-    return GPUKernels(DeviceConfig(**device), launch=launch, platform=platform or "test")
+_gpu = traceable_gpu_backend
 
 
 def _run(tiny_model, make_engine, backend: GPUKernels, **config) -> tuple[list[list[int]], object]:

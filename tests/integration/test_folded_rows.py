@@ -10,17 +10,14 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-from gpu_kernel_emulator import mlx_ops_launch
-from mlx_parallm_provider.config import DeviceConfig
+from gpu_kernel_emulator import traceable_gpu_backend
 from mlx_parallm_provider.engine import SamplingParams
 from mlx_parallm_provider.models import backends
-from mlx_parallm_provider.models.backends.gpu_kernels import GPUKernels, MLXKernels
-from mlx_parallm_provider.models.device import gpu_platform
+from mlx_parallm_provider.models.backends.gpu_kernels import GPUKernels
 
 
 def _gpu(folds_rows: bool = True) -> GPUKernels:
-    platform = gpu_platform()
-    backend = GPUKernels(DeviceConfig(), launch=MLXKernels(platform) if platform else mlx_ops_launch, platform=platform or "test")
+    backend = traceable_gpu_backend()
     backend.folds_rows = folds_rows
     return backend
 
@@ -109,5 +106,6 @@ def test_the_gpu_benchmark_times_the_products_also_as_mlx_lms_own_layers_compute
     x = mx.ones((3, 1, 64))
     with backends.using(model, _gpu()):
         layer, embed = model.layers[0].self_attn.q_proj, model.model.embed_tokens
-        assert mx.array_equal(gpu._unfolded(layer, x), layer(x)) and mx.array_equal(gpu._as_linear(embed, x, True), embed.as_linear(x))
+        assert mx.array_equal(gpu._unrouted(layer, "__call__", x), layer(x))
+        assert mx.array_equal(gpu._unrouted(embed, "as_linear", x), embed.as_linear(x))
     assert products == [(3, 1, 64), (3, 64), (3, 1, 64), (3, 64)]

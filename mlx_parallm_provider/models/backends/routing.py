@@ -106,7 +106,7 @@ def route(model: Any, backend: Any) -> bool:
     namespaces: dict[str, Optional[dict[str, Any]]] = {}
     attends = False
     for _, layer in model.named_modules():
-        original = getattr(type(layer), _ORIGINAL, type(layer))
+        original = original_class(layer)
         if original not in made:
             made[original] = _subclass(original, backend, namespaces)
         layer.__class__ = made[original][0]
@@ -120,6 +120,11 @@ def unroute(model: Any) -> None:
         original = getattr(type(layer), _ORIGINAL, None)
         if original is not None:
             layer.__class__ = original
+
+
+def original_class(layer: Any) -> type:
+    """The class :func:`route` derived ``layer``'s from (its own where route did not touch it)."""
+    return getattr(type(layer), _ORIGINAL, type(layer))
 
 
 def routed_backend(layer: Any) -> Any:
