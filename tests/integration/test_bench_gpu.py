@@ -10,6 +10,7 @@ import pytest
 
 from gpu_kernel_emulator import KernelLoop, mlx_ops_launch
 from mlx_parallm_provider.bench import gpu, random_model
+from mlx_parallm_provider.bench.gpu.breakdown import mlx_lm_model
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +68,7 @@ def test_step_breakdown_times_each_part_at_each_row_count(tiny_random: Path, mon
 
 
 def test_mlx_lm_steps_are_timed_while_every_row_decodes(tiny_random: Path) -> None:
-    model = gpu._mlx_lm_model(str(tiny_random))
+    model = mlx_lm_model(str(tiny_random))
     assert gpu.mlx_lm_step_ms(model, [[1, 2, 3], [4, 5, 6, 7, 8]], tokens=6) > 0
     assert gpu.mlx_lm_step_ms(model, [[1, 2, 3]], tokens=1) is None  # its only token comes with the prefill: no step
 

@@ -100,12 +100,12 @@ def test_an_engine_decodes_the_same_tokens_with_its_rows_folded_and_not(tiny_mod
 
 
 def test_the_gpu_benchmark_times_the_products_also_as_mlx_lms_own_layers_compute_them(tiny_model_dir, products) -> None:
-    from mlx_parallm_provider.bench import gpu
+    from mlx_parallm_provider.bench.gpu.breakdown import unrouted
 
     model = _quantized(tiny_model_dir)
     x = mx.ones((3, 1, 64))
     with backends.using(model, _gpu()):
         layer, embed = model.layers[0].self_attn.q_proj, model.model.embed_tokens
-        assert mx.array_equal(gpu._unrouted(layer, "__call__", x), layer(x))
-        assert mx.array_equal(gpu._unrouted(embed, "as_linear", x), embed.as_linear(x))
+        assert mx.array_equal(unrouted(layer, "__call__", x), layer(x))
+        assert mx.array_equal(unrouted(embed, "as_linear", x), embed.as_linear(x))
     assert products == [(3, 1, 64), (3, 64), (3, 1, 64), (3, 64)]
