@@ -117,9 +117,8 @@ class PagedKVStorage:
         twin = PagedKVStorage(self.num_layers, blocks, self.block_size, preallocate=True, dtype=self.dtype, bits=self.bits)
         twin.compute_dtype = self.compute_dtype
         for layer in range(self.num_layers):
-            arrays = self.layer_arrays(layer)
-            if arrays:
-                twin._set_layer_arrays(layer, [mx.zeros((blocks * self.block_size, *a.shape[1:]), a.dtype) for a in arrays])
+            if self.keys[layer] is not None:
+                twin._create_layer(layer, self.layer_arrays(layer))
         return twin
 
     @property
@@ -172,10 +171,15 @@ class PagedKVStorage:
         """Scatter ``parts`` (one per :meth:`layer_arrays` entry) at ``slots``; a layer's arrays
         are created at its first write, shaped as ``parts`` and as large as reserved."""
         if self.keys[layer] is None:
-            size = self._blocks * self.block_size
-            self._set_layer_arrays(layer, [mx.zeros((size, *p.shape[1:]), p.dtype) for p in parts])
+            self._create_layer(layer, parts)
         for pool, part in zip(self.layer_arrays(layer), parts):
             pool[slots] = part.astype(pool.dtype)
+
+    def _create_layer(self, layer: int, like: list[mx.array]) -> None:
+        """``layer``'s arrays, zeros as large as reserved, each shaped (past its first axis)
+        and typed as its twin in ``like``."""
+        size = self._blocks * self.block_size
+        self._set_layer_arrays(layer, [mx.zeros((size, *a.shape[1:]), a.dtype) for a in like])
 
     def block_slots(self, blocks: list[int]) -> mx.array:
         """The slots of ``blocks``, in order (``block_size`` each), checked to lie in the arrays."""
