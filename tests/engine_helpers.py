@@ -118,6 +118,17 @@ def sampled_while(sample: Callable[[], T], work: Callable[[], Awaitable[Any]], p
     return seen
 
 
+def peak_memory_above_now(step: Callable[[], Any]) -> int:
+    """MLX's peak memory (bytes) while ``step`` runs and its arrays are evaluated, above what
+    was held before it."""
+    mx.synchronize()
+    held = mx.get_active_memory()
+    mx.reset_peak_memory()
+    step()
+    mx.synchronize()
+    return mx.get_peak_memory() - held
+
+
 def scrape(engine: Any, prefix: str = "vllm:") -> dict[str, float]:
     """One Prometheus scrape of ``engine`` alone (:class:`EngineCollector`): sample name with
     labels -> value."""

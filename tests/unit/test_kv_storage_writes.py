@@ -9,6 +9,7 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
+from engine_helpers import peak_memory_above_now
 from mlx_parallm_provider.engine.kv.storage import PagedKVStorage
 
 pytestmark = pytest.mark.gpu
@@ -26,16 +27,6 @@ def _filled(dtype, bits) -> tuple[PagedKVStorage, mx.array, mx.array]:
     return storage, keys, values
 
 
-def _peak_above_now(step) -> int:
-    """MLX's peak memory while ``step`` runs and its arrays are evaluated, above what was held before."""
-    mx.synchronize()
-    held = mx.get_active_memory()
-    mx.reset_peak_memory()
-    step()
-    mx.synchronize()
-    return mx.get_peak_memory() - held
-
-
 @pytest.mark.parametrize("dtype, bits", [(mx.float32, None), (None, 8)])
 def test_copy_on_write_copies_the_blocks_without_copying_the_pools(dtype, bits) -> None:
     storage, _, _ = _filled(dtype, bits)
@@ -47,7 +38,7 @@ def test_copy_on_write_copies_the_blocks_without_copying_the_pools(dtype, bits) 
         storage.copy_blocks([(1, 7), (2, 9)])
         mx.eval(storage.arrays())
 
-    assert _peak_above_now(copy) < smallest / 4  # (a pool copied whole: at least one array's size)
+    assert peak_memory_above_now(copy) < smallest / 4  # (a pool copied whole: at least one array's size)
     for layer in range(2):
         k, v = storage.read(layer, mx.array([7 * 16 + i for i in range(16)] + [9 * 16 + i for i in range(16)], dtype=mx.int32))
         assert mx.array_equal(k, before[layer][0]).item() and mx.array_equal(v, before[layer][1]).item()
@@ -55,10 +46,11 @@ def test_copy_on_write_copies_the_blocks_without_copying_the_pools(dtype, bits) 
 
 def test_writes_go_into_the_pools_in_place() -> None:
     storage, keys, values = _filled(mx.float32, None)
+
     def write() -> None:
         storage.write(0, mx.arange(200, 232, dtype=mx.int32), keys * 2, values * 2)
         mx.eval(storage.arrays())
 
-    assert _peak_above_now(write) < storage.arrays()[0].nbytes / 4
+    assert peak_memory_above_now(write) < storage.arrays()[0].nbytes / 4
     k, _ = storage.read(0, mx.arange(200, 232, dtype=mx.int32))
     assert mx.array_equal(k, keys * 2).item()
