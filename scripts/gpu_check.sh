@@ -11,7 +11,7 @@
 # step's time goes at 1-64 rows: python -m mlx_parallm_provider.bench.gpu); sweep.json /
 # sweep.md (mlx-parallm bench, engine vs mlx-lm's batch generation and its server over HTTP,
 # ~1B 4-bit random model, chat, 64 new tokens, EOS ignored, 1/2/4/8/32/64 concurrent, the
-# engine with its weights kept quantized and dequantized at load; sweep.json holds the levels
+# engine with its weights kept quantized and dequantized at load; sweep.json holds the runs
 # done should the time limit cut it short); tests.txt (pytest -m gpu, float32 matmuls without
 # TF32); summary.txt (with the attention path the sweep's engine ran with); with the time
 # left, profile.txt.gz (py-spy over the engine serving 64 concurrent requests; its summary by
@@ -87,7 +87,7 @@ cp /tmp/parallm-sweep/results.json "$OUT/sweep.json" 2>/dev/null
 summary "sweep rc=$rc in $((SECONDS - T)) s"
 [ $rc = 0 ] || [ ! -f "$OUT/sweep.json" ] || "$PY" -c "import json, sys; from mlx_parallm_provider.bench import report
 rows = json.load(open(sys.argv[1]))['rows']; print(report.markdown_table(rows, False))
-print(''.join(f'- {line}\n' for line in report.attention_lines(rows)))" "$OUT/sweep.json" | tee -a "$OUT/sweep.md"  # the levels done
+print(''.join(f'- {line}\n' for line in report.attention_lines(rows)))" "$OUT/sweep.json" | tee -a "$OUT/sweep.md"  # the runs done
 grep -E '^- engine \(.*attention: ' "$OUT/sweep.md" | sort -u | tee -a "$OUT/summary.txt"  # kernels used, or why not
 
 # one line per test as it ends (-v): a run the time limit cuts short still says which passed;

@@ -193,9 +193,10 @@ async def _bench(args: argparse.Namespace, systems: list[str], levels: list[int]
                     "setting_label": sweep.label(setting), "concurrency": c, "num_requests": len(batch),
                     "eos": runner.eos, "metrics": m, "samples": metrics.samples(records),
                 })
-            # The levels measured so far, kept should the run be cut short (a time limit, ^C).
-            report.write_json(out_dir / "results.json", {"meta": meta, "rows": [{k: v for k, v in r.items() if k != "order"} for r in rows],
-                                                         "skipped": skipped, "complete": False})
+                # The runs measured so far, kept should the run be cut short (a time limit, ^C)
+                # while a slower system takes its turn at this level.
+                report.write_json(out_dir / "results.json", {"meta": meta, "rows": [{k: v for k, v in r.items() if k != "order"} for r in rows],
+                                                             "skipped": skipped, "complete": False})
     finally:
         for _, _, runner in started:
             await runner.stop()

@@ -117,27 +117,31 @@ def test_peers_that_cannot_run_are_one_line_notes(tiny_model_dir: Path, tmp_path
     assert "| engine | 1 | 1 / 0 |" in out
 
 
-def test_a_run_cut_short_keeps_the_levels_it_measured(tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """results.json is rewritten after every level, so a run stopped by a time limit keeps them."""
+@pytest.mark.parametrize("cut_at, kept", [(2, [({"max_num_seqs": 4}, 1)]), (3, [({"max_num_seqs": 4}, 1), ({"max_num_seqs": 8}, 1)])])
+def test_a_run_cut_short_keeps_the_runs_it_measured(tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    cut_at: int, kept: list) -> None:
+    """results.json is rewritten after every system's run at a level, so a run stopped by a time
+    limit keeps them: the levels done, and at the level cut short the systems done before."""
     from mlx_parallm_provider import __version__
     from mlx_parallm_provider.bench.runners import base
 
     measure = base.Runner.run
-    levels: list[int] = []
+    calls: list[int] = []
 
-    async def cut_at_the_second_level(self, requests, offsets, max_concurrency, on_done):
-        levels.append(max_concurrency)
-        if len(levels) == 2:
+    async def cut(self, requests, offsets, max_concurrency, on_done):
+        calls.append(max_concurrency)
+        if len(calls) == cut_at:
             raise RuntimeError("cut")
         return await measure(self, requests, offsets, max_concurrency, on_done)
 
-    monkeypatch.setattr(base.Runner, "run", cut_at_the_second_level)
+    monkeypatch.setattr(base.Runner, "run", cut)
     with pytest.raises(RuntimeError, match="cut"), contextlib.redirect_stdout(io.StringIO()):
         main(["bench", "--model", str(tiny_model_dir), "--output-dir", str(tmp_path), "--no-progress", "--max-tokens", "2",
-              "--systems", "engine", "--concurrency", "1,2"])
+              "--systems", "engine", "--sweep", "max_num_seqs=4,8", "--concurrency", "1,2"])
     result = json.loads((tmp_path / "results.json").read_text())
     assert result["complete"] is False
-    assert [(r["system"], r["concurrency"], r["metrics"]["completed"]) for r in result["rows"]] == [("engine", 1, 1)]
+    assert [(r["setting"], r["concurrency"]) for r in result["rows"]] == kept
+    assert all(r["system"] == "engine" and r["metrics"]["completed"] == 1 for r in result["rows"])
     assert result["meta"]["versions"]["mlx-parallm-provider"] == __version__ and result["meta"]["machine"]["device"]
     assert [p.name for p in tmp_path.iterdir()] == ["results.json"]  # written beside, then renamed: no temporary left
 
