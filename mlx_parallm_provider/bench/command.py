@@ -242,7 +242,7 @@ def run(args: argparse.Namespace) -> int:
     out_dir = args.output_dir or Path("bench-results") / time.strftime("%Y%m%d-%H%M%S")
     out_dir.mkdir(parents=True, exist_ok=True)
     try:
-        note = f"mlx-parallm bench: stopped, and the servers it started; the levels measured are in {out_dir / 'results.json'}"
+        note = f"mlx-parallm bench: stopped, and the servers it started; the runs measured are in {out_dir / 'results.json'}"
         with servers.stopped_on_signal(note):
             rows, skipped, meta = asyncio.run(_bench(args, systems, levels, settings, slo, out_dir))
     except ValueError as exc:  # a bad workload, JSONL file or engine setting
