@@ -39,10 +39,10 @@ case "${1:-}" in
 esac
 
 [ -f "$STAGE/mlx-cuda.part.aa" ] || { echo "no $STAGE/mlx-cuda.part.aa: run 'stage' first (carrying .gpu/part1)" >&2; exit 1; }
-WHEEL="$STAGE/$(cat .gpu/part2/mlx-cuda.name)"
-cat "$STAGE/mlx-cuda.part.aa" $(ls .gpu/part2/mlx-cuda.part.a[b-z] 2>/dev/null) > "$WHEEL"
 SITE=$("$PY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
-"$PY" -m pip install -q --no-index --no-deps --no-compile "$WHEEL" .gpu/part2/mlx-*.whl || exit 1
+# MLX's backend comes as its wheel's files (xz-compressed, in two parts), MLX itself as its wheel
+cat "$STAGE/mlx-cuda.part.aa" $(ls .gpu/part2/mlx-cuda.part.a[b-z] 2>/dev/null) | tar -C "$SITE" -xJ || exit 1
+"$PY" -m pip install -q --no-index --no-deps --no-compile .gpu/part2/mlx-*.whl || exit 1
 tar -C "$SITE" -xJf .gpu/part2/site.tar.xz || exit 1
 # MLX compiles its CUDA kernels at run time (NVRTC) against the CUDA runtime's headers: where
 # pip's package does not put them beside it, it takes $CUDA_HOME, else /usr/local/cuda.

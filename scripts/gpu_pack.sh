@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Pack what scripts/gpu_check.sh needs on a GPU machine that reaches no package registry
 # (Python 3.12, x86-64 Linux, CUDA 13): MLX's CUDA build and the packages that machine lacks,
-# in two folders of at most 62 MB each, sent there in two calls back to back:
-#   .gpu/part1/  the first half of the mlx-cuda-13 wheel;
-#   .gpu/part2/  its second half, the other wheels, the rest as one site-packages tarball,
+# in two folders of at most ~58 MB each, sent there in two calls back to back:
+#   .gpu/part1/  the first part of the mlx-cuda-13 wheel's files (one tar.xz);
+#   .gpu/part2/  its rest, MLX's own wheel, the rest as one site-packages tarball,
 #                py-spy's wheel (a profiler: one binary), and the default model's tokenizer
 #                (the tiny test models and the random ~1B model are built from it there).
 # Versions are this checkout's (.venv's). Run scripts/setup.sh --dev first.
@@ -48,10 +48,14 @@ rm -rf "$OUT/site/litellm/proxy/_experimental/out" "$OUT/site/bin"  # the proxy'
 find "$OUT/site" -name __pycache__ -prune -exec rm -rf {} +
 tar -C "$OUT/site" -cJf "$OUT/part2/site.tar.xz" .
 
-split -b 62000000 "$OUT"/cuda/*.whl "$OUT/mlx-cuda.part."  # each call: 64 MiB with the checkout
+# MLX's backend goes as the files its wheel installs, xz-compressed: 75 MB where the wheel (zip)
+# is 90 MB. Split in two, so that each call, with the checkout, keeps ~8 MB below the 64 MiB.
+"$PY" -m pip install -q --no-deps --no-compile --no-index "${PLATFORM[@]}" --target "$OUT/backend" "$OUT"/cuda/*.whl
+rm -rf "$OUT/backend/bin"
+tar -C "$OUT/backend" -cf - . | xz -T0 -9 > "$OUT/backend.tar.xz"
+split -b 56000000 "$OUT/backend.tar.xz" "$OUT/mlx-cuda.part."
 mv "$OUT/mlx-cuda.part.aa" "$OUT/part1/"
-mv "$OUT"/mlx-cuda.part.a[b-z] "$OUT/part2/" 2>/dev/null || true  # (a small backend wheel is one part)
-basename "$OUT"/cuda/*.whl > "$OUT/part2/mlx-cuda.name"
+mv "$OUT"/mlx-cuda.part.a[b-z] "$OUT/part2/" 2>/dev/null || true  # (a small backend is one part)
 
 "$PY" - "$OUT/part2/tokenizer" <<'EOF'
 import sys
@@ -59,7 +63,7 @@ from mlx_parallm_provider.models.gguf import read_gguf_tokenizer
 from mlx_parallm_provider.models.registry import default_gguf_path
 read_gguf_tokenizer(default_gguf_path(), sys.argv[1])
 EOF
-rm -rf "$OUT/site" "$OUT/wheels" "$OUT/cuda"
+rm -rf "$OUT/site" "$OUT/wheels" "$OUT/cuda" "$OUT/backend" "$OUT/backend.tar.xz"
 # each call carries one part and the checkout (tracked and untracked files git does not ignore)
 tree=$(git ls-files -co --exclude-standard -z | du --files0-from=- -cb | tail -1 | cut -f1)
 for part in part1 part2; do

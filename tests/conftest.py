@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from pathlib import Path
 from typing import Optional
 
@@ -24,6 +25,12 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
 settings.load_profile("ci")
+
+# pytest-xdist's workers (scripts/gpu_check.sh runs the gpu tests in several on one GPU) each keep
+# MLX's CUDA kernel cache apart: MLX writes a compiled kernel's file where others read it, in
+# place, so a worker could load another's half-written kernel.
+if worker := os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["MLX_PTX_CACHE_DIR"] = f"{os.environ.get('MLX_PTX_CACHE_DIR') or os.path.join(tempfile.gettempdir(), 'mlx-ptx')}-{worker}"
 
 TINY_CONFIG = {
     "model_type": "llama",
