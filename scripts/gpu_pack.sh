@@ -52,8 +52,7 @@ tar -C "$OUT/site" -cJf "$OUT/part2/site.tar.xz" .
 # is 90 MB. Split in two, so that each call, with the checkout, keeps ~8 MB below the 64 MiB.
 "$PY" -m pip install -q --no-deps --no-compile --no-index "${PLATFORM[@]}" --target "$OUT/backend" "$OUT"/cuda/*.whl
 rm -rf "$OUT/backend/bin"
-tar -C "$OUT/backend" -cf - . | xz -T0 -9 > "$OUT/backend.tar.xz"
-split -b 56000000 "$OUT/backend.tar.xz" "$OUT/mlx-cuda.part."
+tar -C "$OUT/backend" -cf - . | xz -T0 -9 | split -b 56000000 - "$OUT/mlx-cuda.part."
 mv "$OUT/mlx-cuda.part.aa" "$OUT/part1/"
 mv "$OUT"/mlx-cuda.part.a[b-z] "$OUT/part2/" 2>/dev/null || true  # (a small backend is one part)
 
@@ -63,7 +62,7 @@ from mlx_parallm_provider.models.gguf import read_gguf_tokenizer
 from mlx_parallm_provider.models.registry import default_gguf_path
 read_gguf_tokenizer(default_gguf_path(), sys.argv[1])
 EOF
-rm -rf "$OUT/site" "$OUT/wheels" "$OUT/cuda" "$OUT/backend" "$OUT/backend.tar.xz"
+rm -rf "$OUT/site" "$OUT/wheels" "$OUT/cuda" "$OUT/backend"
 # each call carries one part and the checkout (tracked and untracked files git does not ignore)
 tree=$(git ls-files -co --exclude-standard -z | du --files0-from=- -cb | tail -1 | cut -f1)
 for part in part1 part2; do
