@@ -90,13 +90,21 @@ def march_problem(compiler: str, march: str) -> Optional[str]:
     that is no plain ISA name, one the compiler does not know, or features this CPU lacks."""
     if not re.fullmatch(MARCH_PATTERN, march):
         return "not an -march name"
-    probe = subprocess.run([compiler, f"-march={march}", "-dM", "-E", "-x", "c", "-"], input="", capture_output=True, text=True)
-    if probe.returncode != 0:
+    macros = isa_macros(compiler, [f"-march={march}"])
+    if macros is None:
         return f"{compiler} does not know it"
-    macros = {line.split()[1] for line in probe.stdout.splitlines() if line.startswith("#define ")}
     have = cpu_flags()
     missing = sorted(flag for macro, flag in _FEATURE_FLAGS.items() if macro in macros and flag not in have)
     return f"this CPU lacks {', '.join(missing)}" if missing else None
+
+
+def isa_macros(compiler: str, flags: list[str]) -> Optional[set[str]]:
+    """The vector-feature macros the kernels' sources test (``__AVX2__``, ``__AVX512F__``, ...)
+    that ``compiler`` defines with ``flags``; None where it rejects the flags."""
+    probe = subprocess.run([compiler, *flags, "-dM", "-E", "-x", "c", "-"], input="", capture_output=True, text=True)
+    if probe.returncode != 0:
+        return None
+    return {line.split()[1] for line in probe.stdout.splitlines() if line.startswith("#define ")} & _FEATURE_FLAGS.keys()
 
 
 _warned: set[tuple[str, str]] = set()

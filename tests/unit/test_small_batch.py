@@ -251,6 +251,16 @@ def test_march_problem_reads_the_cpus_flags_once_per_call(monkeypatch: pytest.Mo
     assert len(reads) == 1  # not once per feature macro x86-64-v3 defines
 
 
+def test_isa_macros_name_the_vector_features_a_march_turns_on() -> None:
+    """What the forced x86-64-v3 build's test compares with this CPU's own build to skip it."""
+    if qmatmul.isa_macros("cc", ["-march=x86-64-v3"]) is None:
+        pytest.skip("the compiler does not target x86-64-v3")
+    assert qmatmul.isa_macros("cc", ["-march=x86-64-v3"]) == {"__AVX__", "__AVX2__", "__FMA__", "__F16C__", "__BMI2__"}
+    assert qmatmul.isa_macros("cc", ["-march=x86-64"]) == set()
+    assert {"__AVX512F__", "__AVX512BW__"} <= qmatmul.isa_macros("cc", ["-march=x86-64-v4"])  # type: ignore[operator]
+    assert qmatmul.isa_macros("cc", ["-march=no-such-isa-anywhere"]) is None
+
+
 def test_by_default_no_float32_copy_is_kept_and_1_keeps_them(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from mlx_parallm_provider.models import private_blas
 
