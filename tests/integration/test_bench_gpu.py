@@ -64,7 +64,33 @@ def test_step_breakdown_times_each_part_at_each_row_count(tiny_random: Path, mon
         assert r["decode"] == "uncompiled (the backend has no GPU paged kernels)" and r["uncompiled_step_ms"] is None
         assert r["core_step_ms"] >= r["step_ms"] * 0.5 and r["mlx_lm_step_ms"] > 0  # the whole step; mlx-lm's at the same rows
         assert r["vs_mlx_lm"] == pytest.approx(r["mlx_lm_step_ms"] / r["core_step_ms"])
-        assert r["chat_sampling_ms"] > 0 and r["unfolded_matmul_ms"] > 0
+        assert r["chat_sampling_ms"] > 0 and r["unfolded_matmul_ms"] > 0 and r["stacked_matmul_ms"] > 0
+
+
+@pytest.mark.parametrize("bits", [0, 4], ids=["float32", "4-bit"])
+def test_stacked_products_give_each_sibling_layers_own_output(smollm_tokenizer_dir: Path, tmp_path: Path, bits: int) -> None:
+    """q/k/v and gate/up as one product over their weights stacked: each layer's own output,
+    side by side, for every block; every other linear layer is left single, none twice."""
+    import mlx.nn as nn
+
+    from mlx_parallm_provider.bench.gpu.siblings import stacked_products
+    from mlx_parallm_provider.models import registry
+
+    folder = random_model.build(tmp_path / "m", smollm_tokenizer_dir, "tiny", bits=bits, dtype="float32")
+    model = registry.load(str(folder), dequantize=False, engine=False).model
+    products, single = stacked_products(model)
+    blocks = model.model.layers
+    assert len(products) == 2 * len(blocks)
+    x = mx.random.normal((3, 1, model.args.hidden_size), key=mx.random.key(1))
+    groups = [(b.self_attn.q_proj, b.self_attn.k_proj, b.self_attn.v_proj) for b in blocks] + [(b.mlp.gate_proj, b.mlp.up_proj) for b in blocks]
+    assert {tuple(map(id, p.layers)) for p in products} == {tuple(map(id, g)) for g in groups}
+    for stacked in products:
+        assert stacked.width == model.args.hidden_size
+        want = mx.concatenate([layer(x) for layer in stacked.layers], axis=-1).reshape(3, -1)
+        assert mx.allclose(stacked.product(x), want, atol=1e-5).item()
+    kind = nn.QuantizedLinear if bits else nn.Linear
+    assert {id(layer) for layer in single} == {id(b.self_attn.o_proj) for b in blocks} | {id(b.mlp.down_proj) for b in blocks}
+    assert all(isinstance(layer, kind) for layer in single)
 
 
 def test_mlx_lm_steps_are_timed_while_every_row_decodes(tiny_random: Path) -> None:

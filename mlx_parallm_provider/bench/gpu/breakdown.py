@@ -7,13 +7,14 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from ...models import paged_kernels
 from .agreement import prompt_ids
+from .siblings import stacked_products
 from .timing import timed, timing_forwards, timing_steps
 
 
@@ -27,7 +28,9 @@ def step_breakdown(model: str, rows: Sequence[int] = (1, 2, 4, 8, 32, 64), token
     aside) over dequantized copies of their weights, against which a quantized matmul that
     does not amortize its weights over the rows shows. ``unfolded_matmul_ms``: ``matmul_ms``'s
     products as mlx-lm's own layers compute them, ``(rows, 1, K)`` (on MLX's CUDA backend, one
-    problem per row), where the GPU backend folds a step's rows into one matrix. ``graph_ms``: the host's time to build
+    problem per row), where the GPU backend folds a step's rows into one matrix.
+    ``stacked_matmul_ms``: ``matmul_ms``'s products with each block's q/k/v and gate/up each
+    as one product over their weights stacked (:mod:`.siblings`), rows folded. ``graph_ms``: the host's time to build
     one decode step's forward graph (median; near ``step_ms``, the step waits on the host);
     ``graph_nodes``: the ops in that graph (each one the host builds, most a launch on a GPU).
     ``decode``: how the engine's decode steps ran (``Engine.stats()``); where ``"compiled"``,
@@ -58,7 +61,8 @@ def step_breakdown(model: str, rows: Sequence[int] = (1, 2, 4, 8, 32, 64), token
         ms = parts.times(R, context)
         main = {name: ms[name] for name in ("matmul_ms", "attention_ms", "sampling_ms")}
         out.append({"rows": R, "step_ms": step_ms, "tokens_per_s": R / step_ms * 1e3, **main, "rest_ms": step_ms - sum(main.values()),
-                    "dense_layers_ms": ms["dense_layers_ms"], "unfolded_matmul_ms": ms["unfolded_matmul_ms"], "graph_ms": graph_ms,
+                    "dense_layers_ms": ms["dense_layers_ms"], "unfolded_matmul_ms": ms["unfolded_matmul_ms"],
+                    "stacked_matmul_ms": ms["stacked_matmul_ms"], "graph_ms": graph_ms,
                     "graph_nodes": next((nodes for _, nodes in decode_builds if nodes is not None), None), "decode": decode,
                     "uncompiled_step_ms": uncompiled_ms, "core_step_ms": core_ms, "mlx_lm_step_ms": peer_ms,
                     "vs_mlx_lm": peer_ms / core_ms if core_ms and peer_ms else None, "chat_sampling_ms": ms["chat_sampling_ms"]})
@@ -104,6 +108,7 @@ class _Parts:
         self.dense = [mx.dequantize(mod.weight, mod.scales, mod.biases, mod.group_size, mod.bits).astype(self.dtype)
                       if isinstance(mod, nn.QuantizedLinear) else mod.weight for mod in self.linears]
         mx.eval(self.dense)
+        self.stacked, self.unstacked = stacked_products(model)
 
     def times(self, R: int, context: int) -> dict[str, float]:
         """Median ms of each part at ``R`` rows, attention over ``context`` tokens a row."""
@@ -115,12 +120,20 @@ class _Parts:
         head_dim = getattr(args, "head_dim", None) or args.hidden_size // heads
         inputs = {_in_dims(mod): mx.random.normal((R, 1, _in_dims(mod))).astype(dtype) for mod in self.linears}
 
+        def head(call: Callable[[Any, str, mx.array], mx.array]) -> mx.array:
+            layer, x = getattr(m, "lm_head", None), inputs[args.hidden_size]
+            return call(layer, "__call__", x) if layer is not None else call(m.model.embed_tokens, "as_linear", x)
+
+        def routed(layer: Any, method: str, x: mx.array) -> mx.array:
+            return getattr(layer, method)(x)
+
         def matmuls(own: bool = False):  # (own: as mlx-lm's own layers multiply, the rows not folded by the backend)
-            call = unrouted if own else (lambda layer, method, x: getattr(layer, method)(x))
-            outs = [call(mod, "__call__", inputs[_in_dims(mod)]) for mod in self.linears]
-            head, x = getattr(m, "lm_head", None), inputs[args.hidden_size]
-            outs.append(call(head, "__call__", x) if head is not None else call(m.model.embed_tokens, "as_linear", x))
-            return outs
+            call = unrouted if own else routed
+            return [call(mod, "__call__", inputs[_in_dims(mod)]) for mod in self.linears] + [head(call)]
+
+        def stacked_matmuls():
+            outs = [s.product(inputs[s.width]) for s in self.stacked]
+            return outs + [mod(inputs[_in_dims(mod)]) for mod in self.unstacked] + [head(routed)]
 
         def dense_matmuls():  # the same products over dequantized copies (the weights read at 16 bits)
             return [inputs[w.shape[1]] @ w.T for w in self.dense]
@@ -151,7 +164,8 @@ class _Parts:
             return mx.array([row.token for row in sample_batch(logits, chat, histories)])
 
         return timed({"matmul_ms": matmuls, "attention_ms": attention, "sampling_ms": sampling, "dense_layers_ms": dense_matmuls,
-                      "chat_sampling_ms": chat_sampling, "unfolded_matmul_ms": lambda: matmuls(own=True)}, 5)
+                      "chat_sampling_ms": chat_sampling, "unfolded_matmul_ms": lambda: matmuls(own=True),
+                      "stacked_matmul_ms": stacked_matmuls}, 5)
 
 
 def mlx_lm_model(model_dir: str) -> Any:
