@@ -14,7 +14,7 @@ import mlx.nn as nn
 
 from ...models import paged_kernels
 from .agreement import prompt_ids
-from .siblings import stacked_products
+from .siblings import linear_layers, stacked_products
 from .timing import timed, timing_forwards, timing_steps
 
 
@@ -102,8 +102,7 @@ class _Parts:
 
     def __init__(self, model: Any, launch: Optional[paged_kernels.Launch]) -> None:
         self.model, self.launch = model, launch
-        self.linears = [mod for name, mod in model.named_modules()
-                        if isinstance(mod, (nn.Linear, nn.QuantizedLinear)) and name != "lm_head"]
+        self.linears = linear_layers(model)
         self.dtype = model.model.norm.weight.dtype  # the activations' dtype
         self.dense = [mx.dequantize(mod.weight, mod.scales, mod.biases, mod.group_size, mod.bits).astype(self.dtype)
                       if isinstance(mod, nn.QuantizedLinear) else mod.weight for mod in self.linears]

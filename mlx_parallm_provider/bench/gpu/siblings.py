@@ -25,11 +25,16 @@ class Stacked(NamedTuple):
     layers: tuple[Any, ...]
 
 
+def linear_layers(model: Any) -> list[Any]:
+    """``model``'s linear layers, float or quantized, the output head aside."""
+    return [mod for name, mod in model.named_modules() if isinstance(mod, (nn.Linear, nn.QuantizedLinear)) and name != "lm_head"]
+
+
 def stacked_products(model: Any) -> tuple[list[Stacked], list[Any]]:
     """``(products, single)``: each group of :data:`SIBLINGS` in ``model``'s blocks whose
     layers compute alike (all float, or all quantized with the same bits, groups and mode;
     biases on all or none) as one product over their weights stacked (a copy, held by the
-    product); ``single``: the model's other linear layers (the output head aside)."""
+    product); ``single``: the model's other :func:`linear_layers`."""
     products: list[Stacked] = []
     grouped: set[int] = set()
     for _, module in model.named_modules():
@@ -39,8 +44,7 @@ def stacked_products(model: Any) -> tuple[list[Stacked], list[Any]]:
             if product is not None:
                 products.append(Stacked(*product, tuple(layers)))
                 grouped.update(id(layer) for layer in layers)
-    single = [mod for name, mod in model.named_modules()
-              if isinstance(mod, (nn.Linear, nn.QuantizedLinear)) and name != "lm_head" and id(mod) not in grouped]
+    single = [mod for mod in linear_layers(model) if id(mod) not in grouped]
     return products, single
 
 
@@ -55,7 +59,7 @@ def _stacked(layers: Sequence[Any]) -> Optional[tuple[Callable[[mx.array], mx.ar
     if any(set(layer.keys()) != keys or layer.weight.shape[1] != first.weight.shape[1] for layer in layers):
         return None
     bias = mx.concatenate([layer.bias for layer in layers]) if "bias" in keys else None
-    if isinstance(first, nn.QuantizedLinear):
+    if kind is nn.QuantizedLinear:
         if any((layer.bits, layer.group_size, layer.mode) != (first.bits, first.group_size, first.mode) for layer in layers):
             return None
         weight, scales = (mx.concatenate([layer[k] for layer in layers]) for k in ("weight", "scales"))
