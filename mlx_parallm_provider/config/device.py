@@ -27,6 +27,7 @@ DEVICE_SETTINGS: dict[str, Setting] = {
     "amx": Setting(Limit("bool"), "MLX_PARALLM_AMX", True, parse_choice),
     "paged_attention": Setting(Limit("choice", choices=PAGED_ATTENTION), "MLX_PARALLM_PAGED_ATTENTION", "auto", parse_word),
     "compile_decode": Setting(Limit("bool", optional=True), "MLX_PARALLM_COMPILE_DECODE", None, parse_choice),
+    "stack_projections": Setting(Limit("bool"), "MLX_PARALLM_STACK_PROJECTIONS", True, parse_choice),
 }
 """:class:`DeviceConfig`'s fields: limits, variables, built-in defaults."""
 
@@ -84,6 +85,12 @@ class DeviceConfig(CheckedSettings):
             the GPU's paged kernels take every layer's attention (no sliding windows; rows
             with a LoRA adapter step uncompiled); True: tried wherever the pass allows;
             False: never.
+        stack_projections: where MLX's ops compute the model (a GPU, or ``cpu_kernels``
+            False), each llama / qwen2 layer's q/k/v and gate/up projections, quantized
+            alike, are stacked at load and multiplied as one product each (as vLLM's merged
+            linear layers), the layers keeping views of the stacked weights (no more memory):
+            the same outputs, fewer and wider launches. Rows with a LoRA adapter multiply
+            layer by layer. False: each layer its own product.
     """
 
     _SETTINGS: ClassVar[dict[str, Setting]] = DEVICE_SETTINGS
@@ -98,6 +105,7 @@ class DeviceConfig(CheckedSettings):
     amx: bool = _field("amx")
     paged_attention: str = _field("paged_attention")
     compile_decode: Optional[bool] = _field("compile_decode")
+    stack_projections: bool = _field("stack_projections")
 
     @classmethod
     def from_env(cls, **overrides: Any) -> "DeviceConfig":

@@ -62,6 +62,9 @@ def prepare_model(model: Any, dequantize: Optional[bool] = None, kernels: "Choic
     CPU device, ``device.cpu_kernels`` overriding) and installed on it, set from ``device`` (a
     :class:`.DeviceConfig`, default the environment's); the CPU kernels keep
     quantized layers' packed weights for small steps and fuse RMSNorm / RoPE.
+    Where the backend computes with MLX's ops, llama / qwen2 layers' q/k/v and gate/up
+    projections quantized alike are then stacked (:mod:`.backends.stacked`;
+    ``device.stack_projections``).
     ``engine=False`` leaves mlx-lm's code as it is (the benchmark's mlx-lm peers): only the
     weights are converted. When mlx was imported before this package, dense layers multiply
     through a privately bound OpenBLAS (:mod:`.private_blas`) either way."""
@@ -76,6 +79,10 @@ def prepare_model(model: Any, dequantize: Optional[bool] = None, kernels: "Choic
         backends.install(model, chosen)
     if should_dequantize(dequantize):
         _dequantize(model, chosen, to_float32=is_cpu())
+    if chosen is not None and chosen.stacks_siblings and device.stack_projections:
+        from .backends.stacked import stack_siblings
+
+        stack_siblings(model)  # (after dequantizing: only quantized layers stack)
     if is_cpu():
         from .private_blas import install as install_private_blas
 

@@ -64,33 +64,38 @@ def test_step_breakdown_times_each_part_at_each_row_count(tiny_random: Path, mon
         assert r["decode"] == "uncompiled (the backend has no GPU paged kernels)" and r["uncompiled_step_ms"] is None
         assert r["core_step_ms"] >= r["step_ms"] * 0.5 and r["mlx_lm_step_ms"] > 0  # the whole step; mlx-lm's at the same rows
         assert r["vs_mlx_lm"] == pytest.approx(r["mlx_lm_step_ms"] / r["core_step_ms"])
-        assert r["chat_sampling_ms"] > 0 and r["unfolded_matmul_ms"] > 0 and r["stacked_matmul_ms"] > 0
+        assert r["chat_sampling_ms"] > 0 and r["unfolded_matmul_ms"] > 0 and r["unstacked_matmul_ms"] > 0
+        assert r["unstacked_step_ms"] is None  # (a float model: nothing stacked)
 
 
 @pytest.mark.parametrize("bits", [0, 4], ids=["float32", "4-bit"])
-def test_stacked_products_give_each_sibling_layers_own_output(smollm_tokenizer_dir: Path, tmp_path: Path, bits: int) -> None:
-    """q/k/v and gate/up as one product over their weights stacked: each layer's own output,
-    side by side, for every block; every other linear layer is left single, none twice."""
-    import mlx.nn as nn
-
-    from mlx_parallm_provider.bench.gpu.siblings import stacked_products
+def test_the_breakdown_multiplies_as_the_engine_does_its_stacked_siblings_as_one_product(
+        smollm_tokenizer_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, bits: int) -> None:
+    """A quantized model loaded for an engine on MLX's ops: each block's q/k/v and gate/up one
+    product (each layer's own output, side by side), every other linear layer alone, none
+    twice; a float model's layers all alone."""
+    from mlx_parallm_provider.bench.gpu.siblings import engine_products, linear_layers
     from mlx_parallm_provider.models import registry
 
+    monkeypatch.setenv("MLX_PARALLM_CPU_OPS", "0")  # MLX's ops, as on a GPU
     folder = random_model.build(tmp_path / "m", smollm_tokenizer_dir, "tiny", bits=bits, dtype="float32")
-    model = registry.load(str(folder), dequantize=False, engine=False).model
-    products, single = stacked_products(model)
+    model = registry.load(str(folder), dequantize=False).model
+    products = engine_products(model)
     blocks = model.model.layers
-    assert len(products) == 2 * len(blocks)
     x = mx.random.normal((3, 1, model.args.hidden_size), key=mx.random.key(1))
+    if not bits:
+        assert [id(p.product) for p in products] == [id(layer) for layer in linear_layers(model)]
+        return
     groups = [(b.self_attn.q_proj, b.self_attn.k_proj, b.self_attn.v_proj) for b in blocks] + [(b.mlp.gate_proj, b.mlp.up_proj) for b in blocks]
-    assert {tuple(map(id, p.layers)) for p in products} == {tuple(map(id, g)) for g in groups}
-    for stacked in products:
-        assert stacked.width == model.args.hidden_size
-        want = mx.concatenate([layer(x) for layer in stacked.layers], axis=-1).reshape(3, -1)
-        assert mx.allclose(stacked.product(x), want, atol=1e-5).item()
-    kind = nn.QuantizedLinear if bits else nn.Linear
-    assert {id(layer) for layer in single} == {id(b.self_attn.o_proj) for b in blocks} | {id(b.mlp.down_proj) for b in blocks}
-    assert all(isinstance(layer, kind) for layer in single)
+    stacks, single = products[: len(groups)], products[len(groups) :]
+    want = {tuple(map(id, g)): [layer(x) for layer in g] for g in groups}
+    matched = set()
+    for stack in stacks:  # (each stack gives one group's outputs, each layer's own, bit for bit)
+        assert stack.width == model.args.hidden_size
+        got = stack.product(x)
+        matched |= {k for k, outs in want.items() if len(outs) == len(got) and all(mx.array_equal(a, b) for a, b in zip(got, outs))}
+    assert matched == set(want)
+    assert sorted(id(p.product) for p in single) == sorted(id(layer) for b in blocks for layer in (b.self_attn.o_proj, b.mlp.down_proj))
 
 
 def test_mlx_lm_steps_are_timed_while_every_row_decodes(tiny_random: Path) -> None:
@@ -111,8 +116,38 @@ def test_step_breakdown_times_compiled_decode_steps_against_uncompiled_ones(tiny
     assert backend.device.compile_decode is None  # (turned off for the uncompiled run alone)
 
 
+def test_step_breakdown_times_the_engines_steps_with_its_stacked_siblings_set_aside_and_reports_each_row_count(
+        smollm_tokenizer_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from mlx_parallm_provider.models import registry
+    from mlx_parallm_provider.models.backends.stacked import QKV, stacked
+
+    monkeypatch.setenv("MLX_PARALLM_CPU_OPS", "0")  # MLX's ops, as on a GPU: a quantized model's siblings stacked
+    monkeypatch.setenv("MLX_PARALLM_DEQUANTIZE", "0")  # (kept quantized, as on a GPU)
+    folder = random_model.build(tmp_path / "m", smollm_tokenizer_dir, "tiny", bits=4, dtype="float32")
+    attention = registry.load(str(folder)).model.layers[0].self_attn
+    seen: list[list[int]] = []
+    rows = gpu.step_breakdown(str(folder), rows=(1, 3), tokens=4, done=lambda so_far: seen.append([r["rows"] for r in so_far]))
+    assert seen == [[1], [1, 3]]
+    assert all(r["unstacked_step_ms"] > 0 for r in rows)
+    assert stacked(attention, QKV) is not None  # (stacked again after)
+
+
 def test_graph_nodes_counts_the_ops_not_yet_evaluated() -> None:
     held = mx.ones((2, 3))
     mx.eval(held)
     assert gpu.graph_nodes(mx.exp(held)) == 1
     assert gpu.graph_nodes(mx.exp(held) + held, held * 2) == 4  # exp, add; the scalar's broadcast, multiply
+
+
+def test_a_breakdown_cut_short_keeps_its_rows_so_far(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    from mlx_parallm_provider.bench.gpu import __main__ as command
+
+    def failing(model, rows, launch=None, done=None):
+        done([{"rows": rows[0], "step_ms": 1.5}])
+        raise RuntimeError("out of time")
+
+    monkeypatch.setattr(command, "step_breakdown", failing)
+    out = tmp_path / "gpu.json"
+    assert command.main(["--model", "unused", "--rows", "1,8", "--skip", "paged,agreement", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["breakdown"] == {"error": "RuntimeError: out of time", "rows": [{"rows": 1, "step_ms": 1.5}]}
+    assert '- breakdown: {"rows": 1, "step_ms": 1.5}' in capsys.readouterr().out  # (printed as each row count ends)

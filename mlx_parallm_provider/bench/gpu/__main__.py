@@ -43,25 +43,35 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     launch = MLXKernels(platform) if platform else None
     models = _models(args)
 
+    def save() -> None:
+        if args.json:
+            args.json.write_text(json.dumps(result, indent=1))
+
+    def partial(name: str, rows: list[dict[str, Any]]) -> None:  # (a section's rows so far: a run cut short keeps them)
+        result[name] = list(rows)
+        save()
+        print(f"- {name}: {json.dumps(rows[-1])}", flush=True)
+
     def section(name: str, fn: Callable[[], Any]) -> None:
         if name.split("_")[0] in skip:
             return
         start = time.perf_counter()
         try:
             result[name] = fn()
-        except Exception as exc:  # one section failing still reports the others
-            result[name] = {"error": f"{type(exc).__name__}: {exc}"}
+        except Exception as exc:  # one section failing still reports the others (and its rows so far)
+            done = result.get(name)
+            result[name] = {"error": f"{type(exc).__name__}: {exc}", **({"rows": done} if isinstance(done, list) else {})}
         shown = _table(result[name]) if isinstance(result[name], list) else json.dumps(result[name])
         print(f"\n## {name} ({time.perf_counter() - start:.0f} s)\n{shown}", flush=True)
-        if args.json:
-            args.json.write_text(json.dumps(result, indent=1))
+        save()
 
     if launch is not None:
         section("paged", lambda: paged_step_times(launch, [int(c) for c in args.contexts.split(",")]))
     for i, model in enumerate(models):
         section(f"agreement_{i}", lambda model=model: agreement(model))
     if models:
-        section("breakdown", lambda: step_breakdown(models[-1], [int(r) for r in args.rows.split(",")], launch=launch))
+        section("breakdown", lambda: step_breakdown(models[-1], [int(r) for r in args.rows.split(",")], launch=launch,
+                                                    done=lambda rows: partial("breakdown", rows)))
     return 0
 
 

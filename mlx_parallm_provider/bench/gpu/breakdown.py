@@ -13,35 +13,42 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ...models import paged_kernels
+from ...models.backends.stacked import unstacked
 from .agreement import prompt_ids
-from .siblings import linear_layers, stacked_products
+from .siblings import engine_products, in_dims, linear_layers
 from .timing import timed, timing_forwards, timing_steps
 
 
 def step_breakdown(model: str, rows: Sequence[int] = (1, 2, 4, 8, 32, 64), tokens: int = 32,
-                   launch: Optional[paged_kernels.Launch] = None) -> list[dict[str, Any]]:
+                   launch: Optional[paged_kernels.Launch] = None,
+                   done: Optional[Callable[[list[dict[str, Any]]], None]] = None) -> list[dict[str, Any]]:
     """Where one decode step's time goes at each row count: the engine's measured step (p50),
-    and timed alone at that size: every linear layer once (weights' matmuls and the head), the
+    and timed alone at that size: every linear layer once (weights' matmuls and the head; a
+    block's q/k/v and gate/up as one product each where the engine stacked them), the
     attention of every layer over the rows' KV (the paged kernels where ``launch``, else the
     gather path), sampling (the engine's greedy and temperature draws over the vocabulary). The rest: norms,
     RoPE, elementwise ops, Python and scheduling. ``dense_layers_ms``: the layers' matmuls (head
     aside) over dequantized copies of their weights, against which a quantized matmul that
-    does not amortize its weights over the rows shows. ``unfolded_matmul_ms``: ``matmul_ms``'s
-    products as mlx-lm's own layers compute them, ``(rows, 1, K)`` (on MLX's CUDA backend, one
+    does not amortize its weights over the rows shows. ``unfolded_matmul_ms``:
+    ``unstacked_matmul_ms``'s products as mlx-lm's own layers compute them, ``(rows, 1, K)`` (on MLX's CUDA backend, one
     problem per row), where the GPU backend folds a step's rows into one matrix.
-    ``stacked_matmul_ms``: ``matmul_ms``'s products with each block's q/k/v and gate/up each
-    as one product over their weights stacked (:mod:`.siblings`), rows folded. ``graph_ms``: the host's time to build
+    ``unstacked_matmul_ms``: ``matmul_ms``'s products with every layer its own product, q, k,
+    v, gate and up apart (:mod:`.siblings`; what a step multiplies with
+    ``stack_projections`` off), rows folded. ``graph_ms``: the host's time to build
     one decode step's forward graph (median; near ``step_ms``, the step waits on the host);
     ``graph_nodes``: the ops in that graph (each one the host builds, most a launch on a GPU).
     ``decode``: how the engine's decode steps ran (``Engine.stats()``); where ``"compiled"``,
     ``uncompiled_step_ms`` is the p50 step of the same run with ``compile_decode`` off.
+    ``unstacked_step_ms``: the p50 step of the same run with every layer its own product
+    (where the engine stacked q/k/v and gate/up: :mod:`...models.backends.stacked`).
     ``core_step_ms``: the engine's whole step at full width (p50: scheduling, the forward,
     the tokens taken and delivered), against ``mlx_lm_step_ms``, one step of mlx-lm's
     ``BatchGenerator`` decoding the same prompts as one batch (p50 of ``next()`` after its
     prefill, on the weights ``mlx-parallm bench``'s mlx-lm peers get); ``vs_mlx_lm``: their
     ratio (over 1: the engine's decode steps are the faster). ``chat_sampling_ms``: a step's
     whole sampling with every row as chat clients often ask (temperature 0.7, top_p 0.9,
-    repetition_penalty 1.1: the batched filters and penalties), beside ``sampling_ms``."""
+    repetition_penalty 1.1: the batched filters and penalties), beside ``sampling_ms``.
+    ``done(rows so far)`` is called after each row count (a run cut short keeps them)."""
     from ...models import backends, registry
 
     loaded = registry.load(model)
@@ -56,16 +63,20 @@ def step_breakdown(model: str, rows: Sequence[int] = (1, 2, 4, 8, 32, 64), token
         step_ms, builds, decode, core_ms = _engine_steps(loaded, ids[:R], tokens)
         peer_ms = mlx_lm_step_ms(peer, ids[:R], tokens)
         uncompiled_ms = _engine_steps(loaded, ids[:R], tokens, compiled=False)[0] if decode == "compiled" else None
+        with unstacked(loaded.model) as stacks:
+            unstacked_ms = _engine_steps(loaded, ids[:R], tokens)[0] if stacks else None
         decode_builds = [(t, nodes) for rows_in, width, t, nodes in builds if rows_in == R and width == 1]
         graph_ms = statistics.median(t for t, _ in decode_builds) * 1e3 if decode_builds else None
         ms = parts.times(R, context)
         main = {name: ms[name] for name in ("matmul_ms", "attention_ms", "sampling_ms")}
         out.append({"rows": R, "step_ms": step_ms, "tokens_per_s": R / step_ms * 1e3, **main, "rest_ms": step_ms - sum(main.values()),
                     "dense_layers_ms": ms["dense_layers_ms"], "unfolded_matmul_ms": ms["unfolded_matmul_ms"],
-                    "stacked_matmul_ms": ms["stacked_matmul_ms"], "graph_ms": graph_ms,
+                    "unstacked_matmul_ms": ms["unstacked_matmul_ms"], "graph_ms": graph_ms,
                     "graph_nodes": next((nodes for _, nodes in decode_builds if nodes is not None), None), "decode": decode,
-                    "uncompiled_step_ms": uncompiled_ms, "core_step_ms": core_ms, "mlx_lm_step_ms": peer_ms,
+                    "uncompiled_step_ms": uncompiled_ms, "unstacked_step_ms": unstacked_ms, "core_step_ms": core_ms, "mlx_lm_step_ms": peer_ms,
                     "vs_mlx_lm": peer_ms / core_ms if core_ms and peer_ms else None, "chat_sampling_ms": ms["chat_sampling_ms"]})
+        if done is not None:
+            done(out)
     return out
 
 
@@ -107,7 +118,7 @@ class _Parts:
         self.dense = [mx.dequantize(mod.weight, mod.scales, mod.biases, mod.group_size, mod.bits).astype(self.dtype)
                       if isinstance(mod, nn.QuantizedLinear) else mod.weight for mod in self.linears]
         mx.eval(self.dense)
-        self.stacked, self.unstacked = stacked_products(model)
+        self.products = engine_products(model)
 
     def times(self, R: int, context: int) -> dict[str, float]:
         """Median ms of each part at ``R`` rows, attention over ``context`` tokens a row."""
@@ -117,7 +128,7 @@ class _Parts:
         m, args, dtype = self.model, self.model.args, self.dtype
         heads, kv_heads = args.num_attention_heads, args.num_key_value_heads
         head_dim = getattr(args, "head_dim", None) or args.hidden_size // heads
-        inputs = {_in_dims(mod): mx.random.normal((R, 1, _in_dims(mod))).astype(dtype) for mod in self.linears}
+        inputs = {in_dims(mod): mx.random.normal((R, 1, in_dims(mod))).astype(dtype) for mod in self.linears}
 
         def head(call: Callable[[Any, str, mx.array], mx.array]) -> mx.array:
             layer, x = getattr(m, "lm_head", None), inputs[args.hidden_size]
@@ -126,13 +137,12 @@ class _Parts:
         def routed(layer: Any, method: str, x: mx.array) -> mx.array:
             return getattr(layer, method)(x)
 
-        def matmuls(own: bool = False):  # (own: as mlx-lm's own layers multiply, the rows not folded by the backend)
-            call = unrouted if own else routed
-            return [call(mod, "__call__", inputs[_in_dims(mod)]) for mod in self.linears] + [head(call)]
+        def matmuls():  # (as the engine multiplies: the siblings it stacked as one product each)
+            return [p.product(inputs[p.width]) for p in self.products] + [head(routed)]
 
-        def stacked_matmuls():
-            outs = [s.product(inputs[s.width]) for s in self.stacked]
-            return outs + [mod(inputs[_in_dims(mod)]) for mod in self.unstacked] + [head(routed)]
+        def single_matmuls(own: bool = False):  # (own: as mlx-lm's own layers multiply, the rows not folded by the backend)
+            call = unrouted if own else routed
+            return [call(mod, "__call__", inputs[in_dims(mod)]) for mod in self.linears] + [head(call)]
 
         def dense_matmuls():  # the same products over dequantized copies (the weights read at 16 bits)
             return [inputs[w.shape[1]] @ w.T for w in self.dense]
@@ -163,8 +173,8 @@ class _Parts:
             return mx.array([row.token for row in sample_batch(logits, chat, histories)])
 
         return timed({"matmul_ms": matmuls, "attention_ms": attention, "sampling_ms": sampling, "dense_layers_ms": dense_matmuls,
-                      "chat_sampling_ms": chat_sampling, "unfolded_matmul_ms": lambda: matmuls(own=True),
-                      "stacked_matmul_ms": stacked_matmuls}, 5)
+                      "chat_sampling_ms": chat_sampling, "unfolded_matmul_ms": lambda: single_matmuls(own=True),
+                      "unstacked_matmul_ms": single_matmuls}, 5)
 
 
 def mlx_lm_model(model_dir: str) -> Any:
@@ -203,7 +213,3 @@ def unrouted(layer: Any, method: str, x: mx.array) -> mx.array:
     from ...models.backends.routing import original_class
 
     return getattr(original_class(layer), method)(layer, x)
-
-
-def _in_dims(layer: Any) -> int:
-    return layer.weight.shape[-1] * (32 // layer.bits if isinstance(layer, nn.QuantizedLinear) else 1)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 import importlib
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 _PLAIN_ATTENTION = (("mlx_lm.models.llama", "Attention"), ("mlx_lm.models.qwen2", "Attention"))
 """mlx-lm attention classes whose ``__call__`` is exactly q/k/v projections, RoPE at
@@ -49,14 +49,46 @@ def fusable(cls: type) -> bool:
     return plain_code(cls, _PLAIN_ATTENTION)
 
 
-def stepping(original: Callable[..., Any], backend: Any) -> Callable[..., Any]:
-    """``original`` (an attention ``__call__``, as routed) with the fused step in front."""
+Projections = Callable[[Any, Any], Sequence[Any]]
+"""``project(attention, x)``: the attention's queries, keys and values of ``x``."""
+
+
+def own_projections(attention: Any, x: Any) -> tuple[Any, Any, Any]:
+    """``attention``'s q/k/v projections of ``x``, each layer called (mlx-lm's code)."""
+    return attention.q_proj(x), attention.k_proj(x), attention.v_proj(x)
+
+
+def stepping(original: Callable[..., Any], backend: Any, project: Optional[Projections] = None) -> Callable[..., Any]:
+    """``original`` (an attention ``__call__``, as routed) with the fused step in front;
+    ``project``: the queries, keys and values made another way than :func:`own_projections`
+    (:mod:`.stacked`), and then attended by :func:`attend_projected` where the step does not apply."""
 
     def __call__(self: Any, x: Any, mask: Optional[Any] = None, cache: Optional[Any] = None) -> Any:
         can = getattr(cache, "can_attend_step", None)
         if can is not None and backend.steps_attention(self.rope) and can(self.n_heads, x.shape[1], backend):
-            out = cache.attend_step(self.q_proj(x), self.k_proj(x), self.v_proj(x), self.n_heads, self.rope, self.scale, backend)
+            out = cache.attend_step(*(project or own_projections)(self, x), self.n_heads, self.rope, self.scale, backend)
             return self.o_proj(out)
+        if project is not None:
+            return attend_projected(self, *project(self, x), mask, cache, backend.attend)
         return original(self, x, mask, cache)
 
     return functools.wraps(original)(__call__)  # (__wrapped__: what runs where the step does not apply)
+
+
+def attend_projected(self: Any, queries: Any, keys: Any, values: Any, mask: Optional[Any], cache: Optional[Any],
+                     attend: Callable[..., Any]) -> Any:
+    """The rest of a :data:`_PLAIN_ATTENTION` ``__call__`` from its projections on (mlx-lm's
+    code, line for line), ``attend`` as its ``scaled_dot_product_attention``."""
+    B, L, _ = queries.shape
+    queries = queries.reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
+    keys = keys.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+    values = values.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+    if cache is not None:
+        queries = self.rope(queries, offset=cache.offset)
+        keys = self.rope(keys, offset=cache.offset)
+        keys, values = cache.update_and_fetch(keys, values)
+    else:
+        queries = self.rope(queries)
+        keys = self.rope(keys)
+    output = attend(queries, keys, values, cache=cache, scale=self.scale, mask=mask)
+    return self.o_proj(output.transpose(0, 2, 1, 3).reshape(B, L, -1))

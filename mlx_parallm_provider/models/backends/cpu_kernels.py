@@ -106,6 +106,7 @@ class CPUKernels(MLXOps):
     kernels = True
     reads_pages = True
     steps_layers = True
+    stacks_siblings = False  # (its layers are its own: packed siblings, :mod:`..small_batch`)
     head_sizes = (16, attention.MAX_HEAD_DIM, attention.MAX_GROUP)
 
     def __post_init__(self) -> None:

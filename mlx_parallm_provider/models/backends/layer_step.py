@@ -22,11 +22,10 @@ import mlx.core as mx
 
 from ..lora.layers import base_linear, blocks_step_fused
 from .attention_step import fusable, plain_code
+from .stacked import PLAIN_MLPS
 
 _PLAIN_BLOCKS = (("mlx_lm.models.llama", "TransformerBlock"), ("mlx_lm.models.qwen2", "TransformerBlock"))
 """mlx-lm blocks whose ``__call__`` is ``h = x + attn(norm(x)); out = h + mlp(norm(h))``."""
-_PLAIN_MLPS = (("mlx_lm.models.llama", "MLP"), ("mlx_lm.models.qwen2", "MLP"))
-"""mlx-lm MLPs whose ``__call__`` is ``down(swiglu(gate(x), up(x)))``."""
 MAX_ROWS = 128
 """Most rows (rows x positions) a step takes through the op: the packed kernel's panels' bound."""
 
@@ -83,7 +82,8 @@ def plan_of(block: Any) -> Optional[LayerPlan]:
         return None
     if not all(type(n) is FusedRMSNorm for n in norms) or not isinstance(getattr(attn, "rope", None), FusedRoPE):
         return None
-    if not fusable(getattr(type(attn), "_parallm_original_class", type(attn))) or not plain_code(type(mlp), _PLAIN_MLPS):
+    original = [getattr(type(m), "_parallm_original_class", type(m)) for m in (attn, mlp)]
+    if not fusable(original[0]) or not plain_code(original[1], PLAIN_MLPS):
         return None
     q, k, v, o, gate, up, down = (base_linear(layer) for layer in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
                                                                   mlp.gate_proj, mlp.up_proj, mlp.down_proj))

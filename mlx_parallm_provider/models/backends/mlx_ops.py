@@ -44,6 +44,9 @@ class MLXOps:
     """Whether the model's quantized linear layers (and a quantized embedding used as the
     output head) multiply a step's rows as one ``(rows, K)`` matrix rather than as one
     problem per row, as MLX's CUDA backend takes ``(rows, 1, K)`` (:mod:`.folded_rows`)."""
+    stacks_siblings = True
+    """Whether a plain llama / qwen2 block's q/k/v and gate/up, quantized alike, are stacked at
+    load (:attr:`.DeviceConfig.stack_projections`) and each multiplied as one product (:mod:`.stacked`)."""
     step_writes_in_place = True
     """Whether :meth:`paged_attention_step` writes the pools' memory in place (an op MLX does
     not see writing: the pools' later readers are then ordered after it), rather than by

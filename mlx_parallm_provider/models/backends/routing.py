@@ -9,7 +9,9 @@ the layer's class's or a base class's, whatever module the model's top class com
 The module itself, its classes, and every other model loaded from it (the benchmark's mlx-lm
 peers, a user's own model) are untouched. Where the backend :attr:`~.MLXOps.folds_rows`, the
 model's quantized linear layers (and a quantized embedding's ``as_linear``) get such a subclass
-too, multiplying a step's rows as one matrix (:mod:`.folded_rows`).
+too, multiplying a step's rows as one matrix (:mod:`.folded_rows`). Where it
+:attr:`~.MLXOps.stacks_siblings`, plain llama / qwen2 attention and MLP classes make their
+q/k/v and gate/up as one product each where loading stacked them (:mod:`.stacked`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from .attention_step import fusable, stepping
 from .folded_rows import folded_methods
 from .layer_step import fusable_block, stepping_block
 from .softcapped import attending, softcapped
+from .stacked import GATE_UP, qkv_projections, siblings_of_class, stacking_mlp
 
 _ORIGINAL = "_parallm_original_class"  # on a routed subclass: the mlx-lm class it derives from
 _BACKEND = "_parallm_backend"  # on a routed subclass: the backend its methods call
@@ -79,13 +82,17 @@ def _subclass(cls: type, backend: Any, namespaces: dict[str, Optional[dict[str, 
         if called:
             body[name] = _rebound(fn, namespace)
             calls |= called
+    stacks = getattr(backend, "stacks_siblings", False)
     if softcapped(cls):  # (gemma2: its own scores, now the backend's attention)
         body["__call__"] = attending(backend)
         calls.add("scaled_dot_product_attention")
     elif fusable(cls) and "scaled_dot_product_attention" in calls and hasattr(backend, "steps_attention"):
-        body["__call__"] = stepping(body["__call__"], backend)  # (a decode step's attention as one op, where it can)
+        project = qkv_projections if stacks else None  # (q/k/v by one product where stacked)
+        body["__call__"] = stepping(body["__call__"], backend, project)  # (a decode step's attention as one op, where it can)
     elif fusable_block(cls) and getattr(backend, "steps_layers", False):
         body["__call__"] = stepping_block(body.get("__call__", cls.__call__), backend)  # (a whole layer's step, where it can)
+    elif stacks and siblings_of_class(cls) == GATE_UP:
+        body["__call__"] = stacking_mlp(backend)  # (gate/up by one product where stacked)
     if getattr(backend, "folds_rows", False):
         body.update(folded_methods(cls))  # (quantized products over a step's rows as one matrix)
     if not body:
