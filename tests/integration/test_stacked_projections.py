@@ -17,6 +17,7 @@ from mlx_parallm_provider.engine import SamplingParams
 from mlx_parallm_provider.models import backends
 from mlx_parallm_provider.models.backend import prepare_model
 from mlx_parallm_provider.models.backends.stacked import GATE_UP, QKV, stack_siblings, stacked
+from mlx_parallm_provider.models.device import is_cpu
 from mlx_parallm_provider.models.lora.layers import MultiLoRALinear, rows_using
 
 
@@ -73,6 +74,7 @@ def test_stacked_siblings_give_the_same_logits_bit_for_bit_in_fewer_products(tin
     assert stack_siblings(model) == 0  # (once)
 
 
+@pytest.mark.skipif(not is_cpu(), reason="a GPU allocator rounds buffer sizes: the figure says less there")
 def test_the_layers_keep_views_of_the_stacked_weights_not_copies(tiny_model_dir) -> None:
     model = _quantized(tiny_model_dir)
     with backends.using(model, "mlx"):
@@ -122,11 +124,12 @@ def test_loading_stacks_where_mlx_ops_compute_a_quantized_model(tiny_model_dir, 
     assert (stacked(model.layers[0].self_attn, QKV) is not None) is setting
     dequantized = prepare_model(_quantized(tiny_model_dir), dequantize=True, kernels=False)
     assert stacked(dequantized.layers[0].self_attn, QKV) is None  # (float layers stay single)
-    try:
-        on_cpu_kernels = prepare_model(_quantized(tiny_model_dir), dequantize=False, kernels=True)
-    except Exception as exc:  # pragma: no cover - a machine where the CPU kernels cannot build
-        pytest.skip(f"CPU kernels unavailable: {exc}")
-    assert stacked(on_cpu_kernels.layers[0].self_attn, QKV) is None
+
+
+@pytest.mark.skipif(not is_cpu(), reason="the CPU kernels' backend")
+def test_the_cpu_kernels_keep_their_own_layers(tiny_model_dir) -> None:
+    model = prepare_model(_quantized(tiny_model_dir), dequantize=False, kernels=True)
+    assert stacked(model.layers[0].self_attn, QKV) is None and stacked(model.layers[0].mlp, GATE_UP) is None
 
 
 def test_an_engine_decodes_the_same_tokens_with_projections_stacked_and_not(tiny_model_dir, make_engine) -> None:
