@@ -72,7 +72,8 @@ SHAPE=${SHAPE:-1b}
 MODELS=${MODELS:-/tmp/parallm-models}
 # float32 in full float32 (MLX multiplies it in TF32 on a GPU by default): the agreement of the
 # float32 model with mlx-lm compares what the CPU would; the bfloat16 timings are the same either way
-T=$SECONDS; MLX_ENABLE_TF32=0 NVIDIA_TF32_OVERRIDE=0 timeout "$(limit 150 300)" "$PY" -m mlx_parallm_provider.bench.gpu --tokenizer "$TOK" --shape "$SHAPE" --rows "${ROWS:-1,2,4,8,32,64}" \
+# the breakdown's row counts 1, 8 and 64 first: each is written as it ends, should the time limit cut the rest
+T=$SECONDS; MLX_ENABLE_TF32=0 NVIDIA_TF32_OVERRIDE=0 timeout "$(limit 150 300)" "$PY" -m mlx_parallm_provider.bench.gpu --tokenizer "$TOK" --shape "$SHAPE" --rows "${ROWS:-1,8,64,2,4,32}" \
   --work "$MODELS" --json "$OUT/gpu.json" > "$OUT/gpu.md" 2>&1
 summary "bench.gpu rc=$? in $((SECONDS - T)) s"
 
