@@ -28,6 +28,13 @@ _PLAIN_ATTENTION = (("mlx_lm.models.llama", "Attention"), ("mlx_lm.models.qwen2"
 and ``o_proj`` (no q/k norms, no softcap, no sinks), with ``n_heads`` and ``rope`` attributes."""
 
 _codes: dict[tuple[tuple[str, str], ...], set[Any]] = {}
+ORIGINAL = "_parallm_original_class"
+"""On a class :func:`.routing.route` derived: the mlx-lm class it derives from."""
+
+
+def original_class(layer: Any) -> type:
+    """The class :func:`.routing.route` derived ``layer``'s from (its own where route did not touch it)."""
+    return getattr(type(layer), ORIGINAL, type(layer))
 
 
 def plain_code(cls: type, names: tuple[tuple[str, str], ...], method: str = "__call__") -> bool:

@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional
 import mlx.core as mx
 
 from ..lora.layers import base_linear, blocks_step_fused
-from .attention_step import fusable, plain_code
+from .attention_step import fusable, original_class, plain_code
 from .stacked import PLAIN_MLPS
 
 _PLAIN_BLOCKS = (("mlx_lm.models.llama", "TransformerBlock"), ("mlx_lm.models.qwen2", "TransformerBlock"))
@@ -82,8 +82,7 @@ def plan_of(block: Any) -> Optional[LayerPlan]:
         return None
     if not all(type(n) is FusedRMSNorm for n in norms) or not isinstance(getattr(attn, "rope", None), FusedRoPE):
         return None
-    original = [getattr(type(m), "_parallm_original_class", type(m)) for m in (attn, mlp)]
-    if not fusable(original[0]) or not plain_code(original[1], PLAIN_MLPS):
+    if not fusable(original_class(attn)) or not plain_code(original_class(mlp), PLAIN_MLPS):
         return None
     q, k, v, o, gate, up, down = (base_linear(layer) for layer in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
                                                                   mlp.gate_proj, mlp.up_proj, mlp.down_proj))

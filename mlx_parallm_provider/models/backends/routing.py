@@ -21,13 +21,13 @@ import types
 from typing import Any, Callable, Optional
 
 from ..attention import mlx_lm_attention, mlx_lm_swiglu
-from .attention_step import fusable, stepping
+from .attention_step import ORIGINAL as _ORIGINAL
+from .attention_step import fusable, original_class, stepping
 from .folded_rows import folded_methods
 from .layer_step import fusable_block, stepping_block
 from .softcapped import attending, softcapped
 from .stacked import GATE_UP, qkv_projections, siblings_of_class, stacking_mlp
 
-_ORIGINAL = "_parallm_original_class"  # on a routed subclass: the mlx-lm class it derives from
 _BACKEND = "_parallm_backend"  # on a routed subclass: the backend its methods call
 _MADE = "_routed_classes"  # on the backend: its subclasses, made once (a model switched back gets the same)
 
@@ -127,11 +127,6 @@ def unroute(model: Any) -> None:
         original = getattr(type(layer), _ORIGINAL, None)
         if original is not None:
             layer.__class__ = original
-
-
-def original_class(layer: Any) -> type:
-    """The class :func:`route` derived ``layer``'s from (its own where route did not touch it)."""
-    return getattr(type(layer), _ORIGINAL, type(layer))
 
 
 def routed_backend(layer: Any) -> Any:

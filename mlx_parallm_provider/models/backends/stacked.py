@@ -22,7 +22,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..lora.layers import MultiLoRALinear, base_linear, current_rows
-from .attention_step import fusable, plain_code
+from .attention_step import fusable, original_class, plain_code
 
 QKV = ("q_proj", "k_proj", "v_proj")
 GATE_UP = ("gate_proj", "up_proj")
@@ -30,11 +30,6 @@ PLAIN_MLPS = (("mlx_lm.models.llama", "MLP"), ("mlx_lm.models.qwen2", "MLP"))
 """mlx-lm MLPs whose ``__call__`` is ``down_proj(swiglu(gate_proj(x), up_proj(x)))``."""
 _ATTRIBUTE = "_parallm_stacked"  # on an attention or MLP module: its StackedLinear
 _KEYS = ("weight", "scales", "biases", "bias")
-
-
-def _original(layer: Any) -> type:
-    """The class :func:`.routing.route` derived ``layer``'s from (its own where not routed)."""
-    return getattr(type(layer), "_parallm_original_class", type(layer))
 
 
 class StackedLinear:
@@ -76,7 +71,7 @@ class StackedLinear:
 
 def _stackable(layers: Sequence[Any]) -> bool:
     """Whether ``layers`` are all plain quantized linear layers computing alike, over one input width."""
-    if not all(_original(layer) is nn.QuantizedLinear for layer in layers):
+    if not all(original_class(layer) is nn.QuantizedLinear for layer in layers):
         return False
     first = layers[0]
     alike = (first.bits, first.group_size, first.mode, first.weight.shape[1], {k for k in _KEYS if k in first})
@@ -100,7 +95,7 @@ def stack_siblings(model: Any) -> int:
     where :func:`_stackable`; returns how many groups were stacked."""
     count = 0
     for _, module in model.named_modules() if hasattr(model, "named_modules") else ():
-        names = siblings_of_class(_original(module))
+        names = siblings_of_class(original_class(module))
         if names is None or getattr(module, _ATTRIBUTE, None):
             continue
         layers = [module.get(name) for name in names]
