@@ -16,13 +16,8 @@ OUT=.gpu
 rm -rf "$OUT" && mkdir -p "$OUT/wheels" "$OUT/part1" "$OUT/part2" "$OUT/site"
 # .gpu/ is in .gitignore: the device tool carries it as an ignored path
 
-# What the GPU machine's image already holds (its package list): not carried.
-PRESENT="absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs build certifi charset-normalizer
-click cloudpickle colorama coverage cuda-bindings cuda-core cuda-pathfinder cuda-toolkit filelock frozenlist fsspec h11 hf-xet httpcore
-httpx huggingface-hub hypothesis idna iniconfig jinja2 markdown markdown-it-py markupsafe mdurl ml-dtypes msgpack multidict networkx
-numpy packaging pathspec pillow pip pluggy prometheus-client propcache protobuf psutil pygments pyyaml pytest pytest-timeout
-python-dateutil regex requests rich safetensors sentencepiece setuptools six sympy mpmath tiktoken tokenizers tqdm transformers
-typing-extensions urllib3 wheel xxhash yarl zipp shellingham typer"
+# What the GPU machine's image already holds (scripts/gpu_image.txt): not carried.
+PRESENT=$(sed -e '/^#/d' -e 's/[=<>].*//' scripts/gpu_image.txt)
 BACKEND=${PACK_MLX_BACKEND:-mlx-cuda-13}
 PLATFORM=(--only-binary=:all: --python-version "${PACK_PYTHON:-3.12}" --implementation cp --platform any)
 for tag in manylinux1 manylinux2014 manylinux_2_17 manylinux_2_24 manylinux_2_27 manylinux_2_28 manylinux_2_31 manylinux_2_34 manylinux_2_35; do
