@@ -69,14 +69,16 @@ class StackedLinear:
         return mx.split(out.reshape(*lead, out.shape[-1]), self.edges[1:-1], axis=-1)
 
 
+def _quantized_as(layer: nn.QuantizedLinear) -> tuple[Any, ...]:
+    """What a stack's layers must share: bits, group size, mode, packed input width and the arrays they hold."""
+    return layer.bits, layer.group_size, layer.mode, layer.weight.shape[1], frozenset(k for k in _KEYS if k in layer)
+
+
 def _stackable(layers: Sequence[Any]) -> bool:
     """Whether ``layers`` are all plain quantized linear layers computing alike, over one input width."""
     if not all(original_class(layer) is nn.QuantizedLinear for layer in layers):
         return False
-    first = layers[0]
-    alike = (first.bits, first.group_size, first.mode, first.weight.shape[1], {k for k in _KEYS if k in first})
-    return all((layer.bits, layer.group_size, layer.mode, layer.weight.shape[1], {k for k in _KEYS if k in layer}) == alike
-               for layer in layers)
+    return len({_quantized_as(layer) for layer in layers}) == 1
 
 
 def siblings_of_class(cls: type) -> Optional[tuple[str, ...]]:
