@@ -23,14 +23,16 @@ if [ "$(uname -s)" = "Linux" ] && ! ldconfig -p 2>/dev/null | grep -q libopenbla
   fi
 fi
 
-# Tests only: an arm64 emulator, so the kernels' NEON paths run (tests/unit/test_arm64_build.py;
-# without it they are compiled, not run). Best effort, x86-64 Linux with apt only.
-if [ "${1:-}" = "--dev" ] && [ "$(uname -sm)" = "Linux x86_64" ] && ! command -v qemu-aarch64-static >/dev/null 2>&1 \
-   && command -v apt-get >/dev/null 2>&1; then
+# Tests only: an arm64 emulator and arm64's C library, so the kernels' NEON paths run
+# (tests/unit/test_arm64_build.py; without them they are compiled, not run). Best effort,
+# x86-64 Linux with apt only.
+if [ "${1:-}" = "--dev" ] && [ "$(uname -sm)" = "Linux x86_64" ] && command -v apt-get >/dev/null 2>&1 \
+   && { ! command -v qemu-aarch64-static >/dev/null 2>&1 || [ ! -e /usr/aarch64-linux-gnu/lib/libc.so.6 ]; }; then
   SUDO=""; [ "$(id -u)" -ne 0 ] && command -v sudo >/dev/null 2>&1 && SUDO="sudo -n"
-  { $SUDO apt-get install -y -qq --no-install-recommends qemu-user-static \
-    || { $SUDO apt-get update -qq && $SUDO apt-get install -y -qq --no-install-recommends qemu-user-static; }; } >/dev/null 2>&1 \
-    || echo "note: no arm64 emulator (qemu-user-static); the arm64 kernel tests will only compile" >&2
+  ARM64="qemu-user-static libc6-arm64-cross"
+  { $SUDO apt-get install -y -qq --no-install-recommends $ARM64 \
+    || { $SUDO apt-get update -qq && $SUDO apt-get install -y -qq --no-install-recommends $ARM64; }; } >/dev/null 2>&1 \
+    || echo "note: no arm64 emulator (qemu-user-static, libc6-arm64-cross); the arm64 kernel tests will only compile" >&2
 fi
 
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
