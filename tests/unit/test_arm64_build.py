@@ -3,8 +3,8 @@ compiled for arm64 with Zig's clang as a cross compiler, where no arm64 machine 
 each source must compile for a plain ARMv8 core and for one with dot products and SVE
 (Neoverse V1, Graviton 3). The packed-weight kernel also runs there, under QEMU's user-mode
 emulator where it and arm64's C library are installed (``scripts/setup.sh --dev`` installs both
-on x86-64 Linux with apt): ``tests/native/qmatmul_check.c`` checks every entry point against float64 and a row
-alone against the same row in company, and runs natively too."""
+on x86-64 Linux with apt): ``tests/native/qmatmul_check.c`` checks every entry point against
+float64 and a row alone against the same row in company, and runs natively too."""
 
 from __future__ import annotations
 
@@ -26,10 +26,15 @@ EM_AARCH64 = 183
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("ziglang") is None, reason="ziglang (a dev dependency on x86-64) is not installed")
 
 
+def _zig(language: str) -> list[str]:
+    """Zig's clang for ``language`` ("cc" or "c++"), targeting arm64 Linux with glibc."""
+    return [sys.executable, "-m", "ziglang", language, "-target", "aarch64-linux-gnu"]
+
+
 def _compile(language: str, source: Path, cpu: str, out: Path, includes: list[str]) -> tuple[int, str]:
     flags = ["-std=c++20", "-DNDEBUG", "-DNB_COMPACT_ASSERTIONS", "-DNB_DOMAIN=mlx"] if language == "c++" else []
-    cmd = [sys.executable, "-m", "ziglang", language, "-target", "aarch64-linux-gnu", f"-mcpu={cpu}", "-O2", "-fno-signed-zeros",
-           "-fno-trapping-math", *flags, *[f"-I{p}" for p in includes], "-c", str(source), "-o", str(out)]
+    cmd = [*_zig(language), f"-mcpu={cpu}", "-O2", "-fno-signed-zeros", "-fno-trapping-math", *flags, *[f"-I{p}" for p in includes],
+           "-c", str(source), "-o", str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     return done.returncode, done.stderr[-3000:]
 
@@ -68,7 +73,6 @@ CHECK = Path(__file__).parents[1] / "native" / "qmatmul_check.c"
 """The packed-weight kernel's standalone check (prints "ALL OK" when every case holds)."""
 ARM64_LIBC = Path("/usr/aarch64-linux-gnu")
 """Where Debian's libc6-arm64-cross puts arm64's glibc, the emulator's root for the check's loader."""
-_CHECK_FLAGS = ["-O2", "-fno-signed-zeros", "-fno-trapping-math", f"-I{qmatmul.SOURCE.parent}"]
 
 
 def _verdict(run: subprocess.CompletedProcess) -> None:
@@ -82,17 +86,15 @@ def test_the_packed_weight_kernel_computes_right_on_arm64(cpu: str, tmp_path: Pa
     qemu = shutil.which("qemu-aarch64-static") or shutil.which("qemu-aarch64")
     if qemu is None or not (ARM64_LIBC / "lib" / "libc.so.6").exists():
         pytest.skip("no arm64 emulator (qemu-user-static) or C library (libc6-arm64-cross): the arm64 build is compiled above, not run")
-    zig = [sys.executable, "-m", "ziglang", "cc", "-target", "aarch64-linux-gnu"]
     objects = [tmp_path / f"{source.stem}.o" for source in (CHECK, qmatmul.SOURCE)]
     for source, obj in zip((CHECK, qmatmul.SOURCE), objects):
-        build = subprocess.run([*zig, f"-mcpu={cpu}", *_CHECK_FLAGS, "-c", str(source), "-o", str(obj)], capture_output=True, text=True,
-                               timeout=600)
-        assert build.returncode == 0, build.stderr[-3000:]
+        status, errors = _compile("cc", source, cpu, obj, [str(qmatmul.SOURCE.parent)])
+        assert status == 0, errors
     # Linked against the system's arm64 glibc, as Zig's stubs of it: ~10 s the first time, where
     # a static musl build of Zig's own was ~90 s. -O2 and no sanitizer here too, or Zig builds
     # its UB sanitizer's runtime for the link.
     exe = tmp_path / "check"
-    build = subprocess.run([*zig, "-mcpu=generic", "-O2", "-fno-sanitize=undefined", *map(str, objects), "-lm", "-lpthread", "-o", str(exe)],
+    build = subprocess.run([*_zig("cc"), "-mcpu=generic", "-O2", "-fno-sanitize=undefined", *map(str, objects), "-lm", "-lpthread", "-o", str(exe)],
                            capture_output=True, text=True, timeout=600)
     assert build.returncode == 0, build.stderr[-3000:]
     _verdict(subprocess.run([qemu, "-L", str(ARM64_LIBC), "-cpu", "max", str(exe)], capture_output=True, text=True, timeout=600))
