@@ -13,6 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ...models import paged_kernels
+from ...models.backends.attention_step import original_class
 from ...models.backends.stacked import unstacked
 from .agreement import prompt_ids
 from .siblings import engine_products, in_dims, linear_layers
@@ -211,6 +212,4 @@ def mlx_lm_step_ms(model: Any, prompts: list[list[int]], tokens: int) -> Optiona
 def unrouted(layer: Any, method: str, x: mx.array) -> mx.array:
     """``layer``'s ``method`` over ``x`` as mlx-lm's own layer computes it: its class's before
     the backend's routing (which folds a quantized product's rows: :mod:`...models.backends.folded_rows`)."""
-    from ...models.backends.routing import original_class
-
     return getattr(original_class(layer), method)(layer, x)

@@ -21,8 +21,7 @@ import types
 from typing import Any, Callable, Optional
 
 from ..attention import mlx_lm_attention, mlx_lm_swiglu
-from .attention_step import ORIGINAL as _ORIGINAL
-from .attention_step import fusable, original_class, stepping
+from .attention_step import ORIGINAL, fusable, original_class, stepping
 from .folded_rows import folded_methods
 from .layer_step import fusable_block, stepping_block
 from .softcapped import attending, softcapped
@@ -97,7 +96,7 @@ def _subclass(cls: type, backend: Any, namespaces: dict[str, Optional[dict[str, 
         body.update(folded_methods(cls))  # (quantized products over a step's rows as one matrix)
     if not body:
         return cls, calls
-    body.update({_ORIGINAL: cls, _BACKEND: backend, "__module__": cls.__module__, "__qualname__": cls.__qualname__})
+    body.update({ORIGINAL: cls, _BACKEND: backend, "__module__": cls.__module__, "__qualname__": cls.__qualname__})
     return type(cls.__name__, (cls,), body), calls
 
 
@@ -124,7 +123,7 @@ def route(model: Any, backend: Any) -> bool:
 def unroute(model: Any) -> None:
     """Give ``model``'s layers back the classes :func:`route` derived theirs from."""
     for _, layer in model.named_modules():
-        original = getattr(type(layer), _ORIGINAL, None)
+        original = getattr(type(layer), ORIGINAL, None)
         if original is not None:
             layer.__class__ = original
 
