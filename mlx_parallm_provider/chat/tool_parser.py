@@ -25,7 +25,8 @@ def parse_tool_calls(
     """Split generated ``text`` into content, tool calls and invalid tool calls.
 
     Calls are the spans between ``fmt.start`` and ``fmt.end`` (an unterminated last span
-    is still parsed, since a stop string or a forgetful model may cut the end marker).
+    is still parsed, less any start of the end marker it ends in, since a stop string, the
+    token budget or a forgetful model may cut the end marker).
     When ``tools`` are given, a call to a function not among them is invalid, and (with
     ``allow_bare_json``) an output that is nothing but a JSON call object such as
     ``{"name": "get_weather", "arguments": {...}}`` counts as a call too.
@@ -140,6 +141,8 @@ class ToolCallStreamParser:
     def _call_events(self, body: str, *, terminated: bool) -> list[StreamEvent]:
         self._text.call_seen()
         raw = self._fmt.start + body + (self._fmt.end if terminated else "")
+        if not terminated and self._fmt.end:  # the budget ran out inside the end marker ("\n</tool_")
+            body = body[: len(body) - _marker_prefix_len(body, self._fmt.end)]
         try:
             parsed = self._fmt.parse(body, self._tools)
         except Exception as error:

@@ -232,6 +232,21 @@ def test_an_unterminated_call_is_still_parsed() -> None:
     assert parsed.content == "Sure"
 
 
+@pytest.mark.parametrize("tail", ["\n<", "\n</", "\n</tool_", "</tool_call"])
+def test_a_call_cut_inside_its_end_marker_is_parsed(tail: str) -> None:
+    # The token budget ran out while the grammar was writing the end marker after a closed
+    # call: the call is whole (it was an invalid call, where a budget 2 tokens shorter, ending
+    # at the JSON's last brace, gave a valid one).
+    text = 'Sure <tool_call>\n{"name": "get_weather", "arguments": {"city": ""}}' + tail
+    parsed = parse_tool_calls(text, TOOLS)
+    assert [(c.name, c.arguments) for c in parsed.tool_calls] == [("get_weather", '{"city": ""}')]
+    assert parsed.invalid_tool_calls == [] and parsed.content == "Sure"
+    stream = ToolCallStreamParser(TOOLS)
+    events = [e for piece in re.findall(".{1,3}", text, re.S) for e in stream.feed(piece)] + stream.finish()
+    assert [e.name for e in events if isinstance(e, ToolCall)] == ["get_weather"]
+    assert "".join(e for e in events if isinstance(e, str)) == "Sure"
+
+
 def test_a_cut_off_call_is_invalid_and_says_so() -> None:
     parsed = parse_tool_calls('<tool_call>\n{"name": "get_weather", "argu', TOOLS)
     [bad] = parsed.invalid_tool_calls
