@@ -153,6 +153,29 @@ def test_json_running_out_of_tokens_is_closed_and_parses(make_engine, constraint
             assert isinstance(value["name"], str) and all(isinstance(x, int) for x in value["scores"])
 
 
+REQUIRED_SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}, "ok": {"type": "boolean"},
+                                                    "tags": {"type": "array", "items": {"type": "string"}, "minItems": 1}},
+                   "required": ["name", "age", "ok", "tags"], "additionalProperties": False}
+
+
+def test_values_that_keys_still_required_follow_are_ended_near_the_budget(make_engine) -> None:
+    """Near max_tokens, a row inside a value that more required keys follow (a number, a
+    string, an array short of its minItems) ends that value and goes on to the next key:
+    the steering used to look only for closing brackets, which the grammar refuses there,
+    and left the row free (or kept it writing digits, which matched its short values), so
+    the budget cut the answer."""
+    engine = make_engine()
+
+    async def answers():
+        return await asyncio.gather(*(engine.generate(p, SamplingParams(max_tokens=m, temperature=1.0, seed=m + i,
+                                                                        constraint=Constraint.json_schema(REQUIRED_SCHEMA)))
+                                      for i, p in enumerate(PROMPTS) for m in (28, 36, 48)))
+
+    for r in asyncio.run(answers()):
+        value = json.loads(r.text)  # raises if cut
+        assert set(value) == {"name", "age", "ok", "tags"} and isinstance(value["age"], int) and value["tags"], r.text
+
+
 CALLS_GRAMMAR = (
     'start: call ("\\n" call){0,3}\n'
     'call: "<c>" %json {"x-guidance": {"whitespace_flexible": false}, "type": "object", '

@@ -16,7 +16,6 @@ recurses on the calling thread's stack, see :mod:`.build_threads`), and probed a
 from __future__ import annotations
 
 import json
-import re
 import threading
 import weakref
 from collections import OrderedDict
@@ -28,21 +27,12 @@ import numpy as np
 
 from ...errors import InvalidParameterError
 from .build_threads import run_compiler
+from .closing import CLOSING_MARGIN, CLOSING_WALK, ClosingGauge, JsonNesting, Masks, closing_length, closing_masks, narrowed
 from .constraint import Constraint, import_llguidance
 from .probe import build_checked, grammar_error
 
 #: Built matchers each :class:`GrammarTokenizer` keeps, one per distinct grammar.
 MATCHER_CACHE = 64
-
-#: Bytes that close JSON outside a string: brackets, braces and spaces between them.
-CLOSERS = frozenset(b"]} \n")
-
-#: A token that is a whole short JSON value (then only closers): where a value must come.
-SHORT_VALUE = re.compile(rb'\s*(\[\]|\{\}|""|-?[0-9]+|null|true|false)[\]}\s]*')
-
-#: Tokens a row keeps in hand beyond one a level of open JSON, before it is steered (room
-#: for what a schema still requires on the way out, such as a required key and its value).
-CLOSING_MARGIN = 8
 
 #: llguidance tokenizers built, per Hugging Face tokenizer object and (vocabulary size, EOS
 #: ids): engines on one loaded model (replicas, a restarted worker) build it once.
@@ -86,7 +76,7 @@ class GrammarTokenizer:
         self._lock = threading.Lock()
         self.executor: Any = None
         self._matchers: "OrderedDict[str, tuple[Any, str]]" = OrderedDict()  # grammar -> (matcher, "") or (None, error)
-        self._closing: Optional[tuple[np.ndarray, np.ndarray, np.ndarray]] = None
+        self._closing: Optional[tuple[Masks, Masks]] = None
 
     def get(self) -> Any:
         with self._lock:
@@ -100,26 +90,13 @@ class GrammarTokenizer:
         """The bytes of one token, as the grammar sees them."""
         return self.get().decode_bytes([token])
 
-    def closing_bits(self, words: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Bitmasks (``words`` int32 each) of the tokens that close JSON, for :func:`grammar_bitmask`
-        to narrow a row to when its budget runs out: (``]``, ``}`` and spaces alone, and EOS;
-        a string's closing quote, then only those; a whole short value, such as ``[]``, ``0``
-        or ``null``, then only those). Built once."""
+    def closing_bits(self, words: int) -> tuple[Masks, Masks]:
+        """:func:`~.closing.closing_masks` of ``words`` int32 each, on this tokenizer. Built once."""
         with self._lock:
             cached = self._closing
-        if cached is None or cached[0].shape[0] != words:
+        if cached is None or cached[0][0].shape[0] != words:
             built = self.get()
-            masks = np.zeros((3, words * 32), dtype=np.uint8)
-            for token in range(min(built.vocab_size, words * 32)):
-                text = built.decode_bytes([token])
-                if text[:1] == b'"' and set(text[1:]) <= CLOSERS:
-                    masks[1, token] = 1
-                elif text.strip(b" \n") and set(text) <= CLOSERS:
-                    masks[0, token] = 1
-                elif SHORT_VALUE.fullmatch(text):
-                    masks[2, token] = 1
-            packed = np.packbits(masks, axis=1, bitorder="little").view(np.int32)
-            cached = (packed[0] | self.eos_bits(words), packed[1], packed[2])
+            cached = closing_masks(lambda token: built.decode_bytes([token]), built.vocab_size, words, self.eos_bits(words))
             with self._lock:
                 self._closing = cached
         return cached
@@ -177,6 +154,7 @@ class RowMatcher:
         self.consumed = 0
         self.json: Optional[JsonNesting] = JsonNesting() if constraint.json_output else None
         self.tokens_left: Optional[int] = None  # set by the worker before each step
+        self._gauge = ClosingGauge()
         self.check()
 
     def consume(self, token: int) -> None:
@@ -186,6 +164,8 @@ class RowMatcher:
         self.check()
         if self.json is not None:
             self.json.feed(self._tokenizer.token_bytes(token))
+            if not self.json.open:
+                self._gauge.reset()
 
     def forced(self, limit: int) -> list[int]:
         """Up to ``limit`` tokens the grammar forces next, as llguidance tokenizes the bytes
@@ -215,10 +195,20 @@ class RowMatcher:
         self.consumed, self.json = consumed, nesting
 
     @property
-    def must_close(self) -> bool:
-        """The row's token budget is about to run out before its open JSON is closed."""
+    def near_budget_end(self) -> bool:
+        """Open JSON, and few enough tokens left that :meth:`must_close` measures."""
         left, nesting = self.tokens_left, self.json
-        return left is not None and nesting is not None and nesting.open > 0 and left <= nesting.open + CLOSING_MARGIN
+        return left is not None and nesting is not None and nesting.open > 0 and left <= nesting.open + CLOSING_WALK
+
+    def must_close(self, masks: tuple[Masks, Masks], vocab: int) -> bool:
+        """The row's token budget is about to run out before its open JSON can end: its tokens
+        left are at most its :func:`~.closing.closing_length` along ``masks`` (the tokenizer's
+        :meth:`~GrammarTokenizer.closing_bits`) plus a slack (:class:`~.closing.ClosingGauge`)."""
+        if not self.near_budget_end:
+            return False
+        nesting = self.json
+        return self._gauge.must_close(self.tokens_left, nesting, lambda: closing_length(
+            self.matcher, nesting, masks, vocab, self._tokenizer.token_bytes))
 
     @property
     def must_end(self) -> bool:
@@ -250,8 +240,9 @@ def grammar_bitmask(logits: mx.array, matchers: Sequence[Optional[RowMatcher]], 
     ``matchers[i]`` is row i's matcher or None (that row is left as it is). The masks of
     all constrained rows are computed together by llguidance's parallel executor; a row
     whose matcher failed raises (:meth:`RowMatcher.check`). A row whose budget is about to
-    run out with JSON still open (:attr:`RowMatcher.must_close`) is narrowed to the tokens
-    that close it, where the grammar allows any, so the answer ends valid rather than cut;
+    run out with JSON still open (:meth:`RowMatcher.must_close`) is narrowed to the tokens
+    that end it soonest (:mod:`.closing`), where the grammar allows any, so the answer ends
+    valid rather than cut;
     one between JSON values (tool calls) with too few tokens left for another
     (:attr:`RowMatcher.must_end`) is narrowed to EOS, where the grammar allows it.
     """
@@ -277,18 +268,17 @@ def fill_bitmask(vocab: int, matchers: Sequence[Optional[RowMatcher]], tokenizer
     if ending:
         eos = tokenizer.eos_bits(words)
         for i in ending:
-            narrowed = bitmask[i] & eos
-            if narrowed.any():  # else the grammar wants more first (a second value it requires)
-                bitmask[i] = narrowed
-    closing = [(i, m) for i, m in enumerate(matchers) if m is not None and m.must_close]
-    if closing:
-        nesting, string, values = tokenizer.closing_bits(words)
-        for i, m in closing:
-            for closers in ((string,) if m.json.in_string else (nesting, values)):
-                narrowed = bitmask[i] & closers
-                if narrowed.any():  # else the grammar wants something else first (":", a key): left free
-                    bitmask[i] = narrowed
-                    break
+            kept = bitmask[i] & eos
+            if kept.any():  # else the grammar wants more first (a second value it requires)
+                bitmask[i] = kept
+    near = [(i, m) for i, m in enumerate(matchers) if m is not None and m.near_budget_end]
+    if near:
+        masks = tokenizer.closing_bits(words)
+        for i, m in near:
+            if m.must_close(masks, vocab):
+                kept = narrowed(bitmask[i], masks[0] if m.json.in_string else masks[1])
+                if kept is not None:  # else the grammar wants something else first (a key): left free
+                    bitmask[i] = kept
     return bitmask
 
 
@@ -312,46 +302,3 @@ def only_tokens(bitmask: np.ndarray, vocab: int) -> Optional[list[int]]:
         return None
     tokens = [int(w) * 32 + int(word).bit_length() - 1 for w, word in zip(at, words)]
     return tokens if max(tokens) < vocab else None
-
-
-class JsonNesting:
-    """How many JSON strings, arrays and objects the bytes fed so far leave open.
-
-    ``value_tokens``: the tokens from the end of the top-level value before the last one (or
-    the start) to the end of the last one, so a tool call's markers count with its JSON; 0
-    until a value has closed."""
-
-    def __init__(self) -> None:
-        self.depth = 0
-        self.in_string = False
-        self._escaped = False
-        self.value_tokens = 0
-        self._run = 0  # tokens since the last value closed
-
-    @property
-    def open(self) -> int:
-        return self.depth + self.in_string
-
-    def feed(self, data: bytes) -> None:
-        """Take one token's bytes."""
-        before = self.open
-        self._scan(data)
-        self._run += 1
-        if before and not self.open:  # a top-level value closed
-            self.value_tokens, self._run = self._run, 0
-
-    def _scan(self, data: bytes) -> None:
-        for byte in data:
-            if self.in_string:
-                if self._escaped:
-                    self._escaped = False
-                elif byte == 0x5C:  # backslash
-                    self._escaped = True
-                elif byte == 0x22:
-                    self.in_string = False
-            elif byte == 0x22:
-                self.in_string = True
-            elif byte in (0x7B, 0x5B):  # { [
-                self.depth += 1
-            elif byte in (0x7D, 0x5D) and self.depth:
-                self.depth -= 1
