@@ -156,6 +156,10 @@ def test_json_running_out_of_tokens_is_closed_and_parses(make_engine, constraint
 REQUIRED_SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}, "ok": {"type": "boolean"},
                                                     "tags": {"type": "array", "items": {"type": "string"}, "minItems": 1}},
                    "required": ["name", "age", "ok", "tags"], "additionalProperties": False}
+ITEMS_SCHEMA = {"type": "object", "properties": {"items": {"type": "array", "items": {
+    "type": "object", "properties": {"key": {"type": "string", "maxLength": 2}, "size": {"type": "integer", "minimum": 0, "maximum": 9},
+                                     "seen": {"type": "boolean"}},
+    "required": ["key", "size", "seen"], "additionalProperties": False}}}, "required": ["items"], "additionalProperties": False}
 
 
 def test_values_that_keys_still_required_follow_are_ended_near_the_budget(make_engine) -> None:
@@ -174,6 +178,22 @@ def test_values_that_keys_still_required_follow_are_ended_near_the_budget(make_e
     for r in asyncio.run(answers()):
         value = json.loads(r.text)  # raises if cut
         assert set(value) == {"name", "age", "ok", "tags"} and isinstance(value["age"], int) and value["tags"], r.text
+
+
+def test_a_list_near_the_budget_ends_rather_than_begin_an_item_that_would_not_fit(make_engine) -> None:
+    """Where a list may end or go on, a row whose budget would not hold another item (its
+    required keys included) is not given the comma: the random model, free to, began one more
+    item at the end of the budget and was cut inside it."""
+    engine = make_engine()
+
+    async def answers():
+        return await asyncio.gather(*(engine.generate(p, SamplingParams(max_tokens=m, temperature=1.0, seed=m + i,
+                                                                        constraint=Constraint.json_schema(ITEMS_SCHEMA)))
+                                      for i, p in enumerate(PROMPTS) for m in range(30, 80, 7)))
+
+    for r in asyncio.run(answers()):
+        value = json.loads(r.text)  # raises if cut
+        assert all(set(item) == {"key", "size", "seen"} for item in value["items"]), r.text
 
 
 CALLS_GRAMMAR = (

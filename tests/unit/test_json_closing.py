@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from mlx_parallm_provider.engine import Constraint
-from mlx_parallm_provider.engine.grammar.closing import CLOSING_SLACK, CLOSING_WALK, ClosingGauge, JsonNesting, closing_length
+from mlx_parallm_provider.engine.grammar.closing import CLOSING_SLACK, CLOSING_WALK, ClosingGauge, JsonNesting, closing_length, continuing_length
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "integer"}, "c": {"type": "boolean"}},
           "required": ["a", "b", "c"], "additionalProperties": False}
@@ -22,7 +22,7 @@ def walk(tiny_model):
     grammar = GrammarTokenizer(tok, 49152, [tok.eos_token_id])
     masks = grammar.closing_bits((49152 + 31) // 32)
 
-    def measure(text: str, schema: dict) -> tuple[int, bool]:
+    def measure(text: str, schema: dict, going_on: bool = False) -> tuple[int, bool]:
         matcher = grammar.matcher(Constraint.json_schema(schema).grammar())
         nesting = JsonNesting()
         ids = tok.encode(text, add_special_tokens=False)
@@ -30,7 +30,10 @@ def walk(tiny_model):
         for token in ids:
             nesting.feed(grammar.token_bytes(token))
         before = (matcher.compute_bitmask(), matcher.compute_ff_tokens(), nesting.open, nesting.in_string)
-        length = closing_length(matcher, nesting, masks, 49152, grammar.token_bytes)
+        if going_on:
+            length = continuing_length(matcher, nesting, masks, 49152, grammar.token_bytes, np.frombuffer(before[0], dtype=np.int32)[:1536])
+        else:
+            length = closing_length(matcher, nesting, masks, 49152, grammar.token_bytes)
         after = (matcher.compute_bitmask(), matcher.compute_ff_tokens(), nesting.open, nesting.in_string)
         return length, before == after
 
@@ -45,6 +48,17 @@ def test_the_walk_counts_the_required_keys_still_to_come_and_leaves_the_matcher_
     # each way is at least its characters' tokens as this tokenizer writes them at best, and
     # at most one token a character
     assert 4 <= in_number <= len(', "c": true}') and in_number < in_string <= len('", "b": 0, "c": true}')
+
+
+def test_going_on_in_a_list_counts_the_next_item_and_its_required_keys(walk) -> None:
+    items = {"type": "object", "properties": {"xs": {"type": "array", "items": {
+        "type": "object", "properties": {"k": {"type": "string"}, "v": {"type": "integer"}}, "required": ["k", "v"], "additionalProperties": False}}},
+             "required": ["xs"], "additionalProperties": False}
+    close, _ = walk('{"xs": [{"k": "a", "v": 1}', items)  # ']}'
+    going_on, kept = walk('{"xs": [{"k": "a", "v": 1}', items, going_on=True)  # ', {"k": "", "v": 0}]}'
+    # ',' '{"' 'k' '":' ' ""' ',' ' "' 'v' '":' ' ' '0' '}' at best: 12 tokens more
+    assert kept and 1 <= close <= 2 and close + 12 <= going_on <= close + len(', {"k": "", "v": 0}')
+    assert walk('{"xs": [', items, going_on=True) == (None, True)  # no comma allowed before an item
 
 
 def test_a_way_longer_than_the_walk_counts_as_the_walk(walk) -> None:

@@ -112,6 +112,22 @@ def closing_length(matcher: Any, nesting: "JsonNesting", masks: tuple[Masks, Mas
             matcher.rollback(taken)
 
 
+def continuing_length(matcher: Any, nesting: "JsonNesting", masks: tuple[Masks, Masks], vocab: int,
+                      decode: Callable[[int], bytes], allowed: np.ndarray) -> Optional[int]:
+    """The :func:`closing_length` of going on with the lowest separator token ``allowed`` (a
+    comma on to another item or an optional key), that token included; None where
+    ``allowed`` has none. The matcher is rolled back to where it was."""
+    token = _lowest(allowed & masks[1][1])
+    if token is None or token >= vocab or not matcher.try_consume_tokens([token]):
+        return None
+    try:
+        after = copy(nesting)
+        after.feed(decode(token))
+        return 1 + closing_length(matcher, after, masks, vocab, decode)
+    finally:
+        matcher.rollback(1)
+
+
 def _lowest(bitmask: np.ndarray) -> Optional[int]:
     words = np.flatnonzero(bitmask)
     if not words.size:

@@ -27,7 +27,7 @@ import numpy as np
 
 from ...errors import InvalidParameterError
 from .build_threads import run_compiler
-from .closing import CLOSING_MARGIN, CLOSING_WALK, ClosingGauge, JsonNesting, Masks, closing_length, closing_masks, narrowed
+from .closing import CLOSING_MARGIN, CLOSING_SLACK, CLOSING_WALK, ClosingGauge, JsonNesting, Masks, closing_length, closing_masks, continuing_length, narrowed
 from .constraint import Constraint, import_llguidance
 from .probe import build_checked, grammar_error
 
@@ -210,6 +210,24 @@ class RowMatcher:
         return self._gauge.must_close(self.tokens_left, nesting, lambda: closing_length(
             self.matcher, nesting, masks, vocab, self._tokenizer.token_bytes))
 
+    def steered(self, allowed: np.ndarray, masks: tuple[Masks, Masks], vocab: int) -> Optional[np.ndarray]:
+        """``allowed`` (this row's bitmask) narrowed for the end of its budget, or None where
+        it is left as it is: to the tokens that end its JSON soonest (:meth:`must_close`), where
+        the grammar allows any; or, at a point where its JSON may end a container or go on
+        (another item, an optional key), without the separators that go on, where what they
+        begin would not fit (:func:`~.closing.continuing_length`)."""
+        nesting = self.json
+        if self.must_close(masks, vocab):
+            return narrowed(allowed, masks[0] if nesting.in_string else masks[1])
+        closers, separators, _ = masks[1]
+        if nesting.in_string or not (allowed & closers).any() or not (allowed & separators).any():
+            return None
+        going_on = continuing_length(self.matcher, nesting, masks, vocab, self._tokenizer.token_bytes, allowed)
+        if going_on is None or self.tokens_left > going_on + CLOSING_SLACK:
+            return None
+        kept = allowed & ~separators
+        return kept if kept.any() else None
+
     @property
     def must_end(self) -> bool:
         """Between JSON values (tool calls) with too few tokens left for another as long as
@@ -275,10 +293,9 @@ def fill_bitmask(vocab: int, matchers: Sequence[Optional[RowMatcher]], tokenizer
     if near:
         masks = tokenizer.closing_bits(words)
         for i, m in near:
-            if m.must_close(masks, vocab):
-                kept = narrowed(bitmask[i], masks[0] if m.json.in_string else masks[1])
-                if kept is not None:  # else the grammar wants something else first (a key): left free
-                    bitmask[i] = kept
+            kept = m.steered(bitmask[i], masks, vocab)
+            if kept is not None:
+                bitmask[i] = kept
     return bitmask
 
 
