@@ -104,7 +104,8 @@ def test_closing_masks_sort_tokens_by_what_they_end(tiny_model) -> None:
 
     tok = tiny_model.tokenizer
     grammar = GrammarTokenizer(tok, 49152, [tok.eos_token_id])
-    (quote, quote_on), (closers, separators, values) = grammar.closing_bits((49152 + 31) // 32)
+    masks = grammar.closing_bits((49152 + 31) // 32)
+    (quote, quote_on), (closers, separators, values) = masks.in_string, masks.outside
 
     def has(mask: np.ndarray, text: str) -> bool:
         [token] = tok.encode(text, add_special_tokens=False)
@@ -113,3 +114,4 @@ def test_closing_masks_sort_tokens_by_what_they_end(tiny_model) -> None:
     assert has(quote, '"') and not has(quote, '",') and has(quote_on, '",')
     assert has(closers, "}") and not has(closers, ",") and has(separators, ",") and has(separators, "},")
     assert has(values, " true") and has(values, "0") and not has(values, ",")
+    assert has(masks.going_on, ",") and has(masks.going_on, "},") and has(masks.going_on, ',"') and not has(masks.going_on, '",')

@@ -1,7 +1,7 @@
 """Ending constrained JSON within a row's token budget.
 
 A JSON row whose budget is about to run out is narrowed, step by step, to the tokens that end
-its JSON soonest (:func:`closing_masks`: a string's closing quote, closing brackets, a comma
+its JSON soonest (:class:`ClosingMasks`: a string's closing quote, closing brackets, a comma
 on to the next required key, a short value where one must come). When to begin is measured:
 :func:`closing_length` walks a row's matcher along those same tokens (and the tokens its
 grammar forces, such as a required key or a tool call's end marker) to where the grammar
@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Sequence
 from copy import copy
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import numpy as np
@@ -38,32 +39,48 @@ CLOSING_WALK = 64
 #: (in the narrowed sets the model may take a token that ends less than the walk's did).
 CLOSING_SLACK = 2
 
-Masks = tuple[np.ndarray, ...]
+@dataclass(frozen=True)
+class ClosingMasks:
+    """Bitmasks (int32 words, bit ``t % 32`` of word ``t // 32`` for token t) of the tokens
+    that end JSON soonest, each tuple in the order a narrowed row tries them.
+
+    ``in_string``: the closing quote followed by closers only; then by closers and separators
+    (``",``). ``outside``: ``]``, ``}`` and spaces alone, and EOS; those with a separator
+    (``,``, ``},``), ending a value that a required key or a list's next item follows; a whole
+    short value (``[]``, ``0``, ``null``, then only closers). ``going_on``: the tokens, read
+    outside a string, with a comma before any quote: they go on to another item or key."""
+
+    in_string: tuple[np.ndarray, ...]
+    outside: tuple[np.ndarray, ...]
+    going_on: np.ndarray
+
+    @property
+    def closers(self) -> np.ndarray:
+        return self.outside[0]
+
+    def tiers(self, in_string: bool) -> tuple[np.ndarray, ...]:
+        return self.in_string if in_string else self.outside
 
 
-def closing_masks(decode: Callable[[int], bytes], vocab: int, words: int, eos_bits: np.ndarray) -> tuple[Masks, Masks]:
-    """Bitmasks (``words`` int32 each, bit ``t % 32`` of word ``t // 32`` for token t) of the
-    tokens that end JSON soonest, in the order a narrowed row tries them: inside a string
-    (its closing quote followed by closers only; then by closers and separators, such as
-    ``",``), and outside one (``]``, ``}`` and spaces alone, and EOS; those with a separator,
-    such as ``,`` or ``},``, ending a value that a required key or an array's next item
-    follows; a whole short value, such as ``[]``, ``0`` or ``null``, then only closers).
+def closing_masks(decode: Callable[[int], bytes], vocab: int, words: int, eos_bits: np.ndarray) -> ClosingMasks:
+    """The :class:`ClosingMasks` of a vocabulary of ``vocab`` tokens, ``words`` int32 each;
     ``decode(t)``: token t's bytes."""
-    masks = np.zeros((5, words * 32), dtype=np.uint8)
+    masks = np.zeros((6, words * 32), dtype=np.uint8)
     for token in range(min(vocab, words * 32)):
         masks[:, token] = _kinds(decode(token))
     packed = np.packbits(masks, axis=1, bitorder="little").view(np.int32)
-    return (packed[0], packed[1]), (packed[2] | eos_bits, packed[3], packed[4])
+    return ClosingMasks((packed[0], packed[1]), (packed[2] | eos_bits, packed[3], packed[4]), packed[5])
 
 
-def _kinds(text: bytes) -> tuple[bool, bool, bool, bool, bool]:
+def _kinds(text: bytes) -> tuple[bool, ...]:
     rest, every = set(text[1:]), set(text)
     quote = text[:1] == b'"'
     return (quote and rest <= CLOSERS,
             quote and rest <= CLOSERS | SEPARATORS and bool(rest & SEPARATORS),
             bool(text.strip(b" \n")) and every <= CLOSERS,
             every <= CLOSERS | SEPARATORS and bool(every & SEPARATORS),
-            SHORT_VALUE.fullmatch(text) is not None)
+            SHORT_VALUE.fullmatch(text) is not None,
+            b"," in text.split(b'"', 1)[0])
 
 
 def narrowed(allowed: np.ndarray, tiers: Sequence[np.ndarray]) -> Optional[np.ndarray]:
@@ -76,15 +93,15 @@ def narrowed(allowed: np.ndarray, tiers: Sequence[np.ndarray]) -> Optional[np.nd
     return None
 
 
-def closing_length(matcher: Any, nesting: "JsonNesting", masks: tuple[Masks, Masks], vocab: int,
+def closing_length(matcher: Any, nesting: "JsonNesting", masks: ClosingMasks, vocab: int,
                    decode: Callable[[int], bytes], limit: int = CLOSING_WALK) -> int:
     """How many tokens the shortest way found takes ``matcher`` (an llguidance matcher) from
     where it is to where its grammar may end: at each step the tokens the grammar forces,
-    else the lowest token of the first of ``masks`` (:func:`closing_masks`, by whether
+    else the lowest token of the first of ``masks`` (:class:`ClosingMasks`, by whether
     ``nesting`` is in a string) that the grammar allows, else its lowest allowed token.
     ``limit`` where the walk takes that many or cannot go on. The matcher is rolled back to
     where it was."""
-    words = masks[0][0].shape[0]
+    words = masks.closers.shape[0]
     bitmask = np.zeros(words, dtype=np.int32)
     nesting = copy(nesting)
     taken = 0
@@ -98,7 +115,7 @@ def closing_length(matcher: Any, nesting: "JsonNesting", masks: tuple[Masks, Mas
             tokens = forced[: matcher.try_consume_tokens(forced)] if forced else []
             if not tokens:
                 matcher.unsafe_compute_mask_ptr(bitmask.ctypes.data, words * 4)
-                choice = narrowed(bitmask, masks[0] if nesting.in_string else masks[1])
+                choice = narrowed(bitmask, masks.tiers(nesting.in_string))
                 token = _lowest(bitmask if choice is None else choice)
                 if token is None or token >= vocab or not matcher.try_consume_tokens([token]):
                     return limit
@@ -112,12 +129,12 @@ def closing_length(matcher: Any, nesting: "JsonNesting", masks: tuple[Masks, Mas
             matcher.rollback(taken)
 
 
-def continuing_length(matcher: Any, nesting: "JsonNesting", masks: tuple[Masks, Masks], vocab: int,
+def continuing_length(matcher: Any, nesting: "JsonNesting", masks: ClosingMasks, vocab: int,
                       decode: Callable[[int], bytes], allowed: np.ndarray) -> Optional[int]:
-    """The :func:`closing_length` of going on with the lowest separator token ``allowed`` (a
-    comma on to another item or an optional key), that token included; None where
-    ``allowed`` has none. The matcher is rolled back to where it was."""
-    token = _lowest(allowed & masks[1][1])
+    """The :func:`closing_length` of going on with the lowest token ``allowed`` that does (a
+    comma on to another item or an optional key; ``masks.going_on``), that token included;
+    None where ``allowed`` has none. The matcher is rolled back to where it was."""
+    token = _lowest(allowed & masks.going_on)
     if token is None or token >= vocab or not matcher.try_consume_tokens([token]):
         return None
     try:

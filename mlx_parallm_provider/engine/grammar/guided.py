@@ -27,7 +27,18 @@ import numpy as np
 
 from ...errors import InvalidParameterError
 from .build_threads import run_compiler
-from .closing import CLOSING_MARGIN, CLOSING_SLACK, CLOSING_WALK, ClosingGauge, JsonNesting, Masks, closing_length, closing_masks, continuing_length, narrowed
+from .closing import (
+    CLOSING_MARGIN,
+    CLOSING_SLACK,
+    CLOSING_WALK,
+    ClosingGauge,
+    ClosingMasks,
+    JsonNesting,
+    closing_length,
+    closing_masks,
+    continuing_length,
+    narrowed,
+)
 from .constraint import Constraint, import_llguidance
 from .probe import build_checked, grammar_error
 
@@ -76,7 +87,7 @@ class GrammarTokenizer:
         self._lock = threading.Lock()
         self.executor: Any = None
         self._matchers: "OrderedDict[str, tuple[Any, str]]" = OrderedDict()  # grammar -> (matcher, "") or (None, error)
-        self._closing: Optional[tuple[Masks, Masks]] = None
+        self._closing: Optional[ClosingMasks] = None
 
     def get(self) -> Any:
         with self._lock:
@@ -90,11 +101,11 @@ class GrammarTokenizer:
         """The bytes of one token, as the grammar sees them."""
         return self.get().decode_bytes([token])
 
-    def closing_bits(self, words: int) -> tuple[Masks, Masks]:
+    def closing_bits(self, words: int) -> ClosingMasks:
         """:func:`~.closing.closing_masks` of ``words`` int32 each, on this tokenizer. Built once."""
         with self._lock:
             cached = self._closing
-        if cached is None or cached[0][0].shape[0] != words:
+        if cached is None or cached.closers.shape[0] != words:
             built = self.get()
             cached = closing_masks(lambda token: built.decode_bytes([token]), built.vocab_size, words, self.eos_bits(words))
             with self._lock:
@@ -200,7 +211,7 @@ class RowMatcher:
         left, nesting = self.tokens_left, self.json
         return left is not None and nesting is not None and nesting.open > 0 and left <= nesting.open + CLOSING_WALK
 
-    def must_close(self, masks: tuple[Masks, Masks], vocab: int) -> bool:
+    def must_close(self, masks: ClosingMasks, vocab: int) -> bool:
         """The row's token budget is about to run out before its open JSON can end: its tokens
         left are at most its :func:`~.closing.closing_length` along ``masks`` (the tokenizer's
         :meth:`~GrammarTokenizer.closing_bits`) plus a slack (:class:`~.closing.ClosingGauge`)."""
@@ -210,22 +221,21 @@ class RowMatcher:
         return self._gauge.must_close(self.tokens_left, nesting, lambda: closing_length(
             self.matcher, nesting, masks, vocab, self._tokenizer.token_bytes))
 
-    def steered(self, allowed: np.ndarray, masks: tuple[Masks, Masks], vocab: int) -> Optional[np.ndarray]:
+    def steered(self, allowed: np.ndarray, masks: ClosingMasks, vocab: int) -> Optional[np.ndarray]:
         """``allowed`` (this row's bitmask) narrowed for the end of its budget, or None where
         it is left as it is: to the tokens that end its JSON soonest (:meth:`must_close`), where
         the grammar allows any; or, at a point where its JSON may end a container or go on
-        (another item, an optional key), without the separators that go on, where what they
+        (another item, an optional key), without the tokens that go on, where what they
         begin would not fit (:func:`~.closing.continuing_length`)."""
         nesting = self.json
         if self.must_close(masks, vocab):
-            return narrowed(allowed, masks[0] if nesting.in_string else masks[1])
-        closers, separators, _ = masks[1]
-        if nesting.in_string or not (allowed & closers).any() or not (allowed & separators).any():
+            return narrowed(allowed, masks.tiers(nesting.in_string))
+        if nesting.in_string or not (allowed & masks.closers).any() or not (allowed & masks.going_on).any():
             return None
         going_on = continuing_length(self.matcher, nesting, masks, vocab, self._tokenizer.token_bytes, allowed)
         if going_on is None or self.tokens_left > going_on + CLOSING_SLACK:
             return None
-        kept = allowed & ~separators
+        kept = allowed & ~masks.going_on
         return kept if kept.any() else None
 
     @property
