@@ -120,6 +120,18 @@ def test_an_unknown_model_fails_on_use_with_the_package_error() -> None:
         run(MLXParallmLLM(model="/nonexistent/model-folder").ainvoke("hi"))
 
 
+@pytest.mark.parametrize("cls", [MLXParallmLLM, ChatMLXParallm])
+def test_token_counts_are_the_model_s_own_tokenizer_s(cls: type, model_name: str, engine: Engine) -> None:
+    # LangChain's fallback is GPT-2's tokenizer, which needs a download (offline: counted 0)
+    text = "Hello world, how are you today?"
+    model = cls(model=model_name)
+    ids = engine.tokenizer.encode(text, add_special_tokens=False)
+    assert model.get_token_ids(text) == list(ids) and model.get_num_tokens(text) == len(ids) > 0
+    if cls is ChatMLXParallm:
+        assert model.get_num_tokens_from_messages([HumanMessage(text)]) > len(ids)
+    assert cls(model=model_name, custom_get_token_ids=lambda t: [7] * len(t)).get_num_tokens("abc") == 3
+
+
 def test_bad_call_kwargs_raise_typed_errors(model_name: str) -> None:
     chat = ChatMLXParallm(model=model_name)
     with pytest.raises(InvalidParameterError, match="temperature"):

@@ -92,6 +92,16 @@ class EngineFields(BaseModel):
         rest = {k: v for k, v in kwargs.items() if k in extra}
         return model, sampling, rest
 
+    def get_token_ids(self, text: str) -> list[int]:
+        """``text``'s token ids as this model's own tokenizer writes them (no BOS or other
+        special token added), or ``custom_get_token_ids``' where it is set; LangChain's token
+        counts (``get_num_tokens``, ``trim_messages``) come from here. Loads the model on
+        first use, as a call would."""
+        custom = getattr(self, "custom_get_token_ids", None)
+        if custom is not None:
+            return custom(text)
+        return list(engine_for(self.model).tokenizer.encode(text, add_special_tokens=False))
+
     @property
     def _identifying_params(self) -> dict[str, Any]:
         return {"model": self.model, **{name: getattr(self, name) for name in SAMPLING_FIELDS}}
