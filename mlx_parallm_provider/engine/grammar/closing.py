@@ -174,7 +174,7 @@ class ClosingGauge:
             self.reset()
         if not self.steering:
             at = self._at
-            if at is None or left > at[0] or nesting.depth > at[1] or left <= at[2] + (at[0] - left) + CLOSING_SLACK:
+            if at is None or nesting.depth > at[1] or left <= at[2] + (at[0] - left) + CLOSING_SLACK:
                 at = self._at = (left, nesting.depth, measure())
             self.steering = left <= at[2] + CLOSING_SLACK
         return self.steering

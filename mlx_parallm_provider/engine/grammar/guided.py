@@ -235,8 +235,7 @@ class RowMatcher:
         going_on = continuing_length(self.matcher, nesting, masks, vocab, self._tokenizer.token_bytes, allowed)
         if going_on is None or self.tokens_left > going_on + CLOSING_SLACK:
             return None
-        kept = allowed & ~masks.going_on
-        return kept if kept.any() else None
+        return narrowed(allowed, (~masks.going_on,))
 
     @property
     def must_end(self) -> bool:
@@ -296,8 +295,8 @@ def fill_bitmask(vocab: int, matchers: Sequence[Optional[RowMatcher]], tokenizer
     if ending:
         eos = tokenizer.eos_bits(words)
         for i in ending:
-            kept = bitmask[i] & eos
-            if kept.any():  # else the grammar wants more first (a second value it requires)
+            kept = narrowed(bitmask[i], (eos,))
+            if kept is not None:  # else the grammar wants more first (a second value it requires)
                 bitmask[i] = kept
     near = [(i, m) for i, m in enumerate(matchers) if m is not None and m.near_budget_end]
     if near:
