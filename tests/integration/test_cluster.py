@@ -41,6 +41,7 @@ IDS = ("rep-a", "rep-b")
 REPLICA_ARGS = ("--keepalive_timeout", "75")  # as the README says: longer than the front's pool keeps connections
 ROWS = 2
 MAX_TOKENS = 8  # per answer in the measured runs
+BURST, BURST_TOKENS = 12, 64  # the requests and answer length of the run whose queue is watched
 SYSTEM = "You are assistant {g} of team {team}. " + " ".join(f"Rule {k}: be precise about item {k}." for k in range(30))
 
 
@@ -174,18 +175,23 @@ def _hit_rate(before: dict[str, dict[str, float]], after: dict[str, dict[str, fl
     return hits / queries
 
 
-async def _through_front(cluster: Cluster, bodies: list[dict[str, Any]]) -> list[httpx.Response]:
-    headers = {"Authorization": f"Bearer {cluster.key}"}
-    async with httpx.AsyncClient(base_url=cluster.front.base_url, headers=headers, timeout=300, trust_env=False) as client:
+async def _post_all(proxy: RunningProxy, bodies: list[dict[str, Any]]) -> list[httpx.Response]:
+    headers = {"Authorization": f"Bearer {proxy.key}"}
+    async with httpx.AsyncClient(base_url=proxy.base_url, headers=headers, timeout=300, trust_env=False) as client:
         return list(await asyncio.gather(*(client.post("/v1/chat/completions", json=b) for b in bodies)))
+
+
+async def _through_front(cluster: Cluster, bodies: list[dict[str, Any]]) -> list[httpx.Response]:
+    return await _post_all(cluster.front, bodies)
 
 
 @pytest.fixture(scope="module")
 def runs(cluster: Cluster) -> dict[str, Any]:
     """In one run, each phase 64 concurrent requests in 4 new prefix groups: a warm-up that
     fills the replicas' prefix stores, then an in-process ``litellm.Router`` with LiteLLM's
-    ``simple-shuffle``, then the front proxy (prefix-aware), /metrics watched meanwhile. Both
-    measured phases thus start with stores full of other prefixes."""
+    ``simple-shuffle``, then the front proxy (prefix-aware). Both measured phases thus start
+    with stores full of other prefixes. Last, a burst straight to one replica, its /metrics
+    watched meanwhile."""
     import litellm
 
     model_list = [{"model_name": ALIAS, "litellm_params": {**d["litellm_params"], "api_key": cluster.key}, "model_info": d["model_info"]}
@@ -208,12 +214,19 @@ def runs(cluster: Cluster) -> dict[str, Any]:
     groups = _balanced_groups(cluster, "prefix")
     bodies = [{"model": ALIAS, "messages": _messages("prefix", groups[i % 4], i), "max_tokens": MAX_TOKENS, "temperature": 0} for i in range(64)]
     before = {r: cluster.scrape(r) for r in IDS}
-    with Watcher(cluster, IDS[0]) as watcher:
-        out["prefix_responses"] = asyncio.run(_through_front(cluster, bodies))
+    out["prefix_responses"] = asyncio.run(_through_front(cluster, bodies))
     time.sleep(0.3)
     after = {r: cluster.scrape(r) for r in IDS}
-    out.update(prefix_groups=groups, prefix_hit_rate=_hit_rate(before, after), watched=watcher.samples, watched_before=before[IDS[0]],
-               watched_after=after[IDS[0]])
+    out.update(prefix_groups=groups, prefix_hit_rate=_hit_rate(before, after), watched_before=before[IDS[0]], watched_after=after[IDS[0]])
+
+    # The gauges are watched over a burst sent straight to one replica, with answers long
+    # enough that its 2 rows are still busy when the last request arrives: through the front,
+    # 8-token answers on a loaded machine could be answered as fast as they came in.
+    burst = [{**body, "messages": _messages("burst", 0, i), "max_tokens": BURST_TOKENS, "ignore_eos": True} for i, body in enumerate(bodies[:BURST])]
+    with Watcher(cluster, IDS[0]) as watcher:
+        out["burst_responses"] = asyncio.run(_post_all(cluster.replicas[IDS[0]], burst))
+    time.sleep(0.3)
+    out.update(watched=watcher.samples, burst_after=cluster.scrape(IDS[0]))
     return out
 
 
@@ -242,12 +255,16 @@ def test_prefix_aware_routing_hits_the_prefix_cache_far_more_often_than_shuffle(
 
 
 def test_replica_metrics_move_during_a_run(runs: dict[str, Any]) -> None:
-    samples, before, after = runs["watched"], runs["watched_before"], runs["watched_after"]
+    samples = runs["watched"]
+    assert [r.status_code for r in runs["burst_responses"]] == [200] * BURST
+    assert all(r.json()["usage"]["completion_tokens"] == BURST_TOKENS for r in runs["burst_responses"])
     assert len(samples) >= 5
     running = [s.get("mlx_parallm:num_requests_running", 0) for s in samples]
     waiting = [s.get("mlx_parallm:num_requests_waiting", 0) for s in samples]
-    assert max(running) == ROWS and max(waiting) > 0  # 32 requests, 2 rows: the others queue
-    assert after["mlx_parallm:num_requests_running"] == 0 and after["mlx_parallm:num_requests_waiting"] == 0
+    assert max(running) == ROWS and max(waiting) > 0, (running, waiting)  # 12 requests, 2 rows: the others queue
+    for after in (runs["burst_after"], runs["watched_after"]):
+        assert after["mlx_parallm:num_requests_running"] == 0 and after["mlx_parallm:num_requests_waiting"] == 0
+    before, after = runs["watched_before"], runs["watched_after"]
     answered = sum(r.headers["x-litellm-model-id"] == IDS[0] for r in runs["prefix_responses"])
     for name in ("time_to_first_token_seconds", "request_queue_time_seconds"):
         grew = after[f"mlx_parallm:{name}_count"] - before.get(f"mlx_parallm:{name}_count", 0)
