@@ -323,7 +323,8 @@ def to_litellm_error(error: MLXParallmError, model: str) -> Exception:
         hint = "retry later, send fewer concurrent requests, or raise the engine's max_queue"
         return litellm.RateLimitError(message=f"{error}; {hint}", **where)
     if isinstance(error, RequestTimeoutError):
-        return litellm.Timeout(message=f"{error}; raise `timeout` or lower `max_tokens`", **where)
+        # The engine's message already says what to change (for an embedding call, not max_tokens).
+        return litellm.Timeout(message=str(error), **where)
     if isinstance(error, EngineDeadError):
         hint = "retry the request: the engine starts a fresh worker (the server log has the cause)"
         return litellm.ServiceUnavailableError(message=f"{error}; {hint}", **where)

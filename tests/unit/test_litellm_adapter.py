@@ -395,7 +395,7 @@ ERRORS = [
     (ContextWindowExceededError(2000, 256, 2048), litellm.ContextWindowExceededError, "lower max_tokens"),
     (ModelNotFoundError("no model 'nope'"), litellm.NotFoundError, "check the model name"),
     (EngineOverloadedError("queue full"), litellm.RateLimitError, "retry later"),
-    (RequestTimeoutError("timed out after 1 s"), litellm.Timeout, "raise `timeout`"),
+    (RequestTimeoutError("request r1 timed out after 1s; raise its timeout or lower max_tokens"), litellm.Timeout, "raise its timeout"),
     # Issue 8 #8: the engine restarts its worker by itself; the hint said to restart the process.
     (EngineDeadError("worker died"), litellm.ServiceUnavailableError, "retry the request"),
     (RequestFailedError("request r1 failed while processing its output"), litellm.InternalServerError, "failed while processing"),
@@ -412,6 +412,17 @@ def test_engine_errors_map_to_litellm_errors(engine: FakeEngine, error: Exceptio
         litellm.completion(model=MODEL, messages=HI)
     with pytest.raises(expected, match=re.escape(hint)):
         asyncio.run(litellm.acompletion(model=MODEL, messages=HI))
+
+
+def test_a_timeout_says_once_what_to_change_and_for_embeddings_not_max_tokens() -> None:
+    from mlx_parallm_provider.engine.embed.request import EmbedRequest
+    from mlx_parallm_provider.engine.request import Request, SamplingParams
+
+    chat = Request("r1", [1, 2], SamplingParams(), sink=None, arrival=10.0, deadline=10.5).timeout_error()
+    embed = EmbedRequest("e1", [[1, 2]], "mean", sink=None, arrival=10.0, deadline=10.5).timeout_error()
+    chat_message, embed_message = (str(adapter.to_litellm_error(e, "m")) for e in (chat, embed))
+    assert chat_message.count("timeout") == 1 and chat_message.count("max_tokens") == 1, chat_message
+    assert "0.5s" in embed_message and "fewer inputs" in embed_message and "max_tokens" not in embed_message, embed_message
 
 
 def _stream_error(run_async: bool) -> BaseException:
