@@ -29,8 +29,10 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, 
     Each result has ``role`` (one of system/user/assistant/tool; ``developer`` becomes
     system, the legacy ``function`` role becomes tool) and ``content`` as a string.
     Assistant messages keep ``tool_calls`` (arguments decoded to dicts, as chat templates
-    expect); tool messages keep ``tool_call_id``, which must answer a call of an earlier
-    assistant message, and get ``name`` from that call when they lack one.
+    expect) and ``prefix: True`` (LiteLLM's mark of a final assistant message the answer
+    continues; only the last message may carry it); tool messages keep ``tool_call_id``,
+    which must answer a call of an earlier assistant message, and get ``name`` from that
+    call when they lack one.
     """
     if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Sequence):
         raise InvalidParameterError("messages", "must be a list of message dicts")
@@ -50,6 +52,8 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, 
             )
         if normalized["role"] == "tool" and "name" not in normalized and call_id is not None:
             normalized["name"] = call_names[call_id]
+        if normalized.get("prefix") and index != len(messages) - 1:
+            raise InvalidParameterError(f"messages[{index}].prefix", "only the last message can be a prefix for the answer to continue")
         out.append(normalized)
     return out
 
@@ -76,10 +80,17 @@ def _normalize_message(index: int, message: Any) -> dict[str, Any]:
             f"{where}.role", f"must be one of system, user, assistant, tool; got {message.get('role')!r}"
         )
     out: dict[str, Any] = {"role": role, "content": content_text(message.get("content"), f"{where}.content")}
+    prefix = message.get("prefix")
+    if prefix is not None and not isinstance(prefix, bool):
+        raise InvalidParameterError(f"{where}.prefix", f"must be true or false, got {prefix!r}")
+    if prefix and role != "assistant":
+        raise InvalidParameterError(f"{where}.prefix", f"marks an assistant message for the answer to continue; this is a {role} message")
     if role == "assistant":
         calls = _assistant_tool_calls(message, where)
         if calls:
             out["tool_calls"] = calls
+        if prefix:
+            out["prefix"] = True
     elif role == "tool":
         call_id = message.get("tool_call_id")
         if call_id is not None:

@@ -65,6 +65,7 @@ def prepare_chat(
     tool_choice: Any = None,
     response_format: Any = None,
     parallel_tool_calls: Optional[bool] = None,
+    continue_final_message: bool = False,
 ) -> PreparedPrompt:
     """Validate one chat request and render its prompt.
 
@@ -72,18 +73,26 @@ def prepare_chat(
     ``response_format`` take OpenAI's values and are honoured by prompting: a required
     or named tool and JSON output become instructions in the system message (see
     :func:`~.tool_defs.apply_tool_choice` and :func:`response_format_instruction`).
+    With ``continue_final_message`` (vLLM's name), or a last message marked ``prefix:
+    True`` (LiteLLM's), the answer continues the last message, an assistant's: the prompt
+    ends with its text and the answer is what comes after it.
     Raises :class:`InvalidParameterError` naming the field for any malformed input.
     """
     if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
         raise InvalidParameterError("parallel_tool_calls", f"must be true or false, got {parallel_tool_calls!r}")
+    if not isinstance(continue_final_message, bool):
+        raise InvalidParameterError("continue_final_message", f"must be true or false, got {continue_final_message!r}")
     shown, tool_instruction = apply_tool_choice(tools, tool_choice)
     instructions = [tool_instruction, response_format_instruction(response_format)]
     conversation = normalize_messages(messages)
+    continuing = continue_final_message or bool(conversation[-1].get("prefix"))
+    if continuing:
+        _check_continuable(conversation[-1], constrained=tool_instruction is not None or instructions[1] is not None)
     for instruction in instructions:
         conversation = add_system_instruction(conversation, instruction)
     renders_tools = bool(shown) and template_supports_tools(tokenizer, shown)
     conversation, guarded = guard_conversation(tokenizer, conversation)
-    rendered = render_conversation(tokenizer, conversation, shown, renders_tools=renders_tools)
+    rendered = render_conversation(tokenizer, conversation, shown, renders_tools=renders_tools, continue_final=continuing)
     prompt = rendered if guarded is None else guarded.encode(rendered)
     fmt = tool_call_format(tokenizer, shown, renders_tools=renders_tools) if shown else HERMES_FORMAT
     parallel = parallel_tool_calls is not False
@@ -93,6 +102,18 @@ def prepare_chat(
     answer = response_format_constraint(response_format)
     constraint = tool_call_constraint(shown, forced, fmt, parallel and not named, special_start, answer) or answer
     return PreparedPrompt(prompt=prompt, tools=shown, tool_format=fmt, parallel_tool_calls=parallel, constraint=constraint)
+
+
+def _check_continuable(final: Mapping[str, Any], constrained: bool) -> None:
+    if final["role"] != "assistant" or final.get("tool_calls"):
+        raise InvalidParameterError(
+            "continue_final_message", f"needs the last message to be an assistant's text to continue, got a {final['role']} message"
+            + (" with tool calls" if final.get("tool_calls") else "")
+        )
+    if constrained:  # the grammar would start at the answer's first token, not after the prefix
+        raise InvalidParameterError(
+            "continue_final_message", "cannot be combined with response_format or a forced tool call (tool_choice 'required' or a named tool)"
+        )
 
 
 def _choice_is_named(tool_choice: Any) -> bool:

@@ -9,6 +9,7 @@ template such as SmolLM2's ChatML.
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
@@ -31,11 +32,14 @@ def render_chat(
     special tokens again. A tokenizer without a chat template gets a plain
     ``"User: ...\\n\\nAssistant:"`` transcript.
 
-    Raises :class:`InvalidParameterError` naming the offending field for malformed
+    A last assistant message marked ``prefix: True`` is continued: the prompt ends with its
+    text. Raises :class:`InvalidParameterError` naming the offending field for malformed
     messages or tools, non-text content (images, audio, ...), or a conversation the
     template rejects.
     """
-    return render_conversation(tokenizer, normalize_messages(messages), normalize_tools(tools), add_generation_prompt)
+    conversation = normalize_messages(messages)
+    continue_final = bool(conversation[-1].get("prefix"))
+    return render_conversation(tokenizer, conversation, normalize_tools(tools), add_generation_prompt, continue_final=continue_final)
 
 
 def render_conversation(
@@ -45,13 +49,18 @@ def render_conversation(
     add_generation_prompt: bool = True,
     *,
     renders_tools: Optional[bool] = None,
+    continue_final: bool = False,
 ) -> str:
     """:func:`render_chat` for messages and tools that are already normalised.
 
     ``renders_tools`` is whether the template renders tools itself; a caller that
     already decided it (:func:`~.prepare.prepare_chat`) passes it, so the prompt and the
-    tool-call parser always agree on the format.
+    tool-call parser always agree on the format. With ``continue_final`` the prompt ends
+    inside the last (assistant) message, right after its text, so the answer continues it
+    (what transformers' ``continue_final_message`` renders).
     """
+    if continue_final:
+        return _continuing(tokenizer, conversation, tools, renders_tools)
     has_template = template_source(tokenizer, tools) is not None or getattr(
         tokenizer, "_chat_template", None
     ) is not None
@@ -62,6 +71,27 @@ def render_conversation(
     if renders_tools:
         return _apply_template(tokenizer, _for_tool_template(conversation), tools, add_generation_prompt)
     return _apply_template(tokenizer, _for_plain_template(conversation, tools), None, add_generation_prompt)
+
+
+def _continuing(tokenizer: Any, conversation: list[dict[str, Any]], tools: Optional[list[dict[str, Any]]],
+                renders_tools: Optional[bool]) -> str:
+    """The prompt that ends with the final message's text: the conversation rendered with a
+    marker for that text, cut at the marker, the text put back. A template that trims
+    message text trims it here too."""
+    *history, final = conversation
+    text = final["content"]
+    if not text:  # nothing written yet: a new answer
+        return render_conversation(tokenizer, history, tools, True, renders_tools=renders_tools)
+    marker = f"MLXPARALLMCONTINUE{secrets.token_hex(8)}X"
+    rendered = render_conversation(tokenizer, [*history, {**final, "content": f" {marker} "}], tools, False, renders_tools=renders_tools)
+    at = rendered.rfind(marker)
+    if at < 0:
+        raise InvalidParameterError(
+            "messages", "the model's chat template does not render the final assistant message's text, so an answer cannot continue it"
+        )
+    if rendered.startswith(" ", at + len(marker)):  # the template keeps the text as it is
+        return rendered[: at - 1] + text
+    return rendered[:at] + text.strip()
 
 
 # --------------------------------------------------------------------------- conversations

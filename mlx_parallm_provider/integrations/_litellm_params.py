@@ -29,7 +29,7 @@ _SAMPLING_KEYS = (
     "frequency_penalty", "logit_bias", "seed", "stop", "stop_token_ids", "ignore_eos", "lora",
 )
 #: Parameters of the chat layer.
-_CHAT_KEYS = ("tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "response_format")
+_CHAT_KEYS = ("tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "response_format", "continue_final_message")
 #: Parameters this provider honours.
 _HANDLED_KEYS = frozenset((*_SAMPLING_KEYS, *_CHAT_KEYS, "max_tokens", "max_completion_tokens", "n", "logprobs", "top_logprobs"))
 #: Keys LiteLLM or OpenAI clients add that mean nothing for a local model: ignored.
@@ -182,6 +182,7 @@ def _chat_prompt(engine: EngineLike, messages: list, params: Mapping[str, Any]) 
         tool_choice=tool_choice,
         response_format=params.get("response_format"),
         parallel_tool_calls=params.get("parallel_tool_calls"),
+        continue_final_message=params.get("continue_final_message", False),
     )
 
 

@@ -29,6 +29,7 @@ from mlx_parallm_provider.chat import (
     ToolCallFormat,
     add_system_instruction,
     fallback_tool_prompt,
+    prepare_chat,
     read_completion,
 )
 from mlx_parallm_provider.config import EngineConfig
@@ -318,6 +319,18 @@ def test_system_human_ai_and_tool_messages_go_through_the_chat_template(model_na
     message = ChatMLXParallm(model=model_name, max_tokens=MAX_TOKENS, ignore_eos=True).invoke(history)
     assert message.usage_metadata["input_tokens"] == len(engine.encode(prompt))
     assert message.content == engine.generate_sync(prompt, greedy()).text
+
+
+def test_continue_final_message_continues_a_trailing_ai_message(model_name: str, engine: Engine) -> None:
+    history = [HumanMessage("Write a haiku."), AIMessage("Autumn wind")]
+    prompt = prepare_chat(engine.tokenizer, convert_to_openai_messages(history), continue_final_message=True).prompt
+    assert prompt.endswith("<|im_start|>assistant\nAutumn wind")
+    chat = ChatMLXParallm(model=model_name, max_tokens=MAX_TOKENS, ignore_eos=True)
+    message = chat.invoke(history, continue_final_message=True)
+    assert message.usage_metadata["input_tokens"] == len(engine.encode(prompt))
+    assert message.content == engine.generate_sync(prompt, greedy()).text  # what comes after the prefix
+    streamed = "".join(chunk.content for chunk in chat.bind(continue_final_message=True).stream(history))
+    assert streamed == message.content
 
 
 # --------------------------------------------------------------------------- tools on recorded outputs

@@ -239,3 +239,64 @@ def test_a_json_response_format_with_optional_tools_keeps_its_constraint() -> No
     prepared = prepare_chat(make_tokenizer(), HI, tools=[WEATHER], response_format=fmt)
     assert prepared.constraint.kind == "lark" and "answer: %json" in prepared.constraint.value
     assert '"a"' in prepared.constraint.value.split("answer: %json", 1)[1]
+
+
+# --------------------------------------------------------------------------- continuing the last message
+
+GEMMA_LIKE = (
+    "{% for m in messages %}<start_of_turn>{{ m['role'] }}\n{{ m['content'] }}<end_of_turn>\n{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+TRIMMING = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] | trim }}</s>{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+TEMPLATES = {"smollm2": None, "qwen tools": QWEN_TOOLS_TEMPLATE, "gemma-like": GEMMA_LIKE, "trimming": TRIMMING}
+
+
+@pytest.mark.parametrize("name", TEMPLATES)
+@pytest.mark.parametrize("text", ["```python\ndef", "Sure, ", "e", "  x  "])
+def test_a_continued_message_renders_as_transformers_continue_final_message(name: str, text: str) -> None:
+    """The prompt ends with the last message's text, as transformers renders it ("e" is a
+    letter of "<end_of_turn>", so a search for the text alone would cut in the wrong place)."""
+    tokenizer = make_tokenizer(TEMPLATES[name]) if TEMPLATES[name] else make_tokenizer()
+    messages = [*HI, {"role": "assistant", "content": text}]
+    expected = tokenizer.apply_chat_template(messages, tokenize=False, continue_final_message=True)
+    assert prepare_chat(tokenizer, messages, continue_final_message=True).prompt == expected
+    marked = [*HI, {"role": "assistant", "content": text, "prefix": True}]
+    assert prepare_chat(tokenizer, marked).prompt == expected == render_chat(tokenizer, marked)
+
+
+def test_an_empty_message_to_continue_is_a_new_answer_and_no_template_continues_the_transcript() -> None:
+    tokenizer = make_tokenizer()
+    assert prepare_chat(tokenizer, [*HI, {"role": "assistant", "content": "", "prefix": True}]).prompt == prepare_chat(tokenizer, HI).prompt
+    plain = [*HI, {"role": "assistant", "content": "Hello", "prefix": True}]
+    assert prepare_chat(make_tokenizer(None), plain).prompt == "User: Hi\n\nAssistant: Hello"
+
+
+def test_a_continued_message_holding_special_tokens_stays_plain_text() -> None:
+    tokenizer = make_tokenizer()
+    text = "See <|im_start|>system"
+    prompt = prepare_chat(tokenizer, [*HI, {"role": "assistant", "content": text, "prefix": True}]).prompt
+    start = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    assert isinstance(prompt, list) and prompt.count(start) == 3  # the default system turn, the user's and the answer's
+    assert tokenizer.decode(prompt).endswith("<|im_start|>assistant\n" + text)
+
+
+@pytest.mark.parametrize(
+    ("messages", "kwargs", "field", "says"),
+    [
+        ([{"role": "assistant", "content": "a", "prefix": True}, *HI], {}, "messages[0].prefix", "only the last message"),
+        ([*HI, {"role": "assistant", "content": "a", "prefix": "yes"}], {}, "messages[1].prefix", "true or false"),
+        ([{"role": "user", "content": "a", "prefix": True}], {}, "messages[0].prefix", "this is a user message"),
+        (HI, {"continue_final_message": True}, "continue_final_message", "got a user message"),
+        (HI, {"continue_final_message": "yes"}, "continue_final_message", "true or false"),
+        ([*HI, {"role": "assistant", "content": "a", "tool_calls": [{"id": "c1", "function": {"name": "get_weather", "arguments": "{}"}}]}],
+         {"continue_final_message": True}, "continue_final_message", "with tool calls"),
+        ([*HI, {"role": "assistant", "content": "{", "prefix": True}], {"response_format": {"type": "json_object"}},
+         "continue_final_message", "response_format"),
+        ([*HI, {"role": "assistant", "content": "I", "prefix": True}], {"tools": [WEATHER], "tool_choice": "required"},
+         "continue_final_message", "forced tool call"),
+    ],
+)
+def test_what_cannot_be_continued_is_refused_naming_the_field(messages: Any, kwargs: dict, field: str, says: str) -> None:
+    with pytest.raises(InvalidParameterError, match=says) as info:
+        prepare_chat(make_tokenizer(), messages, **kwargs)
+    assert info.value.field == field

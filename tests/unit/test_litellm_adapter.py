@@ -86,6 +86,23 @@ def test_completion_returns_the_engine_answer_with_usage(engine: FakeEngine) -> 
     assert response.usage.total_tokens == response.usage.prompt_tokens + len(ANSWER)
 
 
+@pytest.mark.parametrize("how", ["prefix", "continue_final_message", "extra_body"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_prefix_message_is_continued_and_the_answer_is_what_follows_it(engine: FakeEngine, how: str, stream: bool) -> None:
+    """LiteLLM's ``prefix: True`` (what its Router sends a fallback to continue a cut stream)
+    and vLLM's ``continue_final_message``: the prompt ends with the assistant's text."""
+    prefill = {"role": "assistant", "content": "```python\ndef"}
+    kwargs: dict[str, Any] = {
+        "prefix": {"messages": [*HI, {**prefill, "prefix": True}]},
+        "continue_final_message": {"messages": [*HI, prefill], "continue_final_message": True},
+        "extra_body": {"messages": [*HI, prefill], "extra_body": {"continue_final_message": True}},
+    }[how]
+    response = litellm.completion(model=MODEL, stream=stream, **kwargs)
+    content = joined(list(response)) if stream else response.choices[0].message.content
+    assert content == ANSWER
+    assert engine.last.prompt == chat_prompt(engine, HI) + "```python\ndef"  # SmolLM2's template: the turn left open
+
+
 def test_sync_completion_uses_generate_sync_and_the_model_name(engine: FakeEngine) -> None:
     litellm.completion(model="mlx-parallm/mlx-community/SmolLM2-135M-Instruct", messages=HI)
     assert engine.last.method == "generate_sync"

@@ -29,7 +29,7 @@ from .batch import BatchesFromOneThread, prefetched
 from .fields import EngineFields, engine_for
 from .messages import ChunkWriter, ai_message
 
-_CHAT_CALL_KWARGS = frozenset(("tools", "tool_choice", "parallel_tool_calls", "response_format"))
+_CHAT_CALL_KWARGS = frozenset(("tools", "tool_choice", "parallel_tool_calls", "response_format", "continue_final_message"))
 
 
 @dataclass(frozen=True)
@@ -146,6 +146,7 @@ class ChatMLXParallm(EngineFields, BatchesFromOneThread, BaseChatModel):
             tool_choice=extra.get("tool_choice"),
             response_format=_openai_response_format(extra.get("response_format")),
             parallel_tool_calls=extra.get("parallel_tool_calls"),
+            continue_final_message=extra.get("continue_final_message", False),
         )
         if prepared.constraint is not None:  # JSON output or a forced tool call
             params = dataclasses.replace(params, constraint=prepared.constraint)
