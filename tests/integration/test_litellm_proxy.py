@@ -200,6 +200,27 @@ def test_a_model_entry_with_a_lora_adapter_answers_through_it(proxy: Proxy, refe
     assert plain.json()["choices"][0]["message"]["content"] == reference.text
 
 
+@pytest.mark.slow
+def test_a_prefix_message_is_continued_through_the_proxy(proxy: Proxy, reference: Any, tiny_model: LoadedModel) -> None:
+    """LiteLLM's ``prefix: True`` reaches the provider through the proxy's request parsing."""
+    from mlx_parallm_provider.chat import prepare_chat
+
+    messages = [*QUESTION, {"role": "assistant", "content": "The sea", "prefix": True}]
+    body = {"model": ALIAS, "messages": messages, "max_tokens": 12, "temperature": 0}
+    with proxy.client() as client:
+        response = client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    engine = Engine("tiny", loaded=tiny_model)
+    try:
+        prompt = prepare_chat(engine.tokenizer, messages).prompt
+        want = engine.generate_sync(prompt, SamplingParams(max_tokens=12))
+    finally:
+        engine.shutdown()
+    assert prompt.endswith("<|im_start|>assistant\nThe sea")
+    assert response.json()["choices"][0]["message"]["content"] == want.text != reference.text
+    assert response.json()["usage"]["prompt_tokens"] == want.usage.prompt_tokens
+
+
 def test_httpx_streaming_joins_to_the_same_text(proxy: Proxy, reference: Any) -> None:
     body = {"model": ALIAS, "messages": QUESTION, "max_tokens": 12, "stream": True, "stream_options": {"include_usage": True}}
     with proxy.client() as client, client.stream("POST", "/v1/chat/completions", json=body) as response:
