@@ -96,6 +96,17 @@ def test_fields_default_to_the_engine_s_sampling_defaults() -> None:
 
 
 @pytest.mark.parametrize("cls", [MLXParallmLLM, ChatMLXParallm])
+def test_none_for_a_field_that_always_has_a_value_means_unset(cls: type) -> None:
+    """As LangChain models take ``temperature=None``: the engine's default on the model,
+    the model's own value in a call. A None seed or stop stays a value: none."""
+    model = cls(temperature=None, max_tokens=None, top_p=None, ignore_eos=None, seed=None)
+    assert model._sampling_params(None, {}) == SamplingParams()
+    tuned = cls(max_tokens=5, temperature=0.7, seed=3)
+    assert tuned._sampling_params(None, {"max_tokens": None, "temperature": None}) == SamplingParams(max_tokens=5, temperature=0.7, seed=3)
+    assert tuned._sampling_params(None, {"seed": None}).seed is None
+
+
+@pytest.mark.parametrize("cls", [MLXParallmLLM, ChatMLXParallm])
 @pytest.mark.parametrize(
     "bad, field",
     [

@@ -61,6 +61,13 @@ class EngineFields(BaseModel):
     lora: Optional[str] = Field(default=None, description="A LoRA adapter to answer through: a name registered with the engine's "
                                 "add_lora, or an mlx-lm adapter folder (adapters.safetensors + adapter_config.json).")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _none_is_unset(cls, data: Any) -> Any:
+        if isinstance(data, Mapping) and any(data.get(name, 0) is None for name in _NONE_IS_UNSET):
+            return {k: v for k, v in data.items() if not (v is None and k in _NONE_IS_UNSET)}
+        return data
+
     @model_validator(mode="after")
     def _validate_sampling(self) -> Self:
         try:
@@ -72,7 +79,7 @@ class EngineFields(BaseModel):
     def _sampling_params(self, stop: Optional[list[str]], overrides: Mapping[str, Any]) -> SamplingParams:
         """This model's settings with per-call ``overrides``; a call's ``stop`` replaces the field's."""
         values = {name: getattr(self, name) for name in SAMPLING_FIELDS}
-        values.update(overrides)
+        values.update((k, v) for k, v in overrides.items() if not (v is None and k in _NONE_IS_UNSET))
         if stop is not None:
             values["stop"] = stop
         return SamplingParams(**values)
@@ -113,6 +120,12 @@ class EngineFields(BaseModel):
         if "ls_stop" not in params and self.stop:
             params["ls_stop"] = self.stop
         return params
+
+
+#: Sampling fields that always have a value: None given for one means "not set" (the
+#: engine's default on the model, the model's own value in a call), as LangChain models
+#: take ``temperature=None`` or ``max_tokens=None``.
+_NONE_IS_UNSET = frozenset(name for name in SAMPLING_FIELDS if EngineFields.model_fields[name].default is not None)
 
 
 def usage_metadata(usage: Usage) -> UsageMetadata:
