@@ -315,6 +315,43 @@ def test_streamed_chunks_join_to_the_non_streamed_text(model: str) -> None:
         assert (usage.prompt_tokens, usage.completion_tokens) == (whole.usage.prompt_tokens, whole.usage.completion_tokens)
 
 
+def test_a_router_continues_a_stream_cut_midway_on_another_deployment(model: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """LiteLLM's Router, with mid-stream continuation on, resends a stream that broke after
+    some text to a fallback with that text as a ``prefix: True`` assistant message; the
+    provider continues it, so the client's stream is the whole answer (greedy: the same)."""
+    stream = adapter.MLXParallmCustomLLM.astreaming
+    attempts: list[bool] = []
+    before_the_cut: list[str] = []
+
+    async def breaks_after_8_chunks(self: Any, *args: Any, **kwargs: Any) -> Any:
+        continued = bool(kwargs["messages"][-1].get("prefix"))
+        attempts.append(continued)
+        count = 0
+        async for chunk in stream(self, *args, **kwargs):
+            yield chunk
+            count += 1
+            if not continued:
+                before_the_cut.append(chunk["text"])
+            if count == 8 and not continued:  # as when a replica dies mid-answer
+                raise litellm.ServiceUnavailableError(message="replica gone", model=model, llm_provider="mlx-parallm")
+
+    monkeypatch.setattr(adapter.MLXParallmCustomLLM, "astreaming", breaks_after_8_chunks)
+    deployment = {"litellm_params": {"model": model}, "model_info": {"supports_assistant_prefill": True}}
+    router = litellm.Router(model_list=[{**deployment, "model_name": "first"}, {**deployment, "model_name": "second"}],
+                            fallbacks=[{"first": ["second"]}], enable_mid_stream_fallback_continuation=True)
+    kw: dict[str, Any] = {"messages": ask(5), "max_tokens": 32, "ignore_eos": True}
+
+    async def consume() -> str:
+        return joined([chunk async for chunk in await router.acompletion(model="first", stream=True, **kw)])
+
+    cut_and_continued = asyncio.run(consume())
+    whole = content(litellm.completion(model=model, **kw))
+    assert attempts == [False, True]
+    # The fallback's max_tokens is what LiteLLM counts as left, its own count of the text
+    # already sent, so the continued answer may end a token or two before the whole one.
+    assert len(cut_and_continued) > len("".join(before_the_cut)) + 20 and whole.startswith(cut_and_continued), (cut_and_continued, whole)
+
+
 def test_n3_with_a_seed_is_reproducible(model: str, model_path: str) -> None:
     kw: dict[str, Any] = {"model": model, "messages": ask(1), "n": 3, "seed": 7, "temperature": 1.0, "max_tokens": 8}
     first = litellm.completion(**kw)
