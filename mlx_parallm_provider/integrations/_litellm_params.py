@@ -93,13 +93,14 @@ def merged_params(optional_params: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def refuse_unless_dropped(unsupported: list[str], params: Mapping[str, Any], litellm_params: Mapping[str, Any], model: str,
-                          what: str = "") -> None:
-    """LiteLLM's ``BadRequestError`` naming the ``unsupported`` parameters, unless the call
-    (or ``litellm.drop_params``) says to drop them."""
+                          what: str = "", why: str = "") -> None:
+    """LiteLLM's ``BadRequestError`` naming the ``unsupported`` parameters (and ``why``, where
+    given), unless the call (or ``litellm.drop_params``) says to drop them."""
     if unsupported and not _drop_params(litellm_params):
         raise litellm.BadRequestError(
             message=(
-                f"{PROVIDER}{what} cannot honour {', '.join(f'{k}={params.get(k)!r}' for k in unsupported)}. "
+                f"{PROVIDER}{what} cannot honour {', '.join(f'{k}={params.get(k)!r}' for k in unsupported)}"
+                f"{f' ({why})' if why else ''}. "
                 "Remove them, or set litellm.drop_params=True (or pass drop_params=True) to drop them."
             ),
             model=model,
@@ -116,6 +117,11 @@ def _honoured_params(
         params.pop(key, None)
     unsupported = _unsupported(params, stream=stream)
     refuse_unless_dropped(unsupported, params, litellm_params, model)
+    if litellm_params.get("text_completion"):
+        asked = [k for k in ("logprobs", "top_logprobs") if params.get(k)]
+        refuse_unless_dropped(asked, params, litellm_params, model, " text completions",
+                              "LiteLLM's text_completion returns no logprobs from a provider that answers as chat; litellm.completion does")
+        unsupported += asked
     for key in unsupported:
         params.pop(key, None)
     return params

@@ -551,6 +551,16 @@ def test_text_completion_with_several_prompts_and_n(engine: FakeEngine) -> None:
     assert response.usage.prompt_tokens == len("One") + len("Two")
 
 
+def test_text_completion_logprobs_are_refused_saying_why_unless_dropped(engine: FakeEngine) -> None:
+    """LiteLLM's text_completion answers with logprobs=None for a provider behind chat
+    completions, whatever it computed: a clear refusal instead of a silent None."""
+    with pytest.raises(litellm.BadRequestError, match=r"logprobs=2 \(LiteLLM's text_completion returns no logprobs") as info:
+        litellm.text_completion(model=MODEL, prompt="Once", max_tokens=3, logprobs=2)
+    assert "drop_params" in str(info.value) and not engine.calls
+    response = litellm.text_completion(model=MODEL, prompt="Once", max_tokens=3, logprobs=2, drop_params=True)
+    assert response.choices[0].text == ANSWER[:3] and engine.last.params.logprobs is False
+
+
 def test_atext_completion(engine: FakeEngine) -> None:
     response = asyncio.run(litellm.atext_completion(model=MODEL, prompt="Once", max_tokens=3))
     assert response.choices[0].text == ANSWER[:3]
