@@ -115,3 +115,38 @@ def test_closing_masks_sort_tokens_by_what_they_end(tiny_model) -> None:
     assert has(closers, "}") and not has(closers, ",") and has(separators, ",") and has(separators, "},")
     assert has(values, " true") and has(values, "0") and not has(values, ",")
     assert has(masks.going_on, ",") and has(masks.going_on, "},") and has(masks.going_on, ',"') and not has(masks.going_on, '",')
+    from_string = masks.going_on_from_string
+    assert has(from_string, '",') and has(from_string, '"},') and not has(from_string, '"}') and not has(from_string, ",")
+
+
+def test_in_a_string_a_token_that_ends_the_item_and_goes_on_is_left_out_where_the_next_would_not_fit(tiny_model, monkeypatch) -> None:
+    """'"},' closes a string, its object and goes on to the next item at once, so the list
+    guard looks at it from inside the string too (it looked only between values, and the model
+    went on from the last string of an item into one the budget then cut). Measured once a
+    string: what follows the closing quote does not depend on the text."""
+    from mlx_parallm_provider.engine.grammar import guided
+
+    tok = tiny_model.tokenizer
+    grammar = guided.GrammarTokenizer(tok, 49152, [tok.eos_token_id])
+    masks = grammar.closing_bits(1536)
+    schema = {"type": "object", "properties": {"items": {"type": "array", "items": {
+        "type": "object", "properties": {"city": {"type": "string"}, "country": {"type": "string"}}, "required": ["city", "country"]}}},
+              "required": ["items"]}
+    row = guided.RowMatcher(Constraint.json_schema(schema), grammar)
+    for token in tok.encode('{"items": [{"city": "Oslo", "country": "Nor', add_special_tokens=False):
+        row.consume(token)
+    allowed = np.frombuffer(row.matcher.compute_bitmask(), dtype=np.int32)[:1536].copy()
+
+    def has(mask: np.ndarray, text: str) -> bool:
+        [token] = tok.encode(text, add_special_tokens=False)
+        return bool((int(mask[token // 32]) >> (token % 32)) & 1)
+
+    assert has(allowed, '"},') and has(allowed, '"}') and has(allowed, "way")
+    walks, measure = [], guided.continuing_length
+    monkeypatch.setattr(guided, "continuing_length", lambda *a: walks.append(a) or measure(*a))
+    row.tokens_left = 40  # room for another item: left as it is
+    assert row.steered(allowed, masks, 49152) is None
+    row.tokens_left = 8  # '"}]}' fits, another item (two required keys) does not
+    kept = row.steered(allowed, masks, 49152)
+    assert kept is not None and not has(kept, '"},') and has(kept, '"}') and has(kept, "way")
+    assert len(walks) == 1  # the same string: measured once

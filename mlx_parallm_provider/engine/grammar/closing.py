@@ -48,11 +48,14 @@ class ClosingMasks:
     (``",``). ``outside``: ``]``, ``}`` and spaces alone, and EOS; those with a separator
     (``,``, ``},``), ending a value that a required key or a list's next item follows; a whole
     short value (``[]``, ``0``, ``null``, then only closers). ``going_on``: the tokens, read
-    outside a string, with a comma before any quote: they go on to another item or key."""
+    outside a string, with a comma before any quote: they go on to another item or key;
+    ``going_on_from_string``: those that, read inside one, close it and then have a comma
+    before any quote (``",``, ``"},``)."""
 
     in_string: tuple[np.ndarray, ...]
     outside: tuple[np.ndarray, ...]
     going_on: np.ndarray
+    going_on_from_string: np.ndarray
 
     @property
     def closers(self) -> np.ndarray:
@@ -61,15 +64,18 @@ class ClosingMasks:
     def tiers(self, in_string: bool) -> tuple[np.ndarray, ...]:
         return self.in_string if in_string else self.outside
 
+    def going_on_mask(self, in_string: bool) -> np.ndarray:
+        return self.going_on_from_string if in_string else self.going_on
+
 
 def closing_masks(decode: Callable[[int], bytes], vocab: int, words: int, eos_bits: np.ndarray) -> ClosingMasks:
     """The :class:`ClosingMasks` of a vocabulary of ``vocab`` tokens, ``words`` int32 each;
     ``decode(t)``: token t's bytes."""
-    masks = np.zeros((6, words * 32), dtype=np.uint8)
+    masks = np.zeros((7, words * 32), dtype=np.uint8)
     for token in range(min(vocab, words * 32)):
         masks[:, token] = _kinds(decode(token))
     packed = np.packbits(masks, axis=1, bitorder="little").view(np.int32)
-    return ClosingMasks((packed[0], packed[1]), (packed[2] | eos_bits, packed[3], packed[4]), packed[5])
+    return ClosingMasks((packed[0], packed[1]), (packed[2] | eos_bits, packed[3], packed[4]), packed[5], packed[6])
 
 
 def _kinds(text: bytes) -> tuple[bool, ...]:
@@ -80,7 +86,8 @@ def _kinds(text: bytes) -> tuple[bool, ...]:
             bool(text.strip(b" \n")) and every <= CLOSERS,
             every <= CLOSERS | SEPARATORS and bool(every & SEPARATORS),
             SHORT_VALUE.fullmatch(text) is not None,
-            b"," in text.split(b'"', 1)[0])
+            b"," in text.split(b'"', 1)[0],
+            b'"' in text and b"," in text.split(b'"', 2)[1])  # read in a string: after its closing quote
 
 
 def narrowed(allowed: np.ndarray, tiers: Sequence[np.ndarray]) -> Optional[np.ndarray]:
@@ -132,9 +139,10 @@ def closing_length(matcher: Any, nesting: "JsonNesting", masks: ClosingMasks, vo
 def continuing_length(matcher: Any, nesting: "JsonNesting", masks: ClosingMasks, vocab: int,
                       decode: Callable[[int], bytes], allowed: np.ndarray) -> Optional[int]:
     """The :func:`closing_length` of going on with the lowest token ``allowed`` that does (a
-    comma on to another item or an optional key; ``masks.going_on``), that token included;
-    None where ``allowed`` has none. The matcher is rolled back to where it was."""
-    token = _lowest(allowed & masks.going_on)
+    comma on to another item or an optional key: ``masks.going_on``, or in a string
+    ``masks.going_on_from_string``), that token included; None where ``allowed`` has none.
+    The matcher is rolled back to where it was."""
+    token = _lowest(allowed & masks.going_on_mask(nesting.in_string))
     if token is None or token >= vocab or not matcher.try_consume_tokens([token]):
         return None
     try:
@@ -185,7 +193,8 @@ class JsonNesting:
 
     ``value_tokens``: the tokens from the end of the top-level value before the last one (or
     the start) to the end of the last one, so a tool call's markers count with its JSON; 0
-    until a value has closed."""
+    until a value has closed. ``string_start``: the tokens fed before the one that opened the
+    string it is in (which string, for what is measured once a string)."""
 
     def __init__(self) -> None:
         self.depth = 0
@@ -193,6 +202,8 @@ class JsonNesting:
         self._escaped = False
         self.value_tokens = 0
         self._run = 0  # tokens since the last value closed
+        self.fed = 0
+        self.string_start = -1
 
     @property
     def open(self) -> int:
@@ -200,8 +211,11 @@ class JsonNesting:
 
     def feed(self, data: bytes) -> None:
         """Take one token's bytes."""
-        before = self.open
+        before, was_in_string = self.open, self.in_string
         self._scan(data)
+        if self.in_string and (not was_in_string or data.count(b'"') > 1):
+            self.string_start = self.fed
+        self.fed += 1
         self._run += 1
         if before and not self.open:  # a top-level value closed
             self.value_tokens, self._run = self._run, 0

@@ -166,6 +166,7 @@ class RowMatcher:
         self.json: Optional[JsonNesting] = JsonNesting() if constraint.json_output else None
         self.tokens_left: Optional[int] = None  # set by the worker before each step
         self._gauge = ClosingGauge()
+        self._going_on_from_string: tuple[int, Optional[int]] = (-1, None)  # (string_start, its continuing_length)
         self.check()
 
     def consume(self, token: int) -> None:
@@ -230,12 +231,25 @@ class RowMatcher:
         nesting = self.json
         if self.must_close(masks, vocab):
             return narrowed(allowed, masks.tiers(nesting.in_string))
-        if nesting.in_string or not (allowed & masks.closers).any() or not (allowed & masks.going_on).any():
+        going_on_mask = masks.going_on_mask(nesting.in_string)
+        # In a string, a token such as '"},' ends the value, its object, and goes on at once.
+        if not (allowed & going_on_mask).any() or not (nesting.in_string or (allowed & masks.closers).any()):
             return None
-        going_on = continuing_length(self.matcher, nesting, masks, vocab, self._tokenizer.token_bytes, allowed)
+        going_on = self._continuing_length(allowed, masks, vocab)
         if going_on is None or self.tokens_left > going_on + CLOSING_SLACK:
             return None
-        return narrowed(allowed, (~masks.going_on,))
+        return narrowed(allowed, (~going_on_mask,))
+
+    def _continuing_length(self, allowed: np.ndarray, masks: ClosingMasks, vocab: int) -> Optional[int]:
+        """:func:`~.closing.continuing_length` here; in a string, measured once for that string
+        (what follows its closing quote does not depend on its text)."""
+        nesting = self.json
+        if nesting.in_string and self._going_on_from_string[0] == nesting.string_start:
+            return self._going_on_from_string[1]
+        length = continuing_length(self.matcher, nesting, masks, vocab, self._tokenizer.token_bytes, allowed)
+        if nesting.in_string:
+            self._going_on_from_string = (nesting.string_start, length)
+        return length
 
     @property
     def must_end(self) -> bool:
