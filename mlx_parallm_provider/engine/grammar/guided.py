@@ -204,6 +204,7 @@ class RowMatcher:
         consumed, nesting = mark
         if self.consumed > consumed:
             self.matcher.rollback(self.consumed - consumed)
+            self._going_on_from_string = (-1, None)  # a string opened since may open again elsewhere
         self.consumed, self.json = consumed, nesting
 
     @property
