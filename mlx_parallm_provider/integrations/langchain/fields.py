@@ -64,9 +64,7 @@ class EngineFields(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _none_is_unset(cls, data: Any) -> Any:
-        if isinstance(data, Mapping) and any(data.get(name, 0) is None for name in _NONE_IS_UNSET):
-            return {k: v for k, v in data.items() if not (v is None and k in _NONE_IS_UNSET)}
-        return data
+        return _without_unset(data) if isinstance(data, Mapping) else data
 
     @model_validator(mode="after")
     def _validate_sampling(self) -> Self:
@@ -79,7 +77,7 @@ class EngineFields(BaseModel):
     def _sampling_params(self, stop: Optional[list[str]], overrides: Mapping[str, Any]) -> SamplingParams:
         """This model's settings with per-call ``overrides``; a call's ``stop`` replaces the field's."""
         values = {name: getattr(self, name) for name in SAMPLING_FIELDS}
-        values.update((k, v) for k, v in overrides.items() if not (v is None and k in _NONE_IS_UNSET))
+        values.update(_without_unset(overrides))
         if stop is not None:
             values["stop"] = stop
         return SamplingParams(**values)
@@ -126,6 +124,11 @@ class EngineFields(BaseModel):
 #: engine's default on the model, the model's own value in a call), as LangChain models
 #: take ``temperature=None`` or ``max_tokens=None``.
 _NONE_IS_UNSET = frozenset(name for name in SAMPLING_FIELDS if EngineFields.model_fields[name].default is not None)
+
+
+def _without_unset(values: Mapping[str, Any]) -> dict[str, Any]:
+    """``values`` without the fields of :data:`_NONE_IS_UNSET` given as None."""
+    return {k: v for k, v in values.items() if not (v is None and k in _NONE_IS_UNSET)}
 
 
 def usage_metadata(usage: Usage) -> UsageMetadata:
