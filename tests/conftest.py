@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Optional
@@ -12,6 +13,7 @@ from typing import Optional
 import pytest
 from hypothesis import HealthCheck, settings
 
+import early
 import mlx_parallm_provider.models  # noqa: F401  (preloads BLAS before mlx is imported)
 
 # The fuzz suite's profiles (tests/fuzz), here so that they exist when pytest reads
@@ -51,26 +53,28 @@ TINY_CONFIG = {
 }
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _isolated_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
+_home: Optional[Path] = None
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
     """Converted models go to a per-session folder, never the user's cache. The kernels that
     ``scripts/setup.sh`` built into the user's cache are copied in (read, never written
     there): each is keyed by its sources, flags, compiler and CPU and checked against its
     record before it is loaded, so a copy is what a build would give, without the MLX
     extension's ~45 s build per session. Building from an empty cache is tested on its own
-    (test_small_batch.py, test_native_safety.py, each in a fresh home)."""
+    (test_small_batch.py, test_native_safety.py, each in a fresh home). Set at the session's
+    start, before collection: the children of tests marked ``early`` inherit it."""
+    global _home
     from mlx_parallm_provider.models.registry import cache_home
 
-    home = tmp_path_factory.mktemp("mlx-parallm-home")
-    _copy_built_kernels(cache_home() / "kernels", home / "kernels")
-    os.environ["MLX_PARALLM_HOME"] = str(home)
+    _home = Path(tempfile.mkdtemp(prefix="mlx-parallm-home-"))
+    _copy_built_kernels(cache_home() / "kernels", _home / "kernels")
+    os.environ["MLX_PARALLM_HOME"] = str(_home)
 
 
 def _copy_built_kernels(source: Path, target: Path) -> None:
     """Copy each kernel of ``source`` that has its record into ``target``, where it is then
     checked (:func:`kernel_cache.verified` removes a copy that does not match)."""
-    import shutil
-
     from mlx_parallm_provider.models import kernel_cache
 
     try:
@@ -192,6 +196,18 @@ GPU_MODULES = {
 """The integration modules marked ``gpu``: the engine, its doors (LiteLLM, LangChain) and its
 KV on the tiny model, none needing the CPU kernels or the default model (``slow`` tests aside).
 (Unit modules of that kind mark themselves.)"""
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the children of the tests marked ``early`` (see tests/early.py) beside the others."""
+    if not session.config.option.collectonly:
+        early.start(session.items)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    early.stop()
+    if _home is not None:
+        shutil.rmtree(_home, ignore_errors=True)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import ast
 import asyncio
+import sys
 
 import pytest
 
+from early import Command, result
 from fakes import chat_prompt
 from mlx_parallm_provider.config import EngineConfig
 from mlx_parallm_provider.engine import Engine, SamplingParams
@@ -56,16 +59,30 @@ print("clean exit")
 """
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("ending", ["shutdown", "interpreter-exit"])
-def test_process_exits_cleanly_after_batched_work(ending) -> None:
-    import subprocess
-    import sys
+EXITS = """
+import subprocess, sys
+for _ in range(3):
+    done = subprocess.run([sys.executable, "-c", sys.argv[1], "default", sys.argv[2]], capture_output=True, text=True)
+    print(repr((done.returncode, done.stdout.strip(), done.stderr[-2000:])))
+"""
 
+
+def _three_exits(params: dict) -> Command:
+    return Command([sys.executable, "-c", EXITS, EXIT_SCRIPT, params["ending"]], timeout=360)
+
+
+@pytest.mark.slow
+@pytest.mark.early(command=_three_exits)
+@pytest.mark.parametrize("ending", ["shutdown", "interpreter-exit"])
+def test_process_exits_cleanly_after_batched_work(ending: str, request: pytest.FixtureRequest) -> None:
     # MLX's per-thread compile cache is destroyed after the worker's Python state; the
     # engine must not let that race the interpreter's finalization (it aborted about one
-    # run in two on the default model; the tiny model rarely shows it).
-    for _ in range(3):
-        done = subprocess.run([sys.executable, "-c", EXIT_SCRIPT, "default", ending], capture_output=True, text=True, timeout=120)
-        assert done.returncode == 0, done.stderr[-2000:]
-        assert done.stdout.strip() == "clean exit" and "terminate called" not in done.stderr
+    # run in two on the default model; the tiny model rarely shows it). Three runs, each a
+    # process of its own, started early (beside the other tests).
+    out = result(request)
+    assert out.returncode == 0, out.stderr[-3000:]
+    runs = [ast.literal_eval(line) for line in out.stdout.splitlines()]
+    assert len(runs) == 3, out.stdout[-2000:]
+    for returncode, stdout, stderr in runs:
+        assert returncode == 0, stderr
+        assert stdout == "clean exit" and "terminate called" not in stderr

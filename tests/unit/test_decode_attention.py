@@ -4,9 +4,13 @@ the engine's caches produce, and routed only where it applies."""
 
 from __future__ import annotations
 
+from typing import Optional
+
 import mlx.core as mx
 import pytest
 
+import early
+from early import Command
 from mlx_parallm_provider.models import attention, backends, qmatmul_ext
 from mlx_parallm_provider.models.backends import CPUKernels, MLXOps
 
@@ -177,7 +181,7 @@ if sys.argv[1] == "portable":
     qmatmul.native_flags = lambda compiler: []
 else:
     os.environ[qmatmul.MARCH_ENV] = sys.argv[1]
-sys.path.insert(0, sys.argv[2])
+sys.path[:0] = [sys.argv[2], os.path.dirname(sys.argv[2])]  # the test module and the tests' helpers
 from test_decode_attention import _float16_pools_case
 from test_decode_attention import _left_padding_mask, rand, sdpa
 ext = qmatmul_ext.load()
@@ -224,29 +228,47 @@ print("MATCHES" if not wrong else f"WRONG {wrong}")
 """
 
 
+def _forced_build_skipped(march: str) -> Optional[str]:
+    """Why this machine skips the forced ``march`` build, or None."""
+    from mlx_parallm_provider.models import qmatmul
+
+    if march == "portable":
+        return None
+    if not ({"avx2", "fma", "f16c"} <= qmatmul.cpu_flags() and qmatmul.march_problem("cc", march) is None):
+        return "not an x86 CPU with AVX2, FMA and F16C"
+    if qmatmul.isa_macros("cc", qmatmul.native_flags("cc")) == qmatmul.isa_macros("cc", [f"-march={march}"]):
+        return f"this CPU's own build takes the {march} paths (the same vector-feature macros): the tests above ran that code"
+    return None
+
+
+def _forced_build(params: dict) -> Optional[Command]:
+    """The child that builds the extension for ``params["march"]`` in a kernel home of its own and checks it."""
+    import os
+    import sys
+    from pathlib import Path
+
+    march = params["march"]
+    if _forced_build_skipped(march) is not None:
+        return None
+    home = early.scratch(f"forced-{march}")
+    env = dict(os.environ, MLX_PARALLM_HOME=str(home))
+    return Command([sys.executable, "-c", _FORCED_BUILD, march, str(Path(__file__).parent)], env=env)
+
+
+@pytest.mark.early(command=_forced_build)
 @pytest.mark.parametrize("march", ["x86-64-v3", "portable"])
-def test_forced_builds_widen_float16_pools_alike(march: str, tmp_path) -> None:
+def test_forced_builds_widen_float16_pools_alike(march: str, request: pytest.FixtureRequest) -> None:
     """The F16C path (``x86-64-v3``, which an AVX-512 build never runs) and the portable one
     (no ``-march``: a scalar conversion), each built in a child process of its own: float16
     pools read as the float32 values they hold, and the decode kernel equal to mx.fast's
     attention (with and without masks, several head groups and dimensions; paged, several
     positions a row, with and without a sliding window; quantized pools as the float32 values they hold).
     A CPU whose own build is the x86-64-v3 path's (AVX2 without AVX-512) skips that build: the
-    tests above ran that code."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    from mlx_parallm_provider.models import qmatmul
-
+    tests above ran that code. (The children start early, beside the other tests.)"""
     _extension()
-    if march != "portable" and not ({"avx2", "fma", "f16c"} <= qmatmul.cpu_flags() and qmatmul.march_problem("cc", march) is None):
-        pytest.skip("not an x86 CPU with AVX2, FMA and F16C")
-    if march != "portable" and qmatmul.isa_macros("cc", qmatmul.native_flags("cc")) == qmatmul.isa_macros("cc", [f"-march={march}"]):
-        pytest.skip(f"this CPU's own build takes the {march} paths (the same vector-feature macros): the tests above ran that code")
-    env = dict(os.environ, MLX_PARALLM_HOME=str(tmp_path))
-    out = subprocess.run([sys.executable, "-c", _FORCED_BUILD, march, str(Path(__file__).parent)], capture_output=True, text=True, env=env)
+    if (why := _forced_build_skipped(march)) is not None:
+        pytest.skip(why)
+    out = early.result(request)
     assert out.stdout.strip().splitlines()[-2:] == ["EQUAL", "MATCHES"], out.stdout[-2000:] + out.stderr[-2000:]
 
 

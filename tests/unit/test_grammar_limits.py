@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import subprocess
 import sys
 import threading
 import types
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from early import Command, result
 from fakes import make_tokenizer
 from mlx_parallm_provider.engine import Constraint
 from mlx_parallm_provider.engine.grammar import constraint as constraint_module
@@ -40,16 +40,20 @@ def lark_chain(n: int) -> str:
     return "start: r0\n" + "".join(f"r{i}: r{i + 1}\n" for i in range(n)) + f'r{n}: "x"\n'
 
 
-def _run(code: str) -> list[str]:
-    """Run ``code`` in a fresh interpreter; its output lines (the test fails on a crash)."""
+def _child(code: str) -> Command:
+    """``code`` in a fresh interpreter that imports from the tests' folders."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(TESTS / "unit"), str(TESTS.parent), os.environ.get("PYTHONPATH", "")])}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    return Command([sys.executable, "-c", code], env=env, timeout=300)
+
+
+def _lines(request: pytest.FixtureRequest) -> list[str]:
+    """The output lines of the test's child, started early (the test fails on a crash)."""
+    out = result(request)
     assert out.returncode == 0, f"exit {out.returncode}: {out.stderr[-2000:]}"
     return out.stdout.strip().splitlines()
 
 
-def test_deep_ref_chains_through_litellm_are_a_bad_request_not_a_crash() -> None:
-    code = """
+DEEP_REFS = """
 import json, litellm, mlx_parallm_provider
 from fakes import FakeEngine
 from mlx_parallm_provider.integrations import litellm as adapter
@@ -66,14 +70,17 @@ for n in (1_000, 10_000):
         print(json.dumps(str(error)))
 print("requests", len(engine.calls))
 """
-    *errors, requests = _run(code)
+
+
+@pytest.mark.early(command=lambda params: _child(DEEP_REFS))
+def test_deep_ref_chains_through_litellm_are_a_bad_request_not_a_crash(request: pytest.FixtureRequest) -> None:
+    *errors, requests = _lines(request)
     assert len(errors) == 2 and requests == "requests 0"
     assert "max_ref_chain" in json.loads(errors[0])
     assert "GrammarLimits." in json.loads(errors[1])  # the 10,000 one is over more than one
 
 
-def test_long_lark_rule_chains_are_invalid_not_a_crash() -> None:
-    code = """
+LONG_LARK = """
 import json, mlx_parallm_provider
 from mlx_parallm_provider.engine import Constraint
 from mlx_parallm_provider.errors import InvalidParameterError
@@ -85,15 +92,18 @@ for n in (3_000, 30_000):
     except InvalidParameterError as error:
         print(json.dumps([error.field, str(error)]))
 """
-    for line in _run(code):
+
+
+@pytest.mark.early(command=lambda params: _child(LONG_LARK))
+def test_long_lark_rule_chains_are_invalid_not_a_crash(request: pytest.FixtureRequest) -> None:
+    for line in _lines(request):
         field, message = json.loads(line)
         assert field == "constraint (lark)" and "max_lark_rules" in message
 
 
-def test_a_schema_deep_within_the_limits_compiles_and_builds_a_matcher_on_an_ordinary_thread() -> None:
-    # 127 chained $refs, each through 55 nested objects: within every limit, and deeper than
-    # an 8 MiB stack holds (it crashed on the caller's thread): the compiler threads take it.
-    code = """
+# 127 chained $refs, each through 55 nested objects: within every limit, and deeper than
+# an 8 MiB stack holds (it crashed on the caller's thread): the compiler threads take it.
+DEEP_WITHIN = """
 import threading, types, mlx_parallm_provider
 from fakes import make_tokenizer
 from mlx_parallm_provider.engine import Constraint
@@ -112,7 +122,11 @@ worker = threading.Thread(target=lambda: box.append(RowMatcher(constraint, gramm
 worker.start(); worker.join()
 print(box)
 """
-    assert _run(code) == ["[False]"]
+
+
+@pytest.mark.early(command=lambda params: _child(DEEP_WITHIN))
+def test_a_schema_deep_within_the_limits_compiles_and_builds_a_matcher_on_an_ordinary_thread(request: pytest.FixtureRequest) -> None:
+    assert _lines(request) == ["[False]"]
 
 
 SMALL = GrammarLimits(max_bytes=1000, max_depth=8, max_defs=5, max_ref_chain=4, max_lark_rules=4)

@@ -8,14 +8,16 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
+import early
+from early import Command
 from mlx_parallm_provider.models import attention, backends, kernel_cache, qmatmul, qmatmul_ext, registry, small_batch
 from mlx_parallm_provider.models.backends import CPUKernels, cpu_kernels
 
@@ -39,35 +41,47 @@ print("matches MLX ops")
 """
 
 
-def _run_child(module: str, home: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, MLX_PARALLM_HOME=str(home), PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    return subprocess.run([sys.executable, "-c", CHILD.format(module=module)], env=env, capture_output=True, text=True, timeout=300)
+TRUNCATED = {"ctypes-half": (qmatmul, "half"), "ctypes-4k": (qmatmul, "4k"), "extension-half": (qmatmul_ext, "half")}
+"""The kernel and how much of it is left (the extension's rebuild takes ~45 s, so its child starts early)."""
 
 
-@pytest.mark.parametrize(("module", "size"), [(qmatmul, "half"), (qmatmul, "4k"), (qmatmul_ext, "half")],
-                         ids=["ctypes-half", "ctypes-4k", "extension-half"])  # the extension's rebuild takes ~45 s
-def test_a_truncated_cached_kernel_is_rebuilt_not_loaded(module, size: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Also, for the extension, what test_small_batch.py's test_build_is_cached_per_source_and_machine
-    checks for the ctypes kernel (a second build of its own would cost another ~45 s): the
-    build lands in ``$MLX_PARALLM_HOME/kernels`` with its record and nothing else, and is
-    found there, not built again."""
+def _load_truncated(params: dict) -> Optional[Command]:
+    """A home whose cache holds the built kernel cut short (its record intact), and the
+    child that loads the kernel from there."""
+    module, size = TRUNCATED[params["case"]]
     built = module.build()  # in the session's home: built once for all tests
     if built is None:
-        pytest.skip(f"{module.__name__} does not build here")
-    cached = tmp_path / "kernels" / built.name
+        return None
+    home = early.scratch(params["case"])
+    cached = home / "kernels" / built.name
     cached.parent.mkdir()
     shutil.copyfile(built, cached)
     if kernel_cache.record_path(built).exists():
         shutil.copyfile(kernel_cache.record_path(built), kernel_cache.record_path(cached))
-    whole = cached.stat().st_size
-    os.truncate(cached, whole // 2 if size == "half" else 4096)  # ELF headers intact either way
+    os.truncate(cached, built.stat().st_size // 2 if size == "half" else 4096)  # ELF headers intact either way
+    env = dict(os.environ, MLX_PARALLM_HOME=str(home), PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    return Command([sys.executable, "-c", CHILD.format(module=module.__name__.rsplit(".", 1)[1])], env=env, timeout=300, files=home)
 
-    child = _run_child(module.__name__.rsplit(".", 1)[1], tmp_path)
+
+@pytest.mark.early(command=_load_truncated)
+@pytest.mark.parametrize("case", list(TRUNCATED))
+def test_a_truncated_cached_kernel_is_rebuilt_not_loaded(case: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Also, for the extension, what test_small_batch.py's test_build_is_cached_per_source_and_machine
+    checks for the ctypes kernel (a second build of its own would cost another ~45 s): the
+    build lands in ``$MLX_PARALLM_HOME/kernels`` with its record and nothing else, and is
+    found there, not built again."""
+    module, _ = TRUNCATED[case]
+    built = module.build()
+    if built is None:
+        pytest.skip(f"{module.__name__} does not build here")
+    child = early.result(request)
+    home = early.command(request).files
+    cached = home / "kernels" / built.name
     assert child.returncode == 0, f"child exited {child.returncode}:\n{child.stderr[-3000:]}"
     assert "matches MLX ops" in child.stdout
     assert "building it again" in child.stderr
-    assert cached.stat().st_size == whole and kernel_cache.verified(cached)
-    monkeypatch.setenv("MLX_PARALLM_HOME", str(tmp_path))
+    assert cached.stat().st_size == built.stat().st_size and kernel_cache.verified(cached)
+    monkeypatch.setenv("MLX_PARALLM_HOME", str(home))
     stamp = cached.stat().st_mtime_ns
     assert module.build() == cached and cached.stat().st_mtime_ns == stamp  # found in the home, not built again
     assert sorted(p.name for p in cached.parent.iterdir()) == [cached.name, cached.name + kernel_cache.RECORD_SUFFIX]
