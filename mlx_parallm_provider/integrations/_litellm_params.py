@@ -97,11 +97,12 @@ def refuse_unless_dropped(unsupported: list[str], params: Mapping[str, Any], lit
     """LiteLLM's ``BadRequestError`` naming the ``unsupported`` parameters (and ``why``, where
     given), unless the call (or ``litellm.drop_params``) says to drop them."""
     if unsupported and not _drop_params(litellm_params):
+        them = "them" if len(unsupported) > 1 else "it"
         raise litellm.BadRequestError(
             message=(
                 f"{PROVIDER}{what} cannot honour {', '.join(f'{k}={params.get(k)!r}' for k in unsupported)}"
                 f"{f' ({why})' if why else ''}. "
-                "Remove them, or set litellm.drop_params=True (or pass drop_params=True) to drop them."
+                f"Remove {them}, or set litellm.drop_params=True (or pass drop_params=True) to drop {them}."
             ),
             model=model,
             llm_provider=PROVIDER,

@@ -357,11 +357,13 @@ def test_streamed_malformed_call_comes_out_as_text(engine: FakeEngine) -> None:
 # --------------------------------------------------------------------------- unsupported parameters
 
 
-@pytest.mark.parametrize("extra", [{"frobnicate": 1}, {"extra_body": {"mirostat": 2}}])
+@pytest.mark.parametrize("extra", [{"frobnicate": 1}, {"extra_body": {"mirostat": 2}}, {"frobnicate": 1, "extra_body": {"mirostat": 2}}])
 def test_unsupported_params_are_a_bad_request(engine: FakeEngine, extra: dict) -> None:
     with pytest.raises(litellm.BadRequestError, match="drop_params") as info:
         litellm.completion(model=MODEL, messages=HI, **extra)
-    assert next(iter(extra.get("extra_body", extra))) in str(info.value)
+    names = [name for name in extra if name != "extra_body"] + list(extra.get("extra_body", {}))
+    assert all(name in str(info.value) for name in names)
+    assert f"Remove {'them' if len(names) > 1 else 'it'}, or" in str(info.value)
     assert engine.calls == []
 
 
