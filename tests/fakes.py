@@ -307,10 +307,13 @@ class FakeEngine:
 
         return _Flight()
 
-    def _prompt_tokens(self, prompt: Union[str, list[int]]) -> int:
+    def encode(self, prompt: Union[str, list[int]]) -> list[int]:
         if isinstance(prompt, str):
-            return len(self.tokenizer.encode(prompt, add_special_tokens=False))
-        return len(prompt)
+            return list(self.tokenizer.encode(prompt, add_special_tokens=False))
+        return list(prompt)
+
+    def _prompt_tokens(self, prompt: Union[str, list[int]]) -> int:
+        return len(self.encode(prompt))
 
     def _answer(self, prompt: Union[str, list[int]], params: SamplingParams) -> tuple[str, str]:
         text, finish = self.answer_for(prompt, params), "stop"

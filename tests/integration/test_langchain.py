@@ -144,6 +144,39 @@ def test_token_counts_are_the_model_s_own_tokenizer_s(cls: type, model_name: str
     assert cls(model=model_name, custom_get_token_ids=lambda t: [7] * len(t)).get_num_tokens("abc") == 3
 
 
+def test_a_chat_token_count_is_the_prompt_a_call_sends(model_name: str) -> None:
+    """The template's tokens included: each count equals the call's ``input_tokens``, so
+    ``trim_messages(token_counter=chat)`` keeps what fits the model's context."""
+    from langchain_core.messages import trim_messages
+
+    @tool
+    def add(a: int, b: int) -> int:
+        """Add two numbers."""
+        return a + b
+
+    chat = ChatMLXParallm(model=model_name, max_tokens=2, temperature=0)
+    call = AIMessage("", tool_calls=[{"name": "add", "args": {"a": 2, "b": 3}, "id": "call_1", "type": "tool_call"}])
+    conversations = [
+        [HumanMessage("Hi")],
+        [SystemMessage("Be brief."), HumanMessage("Hello there, how are you today?")],
+        [HumanMessage("What is 2 + 3?"), call, ToolMessage("5", tool_call_id="call_1")],
+    ]
+    for messages in conversations:
+        for tools in (None, [add]):
+            sent = (chat.bind_tools(tools) if tools else chat).invoke(messages).usage_metadata["input_tokens"]
+            assert chat.get_num_tokens_from_messages(messages, tools=tools) == sent, (messages, tools)
+    assert chat.get_num_tokens_from_messages([HumanMessage("Hi")], tools=[add]) > chat.get_num_tokens_from_messages([HumanMessage("Hi")])
+    assert chat.get_num_tokens_from_messages([]) == 0
+
+    # trim_messages counts the system message and the rest apart (each with the template's
+    # own tokens): it keeps at most what fits, never more.
+    history = [SystemMessage("Be brief.")] + [HumanMessage(f"Question {i}: " + " ".join(WORDS)) for i in range(6)]
+    limit = chat.invoke(history[:1] + history[-2:]).usage_metadata["input_tokens"]
+    kept = trim_messages(history, max_tokens=limit, token_counter=chat, strategy="last", include_system=True)
+    assert kept[0] == history[0] and kept[-1] == history[-1]
+    assert chat.invoke(kept).usage_metadata["input_tokens"] <= limit
+
+
 def test_bad_call_kwargs_raise_typed_errors(model_name: str) -> None:
     chat = ChatMLXParallm(model=model_name)
     with pytest.raises(InvalidParameterError, match="temperature"):

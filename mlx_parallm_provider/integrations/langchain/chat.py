@@ -152,6 +152,17 @@ class ChatMLXParallm(EngineFields, BatchesFromOneThread, BaseChatModel):
             params = dataclasses.replace(params, constraint=prepared.constraint)
         return _ChatCall(engine, model, prepared, params)
 
+    def get_num_tokens_from_messages(self, messages: list[BaseMessage], tools: Optional[Sequence[Any]] = None) -> int:
+        """Tokens of the prompt that ``messages`` (and ``tools``) make: rendered by the model's
+        chat template as a call renders them, so the count is the call's
+        ``usage_metadata["input_tokens"]`` (LangChain's default counts each message's text
+        alone, without the template's tokens; ``trim_messages(token_counter=chat)`` uses
+        this). With ``custom_get_token_ids`` set, LangChain's count with it."""
+        if not messages or getattr(self, "custom_get_token_ids", None) is not None:
+            return super().get_num_tokens_from_messages(messages, tools)
+        call = self._prepare(messages, None, {"tools": tools} if tools else {})
+        return len(call.engine.encode(call.prepared.prompt))
+
     def _combine_llm_outputs(self, llm_outputs: list[Optional[dict]]) -> dict:
         outputs = [o for o in llm_outputs if o]
         totals: dict[str, Any] = {}
