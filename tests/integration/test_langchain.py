@@ -168,10 +168,10 @@ def test_a_chat_token_count_is_the_prompt_a_call_sends(model_name: str) -> None:
     assert chat.get_num_tokens_from_messages([HumanMessage("Hi")], tools=[add]) > chat.get_num_tokens_from_messages([HumanMessage("Hi")])
     assert chat.get_num_tokens_from_messages([]) == 0
 
-    # trim_messages counts the system message and the rest apart (each with the template's
-    # own tokens): it keeps at most what fits, never more.
-    history = [SystemMessage("Be brief.")] + [HumanMessage(f"Question {i}: " + " ".join(WORDS)) for i in range(6)]
-    limit = chat.invoke(history[:1] + history[-2:]).usage_metadata["input_tokens"]
+    # trim_messages counts the system message and the rest apart, each with the template's own
+    # tokens (a default system prompt where none is given): it keeps at most what fits.
+    history = [SystemMessage("Be brief.")] + [HumanMessage(f"Hi {i}") for i in range(24)]  # the template's tokens outweigh the text
+    limit = chat.invoke(history[:1] + history[-8:]).usage_metadata["input_tokens"]
     kept = trim_messages(history, max_tokens=limit, token_counter=chat, strategy="last", include_system=True)
     assert kept[0] == history[0] and kept[-1] == history[-1]
     assert chat.invoke(kept).usage_metadata["input_tokens"] <= limit
