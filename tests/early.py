@@ -44,7 +44,7 @@ class Command:
 @dataclass
 class _Job:
     command: Command
-    folder: Path  # the child's output files (and scratch, as ``scratch``)
+    folder: Path  # where the child's stdout and stderr are written
     started: bool = False
     done: threading.Event = field(default_factory=threading.Event)
     result: Optional[subprocess.CompletedProcess] = None
@@ -182,4 +182,3 @@ def stop() -> None:
     _queue.put(None)
     if _root is not None:
         shutil.rmtree(_root, ignore_errors=True)
-

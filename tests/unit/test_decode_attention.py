@@ -4,6 +4,7 @@ the engine's caches produce, and routed only where it applies."""
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import mlx.core as mx
@@ -228,8 +229,10 @@ print("MATCHES" if not wrong else f"WRONG {wrong}")
 """
 
 
+@functools.cache
 def _forced_build_skipped(march: str) -> Optional[str]:
-    """Why this machine skips the forced ``march`` build, or None."""
+    """Why this machine skips the forced ``march`` build, or None (asked at collection and
+    by the test: the compiler probes run once)."""
     from mlx_parallm_provider.models import qmatmul
 
     if march == "portable":
