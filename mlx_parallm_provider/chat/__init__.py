@@ -15,6 +15,7 @@ from .messages import content_text, normalize_messages
 from .output import ChatEvent, ChatOutput, ChatStreamReader, ContentEvent, FinalEvent, InvalidToolCallEvent, ToolCallEvent, read_completion
 from .prepare import JSON_OBJECT_INSTRUCTION, JSON_SCHEMA_INSTRUCTION, PreparedPrompt, prepare_chat, prepare_text, response_format_instruction
 from .render import render_chat
+from .structured_outputs import structured_outputs_constraint
 from .tool_defs import (
     FALLBACK_TOOL_PROMPT,
     NAMED_TOOL_INSTRUCTION,
@@ -69,6 +70,7 @@ __all__ = [
     "render_chat",
     "render_tool_call_text",
     "response_format_instruction",
+    "structured_outputs_constraint",
     "template_supports_tools",
     "tool_call_format",
     "tool_names",

@@ -21,6 +21,7 @@ from .constraints import response_format_constraint, tool_call_constraint
 from .messages import normalize_messages
 from .render import render_conversation
 from .special_tokens import guard_conversation
+from .structured_outputs import structured_outputs_constraint
 from .tool_defs import TOOL_CALL_START, add_system_instruction, apply_tool_choice
 from .tool_formats import HERMES_FORMAT, ToolCallFormat, template_supports_tools, tool_call_format
 
@@ -66,6 +67,7 @@ def prepare_chat(
     response_format: Any = None,
     parallel_tool_calls: Optional[bool] = None,
     continue_final_message: bool = False,
+    structured_outputs: Any = None,
 ) -> PreparedPrompt:
     """Validate one chat request and render its prompt.
 
@@ -75,7 +77,10 @@ def prepare_chat(
     :func:`~.tool_defs.apply_tool_choice` and :func:`response_format_instruction`).
     With ``continue_final_message`` (vLLM's name), or a last message marked ``prefix:
     True`` (LiteLLM's), the answer continues the last message, an assistant's: the prompt
-    ends with its text and the answer is what comes after it.
+    ends with its text and the answer is what comes after it. ``structured_outputs`` is
+    vLLM's field (``{"choice": [...]}``, ``regex``, ``json``, ``grammar``, ``json_object``;
+    :mod:`.structured_outputs`): decoding follows it, without a prompt instruction; it
+    cannot be combined with ``response_format`` or tools the grammar would constrain.
     Raises :class:`InvalidParameterError` naming the field for any malformed input.
     """
     if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
@@ -84,10 +89,11 @@ def prepare_chat(
         raise InvalidParameterError("continue_final_message", f"must be true or false, got {continue_final_message!r}")
     shown, tool_instruction = apply_tool_choice(tools, tool_choice)
     instructions = [tool_instruction, response_format_instruction(response_format)]
+    structured = structured_outputs_constraint(structured_outputs)
     conversation = normalize_messages(messages)
     continuing = continue_final_message or bool(conversation[-1].get("prefix"))
     if continuing:
-        _check_continuable(conversation[-1], constrained=tool_instruction is not None or instructions[1] is not None)
+        _check_continuable(conversation[-1], constrained=tool_instruction is not None or instructions[1] is not None or structured is not None)
     for instruction in instructions:
         conversation = add_system_instruction(conversation, instruction)
     renders_tools = bool(shown) and template_supports_tools(tokenizer, shown)
@@ -101,6 +107,12 @@ def prepare_chat(
     special_start = len(tokenizer.encode(TOOL_CALL_START, add_special_tokens=False)) == 1
     answer = response_format_constraint(response_format)
     constraint = tool_call_constraint(shown, forced, fmt, parallel and not named, special_start, answer) or answer
+    if structured is not None:
+        if constraint is not None:
+            raise InvalidParameterError(
+                "structured_outputs", "cannot be combined with response_format or with tools in the Hermes format (their calls are constrained)"
+            )
+        constraint = structured
     return PreparedPrompt(prompt=prompt, tools=shown, tool_format=fmt, parallel_tool_calls=parallel, constraint=constraint)
 
 
@@ -112,7 +124,8 @@ def _check_continuable(final: Mapping[str, Any], constrained: bool) -> None:
         )
     if constrained:  # the grammar would start at the answer's first token, not after the prefix
         raise InvalidParameterError(
-            "continue_final_message", "cannot be combined with response_format or a forced tool call (tool_choice 'required' or a named tool)"
+            "continue_final_message",
+            "cannot be combined with response_format, structured_outputs or a forced tool call (tool_choice 'required' or a named tool)",
         )
 
 

@@ -17,7 +17,7 @@ from typing import Any, Optional
 import litellm
 
 from .._validation import check_int
-from ..chat import PreparedPrompt, prepare_chat, prepare_text
+from ..chat import PreparedPrompt, prepare_chat, prepare_text, structured_outputs_constraint
 from ..engine import EngineLike, SamplingParams
 from ..engine.fanout import MAX_N
 from ..errors import InvalidParameterError
@@ -29,14 +29,20 @@ _SAMPLING_KEYS = (
     "frequency_penalty", "logit_bias", "seed", "stop", "stop_token_ids", "ignore_eos", "lora",
 )
 #: Parameters of the chat layer.
-_CHAT_KEYS = ("tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "response_format", "continue_final_message")
+_CHAT_KEYS = (
+    "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "response_format", "continue_final_message",
+    "structured_outputs",
+)
+#: vLLM's structured-output fields before 0.12, by the ``structured_outputs`` key each became.
+_GUIDED_KEYS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 #: Parameters this provider honours.
-_HANDLED_KEYS = frozenset((*_SAMPLING_KEYS, *_CHAT_KEYS, "max_tokens", "max_completion_tokens", "n", "logprobs", "top_logprobs"))
+_HANDLED_KEYS = frozenset((*_SAMPLING_KEYS, *_CHAT_KEYS, *_GUIDED_KEYS, "max_tokens", "max_completion_tokens", "n", "logprobs", "top_logprobs"))
 #: Keys LiteLLM or OpenAI clients add that mean nothing for a local model: ignored.
 _IGNORED_KEYS = frozenset((
     "stream", "stream_options", "max_retries", "timeout", "request_timeout", "user", "metadata",
     "extra_headers", "extra_query", "store", "service_tier", "safety_identifier",
     "prompt_cache_key", "prompt_cache_retention", "api_version", "deployment_id",
+    "guided_decoding_backend",  # (vLLM's choice of grammar library; llguidance is the one here)
 ))
 
 
@@ -74,10 +80,12 @@ def prepare_call(
     check_int("n", n, minimum=1, maximum=MAX_N)
     if litellm_params.get("text_completion"):
         prompts = [prepare_text(p) for p in _text_prompts(messages)]
+        constraint = structured_outputs_constraint(_structured_outputs(params))
     else:
         prompts = [_chat_prompt(engine, messages, params)]
-    if prompts[0].constraint is not None:  # JSON output or a forced tool call (chat: one prompt)
-        sampling = dataclasses.replace(sampling, constraint=prompts[0].constraint)
+        constraint = prompts[0].constraint  # JSON output, a forced tool call, structured_outputs
+    if constraint is not None:
+        sampling = dataclasses.replace(sampling, constraint=constraint)
     call_id = str(litellm_params.get("litellm_call_id") or time.time_ns())
     return LiteLLMCall(model, engine, prompts, sampling, n, call_id)
 
@@ -190,7 +198,18 @@ def _chat_prompt(engine: EngineLike, messages: list, params: Mapping[str, Any]) 
         response_format=params.get("response_format"),
         parallel_tool_calls=params.get("parallel_tool_calls"),
         continue_final_message=params.get("continue_final_message", False),
+        structured_outputs=_structured_outputs(params),
     )
+
+
+def _structured_outputs(params: Mapping[str, Any]) -> Any:
+    """vLLM's ``structured_outputs``, or the one its older ``guided_*`` fields make."""
+    guided = {kind: params[key] for key, kind in _GUIDED_KEYS.items() if key in params}
+    if not guided:
+        return params.get("structured_outputs")
+    if "structured_outputs" in params:
+        raise InvalidParameterError("structured_outputs", f"give it or {', '.join(k for k in _GUIDED_KEYS if k in params)}, not both")
+    return guided
 
 
 def _text_prompts(messages: Sequence[Mapping[str, Any]]) -> list[str]:

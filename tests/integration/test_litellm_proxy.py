@@ -11,6 +11,7 @@ import asyncio
 import importlib
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -266,6 +267,26 @@ def test_openai_client_plain_and_streaming(proxy: Proxy, reference: Any) -> None
         streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     assert whole.choices[0].message.content == reference.text
     assert streamed == reference.text
+
+
+@pytest.mark.slow
+def test_openai_client_vllm_structured_outputs_through_the_proxy(proxy: Proxy) -> None:
+    """What a client written for vLLM sends in ``extra_body`` reaches the engine (chat and
+    completions, new and old field names); a bad one is a 400 naming the field."""
+    choices = ["red", "green", "blue"]
+    with httpx.Client(timeout=120, trust_env=False) as http:
+        client = _openai(proxy, http)
+        picked = [client.chat.completions.create(model=ALIAS, messages=QUESTION, max_tokens=8, temperature=1.0, seed=i,
+                                                 extra_body={"structured_outputs": {"choice": choices}}).choices[0].message.content
+                  for i in range(4)]
+        older = client.chat.completions.create(model=ALIAS, messages=QUESTION, max_tokens=8, extra_body={"guided_regex": "[0-9]{4}"})
+        text = client.completions.create(model=ALIAS, prompt="The code is", max_tokens=8, extra_body={"structured_outputs": {"regex": "[a-f]{3}"}})
+        bad = http.post(f"{proxy.base_url}/v1/chat/completions", headers={"Authorization": f"Bearer {proxy.key}"},
+                        json={"model": ALIAS, "messages": QUESTION, "structured_outputs": {"choice": []}})
+    assert all(p in choices for p in picked), picked
+    assert re.fullmatch("[0-9]{4}", older.choices[0].message.content)
+    assert re.fullmatch("[a-f]{3}", text.choices[0].text)
+    assert bad.status_code == 400 and "structured_outputs.choice" in bad.text
 
 
 @pytest.mark.slow

@@ -137,3 +137,38 @@ def test_a_forced_call_whose_grammar_does_not_compile_is_a_bad_request() -> None
         tool_call_constraint([broken], forced=True, tool_format=HERMES_FORMAT, parallel=False)
     assert info.value.field == "tools" and "Missing" in str(info.value)
     assert tool_call_constraint([broken], forced=False, tool_format=HERMES_FORMAT, parallel=False) is None  # prompted, logged
+
+
+def test_vllm_structured_outputs_make_the_constraint_each_kind_names() -> None:
+    from mlx_parallm_provider.chat import structured_outputs_constraint
+    from mlx_parallm_provider.engine import Constraint
+
+    assert structured_outputs_constraint(None) is None
+    assert structured_outputs_constraint({"choice": ["a b", 'say "hi"']}) == Constraint.lark('start: "a b" | "say \\"hi\\""')
+    assert structured_outputs_constraint({"regex": "[0-9]+", "disable_fallback": True}) == Constraint.regex("[0-9]+")
+    assert structured_outputs_constraint({"json_object": True}) == Constraint.json_object()
+    made = structured_outputs_constraint({"json": {"type": "object", "properties": {"a": {"type": "integer"}}}})
+    assert made.kind == "json_schema" and json.loads(made.value)["additionalProperties"] is False
+    assert structured_outputs_constraint({"json": '{"type": "integer"}'}) == Constraint.json_schema({"type": "integer"})
+    gbnf = structured_outputs_constraint({"grammar": 'root ::= "x" [0-9]'})
+    assert gbnf.kind == "lark" and "start" in gbnf.value and "::=" not in gbnf.value
+    assert Constraint.gbnf('start: "x"') == Constraint.lark('start: "x"')  # Lark passes as is
+
+
+@pytest.mark.parametrize("spec,field", [
+    ({"choice": "ab"}, "structured_outputs.choice"),
+    ({"choice": [None]}, "structured_outputs.choice[0]"),
+    ({"regex": 5}, "structured_outputs.regex"),
+    ({"grammar": "root ::= " + "(" * 300 + '"a"' + ")" * 300}, "structured_outputs.grammar"),  # over the nesting limit
+    ({"grammar": "no rules here"}, "structured_outputs.grammar"),
+    ({"json": [1]}, "structured_outputs.json"),
+    ({"json_object": "yes"}, "structured_outputs.json_object"),
+    ({"whitespace_pattern": " "}, "structured_outputs.whitespace_pattern"),
+    ({"regex": "a", "json_object": True}, "structured_outputs"),
+])
+def test_bad_vllm_structured_outputs_name_their_field(spec: dict, field: str) -> None:
+    from mlx_parallm_provider.chat import structured_outputs_constraint
+
+    with pytest.raises(InvalidParameterError) as caught:
+        structured_outputs_constraint(spec)
+    assert caught.value.field == field, str(caught.value)

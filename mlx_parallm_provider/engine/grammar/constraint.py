@@ -1,5 +1,5 @@
-"""What a request's output must match: a JSON schema, any JSON object, a regex or a Lark
-grammar (:class:`Constraint`), compiled by llguidance. No MLX here; the worker side is
+"""What a request's output must match: a JSON schema, any JSON object, a regex, one of a
+list of strings, or a Lark or GBNF grammar (:class:`Constraint`), compiled by llguidance. No MLX here; the worker side is
 :mod:`.guided`.
 
 A constraint's text is checked against :data:`~.grammar_limits.LIMITS` first; llguidance
@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,6 +87,25 @@ class Constraint:
         literals around it (see :attr:`json_output`)."""
         return cls("lark", grammar, json_output=json_output)
 
+    @classmethod
+    def choice(cls, options: Sequence[str]) -> "Constraint":
+        """Output is exactly one of ``options`` (vLLM's ``choice``)."""
+        if isinstance(options, (str, bytes)) or not isinstance(options, Sequence) or not options:
+            raise InvalidParameterError("choice", f"must be a non-empty list of strings, got {options!r:.80}")
+        for i, option in enumerate(options):
+            if not isinstance(option, str):
+                raise InvalidParameterError(f"choice[{i}]", f"must be a string, got {type(option).__name__}")
+        return cls("lark", "start: " + " | ".join(json.dumps(option) for option in options))
+
+    @classmethod
+    def gbnf(cls, grammar: str) -> "Constraint":
+        """Output is a sentence of a GBNF grammar (llama.cpp's EBNF dialect, ``root ::= ...``;
+        what vLLM's ``grammar`` takes) or of a Lark grammar, which passes as is."""
+        if not isinstance(grammar, str):
+            raise InvalidParameterError("grammar", f"must be a string, got {type(grammar).__name__}")
+        check_grammar_input("lark", grammar)  # size and bracket nesting, before the converter recurses
+        return cls("lark", run_compiler(_gbnf_to_lark, grammar))
+
     def grammar(self) -> str:
         """The llguidance grammar of this constraint (validated; cached by content)."""
         return compiled_grammar(self.kind, self.value)
@@ -145,6 +165,17 @@ def _convert_and_validate(kind: str, value: str) -> tuple[str, str, str]:
         grammar = matcher.grammar_from_lark(value)
     error = matcher.validate_grammar(grammar)
     return ("", f"constraint ({kind})", error.strip().splitlines()[0]) if error else (grammar, "", "")
+
+
+def _gbnf_to_lark(grammar: str) -> str:
+    from llguidance.gbnf_to_lark import any_to_lark
+
+    try:
+        return any_to_lark(grammar)
+    except RecursionError:
+        raise InvalidParameterError("grammar", f"nests too deep (limit {LIMITS.max_depth} levels)") from None
+    except Exception as error:  # the converter's own GbnfToLarkError, or a ValueError of its parser
+        raise InvalidParameterError("grammar", f"is not a GBNF or Lark grammar: {error}") from None
 
 
 def import_llguidance() -> Any:

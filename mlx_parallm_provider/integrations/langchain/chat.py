@@ -29,7 +29,7 @@ from .batch import BatchesFromOneThread, prefetched
 from .fields import EngineFields, engine_for
 from .messages import ChunkWriter, ai_message
 
-_CHAT_CALL_KWARGS = frozenset(("tools", "tool_choice", "parallel_tool_calls", "response_format", "continue_final_message"))
+_CHAT_CALL_KWARGS = frozenset(("tools", "tool_choice", "parallel_tool_calls", "response_format", "continue_final_message", "structured_outputs"))
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,9 @@ class ChatMLXParallm(EngineFields, BatchesFromOneThread, BaseChatModel):
 
     Supports ``bind_tools`` (LangChain tools, pydantic models, functions, OpenAI dicts),
     ``with_structured_output`` (``function_calling``, ``json_schema``, ``json_mode``),
-    streaming with tool-call chunks, and ``usage_metadata`` on every answer.
+    vLLM's ``structured_outputs`` (``bind(structured_outputs={"choice": [...]})``; ``regex``,
+    ``json``, ``grammar``, ``json_object``), streaming with tool-call chunks, and
+    ``usage_metadata`` on every answer.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -147,8 +149,9 @@ class ChatMLXParallm(EngineFields, BatchesFromOneThread, BaseChatModel):
             response_format=_openai_response_format(extra.get("response_format")),
             parallel_tool_calls=extra.get("parallel_tool_calls"),
             continue_final_message=extra.get("continue_final_message", False),
+            structured_outputs=extra.get("structured_outputs"),
         )
-        if prepared.constraint is not None:  # JSON output or a forced tool call
+        if prepared.constraint is not None:  # JSON output, a forced tool call, structured_outputs
             params = dataclasses.replace(params, constraint=prepared.constraint)
         return _ChatCall(engine, model, prepared, params)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator, Iterator, Mapping
 from typing import Any, Optional, Union
 
@@ -11,6 +12,7 @@ from langchain_core.outputs import Generation, GenerationChunk, LLMResult
 from langchain_core.runnables import Runnable, RunnableConfig
 from pydantic import ConfigDict
 
+from ...chat import structured_outputs_constraint
 from ...engine import Completion, Delta, EngineLike, SamplingParams, Usage
 from .._common import PROVIDER, usage_dict
 from .batch import BatchesFromOneThread, prefetched
@@ -27,6 +29,9 @@ class MLXParallmLLM(EngineFields, BatchesFromOneThread, BaseLLM):
 
         llm = MLXParallmLLM(model="default", max_tokens=64)
         await llm.abatch(["The capital of France is", "Two plus two is"])
+
+    ``structured_outputs`` (vLLM's: ``{"choice": [...]}``, ``regex``, ``json``,
+    ``grammar``, ``json_object``), given to ``bind`` or a call, constrains decoding.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -116,8 +121,11 @@ class MLXParallmLLM(EngineFields, BatchesFromOneThread, BaseLLM):
         return await Runnable.abatch(self, inputs, config, return_exceptions=True, **kwargs)
 
     def _prepare(self, stop: Optional[list[str]], kwargs: Mapping[str, Any]) -> tuple[EngineLike, SamplingParams, str]:
-        model, sampling, _ = self._split_call_kwargs(kwargs, frozenset())
+        model, sampling, extra = self._split_call_kwargs(kwargs, frozenset(("structured_outputs",)))
         params = self._sampling_params(stop, sampling)
+        constraint = structured_outputs_constraint(extra.get("structured_outputs"))
+        if constraint is not None:
+            params = dataclasses.replace(params, constraint=constraint)
         return engine_for(model), params, model
 
 
