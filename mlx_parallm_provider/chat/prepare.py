@@ -19,7 +19,7 @@ from ..engine.grammar.limits import LIMITS
 from ..errors import InvalidParameterError
 from .constraints import response_format_constraint, tool_call_constraint
 from .messages import normalize_messages
-from .render import render_conversation
+from .render import check_template_kwargs, render_conversation
 from .special_tokens import guard_conversation
 from .structured_outputs import structured_outputs_constraint
 from .tool_defs import TOOL_CALL_START, add_system_instruction, apply_tool_choice
@@ -68,6 +68,7 @@ def prepare_chat(
     parallel_tool_calls: Optional[bool] = None,
     continue_final_message: bool = False,
     structured_outputs: Any = None,
+    chat_template_kwargs: Any = None,
 ) -> PreparedPrompt:
     """Validate one chat request and render its prompt.
 
@@ -81,6 +82,8 @@ def prepare_chat(
     vLLM's field (``{"choice": [...]}``, ``regex``, ``json``, ``grammar``, ``json_object``;
     :mod:`.structured_outputs`): decoding follows it, without a prompt instruction; it
     cannot be combined with ``response_format`` or tools the grammar would constrain.
+    ``chat_template_kwargs`` (vLLM's field) are more variables for the chat template
+    (:func:`~.render.check_template_kwargs`).
     Raises :class:`InvalidParameterError` naming the field for any malformed input.
     """
     if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
@@ -90,6 +93,7 @@ def prepare_chat(
     shown, tool_instruction = apply_tool_choice(tools, tool_choice)
     instructions = [tool_instruction, response_format_instruction(response_format)]
     structured = structured_outputs_constraint(structured_outputs)
+    variables = check_template_kwargs(tokenizer, chat_template_kwargs)
     conversation = normalize_messages(messages)
     continuing = continue_final_message or bool(conversation[-1].get("prefix"))
     if continuing:
@@ -98,7 +102,8 @@ def prepare_chat(
         conversation = add_system_instruction(conversation, instruction)
     renders_tools = bool(shown) and template_supports_tools(tokenizer, shown)
     conversation, guarded = guard_conversation(tokenizer, conversation)
-    rendered = render_conversation(tokenizer, conversation, shown, renders_tools=renders_tools, continue_final=continuing)
+    rendered = render_conversation(tokenizer, conversation, shown, renders_tools=renders_tools, continue_final=continuing,
+                                   template_kwargs=variables)
     prompt = rendered if guarded is None else guarded.encode(rendered)
     fmt = tool_call_format(tokenizer, shown, renders_tools=renders_tools) if shown else HERMES_FORMAT
     parallel = parallel_tool_calls is not False

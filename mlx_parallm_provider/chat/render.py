@@ -13,8 +13,10 @@ import secrets
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
+from .._validation import check_nested
 from ..errors import InvalidParameterError
 from .messages import normalize_messages
+from .special_tokens import special_texts
 from .tool_defs import fallback_tool_prompt, normalize_tools, render_tool_call_text
 from .tool_formats import template_source, template_supports_tools
 
@@ -24,6 +26,7 @@ def render_chat(
     messages: Sequence[Mapping[str, Any]],
     tools: Optional[Sequence[Mapping[str, Any]]] = None,
     add_generation_prompt: bool = True,
+    chat_template_kwargs: Optional[Mapping[str, Any]] = None,
 ) -> str:
     """Render ``messages`` (and ``tools``) to the prompt text the model expects.
 
@@ -35,11 +38,61 @@ def render_chat(
     A last assistant message marked ``prefix: True`` is continued: the prompt ends with its
     text. Raises :class:`InvalidParameterError` naming the offending field for malformed
     messages or tools, non-text content (images, audio, ...), or a conversation the
-    template rejects.
+    template rejects. ``chat_template_kwargs`` are more variables for the template (vLLM's
+    field, e.g. ``{"enable_thinking": False}``), checked by :func:`check_template_kwargs`.
     """
     conversation = normalize_messages(messages)
     continue_final = bool(conversation[-1].get("prefix"))
-    return render_conversation(tokenizer, conversation, normalize_tools(tools), add_generation_prompt, continue_final=continue_final)
+    variables = check_template_kwargs(tokenizer, chat_template_kwargs)
+    return render_conversation(tokenizer, conversation, normalize_tools(tools), add_generation_prompt, continue_final=continue_final,
+                               template_kwargs=variables)
+
+
+#: ``apply_chat_template``'s own arguments, and what the renderer sets: not template variables.
+_RESERVED_TEMPLATE_KWARGS = frozenset((
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
+    "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+    "tokenizer_kwargs",
+))
+#: How deep a template variable's value may nest dicts and lists.
+_MAX_TEMPLATE_KWARGS_DEPTH = 16
+
+
+def check_template_kwargs(tokenizer: Any, kwargs: Any) -> dict[str, Any]:
+    """``chat_template_kwargs`` (vLLM's field: more variables for the chat template, such as
+    Qwen3's ``enable_thinking``) as a dict, checked: names as keys, none of the template call's
+    own arguments, no deeper than 16 levels, and no text holding a special token of the
+    tokenizer (a variable cannot add control tokens, as message text cannot). Raises
+    :class:`InvalidParameterError` naming the variable."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, Mapping):
+        raise InvalidParameterError("chat_template_kwargs", f"must be a dict of template variables, got {type(kwargs).__name__}")
+    check_nested("chat_template_kwargs", kwargs, _MAX_TEMPLATE_KWARGS_DEPTH)
+    specials = special_texts(tokenizer)
+    for key, value in kwargs.items():
+        if not isinstance(key, str) or not key.isidentifier():
+            raise InvalidParameterError("chat_template_kwargs", f"keys must be variable names, got {key!r}")
+        if key in _RESERVED_TEMPLATE_KWARGS:
+            raise InvalidParameterError(f"chat_template_kwargs.{key}", "is set from the request itself, not as a template variable")
+        for text in _texts(value):
+            found = next((t for t in specials if t in text), None)
+            if found is not None:
+                raise InvalidParameterError(
+                    f"chat_template_kwargs.{key}", f"holds the special token {found!r}: template variables cannot add control tokens"
+                )
+    return dict(kwargs)
+
+
+def _texts(value: Any) -> list[str]:
+    """Every string in ``value`` (keys too), which :func:`check_nested` has bounded."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, Mapping):
+        return [t for k, v in value.items() for t in (*_texts(k), *_texts(v))]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _texts(v)]
+    return []
 
 
 def render_conversation(
@@ -50,6 +103,7 @@ def render_conversation(
     *,
     renders_tools: Optional[bool] = None,
     continue_final: bool = False,
+    template_kwargs: Optional[Mapping[str, Any]] = None,
 ) -> str:
     """:func:`render_chat` for messages and tools that are already normalised.
 
@@ -57,10 +111,12 @@ def render_conversation(
     already decided it (:func:`~.prepare.prepare_chat`) passes it, so the prompt and the
     tool-call parser always agree on the format. With ``continue_final`` the prompt ends
     inside the last (assistant) message, right after its text, so the answer continues it
-    (what transformers' ``continue_final_message`` renders).
+    (what transformers' ``continue_final_message`` renders). ``template_kwargs``: checked
+    variables for the template (:func:`check_template_kwargs`).
     """
+    variables = dict(template_kwargs or {})
     if continue_final:
-        return _continuing(tokenizer, conversation, tools, renders_tools)
+        return _continuing(tokenizer, conversation, tools, renders_tools, variables)
     has_template = template_source(tokenizer, tools) is not None or getattr(
         tokenizer, "_chat_template", None
     ) is not None
@@ -69,21 +125,22 @@ def render_conversation(
     if renders_tools is None:
         renders_tools = template_supports_tools(tokenizer, tools)
     if renders_tools:
-        return _apply_template(tokenizer, _for_tool_template(conversation), tools, add_generation_prompt)
-    return _apply_template(tokenizer, _for_plain_template(conversation, tools), None, add_generation_prompt)
+        return _apply_template(tokenizer, _for_tool_template(conversation), tools, add_generation_prompt, variables)
+    return _apply_template(tokenizer, _for_plain_template(conversation, tools), None, add_generation_prompt, variables)
 
 
 def _continuing(tokenizer: Any, conversation: list[dict[str, Any]], tools: Optional[list[dict[str, Any]]],
-                renders_tools: Optional[bool]) -> str:
+                renders_tools: Optional[bool], variables: dict[str, Any]) -> str:
     """The prompt that ends with the final message's text: the conversation rendered with a
     marker for that text, cut at the marker, the text put back. A template that trims
     message text trims it here too."""
     *history, final = conversation
     text = final["content"]
     if not text:  # nothing written yet: a new answer
-        return render_conversation(tokenizer, history, tools, True, renders_tools=renders_tools)
+        return render_conversation(tokenizer, history, tools, True, renders_tools=renders_tools, template_kwargs=variables)
     marker = f"MLXPARALLMCONTINUE{secrets.token_hex(8)}X"
-    rendered = render_conversation(tokenizer, [*history, {**final, "content": f" {marker} "}], tools, False, renders_tools=renders_tools)
+    rendered = render_conversation(tokenizer, [*history, {**final, "content": f" {marker} "}], tools, False, renders_tools=renders_tools,
+                                   template_kwargs=variables)
     at = rendered.rfind(marker)
     if at < 0:
         raise InvalidParameterError(
@@ -147,21 +204,23 @@ def _apply_template(
     conversation: list[dict[str, Any]],
     tools: Optional[list[dict[str, Any]]],
     add_generation_prompt: bool,
+    variables: dict[str, Any],
 ) -> str:
     try:
-        return _call_template(tokenizer, conversation, tools, add_generation_prompt)
+        return _call_template(tokenizer, conversation, tools, add_generation_prompt, variables)
     except Exception as error:
         if not (conversation and conversation[0]["role"] == "system"):
             raise _template_error(error) from error
         # Some templates (Gemma's) reject a system role: fold it into the first user turn.
         try:
-            return _call_template(tokenizer, _system_into_user(conversation), tools, add_generation_prompt)
+            return _call_template(tokenizer, _system_into_user(conversation), tools, add_generation_prompt, variables)
         except Exception:
             raise _template_error(error) from error
 
 
-def _call_template(tokenizer: Any, conversation: list[dict[str, Any]], tools: Any, add_generation_prompt: bool) -> str:
-    kwargs: dict[str, Any] = {"add_generation_prompt": add_generation_prompt, "tokenize": False}
+def _call_template(tokenizer: Any, conversation: list[dict[str, Any]], tools: Any, add_generation_prompt: bool,
+                   variables: dict[str, Any]) -> str:
+    kwargs: dict[str, Any] = {**variables, "add_generation_prompt": add_generation_prompt, "tokenize": False}
     if tools:
         kwargs["tools"] = tools
     text = tokenizer.apply_chat_template(conversation, **kwargs)

@@ -31,7 +31,7 @@ _SAMPLING_KEYS = (
 #: Parameters of the chat layer.
 _CHAT_KEYS = (
     "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "response_format", "continue_final_message",
-    "structured_outputs",
+    "structured_outputs", "chat_template_kwargs",
 )
 #: vLLM's structured-output fields before 0.12, by the ``structured_outputs`` key each became.
 _GUIDED_KEYS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
@@ -199,6 +199,7 @@ def _chat_prompt(engine: EngineLike, messages: list, params: Mapping[str, Any]) 
         parallel_tool_calls=params.get("parallel_tool_calls"),
         continue_final_message=params.get("continue_final_message", False),
         structured_outputs=_structured_outputs(params),
+        chat_template_kwargs=params.get("chat_template_kwargs"),
     )
 
 

@@ -272,7 +272,8 @@ def test_openai_client_plain_and_streaming(proxy: Proxy, reference: Any) -> None
 @pytest.mark.slow
 def test_openai_client_vllm_structured_outputs_through_the_proxy(proxy: Proxy) -> None:
     """What a client written for vLLM sends in ``extra_body`` reaches the engine (chat and
-    completions, new and old field names); a bad one is a 400 naming the field."""
+    completions, new and old field names; ``chat_template_kwargs``); a bad one is a 400 naming
+    the field."""
     choices = ["red", "green", "blue"]
     with httpx.Client(timeout=120, trust_env=False) as http:
         client = _openai(proxy, http)
@@ -283,10 +284,16 @@ def test_openai_client_vllm_structured_outputs_through_the_proxy(proxy: Proxy) -
         text = client.completions.create(model=ALIAS, prompt="The code is", max_tokens=8, extra_body={"structured_outputs": {"regex": "[a-f]{3}"}})
         bad = http.post(f"{proxy.base_url}/v1/chat/completions", headers={"Authorization": f"Bearer {proxy.key}"},
                         json={"model": ALIAS, "messages": QUESTION, "structured_outputs": {"choice": []}})
+        variables = client.chat.completions.create(model=ALIAS, messages=QUESTION, max_tokens=4,
+                                                   extra_body={"chat_template_kwargs": {"enable_thinking": False}, "ignore_eos": True})
+        bad_variables = http.post(f"{proxy.base_url}/v1/chat/completions", headers={"Authorization": f"Bearer {proxy.key}"},
+                                  json={"model": ALIAS, "messages": QUESTION, "chat_template_kwargs": {"tokenize": True}})
     assert all(p in choices for p in picked), picked
     assert re.fullmatch("[0-9]{4}", older.choices[0].message.content)
     assert re.fullmatch("[a-f]{3}", text.choices[0].text)
     assert bad.status_code == 400 and "structured_outputs.choice" in bad.text
+    assert variables.usage.completion_tokens == 4  # (SmolLM2's template has no such variable)
+    assert bad_variables.status_code == 400 and "chat_template_kwargs.tokenize" in bad_variables.text
 
 
 @pytest.mark.slow

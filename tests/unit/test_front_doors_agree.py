@@ -71,3 +71,48 @@ def test_tools_and_tool_choice_are_prompted_and_parsed_the_same(engine: FakeEngi
     assert via_litellm.content == via_langchain.content == "Sure."
     [call] = via_litellm.tool_calls
     assert [(c["name"], c["args"]) for c in via_langchain.tool_calls] == [(call.function.name, json.loads(call.function.arguments))]
+
+
+#: Qwen3's switch, reduced: with ``enable_thinking=False`` the answer starts after an empty think block.
+THINKING_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}"
+    "{% if persona %}({{ persona.name }}){% endif %}{% endif %}"
+)
+
+
+@pytest.fixture
+def thinking_engine(engine: FakeEngine) -> FakeEngine:
+    from fakes import make_tokenizer
+
+    engine.tokenizer = make_tokenizer(THINKING_TEMPLATE)
+    return engine
+
+
+def test_chat_template_kwargs_reach_the_template_through_both_doors(thinking_engine: FakeEngine) -> None:
+    variables = {"enable_thinking": False, "persona": {"name": "Ann"}}
+    a, b = both_prompts(thinking_engine, {"chat_template_kwargs": variables}, ChatMLXParallm(model="fake").bind(chat_template_kwargs=variables))
+    assert a == b and a.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n(Ann)")
+    litellm.completion(model="mlx-parallm/fake", messages=MESSAGES, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert thinking_engine.last.prompt.endswith("assistant\n<think>\n\n</think>\n\n")
+    plain, _ = both_prompts(thinking_engine, {}, ChatMLXParallm(model="fake"))
+    assert plain.endswith("<|im_start|>assistant\n")  # not given: the template's default
+    continued = [*MESSAGES, {"role": "assistant", "content": "Ann is", "prefix": True}]
+    litellm.completion(model="mlx-parallm/fake", messages=continued, chat_template_kwargs={"persona": {"name": "Bo"}})
+    assert thinking_engine.last.prompt.endswith("<|im_start|>assistant\nAnn is")  # continued as before
+
+
+@pytest.mark.parametrize("variables,match", [
+    ({"add_generation_prompt": False}, "chat_template_kwargs.add_generation_prompt"),
+    ({"tools": []}, "chat_template_kwargs.tools"),
+    ({"persona": {"name": "<|im_start|>system"}}, "special token"),
+    ({"x y": 1}, "variable names"),
+    (["enable_thinking"], "must be a dict"),
+    ({"deep": json.loads("[" * 40 + "]" * 40)}, "chat_template_kwargs"),
+])
+def test_bad_chat_template_kwargs_are_refused_by_both_doors(thinking_engine: FakeEngine, variables: Any, match: str) -> None:
+    with pytest.raises(litellm.BadRequestError, match=match):
+        litellm.completion(model="mlx-parallm/fake", messages=MESSAGES, chat_template_kwargs=variables)
+    with pytest.raises(ValueError, match=match):
+        ChatMLXParallm(model="fake").invoke(LC_MESSAGES, chat_template_kwargs=variables)

@@ -29,7 +29,8 @@ from .batch import BatchesFromOneThread, prefetched
 from .fields import EngineFields, engine_for
 from .messages import ChunkWriter, ai_message
 
-_CHAT_CALL_KWARGS = frozenset(("tools", "tool_choice", "parallel_tool_calls", "response_format", "continue_final_message", "structured_outputs"))
+_CHAT_CALL_KWARGS = frozenset(("tools", "tool_choice", "parallel_tool_calls", "response_format", "continue_final_message", "structured_outputs",
+                                "chat_template_kwargs"))
 
 
 @dataclass(frozen=True)
@@ -150,6 +151,7 @@ class ChatMLXParallm(EngineFields, BatchesFromOneThread, BaseChatModel):
             parallel_tool_calls=extra.get("parallel_tool_calls"),
             continue_final_message=extra.get("continue_final_message", False),
             structured_outputs=extra.get("structured_outputs"),
+            chat_template_kwargs=extra.get("chat_template_kwargs"),
         )
         if prepared.constraint is not None:  # JSON output, a forced tool call, structured_outputs
             params = dataclasses.replace(params, constraint=prepared.constraint)
