@@ -396,6 +396,28 @@ def test_responses_api_text_streaming_and_a_function_call_turn(proxy: Proxy, ref
 
 
 @pytest.mark.slow
+def test_responses_api_json_schema_output_holds(proxy: Proxy) -> None:
+    """``text.format`` of the Responses API becomes the chat call's ``response_format``: the
+    random model's output validates, and with ``parse`` comes back as the model."""
+    from pydantic import BaseModel
+
+    class Reading(BaseModel):
+        ok: bool
+        city: Literal["Paris", "Oslo"]
+
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "city": {"enum": ["Paris", "Oslo"]}},
+              "required": ["ok", "city"], "additionalProperties": False}
+    with httpx.Client(timeout=120, trust_env=False) as http:
+        client = _openai(proxy, http)
+        whole = client.responses.create(model=ALIAS, input="A reading, as JSON", max_output_tokens=64, temperature=1.0,
+                                        text={"format": {"type": "json_schema", "name": "reading", "schema": schema, "strict": True}})
+        parsed = client.responses.parse(model=ALIAS, input="Another reading", max_output_tokens=64, text_format=Reading)
+    value = json.loads(whole.output_text)
+    assert set(value) == {"ok", "city"} and isinstance(value["ok"], bool) and value["city"] in ("Paris", "Oslo")
+    assert isinstance(parsed.output_parsed, Reading)
+
+
+@pytest.mark.slow
 def test_the_agents_sdk_default_model_runs_a_tool_loop_through_the_proxy(proxy: Proxy) -> None:
     """The OpenAI Agents SDK with its default model (the Responses API) pointed at the proxy:
     a forced call of a function tool, run by the SDK, whose result ends the run
