@@ -9,6 +9,7 @@ this mapping. One kind per request, as in vLLM.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Any, Optional
 
@@ -44,7 +45,8 @@ def structured_outputs_constraint(spec: Any) -> Optional[Constraint]:
     field = f"structured_outputs.{kind}"
     try:
         if kind == "json":
-            return Constraint.json_schema(closed_objects(value, field) if isinstance(value, Mapping) else value)
+            schema = _parsed(value)
+            return Constraint.json_schema(closed_objects(schema, field) if isinstance(schema, Mapping) else schema)
         if kind == "json_object":
             if value is not True:
                 raise InvalidParameterError(field, f"must be true, got {value!r}")
@@ -62,3 +64,14 @@ def structured_outputs_constraint(spec: Any) -> Optional[Constraint]:
         # Named as the request named it: "choice[1]" -> "structured_outputs.choice[1]".
         index = error.field[len(kind):] if error.field.startswith(kind + "[") else ""
         raise InvalidParameterError(field + index, str(error)[len(error.field) + 2:]) from None
+
+
+def _parsed(schema: Any) -> Any:
+    """A schema given as JSON text, parsed (so its objects are closed too); text that does not
+    parse is left for :meth:`Constraint.json_schema` to refuse."""
+    if not isinstance(schema, str):
+        return schema
+    try:
+        return json.loads(schema)
+    except (ValueError, RecursionError):
+        return schema

@@ -150,6 +150,8 @@ def test_vllm_structured_outputs_make_the_constraint_each_kind_names() -> None:
     made = structured_outputs_constraint({"json": {"type": "object", "properties": {"a": {"type": "integer"}}}})
     assert made.kind == "json_schema" and json.loads(made.value)["additionalProperties"] is False
     assert structured_outputs_constraint({"json": '{"type": "integer"}'}) == Constraint.json_schema({"type": "integer"})
+    as_text = structured_outputs_constraint({"json": '{"type": "object", "properties": {"a": {}}}'})
+    assert json.loads(as_text.value)["additionalProperties"] is False  # JSON text is closed as a dict is
     gbnf = structured_outputs_constraint({"grammar": 'root ::= "x" [0-9]'})
     assert gbnf.kind == "lark" and "start" in gbnf.value and "::=" not in gbnf.value
     assert Constraint.gbnf('start: "x"') == Constraint.lark('start: "x"')  # Lark passes as is
@@ -162,6 +164,7 @@ def test_vllm_structured_outputs_make_the_constraint_each_kind_names() -> None:
     ({"grammar": "root ::= " + "(" * 300 + '"a"' + ")" * 300}, "structured_outputs.grammar"),  # over the nesting limit
     ({"grammar": "no rules here"}, "structured_outputs.grammar"),
     ({"json": [1]}, "structured_outputs.json"),
+    ({"json": "{not json"}, "structured_outputs.json"),
     ({"json_object": "yes"}, "structured_outputs.json_object"),
     ({"whitespace_pattern": " "}, "structured_outputs.whitespace_pattern"),
     ({"regex": "a", "json_object": True}, "structured_outputs"),
