@@ -12,7 +12,7 @@ Tool definitions (:mod:`.tool_defs`), formats (:mod:`.tool_formats`) and parsing
 """
 
 from .messages import content_text, normalize_messages
-from .output import ChatEvent, ChatOutput, ChatStreamReader, ContentEvent, FinalEvent, InvalidToolCallEvent, ToolCallEvent, read_completion
+from .output import ChatEvent, ChatOutput, ChatStreamReader, ContentEvent, FinalEvent, InvalidToolCallEvent, ReasoningEvent, ToolCallEvent, read_completion
 from .prepare import JSON_OBJECT_INSTRUCTION, JSON_SCHEMA_INSTRUCTION, PreparedPrompt, prepare_chat, prepare_text, response_format_instruction
 from .render import render_chat
 from .structured_outputs import structured_outputs_constraint
@@ -51,6 +51,7 @@ __all__ = [
     "InvalidToolCallEvent",
     "ParsedOutput",
     "PreparedPrompt",
+    "ReasoningEvent",
     "StreamEvent",
     "ToolCall",
     "ToolCallEvent",

@@ -1,10 +1,10 @@
-"""Engine output to chat events: content, tool calls, invalid tool calls, and the end.
+"""Engine output to chat events: thinking, content, tool calls, invalid tool calls, and the end.
 
 :func:`read_completion` reads a finished :class:`~mlx_parallm_provider.engine.Completion`;
 :class:`ChatStreamReader` reads a stream of :class:`~mlx_parallm_provider.engine.Delta`
 pieces into the same answer, event by event. Both honour what the prompt asked for
-(:class:`~.prepare.PreparedPrompt`): the tools, their call format, and
-``parallel_tool_calls``.
+(:class:`~.prepare.PreparedPrompt`): the tools, their call format,
+``parallel_tool_calls``, and whether a thinking block is split off (:mod:`.reasoning`).
 """
 
 from __future__ import annotations
@@ -14,13 +14,15 @@ from typing import Any, Optional, Union
 
 from ..engine.request import Completion, Delta, TokenLogprob, Usage
 from .prepare import PreparedPrompt
+from .reasoning import ReasoningSplitter, split_reasoning
 from .tool_defs import InvalidToolCall, ToolCall
 from .tool_parser import ToolCallStreamParser, parse_tool_calls
 
 
 @dataclass(frozen=True)
 class ChatOutput:
-    """A finished chat answer. ``finish_reason`` is ``"tool_calls"`` when it has calls."""
+    """A finished chat answer. ``finish_reason`` is ``"tool_calls"`` when it has calls;
+    ``reasoning`` is the thinking split off before the answer (None: none)."""
 
     content: str
     tool_calls: list[ToolCall]
@@ -28,13 +30,15 @@ class ChatOutput:
     finish_reason: str
     usage: Usage
     logprobs: Optional[list[TokenLogprob]] = None
+    reasoning: Optional[str] = None
 
 
 def read_completion(prepared: PreparedPrompt, completion: Completion) -> ChatOutput:
-    """Split a finished completion into content and tool calls."""
+    """Split a finished completion into thinking, content and tool calls."""
+    reasoning, text = (None, completion.text) if prepared.reasoning is None else split_reasoning(completion.text, prepared.reasoning)
     if not prepared.tools:
-        return ChatOutput(completion.text, [], [], completion.finish_reason, completion.usage, completion.logprobs)
-    parsed = parse_tool_calls(completion.text, prepared.tools, prepared.tool_format)
+        return ChatOutput(text, [], [], completion.finish_reason, completion.usage, completion.logprobs, reasoning)
+    parsed = parse_tool_calls(text, prepared.tools, prepared.tool_format)
     calls = parsed.tool_calls if prepared.parallel_tool_calls else parsed.tool_calls[:1]
     return ChatOutput(
         content=parsed.content,
@@ -43,7 +47,15 @@ def read_completion(prepared: PreparedPrompt, completion: Completion) -> ChatOut
         finish_reason="tool_calls" if calls else completion.finish_reason,
         usage=completion.usage,
         logprobs=completion.logprobs,
+        reasoning=reasoning,
     )
+
+
+@dataclass(frozen=True)
+class ReasoningEvent:
+    """More of the thinking before the answer."""
+
+    text: str
 
 
 @dataclass(frozen=True)
@@ -79,7 +91,7 @@ class FinalEvent:
     logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
-ChatEvent = Union[ContentEvent, ToolCallEvent, InvalidToolCallEvent, FinalEvent]
+ChatEvent = Union[ReasoningEvent, ContentEvent, ToolCallEvent, InvalidToolCallEvent, FinalEvent]
 
 
 class ChatStreamReader:
@@ -88,6 +100,7 @@ class ChatStreamReader:
 
     def __init__(self, prepared: PreparedPrompt) -> None:
         self._parser = ToolCallStreamParser(prepared.tools, prepared.tool_format) if prepared.tools else None
+        self._thinking = ReasoningSplitter(prepared.reasoning) if prepared.reasoning is not None else None
         self._single_call = not prepared.parallel_tool_calls
         self._valid = 0
         self._positions = 0
@@ -96,10 +109,16 @@ class ChatStreamReader:
     def on_delta(self, delta: Delta) -> list[ChatEvent]:
         """The events one delta completes."""
         self._logprobs += delta.logprobs or []
-        parsed: list[Any] = self._parser.feed(delta.text) if self._parser else [delta.text]
+        events: list[ChatEvent] = []
+        text = delta.text
+        if self._thinking is not None:
+            pieces = self._thinking.feed(text) + (self._thinking.finish() if delta.finish_reason is not None else [])
+            events += [ReasoningEvent(t) for kind, t in pieces if kind == "reasoning"]
+            text = "".join(t for kind, t in pieces if kind == "content")
+        parsed: list[Any] = self._parser.feed(text) if self._parser else [text]
         if delta.finish_reason is not None and self._parser:
             parsed += self._parser.finish()
-        events = [event for item in parsed for event in self._events(item)]
+        events += [event for item in parsed for event in self._events(item)]
         if delta.finish_reason is not None:
             reason = "tool_calls" if self._valid else delta.finish_reason
             events.append(FinalEvent(reason, delta.usage, list(self._logprobs)))

@@ -19,6 +19,7 @@ from ..engine.grammar.limits import LIMITS
 from ..errors import InvalidParameterError
 from .constraints import response_format_constraint, tool_call_constraint
 from .messages import normalize_messages
+from .reasoning import reasoning_start
 from .render import check_template_kwargs, render_conversation
 from .special_tokens import guard_conversation
 from .structured_outputs import structured_outputs_constraint
@@ -42,6 +43,8 @@ class PreparedPrompt:
     format the prompt asked for; with ``parallel_tool_calls=False`` only the first
     valid call of an answer is kept. ``constraint`` is what decoding must follow (JSON
     output, a forced tool call), to be put in the request's ``SamplingParams``.
+    ``reasoning``: how the answer's thinking is split from it (:mod:`.reasoning`): None for
+    not at all, True when the prompt opened the thinking block, False when the answer may.
     """
 
     prompt: Union[str, list[int]]
@@ -49,6 +52,7 @@ class PreparedPrompt:
     tool_format: ToolCallFormat = HERMES_FORMAT
     parallel_tool_calls: bool = True
     constraint: Optional[Constraint] = None
+    reasoning: Optional[bool] = None
 
 
 def prepare_text(prompt: Any) -> PreparedPrompt:
@@ -118,7 +122,12 @@ def prepare_chat(
                 "structured_outputs", "cannot be combined with response_format or with tools in the Hermes format (their calls are constrained)"
             )
         constraint = structured
-    return PreparedPrompt(prompt=prompt, tools=shown, tool_format=fmt, parallel_tool_calls=parallel, constraint=constraint)
+    # Thinking needs free text: none under JSON output, forced calls or structured_outputs; the
+    # grammar of optional tool calls (tool_choice "auto") leaves text free until a call opens.
+    free_text = constraint is None or (not forced and answer is None and structured is None)
+    reasoning = reasoning_start(tokenizer, rendered) if free_text else None
+    return PreparedPrompt(prompt=prompt, tools=shown, tool_format=fmt, parallel_tool_calls=parallel, constraint=constraint,
+                          reasoning=reasoning)
 
 
 def _check_continuable(final: Mapping[str, Any], constrained: bool) -> None:

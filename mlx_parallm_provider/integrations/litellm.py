@@ -31,7 +31,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import litellm
 from litellm import CustomLLM
@@ -43,10 +43,23 @@ from litellm.types.utils import (
     GenericStreamingChunk,
     Message,
     ModelResponse,
+    ModelResponseStream,
+    StreamingChoices,
     TopLogprob,
 )
+from litellm.types.utils import Delta as LiteLLMDelta
 
-from ..chat import ChatStreamReader, ContentEvent, FinalEvent, InvalidToolCall, InvalidToolCallEvent, PreparedPrompt, ToolCallEvent, read_completion
+from ..chat import (
+    ChatStreamReader,
+    ContentEvent,
+    FinalEvent,
+    InvalidToolCall,
+    InvalidToolCallEvent,
+    PreparedPrompt,
+    ReasoningEvent,
+    ToolCallEvent,
+    read_completion,
+)
 from ..engine import Completion, Delta, TokenLogprob, Usage, get_engine
 from ..errors import (
     ContextWindowExceededError,
@@ -98,7 +111,7 @@ class MLXParallmCustomLLM(CustomLLM):
     def streaming(  # type: ignore[override]
         self, model: str, messages: list, *, optional_params: Optional[dict] = None,
         litellm_params: Optional[dict] = None, timeout: Any = None, **_: Any,
-    ) -> Iterator[GenericStreamingChunk]:
+    ) -> Iterator[_Chunk]:
         """Streamed chunks from ``engine.stream_sync``. Parameters and the prompt are
         checked before the first chunk, so mistakes raise from ``completion`` itself."""
         with _litellm_errors(model):
@@ -108,7 +121,7 @@ class MLXParallmCustomLLM(CustomLLM):
     async def astreaming(  # type: ignore[override]
         self, model: str, messages: list, *, optional_params: Optional[dict] = None,
         litellm_params: Optional[dict] = None, timeout: Any = None, **_: Any,
-    ) -> AsyncIterator[GenericStreamingChunk]:
+    ) -> AsyncIterator[_Chunk]:
         """Streamed chunks from ``engine.stream`` (an async generator; the prompt prepared
         on a thread, not on the loop)."""
         with _litellm_errors(model):
@@ -178,7 +191,12 @@ def _prepare(
     return prepare_call(engine, model_name, messages, optional_params or {}, litellm_params or {}, timeout, stream=stream)
 
 
-def _stream_sync(call: LiteLLMCall) -> Iterator[GenericStreamingChunk]:
+#: A stream's chunk: LiteLLM's generic one, or its own type where the generic one has no field
+#: (thinking, as ``delta.reasoning_content``).
+_Chunk = Union[GenericStreamingChunk, ModelResponseStream]
+
+
+def _stream_sync(call: LiteLLMCall) -> Iterator[_Chunk]:
     with _litellm_errors(call.model):
         deltas = call.engine.stream_sync(call.prompt_texts[0], call.params, request_id=f"{call.request_id}-0")
         chunks = _ChunkWriter(call.prompts[0])
@@ -215,6 +233,7 @@ def _choice(index: int, call: LiteLLMCall, completion: Completion) -> Choices:
         role="assistant",
         tool_calls=[c.to_openai() for c in output.tool_calls] or None,
         provider_specific_fields={"invalid_tool_calls": [_invalid_dict(c) for c in invalid]} if invalid else None,
+        reasoning_content=output.reasoning or None,
     )
     return Choices(index=index, finish_reason=output.finish_reason, message=message, logprobs=_logprobs(output.logprobs))
 
@@ -257,10 +276,13 @@ class _ChunkWriter:
         self._sent_text = False
         self._invalid: list[InvalidToolCall] = []
 
-    def on_delta(self, delta: Delta) -> list[GenericStreamingChunk]:
-        chunks: list[GenericStreamingChunk] = []
+    def on_delta(self, delta: Delta) -> list[_Chunk]:
+        chunks: list[_Chunk] = []
         for event in self._reader.on_delta(delta):
-            if isinstance(event, ContentEvent):
+            if isinstance(event, ReasoningEvent):
+                # (LiteLLM's generic chunk has no field for it; it passes its own chunk type through)
+                chunks.append(ModelResponseStream(choices=[StreamingChoices(index=0, delta=LiteLLMDelta(reasoning_content=event.text))]))
+            elif isinstance(event, ContentEvent):
                 chunks.append(self._text(event.text))
             elif isinstance(event, ToolCallEvent):
                 chunks.append(_chunk(tool_use={**event.call.to_openai(), "index": event.index}))

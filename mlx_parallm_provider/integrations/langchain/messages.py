@@ -8,7 +8,7 @@ from langchain_core.messages import AIMessage, AIMessageChunk
 from langchain_core.messages.tool import invalid_tool_call, tool_call, tool_call_chunk
 from langchain_core.outputs import ChatGenerationChunk
 
-from ...chat import ChatOutput, ChatStreamReader, ContentEvent, FinalEvent, InvalidToolCall, InvalidToolCallEvent, PreparedPrompt, ToolCallEvent
+from ...chat import ChatOutput, ChatStreamReader, ContentEvent, FinalEvent, InvalidToolCall, InvalidToolCallEvent, PreparedPrompt, ReasoningEvent, ToolCallEvent
 from ...engine import Delta
 from .fields import logprobs_dict, usage_metadata
 
@@ -16,7 +16,9 @@ from .fields import logprobs_dict, usage_metadata
 def ai_message(output: ChatOutput, model: str) -> AIMessage:
     """The :class:`AIMessage` of a finished answer: content, tool calls (malformed ones as
     ``invalid_tool_calls``), ``usage_metadata`` and ``response_metadata``
-    (``finish_reason``, ``model_name``, ``logprobs`` if asked for)."""
+    (``finish_reason``, ``model_name``, ``logprobs`` if asked for); a reasoning model's
+    thinking in ``additional_kwargs["reasoning_content"]``, as LangChain's DeepSeek and
+    Ollama models put it."""
     metadata: dict[str, Any] = {"finish_reason": output.finish_reason, "model_name": model}
     if output.logprobs is not None:
         metadata["logprobs"] = logprobs_dict(output.logprobs)
@@ -26,6 +28,7 @@ def ai_message(output: ChatOutput, model: str) -> AIMessage:
         invalid_tool_calls=[_invalid_call(c) for c in output.invalid_tool_calls],
         usage_metadata=usage_metadata(output.usage),
         response_metadata=metadata,
+        additional_kwargs={"reasoning_content": output.reasoning} if output.reasoning else {},
     )
 
 
@@ -38,7 +41,8 @@ def _invalid_call(call: InvalidToolCall) -> Any:
 class ChunkWriter:
     """One chat stream's deltas to ``ChatGenerationChunk``s, through the chat layer.
 
-    Text arrives as content chunks, each completed tool call as one ``tool_call_chunks``
+    Thinking arrives as ``additional_kwargs["reasoning_content"]`` pieces (which merge),
+    text as content chunks, each completed tool call as one ``tool_call_chunks``
     entry (malformed calls with their raw text as ``args``, which merges into
     ``invalid_tool_calls``), and the last chunk carries ``usage_metadata``,
     ``finish_reason`` and ``model_name`` (and every logprob, if asked for).
@@ -52,7 +56,9 @@ class ChunkWriter:
         """The chunks one delta completes; the last delta also gives the final chunk."""
         chunks = []
         for event in self._reader.on_delta(delta):
-            if isinstance(event, ContentEvent):
+            if isinstance(event, ReasoningEvent):
+                message = AIMessageChunk(content="", additional_kwargs={"reasoning_content": event.text})
+            elif isinstance(event, ContentEvent):
                 message = AIMessageChunk(content=event.text)
             elif isinstance(event, ToolCallEvent):
                 call = event.call

@@ -1,0 +1,108 @@
+"""A reasoning model's thinking apart from its answer.
+
+Models that think before answering (Qwen3, QwQ, DeepSeek-R1 and its distills, SmolLM3)
+write ``<think> ... </think>`` and then the answer; some templates open the block in the
+prompt, so the output starts inside it. Where the tokenizer has both tags as single tokens,
+the chat layer splits the output: the thinking goes to ``reasoning_content`` (what vLLM's
+reasoning parsers, LiteLLM and LangChain's DeepSeek and Ollama models call it), the rest is
+the answer, whose tool calls are parsed as usual. Text before an opening tag, or with no tag
+at all, is answer; a block never closed (cut by ``max_tokens``) is all thinking.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+OPEN, CLOSE = "<think>", "</think>"
+
+
+def reasoning_start(tokenizer: Any, prompt: str) -> Optional[bool]:
+    """How an answer to ``prompt`` is split: None (not at all: the tokenizer has no thinking
+    tags), True (the prompt opened a block, so the answer starts inside it) or False (the
+    answer may open one)."""
+    if not (_one_token(tokenizer, OPEN) and _one_token(tokenizer, CLOSE)):
+        return None
+    return prompt.rfind(OPEN) > prompt.rfind(CLOSE)
+
+
+def _one_token(tokenizer: Any, text: str) -> bool:
+    try:
+        return len(tokenizer.encode(text, add_special_tokens=False)) == 1
+    except Exception:  # a tokenizer that cannot encode without special tokens: no tags
+        return False
+
+
+class ReasoningSplitter:
+    """Splits a stream of answer text into ``("reasoning", text)`` and ``("content", text)``
+    pieces; a tag cut across two pieces is held until it is whole (or is not a tag)."""
+
+    def __init__(self, inside: bool) -> None:
+        self._state = "reasoning" if inside else "start"
+        self._held = ""
+        #: Whether the answer has thinking (a block opened, in the prompt or the answer).
+        self.thought = inside
+
+    def feed(self, text: str) -> list[tuple[str, str]]:
+        """The pieces ``text`` completes."""
+        out: list[tuple[str, str]] = []
+        text = self._held + text
+        self._held = ""
+        while text:
+            if self._state == "start":  # only whitespace so far: an opening tag may come
+                stripped = text.lstrip()
+                if not stripped:
+                    self._held = text
+                    return out
+                if stripped.startswith(OPEN):
+                    self._state, text, self.thought = "reasoning", stripped[len(OPEN):], True
+                elif OPEN.startswith(stripped):
+                    self._held = text
+                    return out
+                else:
+                    self._state = "content"
+            elif self._state == "reasoning":
+                at = text.find(CLOSE)
+                if at >= 0:
+                    _append(out, "reasoning", text[:at])
+                    self._state, text = "after", text[at + len(CLOSE):]
+                    continue
+                keep = _partial_tail(text, CLOSE)
+                _append(out, "reasoning", text[: len(text) - keep])
+                self._held = text[len(text) - keep:]
+                return out
+            elif self._state == "after":  # the blank lines between the thinking and the answer
+                text = text.lstrip("\n")
+                if text:
+                    self._state = "content"
+            else:
+                _append(out, "content", text)
+                return out
+        return out
+
+    def finish(self) -> list[tuple[str, str]]:
+        """What is still held, at the end of the answer."""
+        held, self._held = self._held, ""
+        if not held or self._state == "after":
+            return []
+        return [("reasoning" if self._state == "reasoning" else "content", held)]
+
+
+def split_reasoning(text: str, inside: bool) -> tuple[Optional[str], str]:
+    """``(thinking, answer)`` of a finished answer; thinking is None where there is none."""
+    splitter = ReasoningSplitter(inside)
+    pieces = splitter.feed(text) + splitter.finish()
+    reasoning = "".join(t for kind, t in pieces if kind == "reasoning")
+    return (reasoning if splitter.thought else None), "".join(t for kind, t in pieces if kind == "content")
+
+
+def _append(out: list[tuple[str, str]], kind: str, text: str) -> None:
+    if text:
+        out.append((kind, text))
+
+
+def _partial_tail(text: str, tag: str) -> int:
+    """Length of the longest end of ``text`` that begins ``tag``."""
+    for size in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-size:]):
+            return size
+    return 0

@@ -1,0 +1,137 @@
+"""A reasoning model's ``<think>`` block comes back apart from its answer: LiteLLM's
+``reasoning_content`` (whole and streamed), LangChain's ``additional_kwargs["reasoning_content"]``;
+tool calls after the thinking parse; tokenizers without the tags, and constrained answers,
+are left as they were."""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import Any
+
+import litellm
+import pytest
+from langchain_core.messages import AIMessageChunk
+
+from fakes import SMOLLM2_TEMPLATE, WEATHER, FakeEngine, make_tokenizer, patch_get_engine
+from mlx_parallm_provider.chat.reasoning import ReasoningSplitter, reasoning_start, split_reasoning
+from mlx_parallm_provider.integrations import litellm as adapter
+from mlx_parallm_provider.integrations.langchain import fields as lc_fields
+from mlx_parallm_provider.langchain import ChatMLXParallm
+
+THOUGHT = "\nThe user greets me. Say hi back.\n"
+ANSWER = "Hello! How can I help?"
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+#: DeepSeek-R1's way: the generation prompt opens the block, so the answer starts inside it.
+OPENING_TEMPLATE = SMOLLM2_TEMPLATE.replace("{{ '<|im_start|>assistant\n' }}", "{{ '<|im_start|>assistant\n<think>\n' }}")
+assert OPENING_TEMPLATE != SMOLLM2_TEMPLATE
+
+CASES = [
+    ("<think>" + THOUGHT + "</think>\n\n" + ANSWER, False, (THOUGHT, ANSWER)),
+    ("  <think>cut short by max_tok", False, ("cut short by max_tok", "")),
+    (ANSWER, False, (None, ANSWER)),
+    ("Text first <think>not thinking</think>", False, (None, "Text first <think>not thinking</think>")),
+    ("<think></think>\n\n" + ANSWER, False, ("", ANSWER)),
+    ("<thi", False, (None, "<thi")),
+    ("Hmm.\n</think>\n\nFour.", True, ("Hmm.\n", "Four.")),
+    ("never closed", True, ("never closed", "")),
+    ("", True, ("", "")),
+]
+
+
+@pytest.mark.parametrize("text,inside,expected", CASES)
+def test_thinking_splits_the_same_whole_and_in_any_pieces(text: str, inside: bool, expected: tuple) -> None:
+    assert split_reasoning(text, inside) == expected
+    rng = random.Random(len(text))
+    for _ in range(20):
+        splitter, pieces, at = ReasoningSplitter(inside), [], 0
+        while at < len(text):
+            step = rng.randint(1, 5)
+            pieces += splitter.feed(text[at:at + step])
+            at += step
+        pieces += splitter.finish()
+        reasoning = "".join(t for kind, t in pieces if kind == "reasoning")
+        content = "".join(t for kind, t in pieces if kind == "content")
+        assert (reasoning if splitter.thought else None, content) == expected
+
+
+def _thinking_tokenizer(template: str = SMOLLM2_TEMPLATE) -> Any:
+    tokenizer = make_tokenizer(template)
+    tokenizer.add_tokens(["<think>", "</think>"])
+    return tokenizer
+
+
+def test_only_a_tokenizer_with_both_tags_as_tokens_splits() -> None:
+    assert reasoning_start(make_tokenizer(), "<|im_start|>assistant\n") is None
+    tokenizer = _thinking_tokenizer()
+    assert reasoning_start(tokenizer, "<|im_start|>assistant\n") is False
+    assert reasoning_start(tokenizer, "<|im_start|>assistant\n<think>\n") is True
+    assert reasoning_start(tokenizer, "<|im_start|>assistant\n<think>\n\n</think>\n\n") is False  # thinking switched off
+
+
+@pytest.fixture
+def doors(monkeypatch: pytest.MonkeyPatch) -> Any:
+    saved = list(litellm.custom_provider_map)
+    adapter.register()
+
+    def use(answer: str, tokenizer: Any) -> FakeEngine:
+        fake = FakeEngine(answer, default=answer, tokenizer=tokenizer, chunk_size=4)
+        patch_get_engine(monkeypatch, fake)
+        monkeypatch.setattr(lc_fields, "get_engine", lambda model: fake)
+        return fake
+
+    yield use
+    litellm.custom_provider_map[:] = saved
+
+
+HI = [{"role": "user", "content": "Hi"}]
+
+
+def _litellm_stream(**kw: Any) -> tuple[str, str, list[Any]]:
+    chunks = list(litellm.completion(model="mlx-parallm/fake", messages=HI, stream=True, **kw))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    return "".join(getattr(d, "reasoning_content", None) or "" for d in deltas), "".join(d.content or "" for d in deltas), chunks
+
+
+@pytest.mark.parametrize("template,answer", [
+    (SMOLLM2_TEMPLATE, "<think>" + THOUGHT + "</think>\n\n" + ANSWER),
+    (OPENING_TEMPLATE, THOUGHT + "</think>\n\n" + ANSWER),
+])
+def test_litellm_and_langchain_give_the_thinking_apart(doors: Any, template: str, answer: str) -> None:
+    engine = doors(answer, _thinking_tokenizer(template))
+    whole = litellm.completion(model="mlx-parallm/fake", messages=HI).choices[0].message
+    assert (whole.reasoning_content, whole.content) == (THOUGHT, ANSWER)
+    reasoning, content, chunks = _litellm_stream()
+    assert (reasoning, content) == (THOUGHT, ANSWER)
+    built = litellm.stream_chunk_builder(chunks).choices[0].message
+    assert (built.reasoning_content, built.content) == (THOUGHT, ANSWER)
+    chat = ChatMLXParallm(model="fake")
+    message = chat.invoke("Hi")
+    assert (message.additional_kwargs["reasoning_content"], message.content) == (THOUGHT, ANSWER)
+    merged = sum(chat.stream("Hi"), AIMessageChunk(content=""))
+    assert (merged.additional_kwargs["reasoning_content"], merged.content) == (THOUGHT, ANSWER)
+    assert engine.last.prompt.endswith("assistant\n<think>\n" if template == OPENING_TEMPLATE else "assistant\n")
+
+
+def test_a_tool_call_after_the_thinking_is_parsed(doors: Any) -> None:
+    doors("<think>I need the weather tool.</think>\n\n" + CALL, _thinking_tokenizer())
+    whole = litellm.completion(model="mlx-parallm/fake", messages=HI, tools=[WEATHER])
+    choice = whole.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.reasoning_content == "I need the weather tool."
+    assert json.loads(choice.message.tool_calls[0].function.arguments) == {"city": "Paris"}
+    reasoning, content, chunks = _litellm_stream(tools=[WEATHER])
+    assert reasoning == "I need the weather tool." and content == ""
+    assert litellm.stream_chunk_builder(chunks).choices[0].message.tool_calls[0].function.name == "get_weather"
+    message = ChatMLXParallm(model="fake").bind_tools([WEATHER]).invoke("Hi")
+    assert message.tool_calls[0]["args"] == {"city": "Paris"} and message.additional_kwargs["reasoning_content"]
+
+
+def test_without_tags_or_under_a_grammar_the_text_is_the_answer(doors: Any) -> None:
+    text = "<think>" + THOUGHT + "</think>\n\n" + ANSWER
+    doors(text, make_tokenizer())  # the tags are plain text to this tokenizer
+    whole = litellm.completion(model="mlx-parallm/fake", messages=HI).choices[0].message
+    assert whole.content == text and getattr(whole, "reasoning_content", None) is None  # (LiteLLM drops an unset field)
+    assert "reasoning_content" not in ChatMLXParallm(model="fake").invoke("Hi").additional_kwargs
+    doors('{"a": 1}', _thinking_tokenizer())
+    constrained = litellm.completion(model="mlx-parallm/fake", messages=HI, response_format={"type": "json_object"}).choices[0].message
+    assert constrained.content == '{"a": 1}' and getattr(constrained, "reasoning_content", None) is None
