@@ -127,7 +127,7 @@ class MLXParallmCustomLLM(CustomLLM):
         with _litellm_errors(model):
             call = await asyncio.to_thread(_prepare, model, messages, optional_params, litellm_params, timeout, stream=True)
             deltas = call.engine.stream(call.prompt_texts[0], call.params, request_id=f"{call.request_id}-0")
-            chunks = _ChunkWriter(call.prompts[0])
+            chunks = _ChunkWriter(call.prompts[0], call.model)
             try:
                 async for delta in deltas:
                     for chunk in chunks.on_delta(delta):
@@ -199,7 +199,7 @@ _Chunk = Union[GenericStreamingChunk, ModelResponseStream]
 def _stream_sync(call: LiteLLMCall) -> Iterator[_Chunk]:
     with _litellm_errors(call.model):
         deltas = call.engine.stream_sync(call.prompt_texts[0], call.params, request_id=f"{call.request_id}-0")
-        chunks = _ChunkWriter(call.prompts[0])
+        chunks = _ChunkWriter(call.prompts[0], call.model)
         try:
             for delta in deltas:
                 yield from chunks.on_delta(delta)
@@ -271,17 +271,18 @@ class _ChunkWriter:
     layer's events. Malformed calls come out as text just before the final chunk, as in a
     whole response."""
 
-    def __init__(self, prepared: PreparedPrompt) -> None:
+    def __init__(self, prepared: PreparedPrompt, model: str) -> None:
         self._reader = ChatStreamReader(prepared)
+        self._model = model
         self._sent_text = False
         self._invalid: list[InvalidToolCall] = []
+        self._thinking_id: Optional[str] = None  # (LiteLLM's own chunks: one id, the stream's)
 
     def on_delta(self, delta: Delta) -> list[_Chunk]:
         chunks: list[_Chunk] = []
         for event in self._reader.on_delta(delta):
             if isinstance(event, ReasoningEvent):
-                # (LiteLLM's generic chunk has no field for it; it passes its own chunk type through)
-                chunks.append(ModelResponseStream(choices=[StreamingChoices(index=0, delta=LiteLLMDelta(reasoning_content=event.text))]))
+                chunks.append(self._thinking(event.text))
             elif isinstance(event, ContentEvent):
                 chunks.append(self._text(event.text))
             elif isinstance(event, ToolCallEvent):
@@ -297,6 +298,15 @@ class _ChunkWriter:
     def _text(self, text: str) -> GenericStreamingChunk:
         self._sent_text = True
         return _chunk(text=text)
+
+    def _thinking(self, text: str) -> ModelResponseStream:
+        """LiteLLM's own chunk type: its generic chunk has no field for thinking, and it
+        passes a provider's ``ModelResponseStream`` through as is."""
+        first = self._thinking_id is None
+        delta = LiteLLMDelta(reasoning_content=text, role="assistant") if first else LiteLLMDelta(reasoning_content=text)
+        chunk = ModelResponseStream(choices=[StreamingChoices(index=0, delta=delta)], model=self._model, id=self._thinking_id)
+        self._thinking_id = chunk.id
+        return chunk
 
 
 def _chunk(

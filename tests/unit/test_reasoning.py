@@ -5,6 +5,7 @@ are left as they were."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 from typing import Any
@@ -103,6 +104,14 @@ def test_litellm_and_langchain_give_the_thinking_apart(doors: Any, template: str
     assert (whole.reasoning_content, whole.content) == (THOUGHT, ANSWER)
     reasoning, content, chunks = _litellm_stream()
     assert (reasoning, content) == (THOUGHT, ANSWER)
+    assert len({c.id for c in chunks}) == 1 and {c.model for c in chunks} == {"fake"}  # one stream, whatever the chunk type
+    assert chunks[0].choices[0].delta.role == "assistant"
+
+    async def astream() -> tuple[str, str]:
+        pieces = [c.choices[0].delta async for c in await litellm.acompletion(model="mlx-parallm/fake", messages=HI, stream=True) if c.choices]
+        return "".join(getattr(d, "reasoning_content", None) or "" for d in pieces), "".join(d.content or "" for d in pieces)
+
+    assert asyncio.run(astream()) == (THOUGHT, ANSWER)
     built = litellm.stream_chunk_builder(chunks).choices[0].message
     assert (built.reasoning_content, built.content) == (THOUGHT, ANSWER)
     chat = ChatMLXParallm(model="fake")
