@@ -144,3 +144,23 @@ def test_without_tags_or_under_a_grammar_the_text_is_the_answer(doors: Any) -> N
     doors('{"a": 1}', _thinking_tokenizer())
     constrained = litellm.completion(model="mlx-parallm/fake", messages=HI, response_format={"type": "json_object"}).choices[0].message
     assert constrained.content == '{"a": 1}' and getattr(constrained, "reasoning_content", None) is None
+
+
+def test_the_messages_and_responses_bridges_carry_the_thinking(doors: Any) -> None:
+    """LiteLLM's Anthropic Messages and OpenAI Responses bridges (what the proxy serves on
+    /v1/messages and /v1/responses) turn it into a thinking block and a reasoning item."""
+    doors("<think>" + THOUGHT + "</think>\n\n" + ANSWER, _thinking_tokenizer())
+
+    async def calls() -> tuple[Any, list[Any], Any]:
+        whole = await litellm.anthropic.messages.acreate(model="mlx-parallm/fake", messages=HI, max_tokens=200)
+        stream = await litellm.anthropic.messages.acreate(model="mlx-parallm/fake", messages=HI, max_tokens=200, stream=True)
+        events = [e async for e in stream]
+        responses = await litellm.aresponses(model="mlx-parallm/fake", input="Hi", max_output_tokens=200)
+        return whole, events, responses
+
+    whole, events, responses = asyncio.run(calls())
+    assert [(b["type"], b.get("thinking", b.get("text"))) for b in whole["content"]] == [("thinking", THOUGHT), ("text", ANSWER)]
+    text = b"".join(e if isinstance(e, bytes) else str(e).encode() for e in events).decode()
+    deltas = [json.loads(line[6:])["delta"] for line in text.splitlines() if line.startswith("data: ") and "content_block_delta" in line]
+    assert "".join(d.get("thinking", "") for d in deltas) == THOUGHT and "".join(d.get("text", "") for d in deltas) == ANSWER
+    assert [o.type for o in responses.output] == ["reasoning", "message"] and responses.output_text == ANSWER
