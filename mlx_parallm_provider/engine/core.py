@@ -251,7 +251,8 @@ class EngineCore:
             request.state = RowState(
                 sampler=RowSampler(request.params, self.grammar if request.params.constraint else None,
                                    ops=backends.of(self.model)),
-                text=TextStream(self.decoder, request.params.stop, request.prompt_ids),
+                text=TextStream(self.decoder, request.params.stop, request.prompt_ids,
+                                include_stop=request.params.include_stop_str_in_output),
                 logprobs=[] if request.params.logprobs else None,
             )
         except Exception as exc:

@@ -179,7 +179,8 @@ class IncrementalDetokenizer:
 
 
 class StopStringMatcher:
-    """Cuts a text stream at the first stop string, never emitting any part of it.
+    """Cuts a text stream at the first stop string, never emitting any part of it (with
+    ``include``, the whole of it, as the text's end).
 
     :meth:`feed` holds back the longest suffix of the pending text that is a proper
     prefix of some stop string. A stop string is taken to occur where it *ends* first
@@ -187,8 +188,9 @@ class StopStringMatcher:
     stream sees, so the result does not depend on how the text was chunked into tokens.
     """
 
-    def __init__(self, stop: Optional[Iterable[str]] = None) -> None:
+    def __init__(self, stop: Optional[Iterable[str]] = None, *, include: bool = False) -> None:
         self.stops: tuple[str, ...] = tuple(dict.fromkeys(s for s in (stop or ()) if s))
+        self.include = include  # emit the stop string itself, as the text's end
         self._max_hold = max((len(s) for s in self.stops), default=1) - 1
         self._prefixes = frozenset(s[:k] for s in self.stops for k in range(1, len(s)))
         self._pending = ""
@@ -208,7 +210,7 @@ class StopStringMatcher:
             self._pending = ""
             self.stopped = True
             self.matched = stop
-            return buf[:start], True
+            return buf[: start + len(stop) if self.include else start], True
         hold = self._held_suffix_len(buf)
         self._pending = buf[len(buf) - hold :] if hold else ""
         return buf[: len(buf) - hold], False
@@ -246,6 +248,7 @@ class TextStream:
         stop: stop strings (excluded from the output).
         prompt_ids: prompt token ids, used as decoding context.
         skip_special_tokens: forwarded to :class:`IncrementalDetokenizer`.
+        include_stop: the stop string that ends the text is part of it.
     """
 
     def __init__(
@@ -255,11 +258,12 @@ class TextStream:
         prompt_ids: Optional[Sequence[int]] = None,
         *,
         skip_special_tokens: bool = False,
+        include_stop: bool = False,
     ) -> None:
         self.detokenizer = IncrementalDetokenizer(
             tokenizer, prompt_ids, skip_special_tokens=skip_special_tokens
         )
-        self.matcher = StopStringMatcher(stop)
+        self.matcher = StopStringMatcher(stop, include=include_stop)
         self._parts: list[str] = []
 
     def add_token(self, token_id: int) -> tuple[str, bool]:

@@ -29,6 +29,8 @@ class SamplingParams:
 
     Defaults follow mlx-lm: greedy decoding (``temperature=0``), no top-p / top-k / min-p
     filtering, no penalties. Each request in a batch keeps its own settings.
+    ``include_stop_str_in_output`` (vLLM's): the stop string that ends the answer stays at
+    its end (by default it is cut off).
     """
 
     max_tokens: int = 256
@@ -49,6 +51,7 @@ class SamplingParams:
     timeout: Optional[float] = None
     constraint: Optional[Constraint] = None
     lora: Optional[str] = None
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         self.stop = _string_list("stop", self.stop)
@@ -67,8 +70,9 @@ class SamplingParams:
         _check_number("frequency_penalty", self.frequency_penalty, minimum=-2.0, maximum=2.0)
         if self.logit_bias is not None:
             self.logit_bias = _logit_bias(self.logit_bias)
-        if not isinstance(self.ignore_eos, bool):
-            raise InvalidParameterError("ignore_eos", f"must be a bool, got {self.ignore_eos!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidParameterError(name, f"must be a bool, got {getattr(self, name)!r}")
         if self.seed is not None:
             _check_int("seed", self.seed, minimum=0, maximum=MAX_SEED)
         if not isinstance(self.logprobs, bool):

@@ -26,7 +26,7 @@ from ._common import PROVIDER
 #: Parameters copied straight into :class:`SamplingParams`.
 _SAMPLING_KEYS = (
     "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-    "frequency_penalty", "logit_bias", "seed", "stop", "stop_token_ids", "ignore_eos", "lora",
+    "frequency_penalty", "logit_bias", "seed", "stop", "stop_token_ids", "ignore_eos", "lora", "include_stop_str_in_output",
 )
 #: Parameters of the chat layer.
 _CHAT_KEYS = (

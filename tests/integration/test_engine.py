@@ -417,6 +417,10 @@ def test_stop_strings_never_leak(make_engine, tiny_model) -> None:
     text = "".join(d.text for d in streamed)
     assert text == whole.text == "Hello there. "
     assert streamed[-1].finish_reason == whole.finish_reason == "stop"
+    params.include_stop_str_in_output = True  # vLLM's: the stop string ends the text
+    streamed, whole = run(main())
+    assert "".join(d.text for d in streamed) == whole.text == "Hello there. STOP HERE"
+    assert whole.finish_reason == "stop"
 
 
 def test_eos_and_stop_token_ids(make_engine, tiny_model) -> None:

@@ -239,6 +239,14 @@ def test_stop_string_spanning_tokens_never_leaks() -> None:
     assert m.flush() == ""
 
 
+def test_an_included_stop_string_ends_the_text_however_it_is_chunked() -> None:
+    text = "say <|en <|end|> more"
+    for chunks in ([text], list(text), ["say <|en <|e", "nd|", "> more"]):
+        m = StopStringMatcher(["<|end|>", "zzz"], include=True)
+        out, stopped = feed_all(m, chunks)
+        assert stopped and m.matched == "<|end|>" and "".join(out) == "say <|en <|end|>"
+
+
 def test_partial_match_that_diverges_is_released() -> None:
     m = StopStringMatcher(["STOP"])
     assert m.feed("go ST") == ("go ", False)

@@ -140,10 +140,13 @@ def test_openai_params_map_to_sampling_params(engine: FakeEngine) -> None:
 
 def test_extra_body_params_and_max_completion_tokens(engine: FakeEngine) -> None:
     litellm.completion(
-        model=MODEL, messages=HI, max_completion_tokens=12, extra_body={"top_k": 5, "min_p": 0.1, "repetition_penalty": 1.2}
+        model=MODEL, messages=HI, max_completion_tokens=12,
+        extra_body={"top_k": 5, "min_p": 0.1, "repetition_penalty": 1.2, "include_stop_str_in_output": True},
     )
     p = engine.last.params
-    assert (p.max_tokens, p.top_k, p.min_p, p.repetition_penalty) == (12, 5, 0.1, 1.2)
+    assert (p.max_tokens, p.top_k, p.min_p, p.repetition_penalty, p.include_stop_str_in_output) == (12, 5, 0.1, 1.2, True)
+    with pytest.raises(litellm.BadRequestError, match="include_stop_str_in_output"):
+        litellm.completion(model=MODEL, messages=HI, include_stop_str_in_output="yes")
 
 
 def test_defaults_are_the_engine_defaults(engine: FakeEngine) -> None:

@@ -60,6 +60,8 @@ class EngineFields(BaseModel):
     timeout: Optional[float] = Field(default=None, description="Per-request timeout in seconds.")
     lora: Optional[str] = Field(default=None, description="A LoRA adapter to answer through: a name registered with the engine's "
                                 "add_lora, or an mlx-lm adapter folder (adapters.safetensors + adapter_config.json).")
+    include_stop_str_in_output: bool = Field(default=_DEFAULTS.include_stop_str_in_output,
+                                             description="Keep the stop string that ends the answer at its end.")
 
     @model_validator(mode="before")
     @classmethod
