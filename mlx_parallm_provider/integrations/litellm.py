@@ -267,9 +267,9 @@ def _logprobs(logprobs: Optional[list[TokenLogprob]]) -> Optional[ChoiceLogprobs
 
 
 class _ChunkWriter:
-    """One stream's deltas to LiteLLM ``GenericStreamingChunk`` dicts, through the chat
-    layer's events. Malformed calls come out as text just before the final chunk, as in a
-    whole response."""
+    """One stream's deltas to LiteLLM ``GenericStreamingChunk`` dicts (thinking: LiteLLM's
+    own ``ModelResponseStream``), through the chat layer's events. Malformed calls come out as
+    text just before the final chunk, as in a whole response."""
 
     def __init__(self, prepared: PreparedPrompt, model: str) -> None:
         self._reader = ChatStreamReader(prepared)
