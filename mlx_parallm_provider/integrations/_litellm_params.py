@@ -84,6 +84,8 @@ def prepare_call(
     else:
         prompts = [_chat_prompt(engine, messages, params)]
         constraint = prompts[0].constraint  # JSON output, a forced tool call, structured_outputs
+        if _flag(litellm_params.get("merge_reasoning_content_in_choices")):  # LiteLLM's: the thinking stays in the content
+            prompts = [dataclasses.replace(p, reasoning=None) for p in prompts]
     if constraint is not None:
         sampling = dataclasses.replace(sampling, constraint=constraint)
     call_id = str(litellm_params.get("litellm_call_id") or time.time_ns())

@@ -164,3 +164,11 @@ def test_the_messages_and_responses_bridges_carry_the_thinking(doors: Any) -> No
     deltas = [json.loads(line[6:])["delta"] for line in text.splitlines() if line.startswith("data: ") and "content_block_delta" in line]
     assert "".join(d.get("thinking", "") for d in deltas) == THOUGHT and "".join(d.get("text", "") for d in deltas) == ANSWER
     assert [o.type for o in responses.output] == ["reasoning", "message"] and responses.output_text == ANSWER
+
+
+def test_litellm_merge_reasoning_content_in_choices_keeps_the_text_as_generated(doors: Any) -> None:
+    text = "<think>" + THOUGHT + "</think>\n\n" + ANSWER
+    doors(text, _thinking_tokenizer())
+    whole = litellm.completion(model="mlx-parallm/fake", messages=HI, merge_reasoning_content_in_choices=True).choices[0].message
+    assert whole.content == text and getattr(whole, "reasoning_content", None) is None
+    assert _litellm_stream(merge_reasoning_content_in_choices=True)[:2] == ("", text)
