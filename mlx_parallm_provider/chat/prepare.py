@@ -21,7 +21,7 @@ from .constraints import response_format_constraint, tool_call_constraint
 from .messages import normalize_messages
 from .reasoning import reasoning_start
 from .render import check_template_kwargs, render_conversation
-from .special_tokens import guard_conversation
+from .special_tokens import guard_conversation, is_one_token
 from .structured_outputs import structured_outputs_constraint
 from .tool_defs import TOOL_CALL_START, add_system_instruction, apply_tool_choice
 from .tool_formats import HERMES_FORMAT, ToolCallFormat, template_supports_tools, tool_call_format
@@ -113,7 +113,7 @@ def prepare_chat(
     parallel = parallel_tool_calls is not False
     forced = tool_instruction is not None  # "required" or a named function
     named = forced and _choice_is_named(tool_choice)  # a named function is called once
-    special_start = len(tokenizer.encode(TOOL_CALL_START, add_special_tokens=False)) == 1
+    special_start = is_one_token(tokenizer, TOOL_CALL_START)
     answer = response_format_constraint(response_format)
     constraint = tool_call_constraint(shown, forced, fmt, parallel and not named, special_start, answer) or answer
     if structured is not None:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from .special_tokens import is_one_token
+
 OPEN, CLOSE = "<think>", "</think>"
 
 
@@ -20,16 +22,9 @@ def reasoning_start(tokenizer: Any, prompt: str) -> Optional[bool]:
     """How an answer to ``prompt`` is split: None (not at all: the tokenizer has no thinking
     tags), True (the prompt opened a block, so the answer starts inside it) or False (the
     answer may open one)."""
-    if not (_one_token(tokenizer, OPEN) and _one_token(tokenizer, CLOSE)):
+    if not (is_one_token(tokenizer, OPEN) and is_one_token(tokenizer, CLOSE)):
         return None
     return prompt.rfind(OPEN) > prompt.rfind(CLOSE)
-
-
-def _one_token(tokenizer: Any, text: str) -> bool:
-    try:
-        return len(tokenizer.encode(text, add_special_tokens=False)) == 1
-    except Exception:  # a tokenizer that cannot encode without special tokens: no tags
-        return False
 
 
 class ReasoningSplitter:

@@ -30,6 +30,11 @@ def special_texts(tokenizer: Any) -> list[str]:
     return sorted((t for t in found if len(t) > 1), key=len, reverse=True)  # one character cannot be cut
 
 
+def is_one_token(tokenizer: Any, text: str) -> bool:
+    """Whether ``tokenizer`` encodes ``text`` (no special tokens added) as a single token."""
+    return len(tokenizer.encode(text, add_special_tokens=False)) == 1
+
+
 @dataclass(frozen=True)
 class GuardedContents:
     """Placeholders in a conversation and the message text each stands for."""

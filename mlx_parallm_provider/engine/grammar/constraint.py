@@ -1,6 +1,6 @@
 """What a request's output must match: a JSON schema, any JSON object, a regex, one of a
-list of strings, or a Lark or GBNF grammar (:class:`Constraint`), compiled by llguidance. No MLX here; the worker side is
-:mod:`.guided`.
+list of strings, or a Lark or GBNF grammar (:class:`Constraint`), compiled by llguidance.
+No MLX here; the worker side is :mod:`.guided`.
 
 A constraint's text is checked against :data:`~.grammar_limits.LIMITS` first; llguidance
 then converts and validates it on a compiler thread (:mod:`.build_threads`, a large stack), once
