@@ -35,6 +35,7 @@ from .request import Completion, Delta, Prompt, Request, ResultSink, SamplingPar
 from .sinks import LoopSink as _LoopSink
 from .sinks import ThreadSink as _ThreadSink
 from .sleep import SleepMethods
+from .token_bans import bad_word_ids
 
 logger = logging.getLogger(__name__)
 
@@ -328,6 +329,7 @@ class Engine(EmbedMethods, SleepMethods, LoRAMethods):
             stream=stream,
             arrival=now,
             deadline=None if timeout is None else now + timeout,
+            bad_word_ids=bad_word_ids(self.tokenizer, params.bad_words),  # (raises before the adapter below is taken)
             adapter=self._adapters.acquire(params.lora),
         )
         try:

@@ -43,6 +43,7 @@ from .runner import ModelRunner
 from .sampling import RowSampler
 from .scheduler import Scheduler
 from .sinks import deliver_all
+from .token_bans import TokenBans
 
 logger = logging.getLogger(__name__)
 
@@ -250,9 +251,10 @@ class EngineCore:
         try:
             request.state = RowState(
                 sampler=RowSampler(request.params, self.grammar if request.params.constraint else None,
-                                   ops=backends.of(self.model)),
+                                   ops=backends.of(self.model), bans=TokenBans.of(request.params, self.eos_ids, request.bad_word_ids)),
                 text=TextStream(self.decoder, request.params.stop, request.prompt_ids,
-                                include_stop=request.params.include_stop_str_in_output),
+                                include_stop=request.params.include_stop_str_in_output,
+                                skip_special_tokens=request.params.skip_special_tokens),
                 logprobs=[] if request.params.logprobs else None,
             )
         except Exception as exc:

@@ -266,11 +266,14 @@ class TextStream:
         self.matcher = StopStringMatcher(stop, include=include_stop)
         self._parts: list[str] = []
 
-    def add_token(self, token_id: int) -> tuple[str, bool]:
-        """Consume one token; return (new text to stream, whether a stop string hit)."""
+    def add_token(self, token_id: int, look_for_stops: bool = True) -> tuple[str, bool]:
+        """Consume one token; return (new text to stream, whether a stop string hit).
+        ``look_for_stops=False``: its text is not searched for stop strings (a request's first
+        ``min_tokens``; a later stop string is looked for from the next token's text on)."""
         if self.matcher.stopped:
             return "", True
-        return self._emit(*self.matcher.feed(self.detokenizer.add_token(token_id)))
+        text = self.detokenizer.add_token(token_id)
+        return self._emit(*self.matcher.feed(text)) if look_for_stops else self._emit(text, False)
 
     def finish(self) -> str:
         """End of the request for a reason other than a stop string: release held text."""

@@ -22,6 +22,9 @@ Prompt = Union[str, list[int]]
 MAX_SEED = 2**64 - 1
 """Largest accepted ``seed``: MLX's PRNG keys are 64-bit."""
 
+MAX_BAD_WORDS = 1024
+"""Most ``bad_words`` one request may name (each is looked for at every token)."""
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -31,6 +34,14 @@ class SamplingParams:
     filtering, no penalties. Each request in a batch keeps its own settings.
     ``include_stop_str_in_output`` (vLLM's): the stop string that ends the answer stays at
     its end (by default it is cut off).
+
+    vLLM's token controls: ``min_tokens``, the fewest tokens generated before the answer may
+    end (EOS and ``stop_token_ids`` are not sampled before, stop strings are looked for only in
+    the text of the tokens after them; a grammar that allows nothing else still ends);
+    ``allowed_token_ids``, the only tokens the answer may use; ``bad_words``, words (each as
+    the tokenizer writes it alone and after a space) the answer never ends with a token of;
+    ``skip_special_tokens``, special tokens' text left out of the answer (by default it is
+    kept, as mlx-lm keeps it).
     """
 
     max_tokens: int = 256
@@ -52,6 +63,10 @@ class SamplingParams:
     constraint: Optional[Constraint] = None
     lora: Optional[str] = None
     include_stop_str_in_output: bool = False
+    min_tokens: int = 0
+    allowed_token_ids: Optional[list[int]] = None
+    bad_words: list[str] = field(default_factory=list)
+    skip_special_tokens: bool = False
 
     def __post_init__(self) -> None:
         self.stop = _string_list("stop", self.stop)
@@ -70,7 +85,17 @@ class SamplingParams:
         _check_number("frequency_penalty", self.frequency_penalty, minimum=-2.0, maximum=2.0)
         if self.logit_bias is not None:
             self.logit_bias = _logit_bias(self.logit_bias)
-        for name in ("ignore_eos", "include_stop_str_in_output"):
+        _check_int("min_tokens", self.min_tokens, minimum=0)
+        if self.min_tokens > self.max_tokens:
+            raise InvalidParameterError("min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = _int_list("allowed_token_ids", self.allowed_token_ids)
+            if not self.allowed_token_ids:
+                raise InvalidParameterError("allowed_token_ids", "must name at least one token id (None allows every token)")
+        self.bad_words = _string_list("bad_words", self.bad_words)
+        if len(self.bad_words) > MAX_BAD_WORDS:
+            raise InvalidParameterError("bad_words", f"at most {MAX_BAD_WORDS} words, got {len(self.bad_words)}")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidParameterError(name, f"must be a bool, got {getattr(self, name)!r}")
         if self.seed is not None:
@@ -101,9 +126,10 @@ class SamplingParams:
         for token in self.logit_bias or {}:
             if token > last:
                 raise InvalidParameterError("logit_bias", f"token id {token} is not in this model's vocabulary (0..{last})")
-        for i, token in enumerate(self.stop_token_ids):
-            if token > last:
-                raise InvalidParameterError(f"stop_token_ids[{i}]", f"token id {token} is not in this model's vocabulary (0..{last})")
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            for i, token in enumerate(getattr(self, name) or []):
+                if token > last:
+                    raise InvalidParameterError(f"{name}[{i}]", f"token id {token} is not in this model's vocabulary (0..{last})")
 
     @property
     def is_greedy(self) -> bool:
@@ -221,6 +247,7 @@ class Request:
     draft: list[int] = field(default_factory=list)  # speculative tokens its next step verifies
     state: object = None  # worker-private per-request state (sampler, text stream, ...)
     adapter: Optional["AdapterUse"] = None  # the LoRA adapter its rows run through (None: the base model)
+    bad_word_ids: list[list[int]] = field(default_factory=list)  # its params' bad_words as token ids (:func:`.token_bans.bad_word_ids`)
 
     @property
     def prompt_len(self) -> int:
@@ -270,7 +297,7 @@ def _lora_name(value: object) -> str:
 
 
 def _string_list(name: str, value: object) -> list[str]:
-    """A stop-string list from ``None``, one string or a sequence of non-empty strings."""
+    """A list of strings (``stop``, ``bad_words``) from ``None``, one string or a sequence of non-empty strings."""
     if value is None:
         return []
     if isinstance(value, str):

@@ -24,11 +24,12 @@ class SampledRow:
 
 def plain_row(request: Any) -> bool:
     """Whether a row's next token needs no work on the host between steps: its logits through
-    its logit bias and penalties (over tokens the step itself has: a token still on the
-    device, a draft), its own PRNG key; no grammar, no logprobs. Only such rows decode ahead
-    or verify n-gram drafts."""
+    its logit bias, penalties and bans (over tokens the step itself has: a token still on the
+    device, a draft), its own PRNG key; no grammar, no logprobs, no bad word of several tokens
+    (matched against its last token). Only such rows decode ahead or verify n-gram drafts."""
     sampler = request.state.sampler if request.state is not None else None
-    return sampler is not None and sampler.matcher is None and not request.params.logprobs
+    return (sampler is not None and sampler.matcher is None and not request.params.logprobs
+            and not (sampler.bans is not None and sampler.bans.needs_output))
 
 
 def token_logprob(tokenizer: Any, row: SampledRow) -> TokenLogprob:

@@ -16,42 +16,30 @@ from __future__ import annotations
 
 import math
 import random
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_top_k, apply_top_p
 
 from .grammar.guided import GrammarTokenizer, RowMatcher, apply_bitmask, grammar_bitmask, only_tokens
+from .logits_processors import History, Penalties, last_tokens, output_lengths, processed
 from .request import SamplingParams
 from .sampled import SampledRow
+from .token_bans import TokenBans, held_open
 
 if TYPE_CHECKING:
     from ..models.backends import MLXOps
-
-History = Callable[[], Sequence[int]]
-"""A row's tokens so far (prompt, output), at least its last :data:`PENALTY_CONTEXT`."""
-
-
-PENALTY_CONTEXT = 20
-"""How many of a row's last tokens its penalties count (mlx-lm's default)."""
-
-
-class Penalties(NamedTuple):
-    """A row's repetition, presence and frequency penalties (off: 1, 0, 0)."""
-
-    repetition: float = 1.0
-    presence: float = 0.0
-    frequency: float = 0.0
-
 
 class RowSampler:
     """Sampling state of one request: its logits processors, filters and PRNG key.
 
     ``ops``: the engine's model's backend, whose batched log-softmax, filters and draw
     (:meth:`.MLXOps.filter_rows`, :meth:`.MLXOps.gumbel_draw`) take the rows where they can;
-    None: MLX's ops and mlx-lm's filters (:func:`filter_rows`)."""
+    None: MLX's ops and mlx-lm's filters (:func:`filter_rows`). ``bans``: the tokens it may
+    not sample (:class:`.TokenBans`: ``min_tokens``, ``allowed_token_ids``, ``bad_words``)."""
 
-    def __init__(self, params: SamplingParams, grammar: Optional[GrammarTokenizer] = None, ops: Optional["MLXOps"] = None) -> None:
+    def __init__(self, params: SamplingParams, grammar: Optional[GrammarTokenizer] = None, ops: Optional["MLXOps"] = None,
+                 bans: Optional[TokenBans] = None) -> None:
         self.params = params
         self.ops = ops
         self.grammar = grammar
@@ -59,15 +47,16 @@ class RowSampler:
         penalties = Penalties(params.repetition_penalty, params.presence_penalty, params.frequency_penalty)
         self.penalties = penalties if penalties != Penalties() else None
         self.bias = bool(params.logit_bias)
+        self.bans = bans
         self.greedy = params.temperature == 0.0
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         self.key = mx.random.key(seed)
 
     @property
     def processes(self) -> bool:
-        """Whether the row's logits go through a logit bias or penalties (:func:`processed`:
+        """Whether the row's logits go through a logit bias, penalties or bans (:func:`processed`:
         mlx-lm's logits processors' arithmetic, for all of a step's rows at once)."""
-        return self.bias or self.penalties is not None
+        return self.bias or self.penalties is not None or self.bans is not None
 
     @property
     def filters(self) -> bool:
@@ -100,9 +89,9 @@ def sample_batch(
     """Pick the next token of every row of ``logits`` (shape ``[B, vocab]``).
 
     ``contexts[i]`` returns row i's tokens so far (prompt + output, or only their last
-    :data:`PENALTY_CONTEXT`) for its penalties; it is only called for rows that have them.
-    ``tokens_left[i]``: row i's budget including this token (a constrained JSON row is
-    steered to close near its end). A row
+    :data:`HISTORY_TOKENS`) for its penalties and bad words; it is only called for rows that
+    have them. ``tokens_left[i]``: row i's budget including this token (a constrained JSON row
+    is steered to close near its end; a row's ``min_tokens`` counts its output from it). A row
     whose processors, filters or draw fail gets a :class:`SampledRow` with ``error`` set;
     every other row is sampled as if it were alone, so one bad row never costs its
     neighbours their token.
@@ -111,15 +100,17 @@ def sample_batch(
         if sampler.matcher is not None and tokens_left is not None:
             sampler.matcher.tokens_left = tokens_left[i]
     keys = [s.key for s in samplers]
+    produced = [s.params.max_tokens - left for s, left in zip(samplers, tokens_left)] if tokens_left is not None else None
     try:
-        return _sample_rows(logits, samplers, contexts)
+        return _sample_rows(logits, samplers, contexts, produced)
     except Exception:  # some row broke the batched evaluation: find it by sampling row by row
         for sampler, key in zip(samplers, keys):
             sampler.key = key  # rewind, so a seeded row draws what it would have drawn alone
         out = []
         for i in range(logits.shape[0]):
             try:
-                out.append(_sample_rows(logits[i : i + 1], samplers[i : i + 1], contexts[i : i + 1])[0])
+                out.append(_sample_rows(logits[i : i + 1], samplers[i : i + 1], contexts[i : i + 1],
+                                        produced[i : i + 1] if produced is not None else None)[0])
             except Exception as exc:
                 out.append(SampledRow(error=exc))
         return out
@@ -129,8 +120,9 @@ def _sample_rows(
     logits: mx.array,
     samplers: Sequence[RowSampler],
     contexts: Sequence[Optional[History]],
+    produced: Optional[Sequence[int]],
 ) -> list[SampledRow]:
-    logits = processed(logits, samplers, contexts)
+    logits = processed(logits, samplers, contexts, produced=produced, hold=False)
     wants = [i for i, s in enumerate(samplers) if s.params.logprobs]
     if any(s.matcher is not None for s in samplers):
         grammar = next(s.grammar for s in samplers if s.matcher is not None)
@@ -145,6 +137,8 @@ def _sample_rows(
                     sampler.next_key()  # (the draw it skips would have taken it)
             return [SampledRow(token=t) for t in forced]
         logits = apply_bitmask(logits, bitmask)
+    if any(s.bans for s in samplers):  # (after the grammar's mask: where it allows only a stop token, the row ends)
+        logits = held_open(logits, [s.bans for s in samplers], output_lengths(produced))
     if not wants:
         tokens = draw_tokens(logits, samplers)
         mx.eval(tokens)
@@ -200,71 +194,6 @@ def _draw(rows: mx.array, keys: mx.array, ops: Optional["MLXOps"]) -> mx.array:
     """The rows' draws (:data:`_draw_each`'s tokens) by the backend's op where it takes them."""
     drawn = ops.gumbel_draw(rows, keys) if ops is not None else None
     return drawn if drawn is not None else _draw_each(rows, keys)
-
-
-def processed(logits: mx.array, samplers: Sequence[RowSampler], contexts: Sequence[Optional[History]],
-              pending: Optional[mx.array] = None) -> mx.array:
-    """The rows' logits ``(B, vocab)`` through their logits processors, as mlx-lm's give each
-    row alone: the rows' logit biases, then their penalties, each for all rows at once
-    (:func:`_biased`, :func:`_penalised`). ``pending``: ``(B,)`` tokens drawn after the
-    contexts end and not yet on the host (a step decoded ahead), each row's last token."""
-    if any(s.bias for s in samplers):
-        logits = _biased(logits, samplers)
-    if any(s.penalties for s in samplers):
-        logits = _penalised(logits, [s.penalties for s in samplers], contexts, pending)
-    return logits
-
-
-def _biased(logits: mx.array, samplers: Sequence[RowSampler]) -> mx.array:
-    """The rows' logit biases by one scatter-add (mlx-lm's processor's: the biases as float32
-    added at their tokens); a row's padding adds 0 to token 0."""
-    for sampler in samplers:
-        if sampler.bias:
-            sampler.check_width(logits.shape[-1])
-    pairs = [list(s.params.logit_bias.items()) if s.bias else [] for s in samplers]
-    width = max(map(len, pairs))
-    ids = mx.array([[t for t, _ in p] + [0] * (width - len(p)) for p in pairs], dtype=mx.int32)
-    values = mx.array([[v for _, v in p] + [0.0] * (width - len(p)) for p in pairs], dtype=mx.float32)
-    return logits.at[mx.arange(logits.shape[0])[:, None], ids].add(values)
-
-
-def _penalised(logits: mx.array, penalties: Sequence[Optional[Penalties]], contexts: Sequence[Optional[History]],
-               pending: Optional[mx.array] = None) -> mx.array:
-    """The rows' penalties, each kind for all rows by one gather and one scatter (mlx-lm's
-    processors' arithmetic and order, so each row's logits are what its processors give it
-    alone): over each row's last :data:`PENALTY_CONTEXT` tokens (the ``pending`` one last,
-    where given), the repetition penalty divides a positive logit and multiplies a negative
-    one, the presence penalty is taken once from a token's logit, the frequency penalty once
-    for each time the token occurs. Rows without a kind take its identity (1 or 0), a row's
-    padding repeats its first token."""
-    known = PENALTY_CONTEXT - (pending is not None)
-    tails = [list(contexts[i]())[-known:] if p else [] for i, p in enumerate(penalties)]
-    width = max(map(len, tails))
-    if not width and pending is None:
-        return logits
-    if max(max(t, default=0) for t in tails) >= logits.shape[-1]:  # (MLX does not bounds-check: it would reach other rows)
-        raise ValueError(f"a penalised token id is outside the model's {logits.shape[-1]} logits")
-    ids = mx.array([t[:1] * (width - len(t)) + t if t else [0] * width for t in tails], dtype=mx.int32).reshape(len(tails), width)
-    if pending is not None:
-        ids = mx.concatenate([ids, pending.astype(mx.int32)[:, None]], axis=1)
-    off = Penalties()
-
-    def per_row(kind: str) -> Optional[mx.array]:
-        values = [getattr(p, kind) if p and (t or pending is not None) else getattr(off, kind) for p, t in zip(penalties, tails)]
-        if all(v == getattr(off, kind) for v in values):
-            return None
-        return mx.array(values, dtype=mx.float32)[:, None].astype(logits.dtype)
-
-    if (k := per_row("repetition")) is not None:
-        picked = mx.take_along_axis(logits, ids, axis=1)
-        logits = mx.put_along_axis(logits, ids, mx.where(picked < 0, picked * k, picked / k), axis=1)
-    if (k := per_row("presence")) is not None:
-        logits = mx.put_along_axis(logits, ids, mx.take_along_axis(logits, ids, axis=1) - k, axis=1)
-    if (k := per_row("frequency")) is not None:
-        counted = mx.array([[j >= width - len(t) for j in range(width)] + [True] * (pending is not None) for t in tails])
-        amounts = mx.where(counted, k, mx.zeros_like(k))
-        logits = logits.at[mx.arange(logits.shape[0])[:, None], ids].subtract(amounts)
-    return logits
 
 
 def _log_softmax(rows: mx.array, ops: Optional["MLXOps"]) -> mx.array:
@@ -355,19 +284,10 @@ def draw_requests(logits: mx.array, requests: Sequence[Any], pending: Optional[m
     (:func:`processed`; ``pending``: the tokens of the step before, not yet on the host), then
     :func:`draw_tokens`."""
     samplers = [r.state.sampler for r in requests]
-    return draw_tokens(processed(logits, samplers, _histories(requests), pending), samplers)
+    produced = [len(r.output_ids) + (pending is not None) for r in requests]
+    return draw_tokens(processed(logits, samplers, _histories(requests), pending, produced), samplers)
 
 
 def _histories(requests: Sequence[Any]) -> list[History]:
     """Each decoding request's tokens so far, for its penalties (:func:`last_tokens`)."""
     return [lambda r=r: last_tokens(r.prompt_ids, r.output_ids) for r in requests]
-
-
-def last_tokens(*parts: Sequence[int]) -> list[int]:
-    """The last :data:`PENALTY_CONTEXT` tokens of ``parts`` joined (what a row's penalties count)."""
-    out: list[int] = []
-    for part in reversed(parts):
-        out[:0] = part[max(0, len(part) - (PENALTY_CONTEXT - len(out))) :]
-        if len(out) >= PENALTY_CONTEXT:
-            break
-    return out

@@ -86,6 +86,10 @@ PLAUSIBLE = {
     "logprobs": st.booleans(),
     "top_logprobs": mostly(st.integers(0, 20), st.sampled_from([-1, 21, 25])),
     "timeout": mostly(st.none() | st.floats(0.001, 5.0), st.sampled_from([-1.0, 0.0])),
+    "min_tokens": mostly(st.integers(0, 24), st.sampled_from([-1, 10**9])),
+    "allowed_token_ids": mostly(st.none() | st.lists(valid_token, min_size=1, max_size=5), st.sampled_from([[], [-1], [49152], [2**63]])),
+    "bad_words": mostly(st.lists(st.text(min_size=1, max_size=6), max_size=3), st.sampled_from([[""], ["   "], [5], ["word " * 40]])),
+    "skip_special_tokens": st.booleans(),
 }
 
 plausible_kwargs = st.sets(st.sampled_from(sorted(PLAUSIBLE)), max_size=5).flatmap(

@@ -296,6 +296,30 @@ def test_openai_client_vllm_structured_outputs_through_the_proxy(proxy: Proxy) -
     assert bad_variables.status_code == 400 and "chat_template_kwargs.tokenize" in bad_variables.text
 
 
+def test_openai_client_vllm_token_controls_through_the_proxy(proxy: Proxy, tiny_model) -> None:
+    """vLLM's ``min_tokens``, ``allowed_token_ids``, ``bad_words`` and ``skip_special_tokens`` in
+    ``extra_body`` reach the engine; a bad one is a 400 naming the field."""
+    words = tiny_model.tokenizer.encode(" yes no", add_special_tokens=False)  # (the default model's vocabulary)
+    with httpx.Client(timeout=120, trust_env=False) as http:
+        client = _openai(proxy, http)
+        eager = {"logit_bias": {"2": 100}}  # (token 2: the EOS, at once)
+        ended = client.chat.completions.create(model=ALIAS, messages=QUESTION, max_tokens=24, **eager)
+        held = client.chat.completions.create(model=ALIAS, messages=QUESTION, max_tokens=24, extra_body={"min_tokens": 5}, **eager)
+        allowed = client.chat.completions.create(model=ALIAS, messages=QUESTION, max_tokens=6,
+                                                 extra_body={"allowed_token_ids": words, "ignore_eos": True})
+        plain = client.completions.create(model=ALIAS, prompt="The capital of France is", max_tokens=6)
+        first = plain.choices[0].text.split()[0]
+        avoided = client.completions.create(model=ALIAS, prompt="The capital of France is", max_tokens=6,
+                                            extra_body={"bad_words": [first], "skip_special_tokens": True})
+        bad = http.post(f"{proxy.base_url}/v1/chat/completions", headers={"Authorization": f"Bearer {proxy.key}"},
+                        json={"model": ALIAS, "messages": QUESTION, "max_tokens": 4, "min_tokens": 9})
+    assert ended.usage.completion_tokens == 1 and not ended.choices[0].message.content
+    assert held.usage.completion_tokens == 6 and held.choices[0].finish_reason == "stop"  # 5 tokens, then the EOS
+    assert allowed.usage.completion_tokens == 6 and set(allowed.choices[0].message.content.split()) <= {"yes", "no"}
+    assert first not in avoided.choices[0].text.split(), (plain.choices[0].text, avoided.choices[0].text)
+    assert bad.status_code == 400 and "min_tokens" in bad.text
+
+
 @pytest.mark.slow
 def test_abandoned_non_streaming_requests_free_their_rows(proxy: Proxy) -> None:
     """Issue 8 #5: clients that hang up must not leave their rows decoding."""

@@ -116,3 +116,38 @@ def test_bad_chat_template_kwargs_are_refused_by_both_doors(thinking_engine: Fak
         litellm.completion(model="mlx-parallm/fake", messages=MESSAGES, chat_template_kwargs=variables)
     with pytest.raises(ValueError, match=match):
         ChatMLXParallm(model="fake").invoke(LC_MESSAGES, chat_template_kwargs=variables)
+
+
+CONTROLS = {"min_tokens": 3, "allowed_token_ids": [5, 6, 7], "bad_words": ["Ann", "no way"], "skip_special_tokens": True}
+
+
+def _controls(params: Any) -> dict[str, Any]:
+    return {k: getattr(params, k) for k in CONTROLS}
+
+
+def test_vllm_token_controls_reach_the_engine_through_both_doors(engine: FakeEngine) -> None:
+    litellm.completion(model="mlx-parallm/fake", messages=MESSAGES, **CONTROLS)
+    assert _controls(engine.last.params) == CONTROLS
+    litellm.completion(model="mlx-parallm/fake", messages=MESSAGES, extra_body=CONTROLS)
+    assert _controls(engine.last.params) == CONTROLS
+    litellm.text_completion(model="mlx-parallm/fake", prompt="Who is Ann?", extra_body=CONTROLS)
+    assert _controls(engine.last.params) == CONTROLS
+    ChatMLXParallm(model="fake", **CONTROLS).invoke(LC_MESSAGES)
+    assert _controls(engine.last.params) == CONTROLS
+    ChatMLXParallm(model="fake").bind(**CONTROLS).invoke(LC_MESSAGES)
+    assert _controls(engine.last.params) == CONTROLS
+    litellm.completion(model="mlx-parallm/fake", messages=MESSAGES)
+    assert _controls(engine.last.params) == {"min_tokens": 0, "allowed_token_ids": None, "bad_words": [], "skip_special_tokens": False}
+
+
+@pytest.mark.parametrize("bad,match", [
+    ({"min_tokens": 9, "max_tokens": 4}, "min_tokens"),
+    ({"allowed_token_ids": []}, "allowed_token_ids"),
+    ({"bad_words": [""]}, r"bad_words\[0\]"),
+    ({"skip_special_tokens": "no"}, "skip_special_tokens"),
+])
+def test_bad_token_controls_are_refused_by_both_doors(engine: FakeEngine, bad: dict[str, Any], match: str) -> None:
+    with pytest.raises(litellm.BadRequestError, match=match):
+        litellm.completion(model="mlx-parallm/fake", messages=MESSAGES, extra_body=bad)
+    with pytest.raises(ValueError, match=match):
+        ChatMLXParallm(model="fake").invoke(LC_MESSAGES, **bad)

@@ -8,9 +8,10 @@ import mlx.core as mx
 import pytest
 from mlx_lm.sample_utils import make_logits_processors
 
-from mlx_parallm_provider.engine import sampling
+from mlx_parallm_provider.engine import logits_processors
+from mlx_parallm_provider.engine.logits_processors import HISTORY_TOKENS, PENALTY_CONTEXT, last_tokens
 from mlx_parallm_provider.engine.request import SamplingParams
-from mlx_parallm_provider.engine.sampling import PENALTY_CONTEXT, RowSampler, last_tokens, sample_batch
+from mlx_parallm_provider.engine.sampling import RowSampler, sample_batch
 
 pytestmark = pytest.mark.gpu
 
@@ -54,7 +55,7 @@ def test_batched_processors_are_mlx_lms_row_by_row(dtype) -> None:
     logits = (mx.random.normal((len(ROWS), 128), key=mx.random.key(3)) * 4).astype(dtype)
     samplers = [RowSampler(SamplingParams(**p)) for p, _ in ROWS]
     contexts = [lambda t=t: t for _, t in ROWS]
-    got = sampling.processed(logits, samplers, contexts)
+    got = logits_processors.processed(logits, samplers, contexts)
     assert got.dtype == dtype
     want = mx.concatenate([_alone(logits[i : i + 1], s, t) for i, (s, (_, t)) in enumerate(zip(samplers, ROWS))])
     assert mx.array_equal(got, want).item()
@@ -83,10 +84,10 @@ def test_a_token_outside_the_logits_fails_its_row_alone() -> None:
                                            for i, c in ((0, lambda: [1, 2]), (2, lambda: [4]))]
 
 
-def test_last_tokens() -> None:
+def test_last_tokens() -> None:  # (the last HISTORY_TOKENS = 32: penalties count the last 20 of them)
     assert last_tokens([1, 2, 3], [4]) == [1, 2, 3, 4]
-    assert last_tokens(list(range(50)), [99, 98]) == list(range(32, 50)) + [99, 98]
-    assert last_tokens([1], list(range(30))) == list(range(10, 30))
-    assert last_tokens(list(range(10)), list(range(10, 30)), [7]) == list(range(11, 30)) + [7]
+    assert last_tokens(list(range(50)), [99, 98]) == list(range(20, 50)) + [99, 98]
+    assert last_tokens([1], list(range(40))) == list(range(8, 40))
+    assert last_tokens(list(range(10)), list(range(10, 40)), [7]) == list(range(9, 40)) + [7]
     assert last_tokens([], []) == []
-    assert len(last_tokens(list(range(100)))) == PENALTY_CONTEXT
+    assert len(last_tokens(list(range(100)))) == HISTORY_TOKENS > PENALTY_CONTEXT

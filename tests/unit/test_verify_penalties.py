@@ -11,9 +11,10 @@ import mlx.core as mx
 import pytest
 
 from mlx_parallm_provider.engine.drafting.verify import verify_lookups
+from mlx_parallm_provider.engine.logits_processors import last_tokens
 from mlx_parallm_provider.engine.request import SamplingParams
 from mlx_parallm_provider.engine.runner import SpotLogits
-from mlx_parallm_provider.engine.sampling import RowSampler, last_tokens, sample_batch
+from mlx_parallm_provider.engine.sampling import RowSampler, sample_batch
 
 pytestmark = pytest.mark.gpu
 

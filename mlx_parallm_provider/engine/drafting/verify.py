@@ -16,9 +16,10 @@ from typing import Any, Sequence
 import mlx.core as mx
 
 from ..grammar.guided import fill_bitmask, only_tokens
+from ..logits_processors import last_tokens, processed
 from ..plan import Drafted, Verify
 from ..sampled import SampledRow
-from ..sampling import draw_tokens, last_tokens, processed, sample_batch, sample_requests
+from ..sampling import draw_tokens, sample_batch, sample_requests
 from .forced import can_fast_forward
 
 
@@ -43,10 +44,11 @@ def verify_lookups(runner: Any, rows: Sequence[Any], k: int) -> tuple[list[list[
     firsts = [sum(len(d) + 1 for d in drafts[:i]) for i in range(len(rows))]  # each row's first position's
     logits = spots.at([(i, j) for i, d in enumerate(drafts) for j in range(len(d) + 1)])  # real positions only
     samplers = [r.state.sampler for r, d in zip(rows, drafts) for _ in range(len(d) + 1)]
-    if any(s.processes for s in samplers):  # each position's bias and penalties, over the tokens before it
+    if any(s.processes for s in samplers):  # each position's bias, penalties and bans, over the tokens before it
         contexts = [lambda r=r, before=d[:j]: last_tokens(r.prompt_ids, r.output_ids, before)
                     for r, d in zip(rows, drafts) for j in range(len(d) + 1)]
-        logits = processed(logits, samplers, contexts)
+        produced = [len(r.output_ids) + j for r, d in zip(rows, drafts) for j in range(len(d) + 1)]
+        logits = processed(logits, samplers, contexts, produced=produced)
     greedy = mx.argmax(logits, axis=-1)
     draws = {i: _draws(r.state.sampler, logits[firsts[i] : firsts[i] + len(drafts[i]) + 1]) for i, r in enumerate(rows)
              if not r.state.sampler.greedy}

@@ -62,6 +62,12 @@ class EngineFields(BaseModel):
                                 "add_lora, or an mlx-lm adapter folder (adapters.safetensors + adapter_config.json).")
     include_stop_str_in_output: bool = Field(default=_DEFAULTS.include_stop_str_in_output,
                                              description="Keep the stop string that ends the answer at its end.")
+    min_tokens: int = Field(default=_DEFAULTS.min_tokens, description="Fewest tokens to generate before EOS, a stop token "
+                            "or a stop string may end the answer.")
+    allowed_token_ids: Optional[list[int]] = Field(default=None, description="The only token ids the answer may use.")
+    bad_words: Optional[list[str]] = Field(default=None, description="Words the answer never writes.")
+    skip_special_tokens: bool = Field(default=_DEFAULTS.skip_special_tokens,
+                                      description="Leave special tokens' text out of the answer.")
 
     @model_validator(mode="before")
     @classmethod
