@@ -19,7 +19,7 @@ from ..engine.grammar.limits import LIMITS
 from ..errors import InvalidParameterError
 from .constraints import response_format_constraint, tool_call_constraint
 from .messages import normalize_messages
-from .reasoning import reasoning_start
+from .reasoning import reasoning_start, thinking_variables
 from .render import check_template_kwargs, render_conversation
 from .special_tokens import guard_conversation, is_one_token
 from .structured_outputs import structured_outputs_constraint
@@ -73,6 +73,8 @@ def prepare_chat(
     continue_final_message: bool = False,
     structured_outputs: Any = None,
     chat_template_kwargs: Any = None,
+    reasoning_effort: Any = None,
+    thinking: Any = None,
 ) -> PreparedPrompt:
     """Validate one chat request and render its prompt.
 
@@ -87,7 +89,9 @@ def prepare_chat(
     :mod:`.structured_outputs`): decoding follows it, without a prompt instruction; it
     cannot be combined with ``response_format`` or tools the grammar would constrain.
     ``chat_template_kwargs`` (vLLM's field) are more variables for the chat template
-    (:func:`~.render.check_template_kwargs`).
+    (:func:`~.render.check_template_kwargs`); ``reasoning_effort`` or ``thinking`` turn a
+    reasoning model's thinking on or off through its template (:func:`~.reasoning.thinking_variables`;
+    ``chat_template_kwargs`` setting the same variable win).
     Raises :class:`InvalidParameterError` naming the field for any malformed input.
     """
     if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
@@ -97,7 +101,7 @@ def prepare_chat(
     shown, tool_instruction = apply_tool_choice(tools, tool_choice)
     instructions = [tool_instruction, response_format_instruction(response_format)]
     structured = structured_outputs_constraint(structured_outputs)
-    variables = check_template_kwargs(tokenizer, chat_template_kwargs)
+    variables = {**thinking_variables(reasoning_effort, thinking), **check_template_kwargs(tokenizer, chat_template_kwargs)}
     conversation = normalize_messages(messages)
     continuing = continue_final_message or bool(conversation[-1].get("prefix"))
     if continuing:

@@ -7,15 +7,48 @@ the chat layer splits the output: the thinking goes to ``reasoning_content`` (wh
 reasoning parsers, LiteLLM and LangChain's DeepSeek and Ollama models call it), the rest is
 the answer, whose tool calls are parsed as usual. Text before an opening tag, or with no tag
 at all, is answer; a block never closed (cut by ``max_tokens``) is all thinking.
+
+A request turns thinking on or off with ``reasoning_effort`` (OpenAI's, LiteLLM's, vLLM's) or
+``thinking`` (Anthropic's shape): :func:`thinking_variables` makes them the chat template's
+own switch, ``enable_thinking`` (Qwen3, SmolLM3), and ``reasoning_effort`` (gpt-oss).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Optional
 
+from ..errors import InvalidParameterError
 from .special_tokens import is_one_token
 
 OPEN, CLOSE = "<think>", "</think>"
+
+#: OpenAI's ``reasoning_effort`` levels; the first two turn thinking off (as LiteLLM maps them
+#: for Ollama, whose models also only think or not).
+EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+_OFF = frozenset(("none", "minimal"))
+#: Anthropic's ``thinking`` types, and whether each thinks.
+_THINKING_TYPES = {"enabled": True, "adaptive": True, "disabled": False}
+
+
+def thinking_variables(reasoning_effort: Any = None, thinking: Any = None) -> dict[str, Any]:
+    """The chat template variables a request's ``reasoning_effort`` (a level of
+    :data:`EFFORTS`, or ``{"effort": level, ...}`` as LiteLLM's Responses bridge sends it)
+    or ``thinking`` (``{"type": "enabled" | "adaptive" | "disabled", ...}``) sets:
+    ``enable_thinking`` and, for a level, ``reasoning_effort``. A template without them
+    ignores them (a model that always thinks still does); a thinking budget is not kept."""
+    variables: dict[str, Any] = {}
+    if thinking is not None:
+        kind = thinking.get("type") if isinstance(thinking, Mapping) else None
+        if kind not in _THINKING_TYPES:
+            raise InvalidParameterError("thinking", f"must be {{'type': 'enabled' | 'adaptive' | 'disabled', ...}}, got {thinking!r}")
+        variables["enable_thinking"] = _THINKING_TYPES[kind]
+    if reasoning_effort is not None:
+        level = reasoning_effort.get("effort") if isinstance(reasoning_effort, Mapping) else reasoning_effort
+        if level not in EFFORTS:
+            raise InvalidParameterError("reasoning_effort", f"must be one of {', '.join(EFFORTS)}, got {reasoning_effort!r}")
+        variables.update(enable_thinking=level not in _OFF, reasoning_effort=level)
+    return variables
 
 
 def reasoning_start(tokenizer: Any, prompt: str) -> Optional[bool]:

@@ -254,7 +254,7 @@ class EngineCore:
                                    ops=backends.of(self.model), bans=TokenBans.of(request.params, self.eos_ids, request.bad_word_ids)),
                 text=TextStream(self.decoder, request.params.stop, request.prompt_ids,
                                 include_stop=request.params.include_stop_str_in_output,
-                                skip_special_tokens=request.params.skip_special_tokens),
+                                skip_special_tokens=request.params.skip_special_tokens, unchecked=request.params.min_tokens),
                 logprobs=[] if request.params.logprobs else None,
             )
         except Exception as exc:

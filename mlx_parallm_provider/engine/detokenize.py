@@ -249,6 +249,8 @@ class TextStream:
         prompt_ids: prompt token ids, used as decoding context.
         skip_special_tokens: forwarded to :class:`IncrementalDetokenizer`.
         include_stop: the stop string that ends the text is part of it.
+        unchecked: how many first tokens' text is not searched for stop strings (a request's
+            ``min_tokens``: stop strings are looked for from the next token's text on).
     """
 
     def __init__(
@@ -259,21 +261,23 @@ class TextStream:
         *,
         skip_special_tokens: bool = False,
         include_stop: bool = False,
+        unchecked: int = 0,
     ) -> None:
+        self.unchecked = unchecked
+        self._tokens = 0
         self.detokenizer = IncrementalDetokenizer(
             tokenizer, prompt_ids, skip_special_tokens=skip_special_tokens
         )
         self.matcher = StopStringMatcher(stop, include=include_stop)
         self._parts: list[str] = []
 
-    def add_token(self, token_id: int, look_for_stops: bool = True) -> tuple[str, bool]:
-        """Consume one token; return (new text to stream, whether a stop string hit).
-        ``look_for_stops=False``: its text is not searched for stop strings (a request's first
-        ``min_tokens``; a later stop string is looked for from the next token's text on)."""
+    def add_token(self, token_id: int) -> tuple[str, bool]:
+        """Consume one token; return (new text to stream, whether a stop string hit)."""
         if self.matcher.stopped:
             return "", True
         text = self.detokenizer.add_token(token_id)
-        return self._emit(*self.matcher.feed(text)) if look_for_stops else self._emit(text, False)
+        self._tokens += 1
+        return self._emit(*self.matcher.feed(text)) if self._tokens > self.unchecked else self._emit(text, False)
 
     def finish(self) -> str:
         """End of the request for a reason other than a stop string: release held text."""

@@ -69,7 +69,7 @@ def take_token(request: Request, row: SampledRow, eos_ids: Collection[int], toke
             matcher.consume(token)  # raises if the grammar refused it: the request fails alone
         if state.logprobs is not None:
             state.logprobs.append(token_logprob(tokenizer, row))
-        piece, stopped = state.text.add_token(token, look_for_stops=len(request.output_ids) > request.params.min_tokens)
+        piece, stopped = state.text.add_token(token)
         if stopped or (matcher is not None and matcher.done):
             finish = "stop"
     if finish is not None and not state.text.stopped:

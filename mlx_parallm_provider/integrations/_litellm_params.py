@@ -32,7 +32,7 @@ _SAMPLING_KEYS = (
 #: Parameters of the chat layer.
 _CHAT_KEYS = (
     "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "response_format", "continue_final_message",
-    "structured_outputs", "chat_template_kwargs",
+    "structured_outputs", "chat_template_kwargs", "reasoning_effort", "thinking",
 )
 #: vLLM's structured-output fields before 0.12, by the ``structured_outputs`` key each became.
 _GUIDED_KEYS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
@@ -143,8 +143,6 @@ def _unsupported(params: Mapping[str, Any], *, stream: bool) -> list[str]:
     names = [k for k in params if k not in _HANDLED_KEYS]
     if stream and params.get("n", 1) != 1:
         names.append("n")  # LiteLLM's stream wrapper folds every choice into index 0
-    if stream and (params.get("logprobs") or params.get("top_logprobs")):
-        names += [k for k in ("logprobs", "top_logprobs") if params.get(k)]
     return names
 
 
@@ -203,6 +201,8 @@ def _chat_prompt(engine: EngineLike, messages: list, params: Mapping[str, Any]) 
         continue_final_message=params.get("continue_final_message", False),
         structured_outputs=_structured_outputs(params),
         chat_template_kwargs=params.get("chat_template_kwargs"),
+        reasoning_effort=params.get("reasoning_effort"),
+        thinking=params.get("thinking"),
     )
 
 

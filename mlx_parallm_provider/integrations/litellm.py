@@ -21,8 +21,8 @@ calls ``completion`` with each prompt as a user message and ``text_completion=Tr
 
 Inside a stream, LiteLLM's stream wrapper re-raises retriable errors (429, 5xx,
 timeouts) as ``litellm.exceptions.MidStreamFallbackError`` with ours as
-``original_exception``. Streaming supports one choice and no logprobs (LiteLLM's generic
-stream chunks carry neither a choice index nor logprobs).
+``original_exception``. Streaming supports one choice (LiteLLM's stream wrapper folds every
+choice into the first); logprobs ride on LiteLLM's own chunk type, which it passes through.
 """
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ class MLXParallmCustomLLM(CustomLLM):
         with _litellm_errors(model):
             call = await asyncio.to_thread(_prepare, model, messages, optional_params, litellm_params, timeout, stream=True)
             deltas = call.engine.stream(call.prompt_texts[0], call.params, request_id=f"{call.request_id}-0")
-            chunks = _ChunkWriter(call.prompts[0], call.model)
+            chunks = _ChunkWriter(call.prompts[0], call.model, logprobs=call.params.logprobs)
             try:
                 async for delta in deltas:
                     for chunk in chunks.on_delta(delta):
@@ -192,14 +192,14 @@ def _prepare(
 
 
 #: A stream's chunk: LiteLLM's generic one, or its own type where the generic one has no field
-#: (thinking, as ``delta.reasoning_content``).
+#: (thinking, as ``delta.reasoning_content``; logprobs).
 _Chunk = Union[GenericStreamingChunk, ModelResponseStream]
 
 
 def _stream_sync(call: LiteLLMCall) -> Iterator[_Chunk]:
     with _litellm_errors(call.model):
         deltas = call.engine.stream_sync(call.prompt_texts[0], call.params, request_id=f"{call.request_id}-0")
-        chunks = _ChunkWriter(call.prompts[0], call.model)
+        chunks = _ChunkWriter(call.prompts[0], call.model, logprobs=call.params.logprobs)
         try:
             for delta in deltas:
                 yield from chunks.on_delta(delta)
@@ -267,22 +267,28 @@ def _logprobs(logprobs: Optional[list[TokenLogprob]]) -> Optional[ChoiceLogprobs
 
 
 class _ChunkWriter:
-    """One stream's deltas to LiteLLM ``GenericStreamingChunk`` dicts (thinking: LiteLLM's
-    own ``ModelResponseStream``), through the chat layer's events. Malformed calls come out as
-    text just before the final chunk, as in a whole response."""
+    """One stream's deltas to LiteLLM ``GenericStreamingChunk`` dicts (thinking, and text where
+    logprobs are asked: LiteLLM's own ``ModelResponseStream``), through the chat layer's events.
+    Malformed calls come out as text just before the final chunk, as in a whole response.
+    ``logprobs``: each chunk of text or thinking carries the logprobs of the tokens taken since
+    the chunk before (the rest, of tokens whose text no chunk carried, go on an empty one
+    before the last), so a stream's logprobs, joined, are the whole response's."""
 
-    def __init__(self, prepared: PreparedPrompt, model: str) -> None:
+    def __init__(self, prepared: PreparedPrompt, model: str, logprobs: bool = False) -> None:
         self._reader = ChatStreamReader(prepared)
         self._model = model
         self._sent_text = False
         self._invalid: list[InvalidToolCall] = []
-        self._thinking_id: Optional[str] = None  # (LiteLLM's own chunks: one id, the stream's)
+        self._own_id: Optional[str] = None  # (LiteLLM's own chunks: one id, the stream's)
+        self._logprobs: Optional[list[TokenLogprob]] = [] if logprobs else None  # (not yet sent)
 
     def on_delta(self, delta: Delta) -> list[_Chunk]:
         chunks: list[_Chunk] = []
+        if self._logprobs is not None:
+            self._logprobs += delta.logprobs or []
         for event in self._reader.on_delta(delta):
             if isinstance(event, ReasoningEvent):
-                chunks.append(self._thinking(event.text))
+                chunks.append(self._own(reasoning_content=event.text))
             elif isinstance(event, ContentEvent):
                 chunks.append(self._text(event.text))
             elif isinstance(event, ToolCallEvent):
@@ -291,21 +297,26 @@ class _ChunkWriter:
                 self._invalid.append(event.call)
             elif isinstance(event, FinalEvent):
                 chunks += [self._text(("\n" if self._sent_text else "") + c.raw) for c in self._invalid]
+                if self._logprobs:
+                    chunks.append(self._own(content=""))
                 usage = None if event.usage is None else usage_dict(event.usage)
                 chunks.append(_chunk(is_finished=True, finish_reason=event.finish_reason or "stop", usage=usage))
         return chunks
 
-    def _text(self, text: str) -> GenericStreamingChunk:
+    def _text(self, text: str) -> _Chunk:
         self._sent_text = True
-        return _chunk(text=text)
+        return self._own(content=text) if self._logprobs is not None else _chunk(text=text)
 
-    def _thinking(self, text: str) -> ModelResponseStream:
-        """LiteLLM's own chunk type: its generic chunk has no field for thinking, and it
-        passes a provider's ``ModelResponseStream`` through as is."""
-        first = self._thinking_id is None
-        delta = LiteLLMDelta(reasoning_content=text, role="assistant") if first else LiteLLMDelta(reasoning_content=text)
-        chunk = ModelResponseStream(choices=[StreamingChoices(index=0, delta=delta)], model=self._model, id=self._thinking_id)
-        self._thinking_id = chunk.id
+    def _own(self, **fields: str) -> ModelResponseStream:
+        """LiteLLM's own chunk type (its generic chunk has no field for thinking or logprobs;
+        it passes a provider's ``ModelResponseStream`` through as is), with the logprobs not
+        yet sent."""
+        if self._own_id is None:
+            fields["role"] = "assistant"
+        logprobs, self._logprobs = (self._logprobs, []) if self._logprobs else (None, self._logprobs)
+        choice = StreamingChoices(index=0, delta=LiteLLMDelta(**fields), logprobs=_logprobs(logprobs) if logprobs else None)
+        chunk = ModelResponseStream(choices=[choice], model=self._model, id=self._own_id)
+        self._own_id = chunk.id
         return chunk
 
 

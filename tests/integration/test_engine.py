@@ -287,10 +287,10 @@ def test_fault_in_one_request_fails_only_it(make_engine, monkeypatch) -> None:
     from mlx_parallm_provider.engine import core as worker_module
 
     class Exploding(worker_module.TextStream):
-        def add_token(self, token_id, **kwargs):
+        def add_token(self, token_id):
             if "BOOM" in self.matcher.stops:
                 raise ValueError("detokenizer bug")
-            return super().add_token(token_id, **kwargs)
+            return super().add_token(token_id)
 
     monkeypatch.setattr(worker_module, "TextStream", Exploding)
     engine = make_engine()

@@ -315,6 +315,29 @@ def test_streamed_chunks_join_to_the_non_streamed_text(model: str) -> None:
         assert (usage.prompt_tokens, usage.completion_tokens) == (whole.usage.prompt_tokens, whole.usage.completion_tokens)
 
 
+def test_streamed_logprobs_join_to_the_whole_responses(model: str) -> None:
+    kw: dict[str, Any] = {"model": model, "messages": ask(6), "max_tokens": 16, "logprobs": True, "top_logprobs": 2}
+    whole = litellm.completion(**kw)
+    sync_chunks = list(litellm.completion(**kw, stream=True))
+
+    async def consume() -> list[Any]:
+        return [chunk async for chunk in await litellm.acompletion(**kw, stream=True)]
+
+    def read(logprobs: Any) -> list[tuple[str, float, list[str]]]:
+        return [(lp.token, lp.logprob, [t.token for t in lp.top_logprobs]) for lp in logprobs.content]
+
+    want = read(whole.choices[0].logprobs)
+    assert len(want) == whole.usage.completion_tokens - (whole.choices[0].finish_reason == "stop")
+    for chunks in (sync_chunks, asyncio.run(consume())):
+        carried = [c for c in chunks if c.choices and c.choices[0].logprobs]
+        got = [x for c in carried for x in read(c.choices[0].logprobs)]
+        assert len(carried) > 1 and [(t, top) for t, _, top in got] == [(t, top) for t, _, top in want]
+        # (a later call's prompt comes from the prefix cache: a prefill of other shapes, other rounding)
+        assert [v for _, v, _ in got] == pytest.approx([v for _, v, _ in want], abs=1e-4)
+        assert joined(chunks) == content(whole) and finish_reasons(chunks) == [whole.choices[0].finish_reason]
+        assert len({c.id for c in chunks}) == 1
+
+
 def test_a_router_continues_a_stream_cut_midway_on_another_deployment(model: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """LiteLLM's Router, with mid-stream continuation on, resends a stream that broke after
     some text to a fallback with that text as a ``prefix: True`` assistant message; the

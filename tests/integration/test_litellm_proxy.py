@@ -320,6 +320,40 @@ def test_openai_client_vllm_token_controls_through_the_proxy(proxy: Proxy, tiny_
     assert bad.status_code == 400 and "min_tokens" in bad.text
 
 
+def test_openai_client_streams_logprobs_through_the_proxy(proxy: Proxy) -> None:
+    """A stream's chunks carry the logprobs of their tokens: joined, the whole answer's."""
+    kw: dict[str, Any] = {"model": ALIAS, "messages": QUESTION, "max_tokens": 10, "logprobs": True, "top_logprobs": 2,
+                          "extra_body": {"ignore_eos": True}}
+    with httpx.Client(timeout=120, trust_env=False) as http:
+        client = _openai(proxy, http)
+        whole = client.chat.completions.create(**kw)
+        chunks = list(client.chat.completions.create(**kw, stream=True))
+    streamed = [lp for c in chunks if c.choices and c.choices[0].logprobs for lp in c.choices[0].logprobs.content or []]
+    assert [lp.token for lp in streamed] == [lp.token for lp in whole.choices[0].logprobs.content] and len(streamed) == 10
+    assert all(len(lp.top_logprobs) == 2 for lp in streamed)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
+
+
+def test_reasoning_effort_and_thinking_through_the_proxy(proxy: Proxy) -> None:
+    """OpenAI's ``reasoning_effort``, the Responses API's ``reasoning`` and Anthropic's
+    ``thinking`` (which LiteLLM's bridges turn into ``reasoning_effort``) are answered (the
+    example config lets ``reasoning_effort`` through LiteLLM); a bad level is a 400."""
+    import anthropic
+
+    with httpx.Client(timeout=120, trust_env=False) as http:
+        client = _openai(proxy, http)
+        chat = client.chat.completions.create(model=ALIAS, messages=QUESTION, max_tokens=4, reasoning_effort="none")
+        response = client.responses.create(model=ALIAS, input=QUESTION[0]["content"], max_output_tokens=4, reasoning={"effort": "low"})
+        bad = http.post(f"{proxy.base_url}/v1/chat/completions", headers={"Authorization": f"Bearer {proxy.key}"},
+                        json={"model": ALIAS, "messages": QUESTION, "max_tokens": 4, "reasoning_effort": "max"})
+    with anthropic.DefaultHttpxClient(timeout=120, trust_env=False) as http:
+        claude = anthropic.Anthropic(base_url=proxy.base_url, api_key=proxy.key, max_retries=0, http_client=http)
+        thought = claude.messages.create(model=ALIAS, messages=QUESTION, max_tokens=8, thinking={"type": "enabled", "budget_tokens": 1024},
+                                         stop_sequences=["."])
+    assert chat.usage.completion_tokens > 0 and response.usage.output_tokens > 0 and thought.usage.output_tokens > 0
+    assert bad.status_code == 400 and "reasoning_effort: must be one of" in bad.text, bad.text  # (ours: it reached the provider)
+
+
 @pytest.mark.slow
 def test_abandoned_non_streaming_requests_free_their_rows(proxy: Proxy) -> None:
     """Issue 8 #5: clients that hang up must not leave their rows decoding."""

@@ -78,7 +78,7 @@ THINKING_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n"
     "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}"
-    "{% if persona %}({{ persona.name }}){% endif %}{% endif %}"
+    "{% if persona %}({{ persona.name }}){% endif %}{% if reasoning_effort is defined %}[{{ reasoning_effort }}]{% endif %}{% endif %}"
 )
 
 
@@ -151,3 +151,35 @@ def test_bad_token_controls_are_refused_by_both_doors(engine: FakeEngine, bad: d
         litellm.completion(model="mlx-parallm/fake", messages=MESSAGES, extra_body=bad)
     with pytest.raises(ValueError, match=match):
         ChatMLXParallm(model="fake").invoke(LC_MESSAGES, **bad)
+
+
+@pytest.mark.parametrize("asked,ending", [
+    ({"reasoning_effort": "none"}, "assistant\n<think>\n\n</think>\n\n[none]"),
+    ({"reasoning_effort": "minimal"}, "assistant\n<think>\n\n</think>\n\n[minimal]"),
+    ({"reasoning_effort": "high"}, "assistant\n[high]"),
+    ({"reasoning_effort": {"effort": "low", "summary": "auto"}}, "assistant\n[low]"),  # (LiteLLM's Responses bridge)
+    ({"thinking": {"type": "disabled"}}, "assistant\n<think>\n\n</think>\n\n"),
+    ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "assistant\n"),
+    ({"reasoning_effort": "none", "chat_template_kwargs": {"enable_thinking": True}}, "assistant\n[none]"),  # (the variable set wins)
+])
+def test_reasoning_effort_and_thinking_switch_the_templates_thinking_through_both_doors(
+        thinking_engine: FakeEngine, asked: dict[str, Any], ending: str) -> None:
+    # (LiteLLM passes a custom provider reasoning_effort in extra_body, or where allowed_openai_params names it)
+    a, b = both_prompts(thinking_engine, {"extra_body": asked}, ChatMLXParallm(model="fake").bind(**asked))
+    assert a == b and a.endswith(ending), a
+    if "thinking" not in asked:
+        litellm.completion(model="mlx-parallm/fake", messages=MESSAGES, allowed_openai_params=["reasoning_effort"], **asked)
+        assert thinking_engine.last.prompt == a
+
+
+@pytest.mark.parametrize("asked,match", [
+    ({"reasoning_effort": "max"}, "reasoning_effort"),
+    ({"reasoning_effort": {"summary": "auto"}}, "reasoning_effort"),
+    ({"thinking": "on"}, "thinking"),
+    ({"thinking": {"type": "maybe"}}, "thinking"),
+])
+def test_bad_reasoning_effort_or_thinking_is_refused_by_both_doors(thinking_engine: FakeEngine, asked: dict[str, Any], match: str) -> None:
+    with pytest.raises(litellm.BadRequestError, match=match):
+        litellm.completion(model="mlx-parallm/fake", messages=MESSAGES, extra_body=asked)
+    with pytest.raises(ValueError, match=match):
+        ChatMLXParallm(model="fake").invoke(LC_MESSAGES, **asked)

@@ -404,9 +404,9 @@ def test_streaming_several_choices_is_unsupported_unless_dropped(engine: FakeEng
     assert len(engine.calls) == 1
 
 
-def test_streaming_logprobs_is_unsupported(engine: FakeEngine) -> None:
-    with pytest.raises(litellm.BadRequestError, match="logprobs"):
-        litellm.completion(model=MODEL, messages=HI, stream=True, logprobs=True)
+def test_streaming_with_logprobs_streams_the_same_text(engine: FakeEngine) -> None:
+    chunks = list(litellm.completion(model=MODEL, messages=HI, stream=True, logprobs=True, top_logprobs=2))
+    assert joined(chunks) == ANSWER and engine.last.params.logprobs and engine.last.params.top_logprobs == 2
 
 
 # --------------------------------------------------------------------------- errors

@@ -44,7 +44,7 @@ def test_drafts_copy_what_followed_the_same_words_before() -> None:
 class _Row:
     def __init__(self, draft: list[int]) -> None:
         self.draft = draft
-        self.state = type("State", (), {"sampler": type("S", (), {"greedy": True, "processes": False, "matcher": None})()})()
+        self.state = type("State", (), {"sampler": type("S", (), {"greedy": True, "processes": False, "matcher": None, "bans": None})()})()
         self.params = type("P", (), {"logprobs": False, "top_logprobs": 0})()
 
 

@@ -30,7 +30,7 @@ from .fields import EngineFields, engine_for
 from .messages import ChunkWriter, ai_message
 
 _CHAT_CALL_KWARGS = frozenset(("tools", "tool_choice", "parallel_tool_calls", "response_format", "continue_final_message", "structured_outputs",
-                                "chat_template_kwargs"))
+                                "chat_template_kwargs", "reasoning_effort", "thinking"))
 
 
 @dataclass(frozen=True)
@@ -152,6 +152,8 @@ class ChatMLXParallm(EngineFields, BatchesFromOneThread, BaseChatModel):
             continue_final_message=extra.get("continue_final_message", False),
             structured_outputs=extra.get("structured_outputs"),
             chat_template_kwargs=extra.get("chat_template_kwargs"),
+            reasoning_effort=extra.get("reasoning_effort"),
+            thinking=extra.get("thinking"),
         )
         if prepared.constraint is not None:  # JSON output, a forced tool call, structured_outputs
             params = dataclasses.replace(params, constraint=prepared.constraint)
