@@ -12,6 +12,8 @@ import pytest
 from mlx_parallm_provider.engine.token_bans import MAX_BAD_WORD_TOKENS, TokenBans, bad_word_ids, banned, held_open
 from mlx_parallm_provider.errors import InvalidParameterError
 
+pytestmark = pytest.mark.gpu
+
 VOCAB = 64
 
 
