@@ -95,13 +95,14 @@ grep -E '^- engine \(.*attention: ' "$OUT/sweep.md" | sort -u | tee -a "$OUT/sum
 # a module that cannot be imported there (a package the image lacks) skips itself alone; LangSmith's
 # pytest plugin (installed with langchain-core) is left out: no test needs it, and it imports xxhash.
 # $TEST_WORKERS processes (default half the cores, 2 to 8: 8 on the device's 16) share the GPU
-# where pytest-xdist is there (the image has it): the tests' tiny models leave it idle between
-# launches, each worker compiles MLX's kernels for itself, and the suite must end within its limit
+# where pytest-xdist and its execnet are there (the image has the one, gpu_pack.sh carries the
+# other): the tests' tiny models leave it idle between launches, each worker compiles MLX's
+# kernels for itself, and the suite must end within its limit
 CORES=$(nproc 2>/dev/null || echo 4); HALF=$((CORES / 2)); [ $HALF -ge 2 ] || HALF=2; [ $HALF -le 8 ] || HALF=8
-WORKERS=$("$PY" -c "import xdist" 2>/dev/null && echo "-n ${TEST_WORKERS:-$HALF}")
+WORKERS=$("$PY" -c "import xdist, execnet" 2>/dev/null && echo "-n ${TEST_WORKERS:-$HALF}")
 T=$SECONDS; MLX_ENABLE_TF32=0 NVIDIA_TF32_OVERRIDE=0 timeout "$(limit 150 5)" "$PY" -m pytest $WORKERS -m gpu -v -p no:cacheprovider -p no:langsmith_plugin --continue-on-collection-errors \
   --tokenizer-dir "$TOK" -o addopts="-rfE" tests/integration tests/unit/test_batched_draws.py tests/unit/test_penalties.py tests/unit/test_verify_penalties.py \
-  tests/unit/test_kv_storage_writes.py > "$OUT/tests.txt" 2>&1
+  tests/unit/test_kv_storage_writes.py tests/unit/test_token_bans.py > "$OUT/tests.txt" 2>&1
 summary "pytest -m gpu ${WORKERS:-(one process)} rc=$? in $((SECONDS - T)) s: $(tail -1 "$OUT/tests.txt"); $(grep -c ' PASSED' "$OUT/tests.txt") passed, $(grep -c ' FAILED' "$OUT/tests.txt") failed"
 # Where the engine's time goes, with the time left only: py-spy over the engine serving
 # $PROFILE_LEVEL (64) concurrent requests, every thread, its waits on the GPU included

@@ -26,7 +26,7 @@ done
 "$PY" -m pip freeze --exclude-editable | grep -v ' @ ' > "$OUT/constraints.txt"
 MLX=$("$PY" -c "import importlib.metadata as m; print(m.version('mlx'))")
 "$PY" -m pip download -q "${PLATFORM[@]}" -c "$OUT/constraints.txt" -d "$OUT/wheels" \
-  "mlx==$MLX" mlx-lm litellm langchain-core llguidance gguf
+  "mlx==$MLX" mlx-lm litellm langchain-core llguidance gguf pytest-xdist hypothesis  # (the last two: their dependencies)
 "$PY" -m pip download -q --no-deps "${PLATFORM[@]}" -d "$OUT/cuda" "$BACKEND==$MLX"
 "$PY" -m pip download -q --no-deps "${PLATFORM[@]}" -c "$OUT/constraints.txt" -d "$OUT/part2" py-spy
 
