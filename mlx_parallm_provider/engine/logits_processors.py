@@ -34,7 +34,6 @@ class Penalties(NamedTuple):
     frequency: float = 0.0
 
 
-
 def processed(logits: mx.array, samplers: Sequence["RowSampler"], contexts: Sequence[Optional[History]],
               pending: Optional[mx.array] = None, produced: Optional[Sequence[int]] = None, hold: bool = True) -> mx.array:
     """The rows' logits ``(B, vocab)`` through their logits processors, as mlx-lm's give each
@@ -48,14 +47,16 @@ def processed(logits: mx.array, samplers: Sequence["RowSampler"], contexts: Sequ
         logits = _biased(logits, samplers)
     if any(s.penalties for s in samplers):
         logits = _penalised(logits, [s.penalties for s in samplers], contexts, pending)
-    if any(s.bans for s in samplers):
+    bans = [s.bans for s in samplers]
+    if any(bans):
         counts = output_lengths(produced)
-        if pending is not None and any(s.bans and s.bans.needs_output for s in samplers):
+        needs_output = [b is not None and b.needs_output for b in bans]
+        if pending is not None and any(needs_output):
             raise ValueError("a row whose bad words follow its output cannot be drawn ahead of its last token")
-        tails = [_output_tail(contexts[i], n) if s.bans and s.bans.needs_output else [] for i, (s, n) in enumerate(zip(samplers, counts))]
-        logits = banned(logits, [s.bans for s in samplers], tails)
+        tails = [_output_tail(context, n) if needs else [] for context, n, needs in zip(contexts, counts, needs_output)]
+        logits = banned(logits, bans, tails)
         if hold:
-            logits = held_open(logits, [s.bans for s in samplers], counts)
+            logits = held_open(logits, bans, counts)
     return logits
 
 

@@ -119,7 +119,7 @@ def banned(logits: mx.array, bans: Sequence[Optional[TokenBans]], tails: Sequenc
         logits = mx.where(mx.stack(masks), logits, mx.array(-float("inf"), dtype=logits.dtype))
     words = [b.words_ending(t) if b is not None else [] for b, t in zip(bans, tails)]
     if any(words):
-        _check_width(words, logits.shape[-1])
+        _check_width(words, vocab)
         logits = _scatter(logits, words)
     return logits
 

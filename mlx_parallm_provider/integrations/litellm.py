@@ -313,8 +313,10 @@ class _ChunkWriter:
         yet sent."""
         if self._own_id is None:
             fields["role"] = "assistant"
-        logprobs, self._logprobs = (self._logprobs, []) if self._logprobs else (None, self._logprobs)
-        choice = StreamingChoices(index=0, delta=LiteLLMDelta(**fields), logprobs=_logprobs(logprobs) if logprobs else None)
+        sent = self._logprobs
+        if sent:
+            self._logprobs = []
+        choice = StreamingChoices(index=0, delta=LiteLLMDelta(**fields), logprobs=_logprobs(sent) if sent else None)
         chunk = ModelResponseStream(choices=[choice], model=self._model, id=self._own_id)
         self._own_id = chunk.id
         return chunk
