@@ -9,7 +9,7 @@ pieces into the same answer, event by event. Both honour what the prompt asked f
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 from ..engine.request import Completion, Delta, TokenLogprob, Usage
@@ -84,11 +84,10 @@ class InvalidToolCallEvent:
 
 @dataclass(frozen=True)
 class FinalEvent:
-    """The end of the answer: why it stopped, its usage and every logprob asked for."""
+    """The end of the answer: why it stopped, and its usage."""
 
     finish_reason: str
     usage: Optional[Usage]
-    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 ChatEvent = Union[ReasoningEvent, ContentEvent, ToolCallEvent, InvalidToolCallEvent, FinalEvent]
@@ -104,11 +103,9 @@ class ChatStreamReader:
         self._single_call = not prepared.parallel_tool_calls
         self._valid = 0
         self._positions = 0
-        self._logprobs: list[TokenLogprob] = []
 
     def on_delta(self, delta: Delta) -> list[ChatEvent]:
         """The events one delta completes."""
-        self._logprobs += delta.logprobs or []
         events: list[ChatEvent] = []
         text = delta.text
         if self._thinking is not None:
@@ -121,7 +118,7 @@ class ChatStreamReader:
         events += [event for item in parsed for event in self._events(item)]
         if delta.finish_reason is not None:
             reason = "tool_calls" if self._valid else delta.finish_reason
-            events.append(FinalEvent(reason, delta.usage, list(self._logprobs)))
+            events.append(FinalEvent(reason, delta.usage))
         return events
 
     def _events(self, item: Union[str, ToolCall, InvalidToolCall]) -> list[ChatEvent]:

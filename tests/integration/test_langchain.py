@@ -642,7 +642,8 @@ class ChunkRecorder(BaseCallbackHandler):
 
 def test_streams_keep_the_logprobs_of_tokens_whose_text_is_held_back(replying: Any, tiny_model: Any) -> None:
     """A character split across tokens still gives one logprob per token in a stream
-    (issue 22 item 2): the chat model's last chunk, and the LLM's chunks together."""
+    (issue 22 item 2): the chat model's chunks summed (and through ``streaming=True``), and the
+    LLM's chunks together."""
     text = "Café 😀 中文字 ok"
     replying(text)
     count = len(tiny_model.tokenizer.encode(text, add_special_tokens=False))
@@ -651,12 +652,34 @@ def test_streams_keep_the_logprobs_of_tokens_whose_text_is_held_back(replying: A
     merged = sum(chat.stream("hi"), AIMessageChunk(content=""))
     assert merged.content == text and len(whole) == count
     assert merged.response_metadata["logprobs"]["content"] == whole
+    streaming = ChatMLXParallm(model="replying", max_tokens=32, logprobs=True, streaming=True)
+    assert streaming.invoke("hi").response_metadata["logprobs"]["content"] == whole
     llm = MLXParallmLLM(model="replying", max_tokens=32, logprobs=True)
     whole = llm.generate(["Say something."]).generations[0][0].generation_info["logprobs"]["content"]
     recorder = ChunkRecorder()
     assert "".join(llm.stream("Say something else.", config={"callbacks": [recorder]})) == text
     streamed = [lp for c in recorder.chunks for lp in (c.generation_info or {}).get("logprobs", {}).get("content", [])]
     assert streamed == whole and len(whole) == count
+
+
+def test_chat_stream_chunks_carry_their_own_tokens_logprobs(replying: Any, tiny_model: Any) -> None:
+    """As ChatOpenAI streams them: each text chunk has the logprobs of the tokens taken since
+    the chunk before (in ``response_metadata`` and to the callbacks), not all on the last."""
+    text = "one two three four five six seven"
+    replying(text)
+    chat = ChatMLXParallm(model="replying", max_tokens=32, logprobs=True, top_logprobs=2)
+    whole = chat.invoke("hi").response_metadata["logprobs"]["content"]
+    recorder = ChunkRecorder()
+    chunks = list(chat.stream("hi", config={"callbacks": [recorder]}))
+    texts = [c for c in chunks if c.content]
+    assert len(texts) > 1 and "".join(c.content for c in texts) == text
+    for chunk in texts:
+        tokens = "".join(lp["token"] for lp in chunk.response_metadata["logprobs"]["content"])
+        assert tokens == chunk.content  # (plain ASCII: every token's text is its chunk's)
+    assert [lp for c in chunks for lp in c.response_metadata.get("logprobs", {}).get("content", [])] == whole
+    assert all(len(lp["top_logprobs"]) == 2 for lp in whole)
+    handed = [lp for c in recorder.chunks for lp in (c.generation_info or {}).get("logprobs", {}).get("content", [])]
+    assert handed == whole
 
 
 def test_tool_choice_required_adds_its_instruction(replying: Any) -> None:

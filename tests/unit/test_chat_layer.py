@@ -101,7 +101,7 @@ def test_a_stream_reads_into_the_same_answer_as_the_whole_text(parallel: bool) -
         assert [e.index for e in calls] == list(range(len(calls)))
         positions = [e.position for e in events if isinstance(e, (ToolCallEvent, InvalidToolCallEvent))]
         assert positions == list(range(len(positions)))
-        assert events[-1] == FinalEvent("tool_calls", Usage(1, 2), [])
+        assert events[-1] == FinalEvent("tool_calls", Usage(1, 2))
 
 
 # --------------------------------------------------------------------------- issue 21 items 10 and 12

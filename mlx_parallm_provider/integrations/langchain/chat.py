@@ -129,7 +129,7 @@ class ChatMLXParallm(EngineFields, BatchesFromOneThread, BaseChatModel):
             async for delta in deltas:
                 for chunk in writer.on_delta(delta):
                     if run_manager:
-                        await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+                        await run_manager.on_llm_new_token(chunk.text, chunk=chunk, logprobs=_chunk_logprobs(chunk))
                     yield chunk
         finally:
             await deltas.aclose()
@@ -294,8 +294,13 @@ def _emit(writer: ChunkWriter, deltas: Iterable[Delta], run_manager: Optional[Ca
         for chunk in writer.on_delta(delta):
             # LangChain passes a run manager only where it does not report tokens itself.
             if run_manager:
-                run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+                run_manager.on_llm_new_token(chunk.text, chunk=chunk, logprobs=_chunk_logprobs(chunk))
             yield chunk
+
+
+def _chunk_logprobs(chunk: ChatGenerationChunk) -> Optional[dict[str, Any]]:
+    # ChatOpenAI hands each chunk's logprobs to the callbacks too.
+    return (chunk.generation_info or {}).get("logprobs")
 
 
 def _as_delta(completion: Completion) -> Delta:

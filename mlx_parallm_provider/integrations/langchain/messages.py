@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from langchain_core.messages import AIMessage, AIMessageChunk
 from langchain_core.messages.tool import invalid_tool_call, tool_call, tool_call_chunk
 from langchain_core.outputs import ChatGenerationChunk
 
 from ...chat import ChatOutput, ChatStreamReader, ContentEvent, FinalEvent, InvalidToolCall, InvalidToolCallEvent, PreparedPrompt, ReasoningEvent, ToolCallEvent
-from ...engine import Delta
+from ...engine import Delta, TokenLogprob
 from .fields import logprobs_dict, usage_metadata
 
 
@@ -45,35 +45,47 @@ class ChunkWriter:
     text as content chunks, each completed tool call as one ``tool_call_chunks``
     entry (malformed calls with their raw text as ``args``, which merges into
     ``invalid_tool_calls``), and the last chunk carries ``usage_metadata``,
-    ``finish_reason`` and ``model_name`` (and every logprob, if asked for).
+    ``finish_reason`` and ``model_name``.
+
+    Logprobs, if asked for, ride as ``ChatOpenAI`` streams them: each chunk of thinking or
+    text has ``generation_info["logprobs"]`` (LangChain moves it to ``response_metadata``)
+    for the tokens taken since the chunk before; those of tokens whose text no chunk
+    carried go on the last, so the chunks, summed, hold every token's logprob in order.
     """
 
     def __init__(self, prepared: PreparedPrompt, model: str) -> None:
         self._reader = ChatStreamReader(prepared)
         self._model = model
+        self._logprobs: list[TokenLogprob] = []  # (not yet sent)
 
     def on_delta(self, delta: Delta) -> list[ChatGenerationChunk]:
         """The chunks one delta completes; the last delta also gives the final chunk."""
         chunks = []
+        self._logprobs += delta.logprobs or []
         for event in self._reader.on_delta(delta):
+            carries_logprobs = True
             if isinstance(event, ReasoningEvent):
                 message = AIMessageChunk(content="", additional_kwargs={"reasoning_content": event.text})
             elif isinstance(event, ContentEvent):
                 message = AIMessageChunk(content=event.text)
             elif isinstance(event, ToolCallEvent):
                 call = event.call
-                message = _call_chunk(call.name, call.arguments, call.id, event.position)
+                message, carries_logprobs = _call_chunk(call.name, call.arguments, call.id, event.position), False
             elif isinstance(event, InvalidToolCallEvent):
-                message = _call_chunk(event.call.name, event.call.raw, event.call.id, event.position)
+                message, carries_logprobs = _call_chunk(event.call.name, event.call.raw, event.call.id, event.position), False
             else:
                 message = self._final(event)
-            chunks.append(ChatGenerationChunk(message=message))
+            chunks.append(ChatGenerationChunk(message=message, generation_info=self._unsent() if carries_logprobs else None))
         return chunks
+
+    def _unsent(self) -> Optional[dict[str, Any]]:
+        if not self._logprobs:
+            return None
+        sent, self._logprobs = self._logprobs, []
+        return {"logprobs": logprobs_dict(sent)}
 
     def _final(self, event: FinalEvent) -> AIMessageChunk:
         metadata: dict[str, Any] = {"finish_reason": event.finish_reason, "model_name": self._model}
-        if event.logprobs:
-            metadata["logprobs"] = logprobs_dict(event.logprobs)
         return AIMessageChunk(
             content="",
             usage_metadata=usage_metadata(event.usage) if event.usage is not None else None,
