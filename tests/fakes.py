@@ -251,13 +251,19 @@ class FakeEngine:
                 time.sleep(self.delay)
             return [r if isinstance(r, BaseException) else self._complete(*r) for r in recorded]
 
-    async def embed(self, inputs, *, pooling="mean", dimensions=None, timeout=None, request_id=None) -> EmbeddingResult:
-        return self.embed_sync(inputs, pooling=pooling, dimensions=dimensions, timeout=timeout, request_id=request_id)
+    async def embed(self, inputs, *, pooling="mean", dimensions=None, timeout=None, request_id=None,
+                    truncate_prompt_tokens=None) -> EmbeddingResult:
+        return self.embed_sync(inputs, pooling=pooling, dimensions=dimensions, timeout=timeout, request_id=request_id,
+                               truncate_prompt_tokens=truncate_prompt_tokens)
 
-    def embed_sync(self, inputs, *, pooling="mean", dimensions=None, timeout=None, request_id=None) -> EmbeddingResult:
-        """One-hot-ish unit vectors of 4 components (characters are tokens); ``error`` raises."""
+    def embed_sync(self, inputs, *, pooling="mean", dimensions=None, timeout=None, request_id=None,
+                   truncate_prompt_tokens=None) -> EmbeddingResult:
+        """One-hot-ish unit vectors of 4 components (characters are tokens, the last
+        ``truncate_prompt_tokens`` of them kept); ``error`` raises."""
         if self.error is not None:
             raise self.error
+        if truncate_prompt_tokens:
+            inputs = [x[-truncate_prompt_tokens:] for x in inputs]
         self.embedded.append(list(inputs))
         vectors = [[1.0, 0.0, 0.0, 0.0][: dimensions or 4] if len(x) % 2 else [0.0, 1.0, 0.0, 0.0][: dimensions or 4] for x in inputs]
         return EmbeddingResult(request_id or f"fake-emb-{next(self._ids)}", vectors, Usage(prompt_tokens=sum(map(len, inputs))), pooling)

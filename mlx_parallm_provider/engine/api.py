@@ -312,7 +312,7 @@ class Engine(EmbedMethods, SleepMethods, LoRAMethods):
             params = SamplingParams()
         elif not isinstance(params, SamplingParams):
             raise InvalidParameterError("params", f"must be a SamplingParams, got {type(params).__name__}")
-        ids = self._prompts.encode_within_context(prompt, params.max_tokens)
+        ids = self._prompts.encode_within_context(prompt, params.max_tokens, params.truncate_prompt_tokens)
         if not ids:
             raise InvalidParameterError("prompt", "is empty")
         if self.vocab_size:

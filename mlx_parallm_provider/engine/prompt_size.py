@@ -84,6 +84,16 @@ def _shrink(config: Any) -> Optional[int]:
     return None
 
 
+def kept_last(ids: list[int], keep: int, bos_id: Optional[int]) -> list[int]:
+    """``ids`` cut to their last ``keep`` (vLLM's ``truncate_prompt_tokens``), a leading
+    ``bos_id`` kept first as a tokenizer truncating from the left keeps its special tokens."""
+    if len(ids) <= keep:
+        return list(ids)
+    if bos_id is not None and ids[0] == bos_id and keep > 1:
+        return [bos_id, *ids[len(ids) - keep + 1:]]
+    return list(ids[len(ids) - keep:])
+
+
 class TokenIds(list):
     """Token ids the engine's own tokenizer produced: submitted without checking each id."""
 
@@ -103,15 +113,22 @@ class PromptEncoder:
         self._encode = encode
         self.context_length = context_length
         self.chars_per_token = max_chars_per_token(tokenizer)
+        self._bos_id: Optional[int] = getattr(tokenizer, "bos_token_id", None)
 
     def far_over(self, text: str, max_tokens: int) -> bool:
         """``text`` has more characters than the room left for the prompt could hold."""
         room = max(0, self.context_length - max_tokens)
         return self.chars_per_token is not None and len(text) > room * self.chars_per_token
 
-    def encode_within_context(self, prompt: Prompt, max_tokens: int) -> list[int]:
+    def encode_within_context(self, prompt: Prompt, max_tokens: int, truncate: Optional[int] = None) -> list[int]:
         """Token ids of ``prompt``; a prompt that cannot fit is refused from its length, or
-        from a prefix (:meth:`prefix_over`)."""
+        from a prefix (:meth:`prefix_over`). With ``truncate`` (``SamplingParams.
+        truncate_prompt_tokens``) nothing is refused here: the ids are cut to their last
+        that many (-1: as many as fit beside ``max_tokens``), a leading BOS kept first."""
+        if truncate is not None:
+            ids = prompt if isinstance(prompt, TokenIds) else self._encode(prompt)
+            keep = truncate if truncate > 0 else self.context_length - max_tokens
+            return kept_last(ids, max(1, keep), self._bos_id)
         if isinstance(prompt, TokenIds):
             return prompt
         if isinstance(prompt, RefusedText):
@@ -152,18 +169,17 @@ class PromptEncoder:
         """``jobs`` with each long text replaced by its :class:`TokenIds`, tokenized on a
         thread (once per prompt, whatever its ``n``). Texts refused from their length, and
         texts whose tokenization fails, stay text: submitting them raises their error."""
-        texts = {id(p): p for p, s in jobs
-                 if isinstance(p, str) and len(p) > INLINE_PROMPT_CHARS and not self.far_over(p, s.max_tokens)}
+        texts = {id(p): (p, s) for p, s in jobs if isinstance(p, str) and len(p) > INLINE_PROMPT_CHARS
+                 and (s.truncate_prompt_tokens is not None or not self.far_over(p, s.max_tokens))}
         if not texts:
             return jobs
 
-        max_tokens = {id(p): s.max_tokens for p, s in jobs}
-
         def encode_all() -> dict[int, Prompt]:
             done: dict[int, Prompt] = {}
-            for key, text in texts.items():
+            for key, (text, params) in texts.items():
                 try:
-                    self.prefix_over(text, max_tokens[key])
+                    if params.truncate_prompt_tokens is None:
+                        self.prefix_over(text, params.max_tokens)
                     done[key] = TokenIds(self._encode(text))
                 except ContextWindowExceededError as error:
                     refused = done[key] = RefusedText(text)

@@ -53,12 +53,12 @@ class EngineLike(Protocol):
 
     async def embed(
         self, inputs: Sequence[Any], *, pooling: str = "mean", dimensions: Optional[int] = None,
-        timeout: Optional[float] = None, request_id: Optional[str] = None,
+        timeout: Optional[float] = None, request_id: Optional[str] = None, truncate_prompt_tokens: Optional[int] = None,
     ) -> EmbeddingResult: ...
 
     def embed_sync(
         self, inputs: Sequence[Any], *, pooling: str = "mean", dimensions: Optional[int] = None,
-        timeout: Optional[float] = None, request_id: Optional[str] = None,
+        timeout: Optional[float] = None, request_id: Optional[str] = None, truncate_prompt_tokens: Optional[int] = None,
     ) -> EmbeddingResult: ...
 
     def stats(self) -> dict[str, Any]: ...

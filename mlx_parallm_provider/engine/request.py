@@ -67,6 +67,7 @@ class SamplingParams:
     allowed_token_ids: Optional[list[int]] = None
     bad_words: list[str] = field(default_factory=list)
     skip_special_tokens: bool = False
+    truncate_prompt_tokens: Optional[int] = None
 
     def __post_init__(self) -> None:
         self.stop = _string_list("stop", self.stop)
@@ -98,6 +99,7 @@ class SamplingParams:
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidParameterError(name, f"must be a bool, got {getattr(self, name)!r}")
+        check_truncate_prompt_tokens(self.truncate_prompt_tokens)
         if self.seed is not None:
             _check_int("seed", self.seed, minimum=0, maximum=MAX_SEED)
         if not isinstance(self.logprobs, bool):
@@ -135,6 +137,15 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         """True when the next token is always the arg-max (no randomness)."""
         return self.temperature == 0.0
+
+
+def check_truncate_prompt_tokens(value: object) -> None:
+    """Refuse a ``truncate_prompt_tokens`` that is not None, -1 or a positive integer."""
+    if value is None:
+        return
+    _check_int("truncate_prompt_tokens", value)
+    if value < 1 and value != -1:  # type: ignore[operator]
+        raise InvalidParameterError("truncate_prompt_tokens", f"must be >= 1, or -1 for as many as fit (None keeps the whole prompt), got {value}")
 
 
 @dataclass(slots=True)

@@ -7,7 +7,8 @@ What reaches the handler (litellm 1.110): LiteLLM itself refuses ``encoding_form
 unless ``drop_params`` drops them; parameters it does not know (``pooling``) and
 ``extra_body`` pass through. So ``encoding_format`` (``"float"`` or ``"base64"``: float32
 little-endian, as OpenAI sends) and ``dimensions`` are read from ``extra_body`` too, and
-``pooling`` (``"mean"`` or ``"last"``) as a top-level parameter or in ``extra_body``.
+``pooling`` (``"mean"`` or ``"last"``) and vLLM's ``truncate_prompt_tokens`` as top-level
+parameters or in ``extra_body``.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from ._litellm_params import _timeout_seconds, merged_params, refuse_unless_drop
 ENCODINGS = ("float", "base64")
 #: Keys LiteLLM or OpenAI clients add that mean nothing here: ignored.
 _IGNORED = frozenset(("user", "metadata", "extra_headers", "extra_query", "max_retries", "timeout", "request_timeout", "input_type"))
-_HANDLED = frozenset(("encoding_format", "dimensions", "pooling"))
+_HANDLED = frozenset(("encoding_format", "dimensions", "pooling", "truncate_prompt_tokens"))
 
 
 @dataclass(frozen=True)
@@ -43,10 +44,12 @@ class EmbeddingCall:
     dimensions: Optional[int]
     encoding_format: str
     timeout: Optional[float]
+    truncate_prompt_tokens: Optional[int] = None
 
     def options(self) -> dict[str, Any]:
         """The keyword arguments of ``engine.embed``."""
-        return {"pooling": self.pooling, "dimensions": self.dimensions, "timeout": self.timeout}
+        return {"pooling": self.pooling, "dimensions": self.dimensions, "timeout": self.timeout,
+                "truncate_prompt_tokens": self.truncate_prompt_tokens}
 
     def response(self, model_response: Optional[EmbeddingResponse], result: EmbeddingResult) -> EmbeddingResponse:
         """The LiteLLM response: one ``embedding`` object per input, in order, and usage."""
@@ -76,7 +79,7 @@ def prepare_embedding(model: str, input: Any, optional_params: Optional[Mapping[
 
     register_pricing(model_name, getattr(engine, "context_length", None))
     return EmbeddingCall(model_name, engine, _inputs(input), params.get("pooling", "mean"), params.get("dimensions"), encoding,
-                         _timeout_seconds(timeout))
+                         _timeout_seconds(timeout), params.get("truncate_prompt_tokens"))
 
 
 def _params(model: str, optional_params: Mapping[str, Any], litellm_params: Mapping[str, Any]) -> dict[str, Any]:

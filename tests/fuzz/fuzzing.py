@@ -90,6 +90,7 @@ PLAUSIBLE = {
     "allowed_token_ids": mostly(st.none() | st.lists(valid_token, min_size=1, max_size=5), st.sampled_from([[], [-1], [49152], [2**63]])),
     "bad_words": mostly(st.lists(st.text(min_size=1, max_size=6), max_size=3), st.sampled_from([[""], ["   "], [5], ["word " * 40]])),
     "skip_special_tokens": st.booleans(),
+    "truncate_prompt_tokens": mostly(st.none() | st.integers(1, 600) | st.just(-1), st.sampled_from([0, -2, 10**9])),
 }
 
 plausible_kwargs = st.sets(st.sampled_from(sorted(PLAUSIBLE)), max_size=5).flatmap(

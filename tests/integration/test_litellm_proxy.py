@@ -297,8 +297,8 @@ def test_openai_client_vllm_structured_outputs_through_the_proxy(proxy: Proxy) -
 
 
 def test_openai_client_vllm_token_controls_through_the_proxy(proxy: Proxy, tiny_model) -> None:
-    """vLLM's ``min_tokens``, ``allowed_token_ids``, ``bad_words`` and ``skip_special_tokens`` in
-    ``extra_body`` reach the engine; a bad one is a 400 naming the field."""
+    """vLLM's ``min_tokens``, ``allowed_token_ids``, ``bad_words``, ``skip_special_tokens`` and
+    ``truncate_prompt_tokens`` in ``extra_body`` reach the engine; a bad one is a 400 naming the field."""
     words = tiny_model.tokenizer.encode(" yes no", add_special_tokens=False)  # (the default model's vocabulary)
     with httpx.Client(timeout=120, trust_env=False) as http:
         client = _openai(proxy, http)
@@ -313,6 +313,9 @@ def test_openai_client_vllm_token_controls_through_the_proxy(proxy: Proxy, tiny_
                                             extra_body={"bad_words": [first], "skip_special_tokens": True})
         bad = http.post(f"{proxy.base_url}/v1/chat/completions", headers={"Authorization": f"Bearer {proxy.key}"},
                         json={"model": ALIAS, "messages": QUESTION, "max_tokens": 4, "min_tokens": 9})
+        truncated = client.completions.create(model=ALIAS, prompt="The capital of France is " * 50, max_tokens=2,
+                                              extra_body={"truncate_prompt_tokens": 8})
+    assert truncated.usage.prompt_tokens == 8
     assert ended.usage.completion_tokens == 1 and not ended.choices[0].message.content
     assert held.usage.completion_tokens == 6 and held.choices[0].finish_reason == "stop"  # 5 tokens, then the EOS
     assert allowed.usage.completion_tokens == 6 and set(allowed.choices[0].message.content.split()) <= {"yes", "no"}

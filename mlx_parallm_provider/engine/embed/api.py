@@ -14,7 +14,7 @@ from typing import Any, Optional, Union
 from ..._validation import check_number
 from ...errors import EngineOverloadedError, InvalidParameterError, UnsupportedModelError
 from ..prompt_size import INLINE_PROMPT_CHARS
-from ..request import ResultSink
+from ..request import ResultSink, check_truncate_prompt_tokens
 from ..sinks import LoopSink, ThreadSink
 from .forward import hidden_model
 from .request import EmbeddingResult, EmbedRequest, check_options, input_ids
@@ -28,7 +28,7 @@ class EmbedMethods:
 
     async def embed(
         self, inputs: EmbedInputs, *, pooling: str = "mean", dimensions: Optional[int] = None,
-        timeout: Optional[float] = None, request_id: Optional[str] = None,
+        timeout: Optional[float] = None, request_id: Optional[str] = None, truncate_prompt_tokens: Optional[int] = None,
     ) -> EmbeddingResult:
         """Embed ``inputs`` (texts, or lists of token ids): one L2-normalised vector each,
         in order, from the model's final hidden state (after its final norm), pooled over
@@ -36,40 +36,44 @@ class EmbedMethods:
         token's state, for decoder embedding models such as Qwen3-Embedding).
 
         ``dimensions`` keeps the first that many components of each pooled vector before
-        normalising (Matryoshka truncation). All inputs batch together, and with other
+        normalising (Matryoshka truncation). ``truncate_prompt_tokens`` (vLLM's) keeps only a
+        longer input's last that many tokens (-1: the model's context length; a leading BOS
+        stays first) instead of refusing it. All inputs batch together, and with other
         callers' inputs, in the engine's steps; nothing is decoded and no KV is kept.
         Invalid input raises :class:`InvalidParameterError` or
         :class:`ContextWindowExceededError`; cancelling the awaiting task cancels the call.
         """
         sink = LoopSink()
         if _total_chars(inputs) > INLINE_PROMPT_CHARS:  # tokenize long texts off the caller's loop
-            request = await asyncio.to_thread(self._submit_embedding, inputs, pooling, dimensions, timeout, request_id, sink)
+            request = await asyncio.to_thread(self._submit_embedding, inputs, pooling, dimensions, timeout, request_id, sink,
+                                              truncate_prompt_tokens)
         else:
-            request = self._submit_embedding(inputs, pooling, dimensions, timeout, request_id, sink)
+            request = self._submit_embedding(inputs, pooling, dimensions, timeout, request_id, sink, truncate_prompt_tokens)
         sink.request = request
         return await self._result(sink, request)  # type: ignore[attr-defined]
 
     def embed_sync(
         self, inputs: EmbedInputs, *, pooling: str = "mean", dimensions: Optional[int] = None,
-        timeout: Optional[float] = None, request_id: Optional[str] = None,
+        timeout: Optional[float] = None, request_id: Optional[str] = None, truncate_prompt_tokens: Optional[int] = None,
     ) -> EmbeddingResult:
         """Blocking :meth:`embed`, for plain threads (not inside a running event loop's thread)."""
         sink = ThreadSink()
-        request = self._submit_embedding(inputs, pooling, dimensions, timeout, request_id, sink)
+        request = self._submit_embedding(inputs, pooling, dimensions, timeout, request_id, sink, truncate_prompt_tokens)
         return self._result_sync(sink, request)  # type: ignore[attr-defined]
 
     def _submit_embedding(
-        self, inputs: Any, pooling: Any, dimensions: Any, timeout: Any, request_id: Optional[str], sink: ResultSink
+        self, inputs: Any, pooling: Any, dimensions: Any, timeout: Any, request_id: Optional[str], sink: ResultSink, truncate: Any
     ) -> EmbedRequest:
         with self._submission():  # type: ignore[attr-defined]  (counted in flight, and the engine awake)
-            return self._submit_embedding_awake(inputs, pooling, dimensions, timeout, request_id, sink)
+            return self._submit_embedding_awake(inputs, pooling, dimensions, timeout, request_id, sink, truncate)
 
     def _submit_embedding_awake(
-        self, inputs: Any, pooling: Any, dimensions: Any, timeout: Any, request_id: Optional[str], sink: ResultSink
+        self, inputs: Any, pooling: Any, dimensions: Any, timeout: Any, request_id: Optional[str], sink: ResultSink, truncate: Any
     ) -> EmbedRequest:
         engine: Any = self
         model = engine._loaded
         check_options(pooling, dimensions, model.config.get("hidden_size"))
+        check_truncate_prompt_tokens(truncate)
         if hidden_model(model.model) is None:
             raise UnsupportedModelError(f"{engine.model_name}: this model does not expose its hidden states, so it cannot embed")
         if timeout is None:
@@ -78,7 +82,10 @@ class EmbedMethods:
             check_number("timeout", timeout, minimum=0.0)
             if timeout == 0:
                 raise InvalidParameterError("timeout", "must be > 0 seconds (None disables it)")
-        ids = input_ids(inputs, lambda text: engine._prompts.encode_within_context(text, 0), engine.encode, engine.context_length)
+        prompts = engine._prompts
+        ids = input_ids(inputs, lambda text: prompts.encode_within_context(text, 0, truncate),
+                        lambda given: prompts.encode_within_context(given, 0, truncate) if truncate is not None else engine.encode(given),
+                        engine.context_length)
         now = time.monotonic()
         request = EmbedRequest(
             request_id=request_id or f"emb-{next(engine._ids)}-{uuid.uuid4().hex[:8]}", inputs=ids, pooling=pooling, sink=sink,

@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from typing_extensions import Self
 
 from ...engine.embed.request import check_options
+from ...engine.request import check_truncate_prompt_tokens
 from .fields import engine_for
 
 
@@ -33,10 +34,13 @@ class MLXParallmEmbeddings(BaseModel, Embeddings):
     pooling: str = Field(default="mean", description="'mean' over each text's tokens, or 'last' (the last token's state).")
     dimensions: Optional[int] = Field(default=None, description="Keep the first this many components (Matryoshka), renormalised.")
     timeout: Optional[float] = Field(default=None, description="Seconds one call may take; None: the engine's default.")
+    truncate_prompt_tokens: Optional[int] = Field(default=None, description="Keep only a longer text's last that many tokens "
+                                                  "(-1: the model's context length) instead of refusing it.")
 
     @model_validator(mode="after")
     def _check(self) -> Self:
         check_options(self.pooling, self.dimensions, None)
+        check_truncate_prompt_tokens(self.truncate_prompt_tokens)
         return self
 
     def embed_documents(self, texts: list[str]) -> list[list[float]]:
@@ -60,4 +64,5 @@ class MLXParallmEmbeddings(BaseModel, Embeddings):
         return (await engine_for(self.model).embed([text], **self._options())).embeddings[0]
 
     def _options(self) -> dict:
-        return {"pooling": self.pooling, "dimensions": self.dimensions, "timeout": self.timeout}
+        return {"pooling": self.pooling, "dimensions": self.dimensions, "timeout": self.timeout,
+                "truncate_prompt_tokens": self.truncate_prompt_tokens}

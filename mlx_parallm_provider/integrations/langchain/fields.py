@@ -68,6 +68,8 @@ class EngineFields(BaseModel):
     bad_words: Optional[list[str]] = Field(default=None, description="Words the answer never writes.")
     skip_special_tokens: bool = Field(default=_DEFAULTS.skip_special_tokens,
                                       description="Leave special tokens' text out of the answer.")
+    truncate_prompt_tokens: Optional[int] = Field(default=None, description="Keep only a longer prompt's last that many tokens "
+                                                  "(-1: as many as fit beside max_tokens) instead of refusing it.")
 
     @model_validator(mode="before")
     @classmethod
