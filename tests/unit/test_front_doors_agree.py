@@ -183,3 +183,37 @@ def test_bad_reasoning_effort_or_thinking_is_refused_by_both_doors(thinking_engi
         litellm.completion(model="mlx-parallm/fake", messages=MESSAGES, extra_body=asked)
     with pytest.raises(ValueError, match=match):
         ChatMLXParallm(model="fake").invoke(LC_MESSAGES, **asked)
+
+
+def test_chatopenai_names_model_kwargs_and_extra_body(engine: FakeEngine) -> None:
+    """ChatOpenAI's other field names and its ``model_kwargs`` / ``extra_body`` (where vLLM's
+    parameters go) work the same here, at construction and per call; a call's own win."""
+    from mlx_parallm_provider.langchain import MLXParallmLLM
+
+    chat = ChatMLXParallm(model_name="fake", max_completion_tokens=7, stop_sequences=["END"], model_kwargs={"min_tokens": 2},
+                          extra_body={"top_k": 5, "structured_outputs": {"choice": ["yes", "no"]}})
+    assert (chat.model, chat.max_tokens, chat.stop) == ("fake", 7, ["END"])
+    chat.invoke(LC_MESSAGES)
+    params = engine.last.params
+    assert (params.max_tokens, params.stop, params.min_tokens, params.top_k) == (7, ["END"], 2, 5)
+    assert params.constraint is not None  # (structured_outputs, a chat-layer parameter)
+    chat.invoke(LC_MESSAGES, max_completion_tokens=3, extra_body={"top_k": 9, "min_tokens": 1})
+    assert (engine.last.params.max_tokens, engine.last.params.top_k, engine.last.params.min_tokens) == (3, 9, 1)
+    chat.bind(extra_body={"top_k": 9}, top_k=4).invoke(LC_MESSAGES)
+    assert engine.last.params.top_k == 4
+    MLXParallmLLM(model_name="fake", max_completion_tokens=4, model_kwargs={"bad_words": ["Ann"]}).invoke("hi")
+    assert (engine.last.params.max_tokens, engine.last.params.bad_words) == (4, ["Ann"])
+
+
+@pytest.mark.parametrize("fields,call,match", [
+    ({"model": "fake", "model_name": "fake"}, {}, "model_name: is another name for model"),
+    ({"max_tokens": 3, "max_completion_tokens": 4}, {}, "max_completion_tokens"),
+    ({"model_kwargs": {"frobnicate": 1}}, {}, "frobnicate"),
+    ({"extra_body": {"min_tokens": 9, "max_tokens": 4}}, {}, "min_tokens"),
+    ({}, {"extra_body": "min_tokens=2"}, "extra_body"),
+    ({}, {"extra_body": {"top_k": -1}}, "top_k"),
+    ({}, {"max_completion_tokens": 3, "max_tokens": 4}, "max_completion_tokens: is another name for max_tokens"),
+])
+def test_bad_chatopenai_style_settings_are_refused(engine: FakeEngine, fields: dict, call: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        ChatMLXParallm(**{"model": "fake", **fields} if "model_name" not in fields else fields).invoke(LC_MESSAGES, **call)

@@ -66,6 +66,7 @@ class ChatMLXParallm(EngineFields, BatchesFromOneThread, BaseChatModel):
     """
 
     model_config = ConfigDict(extra="forbid")
+    CALL_KWARGS = _CHAT_CALL_KWARGS
 
     streaming: bool = Field(default=False, description="Stream internally on invoke (callbacks get every token).")
 
@@ -139,7 +140,7 @@ class ChatMLXParallm(EngineFields, BatchesFromOneThread, BaseChatModel):
         return call.engine, call.prepared.prompt, call.params
 
     def _prepare(self, messages: Sequence[BaseMessage], stop: Optional[list[str]], kwargs: Mapping[str, Any]) -> _ChatCall:
-        model, sampling, extra = self._split_call_kwargs(kwargs, _CHAT_CALL_KWARGS)
+        model, sampling, extra = self._split_call_kwargs(kwargs)
         params = self._sampling_params(stop, sampling)
         engine = engine_for(model)
         prepared = prepare_chat(

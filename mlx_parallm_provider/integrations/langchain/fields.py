@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 from langchain_core.messages import UsageMetadata
 from pydantic import BaseModel, Field, model_validator
@@ -20,6 +20,8 @@ from .._common import PROVIDER
 SAMPLING_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(SamplingParams) if f.name != "constraint")
 #: Call kwargs LangChain itself may add, ignored here (tracing only, or already honoured).
 _IGNORED_CALL_KWARGS = frozenset(("stream", "ls_structured_output_format", "structured_output_format"))
+#: ``ChatOpenAI``'s other names for fields here, taken as constructor arguments and per call.
+FIELD_ALIASES = {"max_completion_tokens": "max_tokens", "model_name": "model", "stop_sequences": "stop"}
 
 _DEFAULTS = SamplingParams()  # the adapters' defaults are the engine's own
 
@@ -34,8 +36,14 @@ class EngineFields(BaseModel):
 
     Defaults are :class:`SamplingParams`' own (greedy, no filtering, no penalties);
     the whole set is validated by building a :class:`SamplingParams`, so the accepted
-    ranges are exactly the engine's.
+    ranges are exactly the engine's. As in ``ChatOpenAI``, ``max_completion_tokens``,
+    ``model_name`` and ``stop_sequences`` are other names for ``max_tokens``, ``model`` and
+    ``stop``, and ``model_kwargs`` / ``extra_body`` hold more call parameters (vLLM's, for
+    one) given to every call, under the call's own.
     """
+
+    #: Call kwargs a subclass takes beside the sampling fields (e.g. the chat model's tools).
+    CALL_KWARGS: ClassVar[frozenset[str]] = frozenset()
 
     model: str = Field(
         default="default",
@@ -68,18 +76,23 @@ class EngineFields(BaseModel):
     bad_words: Optional[list[str]] = Field(default=None, description="Words the answer never writes.")
     skip_special_tokens: bool = Field(default=_DEFAULTS.skip_special_tokens,
                                       description="Leave special tokens' text out of the answer.")
+    model_kwargs: dict[str, Any] = Field(default_factory=dict, description="More call parameters, given to every call "
+                                         "(a call's own win).")
+    extra_body: Optional[dict[str, Any]] = Field(default=None, description="More call parameters, as ChatOpenAI sends vLLM's "
+                                                 "(min_tokens, structured_outputs, chat_template_kwargs, ...); a call's own win.")
     truncate_prompt_tokens: Optional[int] = Field(default=None, description="Keep only a longer prompt's last that many tokens "
                                                   "(-1: as many as fit beside max_tokens) instead of refusing it.")
 
     @model_validator(mode="before")
     @classmethod
     def _none_is_unset(cls, data: Any) -> Any:
-        return _without_unset(data) if isinstance(data, Mapping) else data
+        return _without_unset(canonical_names(data)) if isinstance(data, Mapping) else data
 
     @model_validator(mode="after")
     def _validate_sampling(self) -> Self:
         try:
-            self._sampling_params(None, {})
+            _, sampling, _ = self._split_call_kwargs({})
+            self._sampling_params(None, sampling)
         except InvalidParameterError as error:
             raise ValueError(str(error)) from None
         return self
@@ -92,8 +105,15 @@ class EngineFields(BaseModel):
             values["stop"] = stop
         return SamplingParams(**values)
 
-    def _split_call_kwargs(self, kwargs: Mapping[str, Any], extra: frozenset[str]) -> tuple[str, dict[str, Any], dict[str, Any]]:
-        """``(model name, sampling overrides, other allowed kwargs)``; unknown kwargs raise."""
+    def _split_call_kwargs(self, kwargs: Mapping[str, Any]) -> tuple[str, dict[str, Any], dict[str, Any]]:
+        """``(model name, sampling overrides, other allowed kwargs)`` of a call's kwargs over
+        ``model_kwargs`` and ``extra_body``; unknown kwargs raise."""
+        extra = self.CALL_KWARGS
+        body = kwargs.get("extra_body") or {}
+        if not isinstance(body, Mapping):
+            raise InvalidParameterError("extra_body", f"must be a dict of call parameters, got {type(body).__name__}")
+        kwargs = {**canonical_names(self.model_kwargs), **canonical_names(self.extra_body or {}), **canonical_names(body),
+                  **canonical_names({k: v for k, v in kwargs.items() if k != "extra_body"})}
         known = {*SAMPLING_FIELDS, *extra, *_IGNORED_CALL_KWARGS, "model"}
         unknown = [k for k in kwargs if k not in known]
         if unknown:
@@ -134,6 +154,17 @@ class EngineFields(BaseModel):
 #: engine's default on the model, the model's own value in a call), as LangChain models
 #: take ``temperature=None`` or ``max_tokens=None``.
 _NONE_IS_UNSET = frozenset(name for name in SAMPLING_FIELDS if EngineFields.model_fields[name].default is not None)
+
+
+def canonical_names(values: Mapping[str, Any]) -> dict[str, Any]:
+    """``values`` with :data:`FIELD_ALIASES`' names as the fields' own; both names given raise."""
+    out = dict(values)
+    for alias, name in FIELD_ALIASES.items():
+        if alias in out:
+            if name in out:
+                raise InvalidParameterError(alias, f"is another name for {name}: give one of them")
+            out[name] = out.pop(alias)
+    return out
 
 
 def _without_unset(values: Mapping[str, Any]) -> dict[str, Any]:

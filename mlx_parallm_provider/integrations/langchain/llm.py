@@ -35,6 +35,7 @@ class MLXParallmLLM(EngineFields, BatchesFromOneThread, BaseLLM):
     """
 
     model_config = ConfigDict(extra="forbid")
+    CALL_KWARGS = frozenset(("structured_outputs",))
 
     @property
     def _llm_type(self) -> str:
@@ -121,7 +122,7 @@ class MLXParallmLLM(EngineFields, BatchesFromOneThread, BaseLLM):
         return await Runnable.abatch(self, inputs, config, return_exceptions=True, **kwargs)
 
     def _prepare(self, stop: Optional[list[str]], kwargs: Mapping[str, Any]) -> tuple[EngineLike, SamplingParams, str]:
-        model, sampling, extra = self._split_call_kwargs(kwargs, frozenset(("structured_outputs",)))
+        model, sampling, extra = self._split_call_kwargs(kwargs)
         params = self._sampling_params(stop, sampling)
         constraint = structured_outputs_constraint(extra.get("structured_outputs"))
         if constraint is not None:
