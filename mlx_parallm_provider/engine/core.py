@@ -256,6 +256,7 @@ class EngineCore:
                                 include_stop=request.params.include_stop_str_in_output,
                                 skip_special_tokens=request.params.skip_special_tokens, unchecked=request.params.min_tokens),
                 logprobs=[] if request.params.logprobs else None,
+                prompt_logprobs=None if request.params.prompt_logprobs is None else [None] * request.prompt_len,
             )
         except Exception as exc:
             self._fail(request, exc, "while being set up")

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Collection, Optional
 
 from .detokenize import TextStream
-from .request import Completion, Delta, Request, Usage
+from .request import Completion, Delta, Request, TokenLogprob, Usage
 from .sampled import SampledRow, token_logprob
 
 if TYPE_CHECKING:
@@ -23,6 +23,7 @@ class RowState:
     sampler: "RowSampler"
     text: TextStream
     logprobs: Optional[list] = None
+    prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None  # (one per prompt token, once scored)
     streamed: int = 0  # output tokens whose ids (and logprobs) a Delta has carried
     unsent: str = ""  # text held for the next Delta (stream_interval > 1)
 
@@ -89,8 +90,18 @@ def take_token(request: Request, row: SampledRow, eos_ids: Collection[int], toke
             finish_reason=finish,
             usage=usage(request),
             logprobs=state.logprobs,
+            prompt_logprobs=state.prompt_logprobs,
         )
     return None, None
+
+
+def record_prompt_logprobs(request: Request, first: int, scores: list[SampledRow], tokenizer: Any) -> None:
+    """Keep the scores of prompt tokens ``first``, ``first + 1``, ... (a prompt recomputed
+    after preemption is scored again: the same values)."""
+    kept = request.state.prompt_logprobs if isinstance(request.state, RowState) else None
+    if kept is not None:
+        for i, row in enumerate(scores, start=first):
+            kept[i] = token_logprob(tokenizer, row)
 
 
 def _delta(request: Request, text: str, finish: Optional[str], end: int) -> Delta:
@@ -107,6 +118,7 @@ def _delta(request: Request, text: str, finish: Optional[str], end: int) -> Delt
         finish_reason=finish,
         usage=usage(request) if finish else None,
         logprobs=logprobs or None,
+        prompt_logprobs=state.prompt_logprobs if start == 0 else None,
     )
 
 

@@ -115,3 +115,6 @@ class StepOutput:
     """Blocks the KV arrays hold after this step."""
     saved: list[tuple[bytes, "BlockData"]] = field(default_factory=list)
     """The plan's ``kv.saves`` copied out: (name, data), for the disk tier."""
+    prompt_logprobs: list[tuple["Request", int, list["SampledRow"]]] = field(default_factory=list)
+    """(request, first, scores): the prompt logprobs of its tokens ``first``, ``first + 1``, ...
+    that this step's passes computed (for requests asking for them)."""

@@ -42,6 +42,15 @@ class SamplingParams:
     the tokenizer writes it alone and after a space) the answer never ends with a token of;
     ``skip_special_tokens``, special tokens' text left out of the answer (by default it is
     kept, as mlx-lm keeps it).
+
+    ``truncate_prompt_tokens`` (vLLM's): a longer prompt keeps only its last that many tokens
+    (a leading BOS token stays first) instead of being refused; ``-1`` keeps as many as fit
+    beside ``max_tokens`` in the model's context. ``Usage.prompt_tokens`` counts those kept.
+
+    ``prompt_logprobs`` (vLLM's): each prompt token's log-probability given the tokens before
+    it (the first has none), with that many top alternatives (0-20), from the model's raw
+    logits; on :attr:`Completion.prompt_logprobs` and a stream's first :class:`Delta`. Such a
+    request computes its whole prompt (no cached prefix is reused for it).
     """
 
     max_tokens: int = 256
@@ -68,6 +77,7 @@ class SamplingParams:
     bad_words: list[str] = field(default_factory=list)
     skip_special_tokens: bool = False
     truncate_prompt_tokens: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
 
     def __post_init__(self) -> None:
         self.stop = _string_list("stop", self.stop)
@@ -100,6 +110,8 @@ class SamplingParams:
             if not isinstance(getattr(self, name), bool):
                 raise InvalidParameterError(name, f"must be a bool, got {getattr(self, name)!r}")
         check_truncate_prompt_tokens(self.truncate_prompt_tokens)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, minimum=0, maximum=20)
         if self.seed is not None:
             _check_int("seed", self.seed, minimum=0, maximum=MAX_SEED)
         if not isinstance(self.logprobs, bool):
@@ -167,12 +179,15 @@ class Usage:
 
 @dataclass(slots=True)
 class TokenLogprob:
-    """Log-probability of one generated token, with the most likely alternatives."""
+    """Log-probability of one token, with the most likely alternatives (``(id, text,
+    logprob)``, likeliest first); ``rank``, the token's place among all (1: the likeliest),
+    is counted for prompt logprobs."""
 
     token_id: int
     token: str
     logprob: float
     top_logprobs: list[tuple[int, str, float]] = field(default_factory=list)
+    rank: Optional[int] = None
 
 
 @dataclass(slots=True)
@@ -180,7 +195,8 @@ class Completion:
     """A finished request: the whole text and token ids, why it stopped, and its usage.
 
     ``finish_reason`` is ``"stop"`` (EOS, a stop token or a stop string) or ``"length"``
-    (``max_tokens`` reached).
+    (``max_tokens`` reached). ``prompt_logprobs``, if asked for: one entry per prompt token,
+    None for the first.
     """
 
     request_id: str
@@ -189,6 +205,7 @@ class Completion:
     finish_reason: str
     usage: Usage
     logprobs: Optional[list[TokenLogprob]] = None
+    prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None
 
 
 @dataclass(slots=True)
@@ -199,7 +216,8 @@ class Delta:
     ``token_ids`` (and ``logprobs``, if asked for) are those of every token not yet
     streamed: a token whose text is held back rides on the next delta, or the last one,
     so over a stream they concatenate to the :class:`Completion`'s. Every delta but the
-    last has text; the last has ``finish_reason`` and ``usage`` set.
+    last has text; the last has ``finish_reason`` and ``usage`` set. The first carries
+    ``prompt_logprobs``, if asked for.
     """
 
     request_id: str
@@ -208,6 +226,7 @@ class Delta:
     finish_reason: Optional[str] = None
     usage: Optional[Usage] = None
     logprobs: Optional[list[TokenLogprob]] = None
+    prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None
 
 
 class ResultSink:
@@ -291,6 +310,12 @@ class Request:
         """What its KV blocks are named under in the prefix store: 0 for the base model, its
         adapter's content id under a LoRA adapter (never shared across adapters)."""
         return 0 if self.adapter is None else ("lora", self.adapter.uid)
+
+    @property
+    def reads_cached_prefix(self) -> bool:
+        """Whether a prefix of its prompt computed for another request may stand for its own:
+        not where it asks for prompt logprobs, which need every prompt position's logits."""
+        return self.params.prompt_logprobs is None
 
     @property
     def max_kv_tokens(self) -> int:

@@ -31,6 +31,7 @@ from .kv.paged_cache import PagedBatch
 from .kv.storage import PagedKVStorage
 from .kv.support import layer_windows
 from .plan import KVStep, StepOutput, StepPlan
+from .prompt_logprobs import score_piece
 from .request import Request
 from .sampled import SampledRow
 from .sampling import sample_requests
@@ -101,7 +102,7 @@ class ModelRunner:
         return out
 
     def _chunk(self, request: Request, n: int, out: StepOutput) -> None:
-        logits = self.chunk(request, n)
+        logits = self.chunk(request, n, out.prompt_logprobs)
         if logits is None:
             out.chunked = (request, n)
         else:
@@ -110,7 +111,7 @@ class ModelRunner:
 
     def _prefill(self, requests: list[Request], out: StepOutput) -> None:
         piece = max(1, self.prefill_chunk_size // len(requests))
-        ran = self.prefill(requests, piece)
+        ran = self.prefill(requests, piece, out.prompt_logprobs)
         if ran is not None:
             rows, logits = ran
             out.prefilled.extend(rows)
@@ -196,14 +197,16 @@ class ModelRunner:
         host: each row's next token, at position ``num_tokens``); logits ``(B, vocab)``."""
         return self.forward(rows, [[0]] * len(rows), [r.num_tokens for r in rows], tokens[:, None])[:, -1, :]
 
-    def prefill(self, requests: list[Request], piece: int) -> Optional[tuple[list[Request], mx.array]]:
+    def prefill(self, requests: list[Request], piece: int, scores: Optional[list[Any]] = None) -> Optional[tuple[list[Request], mx.array]]:
         """Prefill the requests' uncached tokens in right-padded pieces of ``piece``
         columns; the logits of each row's last token give its first sampled token. Where the
         model splits at its head (:attr:`split`), a row's last token goes in its last piece
         and only its hidden state goes through the head; else all but the last tokens go in
         pieces (a piece's logits are never computed), then the last tokens together in one
         column. Rows no longer wanted leave between pieces. Returns the rows kept and
-        their logits, or None. (The requests' progress is the scheduler's to record.)"""
+        their logits, or None; the prompt logprobs of rows asking for them go to ``scores``
+        (see :attr:`.StepOutput.prompt_logprobs`). (The requests' progress is the
+        scheduler's to record.)"""
         seqs = {id(r): r.computed_ids for r in requests}
         done = {id(r): r.num_prefilled for r in requests}
         merged = self.split is not None
@@ -215,6 +218,7 @@ class ModelRunner:
                 break
             pieces = [seqs[id(r)][done[id(r)] : min(done[id(r)] + piece, len(seqs[id(r)]) - held)] for r in active]
             out = self.forward(active, pieces, [done[id(r)] for r in active], hidden=merged)
+            self._score(active, pieces, [done[id(r)] for r in active], out, merged, scores)
             ending = [b for b, (r, p) in enumerate(zip(active, pieces)) if merged and done[id(r)] + len(p) == len(seqs[id(r)])]
             if ending:
                 states = out[mx.array(ending), mx.array([len(pieces[b]) - 1 for b in ending])]
@@ -230,29 +234,46 @@ class ModelRunner:
         logits = self.forward(requests, [seqs[id(r)][-1:] for r in requests], [len(seqs[id(r)]) - 1 for r in requests])[:, -1, :]
         return requests, logits
 
-    def chunk(self, request: Request, n: int) -> Optional[mx.array]:
+    def chunk(self, request: Request, n: int, scores: Optional[list[Any]] = None) -> Optional[mx.array]:
         """Prefill the next ``n`` tokens of a long prompt into its blocks; the logits of
         its last token once the whole prompt is in (else None). Where the model splits at
         its head (:attr:`split`), only the last token's hidden state goes through it; else
         the last chunk runs its last token alone, as :meth:`prefill` does: the model
         computes logits at every position it is given, and a chunk's are n x vocabulary
         floats (400 MB for 2,048 tokens of a 49k vocabulary). (The scheduler records the
-        progress.)"""
+        progress.) Its prompt logprobs, if asked for, go to ``scores``."""
         seq, start = request.computed_ids, request.num_prefilled
         end = start + n
         if end == len(seq) and n > 1 and self.split is not None:
             hidden = self.forward([request], [seq[start:end]], [start], hidden=True)
+            self._score([request], [seq[start:end]], [start], hidden, True, scores)
             return self.split.head(hidden[:, -1:, :])[:, -1, :]
         if end < len(seq) or n == 1:
-            logits = self.forward([request], [seq[start:end]], [start])[:, -1, :]
+            every = self.forward([request], [seq[start:end]], [start])
+            self._score([request], [seq[start:end]], [start], every, False, scores)
+            logits = every[:, -1, :]
         else:
-            self.forward([request], [seq[start : end - 1]], [start])  # its logits are never evaluated
+            every = self.forward([request], [seq[start : end - 1]], [start])  # its logits are evaluated only to score them
+            self._score([request], [seq[start : end - 1]], [start], every, False, scores)
             self._eval()
             logits = self.forward([request], [seq[end - 1 : end]], [end - 1])[:, -1, :]
         if end < len(seq):
             self._eval()
             return None
         return logits
+
+    def _score(self, rows: list[Request], pieces: list[list[int]], starts: list[int], out: mx.array, hidden: bool,
+               scores: Optional[list[Any]]) -> None:
+        """Prompt logprobs of the rows asking for them, from a pass's ``out`` (its logits, or
+        its final states where ``hidden``), into ``scores``."""
+        if scores is None:
+            return
+        for b, (r, piece, start) in enumerate(zip(rows, pieces, starts)):
+            if r.params.prompt_logprobs is not None:
+                got = score_piece(out[b, : len(piece)], self.split.head if hidden else None, r.computed_ids, start, r.prompt_len,
+                                  r.params.prompt_logprobs)
+                if got is not None:
+                    scores.append((r, *got))
 
     def _eval(self, *more: mx.array) -> None:
         mx.eval(self.storage.arrays(), *more)

@@ -14,12 +14,14 @@ class SampledRow:
     """A sampled token and, when asked for, its log-probability and the top alternatives.
 
     ``error`` is set instead when sampling this row failed; the other rows are unaffected.
+    ``rank``: the token's place among all (1: the likeliest), where it was counted.
     """
 
     token: int = -1
     logprob: Optional[float] = None
     top: Optional[list[tuple[int, float]]] = None
     error: Optional[Exception] = None
+    rank: Optional[int] = None
 
 
 def plain_row(request: Any) -> bool:
@@ -35,4 +37,5 @@ def plain_row(request: Any) -> bool:
 def token_logprob(tokenizer: Any, row: SampledRow) -> TokenLogprob:
     """Turn a sampled row's numbers into the public :class:`TokenLogprob`."""
     top = [(tid, tokenizer.decode([tid]), lp) for tid, lp in (row.top or [])]
-    return TokenLogprob(token_id=row.token, token=tokenizer.decode([row.token]), logprob=row.logprob or 0.0, top_logprobs=top)
+    return TokenLogprob(token_id=row.token, token=tokenizer.decode([row.token]), logprob=row.logprob or 0.0, top_logprobs=top,
+                        rank=row.rank)

@@ -47,7 +47,7 @@ from ..errors import MLXParallmError, as_request_error
 from .embed.request import EmbedRequest, plan_embeddings
 from .kv import KVCacheManager
 from .kv.prefix_match import waits_for_sharer
-from .output import take_token
+from .output import record_prompt_logprobs, take_token
 from .plan import StepOutput, StepPlan
 from .request import Request
 from .sampled import plain_row
@@ -155,6 +155,8 @@ class Scheduler:
         self.kv.arrays_hold(out.physical_blocks)
         if out.saved:
             self.kv.disk.to_disk(out.saved)
+        for request, first, scores in out.prompt_logprobs:
+            record_prompt_logprobs(request, first, scores, self.tokenizer)
         if out.chunked is not None:
             self.advanced(*out.chunked)
         self.started(out.prefilled)
@@ -284,9 +286,10 @@ class Scheduler:
             request = self.waiting[0]
             # The cache is the pool's blocks, looked up once (a preempted request by its
             # prompt + output too); at least one token is computed, for the logits.
-            if self.prefix_caching and self.kv.disk is not None and request.cache_namespace == 0:  # what the pool lacks, from disk
+            shares = self.prefix_caching and request.reads_cached_prefix
+            if shares and self.kv.disk is not None and request.cache_namespace == 0:  # what the pool lacks, from disk
                 self.kv.disk.load_prefix(self.kv, request.computed_ids, request.num_tokens - 1)
-            prefix = self.kv.match(request.computed_ids, request.num_tokens - 1, request.cache_namespace) if self.prefix_caching else None
+            prefix = self.kv.match(request.computed_ids, request.num_tokens - 1, request.cache_namespace) if shares else None
             cached = prefix.tokens if prefix is not None else 0
             # Its prompt and the token it decodes the step its prefill ends, with a block of
             # headroom while others hold blocks; alone, its own blocks always fit (fits_alone).
@@ -298,7 +301,7 @@ class Scheduler:
                     break
                 prefix, cached = None, 0
                 window_end = self._chunk_end(request, 0)
-            if self.prefix_caching and waits_for_sharer(request, cached, sharers, self.min_shared_tokens, self.prefix_capacity_tokens):
+            if shares and waits_for_sharer(request, cached, sharers, self.min_shared_tokens, self.prefix_capacity_tokens):
                 deferred.append(self.waiting.popleft())
                 continue
             uncached = request.num_tokens - cached

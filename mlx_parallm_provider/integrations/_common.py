@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
-from ..engine import Usage
+from ..engine import TokenLogprob, Usage
 
 PROVIDER = "mlx-parallm"
 
@@ -18,3 +18,20 @@ def usage_dict(usage: Usage) -> dict[str, Any]:
         "total_tokens": usage.total_tokens,
         "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
     }
+
+
+def vllm_prompt_logprobs(entries: Optional[list[Optional[TokenLogprob]]]) -> Optional[list[Optional[dict[int, dict[str, Any]]]]]:
+    """vLLM's ``prompt_logprobs``: for each prompt token, None (the first) or ``{token id:
+    {"logprob", "rank", "decoded_token"}}`` for the token and its top alternatives."""
+    if entries is None:
+        return None
+    out: list[Optional[dict[int, dict[str, Any]]]] = []
+    for entry in entries:
+        if entry is None:
+            out.append(None)
+            continue
+        ranked = {entry.token_id: {"logprob": entry.logprob, "rank": entry.rank, "decoded_token": entry.token}}
+        for place, (token_id, text, logprob) in enumerate(entry.top_logprobs, start=1):
+            ranked.setdefault(token_id, {"logprob": logprob, "rank": place, "decoded_token": text})
+        out.append(ranked)
+    return out

@@ -27,7 +27,7 @@ from ._common import PROVIDER
 _SAMPLING_KEYS = (
     "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
     "frequency_penalty", "logit_bias", "seed", "stop", "stop_token_ids", "ignore_eos", "lora", "include_stop_str_in_output",
-    "min_tokens", "allowed_token_ids", "bad_words", "skip_special_tokens", "truncate_prompt_tokens",
+    "min_tokens", "allowed_token_ids", "bad_words", "skip_special_tokens", "truncate_prompt_tokens", "prompt_logprobs",
 )
 #: Parameters of the chat layer.
 _CHAT_KEYS = (
@@ -130,7 +130,7 @@ def _honoured_params(
     unsupported = _unsupported(params, stream=stream)
     refuse_unless_dropped(unsupported, params, litellm_params, model)
     if litellm_params.get("text_completion"):
-        asked = [k for k in ("logprobs", "top_logprobs") if params.get(k)]
+        asked = [k for k in ("logprobs", "top_logprobs") if params.get(k)] + (["prompt_logprobs"] if params.get("prompt_logprobs") is not None else [])
         refuse_unless_dropped(asked, params, litellm_params, model, " text completions",
                               "LiteLLM's text_completion returns no logprobs from a provider that answers as chat; litellm.completion does")
         unsupported += asked
@@ -143,6 +143,8 @@ def _unsupported(params: Mapping[str, Any], *, stream: bool) -> list[str]:
     names = [k for k in params if k not in _HANDLED_KEYS]
     if stream and params.get("n", 1) != 1:
         names.append("n")  # LiteLLM's stream wrapper folds every choice into index 0
+    if stream and params.get("prompt_logprobs") is not None:
+        names.append("prompt_logprobs")  # (as vLLM: not with stream=True; a whole response carries them)
     return names
 
 

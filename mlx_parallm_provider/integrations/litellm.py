@@ -72,7 +72,7 @@ from ..errors import (
     RequestFailedError,
     RequestTimeoutError,
 )
-from ._common import PROVIDER, usage_dict
+from ._common import PROVIDER, usage_dict, vllm_prompt_logprobs
 from ._litellm_params import LiteLLMCall, prepare_call
 from ._litellm_pricing import register_pricing
 from .litellm_embed import prepare_embedding
@@ -221,6 +221,12 @@ def _build_response(model_response: Optional[ModelResponse], call: LiteLLMCall, 
     completion_tokens = sum(c.usage.completion_tokens for c in completions)
     usage = Usage(prompt_tokens, completion_tokens, cached_tokens=cached_tokens)
     setattr(response, "usage", litellm.Usage(**usage_dict(usage)))
+    if call.params.prompt_logprobs is not None:  # where vLLM puts them: the response's (one prompt), else each choice's
+        if len(call.prompts) == 1:
+            setattr(response, "prompt_logprobs", vllm_prompt_logprobs(completions[0].prompt_logprobs))
+        else:
+            for choice, completion in zip(response.choices, completions):
+                setattr(choice, "prompt_logprobs", vllm_prompt_logprobs(completion.prompt_logprobs))
     return response
 
 

@@ -91,6 +91,7 @@ PLAUSIBLE = {
     "bad_words": mostly(st.lists(st.text(min_size=1, max_size=6), max_size=3), st.sampled_from([[""], ["   "], [5], ["word " * 40]])),
     "skip_special_tokens": st.booleans(),
     "truncate_prompt_tokens": mostly(st.none() | st.integers(1, 600) | st.just(-1), st.sampled_from([0, -2, 10**9])),
+    "prompt_logprobs": mostly(st.none() | st.integers(0, 20), st.sampled_from([-1, 21, 10**6])),
 }
 
 plausible_kwargs = st.sets(st.sampled_from(sorted(PLAUSIBLE)), max_size=5).flatmap(

@@ -297,8 +297,9 @@ def test_openai_client_vllm_structured_outputs_through_the_proxy(proxy: Proxy) -
 
 
 def test_openai_client_vllm_token_controls_through_the_proxy(proxy: Proxy, tiny_model) -> None:
-    """vLLM's ``min_tokens``, ``allowed_token_ids``, ``bad_words``, ``skip_special_tokens`` and
-    ``truncate_prompt_tokens`` in ``extra_body`` reach the engine; a bad one is a 400 naming the field."""
+    """vLLM's ``min_tokens``, ``allowed_token_ids``, ``bad_words``, ``skip_special_tokens``,
+    ``truncate_prompt_tokens`` and ``prompt_logprobs`` in ``extra_body`` reach the engine; a bad
+    one is a 400 naming the field."""
     words = tiny_model.tokenizer.encode(" yes no", add_special_tokens=False)  # (the default model's vocabulary)
     with httpx.Client(timeout=120, trust_env=False) as http:
         client = _openai(proxy, http)
@@ -315,7 +316,11 @@ def test_openai_client_vllm_token_controls_through_the_proxy(proxy: Proxy, tiny_
                         json={"model": ALIAS, "messages": QUESTION, "max_tokens": 4, "min_tokens": 9})
         truncated = client.completions.create(model=ALIAS, prompt="The capital of France is " * 50, max_tokens=2,
                                               extra_body={"truncate_prompt_tokens": 8})
+        scored = client.chat.completions.create(model=ALIAS, messages=QUESTION, max_tokens=2, extra_body={"prompt_logprobs": 0})
     assert truncated.usage.prompt_tokens == 8
+    entries = scored.model_extra["prompt_logprobs"]  # (vLLM's shape, its token ids as JSON keys)
+    assert len(entries) == scored.usage.prompt_tokens and entries[0] is None
+    assert all(len(e) == 1 and next(iter(e.values()))["logprob"] <= 0 for e in entries[1:])
     assert ended.usage.completion_tokens == 1 and not ended.choices[0].message.content
     assert held.usage.completion_tokens == 6 and held.choices[0].finish_reason == "stop"  # 5 tokens, then the EOS
     assert allowed.usage.completion_tokens == 6 and set(allowed.choices[0].message.content.split()) <= {"yes", "no"}

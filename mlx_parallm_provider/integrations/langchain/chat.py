@@ -285,7 +285,7 @@ def _openai_response_format(response_format: Any) -> Any:
 
 
 def _chat_result(call: _ChatCall, completion: Completion) -> ChatResult:
-    message = ai_message(read_completion(call.prepared, completion), call.model)
+    message = ai_message(read_completion(call.prepared, completion), call.model, completion.prompt_logprobs)
     llm_output = {"token_usage": usage_dict(completion.usage), "model_name": call.model}
     return ChatResult(generations=[ChatGeneration(message=message)], llm_output=llm_output)
 
@@ -305,7 +305,8 @@ def _chunk_logprobs(chunk: ChatGenerationChunk) -> Optional[dict[str, Any]]:
 
 
 def _as_delta(completion: Completion) -> Delta:
-    return Delta(completion.request_id, completion.text, completion.token_ids, completion.finish_reason, completion.usage, completion.logprobs)
+    return Delta(completion.request_id, completion.text, completion.token_ids, completion.finish_reason, completion.usage, completion.logprobs,
+                 completion.prompt_logprobs)
 
 
 def _add_counts(totals: dict[str, Any], counts: Mapping[str, Any]) -> None:

@@ -82,6 +82,8 @@ class EngineFields(BaseModel):
                                                  "(min_tokens, structured_outputs, chat_template_kwargs, ...); a call's own win.")
     truncate_prompt_tokens: Optional[int] = Field(default=None, description="Keep only a longer prompt's last that many tokens "
                                                   "(-1: as many as fit beside max_tokens) instead of refusing it.")
+    prompt_logprobs: Optional[int] = Field(default=None, description="vLLM's: each prompt token's logprob, with this many top "
+                                           "alternatives (0-20), in response_metadata['prompt_logprobs'].")
 
     @model_validator(mode="before")
     @classmethod

@@ -14,7 +14,7 @@ from pydantic import ConfigDict
 
 from ...chat import structured_outputs_constraint
 from ...engine import Completion, Delta, EngineLike, SamplingParams, Usage
-from .._common import PROVIDER, usage_dict
+from .._common import PROVIDER, usage_dict, vllm_prompt_logprobs
 from .batch import BatchesFromOneThread, prefetched
 from .fields import EngineFields, engine_for, logprobs_dict
 
@@ -143,6 +143,8 @@ def _generation_info(completion: Completion) -> dict[str, Any]:
     info: dict[str, Any] = {"finish_reason": completion.finish_reason, "token_usage": usage_dict(completion.usage)}
     if completion.logprobs is not None:
         info["logprobs"] = logprobs_dict(completion.logprobs)
+    if completion.prompt_logprobs is not None:
+        info["prompt_logprobs"] = vllm_prompt_logprobs(completion.prompt_logprobs)
     return info
 
 
@@ -154,4 +156,6 @@ def _generation_chunk(delta: Delta) -> GenerationChunk:
             info["token_usage"] = usage_dict(delta.usage)
     if delta.logprobs:
         info = {**(info or {}), "logprobs": logprobs_dict(delta.logprobs)}
+    if delta.prompt_logprobs is not None:
+        info = {**(info or {}), "prompt_logprobs": vllm_prompt_logprobs(delta.prompt_logprobs)}
     return GenerationChunk(text=delta.text, generation_info=info)

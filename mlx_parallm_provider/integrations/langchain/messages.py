@@ -10,18 +10,22 @@ from langchain_core.outputs import ChatGenerationChunk
 
 from ...chat import ChatOutput, ChatStreamReader, ContentEvent, FinalEvent, InvalidToolCall, InvalidToolCallEvent, PreparedPrompt, ReasoningEvent, ToolCallEvent
 from ...engine import Delta, TokenLogprob
+from .._common import vllm_prompt_logprobs
 from .fields import logprobs_dict, usage_metadata
 
 
-def ai_message(output: ChatOutput, model: str) -> AIMessage:
+def ai_message(output: ChatOutput, model: str, prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None) -> AIMessage:
     """The :class:`AIMessage` of a finished answer: content, tool calls (malformed ones as
     ``invalid_tool_calls``), ``usage_metadata`` and ``response_metadata``
-    (``finish_reason``, ``model_name``, ``logprobs`` if asked for); a reasoning model's
+    (``finish_reason``, ``model_name``, ``logprobs`` and vLLM's ``prompt_logprobs`` if asked
+    for); a reasoning model's
     thinking in ``additional_kwargs["reasoning_content"]``, as LangChain's DeepSeek and
     Ollama models put it."""
     metadata: dict[str, Any] = {"finish_reason": output.finish_reason, "model_name": model}
     if output.logprobs is not None:
         metadata["logprobs"] = logprobs_dict(output.logprobs)
+    if prompt_logprobs is not None:
+        metadata["prompt_logprobs"] = vllm_prompt_logprobs(prompt_logprobs)
     return AIMessage(
         content=output.content,
         tool_calls=[tool_call(name=c.name, args=c.args, id=c.id) for c in output.tool_calls],
@@ -45,7 +49,7 @@ class ChunkWriter:
     text as content chunks, each completed tool call as one ``tool_call_chunks``
     entry (malformed calls with their raw text as ``args``, which merges into
     ``invalid_tool_calls``), and the last chunk carries ``usage_metadata``,
-    ``finish_reason`` and ``model_name``.
+    ``finish_reason``, ``model_name`` (and vLLM's ``prompt_logprobs``, if asked for).
 
     Logprobs, if asked for, ride as ``ChatOpenAI`` streams them: each chunk of thinking or
     text has ``generation_info["logprobs"]`` (LangChain moves it to ``response_metadata``)
@@ -57,11 +61,14 @@ class ChunkWriter:
         self._reader = ChatStreamReader(prepared)
         self._model = model
         self._logprobs: list[TokenLogprob] = []  # (not yet sent)
+        self._prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None
 
     def on_delta(self, delta: Delta) -> list[ChatGenerationChunk]:
         """The chunks one delta completes; the last delta also gives the final chunk."""
         chunks = []
         self._logprobs += delta.logprobs or []
+        if delta.prompt_logprobs is not None:
+            self._prompt_logprobs = delta.prompt_logprobs
         for event in self._reader.on_delta(delta):
             carries_logprobs = True
             if isinstance(event, ReasoningEvent):
@@ -86,6 +93,8 @@ class ChunkWriter:
 
     def _final(self, event: FinalEvent) -> AIMessageChunk:
         metadata: dict[str, Any] = {"finish_reason": event.finish_reason, "model_name": self._model}
+        if self._prompt_logprobs is not None:
+            metadata["prompt_logprobs"] = vllm_prompt_logprobs(self._prompt_logprobs)
         return AIMessageChunk(
             content="",
             usage_metadata=usage_metadata(event.usage) if event.usage is not None else None,
