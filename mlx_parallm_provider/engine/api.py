@@ -323,13 +323,10 @@ class Engine(EmbedMethods, SleepMethods, LoRAMethods):
         now = time.monotonic()
         request = Request(
             request_id=request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}",
-            prompt_ids=ids,
-            params=params,
-            sink=sink,
-            stream=stream,
-            arrival=now,
+            prompt_ids=ids, params=params, sink=sink, stream=stream, arrival=now,
             deadline=None if timeout is None else now + timeout,
             bad_word_ids=bad_word_ids(self.tokenizer, params.bad_words),  # (raises before the adapter below is taken)
+            predicted_ids=self._prompts.prediction_ids(params.prediction),
             adapter=self._adapters.acquire(params.lora),
         )
         try:

@@ -20,7 +20,7 @@ import math
 from typing import Any, Callable, Optional
 
 from .._validation import check_text
-from ..errors import ContextWindowExceededError, MLXParallmError
+from ..errors import ContextWindowExceededError, InvalidParameterError, MLXParallmError
 from .fanout import Job
 from .request import Prompt, SamplingParams
 
@@ -114,11 +114,22 @@ class PromptEncoder:
         self.context_length = context_length
         self.chars_per_token = max_chars_per_token(tokenizer)
         self._bos_id: Optional[int] = getattr(tokenizer, "bos_token_id", None)
+        self._tokenizer = tokenizer
 
     def far_over(self, text: str, max_tokens: int) -> bool:
         """``text`` has more characters than the room left for the prompt could hold."""
         room = max(0, self.context_length - max_tokens)
         return self.chars_per_token is not None and len(text) > room * self.chars_per_token
+
+    def prediction_ids(self, prediction: Optional[str]) -> list[int]:
+        """A request's ``prediction`` (OpenAI's predicted output) as token ids, no special
+        token added; a text longer than the context could hold is refused untokenized."""
+        if not prediction:
+            return []
+        check_text("prediction", prediction)
+        if self.far_over(prediction, 0):
+            raise InvalidParameterError("prediction", f"is longer than the model's {self.context_length}-token context could hold")
+        return list(self._tokenizer.encode(prediction, add_special_tokens=False))
 
     def encode_within_context(self, prompt: Prompt, max_tokens: int, truncate: Optional[int] = None) -> list[int]:
         """Token ids of ``prompt``; a prompt that cannot fit is refused from its length, or

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Hashable, Optional, Union
+from typing import TYPE_CHECKING, Any, Hashable, Optional, Union
 
 from .._validation import check_int as _check_int
 from .._validation import check_number as _check_number
@@ -51,6 +51,11 @@ class SamplingParams:
     it (the first has none), with that many top alternatives (0-20), from the model's raw
     logits; on :attr:`Completion.prompt_logprobs` and a stream's first :class:`Delta`. Such a
     request computes its whole prompt (no cached prefix is reused for it).
+
+    ``prediction`` (OpenAI's Predicted Outputs): text the answer is expected to be much like
+    (a file with a few lines edited), as a string or OpenAI's ``{"type": "content",
+    "content": ...}``. It never changes the answer; with n-gram speculation on
+    (``EngineConfig.speculative="ngram"``) the row drafts what follows its last tokens in it.
     """
 
     max_tokens: int = 256
@@ -78,6 +83,7 @@ class SamplingParams:
     skip_special_tokens: bool = False
     truncate_prompt_tokens: Optional[int] = None
     prompt_logprobs: Optional[int] = None
+    prediction: Optional[Union[str, dict[str, Any]]] = None
 
     def __post_init__(self) -> None:
         self.stop = _string_list("stop", self.stop)
@@ -112,6 +118,8 @@ class SamplingParams:
         check_truncate_prompt_tokens(self.truncate_prompt_tokens)
         if self.prompt_logprobs is not None:
             _check_int("prompt_logprobs", self.prompt_logprobs, minimum=0, maximum=20)
+        if self.prediction is not None:
+            self.prediction = _prediction_text(self.prediction)
         if self.seed is not None:
             _check_int("seed", self.seed, minimum=0, maximum=MAX_SEED)
         if not isinstance(self.logprobs, bool):
@@ -278,6 +286,7 @@ class Request:
     state: object = None  # worker-private per-request state (sampler, text stream, ...)
     adapter: Optional["AdapterUse"] = None  # the LoRA adapter its rows run through (None: the base model)
     bad_word_ids: list[list[int]] = field(default_factory=list)  # its params' bad_words as token ids (:func:`.token_bans.bad_word_ids`)
+    predicted_ids: list[int] = field(default_factory=list)  # its params' prediction as token ids (drafts may follow them)
 
     @property
     def prompt_len(self) -> int:
@@ -330,6 +339,21 @@ def _lora_name(value: object) -> str:
     if not isinstance(value, str) or not value.strip():
         raise InvalidParameterError("lora", f"must be an adapter name or an adapter folder's path, got {value!r}")
     return value
+
+
+def _prediction_text(value: object) -> str:
+    """OpenAI's ``prediction`` (``{"type": "content", "content": text or text parts}``), or
+    the text itself, as one string."""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, dict) or value.get("type") != "content" or "content" not in value:
+        raise InvalidParameterError("prediction", f'must be a string or {{"type": "content", "content": ...}}, got {value!r:.80}')
+    content = value["content"]
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+        return "".join(p["text"] for p in content)
+    raise InvalidParameterError("prediction.content", "must be a string or a list of {\"type\": \"text\", \"text\": ...} parts")
 
 
 def _string_list(name: str, value: object) -> list[str]:

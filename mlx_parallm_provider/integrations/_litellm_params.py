@@ -28,6 +28,7 @@ _SAMPLING_KEYS = (
     "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
     "frequency_penalty", "logit_bias", "seed", "stop", "stop_token_ids", "ignore_eos", "lora", "include_stop_str_in_output",
     "min_tokens", "allowed_token_ids", "bad_words", "skip_special_tokens", "truncate_prompt_tokens", "prompt_logprobs",
+    "prediction",
 )
 #: Parameters of the chat layer.
 _CHAT_KEYS = (

@@ -92,6 +92,7 @@ PLAUSIBLE = {
     "skip_special_tokens": st.booleans(),
     "truncate_prompt_tokens": mostly(st.none() | st.integers(1, 600) | st.just(-1), st.sampled_from([0, -2, 10**9])),
     "prompt_logprobs": mostly(st.none() | st.integers(0, 20), st.sampled_from([-1, 21, 10**6])),
+    "prediction": mostly(st.none() | st.text(max_size=30), st.sampled_from([5, {"type": "audio"}, {"type": "content", "content": [1]}])),
 }
 
 plausible_kwargs = st.sets(st.sampled_from(sorted(PLAUSIBLE)), max_size=5).flatmap(

@@ -169,3 +169,37 @@ def test_rows_with_penalties_or_a_logit_bias_speculate_and_answer_as_without(mak
 
     assert [r.token_ids for r in asyncio.run(batched())] == expected
     assert engine.stats()["speculation"]["speculative_steps"] > 0
+
+
+def test_a_predicted_output_is_drafted_from_and_never_changes_the_answer(make_engine, tiny_model, plain, monkeypatch) -> None:
+    """OpenAI's ``prediction``: drafts follow the answer's last tokens in it (the plain run's
+    own text here, so nearly all are kept); a wrong prediction only costs rejected drafts."""
+    monkeypatch.setattr(speculation.NgramProposer, "plan", lambda self, rows: min(self.k, max((len(r.draft) for r in rows), default=0))
+                        if len(rows) <= self.max_batch and all(plain_row(r) for r in rows) else 0)
+    prompt, expected = PROMPTS[3], plain[3]
+    accepted = {}
+    for name, prediction in [("none", None), ("right", tiny_model.tokenizer.decode(expected.token_ids)),
+                             ("wrong", {"type": "content", "content": [{"type": "text", "text": "purple, orange, "}] * 4})]:
+        engine = make_engine(speculative="ngram", num_speculative_tokens=4, speculative_max_batch=8)
+        got = engine.generate_sync(prompt, SamplingParams(max_tokens=24, ignore_eos=True, prediction=prediction))
+        assert got.token_ids == expected.token_ids, name
+        accepted[name] = engine.stats()["speculation"]["accepted_tokens"]
+    assert accepted["right"] >= 12 and accepted["right"] > 2 * max(accepted["none"], accepted["wrong"]), accepted
+
+
+@pytest.mark.parametrize("bad", [5, {"type": "text", "content": "x"}, {"type": "content"}, {"type": "content", "content": [{"type": "image_url"}]}])
+def test_a_bad_prediction_is_refused(bad) -> None:
+    from mlx_parallm_provider.errors import InvalidParameterError
+
+    with pytest.raises(InvalidParameterError, match="prediction"):
+        SamplingParams(prediction=bad)
+
+
+def test_a_prediction_the_context_could_not_hold_or_not_text_is_refused_at_submit(make_engine) -> None:
+    from mlx_parallm_provider.errors import InvalidParameterError
+
+    engine = make_engine()
+    for bad in ("word " * 200_000, "odd \ud800"):
+        with pytest.raises(InvalidParameterError, match="prediction"):
+            engine.generate_sync("hi", SamplingParams(max_tokens=2, prediction=bad))
+    assert engine.generate_sync("hi", SamplingParams(max_tokens=2, prediction="hello")).usage.completion_tokens == 2

@@ -105,7 +105,7 @@ def _looking_up(tokens: list[int], repeat: int = 3) -> SimpleNamespace:
     lookups find a draft, of that many tokens' kind of match)."""
     sampler = SimpleNamespace(matcher=_Matcher(), processes=False)
     return SimpleNamespace(draft=[], state=SimpleNamespace(sampler=sampler), params=SimpleNamespace(max_tokens=50, logprobs=False),
-                           prompt_ids=tokens + tokens[:repeat], output_ids=[], finished=False, request_id="r")
+                           prompt_ids=tokens + tokens[:repeat], output_ids=[], predicted_ids=[], finished=False, request_id="r")
 
 
 def test_looked_up_drafts_plan_by_their_rows_own_acceptance() -> None:

@@ -217,3 +217,15 @@ def test_chatopenai_names_model_kwargs_and_extra_body(engine: FakeEngine) -> Non
 def test_bad_chatopenai_style_settings_are_refused(engine: FakeEngine, fields: dict, call: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         ChatMLXParallm(**{"model": "fake", **fields} if "model_name" not in fields else fields).invoke(LC_MESSAGES, **call)
+
+
+def test_openai_predicted_outputs_reach_the_engine_through_both_doors(engine: FakeEngine) -> None:
+    prediction = {"type": "content", "content": [{"type": "text", "text": "Ann is "}, {"type": "text", "text": "seven."}]}
+    litellm.completion(model="mlx-parallm/fake", messages=MESSAGES, prediction=prediction)
+    assert engine.last.params.prediction == "Ann is seven."
+    ChatMLXParallm(model="fake").invoke(LC_MESSAGES, prediction={"type": "content", "content": "Ann is seven."})
+    assert engine.last.params.prediction == "Ann is seven."
+    with pytest.raises(litellm.BadRequestError, match="prediction"):
+        litellm.completion(model="mlx-parallm/fake", messages=MESSAGES, prediction={"type": "audio"})
+    with pytest.raises(ValueError, match="prediction"):
+        ChatMLXParallm(model="fake", prediction=["Ann"])

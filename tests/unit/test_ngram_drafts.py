@@ -46,6 +46,7 @@ class _Row:
         self.draft = draft
         self.state = type("State", (), {"sampler": type("S", (), {"greedy": True, "processes": False, "matcher": None, "bans": None})()})()
         self.params = type("P", (), {"logprobs": False, "top_logprobs": 0})()
+        self.predicted_ids: list[int] = []
 
 
 def test_drafts_are_verified_only_while_they_pay() -> None:
@@ -167,3 +168,31 @@ def test_the_plain_step_after_a_verify_step_is_counted_as_the_verify_steps_cost(
     for _ in range(10):
         spec.record_acceptance(rows[0], 2, 2)  # a row that keeps its drafts pays for it
     assert spec.plan(rows) > 0
+
+
+class _Predicting:
+    """A request's fields a lookup reads: its prompt, output and predicted output."""
+
+    def __init__(self, prompt: list[int], output: list[int], predicted: list[int]) -> None:
+        self.prompt_ids, self.output_ids, self.predicted_ids = prompt, output, predicted
+
+
+def test_a_predicted_output_is_drafted_from_first_then_the_prompt_and_output() -> None:
+    spec = NgramProposer(k=4, max_batch=8)
+    row = _Predicting([1, 2, 3, 10, 11, 99], [10, 11], predicted=[5, 10, 11, 12, 13, 14, 15])
+    assert spec.lookup(row, 3) == [12, 13, 14]  # (the prompt's "10 11" is followed by 99)
+    assert spec._kind_of(row) == (2, "prediction")
+    row.output_ids += [12, 40]  # the answer left the prediction: "12 40" is nowhere in it
+    assert spec.lookup(row, 3) == [] and spec._kind_of(row) is None
+    plain = _Predicting([1, 2, 3, 10, 11, 99], [10, 11], predicted=[])
+    assert spec.lookup(plain, 3) == [99, 10, 11] and spec._kind_of(plain) == (2, "prompt")
+    spec.forget(row)
+    assert id(row) not in spec._predicted and id(row) not in spec._matched
+
+
+def test_follow_finds_the_longest_suffix_of_another_text() -> None:
+    index = NgramIndex()
+    index.extend([1, 2, 3, 4, 2, 3, 5, 6])
+    assert index.follow([9, 1, 2, 3], 2) == [4, 2] and index.matched == (3, 3)  # "1 2 3", not the later "2 3"
+    assert index.follow([7, 2, 3], 2) == [5, 6] and index.matched == (2, 6)  # the latest "2 3"
+    assert index.follow([3], 2) == [] and index.follow([1, 2], 0) == []

@@ -90,17 +90,32 @@ class NgramIndex:
                 return tokens[at : at + k]
         return []
 
+    def follow(self, recent: Sequence[int], k: int) -> list[int]:
+        """Up to ``k`` tokens that followed the latest occurrence here of the longest suffix
+        of ``recent`` (another text's last tokens; :data:`MAX_NGRAM` down to
+        :data:`MIN_NGRAM` of them); [] when none occurs. :attr:`matched` says which match."""
+        self.matched = None
+        if k < 1:
+            return []
+        for n in range(min(MAX_NGRAM, len(recent)), MIN_NGRAM - 1, -1):
+            at = self._after.get(tuple(recent[len(recent) - n :]))
+            if at is not None:
+                self.matched = (n, at)
+                return self.tokens[at : at + k]
+        return []
 
-Kind = tuple[int, bool]
-"""A kind of match: its n-gram's length, and whether what followed it is in the prompt."""
+
+Kind = tuple[int, str]
+"""A kind of match: its n-gram's length, and where what followed it is: ``"prompt"``,
+``"output"`` (the answer so far) or ``"prediction"`` (the request's predicted output)."""
 
 
 def kind(n: int, at: int, prompt_len: int) -> Kind:
-    """The kind of a match of ``n`` tokens whose draft starts at position ``at``. Kinds differ
-    a lot: plain chat on the default model (32 answers, every draft verified) kept the first
-    draft token of 7% of 2-token matches, 35% of 3-token matches in the prompt and 78% of
-    3-token matches in the answer so far."""
-    return n, at < prompt_len
+    """The kind of a match of ``n`` tokens in a row's prompt + output whose draft starts at
+    position ``at``. Kinds differ a lot: plain chat on the default model (32 answers, every
+    draft verified) kept the first draft token of 7% of 2-token matches, 35% of 3-token
+    matches in the prompt and 78% of 3-token matches in the answer so far."""
+    return n, "prompt" if at < prompt_len else "output"
 
 
 @dataclass
@@ -132,6 +147,8 @@ class NgramProposer:
         self.stats = SpeculationStats()
         self.times = StepTimes() if times is None else times
         self._index: dict[int, NgramIndex] = {}
+        self._predicted: dict[int, NgramIndex] = {}  # per row with a predicted output: its tokens, indexed
+        self._matched: dict[int, Kind] = {}  # per row: the kind of its latest lookup's match (none: absent)
         self._acceptance: dict[int, float] = {}  # per row, of one draft token: a moving average
         self._kinds: dict[Kind, float] = {}  # per kind of match, engine-wide: a moving average
 
@@ -145,9 +162,7 @@ class NgramProposer:
 
     def _kind_of(self, request: Any) -> Optional[Kind]:
         """The kind of ``request``'s latest lookup's match (None: it found none)."""
-        index = self._index.get(id(request))
-        matched = index.matched if index is not None else None
-        return None if matched is None else kind(*matched, len(request.prompt_ids))
+        return self._matched.get(id(request))
 
     def record_acceptance(self, request: Any, drafted: int, accepted: int) -> None:
         """A verify step kept ``accepted`` of ``request``'s ``drafted`` drafts."""
@@ -178,15 +193,30 @@ class NgramProposer:
         return draft if self.acceptance(request) >= MIN_ROW_ACCEPTANCE else []
 
     def lookup(self, request: Any, k: int) -> list[int]:
-        """Up to ``k`` tokens that followed the latest earlier occurrence of ``request``'s
-        longest recent n-gram in its prompt + output (its index brought up to date)."""
+        """Up to ``k`` tokens that followed the latest occurrence of ``request``'s longest
+        recent n-gram: in its predicted output first (OpenAI's ``prediction``: what the answer
+        is expected to be), else earlier in its prompt + output (its index brought up to date)."""
         index = self._index.get(id(request))
         if index is None:
             index = self._index[id(request)] = NgramIndex()
         prompt = request.prompt_ids  # index only the tokens it has not seen (no prompt + output copy a step)
         index.extend(prompt[len(index.tokens) :])
         index.extend(request.output_ids[len(index.tokens) - len(prompt) :])
-        return index.propose(k)
+        self._matched.pop(id(request), None)
+        predicted = request.predicted_ids
+        if predicted:
+            expected = self._predicted.get(id(request))
+            if expected is None:
+                expected = self._predicted[id(request)] = NgramIndex()
+                expected.extend(predicted)
+            draft = expected.follow(index.tokens[-MAX_NGRAM:], k)
+            if draft:
+                self._matched[id(request)] = (expected.matched[0], "prediction")  # type: ignore[index]
+                return draft
+        draft = index.propose(k)
+        if index.matched is not None:
+            self._matched[id(request)] = kind(*index.matched, len(prompt))
+        return draft
 
     def draft_all(self, rows: Sequence[Any]) -> None:
         """Set every decoding row's drafts for the next step (none while too many rows decode:
@@ -201,6 +231,8 @@ class NgramProposer:
     def forget(self, request: Any) -> None:
         """Drop a finished or preempted request's index and acceptance."""
         self._index.pop(id(request), None)
+        self._predicted.pop(id(request), None)
+        self._matched.pop(id(request), None)
         self._acceptance.pop(id(request), None)
         request.draft = []
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar, Optional
+from typing import Any, ClassVar, Optional, Union
 
 from langchain_core.messages import UsageMetadata
 from pydantic import BaseModel, Field, model_validator
@@ -84,6 +84,8 @@ class EngineFields(BaseModel):
                                                   "(-1: as many as fit beside max_tokens) instead of refusing it.")
     prompt_logprobs: Optional[int] = Field(default=None, description="vLLM's: each prompt token's logprob, with this many top "
                                            "alternatives (0-20), in response_metadata['prompt_logprobs'].")
+    prediction: Optional[Union[str, dict[str, Any]]] = Field(default=None, description="OpenAI's predicted output (text the answer is "
+                                                             "expected to be much like): drafts with n-gram speculation on.")
 
     @model_validator(mode="before")
     @classmethod
