@@ -203,3 +203,12 @@ def test_a_prediction_the_context_could_not_hold_or_not_text_is_refused_at_submi
         with pytest.raises(InvalidParameterError, match="prediction"):
             engine.generate_sync("hi", SamplingParams(max_tokens=2, prediction=bad))
     assert engine.generate_sync("hi", SamplingParams(max_tokens=2, prediction="hello")).usage.completion_tokens == 2
+
+
+def test_the_prediction_benchmark_runs_its_four_ways(tiny_model_dir) -> None:
+    from mlx_parallm_provider.bench.prediction import measure
+
+    rows = measure(str(tiny_model_dir), functions=2, max_tokens=8, repeats=1)  # (raises where an answer differs)
+    assert [(name, label) for name, label, _ in rows] == [("off", "none"), ("ngram", "none"), ("ngram", "the file"),
+                                                           ("ngram", "the answer itself")]
+    assert all(rate > 0 for _, _, rate in rows)
