@@ -193,6 +193,7 @@ def test_chatopenai_names_model_kwargs_and_extra_body(engine: FakeEngine) -> Non
     chat = ChatMLXParallm(model_name="fake", max_completion_tokens=7, stop_sequences=["END"], model_kwargs={"min_tokens": 2},
                           extra_body={"top_k": 5, "structured_outputs": {"choice": ["yes", "no"]}})
     assert (chat.model, chat.max_tokens, chat.stop) == ("fake", 7, ["END"])
+    assert chat._get_llm_string() != ChatMLXParallm(model="fake", max_tokens=7, stop=["END"])._get_llm_string()  # (LangChain's cache key)
     chat.invoke(LC_MESSAGES)
     params = engine.last.params
     assert (params.max_tokens, params.stop, params.min_tokens, params.top_k) == (7, ["END"], 2, 5)

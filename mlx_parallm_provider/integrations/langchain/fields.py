@@ -143,7 +143,8 @@ class EngineFields(BaseModel):
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
-        return {"model": self.model, **{name: getattr(self, name) for name in SAMPLING_FIELDS}}
+        return {"model": self.model, **{name: getattr(self, name) for name in SAMPLING_FIELDS},
+                "model_kwargs": self.model_kwargs, "extra_body": self.extra_body}
 
     def _get_ls_params(self, stop: Optional[list[str]] = None, **kwargs: Any) -> Any:
         params = super()._get_ls_params(stop=stop, **kwargs)  # type: ignore[misc]
