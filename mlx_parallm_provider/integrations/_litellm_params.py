@@ -130,6 +130,10 @@ def _honoured_params(
         params.pop(key, None)
     unsupported = _unsupported(params, stream=stream)
     refuse_unless_dropped(unsupported, params, litellm_params, model)
+    if stream and params.get("prompt_logprobs") is not None:
+        refuse_unless_dropped(["prompt_logprobs"], params, litellm_params, model, " streams",
+                              "as in vLLM, they come with a whole response, not with stream=True")
+        unsupported.append("prompt_logprobs")
     if litellm_params.get("text_completion"):
         asked = [k for k in ("logprobs", "top_logprobs") if params.get(k)] + (["prompt_logprobs"] if params.get("prompt_logprobs") is not None else [])
         refuse_unless_dropped(asked, params, litellm_params, model, " text completions",
@@ -144,8 +148,6 @@ def _unsupported(params: Mapping[str, Any], *, stream: bool) -> list[str]:
     names = [k for k in params if k not in _HANDLED_KEYS]
     if stream and params.get("n", 1) != 1:
         names.append("n")  # LiteLLM's stream wrapper folds every choice into index 0
-    if stream and params.get("prompt_logprobs") is not None:
-        names.append("prompt_logprobs")  # (as vLLM: not with stream=True; a whole response carries them)
     return names
 
 

@@ -140,8 +140,10 @@ def test_through_litellm_and_langchain(tiny_model_dir: Path, fresh_litellm_engin
         assert abs(entry[ids[i]]["logprob"] - expected[i - 1, ids[i]].item()) < TOL
         assert sorted(v["rank"] for v in entry.values())[:2] == [1, 2]  # (the two likeliest, one maybe the token itself)
     assert litellm.completion(model=model, messages=messages, max_tokens=2).model_dump().get("prompt_logprobs") is None
-    with pytest.raises(litellm.BadRequestError, match="prompt_logprobs"):
+    with pytest.raises(litellm.BadRequestError, match="prompt_logprobs.*stream=True"):
         litellm.completion(model=model, messages=messages, max_tokens=2, prompt_logprobs=1, stream=True)
+    dropped = litellm.completion(model=model, messages=messages, max_tokens=2, prompt_logprobs=1, stream=True, drop_params=True)
+    assert "".join(c.choices[0].delta.content or "" for c in dropped) == answer.choices[0].message.content
     with pytest.raises(litellm.BadRequestError, match="prompt_logprobs"):
         litellm.text_completion(model=model, prompt=TEXT, max_tokens=2, prompt_logprobs=0)
     with pytest.raises(litellm.BadRequestError, match="prompt_logprobs"):
