@@ -9,11 +9,15 @@ result carries them all.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import mlx.core as mx
 
 from .sampled import SampledRow
+from .sampling import log_softmax, top_tokens
+
+if TYPE_CHECKING:
+    from ..models.backends import MLXOps
 
 SLICE = 256
 """Positions taken through the head and the log-softmax at once: their float32 logits are
@@ -21,9 +25,10 @@ SLICE = 256
 
 
 def score_piece(out: mx.array, head: Optional[Callable[[mx.array], mx.array]], ids: list[int], start: int, prompt_len: int,
-                top: int) -> Optional[tuple[int, list[SampledRow]]]:
+                top: int, ops: Optional["MLXOps"]) -> Optional[tuple[int, list[SampledRow]]]:
     """Score one row's pass from position ``start``: ``out`` is its ``(n, vocab)`` logits, or
-    its ``(n, hidden)`` final states with the model's ``head``; ``ids`` its tokens. Position
+    its ``(n, hidden)`` final states with the model's ``head``; ``ids`` its tokens; ``ops``
+    the model's backend, whose log-softmax and top tokens sampling uses too. Position
     ``p`` gives prompt token ``p + 1``'s logprob and the ``top`` likeliest tokens there.
     Returns ``(index of the first token scored, scores)``, or None where the pass holds no
     position before the prompt's last."""
@@ -35,13 +40,12 @@ def score_piece(out: mx.array, head: Optional[Callable[[mx.array], mx.array]], i
         b = min(a + SLICE, end)
         states = out[a - start : b - start]
         logits = (head(states[None])[0] if head is not None else states).astype(mx.float32)
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        logprobs = log_softmax(logits, ops)
         targets = ids[a + 1 : b + 1]
         chosen = mx.take_along_axis(logprobs, mx.array(targets)[:, None], axis=-1)
         ranks = (logprobs > chosen).sum(axis=-1) + 1
         if top:
-            best = mx.argpartition(-logprobs, kth=top - 1, axis=-1)[:, :top]
-            values = mx.take_along_axis(logprobs, best, axis=-1)
+            best, values = top_tokens(logprobs, top, ops)
             mx.eval(chosen, ranks, best, values)
             tops = [sorted(zip(i, v), key=lambda pair: -pair[1]) for i, v in zip(best.tolist(), values.tolist())]
         else:

@@ -271,7 +271,7 @@ class ModelRunner:
         for b, (r, piece, start) in enumerate(zip(rows, pieces, starts)):
             if r.params.prompt_logprobs is not None:
                 got = score_piece(out[b, : len(piece)], self.split.head if hidden else None, r.computed_ids, start, r.prompt_len,
-                                  r.params.prompt_logprobs)
+                                  r.params.prompt_logprobs, backends.of(self.model))
                 if got is not None:
                     scores.append((r, *got))
 

@@ -143,7 +143,7 @@ def _sample_rows(
         tokens = draw_tokens(logits, samplers)
         mx.eval(tokens)
         return [SampledRow(token=t) for t in tokens.tolist()]
-    logprobs = _log_softmax(logits, next((s.ops for s in samplers), None))
+    logprobs = log_softmax(logits, next((s.ops for s in samplers), None))
     tokens = _pick(logits, samplers, logprobs)
 
     wanted = mx.array(wants)
@@ -162,17 +162,20 @@ def _sample_rows(
 
 def _best_tokens(logprobs: mx.array, rows: list[int], samplers: Sequence[RowSampler]) -> Optional[tuple[mx.array, mx.array]]:
     """The ``rows``' most likely tokens, as many for each as the most any of them asks
-    (``top_logprobs``), and their logprobs, each ``(len(rows), k)``: by the backend's op where
-    it takes them (the most likely first), else by MLX's ``argpartition`` (in no order)."""
+    (``top_logprobs``), and their logprobs (:func:`top_tokens`)."""
     if not rows:
         return None
-    part = logprobs[mx.array(rows)]
-    k = max(samplers[i].params.top_logprobs for i in rows)
-    ops = samplers[rows[0]].ops
-    ids = ops.top_tokens(part, k) if ops is not None else None
+    return top_tokens(logprobs[mx.array(rows)], max(samplers[i].params.top_logprobs for i in rows), samplers[rows[0]].ops)
+
+
+def top_tokens(logprobs: mx.array, k: int, ops: Optional["MLXOps"]) -> tuple[mx.array, mx.array]:
+    """Each row's ``k`` most likely tokens and their logprobs, each ``(rows, k)``: by the
+    backend's op where it takes them (the most likely first), else by MLX's ``argpartition``
+    (in no order)."""
+    ids = ops.top_tokens(logprobs, k) if ops is not None else None
     if ids is None:
-        ids = mx.argpartition(-part, kth=k - 1, axis=-1)[:, :k]
-    return ids, mx.take_along_axis(part, ids, axis=-1)
+        ids = mx.argpartition(-logprobs, kth=k - 1, axis=-1)[:, :k]
+    return ids, mx.take_along_axis(logprobs, ids, axis=-1)
 
 
 def draw_tokens(logits: mx.array, samplers: Sequence[RowSampler]) -> mx.array:
@@ -196,7 +199,7 @@ def _draw(rows: mx.array, keys: mx.array, ops: Optional["MLXOps"]) -> mx.array:
     return drawn if drawn is not None else _draw_each(rows, keys)
 
 
-def _log_softmax(rows: mx.array, ops: Optional["MLXOps"]) -> mx.array:
+def log_softmax(rows: mx.array, ops: Optional["MLXOps"]) -> mx.array:
     """``rows - logsumexp(rows)`` row by row, by the backend's op where it takes them."""
     got = ops.log_softmax(rows) if ops is not None else None
     return got if got is not None else rows - mx.logsumexp(rows, axis=-1, keepdims=True)
@@ -257,7 +260,7 @@ def _pick(logits: mx.array, samplers: Sequence[RowSampler], logprobs: Optional[m
     pairs = _split_each(mx.stack([samplers[i].key for i in order]))  # (n, 2, 2): each row's next key, its draw's key
     parts = []
     if which:
-        part = _log_softmax(logits[mx.array(which)], ops) if logprobs is None else logprobs[mx.array(which)]
+        part = log_softmax(logits[mx.array(which)], ops) if logprobs is None else logprobs[mx.array(which)]
         parts.append(_filtered(part, [samplers[i] for i in which], ops))
     if len(order) > len(which):
         parts.append(logits[mx.array(order[len(which) :])])
