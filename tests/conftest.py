@@ -53,6 +53,35 @@ TINY_CONFIG = {
 }
 
 
+_TINY_DIMS = {k: TINY_CONFIG[k] for k in ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads",
+                                          "num_key_value_heads", "vocab_size", "bos_token_id", "eos_token_id")}
+HYBRID_CONFIGS: dict[str, dict] = {
+    # Hybrid models, TINY_CONFIG's sizes: layer 0 keeps a recurrent state, layer 1 attends.
+    # LFM2: a short convolution (a state of its last 2 inputs).
+    "lfm2": {**_TINY_DIMS, "model_type": "lfm2", "max_position_embeddings": 4096, "norm_eps": 1e-5, "conv_bias": False,
+             "conv_L_cache": 3, "block_dim": 64, "block_multiple_of": 16, "block_ffn_dim_multiplier": 1.0,
+             "block_auto_adjust_ff_dim": True, "block_ff_dim": 128, "layer_types": ["conv", "full_attention"],
+             "tie_word_embeddings": True},
+    # Qwen3.5: gated DeltaNet (a convolution state and a recurrent matrix per head), gated attention.
+    "qwen3_5": {"model_type": "qwen3_5", "text_config": {
+        **_TINY_DIMS, "model_type": "qwen3_5_text", "head_dim": 16, "rms_norm_eps": 1e-6, "max_position_embeddings": 4096,
+        "linear_num_value_heads": 4, "linear_num_key_heads": 2, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+        "linear_conv_kernel_dim": 4, "full_attention_interval": 2, "tie_word_embeddings": True,
+        "rope_parameters": {"type": "default", "mrope_section": [2, 1, 1], "rope_theta": 100000, "partial_rotary_factor": 0.25}}},
+    # Granite 4.0-H: Mamba 2 (heads x head size = twice the hidden size, as transformers checks).
+    "granitemoehybrid": {**_TINY_DIMS, "model_type": "granitemoehybrid", "max_position_embeddings": 4096,
+                         "attention_bias": False, "embedding_multiplier": 12.0, "attention_multiplier": 1 / 16,
+                         "logits_scaling": 8.0, "residual_multiplier": 0.22, "layer_types": ["mamba", "attention"],
+                         "rms_norm_eps": 1e-5, "mamba_n_heads": 8, "mamba_d_head": 16, "mamba_proj_bias": False,
+                         "mamba_d_state": 16, "mamba_d_conv": 4, "mamba_n_groups": 1, "mamba_conv_bias": True,
+                         "shared_intermediate_size": 128, "position_embedding_type": "rope", "tie_word_embeddings": True},
+    # Jamba: Mamba layers that take no padded rows (its prompts are prefilled a row at a time), 4 experts.
+    "jamba": {**_TINY_DIMS, "model_type": "jamba", "attn_layer_offset": 1, "attn_layer_period": 2, "expert_layer_offset": 1,
+              "expert_layer_period": 2, "mamba_d_conv": 4, "mamba_d_state": 16, "mamba_expand": 2, "num_experts": 4,
+              "num_experts_per_tok": 2, "rms_norm_eps": 1e-6, "max_position_embeddings": 4096, "tie_word_embeddings": True},
+}
+
+
 _home: Optional[Path] = None
 
 

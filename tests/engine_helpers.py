@@ -145,20 +145,23 @@ def scrape(engine: Any, prefix: str = "vllm:") -> dict[str, float]:
 
 def mlx_lm_greedy(loaded: Any, prompts: list[list[int]], params: Any, max_kv_size: Optional[int] = None) -> list[list[int]]:
     """mlx-lm's ``generate_step`` on each prompt alone, over a cache per layer as the engine
-    windows it (``max_kv_size`` bounds every layer, keeping none of the first tokens), the
-    model on MLX's own ops."""
+    windows it (``max_kv_size`` bounds every layer, keeping none of the first tokens; a hybrid
+    model's recurrent layers get mlx-lm's ``ArraysCache``), the model on MLX's own ops."""
     import mlx.core as mx
     from mlx_lm.generate import generate_step
-    from mlx_lm.models.cache import KVCache, RotatingKVCache
+    from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
-    from mlx_parallm_provider.engine.kv.support import layer_windows, with_max_kv_size
+    from mlx_parallm_provider.engine.kv.support import layer_windows, recurrent_layers, with_max_kv_size
     from mlx_parallm_provider.models import backends
 
     windows = with_max_kv_size(layer_windows(loaded.model), max_kv_size)
+    recurrent = recurrent_layers(loaded.model)
     out = []
     with backends.using(loaded.model, "mlx"):
         for prompt in prompts:
-            cache = [KVCache() if w is None else RotatingKVCache(max_size=w, keep=0) for w in windows]
+            attention = iter([KVCache() if w is None else RotatingKVCache(max_size=w, keep=0) for w in windows])
+            cache = [ArraysCache(recurrent[layer]) if layer in recurrent else next(attention)
+                     for layer in range(len(windows) + len(recurrent))]
             steps = generate_step(mx.array(prompt), loaded.model, max_tokens=params.max_tokens,
                                   sampler=lambda x: mx.argmax(x, axis=-1), prompt_cache=cache)
             out.append([int(t) for t, _ in steps])

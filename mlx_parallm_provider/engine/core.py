@@ -84,7 +84,7 @@ class EngineCore:
                                    stream_interval=config.stream_interval, decode_ahead=config.async_scheduling)
         self.runner = ModelRunner(model, self.memory.storage, self.pad_id, self.memory.windows, self.memory.groups,
                                   wanted=self._wanted, metrics=metrics, decode_ahead=config.async_scheduling,
-                                  prefill_chunk_size=config.prefill_chunk_size)
+                                  prefill_chunk_size=config.prefill_chunk_size, states=self.memory.states)
         self.grammar = GrammarTokenizer(tokenizer, vocab_size, self.eos_ids)
         self._inbox: deque[Request] = deque()
         self._cond = threading.Condition()

@@ -25,7 +25,8 @@ class KVStep:
     shared last block), and how many blocks the arrays must hold now (``blocks``) and may
     come to hold (``blocks_ahead``, to grow ahead); with a disk tier, the blocks to copy out
     for it before anything is written (``saves``: block, its name there) and those to write
-    from it (``loads``: block, its data) before anything reads them."""
+    from it (``loads``: block, its data) before anything reads them; for a model with
+    recurrent layers, each row's state slot (``state_slots[id(request)]``, :mod:`.kv.states`)."""
 
     tables: dict[int, list[list[int]]] = field(default_factory=dict)
     copies: list[tuple[int, int]] = field(default_factory=list)
@@ -33,6 +34,7 @@ class KVStep:
     blocks_ahead: int = 0
     saves: list[tuple[int, bytes]] = field(default_factory=list)
     loads: list[tuple[int, "BlockData"]] = field(default_factory=list)
+    state_slots: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass

@@ -28,6 +28,7 @@ from .drafting.verify import verify_drafts
 from .embed.forward import embed_step
 from .kv.groups import LayerGroups
 from .kv.paged_cache import PagedBatch
+from .kv.states import RecurrentStates
 from .kv.storage import PagedKVStorage
 from .kv.support import layer_windows
 from .plan import KVStep, StepOutput, StepPlan
@@ -55,12 +56,14 @@ class ModelRunner:
         wanted: whether a request is still wanted, asked between prefill pieces.
         metrics: records embedding steps.
         decode_ahead: compute the next decode step ahead where the plan allows (``async_scheduling``).
+        states: a hybrid model's recurrent layers' states (:mod:`.kv.states`), None for others.
     """
 
     def __init__(self, model: Any, storage: PagedKVStorage, pad_id: int, windows: Optional[list[Optional[int]]] = None,
                  groups: Optional[LayerGroups] = None, wanted: Wanted = lambda r: not r.finished, metrics: Any = None,
-                 decode_ahead: bool = True, prefill_chunk_size: int = 512) -> None:
+                 decode_ahead: bool = True, prefill_chunk_size: int = 512, states: Optional[RecurrentStates] = None) -> None:
         self.model, self.storage, self.pad_id, self.wanted, self.metrics = model, storage, pad_id, wanted, metrics
+        self.states = states
         self.windows = windows or layer_windows(model) or [None] * len(model.layers)
         self.groups = groups
         self.num_groups = groups.count if groups is not None else 1
@@ -110,12 +113,13 @@ class ModelRunner:
             out.sampled.append((request, sample_requests(logits, [request])))
 
     def _prefill(self, requests: list[Request], out: StepOutput) -> None:
-        piece = max(1, self.prefill_chunk_size // len(requests))
-        ran = self.prefill(requests, piece, out.prompt_logprobs)
-        if ran is not None:
-            rows, logits = ran
-            out.prefilled.extend(rows)
-            out.sampled.extend(zip(rows, _lists(sample_requests(logits, rows))))
+        # Recurrent layers that cannot keep a padded row's state at its own length take a row a pass.
+        for batch in [requests] if self.states is None or self.states.padded else [[r] for r in requests]:
+            ran = self.prefill(batch, max(1, self.prefill_chunk_size // len(batch)), out.prompt_logprobs)
+            if ran is not None:
+                rows, logits = ran
+                out.prefilled.extend(rows)
+                out.sampled.extend(zip(rows, _lists(sample_requests(logits, rows))))
 
     def _decode(self, plan: StepPlan, rows: list[Request], out: StepOutput) -> None:
         """One decode step of ``rows``: computed ahead, verifying drafts, or plain."""
@@ -154,11 +158,16 @@ class ModelRunner:
                            self.windows, self.gathered, self.groups)
         if tokens is None:
             tokens = mx.array([p + [self.pad_id] * (width - len(p)) for p in pieces])
-        caches = batch.layers()
+        caches = attention = batch.layers()
+        if self.states is not None:
+            state = self.states.open([self.kv.state_slots[id(r)] for r in rows], starts, [len(p) for p in pieces], width)
+            caches = state.interleave(attention)
         with rows_using([r.adapter.slot if r.adapter else 0 for r in rows], [r.adapter.scale if r.adapter else 0.0 for r in rows]):
             out = self.model(tokens, cache=caches) if not hidden else self.split.body(tokens, caches)
+        if self.states is not None:
+            state.commit()
         if width > 1:
-            self.ragged = all(c.ragged for c in caches)
+            self.ragged = all(c.ragged for c in attention)
         return out
 
     def decode_path(self) -> Optional[str]:
@@ -171,6 +180,8 @@ class ModelRunner:
         """The compiled decode forward, made where it applies (:mod:`.compiled_step`); None elsewhere."""
         if self._compiled is None and self.compiled_off is None:
             why = compiled_step.applies(self.model, self.storage, self.windows, self.groups is not None, self.gathered)
+            if self.states is not None:
+                why = "recurrent layers (their state is written outside the pass's arrays)"
             if why is None:
                 self._compiled = CompiledDecode(self.model, self.storage, self.pad_id)
             self.compiled_off = why
@@ -276,7 +287,7 @@ class ModelRunner:
                     scores.append((r, *got))
 
     def _eval(self, *more: mx.array) -> None:
-        mx.eval(self.storage.arrays(), *more)
+        mx.eval(self.storage.arrays(), self.states.arrays() if self.states is not None else [], *more)
 
 
 

@@ -29,7 +29,7 @@ from ..models import backends, registry
 from ..models.backend import release_load_transients
 from ..models.registry import LoadedModel
 from .kv.budget import check_kv_settings, kv_bytes_per_token
-from .kv.support import ensure_servable
+from .kv.support import ensure_servable, settings_for
 from .request import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -100,6 +100,7 @@ class SleepMethods:
         engine: Any = self
         backends.ensure(loaded.model, engine.config.device)  # a model passed in unprepared gets one too
         ensure_servable(loaded.model, engine.model_name)
+        engine.config = settings_for(loaded.model, engine.config)  # a hybrid model's settings
         mlx_lm_compat.fit_grouped_query_masks(loaded.model)
         check_kv_settings(loaded.model, loaded.config, engine.config)
         engine._kv_bytes_per_token = kv_bytes_per_token(loaded.model, loaded.config, engine.config.kv_cache_dtype)

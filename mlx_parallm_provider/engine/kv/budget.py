@@ -14,6 +14,7 @@ from ...errors import InvalidParameterError
 from ...models.device import gpu_memory_free
 from .disk_tier import check_folder
 from .storage import KV_QUANT_GROUP_SIZE, QUANTIZED_KV_BITS, quantized_bytes_per_value
+from .support import recurrent_layers
 
 logger = logging.getLogger(__name__)
 
@@ -71,12 +72,14 @@ def pool_blocks(budget_bytes: Optional[int], bytes_per_token: int, block_size: i
 
 
 def _shape(model: Any, config: dict[str, Any]) -> tuple[int, int, int]:
-    """(layers, KV heads, head size) from the model's config."""
+    """(attention layers, KV heads, head size) from the model's config (a multimodal wrapper's
+    ``text_config`` under it) and, for a hybrid model, its recurrent layers left out."""
+    config = {**config.get("text_config", {}), **config}
     heads = config.get("num_attention_heads", 1)
     kv_heads = config.get("num_key_value_heads", heads)
     head_dim = config.get("head_dim") or config.get("hidden_size", heads) // heads
     layers = config.get("num_hidden_layers", len(getattr(model, "layers", [])) or 1)
-    return layers, kv_heads, head_dim
+    return max(1, layers - len(recurrent_layers(model))), kv_heads, head_dim
 
 
 def check_kv_settings(model: Any, config: dict[str, Any], engine_config: Any) -> None:

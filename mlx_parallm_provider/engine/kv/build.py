@@ -16,8 +16,9 @@ from .disk_prefixes import DiskPrefixes
 from .disk_tier import DiskKVTier, kv_identity
 from .groups import LayerGroups
 from .manager import KVCacheManager
+from .states import RecurrentStates, StateSlots
 from .storage import QUANTIZED_KV_BITS, PagedKVStorage
-from .support import layer_windows, with_max_kv_size
+from .support import layer_windows, pads_states, recurrent_layers, with_max_kv_size
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +32,8 @@ class KVMemory:
     windows: list[Optional[int]]
     groups: Optional[LayerGroups]  # None: one group, a storage slot per layer
     bytes_per_token: int
-    num_layers: int
+    num_layers: int  # attention layers
+    states: Optional[RecurrentStates] = None  # a hybrid model's recurrent layers' states
 
     @property
     def disk(self) -> Optional[DiskKVTier]:
@@ -50,7 +52,10 @@ class KVMemory:
 
     def stats(self) -> dict[str, Any]:
         """``stats()["kv_cache"]``: blocks, usage, preemptions, bytes (and a token's)."""
-        return {"layout": "paged", **self.manager.stats(), "kv_cache_bytes": self.storage.nbytes, "kv_bytes_per_token": self.bytes_per_token}
+        stats = {"layout": "paged", **self.manager.stats(), "kv_cache_bytes": self.storage.nbytes, "kv_bytes_per_token": self.bytes_per_token}
+        if self.states is not None:
+            stats["recurrent_state_bytes"] = self.states.nbytes
+        return stats
 
     def disk_stats(self) -> Optional[dict[str, Any]]:
         """``stats()["kv_disk"]``: the disk tier's hits, bytes, evictions, skipped files; None without one."""
@@ -93,9 +98,11 @@ def build_kv(model: Any, budget_bytes: Optional[int], bytes_per_token: int, bloc
     windows (gemma3's local and global) get a group each (:mod:`.groups`): a local group's
     blocks past its window are released too. ``kv_dtype``: the blocks' dtype (None: the
     model's K/V dtype); ``kv_bits``: quantized blocks of 8 or 4 bits instead. ``disk``: makes
-    the prefix store's disk tier for the layers' windows (one group of layers only)."""
-    layers = len(model.layers)
-    windows = with_max_kv_size(layer_windows(model) or [None] * layers, max_kv_size)
+    the prefix store's disk tier for the layers' windows (one group of layers only). A hybrid
+    model's recurrent layers get no blocks but a state slot per request (:mod:`.states`)."""
+    windows = with_max_kv_size(layer_windows(model) or [None] * len(model.layers), max_kv_size)
+    layers = len(windows)
+    recurrent = recurrent_layers(model)
     groups = LayerGroups.of(windows)
     tier = None
     if disk is not None and groups.count > 1:
@@ -105,10 +112,12 @@ def build_kv(model: Any, budget_bytes: Optional[int], bytes_per_token: int, bloc
     # A block holds `groups.size` layers' K/V: a token costs that share of all layers' bytes in each group.
     blocks = pool_blocks(budget_bytes, bytes_per_token * groups.size // layers, block_size, max_tokens * groups.count)
     cached = None if max_cached_tokens is None else max(1, max_cached_tokens * groups.count // block_size)
-    manager = KVCacheManager(blocks, block_size, cached, windows=groups.windows, disk=DiskPrefixes(tier) if tier is not None else None)
+    manager = (StateSlots if recurrent else KVCacheManager)(blocks, block_size, cached, windows=groups.windows,
+                                                            disk=DiskPrefixes(tier) if tier is not None else None)
     storage = PagedKVStorage(groups.size, blocks, block_size, preallocate=budget_bytes is not None, dtype=kv_dtype,
                              bits=kv_bits)
-    return KVMemory(manager, storage, windows, groups if groups.count > 1 else None, bytes_per_token, layers)
+    return KVMemory(manager, storage, windows, groups if groups.count > 1 else None, bytes_per_token, layers,
+                    RecurrentStates(recurrent, pads_states(model)) if recurrent else None)
 
 
 def kv_for_engine(model: Any, config: Any, bytes_per_token: int, context_length: int, model_path: Optional[Path] = None) -> KVMemory:

@@ -1,25 +1,37 @@
-"""Whether a model can run on paged KV: the one place in :mod:`.kv` that looks at mlx-lm's
-cache classes."""
+"""Whether a model can run on paged KV, and which of its layers keep a recurrent state
+instead: the one place in :mod:`.kv` that looks at mlx-lm's cache classes."""
 
 from __future__ import annotations
 
+import logging
+from dataclasses import replace
 from typing import Any, Optional
 
-from mlx_lm.models.cache import KVCache, RotatingKVCache
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
-from ...errors import UnsupportedModelError
+from ...errors import InvalidParameterError, UnsupportedModelError
+
+logger = logging.getLogger(__name__)
 
 
 def unsupported_reason(model: Any) -> Optional[str]:
     """Why ``model`` cannot run on paged KV (so cannot be served), or None if it can. A model
     whose attention is not routed through its backend (a module computing it itself that
     :mod:`...models.backends.routing` does not know) gets every row's blocks gathered per layer
-    (:class:`.paged_cache.PagedBatch`'s ``gathered``), as mlx-lm's batch cache gives them."""
+    (:class:`.paged_cache.PagedBatch`'s ``gathered``), as mlx-lm's batch cache gives them.
+    Hybrid models (attention layers beside state-space or linear-attention ones: LFM2,
+    Qwen3.5, Granite 4.0-H, Nemotron-H) are served, their recurrent layers' state held per
+    request (:mod:`.states`)."""
     if not hasattr(model, "layers"):
         return "the model has no layers list"
-    if layer_windows(model) is None:
-        return (f"{type(model).__module__} has layers whose cache is not a KV cache (state-space or "
-                "linear-attention layers, kept first tokens): only attention KV caches are served")
+    windows = layer_windows(model)
+    if windows is None:
+        return (f"{type(model).__module__} has layers whose cache is neither a KV cache nor a recurrent state "
+                "(chunked or kept-first-tokens attention, cache lists): only attention KV caches and hybrid models' "
+                "recurrent states are served")
+    if not windows:
+        return (f"{type(model).__module__} has no attention layer (a state-space model): only models with attention "
+                "layers, hybrid ones included, are served")
     return None
 
 
@@ -31,22 +43,71 @@ def ensure_servable(model: Any, name: str) -> None:
         raise UnsupportedModelError(f"model {name!r} cannot be served: {reason}")
 
 
-def layer_windows(model: Any) -> Optional[list[Optional[int]]]:
-    """Each layer's sliding window (None: it attends to every token), as the caches
-    ``model.make_cache()`` builds say (a ``RotatingKVCache`` that keeps no first tokens is a
-    window of its size); None if some layer's cache is neither kind."""
+def _caches(model: Any) -> Optional[list[Any]]:
     make_cache = getattr(model, "make_cache", None)
-    if make_cache is None:
+    return make_cache() if make_cache is not None else None
+
+
+def layer_windows(model: Any) -> Optional[list[Optional[int]]]:
+    """Each attention layer's sliding window (None: it attends to every token), in layer
+    order, as the caches ``model.make_cache()`` builds say (a ``RotatingKVCache`` that keeps
+    no first tokens is a window of its size); a recurrent layer (:func:`recurrent_layers`)
+    has none and is left out; None if some layer's cache is none of these kinds."""
+    caches = _caches(model)
+    if caches is None:
         return [None] * len(model.layers)
     windows: list[Optional[int]] = []
-    for cache in make_cache():
+    for cache in caches:
         if type(cache) is KVCache:
             windows.append(None)
         elif type(cache) is RotatingKVCache and cache.keep == 0:
             windows.append(cache.max_size)
-        else:
+        elif not isinstance(cache, ArraysCache):
             return None
     return windows
+
+
+def recurrent_layers(model: Any) -> dict[int, int]:
+    """The layers whose cache is a recurrent state (mlx-lm's ``ArraysCache``: a state-space
+    or linear-attention layer's convolution and scan states), each with how many arrays its
+    state is; empty for a model of attention layers only."""
+    return {layer: len(cache.cache) for layer, cache in enumerate(_caches(model) or []) if isinstance(cache, ArraysCache)}
+
+
+PADDED_STATE_MODULES = frozenset({"lfm2", "lfm2_moe", "qwen3_next", "qwen3_5", "qwen3_5_moe", "granitemoehybrid", "nemotron_h",
+                                  "plamo2", "kimi_linear"})
+"""mlx-lm model modules whose recurrent layers take a right-padded batch (``ArraysCache.lengths``:
+each row's state is the one at its own last token). Others' prompts are prefilled a row at a
+time (a batch's rows each as long as the pass)."""
+
+
+def pads_states(model: Any) -> bool:
+    """Whether ``model``'s recurrent layers can prefill rows of different lengths in one pass
+    (:data:`PADDED_STATE_MODULES`)."""
+    return type(model).__module__.rpartition(".")[2] in PADDED_STATE_MODULES
+
+
+STATE_OFF = ("enable_prefix_caching", "async_scheduling", "grammar_fast_forward")
+"""Settings a model with recurrent layers runs without: a recurrent state is one per request
+at its last token, so it cannot be shared from a cached prefix, nor rewound over tokens a
+step computed ahead or verified and then dropped."""
+
+
+def settings_for(model: Any, config: Any) -> Any:
+    """``config`` (an :class:`~...config.EngineConfig`) as ``model`` can run it: for a model
+    with recurrent layers, :data:`STATE_OFF` turned off (logged) and ``speculative`` /
+    ``kv_disk_path`` refused (:class:`~...errors.InvalidParameterError`), as vLLM does for such
+    models; else ``config`` itself."""
+    if not recurrent_layers(model):
+        return config
+    for name, why in (("speculative", "a draft the model rejects cannot be taken back out of a recurrent state"),
+                      ("kv_disk_path", "the disk tier stores the prefix store's blocks, and there is no prefix store")):
+        if getattr(config, name) is not None:
+            raise InvalidParameterError(name, f"not available for a model with state-space or linear-attention layers: {why}")
+    off = {name: False for name in STATE_OFF if getattr(config, name)}
+    if off:
+        logger.info("%s has recurrent (state-space or linear-attention) layers: %s off", type(model).__module__, ", ".join(off))
+    return replace(config, **off) if off else config
 
 
 def with_max_kv_size(windows: list[Optional[int]], max_kv_size: Optional[int]) -> list[Optional[int]]:
