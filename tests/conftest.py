@@ -221,6 +221,7 @@ GPU_MODULES = {
     "test_shared_prefix_engine.py", "test_speculation.py", "test_constraints.py", "test_paged_forward.py",
     "test_structured_doors.py", "test_isolation.py", "test_embeddings.py", "test_gpu_paged.py", "test_quantized_kv.py",
     "test_attention_routing.py", "test_folded_rows.py", "test_stacked_projections.py", "test_prompt_logprobs.py",
+    "test_hybrid_models.py",
 }
 """The integration modules marked ``gpu``: the engine, its doors (LiteLLM, LangChain) and its
 KV on the tiny model, none needing the CPU kernels or the default model (``slow`` tests aside).
