@@ -158,8 +158,10 @@ class FakeEngine:
         chunk_size: int = 3,
         delay: float = 0.0,
         error: Optional[BaseException] = None,
+        by_tokens: bool = False,
     ) -> None:
         self.model_name = model_name
+        self.by_tokens = by_tokens  # token ids from the tokenizer, deltas of chunk_size tokens (else a char each)
         self.tokenizer = tokenizer if tokenizer is not None else make_tokenizer()
         self.context_length = context_length
         self.script = script
@@ -342,20 +344,28 @@ class FakeEngine:
 
     def _complete(self, prompt: Union[str, list[int]], params: SamplingParams, request_id: str) -> Completion:
         text, finish = self._answer(prompt, params)
-        usage = Usage(prompt_tokens=self._prompt_tokens(prompt), completion_tokens=len(text))
-        return Completion(request_id, text, [ord(c) for c in text], finish, usage, self._logprobs(text, params))
+        ids = self.tokenizer.encode(text, add_special_tokens=False) if self.by_tokens else [ord(c) for c in text]
+        usage = Usage(prompt_tokens=self._prompt_tokens(prompt), completion_tokens=len(ids))
+        return Completion(request_id, text, ids, finish, usage, self._logprobs(text, params))
 
     def _deltas(self, prompt: Union[str, list[int]], params: SamplingParams, request_id: str) -> Iterator[Delta]:
         text, finish = self._answer(prompt, params)
-        pieces = [text[i : i + self.chunk_size] for i in range(0, len(text), self.chunk_size)] or [""]
-        for i, piece in enumerate(pieces):
+        if self.by_tokens:
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            groups = [ids[i : i + self.chunk_size] for i in range(0, len(ids), self.chunk_size)] or [[]]
+            pieces = [(self.tokenizer.decode(g), g) for g in groups]
+        else:
+            pieces = [(text[i : i + self.chunk_size], [ord(c) for c in text[i : i + self.chunk_size]])
+                      for i in range(0, len(text), self.chunk_size)] or [("", [])]
+        tokens = sum(len(g) for _, g in pieces)
+        for i, (piece, group) in enumerate(pieces):
             last = i == len(pieces) - 1
             yield Delta(
                 request_id,
                 piece,
-                [ord(c) for c in piece],
+                group,
                 finish_reason=finish if last else None,
-                usage=Usage(self._prompt_tokens(prompt), len(text)) if last else None,
+                usage=Usage(self._prompt_tokens(prompt), tokens) if last else None,
             )
 
 

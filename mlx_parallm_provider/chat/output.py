@@ -9,12 +9,12 @@ pieces into the same answer, event by event. Both honour what the prompt asked f
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional, Union
 
 from ..engine.request import Completion, Delta, TokenLogprob, Usage
 from .prepare import PreparedPrompt
-from .reasoning import ReasoningSplitter, split_reasoning
+from .reasoning import ReasoningSplitter, reasoning_tokens, split_reasoning
 from .tool_defs import InvalidToolCall, ToolCall
 from .tool_parser import ToolCallStreamParser, parse_tool_calls
 
@@ -34,10 +34,14 @@ class ChatOutput:
 
 
 def read_completion(prepared: PreparedPrompt, completion: Completion) -> ChatOutput:
-    """Split a finished completion into thinking, content and tool calls."""
+    """Split a finished completion into thinking, content and tool calls (the thinking's
+    tokens counted in its usage's ``reasoning_tokens``)."""
     reasoning, text = (None, completion.text) if prepared.reasoning is None else split_reasoning(completion.text, prepared.reasoning)
+    usage = completion.usage
+    if reasoning is not None and prepared.thinking_tags is not None:
+        usage = replace(usage, reasoning_tokens=reasoning_tokens(completion.token_ids, bool(prepared.reasoning), prepared.thinking_tags))
     if not prepared.tools:
-        return ChatOutput(text, [], [], completion.finish_reason, completion.usage, completion.logprobs, reasoning)
+        return ChatOutput(text, [], [], completion.finish_reason, usage, completion.logprobs, reasoning)
     parsed = parse_tool_calls(text, prepared.tools, prepared.tool_format)
     calls = parsed.tool_calls if prepared.parallel_tool_calls else parsed.tool_calls[:1]
     return ChatOutput(
@@ -45,7 +49,7 @@ def read_completion(prepared: PreparedPrompt, completion: Completion) -> ChatOut
         tool_calls=calls,
         invalid_tool_calls=parsed.invalid_tool_calls,
         finish_reason="tool_calls" if calls else completion.finish_reason,
-        usage=completion.usage,
+        usage=usage,
         logprobs=completion.logprobs,
         reasoning=reasoning,
     )
@@ -100,6 +104,8 @@ class ChatStreamReader:
     def __init__(self, prepared: PreparedPrompt) -> None:
         self._parser = ToolCallStreamParser(prepared.tools, prepared.tool_format) if prepared.tools else None
         self._thinking = ReasoningSplitter(prepared.reasoning) if prepared.reasoning is not None else None
+        self._inside, self._tags = bool(prepared.reasoning), prepared.thinking_tags
+        self._ids: list[int] = []  # the answer's tokens so far, where thinking is split off (to count its tokens)
         self._single_call = not prepared.parallel_tool_calls
         self._valid = 0
         self._positions = 0
@@ -109,6 +115,7 @@ class ChatStreamReader:
         events: list[ChatEvent] = []
         text = delta.text
         if self._thinking is not None:
+            self._ids.extend(delta.token_ids)
             pieces = self._thinking.feed(text) + (self._thinking.finish() if delta.finish_reason is not None else [])
             events += [ReasoningEvent(t) for kind, t in pieces if kind == "reasoning"]
             text = "".join(t for kind, t in pieces if kind == "content")
@@ -118,7 +125,10 @@ class ChatStreamReader:
         events += [event for item in parsed for event in self._events(item)]
         if delta.finish_reason is not None:
             reason = "tool_calls" if self._valid else delta.finish_reason
-            events.append(FinalEvent(reason, delta.usage))
+            usage = delta.usage
+            if usage is not None and self._thinking is not None and self._thinking.thought and self._tags is not None:
+                usage = replace(usage, reasoning_tokens=reasoning_tokens(self._ids, self._inside, self._tags))
+            events.append(FinalEvent(reason, usage))
         return events
 
     def _events(self, item: Union[str, ToolCall, InvalidToolCall]) -> list[ChatEvent]:

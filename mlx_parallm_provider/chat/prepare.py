@@ -19,7 +19,7 @@ from ..engine.grammar.limits import LIMITS
 from ..errors import InvalidParameterError
 from .constraints import response_format_constraint, tool_call_constraint
 from .messages import normalize_messages
-from .reasoning import reasoning_start, thinking_variables
+from .reasoning import reasoning_start, thinking_tags, thinking_variables
 from .render import check_template_kwargs, render_conversation
 from .special_tokens import guard_conversation, is_one_token
 from .structured_outputs import structured_outputs_constraint
@@ -44,7 +44,8 @@ class PreparedPrompt:
     valid call of an answer is kept. ``constraint`` is what decoding must follow (JSON
     output, a forced tool call), to be put in the request's ``SamplingParams``.
     ``reasoning``: how the answer's thinking is split from it (:mod:`.reasoning`): None for
-    not at all, True when the prompt opened the thinking block, False when the answer may.
+    not at all, True when the prompt opened the thinking block, False when the answer may;
+    ``thinking_tags``, then, the tags' token ids (to count the thinking's tokens).
     """
 
     prompt: Union[str, list[int]]
@@ -53,6 +54,7 @@ class PreparedPrompt:
     parallel_tool_calls: bool = True
     constraint: Optional[Constraint] = None
     reasoning: Optional[bool] = None
+    thinking_tags: Optional[tuple[int, int]] = None
 
 
 def prepare_text(prompt: Any) -> PreparedPrompt:
@@ -131,7 +133,7 @@ def prepare_chat(
     free_text = constraint is None or (not forced and answer is None and structured is None)
     reasoning = reasoning_start(tokenizer, rendered) if free_text else None
     return PreparedPrompt(prompt=prompt, tools=shown, tool_format=fmt, parallel_tool_calls=parallel, constraint=constraint,
-                          reasoning=reasoning)
+                          reasoning=reasoning, thinking_tags=thinking_tags(tokenizer) if reasoning is not None else None)
 
 
 def _check_continuable(final: Mapping[str, Any], constrained: bool) -> None:

@@ -15,7 +15,7 @@ own switch, ``enable_thinking`` (Qwen3, SmolLM3), and ``reasoning_effort`` (gpt-
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
 from ..errors import InvalidParameterError
@@ -49,6 +49,24 @@ def thinking_variables(reasoning_effort: Any = None, thinking: Any = None) -> di
             raise InvalidParameterError("reasoning_effort", f"must be one of {', '.join(EFFORTS)}, got {reasoning_effort!r}")
         variables.update(enable_thinking=level not in _OFF, reasoning_effort=level)
     return variables
+
+
+def thinking_tags(tokenizer: Any) -> Optional[tuple[int, int]]:
+    """The token ids of the opening and closing thinking tags, or None where either is not one token."""
+    if not (is_one_token(tokenizer, OPEN) and is_one_token(tokenizer, CLOSE)):
+        return None
+    return tokenizer.encode(OPEN, add_special_tokens=False)[0], tokenizer.encode(CLOSE, add_special_tokens=False)[0]
+
+
+def reasoning_tokens(token_ids: Sequence[int], inside: bool, tags: tuple[int, int]) -> int:
+    """How many of an answer's ``token_ids`` are its thinking (OpenAI's ``reasoning_tokens``, as
+    vLLM counts them): those between the opening tag (the answer's first, or the prompt's where
+    it is ``inside``) and the closing one, the tags not counted; to the end if none closes.
+    For an answer the splitter found thinking in."""
+    open_id, close_id = tags
+    start = 0 if inside else next((i + 1 for i, t in enumerate(token_ids) if t == open_id), len(token_ids))
+    end = next((i for i in range(start, len(token_ids)) if token_ids[i] == close_id), len(token_ids))
+    return end - start
 
 
 def reasoning_start(tokenizer: Any, prompt: str) -> Optional[bool]:

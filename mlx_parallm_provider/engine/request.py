@@ -174,11 +174,15 @@ class Usage:
 
     ``cached_tokens`` is how many of the ``prompt_tokens`` were not computed because their
     KV was reused from the prefix store (OpenAI's ``prompt_tokens_details.cached_tokens``).
+    ``reasoning_tokens``, of the ``completion_tokens``, those of a reasoning model's thinking
+    (OpenAI's ``completion_tokens_details.reasoning_tokens``), counted by the chat layer where
+    it splits the thinking off (0 from the engine itself).
     """
 
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    reasoning_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:

@@ -10,13 +10,15 @@ PROVIDER = "mlx-parallm"
 
 
 def usage_dict(usage: Usage) -> dict[str, Any]:
-    """OpenAI's usage dict: ``prompt_tokens``, ``completion_tokens``, ``total_tokens`` and
-    ``prompt_tokens_details.cached_tokens`` (prompt tokens whose KV came from the prefix cache)."""
+    """OpenAI's usage dict: ``prompt_tokens``, ``completion_tokens``, ``total_tokens``,
+    ``prompt_tokens_details.cached_tokens`` (prompt tokens whose KV came from the prefix cache)
+    and ``completion_tokens_details.reasoning_tokens`` (a reasoning model's thinking)."""
     return {
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.total_tokens,
         "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+        "completion_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
     }
 
 

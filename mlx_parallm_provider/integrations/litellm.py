@@ -50,6 +50,7 @@ from litellm.types.utils import (
 from litellm.types.utils import Delta as LiteLLMDelta
 
 from ..chat import (
+    ChatOutput,
     ChatStreamReader,
     ContentEvent,
     FinalEvent,
@@ -212,14 +213,16 @@ def _stream_sync(call: LiteLLMCall) -> Iterator[_Chunk]:
 
 def _build_response(model_response: Optional[ModelResponse], call: LiteLLMCall, completions: list[Completion]) -> ModelResponse:
     response = model_response if model_response is not None else ModelResponse()
-    response.choices = [_choice(i, call, c) for i, c in enumerate(completions)]
+    outputs = [read_completion(call.prompts[i // call.n], c) for i, c in enumerate(completions)]
+    response.choices = [_choice(i, output) for i, output in enumerate(outputs)]
     response.model = call.model
     response.created = int(time.time())
     firsts = completions[:: call.n]  # each prompt once
     prompt_tokens = sum(c.usage.prompt_tokens for c in firsts)
     cached_tokens = sum(c.usage.cached_tokens for c in firsts)
     completion_tokens = sum(c.usage.completion_tokens for c in completions)
-    usage = Usage(prompt_tokens, completion_tokens, cached_tokens=cached_tokens)
+    usage = Usage(prompt_tokens, completion_tokens, cached_tokens=cached_tokens,
+                  reasoning_tokens=sum(o.usage.reasoning_tokens for o in outputs))
     setattr(response, "usage", litellm.Usage(**usage_dict(usage)))
     if call.params.prompt_logprobs is not None:  # where vLLM puts them: the response's (one prompt), else each choice's
         if len(call.prompts) == 1:
@@ -230,8 +233,7 @@ def _build_response(model_response: Optional[ModelResponse], call: LiteLLMCall, 
     return response
 
 
-def _choice(index: int, call: LiteLLMCall, completion: Completion) -> Choices:
-    output = read_completion(call.prompts[index // call.n], completion)
+def _choice(index: int, output: ChatOutput) -> Choices:
     invalid = output.invalid_tool_calls
     content = _with_invalid_text(output.content, invalid)
     message = Message(

@@ -316,6 +316,7 @@ def test_llm_stream_ends_with_finish_reason_and_usage(model_name: str, engine: E
         "completion_tokens": MAX_TOKENS,
         "total_tokens": prompt_tokens + MAX_TOKENS,
         "prompt_tokens_details": {"cached_tokens": 0},
+        "completion_tokens_details": {"reasoning_tokens": 0},
     }
     assert all(c.generation_info is None for c in chunks[:-1])
 
@@ -488,7 +489,8 @@ def test_recorded_tool_calls_parse_into_tool_calls(name: str) -> None:
     assert all(ids) and len(set(ids)) == len(ids)
     assert message.invalid_tool_calls == []
     assert message.response_metadata["finish_reason"] == "tool_calls"
-    assert message.usage_metadata == {"input_tokens": 40, "output_tokens": 25, "total_tokens": 65, "input_token_details": {"cache_read": 0}}
+    assert message.usage_metadata == {"input_tokens": 40, "output_tokens": 25, "total_tokens": 65, "input_token_details": {"cache_read": 0},
+                                      "output_token_details": {"reasoning": 0}}
 
 
 @pytest.mark.parametrize("name", list(RECORDED))

@@ -172,3 +172,40 @@ def test_litellm_merge_reasoning_content_in_choices_keeps_the_text_as_generated(
     whole = litellm.completion(model="mlx-parallm/fake", messages=HI, merge_reasoning_content_in_choices=True).choices[0].message
     assert whole.content == text and getattr(whole, "reasoning_content", None) is None
     assert _litellm_stream(merge_reasoning_content_in_choices=True)[:2] == ("", text)
+
+
+def test_reasoning_tokens_count_the_thinking_between_its_tags() -> None:
+    from mlx_parallm_provider.chat.reasoning import reasoning_tokens
+
+    tags = (7, 8)
+    assert reasoning_tokens([7, 1, 2, 3, 8, 4, 5], False, tags) == 3
+    assert reasoning_tokens([1, 2, 8, 4], True, tags) == 2  # the prompt opened the block
+    assert reasoning_tokens([7, 1, 2], False, tags) == 2  # cut by max_tokens: all thinking
+    assert reasoning_tokens([8, 4], True, tags) == 0
+
+
+@pytest.mark.parametrize("template,answer", [
+    (SMOLLM2_TEMPLATE, "<think>" + THOUGHT + "</think>\n\n" + ANSWER),
+    (OPENING_TEMPLATE, THOUGHT + "</think>\n\n" + ANSWER),
+])
+def test_the_doors_report_reasoning_tokens(doors: Any, monkeypatch: pytest.MonkeyPatch, template: str, answer: str) -> None:
+    """OpenAI's ``completion_tokens_details.reasoning_tokens`` (LiteLLM, whole and streamed, and
+    the Responses bridge's ``output_tokens_details``) and LangChain's ``output_token_details``:
+    the thinking's tokens, the tags not counted."""
+    tokenizer = _thinking_tokenizer(template)
+    engine = doors(answer, tokenizer)
+    engine.by_tokens = True
+    thought = len(tokenizer.encode(THOUGHT, add_special_tokens=False))
+    whole = litellm.completion(model="mlx-parallm/fake", messages=HI)
+    assert whole.usage.completion_tokens_details.reasoning_tokens == thought
+    assert whole.usage.completion_tokens == len(tokenizer.encode(answer, add_special_tokens=False))
+    _, _, chunks = _litellm_stream(stream_options={"include_usage": True})
+    assert [c.usage.completion_tokens_details.reasoning_tokens for c in chunks if getattr(c, "usage", None)] == [thought]
+    responses = litellm.responses(model="mlx-parallm/fake", input="Hi", max_output_tokens=200)
+    assert responses.usage.output_tokens_details.reasoning_tokens == thought
+    chat = ChatMLXParallm(model="fake")
+    assert chat.invoke("Hi").usage_metadata["output_token_details"] == {"reasoning": thought}
+    merged = sum(chat.stream("Hi"), AIMessageChunk(content=""))
+    assert merged.usage_metadata["output_token_details"] == {"reasoning": thought}
+    engine.script = engine.default = ANSWER if template == SMOLLM2_TEMPLATE else "</think>\n\n" + ANSWER
+    assert litellm.completion(model="mlx-parallm/fake", messages=HI).usage.completion_tokens_details.reasoning_tokens == 0

@@ -184,6 +184,7 @@ def usage_metadata(usage: Usage) -> UsageMetadata:
         output_tokens=usage.completion_tokens,
         total_tokens=usage.total_tokens,
         input_token_details={"cache_read": usage.cached_tokens},
+        output_token_details={"reasoning": usage.reasoning_tokens},
     )
 
 
