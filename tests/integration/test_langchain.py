@@ -276,6 +276,23 @@ def test_chat_stream_joins_to_the_invoked_text_and_callbacks_get_each_token_once
     assert "".join(c.content for c in sync_chunks) == invoked.content
 
 
+def test_chat_stream_usage_as_chat_openai(model_name: str) -> None:
+    """``stream_usage`` (ChatOpenAI's field and call keyword): False leaves usage off the
+    stream's last chunk, the call's value winning; anything but a boolean is refused."""
+    quiet = ChatMLXParallm(model=model_name, max_tokens=4, ignore_eos=True, stream_usage=False)
+    assert all(c.usage_metadata is None for c in quiet.stream("Tell me a joke"))
+    assert list(quiet.stream("Tell me a joke", stream_usage=True))[-1].usage_metadata["output_tokens"] == 4
+
+    async def collect(**kwargs: Any) -> list[AIMessageChunk]:
+        return [c async for c in ChatMLXParallm(model=model_name, max_tokens=4, ignore_eos=True).astream("Hi", **kwargs)]
+
+    assert run(collect())[-1].usage_metadata["output_tokens"] == 4
+    assert all(c.usage_metadata is None for c in run(collect(stream_usage=False)))
+    assert quiet.invoke("Tell me a joke").usage_metadata["output_tokens"] == 4  # an answer always has its usage
+    with pytest.raises(InvalidParameterError, match="stream_usage: must be a boolean"):
+        list(quiet.stream("Hi", stream_usage="yes"))
+
+
 def test_chat_streaming_invoke_reports_every_token_once(model_name: str) -> None:
     plain = ChatMLXParallm(model=model_name, max_tokens=MAX_TOKENS, ignore_eos=True).invoke("Tell me a joke")
     recorder = TokenRecorder()

@@ -30,7 +30,7 @@ from .fields import EngineFields, engine_for
 from .messages import ChunkWriter, ai_message
 
 _CHAT_CALL_KWARGS = frozenset(("tools", "tool_choice", "parallel_tool_calls", "response_format", "continue_final_message", "structured_outputs",
-                                "chat_template_kwargs", "reasoning_effort", "thinking"))
+                                "chat_template_kwargs", "reasoning_effort", "thinking", "stream_usage"))
 
 
 @dataclass(frozen=True)
@@ -69,6 +69,8 @@ class ChatMLXParallm(EngineFields, BatchesFromOneThread, BaseChatModel):
     CALL_KWARGS = _CHAT_CALL_KWARGS
 
     streaming: bool = Field(default=False, description="Stream internally on invoke (callbacks get every token).")
+    stream_usage: bool = Field(default=True, description="A stream's last chunk carries usage_metadata (as ChatOpenAI's; "
+                                                         "a call's stream_usage=... wins).")
 
     @property
     def _llm_type(self) -> str:
@@ -105,7 +107,7 @@ class ChatMLXParallm(EngineFields, BatchesFromOneThread, BaseChatModel):
         **kwargs: Any,
     ) -> Iterator[ChatGenerationChunk]:
         call = self._prepare(messages, stop, kwargs)
-        writer = ChunkWriter(call.prepared, call.model)
+        writer = ChunkWriter(call.prepared, call.model, usage=self._stream_usage(kwargs))
         done = call.prefetched()
         if done is not None:  # in a sync batch the answer is already there: one piece
             yield from _emit(writer, [_as_delta(done)], run_manager)
@@ -124,7 +126,7 @@ class ChatMLXParallm(EngineFields, BatchesFromOneThread, BaseChatModel):
         **kwargs: Any,
     ) -> AsyncIterator[ChatGenerationChunk]:
         call = await asyncio.to_thread(self._prepare, messages, stop, kwargs)  # off the loop: rendering, grammars
-        writer = ChunkWriter(call.prepared, call.model)
+        writer = ChunkWriter(call.prepared, call.model, usage=self._stream_usage(kwargs))
         deltas = call.engine.stream(call.prepared.prompt, call.params)
         try:
             async for delta in deltas:
@@ -134,6 +136,15 @@ class ChatMLXParallm(EngineFields, BatchesFromOneThread, BaseChatModel):
                     yield chunk
         finally:
             await deltas.aclose()
+
+    def _stream_usage(self, kwargs: Mapping[str, Any]) -> bool:
+        """Whether a stream's last chunk carries usage: the call's ``stream_usage``, else the model's."""
+        given = kwargs.get("stream_usage")
+        if given is None:
+            return self.stream_usage
+        if not isinstance(given, bool):
+            raise InvalidParameterError("stream_usage", f"must be a boolean, got {given!r}")
+        return given
 
     def _batch_request(self, value: LanguageModelInput, stop: Optional[list[str]], kwargs: dict[str, Any]) -> tuple[EngineLike, str, SamplingParams]:
         call = self._prepare(self._convert_input(value).to_messages(), stop, kwargs)

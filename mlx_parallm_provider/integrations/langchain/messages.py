@@ -48,7 +48,7 @@ class ChunkWriter:
     Thinking arrives as ``additional_kwargs["reasoning_content"]`` pieces (which merge),
     text as content chunks, each completed tool call as one ``tool_call_chunks``
     entry (malformed calls with their raw text as ``args``, which merges into
-    ``invalid_tool_calls``), and the last chunk carries ``usage_metadata``,
+    ``invalid_tool_calls``), and the last chunk carries ``usage_metadata`` (unless ``usage`` is False),
     ``finish_reason``, ``model_name`` (and vLLM's ``prompt_logprobs``, if asked for).
 
     Logprobs, if asked for, ride as ``ChatOpenAI`` streams them: each chunk of thinking or
@@ -57,9 +57,9 @@ class ChunkWriter:
     carried go on the last, so the chunks, summed, hold every token's logprob in order.
     """
 
-    def __init__(self, prepared: PreparedPrompt, model: str) -> None:
+    def __init__(self, prepared: PreparedPrompt, model: str, usage: bool = True) -> None:
         self._reader = ChatStreamReader(prepared)
-        self._model = model
+        self._model, self._usage = model, usage
         self._logprobs: list[TokenLogprob] = []  # (not yet sent)
         self._prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None
 
@@ -97,7 +97,7 @@ class ChunkWriter:
             metadata["prompt_logprobs"] = vllm_prompt_logprobs(self._prompt_logprobs)
         return AIMessageChunk(
             content="",
-            usage_metadata=usage_metadata(event.usage) if event.usage is not None else None,
+            usage_metadata=usage_metadata(event.usage) if event.usage is not None and self._usage else None,
             response_metadata=metadata,
             chunk_position="last",
         )
