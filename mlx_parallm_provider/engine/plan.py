@@ -5,7 +5,7 @@ scheduler learns nothing but what the output says."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, Optional
+from typing import TYPE_CHECKING, Hashable, Literal, Optional
 
 if TYPE_CHECKING:
     from .embed.request import EmbedRequest
@@ -26,7 +26,8 @@ class KVStep:
     come to hold (``blocks_ahead``, to grow ahead); with a disk tier, the blocks to copy out
     for it before anything is written (``saves``: block, its name there) and those to write
     from it (``loads``: block, its data) before anything reads them; for a model with
-    recurrent layers, each row's state slot (``state_slots[id(request)]``, :mod:`.kv.states`)."""
+    recurrent layers, each row's state slot (``state_slots[id(request)]``, :mod:`.kv.states`)
+    and the kept states to put in new rows' slots first (``state_loads``: a checkpoint's name)."""
 
     tables: dict[int, list[list[int]]] = field(default_factory=dict)
     copies: list[tuple[int, int]] = field(default_factory=list)
@@ -35,6 +36,7 @@ class KVStep:
     saves: list[tuple[int, bytes]] = field(default_factory=list)
     loads: list[tuple[int, "BlockData"]] = field(default_factory=list)
     state_slots: dict[int, int] = field(default_factory=dict)
+    state_loads: dict[int, Hashable] = field(default_factory=dict)
 
 
 @dataclass

@@ -88,6 +88,8 @@ class ModelRunner:
         if plan.kv.loads:
             self.storage.load_blocks(plan.kv.loads)
         self.storage.copy_blocks(plan.kv.copies)
+        for owner, name in plan.kv.state_loads.items():  # new rows starting after a cached prefix: its kept state
+            self.states.load(plan.kv.state_slots[owner], name)  # type: ignore[union-attr]
         out.physical_blocks = self.storage.physical_blocks
         if plan.chunk is not None and self.wanted(plan.chunk[0]):
             self._chunk(*plan.chunk, out)
@@ -220,6 +222,7 @@ class ModelRunner:
         scheduler's to record.)"""
         seqs = {id(r): r.computed_ids for r in requests}
         done = {id(r): r.num_prefilled for r in requests}
+        kept = {id(r): self._checkpoints(r) for r in requests}  # where a row's passes end to keep its state
         merged = self.split is not None
         last: dict[int, mx.array] = {}  # (merged) a row's last token's hidden state, once its last piece ran
         held = 0 if merged else 1  # the tokens a row keeps for the last column
@@ -227,7 +230,9 @@ class ModelRunner:
             active = [r for r in requests if done[id(r)] < len(seqs[id(r)]) - held]
             if not active:
                 break
-            pieces = [seqs[id(r)][done[id(r)] : min(done[id(r)] + piece, len(seqs[id(r)]) - held)] for r in active]
+            pieces = [seqs[id(r)][done[id(r)] : min(done[id(r)] + piece, len(seqs[id(r)]) - held,
+                                                    next((c for c in kept[id(r)] if c > done[id(r)]), len(seqs[id(r)])))]
+                      for r in active]
             out = self.forward(active, pieces, [done[id(r)] for r in active], hidden=merged)
             self._score(active, pieces, [done[id(r)] for r in active], out, merged, scores)
             ending = [b for b, (r, p) in enumerate(zip(active, pieces)) if merged and done[id(r)] + len(p) == len(seqs[id(r)])]
@@ -237,6 +242,8 @@ class ModelRunner:
             self._eval(*(last[id(active[b])] for b in ending))
             for r, p in zip(active, pieces):
                 done[id(r)] += len(p)
+                if done[id(r)] in kept[id(r)]:
+                    self._keep_state(r, done[id(r)])
             requests = [r for r in requests if self.wanted(r)]
             if not requests:
                 return None
@@ -255,6 +262,15 @@ class ModelRunner:
         progress.) Its prompt logprobs, if asked for, go to ``scores``."""
         seq, start = request.computed_ids, request.num_prefilled
         end = start + n
+        kept = self._checkpoints(request)
+        for stop in kept:  # passes end where the state is kept
+            if start < stop < end:
+                every = self.forward([request], [seq[start:stop]], [start])
+                self._score([request], [seq[start:stop]], [start], every, False, scores)
+                self._eval()
+                self._keep_state(request, stop)
+                start = stop
+        n = end - start
         if end == len(seq) and n > 1 and self.split is not None:
             hidden = self.forward([request], [seq[start:end]], [start], hidden=True)
             self._score([request], [seq[start:end]], [start], hidden, True, scores)
@@ -270,8 +286,19 @@ class ModelRunner:
             logits = self.forward([request], [seq[end - 1 : end]], [end - 1])[:, -1, :]
         if end < len(seq):
             self._eval()
+            if end in kept:
+                self._keep_state(request, end)
             return None
         return logits
+
+    def _checkpoints(self, request: Request) -> list[int]:
+        """Where passes prefilling ``request`` end to keep its state (a hybrid model with
+        prefix caching, :mod:`.kv.states`); none elsewhere."""
+        return self.states.checkpoint_ends(len(request.computed_ids)) if self.states is not None else []
+
+    def _keep_state(self, request: Request, position: int) -> None:
+        """Keep ``request``'s state, just computed through ``position``, as a checkpoint."""
+        self.states.save(self.kv.state_slots[id(request)], request.computed_ids, position, request.cache_namespace)  # type: ignore[union-attr]
 
     def _score(self, rows: list[Request], pieces: list[list[int]], starts: list[int], out: mx.array, hidden: bool,
                scores: Optional[list[Any]]) -> None:

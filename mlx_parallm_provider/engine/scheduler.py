@@ -301,7 +301,7 @@ class Scheduler:
                     break
                 prefix, cached = None, 0
                 window_end = self._chunk_end(request, 0)
-            if shares and waits_for_sharer(request, cached, sharers, self.min_shared_tokens, self.prefix_capacity_tokens):
+            if shares and waits_for_sharer(request, cached, sharers, self.min_shared_tokens, self.prefix_capacity_tokens, self.kv.reusable):
                 deferred.append(self.waiting.popleft())
                 continue
             uncached = request.num_tokens - cached

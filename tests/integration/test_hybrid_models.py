@@ -1,7 +1,8 @@
 """Hybrid models (attention layers beside state-space or linear-attention ones) through the
 engine, beyond the architecture matrix's checks: each request's recurrent state kept in its
 slot through preemption, requests joining while others decode, several choices of one
-prompt, prompt logprobs, the settings such a model runs without, and its memory counted.
+prompt, prompt logprobs, prefixes reused from the states kept at checkpoints, the settings
+such a model runs without, and its memory counted.
 
 Qwen3.5's gated DeltaNet (the largest state: a matrix per head) and Granite 4.0-H's Mamba 2,
 each a tiny random model (``conftest.HYBRID_CONFIGS``)."""
@@ -9,6 +10,7 @@ each a tiny random model (``conftest.HYBRID_CONFIGS``)."""
 from __future__ import annotations
 
 import asyncio
+import random
 from pathlib import Path
 from typing import Any
 
@@ -140,10 +142,59 @@ def test_prompt_logprobs_through_chunked_prefill(hybrid: Any, engines: Any) -> N
         assert abs(entry.logprob - expected[i - 1, prompt[i]].item()) < 1e-3, i
 
 
+def _logprobs(engine: Engine, prompt: list[int]) -> tuple[list[int], list[float], int]:
+    answer = engine.generate_sync(prompt, SamplingParams(max_tokens=8, ignore_eos=True, logprobs=True))
+    return answer.token_ids, [e.logprob for e in answer.logprobs], answer.usage.cached_tokens
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_prefixes_are_reused_from_the_states_kept_at_checkpoints(hybrid: Any, engines: Any, chunked: bool) -> None:
+    """A long shared prefix is reused up to the last checkpoint inside it (every 512 tokens),
+    a conversation's next turn up to the last block boundary of the turn before; tokens and
+    logprobs as with the prefix cache off. Prefilled whole or in chunks of 64."""
+    from mlx_parallm_provider.engine.kv.states import CHECKPOINT_TOKENS
+
+    rng = random.Random(7)
+    shared = [1] + [rng.randrange(3, 1000) for _ in range(599)]
+    first, second = shared + [rng.randrange(3, 1000) for _ in range(20)], shared + [rng.randrange(3, 1000) for _ in range(30)]
+    sizes = {"prefill_chunk_size": 64, "max_num_batched_tokens": 64, "max_num_seqs": 4} if chunked else {}
+    on, off = engines(**sizes), engines(enable_prefix_caching=False, **sizes)
+    bs = on.config.kv_block_size
+    answer, _, _ = _logprobs(on, first)
+    following = first + answer + [rng.randrange(3, 1000) for _ in range(10)]
+    tokens, logprobs, cached = _logprobs(on, second)
+    assert cached == CHECKPOINT_TOKENS  # the shared 600 tokens: their last checkpoint
+    plain_tokens, plain_logprobs, _ = _logprobs(off, second)
+    assert tokens == plain_tokens and max(abs(a - b) for a, b in zip(logprobs, plain_logprobs)) < 1e-3
+    tokens, logprobs, cached = _logprobs(on, following)
+    assert cached == (len(first) - 1) // bs * bs  # the first prompt's last block boundary
+    plain_tokens, plain_logprobs, _ = _logprobs(off, following)
+    assert tokens == plain_tokens and max(abs(a - b) for a, b in zip(logprobs, plain_logprobs)) < 1e-3
+    assert on.stats()["kv_cache"]["state_checkpoints"] >= 4
+
+
+def test_requests_arriving_together_wait_for_the_first_to_keep_the_shared_state(engines: Any) -> None:
+    """A burst sharing a 600-token prefix: the first prefills it, the others wait and start
+    from the state it kept at its last block boundary (592: inside the shared tokens, the
+    first prompt being 605 long); answers as with the prefix cache off."""
+    rng = random.Random(8)
+    shared = [1] + [rng.randrange(3, 1000) for _ in range(599)]
+    prompts = [shared + [rng.randrange(3, 1000) for _ in range(5 + i)] for i in range(4)]
+    on, off = engines(), engines(enable_prefix_caching=False)
+
+    async def together(engine: Engine) -> list[Any]:
+        return await asyncio.gather(*(engine.generate(p, GREEDY) for p in prompts))
+
+    got, plain = asyncio.run(together(on)), asyncio.run(together(off))
+    assert [c.token_ids for c in got] == [c.token_ids for c in plain]
+    last = (len(prompts[0]) - 1) // on.config.kv_block_size * on.config.kv_block_size
+    assert last == 592 and sorted(c.usage.cached_tokens for c in got) == [0, last, last, last]
+
+
 def test_the_settings_it_runs_without(engines: Any) -> None:
     engine = engines()
     config = engine.config
-    assert not (config.enable_prefix_caching or config.async_scheduling or config.grammar_fast_forward)
+    assert config.enable_prefix_caching and not (config.async_scheduling or config.grammar_fast_forward)
     engine.generate_sync(_prompts(1)[0], SamplingParams(max_tokens=2))
     stats = engine.stats()
     assert stats["kv_cache"]["recurrent_state_bytes"] > 0
@@ -154,5 +205,5 @@ def test_the_settings_it_runs_without(engines: Any) -> None:
 
 
 def test_a_disk_tier_is_refused(engines: Any, tmp_path: Path) -> None:
-    with pytest.raises(InvalidParameterError, match="kv_disk_path: .*no prefix store"):
+    with pytest.raises(InvalidParameterError, match="kv_disk_path: .*not the recurrent states"):
         engines(kv_disk_path=str(tmp_path))

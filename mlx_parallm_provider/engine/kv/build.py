@@ -16,7 +16,7 @@ from .disk_prefixes import DiskPrefixes
 from .disk_tier import DiskKVTier, kv_identity
 from .groups import LayerGroups
 from .manager import KVCacheManager
-from .states import RecurrentStates, StateSlots
+from .states import RecurrentStates, StateCheckpoints, StateSlots
 from .storage import QUANTIZED_KV_BITS, PagedKVStorage
 from .support import layer_windows, pads_states, recurrent_layers, with_max_kv_size
 
@@ -55,6 +55,9 @@ class KVMemory:
         stats = {"layout": "paged", **self.manager.stats(), "kv_cache_bytes": self.storage.nbytes, "kv_bytes_per_token": self.bytes_per_token}
         if self.states is not None:
             stats["recurrent_state_bytes"] = self.states.nbytes
+            if self.states.checkpoints is not None:
+                stats["state_checkpoints"] = len(self.states.checkpoints)
+                stats["state_checkpoint_bytes"] = self.states.checkpoints.nbytes
         return stats
 
     def disk_stats(self) -> Optional[dict[str, Any]]:
@@ -90,7 +93,8 @@ class KVMemory:
 def build_kv(model: Any, budget_bytes: Optional[int], bytes_per_token: int, block_size: int, max_tokens: int,
              max_cached_tokens: Optional[int] = None, max_kv_size: Optional[int] = None,
              kv_dtype: Optional[mx.Dtype] = None, kv_bits: Optional[int] = None,
-             disk: Optional[Callable[[list[Optional[int]]], DiskKVTier]] = None) -> KVMemory:
+             disk: Optional[Callable[[list[Optional[int]]], DiskKVTier]] = None,
+             state_checkpoint_bytes: Optional[int] = None) -> KVMemory:
     """KV memory for ``model``: ``budget_bytes`` of blocks (all allocated at once), or, without
     a budget, room for ``max_tokens`` within the free memory, grown on use; at most
     ``max_cached_tokens`` of it named by the prefix cache. ``max_kv_size``: every layer attends
@@ -99,7 +103,9 @@ def build_kv(model: Any, budget_bytes: Optional[int], bytes_per_token: int, bloc
     blocks past its window are released too. ``kv_dtype``: the blocks' dtype (None: the
     model's K/V dtype); ``kv_bits``: quantized blocks of 8 or 4 bits instead. ``disk``: makes
     the prefix store's disk tier for the layers' windows (one group of layers only). A hybrid
-    model's recurrent layers get no blocks but a state slot per request (:mod:`.states`)."""
+    model's recurrent layers get no blocks but a state slot per request (:mod:`.states`), and
+    with ``state_checkpoint_bytes`` (prefix caching) states kept at prompts' checkpoints within
+    that many bytes."""
     windows = with_max_kv_size(layer_windows(model) or [None] * len(model.layers), max_kv_size)
     layers = len(windows)
     recurrent = recurrent_layers(model)
@@ -112,12 +118,17 @@ def build_kv(model: Any, budget_bytes: Optional[int], bytes_per_token: int, bloc
     # A block holds `groups.size` layers' K/V: a token costs that share of all layers' bytes in each group.
     blocks = pool_blocks(budget_bytes, bytes_per_token * groups.size // layers, block_size, max_tokens * groups.count)
     cached = None if max_cached_tokens is None else max(1, max_cached_tokens * groups.count // block_size)
-    manager = (StateSlots if recurrent else KVCacheManager)(blocks, block_size, cached, windows=groups.windows,
-                                                            disk=DiskPrefixes(tier) if tier is not None else None)
+    disk_prefixes = DiskPrefixes(tier) if tier is not None else None
     storage = PagedKVStorage(groups.size, blocks, block_size, preallocate=budget_bytes is not None, dtype=kv_dtype,
                              bits=kv_bits)
-    return KVMemory(manager, storage, windows, groups if groups.count > 1 else None, bytes_per_token, layers,
-                    RecurrentStates(recurrent, pads_states(model)) if recurrent else None)
+    if not recurrent:
+        manager = KVCacheManager(blocks, block_size, cached, windows=groups.windows, disk=disk_prefixes)
+        return KVMemory(manager, storage, windows, groups if groups.count > 1 else None, bytes_per_token, layers)
+    kept = StateCheckpoints(state_checkpoint_bytes) if state_checkpoint_bytes is not None else None
+    manager = StateSlots(blocks, block_size, cached, windows=groups.windows, disk=disk_prefixes, checkpoints=kept)
+    states = RecurrentStates(recurrent, pads_states(model), kept, block_size=block_size,
+                             names=lambda tokens, n, namespace: manager.block_keys(tokens, n, namespace=namespace)[-1])
+    return KVMemory(manager, storage, windows, groups if groups.count > 1 else None, bytes_per_token, layers, states)
 
 
 def kv_for_engine(model: Any, config: Any, bytes_per_token: int, context_length: int, model_path: Optional[Path] = None) -> KVMemory:
@@ -135,4 +146,5 @@ def kv_for_engine(model: Any, config: Any, bytes_per_token: int, context_length:
                     config.max_num_seqs * max(context_length, 1),
                     max_cached_tokens=config.prefix_cache_memory_bytes // max(1, bytes_per_token), max_kv_size=config.max_kv_size,
                     kv_dtype=None if dtype == "auto" or dtype in QUANTIZED_KV_BITS else getattr(mx, dtype),
-                    kv_bits=QUANTIZED_KV_BITS.get(dtype), disk=disk if config.kv_disk_path is not None else None)
+                    kv_bits=QUANTIZED_KV_BITS.get(dtype), disk=disk if config.kv_disk_path is not None else None,
+                    state_checkpoint_bytes=config.prefix_cache_memory_bytes if config.enable_prefix_caching else None)

@@ -1,29 +1,28 @@
-"""Per-request block tables over a :class:`~.block_pool.BlockPool`: the one owner of who
-holds which KV memory, and the prefix cache on blocks. Pure bookkeeping (nano-vllm's
-``BlockManager``, vLLM v1's ``KVCacheManager`` in miniature); the arrays live in
-:mod:`.storage`.
+"""Per-request block tables over a :class:`~.block_pool.BlockPool`: the one owner of who holds which
+KV memory, and the prefix cache on blocks. Pure bookkeeping (nano-vllm's ``BlockManager``, vLLM
+v1's ``KVCacheManager`` in miniature); the arrays live in :mod:`.storage`.
 
-The scheduler asks :meth:`KVCacheManager.can_hold` before admitting a request and before a
-step grows its rows, and preempts (frees a request's blocks with :meth:`preempted`) when
-the pool runs out; the runner reads :meth:`table` to know where each row's tokens are.
+The scheduler asks :meth:`KVCacheManager.can_hold` before admitting a request and before a step
+grows its rows, and preempts (frees a request's blocks with :meth:`preempted`) when the pool runs
+out; the runner reads :meth:`table` to know where each row's tokens are.
 
-Prefix caching: a block is named by its tokens and the name of the prefix before it (so
-equal names mean equal prefixes, as vLLM hashes blocks), a LoRA adapter's chain rooted in its
-own namespace. :meth:`register` names the blocks
-a request has computed (its last, partly filled one too); :meth:`match` finds the longest
-run of whole named blocks a new prompt starts with, then the named block after them that
-shares most of its next tokens; :meth:`grow` with that hit maps the whole blocks into the
-request's table (shared, no copy) and gives it a copy of the last one (copy on write: the
-request writes after the shared tokens), queued in :attr:`pending_copies` for the runner.
+Prefix caching: a block is named by its tokens and the name of the prefix before it (so equal names
+mean equal prefixes, as vLLM hashes blocks), a LoRA adapter's chain rooted in its own namespace.
+:meth:`register` names the blocks a request has computed (its last, partly filled one too);
+:meth:`match` finds the longest run of whole named blocks a new prompt starts with, then the named
+block after them that shares most of its next tokens; :meth:`grow` with that hit maps the whole
+blocks into the request's table (shared, no copy) and gives it a copy of the last one (copy on
+write: the request writes after the shared tokens), queued in :attr:`pending_copies` for the
+runner.
 
-Groups of layers (:mod:`.groups`): a model mixing global and sliding-window layers has one
-table per group for each request, all drawn from the one pool; every method here covers all of
-a request's tables. Sliding windows: a group whose layers attend to at most the last
-``window`` tokens (gemma3's local layers, ``max_kv_size``) has its blocks that no later query
-can see released by :meth:`slide`; their entries become the null block, so positions keep
-their place in the table. A prefix hit maps cached blocks into every group's table: a window
-group needs only the blocks of the window before the hit's end. (Partly shared last blocks,
-copied on write, are matched with a single group only.) A disk tier under the store (one group only): :mod:`.disk_prefixes`.
+Groups of layers (:mod:`.groups`): a model mixing global and sliding-window layers has one table
+per group for each request, all drawn from the one pool; every method here covers all of a
+request's tables. Sliding windows: a group whose layers attend to at most the last ``window``
+tokens (gemma3's local layers, ``max_kv_size``) has its blocks that no later query can see released
+by :meth:`slide`; their entries become the null block, so positions keep their place in the table.
+A prefix hit maps cached blocks into every group's table: a window group needs only the blocks of
+the window before the hit's end. (Partly shared last blocks, copied on write, are matched with a
+single group only.) A disk tier under the store (one group only): :mod:`.disk_prefixes`.
 """
 
 from __future__ import annotations
@@ -371,16 +370,17 @@ class KVCacheManager:
         self.pool.release(src for src, _ in copies)
         return copies
 
+    def reusable(self, tokens: int, length: int) -> int:
+        """Of ``tokens`` a prompt shares with one of ``length`` being prefilled, how many it can reuse once cached."""
+        return tokens
+
     def preempted(self, owner: Hashable) -> None:
         """``owner`` gives its blocks back to be recomputed later (counted)."""
         self.free(owner)
         self.num_preemptions += 1
 
-    # -- what metrics show ------------------------------------------------------------
-
     def stats(self) -> dict[str, float]:
-        """Blocks total / free / used, the block size, usage (used / total), preemptions,
-        and the prefix cache's named blocks and evictions."""
+        """Blocks total / free / used, block size, usage, preemptions, the prefix cache's named blocks and evictions."""
         total, free = self.pool.num_usable, self.pool.num_free
         return {"kv_block_size": self.block_size, "kv_blocks_total": total, "kv_blocks_free": free, "kv_blocks_used": total - free,
                 "kv_cache_usage_perc": (total - free) / total if total else 0.0, "num_preemptions": self.num_preemptions,

@@ -87,10 +87,10 @@ def pads_states(model: Any) -> bool:
     return type(model).__module__.rpartition(".")[2] in PADDED_STATE_MODULES
 
 
-STATE_OFF = ("enable_prefix_caching", "async_scheduling", "grammar_fast_forward")
+STATE_OFF = ("async_scheduling", "grammar_fast_forward")
 """Settings a model with recurrent layers runs without: a recurrent state is one per request
-at its last token, so it cannot be shared from a cached prefix, nor rewound over tokens a
-step computed ahead or verified and then dropped."""
+at its last token, so it cannot be rewound over tokens a step computed ahead or verified and
+then dropped. (Prefix caching stays: prompts' states are kept at checkpoints, :mod:`.states`.)"""
 
 
 def settings_for(model: Any, config: Any) -> Any:
@@ -101,7 +101,7 @@ def settings_for(model: Any, config: Any) -> Any:
     if not recurrent_layers(model):
         return config
     for name, why in (("speculative", "a draft the model rejects cannot be taken back out of a recurrent state"),
-                      ("kv_disk_path", "the disk tier stores the prefix store's blocks, and there is no prefix store")):
+                      ("kv_disk_path", "the disk tier stores KV blocks, not the recurrent states a cached prefix also needs")):
         if getattr(config, name) is not None:
             raise InvalidParameterError(name, f"not available for a model with state-space or linear-attention layers: {why}")
     off = {name: False for name in STATE_OFF if getattr(config, name)}
