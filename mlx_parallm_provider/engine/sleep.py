@@ -84,15 +84,14 @@ class SleepMethods:
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes held now: ``weights`` (every array the model's modules hold, each once) and
-        ``kv`` (the KV block pool's arrays, a hybrid model's recurrent states); 0 each while asleep."""
+        ``kv`` (the KV block pool's arrays, a hybrid model's recurrent states and those kept for its
+        prefix cache); 0 each while asleep."""
         engine: Any = self
         loaded, core = self._loaded, engine._core
         if loaded is not None and self._weight_bytes is None:
             self._weight_bytes = _weights_nbytes(loaded.model)
         weights = self._weight_bytes if loaded is not None else 0
-        states = core.memory.states if core is not None else None  # a hybrid model's recurrent states
-        kv = int(core.memory.storage.nbytes) + (states.nbytes if states is not None else 0) if core is not None else 0
-        return {"weights": weights or 0, "kv": kv}
+        return {"weights": weights or 0, "kv": core.memory.nbytes if core is not None else 0}
 
     # -- internals --------------------------------------------------------------------------
 

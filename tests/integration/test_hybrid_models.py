@@ -198,7 +198,8 @@ def test_the_settings_it_runs_without(engines: Any) -> None:
     engine.generate_sync(_prompts(1)[0], SamplingParams(max_tokens=2))
     stats = engine.stats()
     assert stats["kv_cache"]["recurrent_state_bytes"] > 0
-    assert engine.memory_bytes()["kv"] == stats["kv_cache"]["kv_cache_bytes"] + stats["kv_cache"]["recurrent_state_bytes"]
+    kv = stats["kv_cache"]
+    assert engine.memory_bytes()["kv"] == kv["kv_cache_bytes"] + kv["recurrent_state_bytes"] + kv["state_checkpoint_bytes"]
     assert engine._core.runner.decode_path().startswith("uncompiled (recurrent layers")  # noqa: SLF001
     with pytest.raises(InvalidParameterError, match="speculative: .*recurrent state"):
         engines(speculative="ngram")

@@ -36,6 +36,14 @@ class KVMemory:
     states: Optional[RecurrentStates] = None  # a hybrid model's recurrent layers' states
 
     @property
+    def nbytes(self) -> int:
+        """Bytes held: the blocks' arrays, and a hybrid model's states (in slots, and kept for its prefix cache)."""
+        held = int(self.storage.nbytes)
+        if self.states is not None:
+            held += self.states.nbytes + (self.states.checkpoints.nbytes if self.states.checkpoints is not None else 0)
+        return held
+
+    @property
     def disk(self) -> Optional[DiskKVTier]:
         """The prefix store's disk tier, or None."""
         return self.manager.disk.tier if self.manager.disk is not None else None
@@ -124,7 +132,8 @@ def build_kv(model: Any, budget_bytes: Optional[int], bytes_per_token: int, bloc
     if not recurrent:
         manager = KVCacheManager(blocks, block_size, cached, windows=groups.windows, disk=disk_prefixes)
         return KVMemory(manager, storage, windows, groups if groups.count > 1 else None, bytes_per_token, layers)
-    kept = StateCheckpoints(state_checkpoint_bytes) if state_checkpoint_bytes is not None else None
+    # (Groups of layers match whole blocks in every group's window: no hit there has a kept state.)
+    kept = StateCheckpoints(state_checkpoint_bytes) if state_checkpoint_bytes is not None and groups.count == 1 else None
     manager = StateSlots(blocks, block_size, cached, windows=groups.windows, disk=disk_prefixes, checkpoints=kept)
     states = RecurrentStates(recurrent, pads_states(model), kept, block_size=block_size,
                              names=lambda tokens, n, namespace: manager.block_keys(tokens, n, namespace=namespace)[-1])
