@@ -41,7 +41,7 @@ GROWTH = 8
 CHECKPOINT_TOKENS = 512
 """A prompt's state is kept every this many tokens (rounded down to whole blocks), besides at
 its last block boundary: a long shared prefix (an agent's system prompt and tools) is reused
-up to the last multiple before the prompts part. Each pass ending there costs a little
+up to the last multiple before the prompts differ. Each pass ending there costs a little
 prefill speed; each checkpoint a state's bytes (from ~80 KB for LFM2-350M to ~20 MB for a
 Qwen3.5-0.8B)."""
 
@@ -102,6 +102,9 @@ class RecurrentStates:
             arrays its state is (:func:`.support.recurrent_layers`).
         padded: the layers keep each row's state at its own length in a right-padded pass
             (:func:`.support.pads_states`); else a pass must bring every row's tokens at full width.
+        checkpoints: where prompts' states are kept for the prefix cache (None: not kept).
+        names: the prefix cache's names of blocks, to name the kept states by.
+        block_size: tokens per KV block (checkpoints fall on block boundaries).
     """
 
     def __init__(self, layers: dict[int, int], padded: bool = True, checkpoints: Optional[StateCheckpoints] = None,
