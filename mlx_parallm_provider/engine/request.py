@@ -170,19 +170,12 @@ def check_truncate_prompt_tokens(value: object) -> None:
 
 @dataclass(slots=True)
 class Usage:
-    """Token counts of one request.
-
-    ``cached_tokens`` is how many of the ``prompt_tokens`` were not computed because their
-    KV was reused from the prefix store (OpenAI's ``prompt_tokens_details.cached_tokens``).
-    ``reasoning_tokens``, of the ``completion_tokens``, those of a reasoning model's thinking
-    (OpenAI's ``completion_tokens_details.reasoning_tokens``), counted by the chat layer where
-    it splits the thinking off (0 from the engine itself).
-    """
+    """Token counts of one request (OpenAI's usage, its details' ``cached_tokens`` and ``reasoning_tokens`` flat)."""
 
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    cached_tokens: int = 0
-    reasoning_tokens: int = 0
+    cached_tokens: int = 0  # of the prompt tokens, those whose KV was reused from the prefix store
+    reasoning_tokens: int = 0  # of the completion tokens, a reasoning model's thinking (counted by the chat layer)
 
     @property
     def total_tokens(self) -> int:
