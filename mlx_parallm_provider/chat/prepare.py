@@ -19,7 +19,7 @@ from ..engine.grammar.limits import LIMITS
 from ..errors import InvalidParameterError
 from .constraints import response_format_constraint, tool_call_constraint
 from .messages import normalize_messages
-from .reasoning import reasoning_start, thinking_tags, thinking_variables
+from .reasoning import opens_thinking, thinking_tags, thinking_variables
 from .render import check_template_kwargs, render_conversation
 from .special_tokens import guard_conversation, is_one_token
 from .structured_outputs import structured_outputs_constraint
@@ -131,9 +131,9 @@ def prepare_chat(
     # Thinking needs free text: none under JSON output, forced calls or structured_outputs; the
     # grammar of optional tool calls (tool_choice "auto") leaves text free until a call opens.
     free_text = constraint is None or (not forced and answer is None and structured is None)
-    reasoning = reasoning_start(tokenizer, rendered) if free_text else None
+    tags = thinking_tags(tokenizer) if free_text else None
     return PreparedPrompt(prompt=prompt, tools=shown, tool_format=fmt, parallel_tool_calls=parallel, constraint=constraint,
-                          reasoning=reasoning, thinking_tags=thinking_tags(tokenizer) if reasoning is not None else None)
+                          reasoning=opens_thinking(rendered) if tags is not None else None, thinking_tags=tags)
 
 
 def _check_continuable(final: Mapping[str, Any], constrained: bool) -> None:

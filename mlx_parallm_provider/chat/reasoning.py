@@ -19,7 +19,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
 from ..errors import InvalidParameterError
-from .special_tokens import is_one_token
 
 OPEN, CLOSE = "<think>", "</think>"
 
@@ -53,9 +52,8 @@ def thinking_variables(reasoning_effort: Any = None, thinking: Any = None) -> di
 
 def thinking_tags(tokenizer: Any) -> Optional[tuple[int, int]]:
     """The token ids of the opening and closing thinking tags, or None where either is not one token."""
-    if not (is_one_token(tokenizer, OPEN) and is_one_token(tokenizer, CLOSE)):
-        return None
-    return tokenizer.encode(OPEN, add_special_tokens=False)[0], tokenizer.encode(CLOSE, add_special_tokens=False)[0]
+    opening, closing = (tokenizer.encode(tag, add_special_tokens=False) for tag in (OPEN, CLOSE))
+    return (opening[0], closing[0]) if len(opening) == len(closing) == 1 else None
 
 
 def reasoning_tokens(token_ids: Sequence[int], inside: bool, tags: tuple[int, int]) -> int:
@@ -73,8 +71,11 @@ def reasoning_start(tokenizer: Any, prompt: str) -> Optional[bool]:
     """How an answer to ``prompt`` is split: None (not at all: the tokenizer has no thinking
     tags), True (the prompt opened a block, so the answer starts inside it) or False (the
     answer may open one)."""
-    if not (is_one_token(tokenizer, OPEN) and is_one_token(tokenizer, CLOSE)):
-        return None
+    return opens_thinking(prompt) if thinking_tags(tokenizer) is not None else None
+
+
+def opens_thinking(prompt: str) -> bool:
+    """Whether ``prompt`` ends inside a thinking block (its template opened one)."""
     return prompt.rfind(OPEN) > prompt.rfind(CLOSE)
 
 

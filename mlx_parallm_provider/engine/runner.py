@@ -181,9 +181,10 @@ class ModelRunner:
     def _compiled_decode(self) -> Optional[CompiledDecode]:
         """The compiled decode forward, made where it applies (:mod:`.compiled_step`); None elsewhere."""
         if self._compiled is None and self.compiled_off is None:
-            why = compiled_step.applies(self.model, self.storage, self.windows, self.groups is not None, self.gathered)
             if self.states is not None:
-                why = "recurrent layers (their state is written outside the pass's arrays)"
+                why: Optional[str] = "recurrent layers (their state is written outside the pass's arrays)"
+            else:
+                why = compiled_step.applies(self.model, self.storage, self.windows, self.groups is not None, self.gathered)
             if why is None:
                 self._compiled = CompiledDecode(self.model, self.storage, self.pad_id)
             self.compiled_off = why
